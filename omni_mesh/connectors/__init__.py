@@ -1,0 +1,78 @@
+"""Connector registry.
+
+Built-in connectors are registered by import path and imported on first use, so importing this
+package never imports a backend library (mooncake, yr.datasystem, mori). Third-party connectors
+register through the `omni_mesh.connectors` entry-point group or `register_connector`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import Any
+
+from omni_mesh.connectors.base import (
+    ConnectorConfigError,
+    ConnectorError,
+    OmniConnectorBase,
+    edge_key,
+    parse_size,
+)
+
+__all__ = [
+    "ConnectorConfigError",
+    "ConnectorError",
+    "OmniConnectorBase",
+    "available_connectors",
+    "connector_class",
+    "create_connector",
+    "edge_key",
+    "parse_size",
+    "register_connector",
+]
+
+ENTRY_POINT_GROUP = "omni_mesh.connectors"
+
+# name -> "module:Class" (built-ins, imported lazily) or the class itself (registered at run time).
+_REGISTRY: dict[str, str | type[OmniConnectorBase]] = {
+    "SharedMemoryConnector": "omni_mesh.connectors.shared_memory:SharedMemoryConnector",
+}
+_entry_points_loaded = False
+
+
+def register_connector(name: str, cls: type[OmniConnectorBase] | str) -> None:
+    """Make `name` usable in topologies. `cls` is a class or a lazy "module:Class" path."""
+    if not isinstance(cls, str) and not (isinstance(cls, type) and issubclass(cls, OmniConnectorBase)):
+        raise TypeError(f"connector {name!r} must subclass OmniConnectorBase, got {cls!r}")
+    _REGISTRY[name] = cls
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        _REGISTRY.setdefault(entry.name, entry.value)
+
+
+def available_connectors() -> list[str]:
+    _load_entry_points()
+    return sorted(_REGISTRY)
+
+
+def connector_class(name: str) -> type[OmniConnectorBase]:
+    """The class registered under `name`; ValueError listing the available names if there is none."""
+    _load_entry_points()
+    target = _REGISTRY.get(name)
+    if target is None:
+        raise ValueError(f"unknown connector {name!r}; available connectors: {', '.join(available_connectors())}")
+    if isinstance(target, str):
+        module_name, _, attr = target.partition(":")
+        target = getattr(importlib.import_module(module_name), attr)
+        _REGISTRY[name] = target
+    return target
+
+
+def create_connector(name: str, config: dict[str, Any] | None = None) -> OmniConnectorBase:
+    return connector_class(name)(config)

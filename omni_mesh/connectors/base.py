@@ -1,0 +1,149 @@
+"""The connector contract: how a payload crosses one edge of the stage graph.
+
+A connector is built from the `extra:` mapping of a topology's connector entry. The producer side
+calls `put` and sends the returned metadata (small, msgpack-serialisable) over the control plane; the
+consumer side, in another process and possibly on another host, builds a connector from the same
+config and calls `get` with that metadata. Implementations are blocking: asyncio code calls them
+through `asyncio.to_thread` (or an executor) and never on the event loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import threading
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, TypeVar
+
+PutResult = tuple[bool, int, "dict | None"]
+GetResult = "tuple[Any, int] | None"
+
+C = TypeVar("C")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
+
+
+class ConnectorError(RuntimeError):
+    """A connector could not do what was asked; the message names the connector, edge and key."""
+
+
+class ConnectorConfigError(ValueError):
+    """The `extra:` mapping of a connector is wrong; the message names the connector and the key."""
+
+
+def parse_size(value: Any, *, what: str = "size") -> int:
+    """Accept 1048576, "1MiB", "1 MB", "1.5GiB": binary and decimal units both mean powers of 1024."""
+    if isinstance(value, bool):
+        raise ConnectorConfigError(f"{what}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConnectorConfigError(f"{what}: must not be negative, got {value}")
+        return value
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        if match:
+            number, unit, _ = match.groups()
+            return int(float(number) * 1024 ** "_KMGT".index(unit.upper() or "_"))
+    raise ConnectorConfigError(f"{what}: expected a size such as 268435456 or '256MiB', got {value!r}")
+
+
+def parse_config(cls: type[C], raw: dict[str, Any] | None, *, owner: str) -> C:
+    """Build the config dataclass `cls` from a user's `extra:` mapping.
+
+    Unknown keys are an error naming the key and the allowed ones. Fields whose name ends in `_size`
+    or `_bytes` accept human sizes. Values are checked against the field's default type.
+    """
+    raw = dict(raw or {})
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConnectorConfigError(
+            f"{owner}: unknown config key {unknown[0]!r} in extra (allowed: {', '.join(sorted(fields))})"
+        )
+    values: dict[str, Any] = {}
+    for name, value in raw.items():
+        field = fields[name]
+        if name.endswith(("_size", "_bytes")):
+            values[name] = parse_size(value, what=f"{owner}: {name}")
+            continue
+        default = field.default if field.default is not dataclasses.MISSING else None
+        if default is not None and value is not None and not _same_kind(default, value):
+            raise ConnectorConfigError(
+                f"{owner}: config key {name!r} expects {type(default).__name__}, got {value!r}"
+            )
+        values[name] = float(value) if isinstance(default, float) else value
+    return cls(**values)
+
+
+def _same_kind(default: Any, value: Any) -> bool:
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(default, bool) and isinstance(value, bool)
+    if isinstance(default, (int, float)):
+        return isinstance(value, (int, float)) and (isinstance(default, float) or isinstance(value, int))
+    return isinstance(value, type(default))
+
+
+class Counters:
+    """Thread-safe counters for `health()`."""
+
+    def __init__(self, *names: str) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(names, 0)
+
+    def add(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self._values[name] = self._values.get(name, 0) + amount
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+
+class OmniConnectorBase(ABC):
+    """One connector instance per process and config; safe to call from several threads."""
+
+    #: The config dataclass for this connector's `extra:` mapping.
+    config_class: ClassVar[type]
+    #: Where this connector carries payloads, for `omni-mesh validate` and `/ready` ("host" or "network").
+    scope: ClassVar[str] = "network"
+
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        self.config = parse_config(self.config_class, config, owner=type(self).__name__)
+
+    @classmethod
+    def validate_config(cls, config: dict[str, Any] | None) -> None:
+        """Check a config without touching the backend (used by topology validation)."""
+        parse_config(cls.config_class, config, owner=cls.__name__)
+
+    @abstractmethod
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+        """Store data. Returns (success, serialized_size, metadata)."""
+
+    @abstractmethod
+    def get(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None = None
+    ) -> tuple[Any, int] | None:
+        """Retrieve data put under get_key, using the metadata put() returned. Returns (object, size)."""
+
+    @abstractmethod
+    def cleanup(self, key: str) -> None:
+        """Release anything still held for key (abort, timeout)."""
+
+    @abstractmethod
+    def health(self) -> dict:
+        """{"status": "healthy" | "degraded" | "unhealthy", ...counters}."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release everything; idempotent."""
+
+    def __enter__(self) -> OmniConnectorBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def edge_key(from_stage: str, to_stage: str, key: str) -> str:
+    """The name of one payload on one edge: two edges never collide on the same request key."""
+    return f"{from_stage}->{to_stage}/{key}"
