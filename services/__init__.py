@@ -1,0 +1,1 @@
+"""Concrete stage services shipped with omni-mesh (the demo omni pipeline lives in ``omni_demo``)."""
