@@ -106,9 +106,12 @@ class FramePlan:
 
     def write_into(self, dest: Any, offset: int = 0) -> int:
         """Lay the whole frame into `dest` (any writable buffer) at `offset`; returns its size."""
-        out = np.frombuffer(dest, dtype=np.uint8, count=self.nbytes, offset=offset)
-        address = out.__array_interface__["data"][0]
-        with memoryview(out) as view:
+        with memoryview(dest) as whole:
+            if whole.readonly or whole.nbytes < offset + self.nbytes:
+                raise ValueError(
+                    f"destination holds {whole.nbytes - offset} writable bytes, frame needs {self.nbytes}"
+                )
+            view = whole.cast("B")[offset : offset + self.nbytes]
             count = len(self.lengths)
             PREFIX.pack_into(view, 0, MAGIC, VERSION, 0, count, len(self.header), self.nbytes)
             pos = PREFIX.size
@@ -116,9 +119,12 @@ class FramePlan:
                 struct.pack_into(f"<{count}Q", view, pos, *self.lengths)
                 pos += 8 * count
             view[pos : pos + len(self.header)] = self.header
-            for leaf, off, length in zip(self.leaves, self.offsets, self.lengths):
-                if length:
-                    _copy_leaf(leaf, view, address, off, length)
+            if count:
+                address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+                for leaf, off, length in zip(self.leaves, self.offsets, self.lengths):
+                    if length:
+                        _copy_leaf(leaf, view, address, off, length)
+            view.release()
         return self.nbytes
 
 
@@ -288,15 +294,19 @@ def decode(buffer: Any, offset: int = 0, *, copy: bool = False) -> Any:
 
 def _decode(buffer: Any, offset: int, copy: bool) -> Any:
     whole = np.frombuffer(buffer, dtype=np.uint8)
-    nbytes = frame_length(whole, offset)
-    if nbytes > whole.size - offset:
-        raise FrameError(f"truncated frame: prefix says {nbytes} bytes, {whole.size - offset} present")
-    if not copy and not whole.flags.writeable:
-        whole, offset = whole[offset : offset + nbytes].copy(), 0  # views must be writable tensors
-    _magic, _version, _flags, count, header_len, _ = PREFIX.unpack_from(whole, offset)
+    available = whole.size - offset
+    if available < PREFIX.size:
+        raise FrameError(f"truncated frame: {available} bytes, the prefix alone is {PREFIX.size}")
+    magic, version, _flags, count, header_len, nbytes = PREFIX.unpack_from(whole, offset)
+    if magic != MAGIC or version != VERSION:
+        raise FrameError(f"not an omni-mesh frame (magic {bytes(magic)!r}, version {version})")
+    if nbytes > available:
+        raise FrameError(f"truncated frame: prefix says {nbytes} bytes, {available} present")
     table_end = PREFIX.size + 8 * count
     if table_end + header_len > nbytes:
         raise FrameError(f"truncated frame: {count} buffers and a {header_len}-byte header exceed {nbytes} bytes")
+    if not copy and not whole.flags.writeable:
+        whole, offset = whole[offset : offset + nbytes].copy(), 0  # views must be writable tensors
     lengths = list(struct.unpack_from(f"<{count}Q", whole, offset + PREFIX.size)) if count else []
     offsets = _buffer_offsets(table_end + header_len, lengths)
     if lengths and offsets[-1] + lengths[-1] > nbytes:
@@ -386,10 +396,11 @@ def _fields(fields: Any, count: int, what: str) -> list[Any]:
 
 
 def _shape(shape: Any) -> tuple[int, ...]:
-    if not isinstance(shape, list) or len(shape) > MAX_NDIM:
+    if type(shape) is not list or len(shape) > MAX_NDIM:
         raise FrameError(f"bad shape {shape!r}")
-    if not all(isinstance(d, int) and 0 <= d < 2**62 for d in shape):
-        raise FrameError(f"bad shape {shape!r}")
+    for dim in shape:
+        if type(dim) is not int or not 0 <= dim < 2**62:
+            raise FrameError(f"bad shape {shape!r}")
     return tuple(shape)
 
 

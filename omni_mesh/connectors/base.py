@@ -94,6 +94,11 @@ class Counters:
         with self._lock:
             self._values[name] = self._values.get(name, 0) + amount
 
+    def add_many(self, **amounts: int) -> None:
+        with self._lock:
+            for name, amount in amounts.items():
+                self._values[name] = self._values.get(name, 0) + amount
+
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self._values)

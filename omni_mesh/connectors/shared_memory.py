@@ -1,0 +1,342 @@
+"""SharedMemoryConnector: payloads between processes on one host, through a pre-faulted pool.
+
+Producer side: one pool segment per process, created on the first large put and pre-faulted, so the
+steady state creates no segment and takes no page fault. The codec lays each frame straight into a
+pool slot. Payloads larger than the free pool space get a one-off segment (the fallback path); tiny
+ones ride inline in the metadata.
+
+Consumer side: `get` maps the producer's segment once (cached) and decodes tensors and arrays as
+views over the slot: no copy at all. When the last view is garbage-collected, the consumer marks the
+slot released in the slot header, and the producer reuses the space on its next put. So ownership
+needs no message back: the slot header in shared memory is the protocol.
+
+    slot header (64 bytes, little-endian): state u8, pad, taker pid u32, taker pidns u32,
+                                           generation u64, key digest 16 bytes, frame length u64
+    state: FREE -> WRITTEN (producer) -> TAKEN (consumer) -> RELEASED (consumer) -> FREE (producer)
+
+The generation and the digest of `from->to/key` make stale or foreign metadata detectable: `get`
+then returns None instead of another request's data. A slot taken by a consumer that has died is
+reclaimed when the pool runs short.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import mmap
+import struct
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from omni_mesh import codec
+from omni_mesh.connectors.allocator import PoolAllocator, round_up
+from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
+from omni_mesh.connectors.shm_segments import (
+    ProcessIdentity,
+    create_segment,
+    new_token,
+    open_segment,
+    process_start_time,
+    reap_orphaned_segments,
+    segment_name,
+    unlink_segment,
+)
+
+__all__ = ["SharedMemoryConfig", "SharedMemoryConnector", "reap_orphaned_segments"]
+
+SLOT = struct.Struct("<B3xII4xQ16sQ")  # generation at byte 16
+SLOT_HEADER = 64
+POOL_HEADER = 64
+FREE, WRITTEN, TAKEN, RELEASED = 0, 1, 2, 3
+_TAKER = struct.Struct("<II")
+
+
+@dataclass(frozen=True)
+class SharedMemoryConfig:
+    memory_pool_size: int = 256 * 1024 * 1024
+    #: Frames up to this size travel inside the metadata instead of through shared memory.
+    inline_max_bytes: int = 16 * 1024
+    #: Copy tensors out on get (releasing the slot at once) instead of returning views over it.
+    copy_on_get: bool = False
+    #: Fault the pool's pages in when it is created, so no put pays for them.
+    prefault: bool = True
+
+
+class _Segment:
+    __slots__ = ("name", "mm", "allocator")
+
+    def __init__(self, name: str, mm: mmap.mmap, allocator: PoolAllocator | None) -> None:
+        self.name = name
+        self.mm = mm
+        self.allocator = allocator  # None for a one-off fallback segment
+
+
+@dataclass
+class _Slot:
+    segment: _Segment
+    offset: int
+    generation: int
+    put_key: str
+
+
+def _digest(from_stage: str, to_stage: str, key: str) -> bytes:
+    return hashlib.blake2b(edge_key(from_stage, to_stage, key).encode(), digest_size=16).digest()
+
+
+def _release(mm: mmap.mmap, offset: int, generation: int) -> None:
+    """Finalizer of a consumed payload's views: hand the slot back to its producer."""
+    with contextlib.suppress(ValueError):  # the mapping was closed: nothing left to release
+        if struct.unpack_from("<Q", mm, offset + 16)[0] == generation:
+            mm[offset] = RELEASED
+
+
+class SharedMemoryConnector(OmniConnectorBase):
+    config_class = SharedMemoryConfig
+    scope = "host"
+
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        super().__init__(config)
+        self._identity = ProcessIdentity.current()
+        self._token = new_token()
+        self._lock = threading.Lock()
+        self._pool: _Segment | None = None
+        self._fallback_ids = itertools.count(1)
+        self._generations = itertools.count(1)
+        self._slots: dict[tuple[str, int], _Slot] = {}
+        self._own: dict[str, _Segment] = {}
+        self._mapped: dict[str, mmap.mmap] = {}
+        self._closed = False
+        self._counters = Counters(
+            "puts", "gets", "bytes_put", "bytes_got", "inline_puts", "fallbacks", "stale_gets", "errors"
+        )
+
+    # ------------------------------------------------------------------ producer side
+
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+        frame = codec.plan(data)
+        size = frame.nbytes
+        if size <= self.config.inline_max_bytes:
+            inline = bytearray(size)
+            frame.write_into(inline)
+            self._count_put(size, "inline_puts")
+            return True, size, {"inline": inline}
+        generation = next(self._generations)
+        slot = self._allocate(size, put_key, generation, from_stage, to_stage)
+        mm, offset = slot.segment.mm, slot.offset
+        frame.write_into(mm, offset + SLOT_HEADER)
+        # The state byte goes last: a consumer never sees WRITTEN before the frame is complete.
+        SLOT.pack_into(mm, offset, FREE, 0, 0, generation, _digest(from_stage, to_stage, put_key), size)
+        mm[offset] = WRITTEN
+        self._count_put(size)
+        metadata = {"segment": slot.segment.name, "offset": offset, "generation": generation, "length": size}
+        return True, size, metadata
+
+    def _count_put(self, size: int, extra: str | None = None) -> None:
+        if extra:
+            self._counters.add_many(puts=1, bytes_put=size, **{extra: 1})
+        else:
+            self._counters.add_many(puts=1, bytes_put=size)
+
+    def _allocate(self, size: int, put_key: str, generation: int, from_stage: str, to_stage: str) -> _Slot:
+        need = SLOT_HEADER + size
+        with self._lock:
+            if self._closed:
+                raise ConnectorError(
+                    f"SharedMemoryConnector is closed (put {put_key!r} on {from_stage}->{to_stage})"
+                )
+            pool = self._pool_locked()
+            offset = None
+            if need <= pool.allocator.size - POOL_HEADER:
+                self._reclaim_locked(check_takers=False)
+                offset = pool.allocator.allocate(need)
+                if offset is None:
+                    self._reclaim_locked(check_takers=True)
+                    offset = pool.allocator.allocate(need)
+            if offset is None:
+                segment = self._fallback_locked(need, from_stage, to_stage, put_key)
+                offset = 0
+            else:
+                segment = pool
+            slot = _Slot(segment, offset, generation, put_key)
+            self._slots[(segment.name, offset)] = slot
+            return slot
+
+    def _pool_locked(self) -> _Segment:
+        if self._pool is None:
+            size = round_up(max(self.config.memory_pool_size, POOL_HEADER + SLOT_HEADER))
+            name = segment_name(self._identity, self._token)
+            mm = create_segment(name, size, populate=self.config.prefault)
+            self._pool = _Segment(name, mm, PoolAllocator(size, start=POOL_HEADER))
+            self._own[name] = self._pool
+        return self._pool
+
+    def _fallback_locked(self, need: int, from_stage: str, to_stage: str, put_key: str) -> _Segment:
+        name = segment_name(self._identity, self._token, f"_x{next(self._fallback_ids)}")
+        try:
+            mm = create_segment(name, need, populate=False)
+        except OSError as exc:
+            self._counters.add("errors")
+            raise ConnectorError(
+                f"SharedMemoryConnector: no shared memory for {need} bytes (put {put_key!r} on "
+                f"{from_stage}->{to_stage}): {exc}; free /dev/shm or raise the container's shm_size"
+            ) from exc
+        self._counters.add("fallbacks")
+        segment = _Segment(name, mm, None)
+        self._own[name] = segment
+        return segment
+
+    def _reclaim_locked(self, *, check_takers: bool) -> None:
+        """Free slots their consumers released; with check_takers, also those held by dead consumers."""
+        for slot in list(self._slots.values()):
+            state = slot.segment.mm[slot.offset]
+            if state == RELEASED or (check_takers and state == TAKEN and self._taker_died(slot)):
+                self._free_locked(slot)
+
+    @staticmethod
+    def _taker_died(slot: _Slot) -> bool:
+        pid, pidns = _TAKER.unpack_from(slot.segment.mm, slot.offset + 4)
+        same_namespace = ProcessIdentity.current().pidns == pidns
+        return same_namespace and pid != 0 and process_start_time(pid) is None
+
+    def _free_locked(self, slot: _Slot) -> None:
+        segment = slot.segment
+        del self._slots[(segment.name, slot.offset)]
+        if segment.allocator is None:
+            del self._own[segment.name]
+            unlink_segment(segment.name)
+            with contextlib.suppress(BufferError):  # views of this process keep it mapped until GC
+                segment.mm.close()
+            return
+        # Invalidate the generation first, so a racing consumer's release or take no longer matches.
+        struct.pack_into("<Q", segment.mm, slot.offset + 16, 0)
+        segment.mm[slot.offset] = FREE
+        segment.allocator.free(slot.offset)
+
+    def cleanup(self, key: str) -> None:
+        """Free what this process put under `key` (or `key/...`) that no consumer holds."""
+        prefix = key + "/"
+        with self._lock:
+            for slot in list(self._slots.values()):
+                if slot.put_key == key or slot.put_key.startswith(prefix):
+                    if slot.segment.mm[slot.offset] != TAKEN:
+                        self._free_locked(slot)
+
+    # ------------------------------------------------------------------ consumer side
+
+    def get(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None = None
+    ) -> tuple[Any, int] | None:
+        where = f"key {get_key!r} on edge {from_stage}->{to_stage}"
+        if not isinstance(metadata, dict):
+            raise ConnectorError(
+                f"SharedMemoryConnector: get of {where} needs the metadata that put() returned"
+            )
+        inline = metadata.get("inline")
+        if inline is not None:
+            data = self._decode(inline, where, copy=False)
+            self._counters.add_many(gets=1, bytes_got=len(inline))
+            return data, len(inline)
+        try:
+            name, offset = metadata["segment"], metadata["offset"]
+            generation, length = metadata["generation"], metadata["length"]
+        except KeyError as exc:
+            raise ConnectorError(f"SharedMemoryConnector: metadata for {where} lacks {exc}") from None
+        if not (
+            isinstance(name, str) and all(type(v) is int and v >= 0 for v in (offset, generation, length))
+        ):
+            raise ConnectorError(f"SharedMemoryConnector: malformed metadata for {where}: {metadata!r}")
+        mm = self._mapping(name, where)
+        if mm is None or offset + SLOT_HEADER + length > len(mm):
+            return self._stale()
+        state, _, _, slot_generation, digest, slot_length = SLOT.unpack_from(mm, offset)
+        if (state, slot_generation, slot_length) != (WRITTEN, generation, length):
+            return self._stale()
+        if digest != _digest(from_stage, to_stage, get_key):
+            return self._stale()
+        _TAKER.pack_into(mm, offset + 4, self._identity.pid, self._identity.pidns)
+        mm[offset] = TAKEN
+        base = np.frombuffer(mm, dtype=np.uint8, count=length, offset=offset + SLOT_HEADER)
+        try:
+            data = self._decode(base, where, copy=self.config.copy_on_get)
+        finally:
+            # With views alive, the slot goes back when they die; otherwise right now.
+            weakref.finalize(base, _release, mm, offset, generation)
+            del base
+        self._counters.add_many(gets=1, bytes_got=length)
+        return data, length
+
+    def _decode(self, buffer: Any, where: str, *, copy: bool) -> Any:
+        try:
+            return codec.decode(buffer, copy=copy)
+        except codec.FrameError as exc:
+            self._counters.add("errors")
+            raise ConnectorError(f"SharedMemoryConnector: bad frame for {where}: {exc}") from None
+
+    def _stale(self) -> None:
+        self._counters.add("stale_gets")
+        return None
+
+    def _mapping(self, name: str, where: str) -> mmap.mmap | None:
+        own = self._own.get(name)
+        if own is not None:
+            return own.mm
+        mm = self._mapped.get(name)
+        if mm is None:
+            try:
+                mm = open_segment(name)
+            except FileNotFoundError:
+                return None  # the producer is gone or the payload was reclaimed
+            except (ValueError, OSError) as exc:
+                raise ConnectorError(
+                    f"SharedMemoryConnector: cannot map segment for {where}: {exc}"
+                ) from None
+            with self._lock:
+                self._mapped[name] = mm
+        return mm
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def health(self) -> dict:
+        counters = self._counters.snapshot()
+        with self._lock:
+            pool = self._pool
+            pool_size = pool.allocator.size if pool else 0
+            in_use = pool.allocator.in_use if pool else 0
+            live = len(self._slots)
+        status = (
+            "unhealthy"
+            if self._closed
+            else "degraded"
+            if pool_size and in_use > 0.9 * pool_size
+            else "healthy"
+        )
+        return {
+            "status": status,
+            **counters,
+            "pool_size": pool_size,
+            "pool_in_use": in_use,
+            "live_payloads": live,
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for segment in self._own.values():
+                unlink_segment(segment.name)
+                with contextlib.suppress(BufferError):
+                    segment.mm.close()
+            self._own.clear()
+            self._slots.clear()
+            self._pool = None
+            self._mapped.clear()  # mappings with live views stay alive until those views die
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
