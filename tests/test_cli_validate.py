@@ -1,0 +1,90 @@
+"""`omni-mesh validate`, run as users run it: the installed console script in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from omni_mesh.cli import main
+from omni_mesh.topology import load_topology
+
+TOPOLOGIES = Path(__file__).parent / "topologies"
+OMNI_MESH = Path(sys.executable).with_name("omni-mesh")  # the console script next to this venv's python
+
+
+def omni_mesh(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    assert OMNI_MESH.exists(), f"{OMNI_MESH} missing: install the package (pip install -e .)"
+    return subprocess.run(
+        [str(OMNI_MESH), *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_validate_good_file_prints_a_summary(tmp_path: Path) -> None:
+    result = omni_mesh("validate", TOPOLOGIES / "demo.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    out = result.stdout
+    assert "topology 'qwen-omni-demo' is valid" in out
+    assert "0  thinker  replicas=2 max_inflight=4  handler=topology_demo_handlers:thinker  [entry]" in out
+    assert "2  code2wav  replicas=1 max_inflight=8  handler=-  [final]" in out
+    assert "0->1  thinker -> talker  via SharedMemoryConnector [shm]\n" in out
+    assert "1->2  talker -> code2wav  via SharedMemoryConnector [auto_shm_1_2] (auto)" in out
+    assert "no handler: 1 'talker', 2 'code2wav'" in out and "`omni-mesh up` needs" in out
+
+
+def test_validate_vllm_omni_file(tmp_path: Path) -> None:
+    result = omni_mesh("validate", TOPOLOGIES / "vllm_omni_connectors.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "0->1  stage_0 -> stage_1  via SharedMemoryConnector [payload_link]" in result.stdout
+    assert "(auto)" not in result.stdout
+
+
+def test_validate_json(tmp_path: Path) -> None:
+    result = omni_mesh("validate", "--json", TOPOLOGIES / "vllm_omni_three_stage.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data == load_topology(TOPOLOGIES / "vllm_omni_three_stage.yaml").to_dict()
+    assert [(e["label"], e["auto"]) for e in data["edges"]] == [("0->1", True), ("1->2", True)]
+
+
+def test_validate_bad_file_exits_2_with_the_error(tmp_path: Path) -> None:
+    path = TOPOLOGIES / "bad_cycle.yaml"
+    result = omni_mesh("validate", path, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith(f"error: {path}: the stages form a cycle 1->2->1")
+    assert "stage 1 'talker'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_validate_bad_yaml_names_the_line(tmp_path: Path) -> None:
+    result = omni_mesh("validate", TOPOLOGIES / "bad_yaml.yaml", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"error: {TOPOLOGIES / 'bad_yaml.yaml'}:6:")
+
+
+def test_validate_missing_file(tmp_path: Path) -> None:
+    result = omni_mesh("validate", "nowhere.yaml", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr == "error: nowhere.yaml: topology file not found; check the path\n"
+
+
+def test_no_subcommand_is_a_usage_error(tmp_path: Path) -> None:
+    result = omni_mesh(cwd=tmp_path)
+    assert result.returncode == 2
+    assert "usage: omni-mesh" in result.stderr and "validate" in result.stderr
+
+
+def test_main_in_process(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    complete = tmp_path / "complete.yaml"
+    complete.write_text("stages:\n  - {stage_id: 0, name: only, handler: 'pkg.mod:run'}\n")
+    assert main(["validate", str(complete)]) == 0
+    out = capsys.readouterr().out
+    assert "topology 'complete' is valid" in out
+    assert "edges (0):\n  (none)" in out
+    assert "no handler" not in out
+    assert main(["validate", str(tmp_path / "absent.yaml")]) == 2
+    assert "topology file not found" in capsys.readouterr().err
