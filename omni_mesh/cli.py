@@ -83,6 +83,112 @@ def format_summary(topology: Topology) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
+# services: coordinator, stage, up
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def _add_coordinator(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "coordinator",
+        help="run the coordinator (REST API, replica registry, dispatch) alone",
+        description="Run the coordinator service. Stage replicas connect to its control endpoint.",
+    )
+    parser.add_argument("topology", metavar="TOPOLOGY", nargs="?", default=os.environ.get("OMNI_MESH_TOPOLOGY"))
+    parser.add_argument("--host", default=_env("OMNI_MESH_HOST", "0.0.0.0"), help="REST bind address")
+    parser.add_argument("--port", type=int, default=int(_env("OMNI_MESH_PORT", "8000")), help="REST port")
+    parser.add_argument(
+        "--control", default=_env("OMNI_MESH_CONTROL_BIND", "tcp://0.0.0.0:5555"), help="ZeroMQ control endpoint to bind"
+    )
+    parser.add_argument("--timeout-s", type=float, default=float(_env("OMNI_MESH_TIMEOUT_S", "30")),
+                        help="deadline of requests that set no timeout_s")
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=5.0, help="silence after which a replica is dead")
+    parser.add_argument("--grace-s", type=float, default=10.0, help="time in-flight requests get on shutdown")
+    return parser
+
+
+def _cmd_coordinator(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from omni_mesh.coordinator import serve
+
+    topology = load_topology(_topology_arg(args))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
+    asyncio.run(
+        serve(
+            topology,
+            host=args.host,
+            port=args.port,
+            control=args.control,
+            default_timeout_s=args.timeout_s,
+            heartbeat_timeout_s=args.heartbeat_timeout_s,
+            grace_s=args.grace_s,
+        )
+    )
+    return EXIT_OK
+
+
+def _add_stage(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "stage",
+        help="run one replica of one stage",
+        description="Run one stage replica; it registers with the coordinator at --coordinator.",
+    )
+    parser.add_argument("topology", metavar="TOPOLOGY", nargs="?", default=os.environ.get("OMNI_MESH_TOPOLOGY"))
+    parser.add_argument("--stage", default=os.environ.get("OMNI_MESH_STAGE"), help="stage name or id")
+    parser.add_argument(
+        "--coordinator", default=_env("OMNI_MESH_COORDINATOR", "tcp://127.0.0.1:5555"), help="coordinator control endpoint"
+    )
+    parser.add_argument("--replica", default=os.environ.get("OMNI_MESH_REPLICA"), help="replica id (default: stage-host-pid)")
+    parser.add_argument("--host", default=os.environ.get("OMNI_MESH_ADVERTISE_HOST"), help="host name to report")
+    return parser
+
+
+def _cmd_stage(args: argparse.Namespace) -> int:
+    from omni_mesh.stage import main_stage
+
+    topology = load_topology(_topology_arg(args))
+    if not args.stage:
+        raise CliError("which stage? pass --stage NAME (or set OMNI_MESH_STAGE)")
+    stage = topology.stage(int(args.stage) if args.stage.isdigit() else args.stage)
+    if not stage.handler:
+        raise CliError(f"stage {stage.name!r} ({stage.stage_id}) has no handler: set `handler: module:function`")
+    return main_stage(topology, stage.name, args.coordinator, args.replica, args.host)
+
+
+def _add_up(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "up",
+        help="run the coordinator and every stage replica locally",
+        description="Start the coordinator and every replica as local processes; Ctrl-C stops them all.",
+    )
+    parser.add_argument("topology", metavar="TOPOLOGY")
+    parser.add_argument("--host", default="127.0.0.1", help="REST bind address")
+    parser.add_argument("--port", type=int, default=8000, help="REST port")
+    parser.add_argument("--timeout-s", type=float, default=30.0, help="deadline of requests that set no timeout_s")
+    return parser
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from omni_mesh.launcher import run_up
+
+    topology = load_topology(args.topology)
+    try:
+        return run_up(topology, host=args.host, port=args.port, coordinator_args=["--timeout-s", str(args.timeout_s)])
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _topology_arg(args: argparse.Namespace) -> str:
+    if not args.topology:
+        raise CliError("which topology? pass TOPOLOGY (or set OMNI_MESH_TOPOLOGY)")
+    return args.topology
+
+
+# --------------------------------------------------------------------------------------------------
 # registry and entry point
 
 Command = Callable[[argparse.Namespace], int]
@@ -91,6 +197,9 @@ Declare = Callable[[argparse._SubParsersAction], argparse.ArgumentParser]
 # name -> (declare its arguments, run it). New subcommands (up, stage, coordinator, bench) go here.
 _COMMANDS: dict[str, tuple[Declare, Command]] = {
     "validate": (_add_validate, _cmd_validate),
+    "up": (_add_up, _cmd_up),
+    "coordinator": (_add_coordinator, _cmd_coordinator),
+    "stage": (_add_stage, _cmd_stage),
 }
 
 

@@ -130,6 +130,9 @@ class OmniConnectorBase(ABC):
     ) -> tuple[Any, int] | None:
         """Retrieve data put under get_key, using the metadata put() returned. Returns (object, size)."""
 
+    def warm_up(self) -> None:
+        """Prepare the producer side (allocate and fault in pools) so the first put pays nothing extra."""
+
     @abstractmethod
     def cleanup(self, key: str) -> None:
         """Release anything still held for key (abort, timeout)."""

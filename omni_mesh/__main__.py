@@ -1,0 +1,5 @@
+import sys
+
+from omni_mesh.cli import main
+
+sys.exit(main())

@@ -1,0 +1,279 @@
+"""Request dispatch: where each request is, what it waits for, and where it goes next.
+
+The coordinator is the mesh's scheduler. It routes each piece of work to the least-loaded healthy
+replica of the next stage (holding it in a per-stage queue while every replica is full), gathers
+fan-in inputs, relays streamed chunks to the replica that took the stream, enforces every request's
+deadline, and on failure aborts the request on every replica it touched so their connectors release
+what they hold. Payloads never pass through here: only connector metadata, and the final output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni_mesh import codec
+from omni_mesh.coordinator.registry import Registry, Replica
+from omni_mesh.topology import Topology
+
+log = logging.getLogger("omni_mesh.coordinator")
+
+
+class RequestFailed(Exception):
+    def __init__(self, status: int, message: str, stage: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.stage = stage
+
+
+@dataclass
+class RequestState:
+    rid: str
+    params: dict
+    deadline: float  # event-loop time
+    stream: bool
+    future: asyncio.Future
+    created: float = field(default_factory=time.perf_counter)
+    at: dict[str, str] = field(default_factory=dict)  # stage -> replica working on it
+    queued: dict[str, float] = field(default_factory=dict)  # stage -> when it started waiting
+    touched: set[str] = field(default_factory=set)  # replicas to abort on failure
+    done: set[str] = field(default_factory=set)
+    gathered: dict[str, dict[str, tuple[list, bool]]] = field(default_factory=dict)  # dst -> src -> (items, streamed)
+    gathering: dict[tuple[str, str], list] = field(default_factory=dict)  # (dst, src) -> streamed chunk items
+    stream_targets: dict[str, str | None] = field(default_factory=dict)  # dst -> replica (None: queued)
+    stream_buffer: dict[str, list[dict]] = field(default_factory=dict)  # dst -> chunks before dispatch
+    outputs: dict[str, Any] = field(default_factory=dict)
+    chunks: dict[str, list] = field(default_factory=dict)
+    events: asyncio.Queue | None = None
+    timings: dict[str, dict] = field(default_factory=dict)
+
+    def location(self) -> str:
+        if self.at:
+            return ", ".join(f"stage {s!r} (replica {r!r})" for s, r in self.at.items())
+        if self.queued:
+            return ", ".join(f"stage {s!r} (waiting for a free replica)" for s in self.queued)
+        return "the coordinator"
+
+
+class Dispatcher:
+    def __init__(self, topology: Topology, registry: Registry, send: Callable[[Replica, dict], None]) -> None:
+        self.topology = topology
+        self.registry = registry
+        self.send = send
+        self.requests: dict[str, RequestState] = {}
+        self.queues: dict[str, deque[tuple[str, dict]]] = {s.name: deque() for s in topology.stages}
+        self.final_names = [s.name for s in topology.final_stages]
+        self._inputs_of = {s.name: [topology.stage(e.src).name for e in topology.inputs_of(s.stage_id)] for s in topology.stages}
+        self._outputs_of = {s.name: [topology.stage(e.dst).name for e in topology.outputs_of(s.stage_id)] for s in topology.stages}
+        self.completed = 0
+        self.failed = 0
+
+    # ------------------------------------------------------------------ intake
+
+    def submit(self, inputs: Any, params: dict, timeout_s: float, stream: bool) -> RequestState:
+        loop = asyncio.get_running_loop()
+        state = RequestState(
+            rid=uuid.uuid4().hex,
+            params=params,
+            deadline=loop.time() + timeout_s,
+            stream=stream,
+            future=loop.create_future(),
+            events=asyncio.Queue() if stream else None,
+        )
+        self.requests[state.rid] = state
+        for entry in self.topology.entry_stages:
+            self._route(state, entry.name, {"inputs": inputs})
+        return state
+
+    # ------------------------------------------------------------------ routing
+
+    def _route(self, state: RequestState, stage: str, body: dict) -> None:
+        message = {"type": "work", "rid": state.rid, "stage": stage, "params": state.params, **body}
+        replica = self.registry.pick(stage)
+        if replica is None:
+            state.queued[stage] = time.perf_counter()
+            self.queues[stage].append((state.rid, message))
+        else:
+            self._dispatch(state, replica, message)
+
+    def _dispatch(self, state: RequestState, replica: Replica, message: dict) -> None:
+        stage = message["stage"]
+        now = time.perf_counter()
+        state.timings.setdefault(stage, {})["queued_s"] = now - state.queued.pop(stage, now)
+        message["remaining_s"] = max(0.0, state.deadline - asyncio.get_running_loop().time())
+        replica.inflight.add(state.rid)
+        state.at[stage] = replica.replica_id
+        state.touched.add(replica.replica_id)
+        self.send(replica, message)
+        if message.get("stream_from"):
+            state.stream_targets[stage] = replica.replica_id
+            for chunk in state.stream_buffer.pop(stage, []):
+                self.send(replica, chunk)
+
+    def drain_queue(self, stage: str) -> None:
+        """Hand queued work of `stage` to replicas with free slots."""
+        queue = self.queues[stage]
+        while queue:
+            replica = self.registry.pick(stage)
+            if replica is None:
+                return
+            rid, message = queue.popleft()
+            state = self.requests.get(rid)
+            if state is not None:
+                self._dispatch(state, replica, message)
+
+    def drain_all(self) -> None:
+        for stage in self.queues:
+            self.drain_queue(stage)
+
+    # ------------------------------------------------------------------ stage messages
+
+    def on_output(self, replica: Replica, message: dict, frame: bytes | None) -> None:
+        stage, rid = message["stage"], message["rid"]
+        state = self.requests.get(rid)
+        if state is None:
+            # The request already ended (deadline, failure): let the replica free what it put.
+            self.send(replica, {"type": "abort", "rid": rid, "reason": "request already ended"})
+            return
+        streamed = bool(message.get("end")) or not message["last"]
+        for dst in self._outputs_of[stage]:
+            item = message["edges"].get(dst)
+            if streamed:
+                self._relay_chunk(state, stage, dst, item, message)
+            elif item is not None:
+                self._input_ready(state, stage, dst, [item], streamed=False)
+        if frame is not None:
+            self._final_output(state, stage, frame, streamed)
+        if message["last"]:
+            self._stage_done(state, replica, stage, message)
+
+    def _relay_chunk(self, state: RequestState, src: str, dst: str, item: dict | None, message: dict) -> None:
+        end = bool(message.get("end"))
+        if len(self._inputs_of[dst]) > 1:
+            # A fan-in stage gets a streamed input as the list of its chunks, once the stream ends.
+            items = state.gathering.setdefault((dst, src), [])
+            if end:
+                self._input_ready(state, src, dst, state.gathering.pop((dst, src)), streamed=True)
+            elif item is not None:
+                items.append(item)
+            return
+        chunk = {
+            "type": "chunk",
+            "rid": state.rid,
+            "src": src,
+            "key": item["key"] if item else "",
+            "meta": item.get("meta") if item else None,
+            "seq": message["seq"],
+            "last": end,
+            "end": end,
+        }
+        if dst not in state.stream_targets:
+            state.stream_targets[dst] = None
+            state.stream_buffer[dst] = [chunk]
+            self._route(state, dst, {"stream_from": src})
+            return
+        target = state.stream_targets[dst]
+        replica = self.registry.replicas.get(target) if target else None
+        if replica is None:
+            state.stream_buffer.setdefault(dst, []).append(chunk)
+        else:
+            self.send(replica, chunk)
+
+    def _input_ready(self, state: RequestState, src: str, dst: str, items: list, *, streamed: bool) -> None:
+        gathered = state.gathered.setdefault(dst, {})
+        gathered[src] = (items, streamed)
+        if len(gathered) < len(self._inputs_of[dst]):
+            return
+        del state.gathered[dst]
+        sources = {name: entry[0] for name, entry in gathered.items()}
+        streamed_names = [name for name, entry in gathered.items() if entry[1]]
+        self._route(state, dst, {"sources": sources, "streamed": streamed_names})
+
+    def _final_output(self, state: RequestState, stage: str, frame: bytes, streamed: bool) -> None:
+        try:
+            value = codec.decode(frame, copy=True)
+        except codec.FrameError as exc:
+            self.fail(state, RequestFailed(502, f"stage {stage!r} sent an unreadable output: {exc}", stage))
+            return
+        if streamed:
+            state.chunks.setdefault(stage, []).append(value)
+            if state.events is not None:
+                state.events.put_nowait(("chunk", stage, value))
+        else:
+            state.outputs[stage] = value
+
+    def _stage_done(self, state: RequestState, replica: Replica, stage: str, message: dict) -> None:
+        replica.inflight.discard(state.rid)
+        state.at.pop(stage, None)
+        state.done.add(stage)
+        timings = message.get("timings")
+        if isinstance(timings, dict):
+            state.timings.setdefault(stage, {}).update(timings)
+        if stage in state.chunks or (message.get("end") and stage in self.final_names):
+            state.outputs[stage] = state.chunks.pop(stage, [])
+        self.drain_queue(stage)
+        if all(name in state.done for name in self.final_names) and not state.future.done():
+            self._complete(state)
+
+    def _complete(self, state: RequestState) -> None:
+        self.requests.pop(state.rid, None)
+        if len(self.final_names) == 1:
+            outputs = state.outputs.get(self.final_names[0])
+        else:
+            outputs = {name: state.outputs.get(name) for name in self.final_names}
+        self.completed += 1
+        state.future.set_result(outputs)
+        if state.events is not None:
+            state.events.put_nowait(("done", None, outputs))
+
+    def on_error(self, replica: Replica, message: dict) -> None:
+        state = self.requests.get(message["rid"])
+        replica.inflight.discard(message["rid"])
+        self.drain_queue(replica.stage)
+        if state is not None:
+            stage = message["stage"]
+            self.fail(state, RequestFailed(500, f"stage {stage!r} failed: {message['error']}", stage))
+
+    # ------------------------------------------------------------------ failure
+
+    def fail(self, state: RequestState, error: RequestFailed) -> None:
+        """End a request with `error` and make every replica it touched let go of it."""
+        if self.requests.pop(state.rid, None) is None:
+            return
+        self.failed += 1
+        for replica_id in state.touched:
+            replica = self.registry.replicas.get(replica_id)
+            if replica is not None:
+                replica.inflight.discard(state.rid)
+                self.send(replica, {"type": "abort", "rid": state.rid, "reason": error.message})
+        for stage in state.queued:
+            self.queues[stage] = deque(item for item in self.queues[stage] if item[0] != state.rid)
+        if not state.future.done():
+            state.future.set_exception(error)
+            state.future.exception()  # mark retrieved: a streaming client may never await it
+        if state.events is not None:
+            state.events.put_nowait(("error", error.stage, error))
+        self.drain_all()
+
+    def expire(self) -> None:
+        """Fail every request past its deadline, naming where it was."""
+        now = asyncio.get_running_loop().time()
+        for state in [s for s in self.requests.values() if s.deadline <= now]:
+            stage = next(iter(state.at), None) or next(iter(state.queued), None)
+            self.fail(state, RequestFailed(504, f"deadline exceeded while at {state.location()}", stage))
+
+    def replica_lost(self, replica: Replica, reason: str) -> None:
+        """A replica died or left: its requests fail now rather than at their deadline."""
+        for rid in list(replica.inflight):
+            state = self.requests.get(rid)
+            if state is not None:
+                message = f"stage {replica.stage!r} replica {replica.replica_id!r} {reason} while handling the request"
+                self.fail(state, RequestFailed(502, message, replica.stage))
+        replica.inflight.clear()

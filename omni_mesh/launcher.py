@@ -1,0 +1,213 @@
+"""`omni-mesh up`: the coordinator and every stage replica as local processes, supervised.
+
+Start order: coordinator, then replicas; then wait for `/ready`. A process that exits unexpectedly is
+restarted with backoff and its shared-memory segments are reaped; the coordinator reports the restart
+in `/v1/stages`. Shutdown (Ctrl-C or SIGTERM): the coordinator first, so in-flight requests finish
+while every stage still runs; then the replicas drain and exit; stragglers are killed; every
+segment any child left behind is reaped, so /dev/shm ends as it began.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from omni_mesh.connectors.shm_segments import reap_orphaned_segments
+from omni_mesh.topology import Topology
+
+log = logging.getLogger("omni_mesh.launcher")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: if the launcher is killed outright, its children get SIGTERM."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    process: subprocess.Popen | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    next_start: float = 0.0
+    pids: list[int] = field(default_factory=list)
+
+    def start(self) -> None:
+        # A new session: a terminal's Ctrl-C reaches only the launcher, which stops children in order.
+        self.process = subprocess.Popen(self.argv, start_new_session=True, preexec_fn=_die_with_parent)
+        self.pids.append(self.process.pid)
+        self.started_at = time.monotonic()
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def describe_exit(self) -> str:
+        code = self.process.returncode if self.process else None
+        if code is None:
+            return "is running"
+        return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+
+
+class Launcher:
+    def __init__(
+        self,
+        topology: Topology,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        ready_timeout_s: float = 60.0,
+        grace_s: float = 10.0,
+        coordinator_args: list[str] | None = None,
+    ) -> None:
+        if topology.path is None:
+            raise ValueError("omni-mesh up needs a topology file")
+        missing = topology.missing_handlers()
+        if missing:
+            names = ", ".join(f"{s.stage_id} {s.name!r}" for s in missing)
+            raise ValueError(f"cannot start: stage(s) {names} have no handler; set `handler: module:function`")
+        self.topology = topology
+        self.host = host
+        self.port = port
+        self.ready_timeout_s = ready_timeout_s
+        self.grace_s = grace_s
+        self.url = f"http://{host}:{port}"
+        self.control = f"tcp://127.0.0.1:{free_port()}"
+        self._stop = threading.Event()
+        path = str(topology.path)
+        python = [sys.executable, "-m", "omni_mesh"]
+        self.coordinator = Child(
+            "coordinator",
+            [*python, "coordinator", path, "--host", host, "--port", str(port), "--control", self.control,
+             "--grace-s", str(grace_s), *(coordinator_args or [])],
+        )
+        self.replicas = [
+            Child(
+                f"{stage.name}-{index}",
+                [*python, "stage", path, "--stage", stage.name, "--replica", f"{stage.name}-{index}",
+                 "--coordinator", self.control],
+            )
+            for stage in topology.stages
+            for index in range(stage.replicas)
+        ]
+
+    @property
+    def children(self) -> list[Child]:
+        return [self.coordinator, *self.replicas]
+
+    def run(self) -> int:
+        """Start everything, supervise until a signal, stop everything. Returns the exit status."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self._stop.set())
+        try:
+            self.start()
+            self.announce()
+            self.supervise()
+            return 0
+        except RuntimeError as exc:
+            log.error("%s", exc)
+            return 1
+        finally:
+            self.stop()
+
+    def start(self) -> None:
+        for child in self.children:
+            child.start()
+        self.wait_ready()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        last = "no answer yet"
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline and not self._stop.is_set():
+                for child in self.children:
+                    if not child.running():
+                        raise RuntimeError(f"{child.name} {child.describe_exit()} during start-up (see its log above)")
+                try:
+                    response = client.get(f"{self.url}/ready")
+                    if response.status_code == 200:
+                        return
+                    last = "; ".join(response.json().get("missing", [])) or response.text
+                except httpx.HTTPError as exc:
+                    last = f"coordinator not answering ({type(exc).__name__})"
+                self._stop.wait(0.2)
+        if not self._stop.is_set():
+            raise RuntimeError(f"mesh not ready after {self.ready_timeout_s:.0f} s: {last}")
+
+    def announce(self) -> None:
+        sample = '{"inputs": {"prompt": "Hello, omni-mesh!"}, "timeout_s": 30}'
+        print(
+            f"\nomni-mesh {self.topology.name!r} is ready at {self.url}\n"
+            f"  send a request:  curl -s {self.url}/v1/requests -H 'content-type: application/json' -d '{sample}'\n"
+            f"  replicas:        curl -s {self.url}/v1/stages\n"
+            f"  API docs:        {self.url}/docs\n"
+            f"Ctrl-C stops everything.\n",
+            flush=True,
+        )
+
+    def supervise(self) -> None:
+        while not self._stop.wait(0.2):
+            now = time.monotonic()
+            for child in self.children:
+                if child.running() or now < child.next_start:
+                    continue
+                if child.next_start == 0.0:  # it just exited: reap, then schedule a restart with backoff
+                    reaped = reap_orphaned_segments(pid=child.process.pid)
+                    uptime = now - child.started_at
+                    delay = 0.5 if uptime > 30 else min(10.0, 0.5 * 2 ** min(child.restarts, 5))
+                    child.next_start = now + delay
+                    log.warning(
+                        "%s %s after %.1f s; restarting in %.1f s (restart #%d)%s",
+                        child.name, child.describe_exit(), uptime, delay, child.restarts + 1,
+                        f", reaped {len(reaped)} shared-memory segment(s)" if reaped else "",
+                    )
+                    continue
+                child.restarts += 1
+                child.next_start = 0.0
+                child.start()
+
+    def stop(self) -> None:
+        # Coordinator first: it stops taking requests and lets in-flight ones finish (grace).
+        self._terminate([self.coordinator], self.grace_s + 5)
+        self._terminate(self.replicas, 15.0)
+        reaped = [name for child in self.children for pid in child.pids for name in reap_orphaned_segments(pid=pid)]
+        if reaped:
+            log.warning("reaped %d shared-memory segment(s) left by stopped processes", len(reaped))
+
+    @staticmethod
+    def _terminate(children: list[Child], timeout_s: float) -> None:
+        running = [c for c in children if c.running()]
+        for child in running:
+            child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for child in running:
+            try:
+                child.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0f s; killing it", child.name, timeout_s)
+                child.process.kill()
+                child.process.wait()
+
+
+def run_up(topology: Topology, *, host: str, port: int, coordinator_args: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per /ready poll is noise
+    return Launcher(topology, host=host, port=port, coordinator_args=coordinator_args).run()

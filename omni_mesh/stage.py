@@ -1,0 +1,414 @@
+"""Stage runtime: one replica of one stage, as an asyncio service.
+
+The replica registers with the coordinator, heartbeats, and runs the stage handler for each piece of
+work the coordinator routes to it (never more than `max_inflight` at once: the coordinator holds the
+rest). Inputs come through the inbound edge's connector, outputs go out through each outbound edge's
+connector, and only the connector metadata travels back to the coordinator. Every connector call runs
+in a thread pool so the event loop never blocks. A request that fails, times out or is aborted has
+everything it holds in connectors cleaned up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import inspect
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from omni_mesh import codec, control
+from omni_mesh.connectors import OmniConnectorBase, create_connector
+from omni_mesh.connectors.shm_segments import ProcessIdentity, segment_name
+from omni_mesh.hostinfo import process_info
+from omni_mesh.topology import EdgeSpec, StageSpec, Topology, add_to_sys_path
+
+log = logging.getLogger("omni_mesh.stage")
+
+HEARTBEAT_S = 0.5
+
+
+@dataclass
+class StageContext:
+    """What a handler knows about the request it is working on."""
+
+    request_id: str
+    params: dict
+    stage: str
+    replica: str
+    deadline: float  # event-loop time
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - asyncio.get_running_loop().time())
+
+
+class StageInputError(RuntimeError):
+    """An input payload could not be fetched (gone, stale, or the connector failed)."""
+
+
+def load_handler(topology: Topology, stage: StageSpec) -> Callable[..., Any]:
+    if not stage.handler:
+        raise ValueError(f"stage {stage.name!r} ({stage.stage_id}) has no handler: set `handler: module:callable`")
+    module_name, _, attr = stage.handler.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"stage {stage.name!r}: handler {stage.handler!r} must look like 'module:callable'")
+    add_to_sys_path(topology)
+    try:
+        handler = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"stage {stage.name!r}: cannot load handler {stage.handler!r}: {exc}") from exc
+    if not callable(handler):
+        raise ValueError(f"stage {stage.name!r}: handler {stage.handler!r} is not callable")
+    return handler
+
+
+_END = object()
+
+
+class _ChunkStream:
+    """The async iterator a handler reads a streamed input from; fetches each chunk as it is read."""
+
+    def __init__(self, fetch: Callable[[dict], Any]) -> None:
+        self._fetch = fetch
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    def feed(self, chunk_message: dict) -> None:
+        self._queue.put_nowait(_END if chunk_message.get("end") else chunk_message)
+
+    def fail(self, error: BaseException) -> None:
+        self._queue.put_nowait(error)
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self
+
+    async def __anext__(self) -> Any:
+        item = await self._queue.get()
+        if item is _END:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return await self._fetch(item)
+
+
+@dataclass
+class _Work:
+    rid: str
+    ctx: StageContext
+    task: asyncio.Task | None = None
+    stream: _ChunkStream | None = None
+    transfer_s: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+
+
+class StageReplica:
+    def __init__(
+        self,
+        topology: Topology,
+        stage: StageSpec,
+        coordinator: str,
+        replica_id: str | None = None,
+        *,
+        host: str | None = None,
+        drain_grace_s: float = 30.0,
+    ) -> None:
+        self.topology = topology
+        self.stage = stage
+        self.coordinator = coordinator
+        self.host = host or socket.gethostname()
+        self.replica_id = replica_id or f"{stage.name}-{self.host}-{os.getpid()}"
+        self.drain_grace_s = drain_grace_s
+        self.handler = load_handler(topology, stage)
+        self.in_edges = {topology.stage(e.src).name: e for e in topology.inputs_of(stage.stage_id)}
+        self.out_edges = {topology.stage(e.dst).name: e for e in topology.outputs_of(stage.stage_id)}
+        self.is_final = any(s.stage_id == stage.stage_id for s in topology.final_stages)
+        self.connectors: dict[str, OmniConnectorBase] = {}
+        for edge in [*self.in_edges.values(), *self.out_edges.values()]:
+            spec = edge.connector
+            if spec.ref not in self.connectors:
+                self.connectors[spec.ref] = create_connector(spec.name, spec.extra)
+        self.executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{stage.name}-io")
+        self.work: dict[str, _Work] = {}
+        self.processed = 0
+        self.errors = 0
+        self.malformed = 0
+        self.draining = False
+        self._registered = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._ctx = zmq.asyncio.Context()
+        self._socket = self._ctx.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(coordinator)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_drain)
+        receiver = asyncio.create_task(self._receive_loop())
+        heartbeat = asyncio.create_task(self._heartbeat_loop())
+        try:
+            producers = {self.connectors[e.connector.ref] for e in self.out_edges.values()}
+            for connector in producers:
+                await loop.run_in_executor(self.executor, connector.warm_up)
+            await self._register()
+            log.info("replica %s of stage %s ready", self.replica_id, self.stage.name)
+            await self._stopped.wait()
+        finally:
+            for task in (receiver, heartbeat):
+                task.cancel()
+            with contextlib.suppress(Exception):
+                await self._send({"type": "deregister", "replica": self.replica_id})
+            self.close()
+
+    def request_drain(self) -> None:
+        if not self.draining:
+            self.draining = True
+            log.info("replica %s draining: finishing %d in-flight request(s)", self.replica_id, len(self.work))
+            asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        await self._heartbeat()  # tell the coordinator at once so no new work arrives
+        deadline = asyncio.get_running_loop().time() + self.drain_grace_s
+        while (self.work or self._unconsumed()) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        self._stopped.set()
+
+    def _unconsumed(self) -> int:
+        """Payloads this replica put that no consumer has taken yet: exiting would lose them."""
+        return sum(int(c.health().get("unconsumed", 0)) for c in self.connectors.values())
+
+    def close(self) -> None:
+        for connector in self.connectors.values():
+            with contextlib.suppress(Exception):
+                connector.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self._socket.close(0)
+        self._ctx.term()
+
+    async def _register(self) -> None:
+        identity = ProcessIdentity.current()
+        message = {
+            "type": "register",
+            "stage": self.stage.name,
+            "replica": self.replica_id,
+            **process_info(),
+            "host": self.host,
+            "shm_prefix": segment_name(identity, ""),
+            "max_inflight": self.stage.max_inflight,
+            "edges": {e.label: e.connector.name for e in [*self.in_edges.values(), *self.out_edges.values()]},
+        }
+        while not self._registered.is_set():
+            await self._send(message)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._registered.wait(), timeout=1.0)
+            if not self._registered.is_set():
+                log.info("replica %s waiting for the coordinator at %s", self.replica_id, self.coordinator)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            if self._registered.is_set():
+                await self._heartbeat()
+
+    async def _heartbeat(self) -> None:
+        await self._send(
+            {
+                "type": "heartbeat",
+                "replica": self.replica_id,
+                "inflight": len(self.work),
+                "processed": self.processed,
+                "errors": self.errors,
+                "malformed": self.malformed,
+                "draining": self.draining,
+                "connectors": {ref: c.health() for ref, c in self.connectors.items()},
+            }
+        )
+
+    async def _send(self, message: dict, *extra: Any) -> None:
+        await self._socket.send_multipart([control.pack(message), *extra], copy=False)
+
+    # ------------------------------------------------------------------ messages
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frames = await self._socket.recv_multipart()
+            try:
+                message = control.unpack(frames[0])
+            except control.MalformedMessage as exc:
+                self.malformed += 1
+                log.warning("replica %s dropped a control message: %s", self.replica_id, exc)
+                continue
+            kind = message["type"]
+            if kind == "registered":
+                self._registered.set()
+            elif kind == "rejected":
+                log.error("coordinator rejected replica %s: %s", self.replica_id, message["error"])
+                if message.get("reregister"):
+                    self._registered.clear()
+                    asyncio.get_running_loop().create_task(self._register())
+                else:
+                    self._stopped.set()
+            elif kind == "work":
+                self._accept(message)
+            elif kind == "chunk":
+                work = self.work.get(message["rid"])
+                if work is not None and work.stream is not None:
+                    work.stream.feed(message)
+            elif kind == "abort":
+                self._abort(message["rid"], message["reason"])
+            else:
+                self.malformed += 1
+
+    def _accept(self, message: dict) -> None:
+        rid = message["rid"]
+        loop = asyncio.get_running_loop()
+        ctx = StageContext(rid, message["params"], self.stage.name, self.replica_id, loop.time() + message["remaining_s"])
+        work = _Work(rid, ctx)
+        if message.get("stream_from"):
+            work.stream = _ChunkStream(lambda item: self._fetch(work, message["stream_from"], item))
+        self.work[rid] = work
+        work.task = loop.create_task(self._run(work, message))
+
+    def _abort(self, rid: str, reason: str) -> None:
+        work = self.work.get(rid)
+        if work is not None and work.task is not None:
+            work.task.cancel()
+        asyncio.get_running_loop().create_task(self._cleanup(rid))
+
+    async def _cleanup(self, rid: str) -> None:
+        loop = asyncio.get_running_loop()
+        for connector in self.connectors.values():
+            with contextlib.suppress(Exception):
+                await loop.run_in_executor(self.executor, connector.cleanup, rid)
+
+    # ------------------------------------------------------------------ running one request
+
+    async def _run(self, work: _Work, message: dict) -> None:
+        try:
+            async with asyncio.timeout_at(work.ctx.deadline):
+                inputs = await self._inputs(work, message)
+                result = self.handler(inputs, work.ctx)
+                if inspect.isasyncgen(result):
+                    seq = 0
+                    async for chunk in result:
+                        await self._emit(work, chunk, seq, streaming=True)
+                        seq += 1
+                    await self._emit(work, None, seq, streaming=True, end=True)
+                else:
+                    if inspect.isawaitable(result):
+                        result = await result
+                    await self._emit(work, result, 0, streaming=False)
+            self.processed += 1
+        except asyncio.CancelledError:
+            pass  # aborted by the coordinator, which already answered the client
+        except TimeoutError:
+            await self._fail(work, f"deadline exceeded in stage {self.stage.name!r}")
+        except Exception as exc:
+            log.exception("stage %s failed request %s", self.stage.name, work.rid)
+            await self._fail(work, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.work.pop(work.rid, None)
+
+    async def _fail(self, work: _Work, error: str) -> None:
+        self.errors += 1
+        await self._cleanup(work.rid)
+        message = {"type": "error", "rid": work.rid, "stage": self.stage.name, "replica": self.replica_id, "error": error}
+        await self._send(message)
+
+    async def _inputs(self, work: _Work, message: dict) -> Any:
+        if "inputs" in message:  # an entry stage: the request's own inputs
+            return message["inputs"]
+        streamed = set(message.get("streamed", ()))
+        values: dict[str, Any] = {}
+        for src, items in (message.get("sources") or {}).items():
+            objects = [await self._fetch(work, src, item) for item in items]
+            values[src] = objects if src in streamed else objects[0]
+        if message.get("stream_from"):
+            values[message["stream_from"]] = work.stream
+        if len(self.in_edges) == 1 and len(values) == 1:
+            return next(iter(values.values()))
+        return values
+
+    async def _fetch(self, work: _Work, src: str, item: dict) -> Any:
+        edge = self.in_edges.get(src)
+        if edge is None:
+            raise StageInputError(f"stage {self.stage.name!r} has no inbound edge from {src!r}")
+        connector = self.connectors[edge.connector.ref]
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(
+            self.executor, connector.get, src, self.stage.name, item["key"], item.get("meta")
+        )
+        work.transfer_s += time.perf_counter() - started
+        if result is None:
+            raise StageInputError(
+                f"stage {self.stage.name!r}: payload {item['key']!r} on edge {edge.label} "
+                f"({edge.connector.name}) is gone: stale, already consumed, or its producer died"
+            )
+        return result[0]
+
+    async def _emit(self, work: _Work, data: Any, seq: int, *, streaming: bool, end: bool = False) -> None:
+        """Send one output (or, streaming, one chunk or the end marker) down every outbound edge."""
+        loop = asyncio.get_running_loop()
+        edges: dict[str, dict] = {}
+        started = time.perf_counter()
+        key = f"{work.rid}/{seq}"
+        if not end:
+            for dst, edge in self.out_edges.items():
+                edges[dst] = {"key": key, "meta": await self._put(edge, dst, key, data)}
+        extra: list[Any] = []
+        if self.is_final and not end:
+            extra.append(await loop.run_in_executor(self.executor, codec.encode, data))
+        work.transfer_s += time.perf_counter() - started
+        last = end or not streaming
+        message = {
+            "type": "output",
+            "rid": work.rid,
+            "stage": self.stage.name,
+            "replica": self.replica_id,
+            "edges": edges,
+            "seq": seq,
+            "last": last,
+            "end": end,
+            "final": bool(extra),
+            "timings": self._timings(work) if last else {},
+        }
+        await self._send(message, *extra)
+
+    async def _put(self, edge: EdgeSpec, dst: str, key: str, data: Any) -> Any:
+        connector = self.connectors[edge.connector.ref]
+        loop = asyncio.get_running_loop()
+        try:
+            ok, _size, meta = await loop.run_in_executor(self.executor, connector.put, self.stage.name, dst, key, data)
+        except Exception as exc:
+            raise RuntimeError(f"put of {key!r} on edge {edge.label} ({edge.connector.name}) failed: {exc}") from exc
+        if not ok:
+            raise RuntimeError(f"put of {key!r} on edge {edge.label} ({edge.connector.name}) failed")
+        return meta
+
+    def _timings(self, work: _Work) -> dict[str, float]:
+        total = time.perf_counter() - work.started
+        return {"transfer_s": work.transfer_s, "handler_s": max(0.0, total - work.transfer_s), "total_s": total}
+
+
+async def serve_stage(topology: Topology, stage_name: str, coordinator: str, replica_id: str | None, host: str | None) -> None:
+    replica = StageReplica(topology, topology.stage(stage_name), coordinator, replica_id, host=host)
+    await replica.run()
+
+
+def main_stage(topology: Topology, stage_name: str, coordinator: str, replica_id: str | None, host: str | None) -> int:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {stage_name} %(levelname)s %(message)s", stream=sys.stderr)
+    asyncio.run(serve_stage(topology, stage_name, coordinator, replica_id, host))
+    return 0
