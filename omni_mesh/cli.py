@@ -182,6 +182,62 @@ def _cmd_up(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
 
 
+def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("bench", help="benchmarks: a connector, or a running pipeline")
+    kinds = parser.add_subparsers(dest="bench", metavar="KIND", required=True)
+    connector = kinds.add_parser("connector", help="cross-process put->get through one connector vs memcpy and raw")
+    connector.add_argument("--connector", default="SharedMemoryConnector", help="connector name")
+    connector.add_argument("--config", default="{}", help="the connector's extra: mapping, as JSON")
+    connector.add_argument("--sizes", default=None, help="comma-separated sizes (default 4KiB,1MiB,16MiB,256MiB)")
+    connector.add_argument("--no-raw", action="store_true", help="skip the raw-library baseline")
+    connector.add_argument("--json", action="store_true", help="print the results as JSON")
+    pipeline = kinds.add_parser("pipeline", help="drive a mesh over HTTP with concurrent clients")
+    pipeline.add_argument("--url", default=None, help="coordinator URL of a running mesh")
+    pipeline.add_argument("--topology", default=None, help="start this topology with `up` for the run instead")
+    pipeline.add_argument("--concurrency", type=int, default=32)
+    pipeline.add_argument("--duration", type=float, default=10.0, help="seconds of load")
+    pipeline.add_argument("--inputs", default='{"prompt": "Hello"}', help="request inputs, as JSON")
+    pipeline.add_argument("--params", default="{}", help="request params, as JSON")
+    pipeline.add_argument("--timeout-s", type=float, default=30.0)
+    pipeline.add_argument("--json", action="store_true", help="print the results as JSON")
+    return parser
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench == "connector":
+        from omni_mesh.bench import connector
+
+        config = _json_arg(args.config, "--config")
+        result = connector.run(args.connector, config, connector.parse_sizes(args.sizes), raw=not args.no_raw)
+        print(json.dumps(result, indent=2) if args.json else connector.report(result))
+        return EXIT_OK
+    from omni_mesh.bench import pipeline
+
+    if bool(args.url) == bool(args.topology):
+        raise CliError("pass exactly one of --url (a running mesh) or --topology (start one for the run)")
+    result = pipeline.run(
+        url=args.url,
+        topology=args.topology,
+        concurrency=args.concurrency,
+        duration_s=args.duration,
+        inputs=_json_arg(args.inputs, "--inputs"),
+        params=_json_arg(args.params, "--params"),
+        timeout_s=args.timeout_s,
+    )
+    print(json.dumps(result, indent=2) if args.json else pipeline.report(result))
+    return EXIT_OK
+
+
+def _json_arg(text: str, flag: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CliError(f"{flag}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise CliError(f"{flag}: expected a JSON object, got {text!r}")
+    return value
+
+
 def _topology_arg(args: argparse.Namespace) -> str:
     if not args.topology:
         raise CliError("which topology? pass TOPOLOGY (or set OMNI_MESH_TOPOLOGY)")
@@ -200,6 +256,7 @@ _COMMANDS: dict[str, tuple[Declare, Command]] = {
     "up": (_add_up, _cmd_up),
     "coordinator": (_add_coordinator, _cmd_coordinator),
     "stage": (_add_stage, _cmd_stage),
+    "bench": (_add_bench, _cmd_bench),
 }
 
 

@@ -1,0 +1,53 @@
+# omni-mesh: `make run` starts the demo pipeline, `make test` runs the whole suite.
+# Both set everything up on a fresh machine (system packages when missing, then .venv).
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PORT   ?= 8000
+# CPU build of torch (a local wheel on this project's machines); an unpinned torch may pull a
+# multi-GB CUDA build. GPU users install their own torch before `pip install omni-mesh`.
+TORCH  ?= torch==2.13.0
+SYSTEM_PACKAGES := libibverbs1 iproute2 docker-compose
+
+.PHONY: install system-deps run test bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(MAKE) --no-print-directory system-deps
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,mooncake,yuanrong]'
+	$(BIN)/python -c "import torch, zmq, fastapi, mooncake.engine, mooncake.store, yr.datasystem" \
+		|| { echo "error: the install is incomplete (see above)"; exit 1; }
+	touch $(STAMP)
+
+# libibverbs1: Mooncake's wheels link it; iproute2: multi-host tests (ip netns);
+# docker-compose: validates the compose files without a Docker engine.
+system-deps:
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" != 0 ]; then \
+			echo "error: missing system packages:$$missing; run: sudo apt-get install -y --no-install-recommends$$missing"; exit 1; \
+		fi; \
+		echo "installing system packages:$$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+run: install
+	$(BIN)/omni-mesh up compose/omni-demo.yaml --port $(PORT)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/omni-mesh bench connector --connector SharedMemoryConnector
+	$(BIN)/omni-mesh bench pipeline --topology compose/noop-pipeline.yaml --concurrency 32 --duration 10
+
+lint: install
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info

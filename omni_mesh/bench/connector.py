@@ -1,0 +1,279 @@
+"""`omni-mesh bench connector`: cross-process put -> get through one connector, against references.
+
+The producer (this process) puts a dict holding one bfloat16 tensor and sends the metadata to a
+consumer process over ZeroMQ; the consumer gets it and reports its timings back. For each size we
+print medians of:
+
+- put->get: the producer's put time plus the consumer's get time, i.e. the data plane's cost of moving
+  the payload (the metadata hop belongs to the control plane and is shown separately as e2e);
+- memcpy: copying the same number of bytes between two pre-faulted buffers in this process, measured
+  in the same run, and the ratio put->get / memcpy bandwidth;
+- raw: where a raw transport exists (Mooncake, ZeroMQ, Yuanrong), the same bytes moved with the raw
+  library between two processes in the same run, and the ratio connector / raw.
+
+The first transfer of each size is verified byte for byte (outside the timings).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import msgpack
+import torch
+import zmq
+
+from omni_mesh.connectors import create_connector, parse_size
+
+DEFAULT_SIZES = ["4KiB", "1MiB", "16MiB", "256MiB"]
+EDGE = ("producer", "consumer")
+REPLY_TIMEOUT_MS = 120_000
+
+# Raw baselines by connector: "module:function(size, repeats, ...) -> list[seconds]".
+RAW_BASELINES: dict[str, str] = {
+    "MooncakeTransferEngineConnector": "omni_mesh.bench.raw_mooncake:transfer_engine_seconds",
+    "MooncakeStoreConnector": "omni_mesh.bench.raw_mooncake:store_seconds",
+    "ZmqConnector": "omni_mesh.bench.raw_zmq:zmq_seconds",
+    "YuanrongConnector": "omni_mesh.bench.raw_yuanrong:kv_seconds",
+}
+
+
+@dataclass
+class SizeResult:
+    size: int
+    repeats: int
+    put_get_s: float
+    put_s: float
+    get_s: float
+    e2e_s: float
+    gbps: float
+    memcpy_gbps: float
+    ratio_memcpy: float
+    raw_gbps: float | None = None
+    ratio_raw: float | None = None
+
+
+def repeats_for(size: int) -> int:
+    """Enough repetitions for a stable median without making 256 MiB take minutes."""
+    return max(5, min(200, (2 << 30) // max(size, 1) // 16))
+
+
+def payload(size: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(size)
+    return {"hidden_states": torch.randn(max(1, size // 2), generator=generator).to(torch.bfloat16)}
+
+
+def digest(tensor: torch.Tensor) -> str:
+    return hashlib.blake2b(tensor.contiguous().view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()
+
+
+def memcpy_seconds(size: int, repeats: int) -> list[float]:
+    """The reference: one memcpy (the codec's copy primitive) between two pre-faulted buffers."""
+    src = torch.ones(size, dtype=torch.uint8)
+    dst = torch.zeros(size, dtype=torch.uint8)
+    times = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), size)
+        times.append(time.perf_counter() - started)
+    return times[1:]
+
+
+def in_process_seconds(name: str, config: dict, size: int, repeats: int) -> list[float]:
+    """put + get in one process (small payloads: the latency floor of the connector)."""
+    connector = create_connector(name, config)
+    data = payload(size)
+    times = []
+    try:
+        for i in range(repeats + 50):
+            started = time.perf_counter()
+            _, _, meta = connector.put(*EDGE, f"inproc/{i}", data)
+            result = connector.get(*EDGE, f"inproc/{i}", meta)
+            times.append(time.perf_counter() - started)
+            del result
+    finally:
+        connector.close()
+    return times[50:]
+
+
+class ConsumerProcess:
+    """The other side of the benchmark: builds the connector from the same config, gets, reports."""
+
+    def __init__(self, name: str, config: dict) -> None:
+        self.ctx = zmq.Context()
+        self.socket = self.ctx.socket(zmq.PAIR)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        argv = [sys.executable, "-m", "omni_mesh.bench.connector", "--consumer", name, json.dumps(config), str(port)]
+        self.process = subprocess.Popen(argv)
+
+    def ask(self, message: dict) -> dict:
+        self.socket.send(msgpack.packb(message, use_bin_type=True))
+        if not self.socket.poll(REPLY_TIMEOUT_MS):
+            raise RuntimeError(f"consumer process did not answer within {REPLY_TIMEOUT_MS / 1000:g} s (exit {self.process.poll()})")
+        reply = msgpack.unpackb(self.socket.recv(), raw=False)
+        if "error" in reply:
+            raise RuntimeError(f"consumer: {reply['error']}")
+        return reply
+
+    def close(self) -> None:
+        try:
+            if self.process.poll() is None:
+                self.socket.send(msgpack.packb({"stop": True}))
+                self.process.wait(10)
+        except (subprocess.TimeoutExpired, zmq.ZMQError):
+            self.process.kill()
+            self.process.wait()
+        self.socket.close(0)
+        self.ctx.term()
+
+
+def consumer_main(name: str, config_json: str, port: int) -> int:
+    ctx = zmq.Context()
+    socket = ctx.socket(zmq.PAIR)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(f"tcp://127.0.0.1:{port}")
+    connector = create_connector(name, json.loads(config_json))
+    try:
+        while True:
+            message = msgpack.unpackb(socket.recv(), raw=False)
+            if message.get("stop"):
+                return 0
+            try:
+                reply = _consume(connector, message)
+            except Exception as exc:
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            socket.send(msgpack.packb(reply, use_bin_type=True))
+    finally:
+        connector.close()
+        socket.close(0)
+        ctx.term()
+
+
+def _consume(connector: Any, message: dict) -> dict:
+    received = time.perf_counter()
+    result = connector.get(*EDGE, message["key"], message["meta"])
+    got = time.perf_counter()
+    if result is None:
+        return {"error": f"get returned None for {message['key']}"}
+    reply = {"received": received, "get_s": got - received, "done": got}
+    if message.get("verify"):
+        reply["digest"] = digest(result[0]["hidden_states"])
+    del result  # release the payload before the next round
+    return reply
+
+
+def bench_size(name: str, config: dict, consumer: ConsumerProcess, size: int, repeats: int) -> SizeResult:
+    connector = create_connector(name, config)
+    data = payload(size)
+    expected = digest(data["hidden_states"])
+    put_s, get_s, e2e_s = [], [], []
+    try:
+        for i in range(repeats + 2):
+            key = f"bench-{size}/{i}"
+            started = time.perf_counter()
+            ok, _, meta = connector.put(*EDGE, key, data)
+            put_done = time.perf_counter()
+            if not ok:
+                raise RuntimeError(f"put of {key} failed")
+            reply = consumer.ask({"key": key, "meta": meta, "verify": i == 0})
+            if i == 0 and reply["digest"] != expected:
+                raise RuntimeError(f"{name}: the consumer received different bytes at {size} bytes")
+            if i >= 2:  # two warm-up rounds
+                put_s.append(put_done - started)
+                get_s.append(reply["get_s"])
+                e2e_s.append(reply["done"] - started)  # perf_counter is CLOCK_MONOTONIC: one clock per host
+    finally:
+        connector.close()
+    put_get = statistics.median([p + g for p, g in zip(put_s, get_s)])
+    memcpy = statistics.median(memcpy_seconds(size, repeats))
+    return SizeResult(
+        size=size,
+        repeats=repeats,
+        put_get_s=put_get,
+        put_s=statistics.median(put_s),
+        get_s=statistics.median(get_s),
+        e2e_s=statistics.median(e2e_s),
+        gbps=size / put_get / 1e9,
+        memcpy_gbps=size / memcpy / 1e9,
+        ratio_memcpy=memcpy / put_get,
+    )
+
+
+def add_raw_baseline(name: str, result: SizeResult, config: dict) -> None:
+    target = RAW_BASELINES.get(name)
+    if target is None:
+        return
+    module_name, _, attr = target.partition(":")
+    function: Callable[..., list[float]] = getattr(importlib.import_module(module_name), attr)
+    if name == "YuanrongConnector":  # the raw client talks to the same worker as the connector
+        times = function(result.size, result.repeats, config.get("host", "127.0.0.1"), config["port"])
+    else:
+        times = function(result.size, result.repeats)
+    raw = statistics.median(times)
+    result.raw_gbps = result.size / raw / 1e9
+    result.ratio_raw = raw / result.put_get_s
+
+
+def run(name: str, config: dict, sizes: list[int], *, raw: bool = True) -> dict[str, Any]:
+    if name == "SharedMemoryConnector" and "memory_pool_size" not in config:
+        # Size the pool for the workload, as a deployment would: two payloads in flight at once.
+        config = {**config, "memory_pool_size": max(256 << 20, 2 * max(sizes) + (4 << 20))}
+    results = []
+    consumer = ConsumerProcess(name, config)
+    try:
+        for size in sizes:
+            result = bench_size(name, config, consumer, size, repeats_for(size))
+            if raw:
+                add_raw_baseline(name, result, config)
+            results.append(result)
+    finally:
+        consumer.close()
+    small = statistics.median(in_process_seconds(name, config, 4096, 2000))
+    return {"connector": name, "config": config, "sizes": [asdict(r) for r in results], "inproc_4k_s": small}
+
+
+def _fmt_size(size: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale} {unit}"
+    return f"{size} B"
+
+
+def _fmt_time(seconds: float) -> str:
+    return f"{seconds * 1e6:.1f} us" if seconds < 1e-3 else f"{seconds * 1e3:.2f} ms"
+
+
+def report(result: dict[str, Any]) -> str:
+    lines = [
+        f"connector {result['connector']}  config {json.dumps(result['config'])}",
+        "medians; put->get = producer put + consumer get; e2e adds the metadata hop between the processes",
+        f"{'size':>9} {'reps':>5} {'put->get':>10} {'GB/s':>7} {'memcpy GB/s':>12} {'x memcpy':>9} {'e2e':>10}"
+        f" {'raw GB/s':>9} {'x raw':>6}",
+    ]
+    for r in result["sizes"]:
+        raw = f"{r['raw_gbps']:9.2f} {r['ratio_raw']:6.2f}" if r["raw_gbps"] else f"{'-':>9} {'-':>6}"
+        lines.append(
+            f"{_fmt_size(r['size']):>9} {r['repeats']:5d} {_fmt_time(r['put_get_s']):>10} {r['gbps']:7.2f}"
+            f" {r['memcpy_gbps']:12.2f} {r['ratio_memcpy']:9.2f} {_fmt_time(r['e2e_s']):>10} {raw}"
+        )
+    lines.append(f"in-process 4 KiB put + get: {_fmt_time(result['inproc_4k_s'])} (median)")
+    return "\n".join(lines)
+
+
+def parse_sizes(text: str | None) -> list[int]:
+    items = text.split(",") if text else DEFAULT_SIZES
+    return [parse_size(item.strip(), what="--sizes") for item in items if item.strip()]
+
+
+if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "--consumer":
+    sys.exit(consumer_main(sys.argv[2], sys.argv[3], int(sys.argv[4])))
