@@ -1,0 +1,1 @@
+"""Benchmarks: connector throughput against the raw transports they are built on."""
