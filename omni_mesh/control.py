@@ -6,10 +6,11 @@ coordinator over one DEALER socket each; the coordinator binds a ROUTER. Payload
 travel here: only the connector metadata that locates them.
 
 Stage -> coordinator
-    register    stage, replica, pid, host, pidns, ipcns, shm_prefix, max_inflight, edges {label: connector}
+    register    stage, replica, pid, host, pidns, ipcns, shm_prefix, max_inflight, edges {label: connector},
+                connectors {ref: health}
     heartbeat   replica, inflight, processed, errors, connectors {ref: health}, draining
     output      rid, stage, replica, edges {dst: {key, meta}}, seq, last, timings; + frame if final
-    error       rid, stage, replica, error
+    error       rid, stage, replica, error, timeout (true: the request's deadline passed in the stage)
     deregister  replica
 Coordinator -> stage
     registered  replica, heartbeat_s

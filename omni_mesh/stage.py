@@ -37,6 +37,9 @@ from omni_mesh.topology import EdgeSpec, StageSpec, Topology, add_to_sys_path
 log = logging.getLogger("omni_mesh.stage")
 
 HEARTBEAT_S = 0.5
+#: How long a replica keeps releasing what it put for an aborted request: a consumer still holding
+#: a payload when the abort arrives (its handler is being cancelled) lets go of it moments later.
+ABORT_SWEEP_S = 10.0
 
 
 @dataclass
@@ -139,6 +142,7 @@ class StageReplica:
                 self.connectors[spec.ref] = create_connector(spec.name, spec.extra)
         self.executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{stage.name}-io")
         self.work: dict[str, _Work] = {}
+        self.aborted: dict[str, float] = {}  # rid -> until when (loop time) to sweep what we put for it
         self.processed = 0
         self.errors = 0
         self.malformed = 0
@@ -158,6 +162,7 @@ class StageReplica:
             loop.add_signal_handler(sig, self.request_drain)
         receiver = asyncio.create_task(self._receive_loop())
         heartbeat = asyncio.create_task(self._heartbeat_loop())
+        sweeper = asyncio.create_task(self._sweep_loop())
         try:
             producers = {self.connectors[e.connector.ref] for e in self.out_edges.values()}
             for connector in producers:
@@ -166,7 +171,7 @@ class StageReplica:
             log.info("replica %s of stage %s ready", self.replica_id, self.stage.name)
             await self._stopped.wait()
         finally:
-            for task in (receiver, heartbeat):
+            for task in (receiver, heartbeat, sweeper):
                 task.cancel()
             with contextlib.suppress(Exception):
                 await self._send({"type": "deregister", "replica": self.replica_id})
@@ -208,6 +213,7 @@ class StageReplica:
             "shm_prefix": segment_name(identity, ""),
             "max_inflight": self.stage.max_inflight,
             "edges": {e.label: e.connector.name for e in [*self.in_edges.values(), *self.out_edges.values()]},
+            "connectors": {ref: c.health() for ref, c in self.connectors.items()},
         }
         while not self._registered.is_set():
             await self._send(message)
@@ -285,7 +291,31 @@ class StageReplica:
         work = self.work.get(rid)
         if work is not None and work.task is not None:
             work.task.cancel()
-        asyncio.get_running_loop().create_task(self._cleanup(rid))
+        loop = asyncio.get_running_loop()
+        self.aborted[rid] = loop.time() + ABORT_SWEEP_S
+        loop.create_task(self._cleanup(rid))
+
+    async def _sweep_loop(self) -> None:
+        """Clean up aborted requests again: connectors skip payloads a consumer held at the abort."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            if not self.aborted:
+                continue
+            rids = list(self.aborted)
+            with contextlib.suppress(Exception):
+                await loop.run_in_executor(self.executor, self._cleanup_all, rids)
+            now = loop.time()
+            for rid in rids:
+                if self.aborted.get(rid, now) <= now:
+                    self.aborted.pop(rid, None)
+
+    def _cleanup_all(self, rids: list[str]) -> None:
+        """In the thread pool: release what every connector holds for each of `rids`."""
+        for connector in self.connectors.values():
+            for rid in rids:
+                with contextlib.suppress(Exception):
+                    connector.cleanup(rid)
 
     async def _cleanup(self, rid: str) -> None:
         loop = asyncio.get_running_loop()
@@ -296,8 +326,9 @@ class StageReplica:
     # ------------------------------------------------------------------ running one request
 
     async def _run(self, work: _Work, message: dict) -> None:
+        deadline = asyncio.timeout_at(work.ctx.deadline)
         try:
-            async with asyncio.timeout_at(work.ctx.deadline):
+            async with deadline:
                 inputs = await self._inputs(work, message)
                 result = self.handler(inputs, work.ctx)
                 if inspect.isasyncgen(result):
@@ -313,18 +344,26 @@ class StageReplica:
             self.processed += 1
         except asyncio.CancelledError:
             pass  # aborted by the coordinator, which already answered the client
-        except TimeoutError:
-            await self._fail(work, f"deadline exceeded in stage {self.stage.name!r}")
         except Exception as exc:
-            log.exception("stage %s failed request %s", self.stage.name, work.rid)
-            await self._fail(work, f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, TimeoutError) and deadline.expired():  # not a handler's own timeout
+                await self._fail(work, f"deadline exceeded in stage {self.stage.name!r}", timeout=True)
+            else:
+                log.exception("stage %s failed request %s", self.stage.name, work.rid)
+                await self._fail(work, f"{type(exc).__name__}: {exc}")
         finally:
             self.work.pop(work.rid, None)
 
-    async def _fail(self, work: _Work, error: str) -> None:
+    async def _fail(self, work: _Work, error: str, *, timeout: bool = False) -> None:
         self.errors += 1
         await self._cleanup(work.rid)
-        message = {"type": "error", "rid": work.rid, "stage": self.stage.name, "replica": self.replica_id, "error": error}
+        message = {
+            "type": "error",
+            "rid": work.rid,
+            "stage": self.stage.name,
+            "replica": self.replica_id,
+            "error": error,
+            "timeout": timeout,
+        }
         await self._send(message)
 
     async def _inputs(self, work: _Work, message: dict) -> Any:

@@ -237,8 +237,14 @@ class Dispatcher:
         state = self.requests.get(message["rid"])
         replica.inflight.discard(message["rid"])
         self.drain_queue(replica.stage)
-        if state is not None:
-            stage = message["stage"]
+        if state is None:
+            return
+        stage = message["stage"]
+        if message.get("timeout") is True:
+            # The stage's own deadline fired before our monitor noticed: the same 504 as expire().
+            where = f"stage {stage!r} (replica {replica.replica_id!r})"
+            self.fail(state, RequestFailed(504, f"deadline exceeded while at {where}", stage))
+        else:
             self.fail(state, RequestFailed(500, f"stage {stage!r} failed: {message['error']}", stage))
 
     # ------------------------------------------------------------------ failure

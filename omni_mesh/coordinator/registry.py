@@ -117,6 +117,9 @@ class Registry:
             edges=dict(message["edges"]),
             restarts=self.restarts.get(replica_id, 0),
         )
+        connectors = message.get("connectors")
+        if isinstance(connectors, dict):
+            replica.connectors = connectors
         if previous is not None:
             replica.inflight = previous.inflight  # the caller fails these: that process is gone
         self.replicas[replica_id] = replica

@@ -1,0 +1,115 @@
+"""Stage handlers for the mesh's end-to-end tests (copied next to each test topology file).
+
+Chain stages (`step`): the entry stage turns `{"n": N}` into a float64 tensor `arange(N)`; every
+stage then appends its name to `trail` and applies `x -> 2 * x + K[stage]`, an affine map that does
+not commute with the others', so the final value tells whether every stage ran, once, in order.
+Request params steer misbehaviour at one stage: `{"fail": name}` raises (`{"error": "TimeoutError"}`
+picks the exception; RuntimeError by default), `{"hang": name}` never
+returns (and takes 0.3 s to unwind when cancelled), `{"sleep": {name: seconds}}` waits first.
+
+Graph stages (`split`, `left`, `right`, `join`, `side`): fan-out, a streaming branch, fan-in.
+Stream stages (`gen`, `relay`): a streaming entry and a streaming final stage that checks order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterable, AsyncIterator
+from typing import Any
+
+import torch
+
+K = {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0}
+
+
+async def _misbehave(ctx: Any) -> None:
+    params = ctx.params
+    delay = (params.get("sleep") or {}).get(ctx.stage)
+    if delay:
+        await asyncio.sleep(float(delay))
+    if params.get("fail") == ctx.stage:
+        error = {"RuntimeError": RuntimeError, "TimeoutError": TimeoutError}[
+            params.get("error", "RuntimeError")
+        ]
+        raise error(f"injected failure in {ctx.stage}")
+    if params.get("hang") == ctx.stage:
+        try:
+            await asyncio.Event().wait()  # forever: only the deadline or an abort ends this
+        finally:
+            # Like a model step that runs to its end before it lets go of its inputs: cancelled
+            # work holds its payloads a moment longer than the coordinator takes to abort.
+            loop = asyncio.get_running_loop()
+            unwound = loop.time() + 0.3
+            while (left := unwound - loop.time()) > 0:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(left)
+
+
+async def step(inputs: dict, ctx: Any) -> dict:
+    await _misbehave(ctx)
+    if "x" in inputs:
+        x, trail = inputs["x"], list(inputs["trail"])
+    else:  # the entry stage: the request's JSON inputs
+        x, trail = torch.arange(int(inputs["n"]), dtype=torch.float64), []
+    assert isinstance(x, torch.Tensor) and x.dtype == torch.float64, type(x)
+    out = {"x": x * 2 + K[ctx.stage], "trail": [*trail, ctx.stage]}
+    if ctx.stage == "d":  # the final stage answers with a summary, not the whole tensor
+        y = out["x"]
+        out = {"trail": out["trail"], "n": y.numel(), "head": y[:3], "tail": y[-2:], "sum": float(y.sum())}
+    return out
+
+
+# ---------------------------------------------------------------------- fan-out, fan-in
+
+
+async def split(inputs: dict, ctx: Any) -> dict:
+    return {"v": torch.tensor(inputs["v"], dtype=torch.int64), "tag": inputs.get("tag", "")}
+
+
+async def left(inputs: dict, ctx: Any) -> dict:
+    return {"v": inputs["v"] * 10, "by": ctx.stage}
+
+
+async def right(inputs: dict, ctx: Any) -> AsyncIterator[dict]:
+    """Streams one chunk per element of v: {"i", "v": v[i] + 100}."""
+    for i, value in enumerate(inputs["v"].tolist()):
+        await asyncio.sleep(0.01)
+        yield {"i": i, "v": value + 100}
+
+
+async def join(inputs: dict, ctx: Any) -> dict:
+    """Fan-in: {"left": left's output, "right": the list of right's chunks}."""
+    assert set(inputs) == {"left", "right"}, sorted(inputs)
+    chunks = inputs["right"]
+    assert isinstance(chunks, list), type(chunks)
+    return {"left": inputs["left"]["v"], "right": [c["v"] for c in chunks], "order": [c["i"] for c in chunks]}
+
+
+async def side(inputs: Any, ctx: Any) -> dict:
+    """A single-input stage after a streaming one: reads the chunks as they arrive."""
+    assert isinstance(inputs, AsyncIterable), type(inputs)
+    seen = [chunk["i"] async for chunk in inputs]
+    return {"seen": seen, "stage": ctx.stage}
+
+
+# ---------------------------------------------------------------------- streaming
+
+
+async def gen(inputs: dict, ctx: Any) -> AsyncIterator[dict]:
+    """Streams `count` chunks; each holds a float32 tensor of `size` elements, all equal to seq."""
+    for seq in range(int(inputs["count"])):
+        yield {"seq": seq, "x": torch.full((int(inputs["size"]),), float(seq), dtype=torch.float32)}
+
+
+async def relay(inputs: Any, ctx: Any) -> AsyncIterator[dict]:
+    """A streaming final stage: checks each chunk arrives in order, intact, and passes on a summary."""
+    expected = 0
+    async for chunk in inputs:
+        if chunk["seq"] != expected:
+            raise AssertionError(f"chunk seq {chunk['seq']} arrived when {expected} was due")
+        x = chunk["x"]
+        if not bool((x == float(expected)).all()):
+            raise AssertionError(f"chunk {expected} holds the wrong values")
+        yield {"seq": chunk["seq"], "size": x.numel(), "sum": float(x.sum())}
+        expected += 1

@@ -1,0 +1,263 @@
+"""Run a real mesh for end-to-end tests: `omni-mesh up TOPOLOGY --port P` as a subprocess.
+
+`start_mesh` writes the topology into a directory (next to a copy of `mesh_handlers.py`, so the
+stage processes import it from the topology's directory), starts the launcher on a free port and
+waits for `/ready`. `Mesh.stop` sends a signal, waits for the launcher to exit, and checks that no
+process of the mesh remains and that nothing the mesh's processes made is left in /dev/shm.
+Everything a mesh starts is killed on every path, also when a check fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import yaml
+
+from omni_mesh.connectors.shm_segments import list_segments, owner_of, process_start_time
+from omni_mesh.launcher import free_port
+
+HANDLERS = Path(__file__).with_name("mesh_handlers.py")
+OMNI_MESH = Path(sys.executable).with_name("omni-mesh")  # the console script next to this venv's python
+READY_TIMEOUT_S = 90.0
+STOP_TIMEOUT_S = 30.0
+
+T = TypeVar("T")
+
+
+def wait_for(condition: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.05) -> T:
+    """Poll `condition` until it returns something truthy; fail naming `what` past the deadline."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while True:
+        last = condition()
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last: {last!r})")
+        time.sleep(interval_s)
+
+
+def _parent_death_signal() -> None:
+    """In the launcher, before exec: if this test process dies, the launcher gets SIGTERM."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def descendants(root: int) -> set[int]:
+    """Every live process below `root` (children, their children, ...)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            ppid = _ppid(int(entry))
+            if ppid is not None:
+                parents.setdefault(ppid, []).append(int(entry))
+    found: set[int] = set()
+    todo = [root]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+class Mesh:
+    """One running `omni-mesh up`, with an HTTP client and the bookkeeping its checks need."""
+
+    def __init__(self, process: subprocess.Popen, url: str, topology: Path, log: Path) -> None:
+        self.process = process
+        self.url = url
+        self.topology = topology
+        self.log_path = log
+        self.client = httpx.Client(base_url=url, timeout=60.0)
+        self.shm_before = set(list_segments())
+        # pid -> start time of every process of this mesh we have seen (a restarted stage adds one).
+        self.processes: dict[int, int] = {}
+        self.stopped = False
+
+    # ------------------------------------------------------------------ HTTP
+
+    def request(
+        self, inputs: Any, *, params: dict | None = None, timeout_s: float = 20.0, **body: Any
+    ) -> httpx.Response:
+        payload = {"inputs": inputs, "params": params or {}, "timeout_s": timeout_s, **body}
+        return self.client.post("/v1/requests", json=payload, timeout=timeout_s + 30)
+
+    def ok(self, inputs: Any, **kwargs: Any) -> dict:
+        response = self.request(inputs, **kwargs)
+        assert response.status_code == 200, (response.status_code, response.text)
+        return response.json()
+
+    def stages(self) -> dict[str, list[dict]]:
+        """{stage name: replicas} from /v1/stages; remembers every replica pid it sees."""
+        response = self.client.get("/v1/stages", timeout=10)
+        assert response.status_code == 200, response.text
+        out = {stage["name"]: stage["replicas"] for stage in response.json()["stages"]}
+        for replicas in out.values():
+            for replica in replicas:
+                self._remember(replica["pid"])
+        return out
+
+    def replica(self, stage: str) -> dict | None:
+        replicas = self.stages().get(stage) or []
+        return replicas[0] if replicas else None
+
+    def connector_health(self, stage: str) -> dict[str, dict]:
+        replica = self.replica(stage)
+        return replica["connectors"] if replica else {}
+
+    def ready(self) -> httpx.Response:
+        return self.client.get("/ready", timeout=10)
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        def ready() -> bool:
+            if self.process.poll() is not None:
+                raise AssertionError(f"omni-mesh up exited with {self.process.returncode}:\n{self.log()}")
+            with contextlib.suppress(httpx.HTTPError):
+                return self.ready().status_code == 200
+            return False
+
+        wait_for(ready, timeout_s, f"{self.url}/ready", interval_s=0.1)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    # ------------------------------------------------------------------ processes
+
+    def _remember(self, pid: int) -> None:
+        start = process_start_time(pid)
+        if start is not None:
+            self.processes.setdefault(pid, start)
+
+    def remember_tree(self) -> None:
+        self._remember(self.process.pid)
+        for pid in descendants(self.process.pid):
+            self._remember(pid)
+
+    def alive(self) -> list[int]:
+        """Processes of this mesh that still run (a pid reused by another process does not count)."""
+        return [pid for pid, start in self.processes.items() if process_start_time(pid) == start]
+
+    def our_segments(self) -> list[str]:
+        """Segments in /dev/shm made by a process of this mesh."""
+        ours = []
+        for name in list_segments():
+            owner = owner_of(name)
+            if owner is not None and owner.pid in self.processes and name not in self.shm_before:
+                ours.append(name)
+        return ours
+
+    def stop(self, sig: signal.Signals = signal.SIGINT, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        """Signal the launcher, wait for it, and check it left no process and no segment behind."""
+        if self.stopped:
+            return self.process.returncode
+        self.stopped = True
+        self.client.close()
+        self.remember_tree()
+        try:
+            self.process.send_signal(sig)
+            try:
+                code = self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(
+                    f"omni-mesh up did not exit within {timeout_s} s of {sig.name}"
+                ) from None
+            # The launcher has exited: whatever it started must be gone too (give init a moment to reap).
+            wait_for(lambda: not self.alive(), 5.0, f"the processes of the mesh to exit after {sig.name}")
+            leftovers = self.our_segments()
+            assert not leftovers, f"omni-mesh up left shared-memory segments in /dev/shm: {leftovers}"
+            assert code == 0, f"omni-mesh up exited with {code} after {sig.name}:\n{self.log()[-4000:]}"
+            return code
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        """Last resort (a failed check): SIGKILL every process of the mesh still running."""
+        self.stopped = True
+        with contextlib.suppress(Exception):
+            self.client.close()
+        for pid in self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if self.process.poll() is None:
+            self.process.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(10)
+
+
+def write_topology(directory: Path, topology: dict | str | Path, *, handlers: bool = True) -> Path:
+    """Write a topology (a mapping, YAML text, or a file to copy) and the test handlers into `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "topology.yaml"
+    if isinstance(topology, Path):
+        shutil.copyfile(topology, path)
+    elif isinstance(topology, dict):
+        path.write_text(yaml.safe_dump(topology, sort_keys=False))
+    else:
+        path.write_text(topology)
+    if handlers:
+        shutil.copyfile(HANDLERS, directory / HANDLERS.name)
+    return path
+
+
+def up_command(topology: Path, port: int, *extra: str) -> list[str]:
+    assert OMNI_MESH.exists(), f"{OMNI_MESH} missing: install the package (pip install -e .)"
+    return [str(OMNI_MESH), "up", str(topology), "--port", str(port), *extra]
+
+
+def start_mesh(directory: Path, topology: dict | str | Path, *extra: str) -> Mesh:
+    """`omni-mesh up` on `topology` (written into `directory`), ready to serve."""
+    path = write_topology(directory, topology)
+    port = free_port()
+    log = directory / "mesh.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            up_command(path, port, *extra),
+            cwd=directory,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_parent_death_signal,
+        )
+    mesh = Mesh(process, f"http://127.0.0.1:{port}", path, log)
+    try:
+        mesh.wait_ready()
+        mesh.remember_tree()
+        mesh.stages()
+    except BaseException:
+        mesh.remember_tree()
+        mesh.kill()
+        raise
+    return mesh
+
+
+@contextlib.contextmanager
+def running_mesh(
+    directory: Path, topology: dict | str | Path, *extra: str, sig: signal.Signals = signal.SIGINT
+) -> Iterator[Mesh]:
+    """A mesh for a `with` block or a fixture: stopped with `sig` and checked afterwards."""
+    mesh = start_mesh(directory, topology, *extra)
+    try:
+        yield mesh
+    except BaseException:
+        mesh.kill()
+        raise
+    mesh.stop(sig)
