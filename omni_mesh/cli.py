@@ -144,6 +144,11 @@ def _add_stage(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument("--replica", default=os.environ.get("OMNI_MESH_REPLICA"), help="replica id (default: stage-host-pid)")
     parser.add_argument("--host", default=os.environ.get("OMNI_MESH_ADVERTISE_HOST"), help="host name to report")
+    parser.add_argument(
+        "--health-file",
+        default=os.environ.get("OMNI_MESH_HEALTH_FILE"),
+        help="touched at every heartbeat while registered (for container health checks)",
+    )
     return parser
 
 
@@ -156,7 +161,9 @@ def _cmd_stage(args: argparse.Namespace) -> int:
     stage = topology.stage(int(args.stage) if args.stage.isdigit() else args.stage)
     if not stage.handler:
         raise CliError(f"stage {stage.name!r} ({stage.stage_id}) has no handler: set `handler: module:function`")
-    return main_stage(topology, stage.name, args.coordinator, args.replica, args.host)
+    return main_stage(
+        topology, stage.name, args.coordinator, replica_id=args.replica, host=args.host, health_file=args.health_file
+    )
 
 
 def _add_up(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

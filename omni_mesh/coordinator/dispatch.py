@@ -49,6 +49,10 @@ class RequestState:
     gathering: dict[tuple[str, str], list] = field(default_factory=dict)  # (dst, src) -> streamed chunk items
     stream_targets: dict[str, str | None] = field(default_factory=dict)  # dst -> replica (None: queued)
     stream_buffer: dict[str, list[dict]] = field(default_factory=dict)  # dst -> chunks before dispatch
+    sent_chunks: dict[str, list[dict]] = field(default_factory=dict)  # dst -> chunks sent (replayed on retry)
+    work: dict[str, dict] = field(default_factory=dict)  # stage -> the work message routed to it
+    emitted: set[str] = field(default_factory=set)  # stages that produced output (no retry after that)
+    retried: set[str] = field(default_factory=set)
     outputs: dict[str, Any] = field(default_factory=dict)
     chunks: dict[str, list] = field(default_factory=dict)
     events: asyncio.Queue | None = None
@@ -96,10 +100,15 @@ class Dispatcher:
 
     def _route(self, state: RequestState, stage: str, body: dict) -> None:
         message = {"type": "work", "rid": state.rid, "stage": stage, "params": state.params, **body}
-        replica = self.registry.pick(stage)
+        state.work[stage] = message
+        self._place(state, message)
+
+    def _place(self, state: RequestState, message: dict) -> None:
+        """Dispatch to a replica with a free slot, or queue until one frees up."""
+        replica = self.registry.pick(message["stage"])
         if replica is None:
-            state.queued[stage] = time.perf_counter()
-            self.queues[stage].append((state.rid, message))
+            state.queued[message["stage"]] = time.perf_counter()
+            self.queues[message["stage"]].append((state.rid, message))
         else:
             self._dispatch(state, replica, message)
 
@@ -115,7 +124,11 @@ class Dispatcher:
         if message.get("stream_from"):
             state.stream_targets[stage] = replica.replica_id
             for chunk in state.stream_buffer.pop(stage, []):
-                self.send(replica, chunk)
+                self._send_chunk(state, stage, replica, chunk)
+
+    def _send_chunk(self, state: RequestState, dst: str, replica: Replica, chunk: dict) -> None:
+        state.sent_chunks.setdefault(dst, []).append(chunk)
+        self.send(replica, chunk)
 
     def drain_queue(self, stage: str) -> None:
         """Hand queued work of `stage` to replicas with free slots."""
@@ -142,6 +155,7 @@ class Dispatcher:
             # The request already ended (deadline, failure): let the replica free what it put.
             self.send(replica, {"type": "abort", "rid": rid, "reason": "request already ended"})
             return
+        state.emitted.add(stage)
         streamed = bool(message.get("end")) or not message["last"]
         for dst in self._outputs_of[stage]:
             item = message["edges"].get(dst)
@@ -184,7 +198,7 @@ class Dispatcher:
         if replica is None:
             state.stream_buffer.setdefault(dst, []).append(chunk)
         else:
-            self.send(replica, chunk)
+            self._send_chunk(state, dst, replica, chunk)
 
     def _input_ready(self, state: RequestState, src: str, dst: str, items: list, *, streamed: bool) -> None:
         gathered = state.gathered.setdefault(dst, {})
@@ -276,10 +290,27 @@ class Dispatcher:
             self.fail(state, RequestFailed(504, f"deadline exceeded while at {state.location()}", stage))
 
     def replica_lost(self, replica: Replica, reason: str) -> None:
-        """A replica died or left: its requests fail now rather than at their deadline."""
+        """A replica died or left. Work it held that had produced no output yet is retried once on
+        another healthy replica; the rest fails now, naming the stage, rather than at its deadline."""
+        stage = replica.stage
+        others = any(r is not replica for r in self.registry.of_stage(stage) if self.registry.is_healthy(r))
         for rid in list(replica.inflight):
             state = self.requests.get(rid)
-            if state is not None:
-                message = f"stage {replica.stage!r} replica {replica.replica_id!r} {reason} while handling the request"
-                self.fail(state, RequestFailed(502, message, replica.stage))
+            if state is None:
+                continue
+            if others and stage not in state.emitted and stage not in state.retried and stage in state.work:
+                log.warning("request %s: replica %s %s; retrying stage %r once", rid, replica.replica_id, reason, stage)
+                self._retry(state, stage)
+            else:
+                message = f"stage {stage!r} replica {replica.replica_id!r} {reason} while handling the request"
+                self.fail(state, RequestFailed(502, message, stage))
         replica.inflight.clear()
+
+    def _retry(self, state: RequestState, stage: str) -> None:
+        state.retried.add(stage)
+        state.at.pop(stage, None)
+        message = dict(state.work[stage])
+        if message.get("stream_from"):  # the new replica needs the chunks the old one already had
+            state.stream_buffer[stage] = state.sent_chunks.pop(stage, []) + state.stream_buffer.get(stage, [])
+            state.stream_targets[stage] = None
+        self._place(state, message)

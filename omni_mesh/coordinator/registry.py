@@ -19,6 +19,7 @@ class Replica:
     stage: str
     identity: bytes  # ZeroMQ routing id of its DEALER socket
     pid: int
+    start: int  # process start time (clock ticks since boot): pid + start survive pid reuse
     host: str
     machine: str
     pidns: str
@@ -50,7 +51,8 @@ class Replica:
         """True when the replica ran on this machine, in our PID namespace, and its process is gone."""
         if self.machine != machine_id() or self.pidns != namespace("pid"):
             return False
-        return process_start_time(self.pid) is None
+        started = process_start_time(self.pid)
+        return started is None or (self.start != 0 and started != self.start)
 
     def describe(self, now: float, timeout_s: float) -> dict[str, Any]:
         return {
@@ -100,6 +102,9 @@ class Registry:
                 )
         replica_id = message["replica"]
         previous = self.replicas.get(replica_id)
+        if previous is not None and previous.pid == message["pid"] and previous.identity == identity:
+            previous.last_seen = time.monotonic()  # a repeated register (sent while we were starting)
+            return previous
         if replica_id in self._seen_ids and (previous is None or previous.pid != message["pid"]):
             self.restarts[replica_id] = self.restarts.get(replica_id, 0) + 1
         self._seen_ids.add(replica_id)
@@ -108,6 +113,7 @@ class Registry:
             stage=stage,
             identity=identity,
             pid=message["pid"],
+            start=int(message.get("start") or 0),
             host=message["host"],
             machine=str(message.get("machine", "")),
             pidns=str(message.get("pidns", "")),
@@ -177,9 +183,11 @@ class Registry:
         tied = [r for r in candidates if len(r.inflight) == least]
         return tied[next(self._tiebreak) % len(tied)]
 
+    def is_healthy(self, replica: Replica) -> bool:
+        return replica.health(time.monotonic(), self.heartbeat_timeout_s) == "healthy"
+
     def has_healthy(self, stage: str) -> bool:
-        now = time.monotonic()
-        return any(r.health(now, self.heartbeat_timeout_s) == "healthy" for r in self.of_stage(stage))
+        return any(self.is_healthy(r) for r in self.of_stage(stage))
 
     # ------------------------------------------------------------------ readiness
 

@@ -117,6 +117,9 @@ class Coordinator:
             log.error("rejected replica %s: %s", message["replica"], exc)
             self._reply(identity, {"type": "rejected", "replica": message["replica"], "error": str(exc)})
             return
+        if replica is previous:  # the same process registering again: just confirm
+            self._reply(identity, {"type": "registered", "replica": replica.replica_id, "heartbeat_s": HEARTBEAT_S})
+            return
         if previous is not None and previous.pid != replica.pid:
             self.dispatcher.replica_lost(replica, f"restarted (pid {previous.pid} -> {replica.pid})")
         self._reply(identity, {"type": "registered", "replica": replica.replica_id, "heartbeat_s": HEARTBEAT_S})
