@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import itertools
 import mmap
+import os
 import struct
 import threading
 import weakref
@@ -37,6 +38,7 @@ from omni_mesh import codec
 from omni_mesh.connectors.allocator import PoolAllocator, round_up
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
 from omni_mesh.connectors.shm_segments import (
+    SHM_DIR,
     ProcessIdentity,
     create_segment,
     new_token,
@@ -53,6 +55,8 @@ SLOT = struct.Struct("<B3xII4xQ16sQ")  # generation at byte 16
 SLOT_HEADER = 64
 POOL_HEADER = 64
 FREE, WRITTEN, TAKEN, RELEASED = 0, 1, 2, 3
+PAGE = 4096
+PAGE_ALIGN_MIN = 64 * 1024
 _TAKER = struct.Struct("<II")
 
 
@@ -79,9 +83,10 @@ class _Segment:
 @dataclass
 class _Slot:
     segment: _Segment
-    offset: int
+    offset: int  # of the slot header; the frame follows it
     generation: int
     put_key: str
+    start: int  # what the allocator handed out (the slot may sit a little after it)
 
 
 def _digest(from_stage: str, to_stage: str, key: str) -> bytes:
@@ -136,6 +141,10 @@ class SharedMemoryConnector(OmniConnectorBase):
         metadata = {"segment": slot.segment.name, "offset": offset, "generation": generation, "length": size}
         return True, size, metadata
 
+    def warm_up(self) -> None:
+        with self._lock:
+            self._pool_locked()
+
     def _count_put(self, size: int, extra: str | None = None) -> None:
         if extra:
             self._counters.add_many(puts=1, bytes_put=size, **{extra: 1})
@@ -143,26 +152,33 @@ class SharedMemoryConnector(OmniConnectorBase):
             self._counters.add_many(puts=1, bytes_put=size)
 
     def _allocate(self, size: int, put_key: str, generation: int, from_stage: str, to_stage: str) -> _Slot:
-        need = SLOT_HEADER + size
+        # Large frames start on a page boundary (the slot header sits just before it), which the
+        # codec's page-offset matching of large leaves relies on; the slack costs < 4 KiB per slot.
+        slack = PAGE if size >= PAGE_ALIGN_MIN else 0
+        need = SLOT_HEADER + size + slack
         with self._lock:
             if self._closed:
                 raise ConnectorError(
                     f"SharedMemoryConnector is closed (put {put_key!r} on {from_stage}->{to_stage})"
                 )
             pool = self._pool_locked()
-            offset = None
+            start = None
+            # Always, not only when the pool is the target: released fallback segments are unlinked here.
+            self._reclaim_locked(check_takers=False)
             if need <= pool.allocator.size - POOL_HEADER:
-                self._reclaim_locked(check_takers=False)
-                offset = pool.allocator.allocate(need)
-                if offset is None:
+                start = pool.allocator.allocate(need)
+                if start is None:
                     self._reclaim_locked(check_takers=True)
-                    offset = pool.allocator.allocate(need)
-            if offset is None:
-                segment = self._fallback_locked(need, from_stage, to_stage, put_key)
-                offset = 0
+                    start = pool.allocator.allocate(need)
+            if start is None:
+                segment, start = self._fallback_locked(need, from_stage, to_stage, put_key), 0
             else:
                 segment = pool
-            slot = _Slot(segment, offset, generation, put_key)
+            offset = round_up(start + SLOT_HEADER, PAGE) - SLOT_HEADER if slack else start
+            # Reused pool space holds bytes of older frames: until this put writes its header, the
+            # state byte must not read as RELEASED or TAKEN, or a reclaim would free the slot mid-write.
+            segment.mm[offset] = FREE
+            slot = _Slot(segment, offset, generation, put_key, start)
             self._slots[(segment.name, offset)] = slot
             return slot
 
@@ -170,7 +186,14 @@ class SharedMemoryConnector(OmniConnectorBase):
         if self._pool is None:
             size = round_up(max(self.config.memory_pool_size, POOL_HEADER + SLOT_HEADER))
             name = segment_name(self._identity, self._token)
-            mm = create_segment(name, size, populate=self.config.prefault)
+            try:
+                mm = create_segment(name, size, populate=self.config.prefault)
+            except OSError as exc:
+                self._counters.add("errors")
+                raise ConnectorError(
+                    f"SharedMemoryConnector: no shared memory for a {size}-byte pool: {exc}; free /dev/shm, "
+                    f"raise the container's shm_size or lower memory_pool_size"
+                ) from exc
             self._pool = _Segment(name, mm, PoolAllocator(size, start=POOL_HEADER))
             self._own[name] = self._pool
         return self._pool
@@ -215,7 +238,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         # Invalidate the generation first, so a racing consumer's release or take no longer matches.
         struct.pack_into("<Q", segment.mm, slot.offset + 16, 0)
         segment.mm[slot.offset] = FREE
-        segment.allocator.free(slot.offset)
+        segment.allocator.free(slot.start)
 
     def cleanup(self, key: str) -> None:
         """Free what this process put under `key` (or `key/...`) that no consumer holds."""
@@ -295,9 +318,18 @@ class SharedMemoryConnector(OmniConnectorBase):
                 raise ConnectorError(
                     f"SharedMemoryConnector: cannot map segment for {where}: {exc}"
                 ) from None
-            with self._lock:
-                self._mapped[name] = mm
+            if "_x" not in name:  # a producer's pool: map it once. Fallback names end in _x<n>.
+                with self._lock:
+                    self._forget_unlinked_locked()
+                    self._mapped[name] = mm
+            # A one-off fallback segment is not kept: the views' release finalizer holds the mapping,
+            # so it is unmapped (and its memory returned) once they die and the producer unlinks it.
         return mm
+
+    def _forget_unlinked_locked(self) -> None:
+        """Drop cached pools whose producer has closed or been reaped (checked when a new pool appears)."""
+        for name in [name for name in self._mapped if not (SHM_DIR / name).exists()]:
+            del self._mapped[name]  # live views keep their mapping through their finalizer
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -328,8 +360,11 @@ class SharedMemoryConnector(OmniConnectorBase):
             if self._closed:
                 return
             self._closed = True
+            # A forked child closes its inherited copy, but the segments belong to its parent.
+            owner = os.getpid() == self._identity.pid
             for segment in self._own.values():
-                unlink_segment(segment.name)
+                if owner:
+                    unlink_segment(segment.name)
                 with contextlib.suppress(BufferError):
                     segment.mm.close()
             self._own.clear()

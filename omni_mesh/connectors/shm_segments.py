@@ -77,7 +77,9 @@ def create_segment(name: str, size: int, *, populate: bool) -> mmap.mmap:
     path = SHM_DIR / name
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(fd, size)
+        # Reserve the pages now (tmpfs otherwise grows on write): a full /dev/shm is then ENOSPC here,
+        # not SIGBUS at some later write into the mapping.
+        os.posix_fallocate(fd, 0, size)
         flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
         return mmap.mmap(fd, size, flags=flags)
     except BaseException:
