@@ -1,0 +1,313 @@
+"""What the two Mooncake connectors share: the lazy backend import, the `host: auto` rule, the fast
+master/metadata-server probes, the registered memory pool that payload frames are laid into, and a
+`mooncake_master` launcher for tests, benchmarks and local runs.
+
+`host: auto` resolves, in order, to:
+  1. the source address the kernel picks for a route to the outside world (a UDP `connect`, which
+     sends nothing), so a multi-homed host advertises the interface its default route uses;
+  2. else (no default route, e.g. an isolated network namespace) the first IPv4 address of an
+     interface that is up and not loopback;
+  3. else 127.0.0.1.
+Set `host` to an explicit address to override the rule (for example the address of a fast NIC, or
+the address peers reach a container by).
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import fcntl
+import importlib
+import importlib.util
+import mmap
+import os
+import socket
+import struct
+import subprocess
+import threading
+import time
+import urllib.parse
+import weakref
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from omni_mesh.connectors.allocator import PoolAllocator, round_up
+from omni_mesh.connectors.base import ConnectorConfigError, ConnectorError
+
+INSTALL_HINT = (
+    "install it with `pip install 'omni-mesh[mooncake]'` (the non-CUDA wheel, CPU/TCP) or "
+    "`pip install 'omni-mesh[mooncake-cuda]'` on GPU hosts"
+)
+PROTOCOLS = ("tcp", "rdma")
+_SIOCGIFFLAGS = 0x8913
+_SIOCGIFADDR = 0x8915
+_IFF_UP = 0x1
+_IFF_LOOPBACK = 0x8
+
+
+def import_mooncake(module: str, owner: str) -> ModuleType:
+    """Import `mooncake.engine` / `mooncake.store` on first use, with an error that says what to install."""
+    # glog prints ~10 lines per engine at INFO; users can still ask for more by setting it themselves.
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        detail = str(exc)
+        if "libibverbs" in detail:
+            raise ConnectorError(
+                f"{owner}: the mooncake library cannot load ({detail}); install the RDMA userspace library "
+                "with `apt-get install -y libibverbs1` (no RDMA hardware is needed)"
+            ) from exc
+        raise ConnectorError(
+            f"{owner}: the mooncake library is not available ({detail}); {INSTALL_HINT}"
+        ) from exc
+
+
+def close_at_exit(connector: Any) -> None:
+    """Close `connector` at interpreter exit, in order, unless it is gone by then (held weakly)."""
+    atexit.register(_close_if_alive, weakref.ref(connector))
+
+
+def _close_if_alive(ref: weakref.ref) -> None:
+    connector = ref()
+    if connector is not None:
+        with contextlib.suppress(Exception):  # at exit there is nobody left to tell
+            connector.close()
+
+
+def payload_name(from_stage: str, to_stage: str, key: str) -> str:
+    """How errors name one payload."""
+    return f"key {key!r} on edge {from_stage}->{to_stage}"
+
+
+def check_protocol(owner: str, protocol: str) -> None:
+    if protocol not in PROTOCOLS:
+        raise ConnectorConfigError(
+            f"{owner}: protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}"
+        )
+
+
+def check_positive(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if value <= 0:
+            raise ConnectorConfigError(f"{owner}: {name} must be positive, got {value!r}")
+
+
+def resolve_host(value: str) -> str:
+    """The address to advertise and bind: `value` itself unless it is "auto" (rule in the module doc)."""
+    if value.strip().lower() != "auto":
+        return value.strip()
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.1", 9))  # TEST-NET-1: any routed address works, nothing is sent
+        address = probe.getsockname()[0]
+        if not address.startswith("127.") and address != "0.0.0.0":
+            return address
+    for _, name in socket.if_nameindex():
+        address = _interface_address(name)
+        if address is not None:
+            return address
+    return "127.0.0.1"
+
+
+def _interface_address(name: str) -> str | None:
+    """IPv4 address of an up, non-loopback interface (Linux ioctls; no extra dependency)."""
+    request = struct.pack("256s", name.encode()[:15])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            flags = struct.unpack_from("H", fcntl.ioctl(sock.fileno(), _SIOCGIFFLAGS, request), 16)[0]
+            if not flags & _IFF_UP or flags & _IFF_LOOPBACK:
+                return None
+            return socket.inet_ntoa(fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, request)[20:24])
+        except OSError:  # no IPv4 address on it
+            return None
+
+
+def split_address(address: str, owner: str, what: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConnectorConfigError(f"{owner}: {what} must look like HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def probe_tcp(address: str, timeout_s: float, owner: str, what: str, fix: str) -> None:
+    """Fail in `timeout_s` with the address in the message instead of letting a backend retry for minutes."""
+    host, port = split_address(address, owner, what)
+    started = time.monotonic()
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        waited = time.monotonic() - started
+        raise ConnectorError(
+            f"{owner}: cannot reach the {what} at {address} (after {waited:.1f}s: {exc or 'timed out'}); {fix}"
+        ) from None
+
+
+def probe_metadata_server(metadata_server: str, timeout_s: float, owner: str) -> None:
+    """An http:// metadata server that does not answer would stall the engine; fail fast instead."""
+    url = urllib.parse.urlsplit(metadata_server)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        return  # P2PHANDSHAKE needs no server; etcd endpoint lists are the engine's to dial
+    port = url.port or (443 if url.scheme == "https" else 80)
+    probe_tcp(
+        f"{url.hostname}:{port}",
+        timeout_s,
+        owner,
+        "metadata server",
+        f"start it or fix metadata_server ({metadata_server!r}), or use P2PHANDSHAKE",
+    )
+
+
+class RegisteredPool:
+    """One anonymous mapping carved into 64-byte aligned regions by a first-fit allocator.
+
+    The owner registers `address`/`size` with the transfer backend once. `view(offset, length)` hands a
+    region out as a numpy array whose garbage collection gives the region back, so tensors decoded as
+    views over it keep it reserved exactly as long as they live. Finalizers never take the lock (they
+    may run inside a locked section of the same thread during GC); they queue the offset instead.
+    """
+
+    def __init__(self, size: int, *, prefault: bool) -> None:
+        self.size = round_up(size, mmap.PAGESIZE)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if prefault else 0)
+        self._mm: mmap.mmap | None = mmap.mmap(-1, self.size, flags=flags)
+        self.array = np.frombuffer(self._mm, dtype=np.uint8)
+        self.address = self.array.ctypes.data
+        self._allocator = PoolAllocator(self.size)
+        self._cond = threading.Condition(threading.Lock())
+        self._released: collections.deque[int] = collections.deque()
+
+    def allocate(self, nbytes: int, timeout_s: float) -> int | None:
+        """Offset of a region of `nbytes`, waiting up to `timeout_s` for space; None if none came free."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                self._drain_locked()
+                offset = self._allocator.allocate(nbytes)
+                if offset is not None:
+                    return offset
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                # Frees through finalizers cannot notify; a short wait slice picks them up.
+                self._cond.wait(min(remaining, 0.02))
+
+    def free(self, offset: int) -> None:
+        with self._cond:
+            self._allocator.free(offset)
+            self._cond.notify_all()
+
+    def view(self, offset: int, length: int) -> np.ndarray:
+        """A fresh array over one region; the region is freed when it and every view of it are gone."""
+        # Made from the mapping itself, not sliced from `array`: numpy collapses a slice's base to
+        # `array`, and decoded tensors would then keep `array` alive instead of this region.
+        region = np.frombuffer(self._mm, dtype=np.uint8, count=length, offset=offset)
+        weakref.finalize(region, self._release, offset)
+        return region
+
+    def _release(self, offset: int) -> None:
+        self._released.append(offset)
+        if self._cond.acquire(blocking=False):
+            try:
+                self._drain_locked()
+                self._cond.notify_all()
+            finally:
+                self._cond.release()
+
+    def _drain_locked(self) -> None:
+        while self._released:
+            offset = self._released.popleft()
+            if offset in self._allocator:
+                self._allocator.free(offset)
+
+    @property
+    def in_use(self) -> int:
+        with self._cond:
+            self._drain_locked()
+            return self._allocator.in_use
+
+    def close(self) -> None:
+        """Drop this object's hold on the memory; arrays still viewing it keep it mapped until they die."""
+        self.array = np.empty(0, dtype=np.uint8)
+        self._mm = None
+
+
+def master_binary() -> str:
+    """Path of the `mooncake_master` executable shipped inside the mooncake wheel (found without importing it)."""
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConnectorError(f"mooncake_master: the mooncake library is not available; {INSTALL_HINT}")
+    path = os.path.join(next(iter(spec.submodule_search_locations)), "mooncake_master")
+    if not os.access(path, os.X_OK):
+        raise ConnectorError(f"mooncake_master: {path} is missing or not executable; reinstall mooncake")
+    return path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class MooncakeMaster:
+    """A `mooncake_master` on loopback free ports, for tests, benchmarks and local runs.
+
+    with MooncakeMaster() as master:
+        config = {"master": master.address, ...}
+    """
+
+    def __init__(
+        self, *, host: str = "127.0.0.1", extra_args: tuple[str, ...] = (), log_path: str | None = None
+    ):
+        self.host = host
+        self.extra_args = extra_args
+        self.log_path = log_path or os.devnull
+        self.process: subprocess.Popen | None = None
+        self.address = ""
+
+    def start(self, timeout_s: float = 10.0) -> MooncakeMaster:
+        binary = master_binary()
+        for _attempt in range(3):  # a free port can be taken between probing and binding it
+            rpc_port, metrics_port = free_port(self.host), free_port(self.host)
+            argv = [
+                binary,
+                f"--rpc_address={self.host}",
+                f"--rpc_port={rpc_port}",
+                f"--metrics_host={self.host}",
+                f"--metrics_port={metrics_port}",
+                *self.extra_args,
+            ]
+            with open(self.log_path, "ab") as log:
+                self.process = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+            if self._wait_ready(rpc_port, timeout_s):
+                self.address = f"{self.host}:{rpc_port}"
+                return self
+            self.stop()
+        raise ConnectorError(f"mooncake_master did not start on {self.host} (log: {self.log_path})")
+
+    def _wait_ready(self, port: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process is None or self.process.poll() is not None:
+                return False
+            with contextlib.suppress(OSError):
+                socket.create_connection((self.host, port), timeout=0.2).close()
+                return True
+            # Nothing to wait on but the port itself; the master is up in about 0.1 s.
+            threading.Event().wait(0.02)
+        return False
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            process.kill()  # holds no state worth a graceful exit, which takes it ~2 s
+        if process is not None:
+            process.wait()
+
+    def __enter__(self) -> MooncakeMaster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

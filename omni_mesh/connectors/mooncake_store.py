@@ -1,0 +1,389 @@
+"""MooncakeStoreConnector: payloads through a Mooncake distributed store (`mooncake_master` + clients).
+
+Every process runs one store client that may contribute `segment` bytes to the cluster-wide pool, and
+owns one local buffer (`localbuf`) registered with the store for zero-copy transfers:
+
+    put   plan the frame with the codec, lay it straight into a region of the local buffer and
+          `upsert_from` it under the store key (the store copies it into a segment, so the region is
+          free again when the call returns).
+    get   poll for the key up to `get_timeout_s`, `get_into` a region of the local buffer, remove
+          the key, and decode tensors as views over the region; the region goes back when the last
+          view is garbage-collected (or copy them out: `copy_on_get`).
+
+Store keys are `key_prefix + "from->to/put_key"`, so two edges never collide on one request key and
+omni-mesh never collides with other users of the same master. Keys nobody consumes are removed
+`ttl_s` after their put by the producer; `cleanup(request_id)` removes a request's keys now.
+
+The master is probed with a plain TCP connect before the store client starts, because the client's
+own retry loop blocks for about 90 s on an unreachable master.
+
+Metadata: {"key": store key, "length": frame bytes}. `get` also works without metadata (the key is
+derived from the edge and put_key) and then learns the length from the store.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from omni_mesh import codec
+from omni_mesh.connectors._mooncake_common import (
+    RegisteredPool,
+    check_positive,
+    check_protocol,
+    close_at_exit,
+    import_mooncake,
+    payload_name,
+    probe_metadata_server,
+    probe_tcp,
+    resolve_host,
+    split_address,
+)
+from omni_mesh.connectors.base import (
+    ConnectorConfigError,
+    ConnectorError,
+    Counters,
+    OmniConnectorBase,
+    edge_key,
+    parse_size,
+)
+
+__all__ = ["MooncakeStoreConfig", "MooncakeStoreConnector"]
+
+OWNER = "MooncakeStoreConnector"
+_OBJECT_NOT_FOUND = -704
+_BUFFER_TOO_SMALL = -600
+_DEFAULT_SEGMENT = 512 * 1024 * 1024
+_DEFAULT_LOCALBUF = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class MooncakeStoreConfig:
+    #: Address this client advertises; "auto" picks the interface that routes outside (see _mooncake_common).
+    host: str = "auto"
+    #: "P2PHANDSHAKE" (nothing to deploy) or an "http://host:port/metadata" / etcd metadata server.
+    metadata_server: str = "P2PHANDSHAKE"
+    #: HOST:PORT of the mooncake_master RPC service.
+    master: str = "127.0.0.1:50051"
+    #: Bytes this process contributes to the store ("512MiB"); 0 makes it a pure client.
+    segment: Any = None
+    #: Registered local buffer puts are staged in and gets land in ("256MiB"); the largest frame must fit.
+    localbuf: Any = None
+    #: "tcp" or "rdma".
+    protocol: str = "tcp"
+    #: RDMA device(s), e.g. "mlx5_0"; "" lets the store choose.
+    device_name: str = ""
+    #: Older spellings of protocol / device_name, as in existing topologies.
+    proto: str = ""
+    rdma: str = ""
+    #: How long to wait for the master to accept a TCP connection before giving up.
+    master_connect_timeout_s: float = 3.0
+    #: How long get() polls for a key that is not in the store yet.
+    get_timeout_s: float = 10.0
+    #: Keys nobody consumed are removed this long after their put.
+    ttl_s: float = 300.0
+    #: Copies of each payload the store keeps (on distinct segments).
+    replica_num: int = 1
+    #: Prepended to every store key, keeping omni-mesh's keys apart from other users of the master.
+    key_prefix: str = "omni-mesh/"
+    #: How long put()/get() wait for local buffer space held by live views.
+    pool_wait_s: float = 10.0
+    #: Copy tensors out on get (region freed at once) instead of returning views over it.
+    copy_on_get: bool = False
+    #: Fault the local buffer's pages in at start, so no transfer pays for first-touch page faults.
+    prefault: bool = True
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise the aliases and sizes once, here
+        set_(self, "segment", _size(self.segment, _DEFAULT_SEGMENT, "segment"))
+        set_(self, "localbuf", _size(self.localbuf, _DEFAULT_LOCALBUF, "localbuf"))
+        for name, alias, default in (("protocol", "proto", "tcp"), ("device_name", "rdma", "")):
+            value = getattr(self, alias)
+            if value:
+                if getattr(self, name) not in (value, default):
+                    raise ConnectorConfigError(f"{OWNER}: {alias!r} and {name!r} disagree; set only {name!r}")
+                set_(self, name, value)
+        check_protocol(OWNER, self.protocol)
+        check_positive(
+            OWNER,
+            localbuf=self.localbuf,
+            master_connect_timeout_s=self.master_connect_timeout_s,
+            get_timeout_s=self.get_timeout_s,
+            ttl_s=self.ttl_s,
+            replica_num=self.replica_num,
+        )
+        if self.pool_wait_s < 0:
+            raise ConnectorConfigError(f"{OWNER}: pool_wait_s must not be negative, got {self.pool_wait_s!r}")
+        split_address(self.master, OWNER, "master")
+        if not self.host.strip():
+            raise ConnectorConfigError(f"{OWNER}: host must be an address or 'auto'")
+
+
+def _size(value: Any, default: int, name: str) -> int:
+    return default if value is None else parse_size(value, what=f"{OWNER}: {name}")
+
+
+@dataclass
+class _Owned:
+    put_key: str
+    expires: float
+
+
+class MooncakeStoreConnector(OmniConnectorBase):
+    config_class = MooncakeStoreConfig
+    scope = "network"
+
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        super().__init__(config)  # validates before the backend is looked for
+        cfg: MooncakeStoreConfig = self.config
+        store_module = import_mooncake("mooncake.store", OWNER)
+        self.host = resolve_host(cfg.host)
+        probe_tcp(
+            cfg.master,
+            cfg.master_connect_timeout_s,
+            OWNER,
+            "Mooncake master",
+            "start `mooncake_master` there or fix `master` in the connector's extra",
+        )
+        probe_metadata_server(cfg.metadata_server, cfg.master_connect_timeout_s, OWNER)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._stop = threading.Event()
+        self._owned: dict[str, _Owned] = {}  # store key -> what this process put and nobody removed yet
+        self._counters = Counters("puts", "gets", "bytes_put", "bytes_got", "errors", "expired", "cleaned")
+        self._replicate = store_module.ReplicateConfig()
+        self._replicate.replica_num = cfg.replica_num
+        self._store = store_module.MooncakeDistributedStore()
+        # The store's own staging buffer serves only its bytes API, which this connector never uses.
+        rc = self._store.setup(
+            self.host, cfg.metadata_server, cfg.segment, 0, cfg.protocol, cfg.device_name, cfg.master
+        )
+        if rc != 0:
+            self._store = None
+            raise ConnectorError(
+                f"{OWNER}: the store client did not start (rc={rc}, host={self.host}, master={cfg.master}, "
+                f"metadata_server={cfg.metadata_server!r}, segment={cfg.segment}); check the master's log"
+            )
+        self._pool: RegisteredPool | None = RegisteredPool(cfg.localbuf, prefault=cfg.prefault)
+        rc = self._store.register_buffer(self._pool.address, self._pool.size)
+        if rc != 0:
+            self._shutdown_store()
+            raise ConnectorError(
+                f"{OWNER}: registering the {cfg.localbuf}-byte local buffer failed (rc={rc}); lower localbuf "
+                "or check the RDMA device's memory-lock limit (ulimit -l)"
+            )
+        self._reaper = threading.Thread(target=self._reap_loop, name="omni-mesh-store-reaper", daemon=True)
+        self._reaper.start()
+        close_at_exit(self)
+
+    # ------------------------------------------------------------------ producer side
+
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+        where = payload_name(from_stage, to_stage, put_key)
+        store, pool = self._open(f"put of {where}")
+        try:
+            frame = codec.plan(data)
+        except codec.UnsupportedTypeError as exc:
+            self._counters.add("errors")
+            raise ConnectorError(f"{OWNER}: cannot put {where}: {exc}") from None
+        size = frame.nbytes
+        key = self._store_key(from_stage, to_stage, put_key)
+        offset = self._allocate(pool, size, f"put of {where}")
+        try:
+            frame.write_into(pool.array, offset)
+            # upsert: a repeated put of one key replaces the payload (a plain put keeps the first one).
+            rc = store.upsert_from(key, pool.address + offset, size, self._replicate)
+        finally:
+            pool.free(offset)
+        if rc != 0:
+            self._counters.add("errors")
+            raise ConnectorError(
+                f"{OWNER}: put of {where} ({size} bytes) failed with rc={rc}; the store may be out of space "
+                "(raise `segment` on the storage processes or consume payloads sooner) or the master is down"
+            )
+        with self._lock:
+            self._owned[key] = _Owned(put_key, time.monotonic() + self.config.ttl_s)
+        self._counters.add_many(puts=1, bytes_put=size)
+        return True, size, {"key": key, "length": size}
+
+    def _allocate(self, pool: RegisteredPool, size: int, what: str) -> int:
+        if size > pool.size:
+            self._counters.add("errors")
+            raise ConnectorError(
+                f"{OWNER}: {what} needs {size} bytes but localbuf is {pool.size} bytes; raise localbuf in the "
+                f"connector's extra to at least '{-(-size // (1 << 20))}MiB' on both producer and consumer"
+            )
+        offset = pool.allocate(size, self.config.pool_wait_s)
+        if offset is None:
+            self._counters.add("errors")
+            raise ConnectorError(
+                f"{OWNER}: {what} waited {self.config.pool_wait_s}s for {size} free bytes of localbuf "
+                f"({pool.in_use} of {pool.size} held by tensors returned from get()); drop them sooner, raise "
+                "localbuf, or set copy_on_get: true"
+            )
+        return offset
+
+    # ------------------------------------------------------------------ consumer side
+
+    def get(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None = None
+    ) -> tuple[Any, int] | None:
+        where = payload_name(from_stage, to_stage, get_key)
+        store, pool = self._open(f"get of {where}")
+        key = self._store_key(from_stage, to_stage, get_key)
+        if metadata is not None and (not isinstance(metadata, dict) or metadata.get("key", key) != key):
+            raise ConnectorError(f"{OWNER}: metadata for {where} was made for another payload: {metadata!r}")
+        hint = metadata.get("length") if metadata else None
+        offset, length = self._fetch(
+            store, pool, key, hint if type(hint) is int and hint > 0 else None, where
+        )
+        store.remove(key, True)  # force: our own read holds a lease on it
+        with self._lock:
+            self._owned.pop(key, None)  # producer and consumer may be this instance
+        data = self._decode(pool.view(offset, length), length, where)
+        self._counters.add_many(gets=1, bytes_got=length)
+        return data, length
+
+    def _fetch(
+        self, store: Any, pool: RegisteredPool, key: str, length: int | None, where: str
+    ) -> tuple[int, int]:
+        """get_into a fresh region: (offset, length). With the length from the metadata the first try
+        skips asking the master for the size; a key not there yet falls back to polling for it."""
+        polled = length is None
+        if length is None:
+            length = self._wait_for(store, key, where)
+        while True:
+            offset = self._allocate(pool, length, f"get of {where}")
+            try:
+                got = store.get_into(key, pool.address + offset, length)
+            except BaseException:
+                pool.free(offset)
+                raise
+            if got == length:
+                return offset, length
+            pool.free(offset)
+            if got in (_OBJECT_NOT_FOUND, _BUFFER_TOO_SMALL) and not polled:
+                length, polled = self._wait_for(store, key, where), True
+                continue
+            self._counters.add("errors")
+            raise ConnectorError(
+                f"{OWNER}: get of {where} read {got} of {length} bytes (store key {key!r}); "
+                "the payload was removed or its holder died"
+            )
+
+    def _wait_for(self, store: Any, key: str, where: str) -> int:
+        """Poll for the key until get_timeout_s; its size once it is there."""
+        timeout = self.config.get_timeout_s
+        deadline = time.monotonic() + timeout
+        interval = 0.001
+        while True:
+            size = store.get_size(key)
+            if size > 0:
+                return size
+            if size not in (0, _OBJECT_NOT_FOUND):
+                self._counters.add("errors")
+                raise ConnectorError(f"{OWNER}: get of {where}: the store answered rc={size} for key {key!r}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._counters.add("errors")
+                raise ConnectorError(
+                    f"{OWNER}: get of {where}: store key {key!r} did not appear within get_timeout_s={timeout}s "
+                    "(never put, already consumed, expired after ttl_s, or cleaned up)"
+                )
+            if self._stop.wait(min(interval, remaining)):
+                raise ConnectorError(f"{OWNER} was closed during get of {where}")
+            interval = min(interval * 2, 0.05)
+
+    def _decode(self, region: Any, length: int, where: str) -> Any:
+        try:
+            if codec.frame_length(region) != length:
+                raise codec.FrameError(f"frame length differs from the {length} bytes in the store")
+            return codec.decode(region, copy=self.config.copy_on_get)
+        except codec.FrameError as exc:
+            self._counters.add("errors")
+            raise ConnectorError(f"{OWNER}: bad frame for {where}: {exc}") from None
+
+    # ------------------------------------------------------------------ reclaim and lifecycle
+
+    def _store_key(self, from_stage: str, to_stage: str, put_key: str) -> str:
+        return self.config.key_prefix + edge_key(from_stage, to_stage, put_key)
+
+    def _reap_loop(self) -> None:
+        tick = min(1.0, self.config.ttl_s / 4)
+        while not self._stop.wait(tick):
+            now = time.monotonic()
+            with self._lock:
+                expired = [key for key, owned in self._owned.items() if owned.expires <= now]
+            if expired:
+                self._remove(expired)
+                self._counters.add("expired", len(expired))
+
+    def _remove(self, keys: list[str]) -> None:
+        with self._lock:
+            for key in keys:
+                self._owned.pop(key, None)
+            store = self._store
+        if store is not None and keys:
+            store.batch_remove(keys, True)  # not-found (consumed meanwhile) is fine
+
+    def cleanup(self, key: str) -> None:
+        """Remove the keys this process put under `key` or `key/...` that nobody consumed yet."""
+        prefix = key + "/"
+        with self._lock:
+            doomed = [k for k, o in self._owned.items() if o.put_key == key or o.put_key.startswith(prefix)]
+        self._remove(doomed)
+        if doomed:
+            self._counters.add("cleaned", len(doomed))
+
+    def _open(self, what: str) -> tuple[Any, RegisteredPool]:
+        store, pool = self._store, self._pool
+        if self._closed or store is None or pool is None:
+            raise ConnectorError(f"{OWNER} is closed ({what})")
+        return store, pool
+
+    def health(self) -> dict:
+        counters = self._counters.snapshot()
+        with self._lock:
+            pending = len(self._owned)
+        pool = self._pool
+        in_use = pool.in_use if pool is not None else 0
+        size = pool.size if pool is not None else 0
+        if self._closed or not self._reaper.is_alive():
+            status = "unhealthy"
+        elif in_use > 0.9 * size:
+            status = "degraded"
+        else:
+            status = "healthy"
+        return {
+            "status": status,
+            **counters,
+            "tracked_keys": pending,
+            "localbuf_size": size,
+            "localbuf_in_use": in_use,
+            "master": self.config.master,
+            "segment": self.config.segment,
+            "protocol": self.config.protocol,
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            leftovers = list(self._owned)
+        self._stop.set()
+        self._reaper.join()
+        self._remove(leftovers)
+        self._shutdown_store()
+
+    def _shutdown_store(self) -> None:
+        store, pool = self._store, self._pool
+        self._store = self._pool = None
+        if store is not None and pool is not None:
+            store.unregister_buffer(pool.address)
+        if pool is not None:
+            pool.close()  # views handed out by get() keep their memory until they die
+        if store is not None:
+            store.close()  # takes 1-2 s with a mounted segment

@@ -1,0 +1,677 @@
+"""MooncakeTransferEngineConnector: point-to-point payloads over Mooncake's Transfer Engine (TCP or RDMA).
+
+Each instance (a stage process holds one per connector it names) registers ONE pre-allocated pool
+with its engine and owns a small ZeroMQ side channel bound to `host`.
+
+    put   plan the frame with the codec and lay it straight into a pool region (no staging copy);
+          the metadata names where it lives: engine segment, side-channel endpoint, handle, length.
+    get   reserve a region of the same length in the consumer's own pool and ask the producer, over
+          the side channel, to WRITE the frame there (one `transfer_sync_write`, the engine's
+          well-trodden direction on every transport). The producer frees its region as soon as the
+          write has landed; the consumer decodes the frame as views over its region, which goes back
+          to the pool when the last view is garbage-collected (or copies it out: `copy_on_get`).
+
+Reclaim: unconsumed payloads are freed `ttl_s` after their put; `cleanup(request_id)` frees a
+request's payloads; `close()` frees everything. A consumer whose request timed out keeps its region
+reserved ("quarantined") until the producer's late answer arrives or `ttl_s` passes, so a late write
+can never land in memory that was handed out again.
+
+Threads: calls block only the calling thread (asyncio code uses `asyncio.to_thread`). One agent
+thread per instance serves the side channel, reaps expired payloads and quarantined regions; a small
+pool of transfer threads performs the writes, so one large transfer does not hold up the others.
+
+Metadata (msgpack-able): {"segment": engine segment name (`host:rpc_port` with P2PHANDSHAKE),
+"endpoint": "tcp://host:port", "session": producer instance id, "handle": int, "addr": producer pool
+address, "length": frame bytes, "key": "from->to/put_key"}. The producer checks session, handle, key
+and length before it writes anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import zmq
+
+from omni_mesh import codec
+from omni_mesh.connectors._mooncake_common import (
+    RegisteredPool,
+    check_positive,
+    check_protocol,
+    close_at_exit,
+    import_mooncake,
+    payload_name,
+    probe_metadata_server,
+    resolve_host,
+)
+from omni_mesh.connectors.base import (
+    ConnectorConfigError,
+    ConnectorError,
+    Counters,
+    OmniConnectorBase,
+    edge_key,
+)
+
+__all__ = ["MooncakeTransferEngineConfig", "MooncakeTransferEngineConnector"]
+
+OWNER = "MooncakeTransferEngineConnector"
+P2P = "P2PHANDSHAKE"
+_AGENT_TICK_MS = 50
+_MAX_MESSAGE = 64 * 1024  # side-channel messages are a few hundred bytes
+_DEALER_IDLE_S = 60.0  # a side-channel socket unused this long is closed (its producer may be gone)
+
+
+@dataclass(frozen=True)
+class MooncakeTransferEngineConfig:
+    #: Address to advertise and bind; "auto" picks the interface that routes outside (see _mooncake_common).
+    host: str = "auto"
+    #: "tcp" or "rdma" (the engine falls back to TCP where no RDMA device is found).
+    protocol: str = "tcp"
+    #: RDMA device(s), e.g. "mlx5_0" or "mlx5_0,mlx5_1"; "" lets the engine choose.
+    device_name: str = ""
+    #: "P2PHANDSHAKE" (nothing to deploy) or an "http://host:port/metadata" / etcd metadata server.
+    metadata_server: str = P2P
+    #: The registered pool of this process; the largest payload (frame) must fit in it.
+    memory_pool_size: int = 512 * 1024 * 1024
+    #: Fault the pool's pages in at start, so no transfer pays for first-touch page faults.
+    prefault: bool = True
+    #: Unconsumed payloads are freed this long after their put.
+    ttl_s: float = 300.0
+    #: TCP port of the ZeroMQ side channel consumers ask for payloads on; 0 picks a free one.
+    zmq_port: int = 0
+    #: How long get() waits for the producer's side channel to accept a connection.
+    connect_timeout_s: float = 5.0
+    #: How long get() waits for the producer to write a payload into this process's pool.
+    transfer_timeout_s: float = 60.0
+    #: How long put()/get() wait for pool space held by unconsumed payloads or live views.
+    pool_wait_s: float = 10.0
+    #: Copy tensors out of the pool on get (region freed at once) instead of returning views over it.
+    copy_on_get: bool = False
+    #: Concurrent outgoing transfers of this process.
+    transfer_threads: int = 4
+
+    def __post_init__(self) -> None:
+        check_protocol(OWNER, self.protocol)
+        check_positive(
+            OWNER,
+            memory_pool_size=self.memory_pool_size,
+            ttl_s=self.ttl_s,
+            connect_timeout_s=self.connect_timeout_s,
+            transfer_timeout_s=self.transfer_timeout_s,
+            transfer_threads=self.transfer_threads,
+        )
+        if self.pool_wait_s < 0:
+            raise ConnectorConfigError(f"{OWNER}: pool_wait_s must not be negative, got {self.pool_wait_s!r}")
+        if not 0 <= self.zmq_port < 65536:
+            raise ConnectorConfigError(f"{OWNER}: zmq_port must be 0..65535, got {self.zmq_port!r}")
+        if not self.host.strip():
+            raise ConnectorConfigError(f"{OWNER}: host must be an address or 'auto'")
+
+
+@dataclass
+class _Payload:
+    put_key: str
+    key: str
+    offset: int
+    length: int
+    expires: float
+    claimed: bool = False  # a transfer of it is in flight
+    cancelled: bool = False  # cleanup()/close() asked for it while in flight
+
+
+@dataclass
+class _Quarantined:
+    socket: zmq.Socket
+    request_id: int
+    offset: int
+    until: float
+
+
+class MooncakeTransferEngineConnector(OmniConnectorBase):
+    config_class = MooncakeTransferEngineConfig
+    scope = "network"
+
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        super().__init__(config)  # validates before the backend is looked for
+        cfg: MooncakeTransferEngineConfig = self.config
+        engine_module = import_mooncake("mooncake.engine", OWNER)
+        self.host = resolve_host(cfg.host)
+        probe_metadata_server(cfg.metadata_server, cfg.connect_timeout_s, OWNER)
+        self._session = uuid.uuid4().hex
+        self._lock = threading.Lock()
+        self._closed = False
+        self._stop = threading.Event()
+        self._payloads: dict[int, _Payload] = {}
+        self._handles = itertools.count(1)
+        self._request_ids = itertools.count(1)
+        # Idle DEALER sockets per producer endpoint (a socket is used by one thread at a time) and
+        # when each endpoint was last used: sockets to producers long gone are closed by the agent.
+        self._idle_dealers: dict[str, list[zmq.Socket]] = {}
+        self._dealer_used: dict[str, float] = {}
+        self._quarantine: list[_Quarantined] = []
+        self._handoff: list[_Quarantined] = []  # filled by callers, taken over by the agent thread
+        self._counters = Counters(
+            "puts", "gets", "bytes_put", "bytes_got", "errors", "expired", "cleaned", "local_gets"
+        )
+        self._ctx = zmq.Context()
+        self._engine: Any = None
+        self._pool: RegisteredPool | None = None
+        try:
+            self._router = self._ctx.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.LINGER, 0)
+            # Requests are tiny: a peer sending more is not one of ours and gets disconnected.
+            self._router.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE)
+            self._zmq_port = self._bind_router(cfg.zmq_port)
+            self.endpoint = f"tcp://{_url_host(self.host)}:{self._zmq_port}"
+            self._results_address = f"inproc://omni-mesh-te-{self._session}"
+            self._results = self._ctx.socket(zmq.PULL)
+            self._results.bind(self._results_address)
+            self._engine, self.segment = self._start_engine(engine_module)
+            self._pool = RegisteredPool(cfg.memory_pool_size, prefault=cfg.prefault)
+            rc = self._engine.register_memory(self._pool.address, self._pool.size)
+            if rc != 0:
+                raise ConnectorError(
+                    f"{OWNER}: registering the {self._pool.size}-byte pool with the engine failed (rc={rc}); "
+                    "lower memory_pool_size or check the RDMA device's memory-lock limit (ulimit -l)"
+                )
+        except BaseException:
+            self._teardown_partial()
+            raise
+        self._workers = ThreadPoolExecutor(cfg.transfer_threads, thread_name_prefix="omni-mesh-te-transfer")
+        self._worker_state = threading.local()
+        self._push_sockets: list[zmq.Socket] = []
+        self._agent = threading.Thread(target=self._agent_loop, name="omni-mesh-te-agent", daemon=True)
+        self._agent.start()
+        close_at_exit(self)
+
+    # ------------------------------------------------------------------ setup
+
+    def _bind_router(self, port: int) -> int:
+        address = f"tcp://{_url_host(self.host)}"
+        try:
+            if port:
+                self._router.bind(f"{address}:{port}")
+                return port
+            return self._router.bind_to_random_port(address)
+        except zmq.ZMQError as exc:
+            raise ConnectorError(
+                f"{OWNER}: cannot bind the side channel on {self.host}:{port or 'any port'} ({exc}); "
+                "set `host` to an address of this machine, or pick another zmq_port"
+            ) from None
+
+    def _start_engine(self, engine_module: Any) -> tuple[Any, str]:
+        cfg: MooncakeTransferEngineConfig = self.config
+        engine = engine_module.TransferEngine()
+        if cfg.metadata_server == P2P:
+            local_name = self.host
+        else:
+            # With a metadata server the segment name is taken verbatim and must be unique; the side
+            # channel's port is unique on this host for our lifetime. The engine advertises
+            # MC_TCP_BIND_ADDRESS, else its first non-loopback address: make it ours.
+            local_name = f"{self.host}:{self._zmq_port}"
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.host)
+        rc = engine.initialize(local_name, cfg.metadata_server, cfg.protocol, cfg.device_name)
+        if rc != 0:
+            raise ConnectorError(
+                f"{OWNER}: the transfer engine did not start on {self.host} (rc={rc}, metadata_server="
+                f"{cfg.metadata_server!r}, protocol={cfg.protocol!r}, device_name={cfg.device_name!r}); "
+                "check that the metadata server is reachable and the device exists"
+            )
+        segment = f"{self.host}:{engine.get_rpc_port()}" if cfg.metadata_server == P2P else local_name
+        return engine, segment
+
+    # ------------------------------------------------------------------ producer side
+
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+        where = payload_name(from_stage, to_stage, put_key)
+        pool = self._open_pool(f"put of {where}")
+        try:
+            frame = codec.plan(data)
+        except codec.UnsupportedTypeError as exc:
+            self._counters.add("errors")
+            raise ConnectorError(f"{OWNER}: cannot put {where}: {exc}") from None
+        size = frame.nbytes
+        offset = self._allocate(pool, size, f"put of {where}")
+        try:
+            frame.write_into(pool.array, offset)
+        except BaseException:
+            pool.free(offset)
+            raise
+        handle = next(self._handles)
+        key = edge_key(from_stage, to_stage, put_key)
+        with self._lock:
+            if self._closed:
+                pool.free(offset)
+                raise ConnectorError(f"{OWNER} is closed (put of {where})")
+            self._payloads[handle] = _Payload(
+                put_key, key, offset, size, time.monotonic() + self.config.ttl_s
+            )
+        self._counters.add_many(puts=1, bytes_put=size)
+        metadata = {
+            "segment": self.segment,
+            "endpoint": self.endpoint,
+            "session": self._session,
+            "handle": handle,
+            "addr": pool.address + offset,
+            "length": size,
+            "key": key,
+        }
+        return True, size, metadata
+
+    def _allocate(self, pool: RegisteredPool, size: int, what: str) -> int:
+        if size > pool.size:
+            self._counters.add("errors")
+            raise ConnectorError(
+                f"{OWNER}: {what} needs {size} bytes but memory_pool_size is {pool.size} bytes; "
+                f"raise memory_pool_size in the connector's extra to at least '{_mib(size)}MiB' "
+                "on both producer and consumer"
+            )
+        offset = pool.allocate(size, self.config.pool_wait_s)
+        if offset is None:
+            self._counters.add("errors")
+            raise ConnectorError(
+                f"{OWNER}: {what} waited {self.config.pool_wait_s}s for {size} free bytes in the pool "
+                f"({pool.in_use} of {pool.size} bytes held by unconsumed payloads or live views); raise "
+                "memory_pool_size, consume payloads sooner, or drop tensors returned by get()"
+            )
+        return offset
+
+    def _serve_pull(self, identity: bytes, request: dict) -> None:
+        """Transfer thread: write one payload into the requesting consumer's pool, then answer."""
+        reply = {"id": request.get("id"), "ok": False, "error": ""}
+        try:
+            reply.update(self._pull(request))
+        except Exception as exc:  # the answer must always go back, whatever failed
+            reply["error"] = f"{type(exc).__name__}: {exc}"
+        self._reply(identity, reply)
+
+    def _pull(self, request: dict) -> dict:
+        handle, key, length = request.get("handle"), request.get("key"), request.get("length")
+        segment, addr, timeout_ms = request.get("segment"), request.get("addr"), request.get("timeout_ms")
+        if not (
+            type(handle) is int
+            and isinstance(key, str)
+            and type(length) is int
+            and isinstance(segment, str)
+            and type(addr) is int
+            and type(timeout_ms) is int
+        ):
+            return {"error": "malformed pull request"}
+        deadline = time.monotonic() + timeout_ms / 1000
+        if request.get("session") != self._session:
+            return {"error": f"the producer at {self.endpoint} restarted since the put; the payload is gone"}
+        with self._lock:
+            payload = self._payloads.get(handle)
+            if payload is None or payload.claimed or self._closed:
+                return {
+                    "error": "no such payload here (already consumed, expired after ttl_s, or cleaned up)"
+                }
+            if payload.key != key or payload.length != length:
+                return {"error": f"metadata does not match the payload put under handle {handle}"}
+            payload.claimed = True
+        rc = -1
+        try:
+            if time.monotonic() < deadline:  # the consumer has not given up on it yet
+                rc = self._engine.transfer_sync_write(
+                    segment, self._pool.address + payload.offset, addr, length
+                )
+        finally:
+            with self._lock:
+                payload.claimed = False
+                if rc == 0 or payload.cancelled or self._closed:
+                    self._payloads.pop(handle, None)
+                    self._pool.free(payload.offset)
+        if rc != 0:
+            return {"error": f"transfer_sync_write to segment {segment} failed (rc={rc})"}
+        return {"ok": True}
+
+    def _reply(self, identity: bytes, reply: dict) -> None:
+        push = getattr(self._worker_state, "push", None)
+        if push is None:
+            push = self._ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect(self._results_address)
+            self._worker_state.push = push
+            with self._lock:
+                self._push_sockets.append(push)
+        push.send_multipart([identity, msgpack.packb(reply)])
+
+    # ------------------------------------------------------------------ consumer side
+
+    def get(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None = None
+    ) -> tuple[Any, int] | None:
+        where = payload_name(from_stage, to_stage, get_key)
+        pool = self._open_pool(f"get of {where}")
+        meta = self._check_metadata(metadata, edge_key(from_stage, to_stage, get_key), where)
+        if meta["session"] == self._session:
+            return self._get_local(meta, where)
+        length = meta["length"]
+        offset = self._allocate(pool, length, f"get of {where}")
+        try:
+            self._pull_into(meta, pool, offset, where)
+        except _PullTimedOut:
+            self._counters.add("errors")
+            raise
+        except BaseException:
+            pool.free(offset)  # nothing can land there any more: the producer answered or was never asked
+            self._counters.add("errors")
+            raise
+        data = self._decode(pool.view(offset, length), length, where)
+        self._counters.add_many(gets=1, bytes_got=length)
+        return data, length
+
+    def _check_metadata(self, metadata: dict | None, key: str, where: str) -> dict:
+        if not isinstance(metadata, dict):
+            raise ConnectorError(f"{OWNER}: get of {where} needs the metadata that put() returned")
+        kinds = {
+            "segment": str,
+            "endpoint": str,
+            "session": str,
+            "handle": int,
+            "addr": int,
+            "length": int,
+            "key": str,
+        }
+        for name, kind in kinds.items():
+            if type(metadata.get(name)) is not kind:
+                raise ConnectorError(f"{OWNER}: metadata for {where} lacks a valid {name!r}: {metadata!r}")
+        if metadata["key"] != key:
+            raise ConnectorError(f"{OWNER}: metadata for {where} was made for {metadata['key']!r}")
+        if not metadata["endpoint"].startswith("tcp://") or metadata["length"] <= 0:
+            raise ConnectorError(f"{OWNER}: malformed metadata for {where}: {metadata!r}")
+        return metadata
+
+    def _pull_into(self, meta: dict, pool: RegisteredPool, offset: int, where: str) -> None:
+        """Ask the producer to write the payload at `offset` of our pool; raise on any failure."""
+        cfg: MooncakeTransferEngineConfig = self.config
+        endpoint = meta["endpoint"]
+        sock = self._dealer(endpoint)
+        if not sock.poll(int(cfg.connect_timeout_s * 1000), zmq.POLLOUT):
+            sock.close(linger=0)  # nothing was sent, so nothing can be written late: the region is free
+            raise ConnectorError(
+                f"{OWNER}: get of {where}: the producer's side channel {endpoint} did not accept a "
+                f"connection within {cfg.connect_timeout_s}s; is the producer process alive and reachable?"
+            )
+        request_id = next(self._request_ids)
+        request = {
+            "op": "pull",
+            "id": request_id,
+            "session": meta["session"],
+            "handle": meta["handle"],
+            "key": meta["key"],
+            "length": meta["length"],
+            "segment": self.segment,
+            "addr": pool.address + offset,
+            "timeout_ms": int(cfg.transfer_timeout_s * 1000),
+        }
+        sock.send(msgpack.packb(request))
+        deadline = time.monotonic() + cfg.transfer_timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not sock.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
+                self._quarantine_region(sock, request_id, offset)
+                raise _PullTimedOut(
+                    f"{OWNER}: get of {where}: the producer at {endpoint} did not deliver "
+                    f"{meta['length']} bytes within transfer_timeout_s={cfg.transfer_timeout_s}s"
+                )
+            reply = _unpack(sock.recv())
+            if reply.get("id") == request_id:
+                break  # an older id is the late answer to a request that timed out on this socket
+        self._release_dealer(endpoint, sock)
+        if not reply.get("ok"):
+            raise ConnectorError(
+                f"{OWNER}: get of {where} failed at the producer {endpoint}: {reply.get('error')}"
+            )
+
+    def _get_local(self, meta: dict, where: str) -> tuple[Any, int]:
+        """Producer and consumer are this instance: hand the producer's region over, no transfer."""
+        with self._lock:
+            payload = self._payloads.get(meta["handle"])
+            if payload is None or payload.claimed or payload.length != meta["length"]:
+                self._counters.add("errors")
+                raise ConnectorError(
+                    f"{OWNER}: get of {where}: no such payload (already consumed, expired after ttl_s, or cleaned up)"
+                )
+            del self._payloads[meta["handle"]]
+        length = payload.length
+        data = self._decode(self._pool.view(payload.offset, length), length, where)
+        self._counters.add_many(gets=1, bytes_got=length, local_gets=1)
+        return data, length
+
+    def _decode(self, region: Any, length: int, where: str) -> Any:
+        try:
+            if codec.frame_length(region) != length:
+                raise codec.FrameError(f"frame length differs from the {length} bytes announced")
+            return codec.decode(region, copy=self.config.copy_on_get)
+        except codec.FrameError as exc:
+            self._counters.add("errors")
+            raise ConnectorError(f"{OWNER}: bad frame for {where}: {exc}") from None
+
+    def _dealer(self, endpoint: str) -> zmq.Socket:
+        with self._lock:
+            idle = self._idle_dealers.get(endpoint)
+            if idle:
+                return idle.pop()
+            sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a peer that is not connected
+        sock.connect(endpoint)
+        return sock
+
+    def _release_dealer(self, endpoint: str, sock: zmq.Socket) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle_dealers.setdefault(endpoint, []).append(sock)
+                self._dealer_used[endpoint] = time.monotonic()
+                return
+        sock.close(linger=0)
+
+    def _quarantine_region(self, sock: zmq.Socket, request_id: int, offset: int) -> None:
+        with self._lock:
+            self._handoff.append(_Quarantined(sock, request_id, offset, time.monotonic() + self.config.ttl_s))
+
+    # ------------------------------------------------------------------ agent thread
+
+    def _agent_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._results, zmq.POLLIN)
+        while not self._stop.is_set():
+            events = dict(poller.poll(_AGENT_TICK_MS))
+            if self._router in events:
+                self._accept_requests()
+            if self._results in events:
+                self._send_results()
+            self._reap_expired()
+            self._reap_quarantine()
+            self._reap_idle_dealers()
+
+    def _accept_requests(self) -> None:
+        while True:
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                continue  # not ours: a probe or a stray client
+            identity, body = frames
+            request = _unpack(body)
+            if request.get("op") != "pull":
+                self._router.send_multipart(
+                    [
+                        identity,
+                        msgpack.packb({"id": request.get("id"), "ok": False, "error": "unknown request"}),
+                    ]
+                )
+                continue
+            try:
+                self._workers.submit(self._serve_pull, identity, request)
+            except RuntimeError:  # shutting down
+                return
+
+    def _send_results(self) -> None:
+        while True:
+            try:
+                identity, body = self._results.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            with contextlib.suppress(zmq.ZMQError):  # the consumer went away: nothing to tell
+                self._router.send_multipart([identity, body], zmq.NOBLOCK)
+
+    def _reap_expired(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [h for h, p in self._payloads.items() if p.expires <= now and not p.claimed]
+            for handle in expired:
+                self._pool.free(self._payloads.pop(handle).offset)
+        if expired:
+            self._counters.add("expired", len(expired))
+
+    def _reap_quarantine(self) -> None:
+        with self._lock:
+            self._quarantine.extend(self._handoff)
+            self._handoff.clear()
+        if not self._quarantine:
+            return
+        now = time.monotonic()
+        keep = []
+        for entry in self._quarantine:
+            if self._late_answer(entry) or entry.until <= now:
+                entry.socket.close(linger=0)
+                self._pool.free(entry.offset)
+            else:
+                keep.append(entry)
+        self._quarantine = keep
+
+    def _reap_idle_dealers(self) -> None:
+        stale_before = time.monotonic() - _DEALER_IDLE_S
+        with self._lock:
+            stale = [e for e, used in self._dealer_used.items() if used < stale_before]
+            sockets = [sock for e in stale for sock in self._idle_dealers.pop(e, [])]
+            for endpoint in stale:
+                del self._dealer_used[endpoint]
+        for sock in sockets:  # idle: no other thread holds them
+            sock.close(linger=0)
+
+    @staticmethod
+    def _late_answer(entry: _Quarantined) -> bool:
+        while entry.socket.poll(0, zmq.POLLIN):
+            if _unpack(entry.socket.recv()).get("id") == entry.request_id:
+                return True
+        return False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _open_pool(self, what: str) -> RegisteredPool:
+        pool = self._pool
+        if self._closed or pool is None:
+            raise ConnectorError(f"{OWNER} is closed ({what})")
+        return pool
+
+    def cleanup(self, key: str) -> None:
+        """Free the payloads this process put under `key` or `key/...` that nobody consumed yet."""
+        prefix = key + "/"
+        freed = 0
+        with self._lock:
+            if self._closed:
+                return
+            for handle, payload in list(self._payloads.items()):
+                if payload.put_key == key or payload.put_key.startswith(prefix):
+                    if payload.claimed:
+                        payload.cancelled = True  # freed by the transfer thread when it is done
+                    else:
+                        del self._payloads[handle]
+                        self._pool.free(payload.offset)
+                        freed += 1
+        if freed:
+            self._counters.add("cleaned", freed)
+
+    def health(self) -> dict:
+        counters = self._counters.snapshot()
+        pool = self._pool
+        with self._lock:
+            pending = len(self._payloads)
+            quarantined = len(self._quarantine) + len(self._handoff)
+        in_use = pool.in_use if pool is not None else 0
+        size = pool.size if pool is not None else 0
+        if self._closed or not self._agent.is_alive():
+            status = "unhealthy"
+        elif quarantined or in_use > 0.9 * size:
+            status = "degraded"
+        else:
+            status = "healthy"
+        return {
+            "status": status,
+            **counters,
+            "pending_payloads": pending,
+            "quarantined_regions": quarantined,
+            "pool_size": size,
+            "pool_in_use": in_use,
+            "segment": getattr(self, "segment", ""),
+            "endpoint": getattr(self, "endpoint", ""),
+            "protocol": self.config.protocol,
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        self._agent.join()
+        self._workers.shutdown(wait=True)  # in-flight writes finish before the pool goes away
+        with self._lock:
+            sockets = [s for idle in self._idle_dealers.values() for s in idle]
+            sockets += [q.socket for q in self._quarantine + self._handoff] + self._push_sockets
+            self._idle_dealers.clear()
+            self._payloads.clear()
+            self._quarantine.clear()
+            self._handoff.clear()
+        for sock in sockets:
+            sock.close(linger=0)
+        self._teardown_partial()
+
+    def _teardown_partial(self) -> None:
+        """Release engine, pool and sockets; also used when __init__ fails half-way."""
+        engine, pool = self._engine, self._pool
+        self._engine = self._pool = None
+        if engine is not None and pool is not None:
+            engine.unregister_memory(pool.address)
+        if pool is not None:
+            pool.close()
+        del engine  # the engine's own teardown takes about a second
+        with contextlib.suppress(AttributeError):
+            self._router.close(linger=0)
+        with contextlib.suppress(AttributeError):
+            self._results.close(linger=0)
+        self._ctx.destroy(linger=0)
+
+
+class _PullTimedOut(ConnectorError):
+    """A pull timed out: its region stays reserved until the late answer or ttl_s."""
+
+
+def _unpack(body: bytes) -> dict:
+    try:
+        value = msgpack.unpackb(body, raw=False)
+    except Exception:  # untrusted bytes: anything malformed is simply not a request
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _mib(size: int) -> int:
+    return -(-size // (1 << 20))

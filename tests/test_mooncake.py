@@ -1,0 +1,418 @@
+"""MooncakeTransferEngineConnector and MooncakeStoreConnector against the real mooncake library over TCP.
+
+Consumers are real separate processes (tests/mooncake_fixtures.py); the two-host test runs producer
+and consumer in two network namespaces. Every process and master started here is stopped here.
+"""
+
+from __future__ import annotations
+
+import gc
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from mooncake_fixtures import PAYLOADS, MiB, Peer, blackhole, mismatch, payload
+from netns import TwoHosts
+
+from omni_mesh.connectors import ConnectorConfigError, ConnectorError, connector_class, create_connector
+from omni_mesh.connectors._mooncake_common import MooncakeMaster, free_port, resolve_host
+
+TE = "MooncakeTransferEngineConnector"
+STORE = "MooncakeStoreConnector"
+TE_CONFIG = {"host": "127.0.0.1", "memory_pool_size": "64MiB", "prefault": False}
+
+
+def port_open(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+    except OSError:
+        return False
+    return True
+
+
+def wait_until(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        threading.Event().wait(0.02)
+    return predicate()
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("mooncake-logs")
+
+
+@pytest.fixture(scope="module")
+def te_producer() -> Iterator:
+    connector = create_connector(TE, TE_CONFIG)
+    yield connector
+    connector.close()
+
+
+@pytest.fixture(scope="module")
+def te_consumer() -> Iterator:
+    connector = create_connector(TE, {**TE_CONFIG, "transfer_timeout_s": 10.0, "connect_timeout_s": 2.0})
+    yield connector
+    connector.close()
+
+
+@pytest.fixture(scope="module")
+def te_peer(logs: Path) -> Iterator[Peer]:
+    peer = Peer(TE, TE_CONFIG, log=logs / "te-peer.log")
+    yield peer
+    peer.close()
+
+
+@pytest.fixture(scope="module")
+def master(logs: Path) -> Iterator[MooncakeMaster]:
+    with MooncakeMaster(log_path=str(logs / "master.log")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def store_config(master: MooncakeMaster) -> dict:
+    return {
+        "host": "127.0.0.1",
+        "master": master.address,
+        "segment": "128MiB",
+        "localbuf": "64MiB",
+        "get_timeout_s": 0.5,
+        "prefault": False,
+    }
+
+
+@pytest.fixture(scope="module")
+def store_producer(store_config: dict) -> Iterator:
+    connector = create_connector(STORE, store_config)
+    yield connector
+    connector.close()
+
+
+@pytest.fixture(scope="module")
+def store_peer(store_config: dict, logs: Path) -> Iterator[Peer]:
+    peer = Peer(STORE, {**store_config, "segment": 0, "get_timeout_s": 5.0}, log=logs / "store-peer.log")
+    yield peer
+    peer.close()
+
+
+# --------------------------------------------------------------------------- both connectors
+
+
+@pytest.mark.parametrize("name", [TE, STORE])
+def test_unknown_config_key_is_named_even_without_mooncake(name: str, monkeypatch) -> None:
+    for module in ("mooncake", "mooncake.engine", "mooncake.store"):
+        monkeypatch.setitem(sys.modules, module, None)  # makes `import mooncake...` fail
+    with pytest.raises(ConnectorConfigError, match="'bogus_key'"):
+        create_connector(name, {"bogus_key": 1})
+    with pytest.raises(ConnectorConfigError, match="protocol"):
+        connector_class(name).validate_config({"protocol": "carrier-pigeon"})
+    with pytest.raises(
+        ConnectorError, match=r"pip install 'omni-mesh\[mooncake\]'.*omni-mesh\[mooncake-cuda\]"
+    ):
+        create_connector(name, {"host": "127.0.0.1"})
+
+
+def test_host_auto_resolves_to_an_address_of_this_machine() -> None:
+    assert resolve_host(" 10.1.2.3 ") == "10.1.2.3"  # an explicit address always wins
+    address = resolve_host("auto")
+    with socket.socket() as sock:
+        sock.bind((address, 0))  # it is ours (the namespace test covers the no-default-route rule)
+
+
+# --------------------------------------------------------------------------- transfer engine
+
+
+def test_te_cross_process_every_payload_kind(te_producer, te_peer: Peer) -> None:
+    for name in PAYLOADS:
+        ok, size, metadata = te_producer.put("thinker", "talker", f"req-1/{name}", payload(name))
+        assert ok and size == metadata["length"]
+        assert metadata["segment"].startswith("127.0.0.1:")
+        reply = te_peer.ask(
+            op="get",
+            **{"from": "thinker", "to": "talker"},
+            key=f"req-1/{name}",
+            metadata=metadata,
+            expect=name,
+        )
+        assert reply.get("error") is None and reply["mismatch"] is None, (name, reply)
+        assert reply["size"] == size
+    health = te_producer.health()
+    assert health["pending_payloads"] == 0 and health["pool_in_use"] == 0  # freed once written
+    assert te_peer.ask(op="health")["pool_in_use"] == 0  # the consumer dropped its views
+
+
+def test_te_views_hold_the_consumer_region_until_dropped(te_producer, te_consumer) -> None:
+    _, size, metadata = te_producer.put("a", "b", "req-2/x", payload("8mib"))
+    data, got_size = te_consumer.get("a", "b", "req-2/x", metadata)
+    assert got_size == size and mismatch(payload("8mib"), data) is None
+    assert te_consumer.health()["pool_in_use"] >= size  # tensors are views over the pool
+    del data
+    gc.collect()
+    assert te_consumer.health()["pool_in_use"] == 0
+
+
+def test_te_second_get_and_foreign_metadata_fail_clearly(te_producer, te_consumer) -> None:
+    _, _, metadata = te_producer.put("a", "b", "req-3/x", "once")
+    assert te_consumer.get("a", "b", "req-3/x", metadata)[0] == "once"
+    with pytest.raises(ConnectorError, match=r"'req-3/x' on edge a->b.*already consumed"):
+        te_consumer.get("a", "b", "req-3/x", metadata)
+    with pytest.raises(ConnectorError, match=r"'req-3/y' on edge a->b.*made for 'a->b/req-3/x'"):
+        te_consumer.get("a", "b", "req-3/y", metadata)
+    with pytest.raises(
+        ConnectorError, match=r"MooncakeTransferEngineConnector.*'req-3/x' on edge a->b.*metadata"
+    ):
+        te_consumer.get("a", "b", "req-3/x", None)
+
+
+def test_te_cleanup_frees_only_that_request(te_producer, te_consumer) -> None:
+    metadata = {key: te_producer.put("a", "b", key, key)[2] for key in ("r1/a", "r1/b/c", "r10/a")}
+    te_producer.cleanup("r1")
+    assert te_producer.health()["pending_payloads"] == 1
+    with pytest.raises(ConnectorError, match="cleaned up"):
+        te_consumer.get("a", "b", "r1/a", metadata["r1/a"])
+    assert te_consumer.get("a", "b", "r10/a", metadata["r10/a"])[0] == "r10/a"
+
+
+def test_te_payload_larger_than_the_pool_says_what_to_raise(te_producer, te_consumer) -> None:
+    with pytest.raises(ConnectorError, match=r"memory_pool_size.*at least '65MiB'"):
+        te_producer.put("a", "b", "big/x", torch.ones(64 * MiB + 1, dtype=torch.uint8))
+    small = create_connector(TE, {**TE_CONFIG, "memory_pool_size": "8MiB", "copy_on_get": True})
+    try:
+        _, _, metadata = te_producer.put("a", "b", "big/y", payload("16mib"))
+        with pytest.raises(ConnectorError, match=r"'big/y' on edge a->b.*memory_pool_size is 8388608"):
+            small.get("a", "b", "big/y", metadata)
+        _, _, metadata = te_producer.put("a", "b", "big/z", payload("bytes"))
+        data, _ = small.get("a", "b", "big/z", metadata)
+        assert data == payload("bytes") and small.health()["pool_in_use"] == 0  # copied out at once
+    finally:
+        small.close()
+    te_producer.cleanup("big")
+    assert te_producer.health()["pool_in_use"] == 0
+
+
+def test_te_unconsumed_payloads_are_reclaimed_after_ttl(te_consumer) -> None:
+    producer = create_connector(TE, {**TE_CONFIG, "ttl_s": 0.3})
+    try:
+        _, _, metadata = producer.put("a", "b", "ttl/x", payload("tensor"))
+        assert producer.health()["pool_in_use"] > 0
+        assert wait_until(lambda: producer.health()["pool_in_use"] == 0, 5.0)
+        assert producer.health()["expired"] == 1
+        with pytest.raises(ConnectorError, match="expired after ttl_s"):
+            te_consumer.get("a", "b", "ttl/x", metadata)
+    finally:
+        producer.close()
+    producer.close()  # idempotent
+    with pytest.raises(ConnectorError, match="closed"):
+        producer.put("a", "b", "ttl/y", 1)
+    assert producer.health()["status"] == "unhealthy"
+
+
+def test_te_many_threads_at_once(te_producer, te_consumer) -> None:
+    errors: list[str] = []
+
+    def worker(n: int) -> None:
+        for i in range(5):
+            value = {"n": n, "i": i, "t": torch.full((1000 + n,), float(i))}
+            _, _, metadata = te_producer.put("a", "b", f"thr{n}/{i}", value)
+            data, _ = te_consumer.get("a", "b", f"thr{n}/{i}", metadata)
+            found = mismatch(value, data)
+            if found:
+                errors.append(found)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors
+    assert te_consumer.health()["gets"] >= 40 and te_producer.health()["pending_payloads"] == 0
+
+
+def test_te_killed_producer_fails_within_the_connect_timeout(te_consumer, logs: Path) -> None:
+    producer = Peer(TE, TE_CONFIG, log=logs / "te-killed.log")
+    try:
+        put = producer.ask(op="put", **{"from": "a", "to": "b"}, key="dead/x", payload="tensor")
+        producer.process.kill()
+        producer.process.wait()
+        started = time.monotonic()
+        with pytest.raises(
+            ConnectorError, match=r"'dead/x' on edge a->b.*did not accept a connection within 2.0s"
+        ):
+            te_consumer.get("a", "b", "dead/x", put["metadata"])
+        assert time.monotonic() - started < 5
+        assert te_consumer.health()["pool_in_use"] == 0  # nothing was asked, so nothing stays reserved
+    finally:
+        producer.close()
+
+
+def test_te_between_two_hosts(logs: Path) -> None:
+    config = {
+        "host": "auto",
+        "memory_pool_size": "32MiB",
+        "prefault": False,
+        "connect_timeout_s": 2.0,
+        "transfer_timeout_s": 3.0,
+    }
+    with TwoHosts() as hosts:
+        producer = Peer(TE, config, wrap=["ip", "netns", "exec", hosts.a.netns], log=logs / "te-host-a.log")
+        consumer = Peer(TE, config, wrap=["ip", "netns", "exec", hosts.b.netns], log=logs / "te-host-b.log")
+        try:
+            assert (producer.info["host"], consumer.info["host"]) == (hosts.a.ip, hosts.b.ip)
+            edge = {"from": "thinker", "to": "talker"}
+            for name in ("mixed", "8mib"):
+                put = producer.ask(op="put", **edge, key=f"r/{name}", payload=name)
+                assert put["metadata"]["segment"].startswith(hosts.a.ip + ":")
+                assert put["metadata"]["endpoint"].startswith(f"tcp://{hosts.a.ip}:")
+                got = consumer.ask(op="get", **edge, key=f"r/{name}", metadata=put["metadata"], expect=name)
+                assert got.get("error") is None and got["mismatch"] is None, got
+
+            put = producer.ask(op="put", **edge, key="r/cut", payload="tensor")
+            hosts.cut()
+            started = time.monotonic()
+            got = consumer.ask(op="get", **edge, key="r/cut", metadata=put["metadata"], expect="tensor")
+            assert "did not deliver" in got["error"] and hosts.a.ip in got["error"], got
+            assert time.monotonic() - started < 10
+            hosts.restore()
+            put = producer.ask(op="put", **edge, key="r/after", payload="tensor")
+            got = consumer.ask(op="get", **edge, key="r/after", metadata=put["metadata"], expect="tensor")
+            assert got.get("error") is None and got["mismatch"] is None, got
+        finally:
+            producer.close()
+            consumer.close()
+
+
+def test_te_with_an_http_metadata_server(logs: Path) -> None:
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mooncake.http_metadata_server", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert wait_until(lambda: port_open(port), 15.0), "the HTTP metadata server did not start"
+        config = {**TE_CONFIG, "metadata_server": f"http://127.0.0.1:{port}/metadata"}
+        producer = Peer(TE, config, log=logs / "te-http-a.log")
+        consumer = Peer(TE, config, log=logs / "te-http-b.log")
+        try:
+            put = producer.ask(op="put", **{"from": "a", "to": "b"}, key="r/x", payload="mixed")
+            metadata = put["metadata"]
+            # With a metadata server the segment is named after the (unique) side-channel port.
+            assert metadata["segment"] == "127.0.0.1:" + metadata["endpoint"].rsplit(":", 1)[1]
+            got = consumer.ask(
+                op="get", **{"from": "a", "to": "b"}, key="r/x", metadata=metadata, expect="mixed"
+            )
+            assert got.get("error") is None and got["mismatch"] is None, got
+        finally:
+            producer.close()
+            consumer.close()
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_te_unreachable_metadata_server_fails_fast() -> None:
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(ConnectorError, match=f"cannot reach the metadata server at {address}"):
+        create_connector(TE, {**TE_CONFIG, "metadata_server": f"http://{address}/metadata"})
+    assert time.monotonic() - started < 3
+
+
+# --------------------------------------------------------------------------- store
+
+
+def test_store_refused_master_fails_fast_naming_the_address() -> None:
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(ConnectorError, match=f"Mooncake master at {address}"):
+        create_connector(STORE, {"host": "127.0.0.1", "master": address})
+    assert time.monotonic() - started < 3
+
+
+def test_store_unanswering_master_fails_after_the_probe_timeout() -> None:
+    with blackhole() as address:
+        started = time.monotonic()
+        with pytest.raises(ConnectorError, match=f"cannot reach the Mooncake master at {address}"):
+            create_connector(STORE, {"host": "127.0.0.1", "master": address, "master_connect_timeout_s": 1.0})
+        assert 0.9 < time.monotonic() - started < 5
+
+
+def test_store_cross_process_every_payload_kind(store_producer, store_peer: Peer) -> None:
+    for name in PAYLOADS:
+        ok, size, metadata = store_producer.put("thinker", "talker", f"req-1/{name}", payload(name))
+        assert ok and metadata == {"key": f"omni-mesh/thinker->talker/req-1/{name}", "length": size}
+        reply = store_peer.ask(
+            op="get",
+            **{"from": "thinker", "to": "talker"},
+            key=f"req-1/{name}",
+            metadata=metadata,
+            expect=name,
+        )
+        assert reply.get("error") is None and reply["mismatch"] is None, (name, reply)
+        assert reply["size"] == size
+    # Consumed keys are gone from the store.
+    with pytest.raises(ConnectorError, match=r"'req-1/none' on edge thinker->talker.*did not appear"):
+        store_producer.get("thinker", "talker", "req-1/none", None)
+    assert store_peer.ask(op="health")["localbuf_in_use"] == 0
+
+
+def test_store_edges_never_collide_and_get_waits_for_the_put(store_producer, store_peer: Peer) -> None:
+    store_producer.put("thinker", "talker", "req-2/out", payload("str"))
+    store_producer.put("thinker", "code2wav", "req-2/out", payload("int"))
+    got = store_peer.ask(op="get", **{"from": "thinker", "to": "code2wav"}, key="req-2/out", expect="int")
+    assert got.get("error") is None and got["mismatch"] is None, got
+    got = store_peer.ask(op="get", **{"from": "thinker", "to": "talker"}, key="req-2/out", expect="str")
+    assert got.get("error") is None and got["mismatch"] is None, got
+    # A get issued before the put polls until the key shows up.
+    store_peer.send(op="get", **{"from": "a", "to": "b"}, key="req-2/late", expect="mixed")
+    threading.Event().wait(0.3)
+    store_producer.put("a", "b", "req-2/late", payload("mixed"))
+    got = store_peer.read(30)
+    assert got.get("error") is None and got["mismatch"] is None, got
+
+
+def test_store_views_hold_the_local_buffer_until_dropped(store_producer) -> None:
+    _, size, metadata = store_producer.put("a", "b", "req-3/x", payload("8mib"))
+    data, got_size = store_producer.get("a", "b", "req-3/x", metadata)
+    assert got_size == size and mismatch(payload("8mib"), data) is None
+    assert store_producer.health()["localbuf_in_use"] >= size
+    del data
+    gc.collect()
+    assert store_producer.health()["localbuf_in_use"] == 0
+
+
+def test_store_cleanup_and_ttl_reclaim_unconsumed_keys(store_config: dict, store_producer) -> None:
+    for key in ("r1/a", "r1/b/c", "r10/a"):
+        store_producer.put("a", "b", key, key)
+    store_producer.cleanup("r1")
+    with pytest.raises(ConnectorError, match="did not appear"):
+        store_producer.get("a", "b", "r1/b/c", None)
+    assert store_producer.get("a", "b", "r10/a", None)[0] == "r10/a"
+
+    producer = create_connector(STORE, {**store_config, "segment": 0, "ttl_s": 0.3})
+    try:
+        producer.put("a", "b", "ttl/x", payload("tensor"))
+        assert wait_until(lambda: producer.health()["expired"] == 1, 5.0)
+        assert producer.health()["tracked_keys"] == 0
+        with pytest.raises(
+            ConnectorError, match=r"'ttl/x' on edge a->b.*did not appear within get_timeout_s"
+        ):
+            store_producer.get("a", "b", "ttl/x", None)
+    finally:
+        producer.close()
+    producer.close()  # idempotent
+    assert producer.health()["status"] == "unhealthy"
+
+
+def test_store_payload_larger_than_localbuf_says_what_to_raise(store_producer) -> None:
+    with pytest.raises(ConnectorError, match=r"localbuf is 67108864 bytes; raise localbuf.*'65MiB'"):
+        store_producer.put("a", "b", "big/x", torch.ones(64 * MiB + 1, dtype=torch.uint8))
+    assert store_producer.health()["localbuf_in_use"] == 0
