@@ -157,7 +157,7 @@ class FramePlan:
             view[pos : pos + len(self.header)] = self.header
             if count:
                 address = ctypes.addressof(ctypes.c_char.from_buffer(view))
-                for leaf, off, length in zip(self.leaves, self.offsets, self.lengths):
+                for leaf, off, length in zip(self.leaves, self.offsets, self.lengths, strict=True):
                     if length and type(leaf) is not _PagePad:
                         _copy_leaf(leaf, view, address, off, length)
             view.release()

@@ -141,7 +141,7 @@ def over_the_wire(metadata: dict | None) -> dict | None:
 
 def assert_path(metadata: dict, path: str) -> None:
     if path == "inline":
-        assert set(metadata) == {"inline"}
+        assert set(metadata) == {"inline", "key"}
     elif path == "pool":
         assert "_x" not in metadata["segment"], metadata
     else:
@@ -591,14 +591,20 @@ def _malformed(valid: dict) -> dict[str, Any]:
         "segment has a newline": {**valid, "segment": valid["segment"] + "\n"},
         "segment does not exist": {**valid, "segment": "omnimesh_1_2_3_abcdefabcdef"},
         "segment of a fallback that never was": {**valid, "segment": valid["segment"] + "_x999"},
-        "inline is an int": {"inline": 5},
-        "inline is a str": {"inline": "not a frame"},
-        "inline is garbage": {"inline": b"\x00" * 100},
+        "inline is an int": {"inline": 5, "key": INLINE_KEY},
+        "inline is a str": {"inline": "not a frame", "key": INLINE_KEY},
+        "inline is garbage": {"inline": b"\x00" * 100, "key": INLINE_KEY},
         "inline is a hostile frame": {
-            "inline": struct.pack("<4sHHIIQ", b"OMF1", 1, 0, 2**32 - 1, 0, 48) + bytes(24)
+            "inline": struct.pack("<4sHHIIQ", b"OMF1", 1, 0, 2**32 - 1, 0, 48) + bytes(24),
+            "key": INLINE_KEY,
         },
-        "inline is a list": {"inline": [1, 2]},
+        "inline is a list": {"inline": [1, 2], "key": INLINE_KEY},
+        "inline without its key": {"inline": codec.encode("x")},
+        "inline of another key": {"inline": codec.encode("x"), "key": "a->b/other"},
     }
+
+
+INLINE_KEY = "a->b/k"  # the edge key inline metadata of ("a", "b", "k") carries
 
 
 def test_malformed_metadata_is_refused_or_ignored() -> None:
@@ -745,7 +751,7 @@ def test_health_counters() -> None:
             assert conn.get("a", "b", key, metadata) is not None
         assert conn.get("a", "b", "pool", m2) is None
         with pytest.raises(ConnectorError):
-            conn.get("a", "b", "x", {"inline": b"junk"})
+            conn.get("a", "b", "x", {"inline": b"junk", "key": "a->b/x"})
         health = conn.health()
         assert health["gets"] == 3 and health["bytes_got"] == s1 + s2 + s3
         assert health["stale_gets"] == 1 and health["errors"] == 1
@@ -853,3 +859,24 @@ def test_a_put_in_progress_is_never_reclaimed(monkeypatch: pytest.MonkeyPatch) -
         meta_a2 = conn.put("a", "b", "a2", a2)[2]
         assert_same(conn.get("a", "b", "a2", meta_a2)[0], a2)
         assert_same(conn.get("a", "b", "b", results["b"])[0], b)
+
+
+def test_a_slot_taken_by_a_killed_consumer_can_be_taken_again() -> None:
+    """The coordinator retries work whose replica died before producing output: the new replica must be
+    able to get the input the dead one had taken. A live taker's slot stays refused."""
+    value = torch.arange(50_000)
+    with connector(PATHS["pool"]) as conn:
+        _, _, metadata = conn.put("a", "b", "retry/0", value)
+        first = Peer()
+        try:
+            assert_same(first.get("retry/0", metadata, hold="x"), value)
+            second = Peer()
+            try:
+                assert second.get("retry/0", metadata) is None  # the first consumer is alive: taken
+                first.kill()
+                assert_same(second.get("retry/0", metadata), value)
+            finally:
+                second.stop()
+        finally:
+            if first.proc.poll() is None:
+                first.kill()

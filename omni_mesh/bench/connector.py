@@ -194,7 +194,7 @@ def bench_size(name: str, config: dict, consumer: ConsumerProcess, size: int, re
                 e2e_s.append(reply["done"] - started)  # perf_counter is CLOCK_MONOTONIC: one clock per host
     finally:
         connector.close()
-    put_get = statistics.median([p + g for p, g in zip(put_s, get_s)])
+    put_get = statistics.median([p + g for p, g in zip(put_s, get_s, strict=True)])
     memcpy = statistics.median(memcpy_seconds(size, repeats))
     return SizeResult(
         size=size,

@@ -130,7 +130,7 @@ class OmniConnectorBase(ABC):
     ) -> tuple[Any, int] | None:
         """Retrieve data put under get_key, using the metadata put() returned. Returns (object, size)."""
 
-    def warm_up(self) -> None:
+    def warm_up(self) -> None:  # noqa: B027 - an optional hook: most connectors need no warm-up
         """Prepare the producer side (allocate and fault in pools) so the first put pays nothing extra."""
 
     @abstractmethod

@@ -93,6 +93,12 @@ def _digest(from_stage: str, to_stage: str, key: str) -> bytes:
     return hashlib.blake2b(edge_key(from_stage, to_stage, key).encode(), digest_size=16).digest()
 
 
+def _taker_died(mm: mmap.mmap, offset: int) -> bool:
+    """Whether the consumer that took this slot is gone (only decidable in our own PID namespace)."""
+    pid, pidns = _TAKER.unpack_from(mm, offset + 4)
+    return pidns == ProcessIdentity.current().pidns and pid != 0 and process_start_time(pid) is None
+
+
 def _release(mm: mmap.mmap, offset: int, generation: int) -> None:
     """Finalizer of a consumed payload's views: hand the slot back to its producer."""
     with contextlib.suppress(ValueError):  # the mapping was closed: nothing left to release
@@ -129,7 +135,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             inline = bytearray(size)
             frame.write_into(inline)
             self._count_put(size, "inline_puts")
-            return True, size, {"inline": inline}
+            return True, size, {"inline": inline, "key": edge_key(from_stage, to_stage, put_key)}
         generation = next(self._generations)
         slot = self._allocate(size, put_key, generation, from_stage, to_stage)
         mm, offset = slot.segment.mm, slot.offset
@@ -222,9 +228,7 @@ class SharedMemoryConnector(OmniConnectorBase):
 
     @staticmethod
     def _taker_died(slot: _Slot) -> bool:
-        pid, pidns = _TAKER.unpack_from(slot.segment.mm, slot.offset + 4)
-        same_namespace = ProcessIdentity.current().pidns == pidns
-        return same_namespace and pid != 0 and process_start_time(pid) is None
+        return _taker_died(slot.segment.mm, slot.offset)
 
     def _free_locked(self, slot: _Slot) -> None:
         segment = slot.segment
@@ -245,9 +249,9 @@ class SharedMemoryConnector(OmniConnectorBase):
         prefix = key + "/"
         with self._lock:
             for slot in list(self._slots.values()):
-                if slot.put_key == key or slot.put_key.startswith(prefix):
-                    if slot.segment.mm[slot.offset] != TAKEN:
-                        self._free_locked(slot)
+                owned = slot.put_key == key or slot.put_key.startswith(prefix)
+                if owned and slot.segment.mm[slot.offset] != TAKEN:
+                    self._free_locked(slot)
 
     # ------------------------------------------------------------------ consumer side
 
@@ -261,6 +265,8 @@ class SharedMemoryConnector(OmniConnectorBase):
             )
         inline = metadata.get("inline")
         if inline is not None:
+            if metadata.get("key") != edge_key(from_stage, to_stage, get_key):
+                return self._stale()  # metadata of another key or edge: never hand out its data
             data = self._decode(inline, where, copy=False)
             self._counters.add_many(gets=1, bytes_got=len(inline))
             return data, len(inline)
@@ -277,7 +283,11 @@ class SharedMemoryConnector(OmniConnectorBase):
         if mm is None or offset + SLOT_HEADER + length > len(mm):
             return self._stale()
         state, _, _, slot_generation, digest, slot_length = SLOT.unpack_from(mm, offset)
-        if (state, slot_generation, slot_length) != (WRITTEN, generation, length):
+        if (slot_generation, slot_length) != (generation, length):
+            return self._stale()
+        # A slot taken by a consumer that died may be taken again: the coordinator retries work
+        # whose replica died before producing output, and the retry needs the same input.
+        if state != WRITTEN and not (state == TAKEN and _taker_died(mm, offset)):
             return self._stale()
         if digest != _digest(from_stage, to_stage, get_key):
             return self._stale()
