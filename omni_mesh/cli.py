@@ -110,14 +110,14 @@ def _add_coordinator(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
-    import asyncio
     import logging
 
+    from omni_mesh import aio
     from omni_mesh.coordinator import serve
 
     topology = load_topology(_topology_arg(args))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
-    asyncio.run(
+    aio.run(
         serve(
             topology,
             host=args.host,

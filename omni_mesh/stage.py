@@ -29,7 +29,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from omni_mesh import codec, control
+from omni_mesh import aio, codec, control
 from omni_mesh.connectors import OmniConnectorBase, create_connector
 from omni_mesh.connectors.shm_segments import ProcessIdentity, segment_name
 from omni_mesh.hostinfo import process_info
@@ -454,5 +454,5 @@ async def serve_stage(topology: Topology, stage_name: str, coordinator: str, **o
 
 def main_stage(topology: Topology, stage_name: str, coordinator: str, **options: Any) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {stage_name} %(levelname)s %(message)s", stream=sys.stderr)
-    asyncio.run(serve_stage(topology, stage_name, coordinator, **options))
+    aio.run(serve_stage(topology, stage_name, coordinator, **options))
     return 0
