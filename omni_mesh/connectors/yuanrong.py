@@ -1,0 +1,346 @@
+"""YuanrongConnector: payloads kept by an openYuanrong datasystem worker (KV API, `yr.datasystem`).
+
+Install with `pip install 'omni-mesh[yuanrong]'`; start a worker with `dscli start -w --worker_address
+HOST:PORT ...` on every host. The producer lays each frame straight into the worker's shared memory
+(`KVClient.mcreate` + `write_into` + `mset_buffer`: one copy); the consumer reads it from a read-only
+shared-memory buffer (`get_read_only_buffers`), decodes it with one copy, then deletes the key.
+
+Keys are `<key_prefix>;<edge key>` with every character outside the datasystem's key charset
+percent-escaped (`%XX`, injective), so `thinker->talker/req-1/0` becomes
+`omni;thinker-%3Etalker%2Freq-1%2F0`; keys longer than the 255-character limit end in `#<sha256>`.
+Unconsumed payloads are deleted by the worker after `ttl_s`, or by `cleanup(request_id)`.
+
+The datasystem client holds the GIL while it blocks, so every call is kept short: a `get` polls with
+`get_sub_timeout_ms` slices up to its deadline instead of one long wait.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import socket
+import string
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from omni_mesh.codec import FrameError, decode, plan
+from omni_mesh.connectors.base import (
+    ConnectorConfigError,
+    ConnectorError,
+    Counters,
+    OmniConnectorBase,
+    edge_key,
+    parse_config,
+)
+
+INSTALL_HINT = "install it with `pip install 'omni-mesh[yuanrong]'` (package openyuanrong-datasystem)"
+WRITE_MODES = ("NONE_L2_CACHE", "WRITE_THROUGH_L2_CACHE", "WRITE_BACK_L2_CACHE", "NONE_L2_CACHE_EVICT")
+MAX_KEY = 255
+MAX_VALUE = 2**32 - 1  # mcreate takes uint32 sizes
+_SAFE = frozenset(string.ascii_letters + string.digits + "-_!@^*()+=:;")  # the charset minus '%' and '#'
+_PREFIX = re.compile(r"^[A-Za-z0-9_\-]{0,64}$")
+_RECENT_ERROR_S = 60.0
+
+
+def client_log_dir() -> str:
+    """Where the datasystem client writes its logs unless DATASYSTEM_CLIENT_LOG_DIR says otherwise.
+
+    The client's default is ~/.datasystem/logs, which grows without bound; a per-user temp dir keeps
+    those logs out of home directories.
+    """
+    if not os.environ.get("DATASYSTEM_CLIENT_LOG_DIR"):
+        path = os.path.join(tempfile.gettempdir(), f"omni-mesh-datasystem-client-{os.getuid()}")
+        os.makedirs(path, exist_ok=True)
+        os.environ["DATASYSTEM_CLIENT_LOG_DIR"] = path
+    return os.environ["DATASYSTEM_CLIENT_LOG_DIR"]
+
+
+def datasystem_key(prefix: str, key: str) -> str:
+    """The datasystem key for an edge key (see the module docstring)."""
+    escaped = "".join(c if c in _SAFE else "".join(f"%{b:02X}" for b in c.encode()) for c in key)
+    name = f"{prefix};{escaped}"
+    if len(name) > MAX_KEY:
+        name = f"{name[: MAX_KEY - 65]}#{hashlib.sha256(key.encode()).hexdigest()}"
+    return name
+
+
+class _WorkerError(RuntimeError):
+    """A datasystem client call failed; the message is the client's."""
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+@dataclass
+class YuanrongConfig:
+    host: str = "127.0.0.1"  # the datasystem worker on this host
+    port: int = 31501
+    connect_timeout_ms: int = 3000  # an unreachable worker is reported after this
+    req_timeout_ms: int = 0  # per-request limit; 0: same as connect_timeout_ms
+    get_sub_timeout_ms: int = 20  # longest single blocking call while get() waits (it holds the GIL)
+    get_timeout_s: float = 30.0  # deadline of get() when the caller gives none
+    ttl_s: float = 300.0  # the worker deletes unconsumed payloads after this; 0 keeps them until cleanup()
+    write_mode: str = "NONE_L2_CACHE"  # or WRITE_THROUGH_L2_CACHE / WRITE_BACK_L2_CACHE / NONE_L2_CACHE_EVICT
+    key_prefix: str = "omni"  # namespace for pipelines sharing one worker cluster
+    token: str = ""
+    access_key: str = ""
+    secret_key: str = ""
+    tenant_id: str = ""
+
+
+class YuanrongConnector(OmniConnectorBase):
+    """Payloads through an openYuanrong datasystem worker (module docstring)."""
+
+    config_class = YuanrongConfig
+    scope = "network"
+
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        super().__init__(config)
+        cfg: YuanrongConfig = self.config
+        self._check(cfg)
+        self.worker = f"{cfg.host}:{cfg.port}"
+        client_log_dir()  # before the client library starts logging
+        try:
+            from yr.datasystem import KVClient, WriteMode
+        except ImportError as exc:
+            raise ConnectorError(
+                f"YuanrongConnector: yr.datasystem is not available ({exc}); {INSTALL_HINT}"
+            ) from exc
+        self._write_mode = getattr(WriteMode, cfg.write_mode)
+        started = time.monotonic()
+        try:
+            # A plain TCP probe first: a KVClient that failed to connect takes ~2 s to destroy,
+            # holding the GIL, so an unreachable worker is reported without creating one.
+            socket.create_connection((cfg.host, cfg.port), timeout=cfg.connect_timeout_ms / 1000).close()
+        except OSError as exc:
+            raise ConnectorError(
+                self._unreachable(time.monotonic() - started, str(exc) or "timed out")
+            ) from None
+        client = KVClient(
+            cfg.host,
+            cfg.port,
+            connect_timeout_ms=cfg.connect_timeout_ms,
+            token=cfg.token,
+            access_key=cfg.access_key,
+            secret_key=cfg.secret_key,
+            tenant_id=cfg.tenant_id,
+            req_timeout_ms=cfg.req_timeout_ms,
+        )
+        try:
+            client.init()
+            failure = None
+        except RuntimeError as exc:
+            failure = _first_line(exc)
+        if failure is not None:
+            del client  # destroyed here, not whenever the traceback is collected (see _call)
+            raise ConnectorError(self._unreachable(time.monotonic() - started, failure))
+        self._client = client
+        self._lock = threading.Lock()
+        self._mine: dict[str, tuple[str, str, float]] = {}  # edge key -> (datasystem key, put_key, put at)
+        self._last_error = -1e9
+        self._counters = Counters("puts", "gets", "bytes_put", "bytes_got", "errors", "deleted")
+
+    def _unreachable(self, waited: float, reason: str) -> str:
+        return (
+            f"YuanrongConnector: cannot reach the datasystem worker at {self.worker} (after {waited:.1f}s: "
+            f"{reason}); start one there with `dscli start -w --worker_address {self.worker} ...` or set "
+            "host/port to a running worker"
+        )
+
+    @classmethod
+    def validate_config(cls, config: dict[str, Any] | None) -> None:
+        cls._check(parse_config(cls.config_class, config, owner=cls.__name__))
+
+    @classmethod
+    def _check(cls, cfg: YuanrongConfig) -> None:
+        name = cls.__name__
+        if not 0 < cfg.port < 65536:
+            raise ConnectorConfigError(f"{name}: port must be the worker's port (1-65535), got {cfg.port}")
+        for field_name in ("connect_timeout_ms", "get_sub_timeout_ms", "get_timeout_s"):
+            if getattr(cfg, field_name) <= 0:
+                raise ConnectorConfigError(
+                    f"{name}: {field_name} must be positive, got {getattr(cfg, field_name)!r}"
+                )
+        for field_name in ("req_timeout_ms", "ttl_s"):
+            if getattr(cfg, field_name) < 0:
+                raise ConnectorConfigError(
+                    f"{name}: {field_name} must not be negative, got {getattr(cfg, field_name)!r}"
+                )
+        if cfg.write_mode not in WRITE_MODES:
+            raise ConnectorConfigError(
+                f"{name}: write_mode must be one of {', '.join(WRITE_MODES)}, got {cfg.write_mode!r}"
+            )
+        if not _PREFIX.match(cfg.key_prefix):
+            raise ConnectorConfigError(
+                f"{name}: key_prefix may hold letters, digits, '-' and '_' (up to 64), got {cfg.key_prefix!r}"
+            )
+
+    def _key(self, from_stage: str, to_stage: str, key: str) -> tuple[str, str]:
+        edge = edge_key(from_stage, to_stage, key)
+        return edge, datasystem_key(self.config.key_prefix, edge)
+
+    def _call(self, where: str, method: str, *args: Any) -> Any:
+        """client.method(*args); a failure raises _WorkerError with the client's message.
+
+        No frame of a raised exception may hold the client: a traceback kept alive until after the
+        worker is gone would let the client's destructor run then, which blocks for seconds holding
+        the GIL. So the client is only ever a local of this function, dropped before raising.
+        """
+        client = self._client
+        if client is None:
+            raise ConnectorError(f"{where}: the connector is closed")
+        try:
+            return getattr(client, method)(*args)
+        except RuntimeError as exc:
+            failure = _first_line(exc)
+        del client
+        raise _WorkerError(failure)
+
+    # ---------------------------------------------------------------- put
+
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+        where = f"YuanrongConnector: put {from_stage}->{to_stage} key {put_key!r}"
+        if self._client is None:
+            raise ConnectorError(f"{where}: the connector is closed")
+        frame = plan(data)
+        if frame.nbytes > MAX_VALUE:
+            raise ConnectorError(
+                f"{where}: {frame.nbytes} bytes exceed the datasystem's {MAX_VALUE}-byte value limit"
+            )
+        edge, ds_key = self._key(from_stage, to_stage, put_key)
+        ttl = int(round(self.config.ttl_s))
+        try:
+            buffers = self._call(where, "mcreate", [ds_key], [frame.nbytes], self._write_mode, ttl)
+            frame.write_into(buffers[0].MutableData())  # straight into the worker's shared memory
+            self._call(where, "mset_buffer", buffers)
+        except _WorkerError as exc:
+            self._error()
+            raise ConnectorError(f"{where} ({frame.nbytes} bytes) on worker {self.worker}: {exc}") from None
+        finally:
+            buffers = None
+        now = time.monotonic()
+        with self._lock:
+            self._mine[edge] = (ds_key, put_key, now)
+            self._forget_expired(now)
+        self._counters.add("puts")
+        self._counters.add("bytes_put", frame.nbytes)
+        return True, frame.nbytes, {"key": ds_key, "size": frame.nbytes, "worker": self.worker}
+
+    def _forget_expired(self, now: float) -> None:
+        """Drop bookkeeping of keys the worker has expired by now (lock held)."""
+        ttl = self.config.ttl_s
+        if ttl > 0 and len(self._mine) > 256:
+            for edge in [e for e, (_, _, at) in self._mine.items() if now - at > ttl]:
+                del self._mine[edge]
+
+    # ---------------------------------------------------------------- get
+
+    def get(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        metadata: dict | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> tuple[Any, int] | None:
+        """Works with metadata=None too (the key derives from edge and get_key); `timeout_s` overrides
+        get_timeout_s for this call."""
+        edge, ds_key = self._key(from_stage, to_stage, get_key)
+        where = f"YuanrongConnector: get {from_stage}->{to_stage} key {get_key!r}"
+        if isinstance(metadata, dict) and metadata.get("key", ds_key) != ds_key:
+            raise ConnectorError(
+                f"{where}: the metadata is for datasystem key {metadata['key']!r}, not {ds_key!r}"
+            )
+        timeout = self.config.get_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        buffers = self._wait_for(ds_key, deadline, timeout, where)
+        try:
+            view = buffers[0].immutable_data()
+            size = len(view)
+            # Nothing returned may point into the shared memory, which goes away with the key: the
+            # codec copies a read-only frame once and decodes views over that copy.
+            obj = decode(view, copy=not view.readonly)
+        except FrameError as exc:
+            self._error()
+            raise ConnectorError(
+                f"{where}: corrupt frame under {ds_key!r} on worker {self.worker}: {exc}"
+            ) from None
+        finally:
+            view = buffers = None
+        self._delete([ds_key], where)
+        with self._lock:
+            self._mine.pop(edge, None)
+        self._counters.add("gets")
+        self._counters.add("bytes_got", size)
+        return obj, size
+
+    def _wait_for(self, ds_key: str, deadline: float, timeout: float, where: str) -> list:
+        sub_ms = self.config.get_sub_timeout_ms
+        while True:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            try:
+                return self._call(where, "get_read_only_buffers", [ds_key], max(0, min(sub_ms, remaining_ms)))
+            except _WorkerError as exc:
+                if "not found" not in str(exc).lower():
+                    self._error()
+                    raise ConnectorError(f"{where} ({ds_key!r}) from worker {self.worker}: {exc}") from None
+            if time.monotonic() >= deadline:
+                self._error()
+                raise ConnectorError(
+                    f"{where}: datasystem key {ds_key!r} not on worker {self.worker} after {timeout:g}s; "
+                    "it was never put, another consumer took it, or it expired (ttl_s)"
+                )
+            # The client held the GIL for that whole poll: give other threads as long before the next.
+            time.sleep(min(sub_ms / 1000, max(0.0, deadline - time.monotonic())))
+
+    def _delete(self, ds_keys: list[str], where: str) -> None:
+        try:
+            failed = self._call(where, "delete", ds_keys)
+        except _WorkerError as exc:
+            self._error()
+            raise ConnectorError(
+                f"{where}: cannot delete {len(ds_keys)} key(s) on worker {self.worker}: {exc}"
+            ) from None
+        self._counters.add("deleted", len(ds_keys) - len(failed or []))
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def cleanup(self, key: str) -> None:
+        prefix = key + "/"
+        with self._lock:
+            edges = [
+                e for e, (_, put_key, _) in self._mine.items() if put_key == key or put_key.startswith(prefix)
+            ]
+            ds_keys = [self._mine.pop(e)[0] for e in edges]
+        if ds_keys and self._client is not None:
+            self._delete(ds_keys, f"YuanrongConnector: cleanup {key!r}")
+
+    def _error(self) -> None:
+        self._counters.add("errors")
+        self._last_error = time.monotonic()
+
+    def health(self) -> dict:
+        report: dict[str, Any] = {**self._counters.snapshot(), "worker": self.worker, "held": len(self._mine)}
+        try:
+            status = self._call("YuanrongConnector: health", "health_check")
+            reachable, detail = status.is_ok(), status.to_string()
+        except ConnectorError:
+            return {"status": "unhealthy", **report, "error": "closed"}
+        except _WorkerError as exc:
+            reachable, detail = False, str(exc)
+        if not reachable:
+            return {"status": "unhealthy", **report, "error": f"worker {self.worker}: {detail}"}
+        degraded = time.monotonic() - self._last_error < _RECENT_ERROR_S
+        return {"status": "degraded" if degraded else "healthy", **report}
+
+    def close(self) -> None:
+        """Idempotent. The client disconnects as it is destroyed here; if the worker is already gone
+        that takes the datasystem client several seconds."""
+        with self._lock:
+            self._client = None

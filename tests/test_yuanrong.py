@@ -1,0 +1,275 @@
+"""YuanrongConnector against a real openYuanrong datasystem worker.
+
+A module-scoped fixture starts one worker with `dscli start` (built-in metastore, free loopback ports,
+a temp dir; ~6 s) and stops it afterwards. Consumers are real separate processes (the peer script
+of tests/test_zmq_connector.py). Every datasystem key a test touches is checked to be gone at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+import torch
+from test_zmq_connector import Peer, assert_same, make_payload
+
+from omni_mesh.connectors import ConnectorConfigError, ConnectorError, create_connector
+from omni_mesh.connectors.yuanrong import YuanrongConnector, datasystem_key
+
+DSCLI = os.path.join(os.path.dirname(sys.executable), "dscli")
+USED_KEYS: set[str] = set()  # every datasystem key these tests wrote
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+@dataclass
+class Worker:
+    host: str
+    port: int
+    env: dict
+
+    @property
+    def config(self) -> dict:
+        return {"host": self.host, "port": self.port}
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        from yr.datasystem import KVClient
+
+        client = KVClient(self.host, self.port, connect_timeout_ms=3000)
+        client.init()
+        return client.exist(keys)
+
+
+def _stop(pid: int) -> None:
+    """SIGTERM the daemonized worker and wait until it is gone (a zombie counts as gone)."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().split(") ", 1)[1].startswith("Z"):
+                    return
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def worker():
+    home = tempfile.mkdtemp(prefix="omy-")  # short: the worker's unix socket path must stay under 80 chars
+    port, metastore = free_ports(2)
+    address = f"127.0.0.1:{port}"
+    env = {**os.environ, "DATASYSTEM_CLIENT_LOG_DIR": os.path.join(home, "client-logs")}
+    saved = os.environ.get("DATASYSTEM_CLIENT_LOG_DIR")
+    os.environ["DATASYSTEM_CLIENT_LOG_DIR"] = env["DATASYSTEM_CLIENT_LOG_DIR"]
+    argv = [DSCLI, "start", "-t", "60", "-d", home, "-w", "--worker_address", address]
+    argv += ["--metastore_address", f"127.0.0.1:{metastore}", "--start_metastore_service", "true"]
+    argv += ["--shared_memory_size_mb", "1024"]
+    pid = None
+    try:
+        started = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+        found = re.search(r"PID: (\d+)", started.stdout)
+        pid = int(found.group(1)) if found else None
+        assert started.returncode == 0 and "success" in started.stdout, started.stdout + started.stderr
+        yield Worker("127.0.0.1", port, env)
+    finally:
+        if pid is not None:
+            _stop(pid)
+        else:  # started but not reported: dscli finds it by its address
+            subprocess.run([DSCLI, "stop", "-w", address], capture_output=True, timeout=60, env=env)
+        if saved is None:
+            os.environ.pop("DATASYSTEM_CLIENT_LOG_DIR", None)
+        else:
+            os.environ["DATASYSTEM_CLIENT_LOG_DIR"] = saved
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def producer(worker):
+    connector = YuanrongConnector(worker.config)
+    yield connector
+    connector.close()
+
+
+def used(*keys: str) -> list[str]:
+    USED_KEYS.update(keys)
+    return list(keys)
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_every_payload_kind_reaches_a_consumer_process(worker, producer):
+    peer = Peer("YuanrongConnector", worker.config, env=worker.env)
+    try:
+        ok, size, metadata = producer.put("thinker", "talker", "req-1/chunk-0", make_payload())
+        assert ok and size > 4 << 20
+        assert metadata == {
+            "key": "omni;thinker-%3Etalker%2Freq-1%2Fchunk-0",
+            "size": size,
+            "worker": f"127.0.0.1:{worker.port}",
+        }
+        used(metadata["key"])
+        reply = peer.get("req-1/chunk-0", metadata)
+        assert reply["ok"], reply["error"]
+        assert reply["size"] == size
+        # The key is derived from the edge and put_key, so a consumer can also get without metadata.
+        _, _, second = producer.put("thinker", "talker", "req-2/chunk-0", make_payload())
+        used(second["key"])
+        reply = peer.get("req-2/chunk-0", None)
+        assert reply["ok"], reply["error"]
+        health = peer.ask(op="health")["health"]
+        assert health["status"] == "healthy" and health["gets"] == 2 and health["deleted"] == 2
+    finally:
+        peer.close()
+    assert worker.exists([metadata["key"], second["key"]]) == [False, False]  # consumed keys are deleted
+
+
+def test_get_past_its_deadline_names_key_and_worker(worker, producer):
+    started = time.monotonic()
+    with pytest.raises(ConnectorError) as caught:
+        producer.get("thinker", "talker", "never-put/0", None, timeout_s=0.5)
+    assert time.monotonic() - started < 1.5
+    message = str(caught.value)
+    assert "'never-put/0'" in message and f"127.0.0.1:{worker.port}" in message and "after 0.5s" in message
+
+
+def test_waiting_for_a_key_leaves_other_threads_running(producer):
+    # The datasystem client holds the GIL while it blocks: get() must poll in short slices.
+    gaps, stop = [], threading.Event()
+
+    def spin() -> None:
+        last = time.monotonic()
+        while not stop.is_set():
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+            time.sleep(0.001)
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        with pytest.raises(ConnectorError):
+            producer.get("a", "b", "missing/0", None, timeout_s=1.0)
+    finally:
+        stop.set()
+        spinner.join()
+    assert len(gaps) > 50 and max(gaps) < 0.25
+
+
+def test_an_unreachable_worker_is_reported_with_its_address():
+    import yr.datasystem  # noqa: F401  (its one-time library load is not what is timed here)
+
+    (port,) = free_ports(1)
+    started = time.monotonic()
+    with pytest.raises(ConnectorError, match=rf"datasystem worker at 127\.0\.0\.1:{port}.*dscli start"):
+        create_connector("YuanrongConnector", {"port": port, "connect_timeout_ms": 1000})
+    assert time.monotonic() - started < 3
+
+
+def test_cleanup_deletes_a_request_and_its_chunks_only(worker, producer):
+    keys = {k: producer.put("a", "b", k, {"k": k})[2]["key"] for k in ("r1", "r1/0", "r1/1", "r10/0")}
+    used(*keys.values())
+    producer.cleanup("r1")
+    assert worker.exists(list(keys.values())) == [False, False, False, True]
+    assert producer.get("a", "b", "r10/0")[0] == {"k": "r10/0"}
+
+
+def test_odd_and_long_keys_roundtrip(worker, producer):
+    odd = ("stage one", "ställe#2", "req%1/a.b/ü")
+    long_key = "r" * 300 + "/0"
+    for from_stage, to_stage, key in (odd, ("a", "b", long_key)):
+        _, _, metadata = producer.put(from_stage, to_stage, key, [key])
+        used(metadata["key"])
+        assert len(metadata["key"]) <= 255
+        assert producer.get(from_stage, to_stage, key, metadata)[0] == [key]
+    # Escaping is injective: keys that differ only in escaped characters stay apart.
+    assert datasystem_key("omni", "a->b/x%2F") != datasystem_key("omni", "a->b/x/")
+
+
+def test_unconsumed_payloads_expire_in_the_worker(worker):
+    connector = YuanrongConnector({**worker.config, "ttl_s": 1})
+    try:
+        _, _, metadata = connector.put("a", "b", "ttl/0", torch.ones(1000))
+        used(metadata["key"])
+        assert worker.exists([metadata["key"]]) == [True]
+        deadline = time.monotonic() + 10
+        while worker.exists([metadata["key"]]) == [True] and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert worker.exists([metadata["key"]]) == [False]
+    finally:
+        connector.close()
+
+
+def test_concurrent_puts_and_gets_from_many_threads(worker, producer):
+    def roundtrip(i: int) -> str:
+        data = {"i": i, "t": torch.full((1000 + i,), i, dtype=torch.int64)}
+        _, _, metadata = producer.put("a", "b", f"c{i}/0", data)
+        obj, _ = producer.get("a", "b", f"c{i}/0", metadata)
+        assert obj["i"] == i and torch.equal(obj["t"], data["t"])
+        return metadata["key"]
+
+    with ThreadPoolExecutor(4) as pool:
+        keys = used(*pool.map(roundtrip, range(24)))
+    assert not any(worker.exists(keys))
+
+
+def test_health_and_close(worker):
+    connector = YuanrongConnector(worker.config)
+    obj = {"t": torch.arange(3, dtype=torch.bfloat16)}
+    _, _, metadata = connector.put("a", "b", "h/0", obj)
+    used(metadata["key"])
+    assert_same(connector.get("a", "b", "h/0", metadata)[0], obj)
+    health = connector.health()
+    assert health["status"] == "healthy" and health["puts"] == 1 and health["bytes_got"] == metadata["size"]
+    connector.close()
+    connector.close()
+    assert connector.health()["status"] == "unhealthy"
+    with pytest.raises(ConnectorError, match="closed"):
+        connector.put("a", "b", "h/1", 1)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"prot": 1}, "unknown config key 'prot'"),
+        ({"port": 0}, "port must be the worker's port"),
+        ({"write_mode": "FAST"}, "write_mode must be one of"),
+        ({"key_prefix": "a/b"}, "key_prefix may hold"),
+        ({"get_sub_timeout_ms": 0}, "get_sub_timeout_ms must be positive"),
+    ],
+)
+def test_bad_config_is_named_before_any_worker_is_contacted(config, message):
+    started = time.monotonic()
+    with pytest.raises(ConnectorConfigError, match=message):
+        create_connector("YuanrongConnector", {"port": 1, **config})
+    assert time.monotonic() - started < 0.5
+
+
+def test_no_keys_left_in_the_worker(worker):
+    assert USED_KEYS
+    assert not any(worker.exists(sorted(USED_KEYS)))
