@@ -36,6 +36,12 @@ ENTRY_POINT_GROUP = "omni_mesh.connectors"
 # name -> "module:Class" (built-ins, imported lazily) or the class itself (registered at run time).
 _REGISTRY: dict[str, str | type[OmniConnectorBase]] = {
     "SharedMemoryConnector": "omni_mesh.connectors.shared_memory:SharedMemoryConnector",
+    "MooncakeStoreConnector": "omni_mesh.connectors.mooncake_store:MooncakeStoreConnector",
+    "MooncakeTransferEngineConnector": "omni_mesh.connectors.mooncake_transfer_engine:MooncakeTransferEngineConnector",
+    "ZmqConnector": "omni_mesh.connectors.zmq:ZmqConnector",
+    "YuanrongConnector": "omni_mesh.connectors.yuanrong:YuanrongConnector",
+    "YuanrongTransferEngineConnector": "omni_mesh.connectors.yuanrong_transfer_engine:YuanrongTransferEngineConnector",
+    "MoriTransferEngineConnector": "omni_mesh.connectors.mori:MoriTransferEngineConnector",
 }
 _entry_points_loaded = False
 

@@ -1,0 +1,185 @@
+"""YuanrongTransferEngineConnector: NPU-to-NPU pulls with openYuanrong's P2P TransferEngine (Ascend only).
+
+Needs an Ascend NPU host: the CANN runtime (`libascendcl.so`, e.g. after
+`source /usr/local/Ascend/ascend-toolkit/set_env.sh`), `torch_npu`, and `pip install 'omni-mesh[yuanrong]'`.
+The engine's data plane (`libp2p_transfer.so`) is built on ACL; there is no CPU or TCP data plane. On
+any other host construction fails at once, naming the missing runtime and the connector to use
+instead: ZmqConnector (cross-host over TCP, nothing to deploy) or YuanrongConnector (a datasystem worker).
+
+Data path (pull, see zmq.EnginePullConnector): the producer lays the frame into a host staging buffer
+and copies it into its registered NPU memory pool; the consumer claims the payload over a ZeroMQ side
+channel, pulls it into its own registered NPU pool with `transfer_sync_read`, copies it to host memory,
+releases the producer's slot and decodes. Metadata: endpoint (side channel), key, token, offset, size,
+target (the engine's `host:rpc_port`) and base (the producer pool's device address).
+
+This data path follows the published `yr.datasystem.TransferEngine` API (initialize, get_rpc_port,
+register_memory, transfer_sync_read, unregister_memory, finalize). It could not be run where it was
+written (no Ascend NPU there); its side channel and pool bookkeeping are the ones MoriTransferEngineConnector
+shares and are tested with it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from omni_mesh.codec import FramePlan, decode
+from omni_mesh.connectors.base import ConnectorConfigError, ConnectorError
+from omni_mesh.connectors.yuanrong import INSTALL_HINT, client_log_dir
+from omni_mesh.connectors.zmq import EnginePullConnector, check_port
+
+ALTERNATIVES = (
+    "on hosts without Ascend NPUs use ZmqConnector (cross-host over TCP, nothing to deploy) or "
+    "YuanrongConnector (through a datasystem worker)"
+)
+_ASCEND_HOMES = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")
+_DEFAULT_ASCEND_HOME = "/usr/local/Ascend/ascend-toolkit/latest"
+
+
+def ascend_runtime_missing() -> str | None:
+    """None if Ascend's libascendcl.so loads here, else what was looked for."""
+    candidates = ["libascendcl.so"]  # LD_LIBRARY_PATH, as CANN's set_env.sh leaves it
+    homes = [os.environ.get(name) for name in _ASCEND_HOMES] + [_DEFAULT_ASCEND_HOME]
+    candidates += [os.path.join(home, "lib64", "libascendcl.so") for home in homes if home]
+    found = ctypes.util.find_library("ascendcl")  # the ldconfig cache
+    if found:
+        candidates.append(found)
+    for path in dict.fromkeys(candidates):
+        if os.sep in path and not os.path.exists(path):
+            continue
+        try:
+            ctypes.CDLL(path)
+            return None
+        except OSError:
+            continue
+    return (
+        "libascendcl.so (Ascend CANN runtime) is not found: not on LD_LIBRARY_PATH, not in the ldconfig "
+        f"cache, not under $ASCEND_HOME_PATH/lib64 or {_DEFAULT_ASCEND_HOME}/lib64; install CANN and run "
+        "`source /usr/local/Ascend/ascend-toolkit/set_env.sh`"
+    )
+
+
+def _free_port(host: str) -> int:
+    # The engine needs a concrete port up front; another process could take it before the engine
+    # binds it, in which case initialize() fails naming the address (set rpc_port to pin one).
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class YuanrongTransferEngineConfig:
+    host: str = "auto"  # address to bind and advertise (rule in omni_mesh.connectors.zmq)
+    zmq_port: int = 0  # side channel; 0 picks a free port
+    rpc_port: int = 0  # the transfer engine's RPC port; 0 picks a free port
+    protocol: str = "ascend"
+    device_name: str = "auto"  # "npu:N"; auto: npu:$LOCAL_RANK (0 without it)
+    memory_pool_size: int = 1 << 30
+    memory_pool_device: str = "auto"  # "npu:N"; auto: the device_name's NPU
+    ttl_s: float = 300.0  # unconsumed payloads are freed after this; 0 keeps them until cleanup()
+    get_timeout_s: float = 30.0  # deadline of get() when the caller gives none
+
+
+def _ok(result: Any, action: str, owner: str) -> None:
+    if not result.is_ok():
+        raise ConnectorError(f"{owner}: {action} failed: {result.to_string()}")
+
+
+class YuanrongTransferEngineConnector(EnginePullConnector):
+    """Pull-based NPU transfers with yr.datasystem.TransferEngine (module docstring)."""
+
+    config_class = YuanrongTransferEngineConfig
+    scope = "network"
+
+    @classmethod
+    def _check(cls, cfg: YuanrongTransferEngineConfig) -> None:
+        super()._check(cfg)
+        check_port(cls.__name__, "rpc_port", cfg.rpc_port)
+        for name in ("device_name", "memory_pool_device"):
+            value = getattr(cfg, name)
+            if value != "auto" and not (value == "npu" or value.startswith("npu:")):
+                raise ConnectorConfigError(f"{cls.__name__}: {name} must be 'auto' or 'npu:N', got {value!r}")
+        if not cfg.protocol:
+            raise ConnectorConfigError(f"{cls.__name__}: protocol must not be empty")
+
+    def _open_backend(self) -> None:
+        cfg: YuanrongTransferEngineConfig = self.config
+        client_log_dir()
+        try:
+            from yr.datasystem import TransferEngine
+        except ImportError as exc:
+            raise ConnectorError(
+                f"{self._name}: yr.datasystem.TransferEngine is not available ({exc}); {INSTALL_HINT}"
+            ) from exc
+        missing = ascend_runtime_missing()
+        if missing:
+            raise ConnectorError(f"{self._name} needs an Ascend NPU host: {missing}; {ALTERNATIVES}")
+        try:
+            import torch_npu  # noqa: F401  (registers the "npu" device with torch)
+        except ImportError as exc:
+            raise ConnectorError(
+                f"{self._name}: torch_npu is not available ({exc}); install the torch-npu build matching "
+                f"your torch and CANN; {ALTERNATIVES}"
+            ) from exc
+        device = cfg.device_name
+        if device == "auto":  # one NPU per local rank, as torchrun and vLLM lay processes out
+            device = f"npu:{int(os.environ.get('LOCAL_RANK', 0))}"
+        pool_device = device if cfg.memory_pool_device in ("auto", "npu") else cfg.memory_pool_device
+        rpc_port = cfg.rpc_port or _free_port(self.host)
+        address = f"{self.host}:{rpc_port}"
+        engine = TransferEngine()
+        _ok(
+            engine.initialize(address, cfg.protocol, device),
+            f"initialize the transfer engine on {address}",
+            self._name,
+        )
+        try:
+            self._rpc_port = int(engine.get_rpc_port()) or rpc_port
+            self._pool = torch.empty(cfg.memory_pool_size, dtype=torch.uint8, device=pool_device)
+            self._base = int(self._pool.data_ptr())
+            _ok(
+                engine.register_memory(self._base, cfg.memory_pool_size),
+                f"register the {cfg.memory_pool_size}-byte pool on {pool_device}",
+                self._name,
+            )
+        except BaseException:
+            engine.finalize()
+            raise
+        self._engine = engine
+
+    def _write_frame(self, frame: FramePlan, offset: int) -> None:
+        staging = torch.empty(frame.nbytes, dtype=torch.uint8)
+        frame.write_into(staging.numpy())
+        self._pool[offset : offset + frame.nbytes].copy_(staging)
+        torch.npu.synchronize()  # the bytes must be on the device before a consumer can pull them
+
+    def _engine_metadata(self) -> dict[str, Any]:
+        return {"target": f"{self.host}:{self._rpc_port}", "base": self._base}
+
+    def _pull(self, metadata: dict[str, Any], local_offset: int, size: int, deadline: float) -> Any:
+        target = str(metadata["target"])
+        remote = int(metadata["base"]) + int(metadata["offset"])
+        result = self._engine.transfer_sync_read(target, self._base + local_offset, remote, size)
+        if not result.is_ok():
+            raise ConnectorError(
+                f"transfer_sync_read of {size} bytes from {target} failed: {result.to_string()}"
+            )
+        return None  # synchronous: done
+
+    def _decode_slot(self, offset: int, size: int) -> Any:
+        host = self._pool[offset : offset + size].cpu()  # our own host copy: views over it are safe
+        return decode(host.numpy())
+
+    def _close_backend(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.unregister_memory(self._base)
+            engine.finalize()
+        self._pool = None
