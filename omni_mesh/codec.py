@@ -19,6 +19,7 @@ There is no pickle anywhere; only the types listed in `encode` round-trip.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import re
 import struct
@@ -120,14 +121,15 @@ class FramePlan:
     get a valid frame, only without the page-offset matching of large leaves.
     """
 
-    __slots__ = ("header", "leaves", "lengths", "offsets", "nbytes")
+    __slots__ = ("header", "leaves", "lengths", "offsets", "nbytes", "head")
 
     def __init__(self, header: bytes, leaves: list[Any], lengths: list[int]) -> None:
         self.header = header
         self.leaves = leaves
         self.lengths = lengths
         self.offsets = []
-        pos = PREFIX.size + 8 * len(lengths) + len(header)
+        count = len(lengths)
+        pos = PREFIX.size + 8 * count + len(header)
         for i, leaf in enumerate(leaves):
             start = align(pos)
             if type(leaf) is _PagePad:
@@ -135,6 +137,9 @@ class FramePlan:
             self.offsets.append(start)
             pos = start + lengths[i]
         self.nbytes = pos
+        # Prefix, buffer table and header in one piece: written with a single copy.
+        table = struct.pack(f"<{count}Q", *lengths) if count else b""
+        self.head = PREFIX.pack(MAGIC, VERSION, 0, count, len(header), pos) + table + header
 
     @property
     def payload_bytes(self) -> int:
@@ -147,20 +152,17 @@ class FramePlan:
                 raise ValueError(
                     f"destination holds {whole.nbytes - offset} writable bytes, frame needs {self.nbytes}"
                 )
-            view = whole.cast("B")[offset : offset + self.nbytes]
-            count = len(self.lengths)
-            PREFIX.pack_into(view, 0, MAGIC, VERSION, 0, count, len(self.header), self.nbytes)
-            pos = PREFIX.size
-            if count:
-                struct.pack_into(f"<{count}Q", view, pos, *self.lengths)
-                pos += 8 * count
-            view[pos : pos + len(self.header)] = self.header
-            if count:
+            flat = whole if whole.format == "B" and whole.ndim == 1 else whole.cast("B")
+            view = flat[offset : offset + self.nbytes]
+            view[: len(self.head)] = self.head
+            if self.leaves:
                 address = ctypes.addressof(ctypes.c_char.from_buffer(view))
                 for leaf, off, length in zip(self.leaves, self.offsets, self.lengths, strict=True):
                     if length and type(leaf) is not _PagePad:
                         _copy_leaf(leaf, view, address, off, length)
             view.release()
+            if flat is not whole:
+                flat.release()
         return self.nbytes
 
 
@@ -182,8 +184,11 @@ def _copy_leaf(leaf: Any, view: memoryview, address: int, offset: int, length: i
         view[offset : offset + length] = leaf
 
 
-def plan(obj: Any) -> FramePlan:
-    """Plan `obj` into a frame. Raises UnsupportedTypeError naming the value it cannot carry and where."""
+def split(obj: Any) -> tuple[bytes, list[Any], list[int]]:
+    """The msgpack header of `obj` and its out-of-band leaves (with their sizes), before any layout.
+
+    Raises UnsupportedTypeError naming the value it cannot carry and where.
+    """
     walker = _Walker()
     try:
         header = _pack(walker.convert(obj))
@@ -201,7 +206,29 @@ def plan(obj: Any) -> FramePlan:
             f"tuples nested in tuples hold {walker.tuple_bytes} bytes for a {len(header)}-byte header, more "
             f"than decoders accept ({_tuple_budget(len(header))}); nest lists instead"
         )
-    return FramePlan(header, walker.leaves, walker.lengths)
+    return header, walker.leaves, walker.lengths
+
+
+def plan(obj: Any) -> FramePlan:
+    """Plan `obj` into a frame. Raises UnsupportedTypeError naming the value it cannot carry and where."""
+    return FramePlan(*split(obj))
+
+
+def leaf_buffers(leaves: list[Any], lengths: list[int]) -> list[bytearray]:
+    """Each leaf of `split` as its own buffer: the parts form of a payload, for tiny ones sent inline."""
+    parts = []
+    for leaf, length in zip(leaves, lengths, strict=True):
+        part = bytearray(length)
+        if length and type(leaf) is not _PagePad:
+            _copy_leaf(leaf, memoryview(part), ctypes.addressof(ctypes.c_char.from_buffer(part)), 0, length)
+        parts.append(part)
+    return parts
+
+
+@functools.lru_cache(maxsize=1024)
+def _tensor_ext(name: str, shape: torch.Size, index: int) -> msgpack.ExtType:
+    """The header entry of a tensor leaf; payloads repeat their shapes, so it is packed once."""
+    return msgpack.ExtType(EXT_TENSOR, _pack([name, list(shape), index]))
 
 
 def _not_utf8(exc: UnicodeEncodeError) -> str:
@@ -293,7 +320,7 @@ class _Walker:
             tensor = tensor.resolve_conj().resolve_neg()
         address = tensor.data_ptr() if tensor.is_contiguous() else None
         index = self.leaf(tensor, tensor.nbytes, address)
-        return msgpack.ExtType(EXT_TENSOR, _pack([name, list(tensor.shape), index]))
+        return _tensor_ext(name, tensor.shape, index)
 
     def ndarray(self, array: np.ndarray) -> msgpack.ExtType:
         dtype = array.dtype
@@ -364,11 +391,12 @@ def decode(buffer: Any, offset: int = 0, *, copy: bool = False) -> Any:
 
 
 def _decode(buffer: Any, offset: int, copy: bool) -> Any:
-    whole = np.frombuffer(buffer, dtype=np.uint8)
-    available = whole.size - offset
-    if available < PREFIX.size:
+    with memoryview(buffer) as view:
+        available = view.nbytes - offset
+        readonly = view.readonly
+    if offset < 0 or available < PREFIX.size:
         raise FrameError(f"truncated frame: {available} bytes, the prefix alone is {PREFIX.size}")
-    magic, version, _flags, count, header_len, nbytes = PREFIX.unpack_from(whole, offset)
+    magic, version, _flags, count, header_len, nbytes = PREFIX.unpack_from(buffer, offset)
     if magic != MAGIC or version != VERSION:
         raise FrameError(f"not an omni-mesh frame (magic {bytes(magic)!r}, version {version})")
     if nbytes > available:
@@ -376,44 +404,221 @@ def _decode(buffer: Any, offset: int, copy: bool) -> Any:
     table_end = PREFIX.size + 8 * count
     if table_end + header_len > nbytes:
         raise FrameError(f"truncated frame: {count} buffers and a {header_len}-byte header exceed {nbytes} bytes")
-    if not copy and not whole.flags.writeable:
-        whole, offset = whole[offset : offset + nbytes].copy(), 0  # views must be writable tensors
-    lengths = list(struct.unpack_from(f"<{count}Q", whole, offset + PREFIX.size)) if count else []
+    if readonly and not copy:  # views must be writable tensors: copy the frame once
+        buffer, offset = bytearray(memoryview(buffer)[offset : offset + nbytes]), 0
+    lengths = list(_table(count).unpack_from(buffer, offset + PREFIX.size)) if count else []
     offsets = _buffer_offsets(table_end + header_len, lengths)
     if lengths and offsets[-1] + lengths[-1] > nbytes:
         raise FrameError(f"buffer table overruns the frame ({offsets[-1] + lengths[-1]} > {nbytes} bytes)")
     header_start = offset + table_end
-    with memoryview(whole) as view:
-        header = view[header_start : header_start + header_len]
-        return _Reader(whole, offset, offsets, lengths, copy, _tuple_budget(header_len)).unpack(header)
+    with memoryview(buffer) as view:
+        header = bytes(view[header_start : header_start + header_len])
+    return _template(header, header_len).build(_Buffers(buffer, offset, offsets, lengths, copy))
 
 
-class _Reader:
-    def __init__(
-        self, whole: np.ndarray, base: int, offsets: list[int], lengths: list[int], copy: bool, budget: int
-    ) -> None:
+def decode_parts(header: bytes, parts: list[Any], *, copy: bool = False) -> Any:
+    """Decode the parts form (`split` + `leaf_buffers`): a header and one buffer per leaf."""
+    try:
+        if type(header) is not bytes or type(parts) is not list:
+            raise FrameError("parts form needs a bytes header and a list of buffers")
+        return _template(header, len(header)).build(_Parts(parts, copy))
+    except FrameError:
+        raise
+    except RecursionError:
+        raise FrameError("frame nests too deeply") from None
+    except Exception as exc:  # any malformed input must surface as one clear error type
+        raise FrameError(f"malformed frame: {type(exc).__name__}: {exc}") from None
+
+
+def _template(header: bytes, header_len: int) -> Any:
+    template = _TEMPLATES.get(header)
+    if template is None:
+        template = _Compiler(_tuple_budget(header_len)).compile(header)
+        if header_len <= TEMPLATE_HEADER_MAX:
+            if len(_TEMPLATES) >= TEMPLATE_CACHE_SIZE:
+                _TEMPLATES.clear()  # hostile variety only costs recompiling, never memory
+            _TEMPLATES[header] = template
+    return template
+
+
+# --------------------------------------------------------------------------- decode templates
+#
+# A header is compiled once into a template: a tree of nodes whose leaves are slots (a tensor of this
+# dtype and shape in buffer i) and constants. Everything the header alone decides is validated then;
+# each decode only checks the buffer table against the slots and builds fresh containers and views.
+# Stage payloads repeat their structure request after request, so the cache turns decoding into a
+# dict lookup plus one view per leaf.
+
+TEMPLATE_CACHE_SIZE = 512
+TEMPLATE_HEADER_MAX = 4096  # larger headers (long lists of numbers) are compiled each time, not kept
+_TEMPLATES: dict[bytes, Any] = {}
+_CONSTANT = (str, int, float, bool, type(None), bytes, np.generic)
+
+
+class _Buffers:
+    """The frame's buffers: `whole` is the caller's buffer object, which every view keeps alive."""
+
+    __slots__ = ("whole", "base", "offsets", "lengths", "copy")
+
+    def __init__(self, whole: Any, base: int, offsets: list[int], lengths: list[int], copy: bool) -> None:
         self.whole = whole
         self.base = base
         self.offsets = offsets
         self.lengths = lengths
         self.copy = copy
-        self.depth = 0
-        self.tuple_budget = budget  # bytes of tuple bodies still allowed (see _tuple_budget)
 
-    def unpack(self, data: Any) -> Any:
-        # Ext type -1 is msgpack's timestamp, which msgpack decodes itself without calling ext_hook:
-        # as a float (timestamp=1) it cannot bring a type into the tree that encode does not carry.
-        return msgpack.unpackb(
-            data, ext_hook=self.ext, raw=False, strict_map_key=False, use_list=True, timestamp=1
-        )
+    def length(self, index: int) -> int:
+        return self.lengths[index] if index < len(self.lengths) else -1
 
-    def start(self, index: Any, expected: int) -> int:
-        """Absolute offset in `whole` of buffer `index`, checked to hold exactly `expected` bytes."""
-        if type(index) is not int or not 0 <= index < len(self.lengths):
-            raise FrameError(f"buffer reference {index!r} out of range ({len(self.lengths)} buffers)")
+    def locate(self, index: int, expected: int) -> tuple[Any, int]:
+        """(buffer object, offset) of buffer `index`, checked to hold exactly `expected` bytes."""
+        if index >= len(self.lengths):
+            raise FrameError(f"buffer reference {index} out of range ({len(self.lengths)} buffers)")
         if self.lengths[index] != expected:
             raise FrameError(f"buffer {index} holds {self.lengths[index]} bytes, its leaf needs {expected}")
-        return self.base + self.offsets[index]
+        return self.whole, self.base + self.offsets[index]
+
+
+class _Parts:
+    """The buffers of the parts form: one buffer object per leaf."""
+
+    __slots__ = ("parts", "copy")
+
+    def __init__(self, parts: list[Any], copy: bool) -> None:
+        self.parts = parts
+        self.copy = copy
+
+    def length(self, index: int) -> int:
+        return memoryview(self.parts[index]).nbytes if index < len(self.parts) else -1
+
+    def locate(self, index: int, expected: int) -> tuple[Any, int]:
+        if index >= len(self.parts):
+            raise FrameError(f"buffer reference {index} out of range ({len(self.parts)} buffers)")
+        part = self.parts[index]
+        with memoryview(part) as view:
+            if view.nbytes != expected:
+                raise FrameError(f"buffer {index} holds {view.nbytes} bytes, its leaf needs {expected}")
+            if view.readonly and not self.copy:
+                part = self.parts[index] = bytearray(view)  # views must be writable tensors
+        return part, 0
+
+
+class _Const:
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def build(self, buffers: _Buffers) -> Any:
+        return self.value
+
+
+class _FlatList(_Const):
+    def build(self, buffers: _Buffers) -> Any:
+        return list(self.value)  # a fresh list: callers may mutate what they get
+
+
+class _FlatDict(_Const):
+    def build(self, buffers: _Buffers) -> Any:
+        return dict(self.value)
+
+
+class _ListNode:
+    __slots__ = ("children",)
+
+    def __init__(self, children: list) -> None:
+        self.children = children
+
+    def build(self, buffers: _Buffers) -> Any:
+        return [child.build(buffers) for child in self.children]
+
+
+class _TupleNode(_ListNode):
+    def build(self, buffers: _Buffers) -> Any:
+        return tuple([child.build(buffers) for child in self.children])
+
+
+class _DictNode:
+    __slots__ = ("items",)
+
+    def __init__(self, items: list) -> None:
+        self.items = items
+
+    def build(self, buffers: _Buffers) -> Any:
+        return {key: child.build(buffers) for key, child in self.items}
+
+
+class _TensorSlot:
+    __slots__ = ("dtype", "shape", "numel", "nbytes", "index")
+
+    def __init__(self, name: Any, shape: Any, index: Any) -> None:
+        dtype = TORCH_DTYPES.get(name) if type(name) is str else None
+        if dtype is None:
+            raise FrameError(f"unknown tensor dtype {name!r}")
+        self.dtype = dtype
+        self.shape = _shape(shape)
+        self.numel = math.prod(self.shape)
+        self.nbytes = self.numel * dtype.itemsize
+        self.index = _index(index)
+
+    def build(self, buffers: _Buffers) -> torch.Tensor:
+        whole, start = buffers.locate(self.index, self.nbytes)
+        if self.numel == 0:
+            return torch.empty(self.shape, dtype=self.dtype)
+        tensor = torch.frombuffer(whole, dtype=self.dtype, count=self.numel, offset=start)
+        if len(self.shape) != 1:
+            tensor = tensor.view(self.shape)
+        return tensor.clone() if buffers.copy else tensor
+
+
+class _ArraySlot:
+    __slots__ = ("dtype", "shape", "numel", "nbytes", "index")
+
+    def __init__(self, dtype_str: Any, shape: Any, index: Any) -> None:
+        self.dtype = _numpy_dtype(dtype_str)
+        self.shape = _shape(shape)
+        self.numel = math.prod(self.shape)
+        self.nbytes = self.numel * self.dtype.itemsize
+        self.index = _index(index)
+
+    def build(self, buffers: _Buffers) -> np.ndarray:
+        whole, start = buffers.locate(self.index, self.nbytes)
+        if self.numel == 0:
+            return np.empty(self.shape, dtype=self.dtype)
+        array = np.frombuffer(whole, dtype=self.dtype, count=self.numel, offset=start).reshape(self.shape)
+        return array.copy() if buffers.copy else array
+
+
+class _BytesSlot:
+    __slots__ = ("index",)
+
+    def __init__(self, index: Any) -> None:
+        self.index = _index(index)
+
+    def build(self, buffers: _Buffers) -> bytes:
+        length = buffers.length(self.index)
+        whole, start = buffers.locate(self.index, length)
+        with memoryview(whole) as view:
+            return bytes(view.cast("B")[start : start + length])
+
+
+_SLOTS = (_TensorSlot, _ArraySlot, _BytesSlot)
+
+
+class _Compiler:
+    """Turns a header into a template, validating everything the header alone decides."""
+
+    def __init__(self, tuple_budget: int) -> None:
+        self.depth = 0
+        self.tuple_budget = tuple_budget  # bytes of tuple bodies still allowed (see _tuple_budget)
+
+    def compile(self, header: bytes) -> Any:
+        return self.node(self.unpack(header))
+
+    def unpack(self, data: bytes) -> Any:
+        # Ext type -1 is msgpack's timestamp, which msgpack decodes itself without calling ext_hook:
+        # as a float (timestamp=1) it cannot bring a type into the tree that encode does not carry.
+        return msgpack.unpackb(data, ext_hook=self.ext, raw=False, strict_map_key=False, use_list=True, timestamp=1)
 
     def ext(self, code: int, data: bytes) -> Any:
         if code == EXT_TUPLE:
@@ -430,13 +635,11 @@ class _Reader:
             return tuple(items)
         fields = msgpack.unpackb(data, raw=False)
         if code == EXT_TENSOR:
-            return self.tensor(*_fields(fields, 3, "tensor"))
+            return _TensorSlot(*_fields(fields, 3, "tensor"))
         if code == EXT_NDARRAY:
-            return self.ndarray(*_fields(fields, 3, "ndarray"))
+            return _ArraySlot(*_fields(fields, 3, "ndarray"))
         if code == EXT_BYTES:
-            length = self.lengths[fields] if type(fields) is int and 0 <= fields < len(self.lengths) else -1
-            start = self.start(fields, length)
-            return self.whole[start : start + length].tobytes()
+            return _BytesSlot(fields)
         if code == EXT_NPSCALAR:
             dtype_str, raw = _fields(fields, 2, "numpy scalar")
             dtype = _numpy_dtype(dtype_str)
@@ -445,29 +648,35 @@ class _Reader:
             return np.frombuffer(raw, dtype=dtype)[0]
         raise FrameError(f"unknown extension type {code}")
 
-    def tensor(self, name: Any, shape: Any, index: Any) -> torch.Tensor:
-        dtype = TORCH_DTYPES.get(name) if type(name) is str else None
-        if dtype is None:
-            raise FrameError(f"unknown tensor dtype {name!r}")
-        shape = _shape(shape)
-        numel = math.prod(shape)
-        start = self.start(index, numel * dtype.itemsize)
-        if numel == 0:
-            return torch.empty(shape, dtype=dtype)
-        tensor = torch.frombuffer(self.whole, dtype=dtype, count=numel, offset=start)
-        if len(shape) != 1:
-            tensor = tensor.view(shape)
-        return tensor.clone() if self.copy else tensor
+    def node(self, value: Any) -> Any:
+        kind = type(value)
+        if kind in _SLOTS:
+            return value
+        if kind is dict:
+            items = [(key, self.node(child)) for key, child in value.items()]
+            if all(type(child) is _Const for _, child in items):
+                return _FlatDict(value)
+            return _DictNode(items)
+        if kind is list or kind is tuple:
+            children = [self.node(child) for child in value]
+            flat = all(type(child) is _Const for child in children)
+            if kind is tuple:
+                return _Const(value) if flat else _TupleNode(children)
+            return _FlatList(value) if flat else _ListNode(children)
+        if isinstance(value, _CONSTANT):
+            return _Const(value)
+        raise FrameError(f"unexpected {kind.__name__} in header")
 
-    def ndarray(self, dtype_str: Any, shape: Any, index: Any) -> np.ndarray:
-        dtype = _numpy_dtype(dtype_str)
-        shape = _shape(shape)
-        numel = math.prod(shape)
-        start = self.start(index, numel * dtype.itemsize)
-        if numel == 0:
-            return np.empty(shape, dtype=dtype)
-        array = np.frombuffer(self.whole, dtype=dtype, count=numel, offset=start).reshape(shape)
-        return array.copy() if self.copy else array
+
+@functools.lru_cache(maxsize=64)
+def _table(count: int) -> struct.Struct:
+    return struct.Struct(f"<{count}Q")
+
+
+def _index(index: Any) -> int:
+    if type(index) is not int or index < 0:
+        raise FrameError(f"buffer reference {index!r} is not a buffer index")
+    return index
 
 
 def _fields(fields: Any, count: int, what: str) -> list[Any]:

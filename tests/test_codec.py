@@ -274,6 +274,30 @@ def test_round_trip_property(value: Any) -> None:
     assert_same(codec.decode(bytes(frame)), want)  # read-only frame
 
 
+@settings(FAST, max_examples=150)
+@given(payloads)
+def test_parts_form_round_trip_property(value: Any) -> None:
+    """The parts form (header + one buffer per leaf) decodes like a frame, also from read-only parts."""
+    want = expected(value)
+    header, leaves, lengths = codec.split(value)
+    parts = codec.leaf_buffers(leaves, lengths)
+    assert [len(p) for p in parts] == lengths
+    assert_same(codec.decode_parts(header, list(parts)), want)
+    assert_same(codec.decode_parts(header, [bytes(p) for p in parts]), want)  # as msgpack delivers them
+    assert_same(codec.decode_parts(header, list(parts), copy=True), want)
+
+
+def test_parts_form_rejects_mismatched_parts() -> None:
+    header, leaves, lengths = codec.split({"x": torch.arange(10), "y": np.ones(3)})
+    parts = codec.leaf_buffers(leaves, lengths)
+    for bad in ([], parts[:1], [parts[0], bytes(5)], [bytes(len(parts[0]) + 8), parts[1]], None, "parts"):
+        with pytest.raises(FrameError):
+            codec.decode_parts(header, bad)  # type: ignore[arg-type]
+    for bad_header in (b"", b"\xc1", 5, bytes(40)):
+        with pytest.raises(FrameError):
+            codec.decode_parts(bad_header, parts)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", DTYPE_NAMES)
 def test_every_torch_dtype_in_every_layout(name: str, layout: str) -> None:

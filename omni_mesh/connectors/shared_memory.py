@@ -129,13 +129,15 @@ class SharedMemoryConnector(OmniConnectorBase):
     # ------------------------------------------------------------------ producer side
 
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
-        frame = codec.plan(data)
-        size = frame.nbytes
-        if size <= self.config.inline_max_bytes:
-            inline = bytearray(size)
-            frame.write_into(inline)
+        header, leaves, lengths = codec.split(data)
+        if len(header) + sum(lengths) <= self.config.inline_max_bytes:
+            # Tiny payloads skip the frame layout: the header and one buffer per leaf, in the metadata.
+            parts = codec.leaf_buffers(leaves, lengths)
+            size = len(header) + sum(lengths)
             self._count_put(size, "inline_puts")
-            return True, size, {"inline": inline, "key": edge_key(from_stage, to_stage, put_key)}
+            return True, size, {"inline": header, "parts": parts, "key": edge_key(from_stage, to_stage, put_key)}
+        frame = codec.FramePlan(header, leaves, lengths)
+        size = frame.nbytes
         generation = next(self._generations)
         slot = self._allocate(size, put_key, generation, from_stage, to_stage)
         mm, offset = slot.segment.mm, slot.offset
@@ -152,10 +154,9 @@ class SharedMemoryConnector(OmniConnectorBase):
             self._pool_locked()
 
     def _count_put(self, size: int, extra: str | None = None) -> None:
+        self._counters.add_pair("puts", "bytes_put", size)
         if extra:
-            self._counters.add_many(puts=1, bytes_put=size, **{extra: 1})
-        else:
-            self._counters.add_many(puts=1, bytes_put=size)
+            self._counters.add(extra)
 
     def _allocate(self, size: int, put_key: str, generation: int, from_stage: str, to_stage: str) -> _Slot:
         # Large frames start on a page boundary (the slot header sits just before it), which the
@@ -267,9 +268,14 @@ class SharedMemoryConnector(OmniConnectorBase):
         if inline is not None:
             if metadata.get("key") != edge_key(from_stage, to_stage, get_key):
                 return self._stale()  # metadata of another key or edge: never hand out its data
-            data = self._decode(inline, where, copy=False)
-            self._counters.add_many(gets=1, bytes_got=len(inline))
-            return data, len(inline)
+            try:
+                data = codec.decode_parts(inline, metadata.get("parts"))
+            except codec.FrameError as exc:
+                self._counters.add("errors")
+                raise ConnectorError(f"SharedMemoryConnector: bad inline payload for {where}: {exc}") from None
+            size = len(inline) + sum(len(part) for part in metadata["parts"])
+            self._counters.add_pair("gets", "bytes_got", size)
+            return data, size
         try:
             name, offset = metadata["segment"], metadata["offset"]
             generation, length = metadata["generation"], metadata["length"]
@@ -300,7 +306,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             # With views alive, the slot goes back when they die; otherwise right now.
             weakref.finalize(base, _release, mm, offset, generation)
             del base
-        self._counters.add_many(gets=1, bytes_got=length)
+        self._counters.add_pair("gets", "bytes_got", length)
         return data, length
 
     def _decode(self, buffer: Any, where: str, *, copy: bool) -> Any:
