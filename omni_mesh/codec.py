@@ -18,11 +18,13 @@ There is no pickle anywhere; only the types listed in `encode` round-trip.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import math
 import re
 import struct
+from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -380,13 +382,20 @@ def decode(buffer: Any, offset: int = 0, *, copy: bool = False) -> Any:
     buffer is copied once first so the views are writable. With copy=True every tensor and array is
     copied exactly once and `buffer` may be released as soon as this returns.
     """
-    try:
+    with _frame_errors():
         return _decode(buffer, offset, copy)
+
+
+@contextlib.contextmanager
+def _frame_errors() -> Iterator[None]:
+    """Any malformed input surfaces as one clear error type, FrameError."""
+    try:
+        yield
     except FrameError:
         raise
     except RecursionError:
         raise FrameError("frame nests too deeply") from None
-    except Exception as exc:  # any malformed input must surface as one clear error type
+    except Exception as exc:
         raise FrameError(f"malformed frame: {type(exc).__name__}: {exc}") from None
 
 
@@ -418,16 +427,10 @@ def _decode(buffer: Any, offset: int, copy: bool) -> Any:
 
 def decode_parts(header: bytes, parts: list[Any], *, copy: bool = False) -> Any:
     """Decode the parts form (`split` + `leaf_buffers`): a header and one buffer per leaf."""
-    try:
+    with _frame_errors():
         if type(header) is not bytes or type(parts) is not list:
             raise FrameError("parts form needs a bytes header and a list of buffers")
         return _template(header, len(header)).build(_Parts(parts, copy))
-    except FrameError:
-        raise
-    except RecursionError:
-        raise FrameError("frame nests too deeply") from None
-    except Exception as exc:  # any malformed input must surface as one clear error type
-        raise FrameError(f"malformed frame: {type(exc).__name__}: {exc}") from None
 
 
 def _template(header: bytes, header_len: int) -> Any:
