@@ -93,6 +93,20 @@ def _digest(from_stage: str, to_stage: str, key: str) -> bytes:
     return hashlib.blake2b(edge_key(from_stage, to_stage, key).encode(), digest_size=16).digest()
 
 
+def _where(from_stage: str, to_stage: str, key: str) -> str:
+    return f"key {key!r} on edge {from_stage}->{to_stage}"
+
+
+def _metadata_problem(metadata: dict) -> str:
+    for field, kind in (("segment", str), ("offset", int), ("generation", int), ("length", int)):
+        if field not in metadata:
+            return f"lacks {field!r}: {metadata!r}"
+        value = metadata[field]
+        if type(value) is not kind or (kind is int and value < 0):
+            return f"has a bad {field!r} ({value!r})"
+    return f"is malformed: {metadata!r}"
+
+
 def _taker_died(mm: mmap.mmap, offset: int) -> bool:
     """Whether the consumer that took this slot is gone (only decidable in our own PID namespace)."""
     pid, pidns = _TAKER.unpack_from(mm, offset + 4)
@@ -259,37 +273,31 @@ class SharedMemoryConnector(OmniConnectorBase):
     def get(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None = None
     ) -> tuple[Any, int] | None:
-        where = f"key {get_key!r} on edge {from_stage}->{to_stage}"
-        if not isinstance(metadata, dict):
+        if type(metadata) is not dict:
             raise ConnectorError(
-                f"SharedMemoryConnector: get of {where} needs the metadata that put() returned"
+                f"SharedMemoryConnector: get of {_where(from_stage, to_stage, get_key)} needs the metadata "
+                "that put() returned"
             )
         inline = metadata.get("inline")
         if inline is not None:
-            if metadata.get("key") != edge_key(from_stage, to_stage, get_key):
-                return self._stale()  # metadata of another key or edge: never hand out its data
-            try:
-                data = codec.decode_parts(inline, metadata.get("parts"))
-            except codec.FrameError as exc:
-                self._counters.add("errors")
-                raise ConnectorError(f"SharedMemoryConnector: bad inline payload for {where}: {exc}") from None
-            size = len(inline) + sum(len(part) for part in metadata["parts"])
-            self._counters.add_pair("gets", "bytes_got", size)
-            return data, size
-        try:
-            name, offset = metadata["segment"], metadata["offset"]
-            generation, length = metadata["generation"], metadata["length"]
-        except KeyError as exc:
-            raise ConnectorError(f"SharedMemoryConnector: metadata for {where} lacks {exc}") from None
-        if not (
-            isinstance(name, str) and all(type(v) is int and v >= 0 for v in (offset, generation, length))
+            return self._get_inline(from_stage, to_stage, get_key, metadata, inline)
+        name, offset = metadata.get("segment"), metadata.get("offset")
+        generation, length = metadata.get("generation"), metadata.get("length")
+        if (
+            type(name) is not str
+            or type(offset) is not int
+            or type(generation) is not int
+            or type(length) is not int
+            or offset < 0
+            or length < 0
         ):
-            raise ConnectorError(f"SharedMemoryConnector: malformed metadata for {where}: {metadata!r}")
-        mm = self._mapping(name, where)
+            where = _where(from_stage, to_stage, get_key)
+            raise ConnectorError(f"SharedMemoryConnector: metadata for {where} {_metadata_problem(metadata)}")
+        mm = self._mapping(name, from_stage, to_stage, get_key)
         if mm is None or offset + SLOT_HEADER + length > len(mm):
             return self._stale()
         state, _, _, slot_generation, digest, slot_length = SLOT.unpack_from(mm, offset)
-        if (slot_generation, slot_length) != (generation, length):
+        if slot_generation != generation or slot_length != length:
             return self._stale()
         # A slot taken by a consumer that died may be taken again: the coordinator retries work
         # whose replica died before producing output, and the retry needs the same input.
@@ -301,7 +309,11 @@ class SharedMemoryConnector(OmniConnectorBase):
         mm[offset] = TAKEN
         base = np.frombuffer(mm, dtype=np.uint8, count=length, offset=offset + SLOT_HEADER)
         try:
-            data = self._decode(base, where, copy=self.config.copy_on_get)
+            data = codec.decode(base, copy=self.config.copy_on_get)
+        except codec.FrameError as exc:
+            self._counters.add("errors")
+            where = _where(from_stage, to_stage, get_key)
+            raise ConnectorError(f"SharedMemoryConnector: bad frame for {where}: {exc}") from None
         finally:
             # With views alive, the slot goes back when they die; otherwise right now.
             weakref.finalize(base, _release, mm, offset, generation)
@@ -309,18 +321,24 @@ class SharedMemoryConnector(OmniConnectorBase):
         self._counters.add_pair("gets", "bytes_got", length)
         return data, length
 
-    def _decode(self, buffer: Any, where: str, *, copy: bool) -> Any:
+    def _get_inline(self, from_stage: str, to_stage: str, get_key: str, metadata: dict, inline: Any) -> Any:
+        if metadata.get("key") != edge_key(from_stage, to_stage, get_key):
+            return self._stale()  # metadata of another key or edge: never hand out its data
         try:
-            return codec.decode(buffer, copy=copy)
+            data = codec.decode_parts(inline, metadata.get("parts"))
         except codec.FrameError as exc:
             self._counters.add("errors")
-            raise ConnectorError(f"SharedMemoryConnector: bad frame for {where}: {exc}") from None
+            where = _where(from_stage, to_stage, get_key)
+            raise ConnectorError(f"SharedMemoryConnector: bad inline payload for {where}: {exc}") from None
+        size = len(inline) + sum(len(part) for part in metadata["parts"])
+        self._counters.add_pair("gets", "bytes_got", size)
+        return data, size
 
     def _stale(self) -> None:
         self._counters.add("stale_gets")
         return None
 
-    def _mapping(self, name: str, where: str) -> mmap.mmap | None:
+    def _mapping(self, name: str, from_stage: str, to_stage: str, get_key: str) -> mmap.mmap | None:
         own = self._own.get(name)
         if own is not None:
             return own.mm
@@ -331,9 +349,8 @@ class SharedMemoryConnector(OmniConnectorBase):
             except FileNotFoundError:
                 return None  # the producer is gone or the payload was reclaimed
             except (ValueError, OSError) as exc:
-                raise ConnectorError(
-                    f"SharedMemoryConnector: cannot map segment for {where}: {exc}"
-                ) from None
+                where = _where(from_stage, to_stage, get_key)
+                raise ConnectorError(f"SharedMemoryConnector: cannot map segment for {where}: {exc}") from None
             if "_x" not in name:  # a producer's pool: map it once. Fallback names end in _x<n>.
                 with self._lock:
                     self._forget_unlinked_locked()
