@@ -2,14 +2,8 @@
 master/metadata-server probes, the registered memory pool that payload frames are laid into, and a
 `mooncake_master` launcher for tests, benchmarks and local runs.
 
-`host: auto` resolves, in order, to:
-  1. the source address the kernel picks for a route to the outside world (a UDP `connect`, which
-     sends nothing), so a multi-homed host advertises the interface its default route uses;
-  2. else (no default route, e.g. an isolated network namespace) the first IPv4 address of an
-     interface that is up and not loopback;
-  3. else 127.0.0.1.
-Set `host` to an explicit address to override the rule (for example the address of a fast NIC, or
-the address peers reach a container by).
+`resolve_host` is the `host: auto` rule every connector shares (omni_mesh.connectors._addresses):
+Mooncake binds and advertises the one address it returns.
 """
 
 from __future__ import annotations
@@ -17,13 +11,11 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
-import fcntl
 import importlib
 import importlib.util
 import mmap
 import os
 import socket
-import struct
 import subprocess
 import threading
 import time
@@ -34,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from omni_mesh.connectors._addresses import resolve_host as resolve_host  # the shared rule, re-exported
 from omni_mesh.connectors.allocator import PoolAllocator, round_up
 from omni_mesh.connectors.base import ConnectorConfigError, ConnectorError
 
@@ -42,10 +35,6 @@ INSTALL_HINT = (
     "`pip install 'omni-mesh[mooncake-cuda]'` on GPU hosts"
 )
 PROTOCOLS = ("tcp", "rdma")
-_SIOCGIFFLAGS = 0x8913
-_SIOCGIFADDR = 0x8915
-_IFF_UP = 0x1
-_IFF_LOOPBACK = 0x8
 
 
 def import_mooncake(module: str, owner: str) -> ModuleType:
@@ -94,35 +83,6 @@ def check_positive(owner: str, **values: float) -> None:
     for name, value in values.items():
         if value <= 0:
             raise ConnectorConfigError(f"{owner}: {name} must be positive, got {value!r}")
-
-
-def resolve_host(value: str) -> str:
-    """The address to advertise and bind: `value` itself unless it is "auto" (rule in the module doc)."""
-    if value.strip().lower() != "auto":
-        return value.strip()
-    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect(("192.0.2.1", 9))  # TEST-NET-1: any routed address works, nothing is sent
-        address = probe.getsockname()[0]
-        if not address.startswith("127.") and address != "0.0.0.0":
-            return address
-    for _, name in socket.if_nameindex():
-        address = _interface_address(name)
-        if address is not None:
-            return address
-    return "127.0.0.1"
-
-
-def _interface_address(name: str) -> str | None:
-    """IPv4 address of an up, non-loopback interface (Linux ioctls; no extra dependency)."""
-    request = struct.pack("256s", name.encode()[:15])
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        try:
-            flags = struct.unpack_from("H", fcntl.ioctl(sock.fileno(), _SIOCGIFFLAGS, request), 16)[0]
-            if not flags & _IFF_UP or flags & _IFF_LOOPBACK:
-                return None
-            return socket.inet_ntoa(fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, request)[20:24])
-        except OSError:  # no IPv4 address on it
-            return None
 
 
 def split_address(address: str, owner: str, what: str) -> tuple[str, int]:

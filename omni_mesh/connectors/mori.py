@@ -6,13 +6,13 @@ InfiniBand) or AMD GPUs joined by Infinity Fabric (`backend_type: xgmi`, pool on
 TCP backend. Without the library, construction fails at once saying why and how to install it; on
 hosts without that hardware use ZmqConnector.
 
-Data path (pull, see zmq.EnginePullConnector): the producer lays the frame into its registered pool
-(host memory, or a GPU through a host staging buffer) and returns metadata with the side-channel
-endpoint, key, token, offset and size, plus its packed EngineDesc ("engine") and pool MemoryDesc
-("mem"). The consumer registers the producer's engine once, claims the payload over the ZeroMQ side
-channel, RDMA-reads it into its own registered pool (`IOEngine.read`), releases the producer's slot
-and decodes a host copy. A read still running at the deadline keeps its destination slot until the
-engine reports it finished.
+Data path (pull, see _engine_pull.EnginePullConnector): the producer lays the frame into its
+registered pool (host memory, or a GPU through a host staging buffer) and returns metadata with the
+side-channel endpoint, key, token, offset and size, plus its packed EngineDesc ("engine") and pool
+MemoryDesc ("mem"). The consumer registers the producer's engine once, claims the payload over the
+ZeroMQ side channel, RDMA-reads it into its own registered pool (`IOEngine.read`), releases the
+producer's slot and decodes a host copy. A read still running at the deadline keeps its destination
+slot until the engine reports it finished.
 
 Written against MORI's published Python API (ROCm/mori `python/mori/io`: IOEngine, IOEngineConfig,
 BackendType, RdmaBackendConfig, XgmiBackendConfig, PollCqMode, EngineDesc/MemoryDesc pack/unpack,
@@ -35,8 +35,9 @@ from typing import Any
 import torch
 
 from omni_mesh.codec import FramePlan, decode
+from omni_mesh.connectors._checks import check_port
+from omni_mesh.connectors._engine_pull import EnginePullConnector
 from omni_mesh.connectors.base import ConnectorConfigError, ConnectorError
-from omni_mesh.connectors.zmq import EnginePullConnector, check_port
 
 BACKENDS = ("rdma", "xgmi")
 POLL_MODES = ("polling", "event")
@@ -53,7 +54,7 @@ def install_hint() -> str:
 
 @dataclass
 class MoriConfig:
-    host: str = "auto"  # address to bind and advertise (rule in omni_mesh.connectors.zmq)
+    host: str = "auto"  # address to bind and advertise (rule in omni_mesh.connectors._addresses)
     port: int = 0  # the IOEngine's own port (IOEngineConfig.port); 0 lets MORI pick
     zmq_port: int = 0  # side channel; 0 picks a free port
     backend_type: str = "rdma"  # rdma (NICs) | xgmi (GPU to GPU, needs a GPU pool)

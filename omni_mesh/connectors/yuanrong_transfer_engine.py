@@ -6,11 +6,12 @@ The engine's data plane (`libp2p_transfer.so`) is built on ACL; there is no CPU 
 any other host construction fails at once, naming the missing runtime and the connector to use
 instead: ZmqConnector (cross-host over TCP, nothing to deploy) or YuanrongConnector (a datasystem worker).
 
-Data path (pull, see zmq.EnginePullConnector): the producer lays the frame into a host staging buffer
-and copies it into its registered NPU memory pool; the consumer claims the payload over a ZeroMQ side
-channel, pulls it into its own registered NPU pool with `transfer_sync_read`, copies it to host memory,
-releases the producer's slot and decodes. Metadata: endpoint (side channel), key, token, offset, size,
-target (the engine's `host:rpc_port`) and base (the producer pool's device address).
+Data path (pull, see _engine_pull.EnginePullConnector): the producer lays the frame into a host
+staging buffer and copies it into its registered NPU memory pool; the consumer claims the payload over
+a ZeroMQ side channel, pulls it into its own registered NPU pool with `transfer_sync_read`, copies it
+to host memory, releases the producer's slot and decodes. Metadata: endpoint (side channel), key,
+token, offset, size, target (the engine's `host:rpc_port`) and base (the producer pool's device
+address).
 
 This data path follows the published `yr.datasystem.TransferEngine` API (initialize, get_rpc_port,
 register_memory, transfer_sync_read, unregister_memory, finalize). It could not be run where it was
@@ -30,9 +31,10 @@ from typing import Any
 import torch
 
 from omni_mesh.codec import FramePlan, decode
+from omni_mesh.connectors._checks import check_port
+from omni_mesh.connectors._engine_pull import EnginePullConnector
 from omni_mesh.connectors.base import ConnectorConfigError, ConnectorError
 from omni_mesh.connectors.yuanrong import INSTALL_HINT, client_log_dir
-from omni_mesh.connectors.zmq import EnginePullConnector, check_port
 
 ALTERNATIVES = (
     "on hosts without Ascend NPUs use ZmqConnector (cross-host over TCP, nothing to deploy) or "
@@ -76,7 +78,7 @@ def _free_port(host: str) -> int:
 
 @dataclass
 class YuanrongTransferEngineConfig:
-    host: str = "auto"  # address to bind and advertise (rule in omni_mesh.connectors.zmq)
+    host: str = "auto"  # address to bind and advertise (rule in omni_mesh.connectors._addresses)
     zmq_port: int = 0  # side channel; 0 picks a free port
     rpc_port: int = 0  # the transfer engine's RPC port; 0 picks a free port
     protocol: str = "ascend"

@@ -1,0 +1,185 @@
+"""`EnginePullConnector`: the base of the transfer-engine connectors (Yuanrong TE, Mori).
+
+The producer lays the frame into its registered memory pool and returns metadata naming the slot and
+its ZeroMQ side channel. The consumer claims the payload over the side channel (so it cannot expire or
+be cleaned up mid-read), pulls the bytes into its own registered pool with the engine, releases the
+payload (the producer frees the slot) and decodes. Subclasses supply the engine.
+
+Config fields every subclass has: host, zmq_port, memory_pool_size, ttl_s, get_timeout_s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from abc import abstractmethod
+from typing import Any
+
+from omni_mesh.codec import FrameError, FramePlan, plan
+from omni_mesh.connectors._checks import check_positive
+from omni_mesh.connectors._served import ServedConnector
+from omni_mesh.connectors._zmq_channel import ERR, OK, Handler, Reply, frame_text
+from omni_mesh.connectors.base import ConnectorError, edge_key
+
+
+class EnginePullConnector(ServedConnector):
+    """Pull-based transfers: the consumer's engine reads the producer's pool slot (module docstring)."""
+
+    port_field = "zmq_port"
+    metadata_fields = ("endpoint", "token", "offset", "size")
+
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        super().__init__(config)
+        self._orphans: list[tuple[Any, int]] = []  # (unfinished transfer, local offset) after a timeout
+
+    @classmethod
+    def _check(cls, cfg: Any) -> None:
+        super()._check(cfg)
+        check_positive(cls.__name__, memory_pool_size=cfg.memory_pool_size)
+
+    # ---- what a subclass provides
+
+    @abstractmethod
+    def _open_backend(self) -> None:
+        """Import the backend, start the engine, allocate and register a memory_pool_size pool."""
+
+    @abstractmethod
+    def _write_frame(self, frame: FramePlan, offset: int) -> None:
+        """Lay `frame` into the pool at `offset` (through a host staging buffer for device pools)."""
+
+    @abstractmethod
+    def _engine_metadata(self) -> dict[str, Any]:
+        """Small msgpack-able fields a remote consumer needs to reach this pool with the engine."""
+
+    @abstractmethod
+    def _pull(self, metadata: dict[str, Any], local_offset: int, size: int, deadline: float) -> Any:
+        """Copy `size` bytes from the producer's slot into our pool at `local_offset`.
+
+        Returns None when done, or an unfinished transfer handle (past the deadline) that
+        `_transfer_done(handle)` can be asked about later. Raises ConnectorError with the engine's
+        reason on failure (the caller adds connector, edge, key and endpoint).
+        """
+
+    def _transfer_done(self, handle: Any) -> bool:
+        return True
+
+    @abstractmethod
+    def _decode_slot(self, offset: int, size: int) -> Any:
+        """Decode the frame at `offset` of our pool into objects that do not reference the pool."""
+
+    @abstractmethod
+    def _close_backend(self) -> None: ...
+
+    # ---- producer side
+
+    def _serving_handlers(self) -> dict[bytes, Handler]:
+        return {b"CLAIM": self._on_claim, b"RELEASE": self._on_release}
+
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+        frame = plan(data)
+        self._start_server()
+        key = edge_key(from_stage, to_stage, put_key)
+        offset = self._slots.allocate(frame.nbytes)
+        if offset is None:
+            self._error()
+            raise ConnectorError(
+                f"{self._name}: put {from_stage}->{to_stage} key {put_key!r}: the memory pool is full "
+                f"({frame.nbytes} bytes needed, {self._slots.size - self._slots.in_use} of {self._slots.size} "
+                f"free, {len(self._held)} payloads waiting); raise memory_pool_size or consume faster"
+            )
+        try:
+            self._write_frame(frame, offset)
+        except BaseException:
+            self._slots.free(offset)
+            raise
+        held = self._hold(key, put_key, frame.nbytes, offset)
+        metadata = {
+            "endpoint": self.endpoint,
+            "key": key,
+            "token": held.token,
+            "offset": offset,
+            "size": frame.nbytes,
+        }
+        metadata.update(self._engine_metadata())
+        return True, frame.nbytes, metadata
+
+    def _on_claim(self, args: list[bytes]) -> Reply:
+        held = self._held.claim(frame_text(args[0]), frame_text(args[1]))
+        return ([ERR, args[0], held.encode()] if isinstance(held, str) else [OK, args[0]]), None
+
+    def _on_release(self, args: list[bytes]) -> Reply:
+        held = self._held.take(frame_text(args[0]), frame_text(args[1]))
+        if isinstance(held, str):
+            return [ERR, args[0], held.encode()], None
+        self._release(held)
+        return [OK, args[0]], None
+
+    # ---- consumer side
+
+    def _fetch(
+        self, endpoint: str, key: str, metadata: dict, timeout_s: float, where: str
+    ) -> tuple[Any, int]:
+        """Claim, pull, release and decode the payload."""
+        size = int(metadata["size"])
+        deadline = time.monotonic() + timeout_s
+        request = [key.encode(), str(metadata["token"]).encode()]
+        self._side_request(endpoint, b"CLAIM", request, deadline, where)
+        offset = self._local_slot(size, deadline, where)
+        unfinished = None
+        try:
+            try:
+                unfinished = self._pull(metadata, offset, size, deadline)
+            except ConnectorError as exc:  # the engine's reason, here with edge, key and endpoint
+                self._error()
+                raise ConnectorError(f"{where}: {exc}") from exc
+            if unfinished is not None:
+                self._error()
+                raise ConnectorError(f"{where}: the transfer did not finish by the deadline")
+            obj = self._decode_slot(offset, size)
+        except FrameError as exc:
+            self._error()
+            raise ConnectorError(f"{where}: corrupt frame: {exc}") from None
+        finally:
+            if unfinished is None:
+                self._slots.free(offset)
+            else:  # the engine may still write there: free the slot once it has finished
+                with self._lock:
+                    self._orphans.append((unfinished, offset))
+        # The payload is ours now: a lost release only delays the producer's free to its ttl_s.
+        with contextlib.suppress(ConnectorError):
+            self._side_request(endpoint, b"RELEASE", request, max(deadline, time.monotonic() + 1.0), where)
+        return obj, size
+
+    def _side_request(self, endpoint: str, op: bytes, args: list[bytes], deadline: float, where: str) -> None:
+        timeout = max(0.0, deadline - time.monotonic())
+        late = (
+            f"no answer to {op.decode()} within {timeout:.1f}s; the producing process is gone "
+            "or its host is unreachable"
+        )
+        self._ask(endpoint, [op, *args], timeout, where, late)
+
+    def _local_slot(self, size: int, deadline: float, where: str) -> int:
+        while True:
+            self._reap_orphans()
+            offset = self._slots.allocate(size)
+            if offset is not None:
+                return offset
+            if time.monotonic() >= deadline:
+                self._error()
+                raise ConnectorError(
+                    f"{where}: no room for {size} bytes in this consumer's memory pool "
+                    f"({self._slots.size - self._slots.in_use} of {self._slots.size} free) before the deadline; "
+                    "raise memory_pool_size"
+                )
+            time.sleep(0.002)  # other gets finish and free their slots
+
+    def _reap_orphans(self) -> None:
+        with self._lock:
+            if not self._orphans:
+                return
+            keep, done = [], []
+            for orphan in self._orphans:
+                (done if self._transfer_done(orphan[0]) else keep).append(orphan)
+            self._orphans = keep
+        for _, offset in done:
+            self._slots.free(offset)

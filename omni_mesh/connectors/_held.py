@@ -1,0 +1,141 @@
+"""What a producer keeps for its consumers: payloads waiting under their edge key, and the pool slots
+they occupy. Thread-safe bookkeeping only; the memory itself belongs to the connector.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni_mesh.connectors.allocator import PoolAllocator
+
+
+class SlotPool:
+    """Thread-safe first-fit offsets (64-byte aligned) into a pool of `size` bytes; never touches memory."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._allocator = PoolAllocator(size)
+        self._lock = threading.Lock()
+
+    def allocate(self, nbytes: int) -> int | None:
+        with self._lock:
+            return self._allocator.allocate(nbytes)
+
+    def free(self, offset: int) -> None:
+        with self._lock:
+            self._allocator.free(offset)
+
+    @property
+    def in_use(self) -> int:
+        with self._lock:
+            return self._allocator.in_use
+
+
+@dataclass(eq=False)
+class Held:
+    """One payload a producer keeps for its consumer."""
+
+    key: str  # edge key: from->to/put_key
+    put_key: str
+    token: str
+    size: int
+    offset: int | None  # pool offset; None when it lives in `buffer` (pool too full)
+    buffer: Any = None
+    touched: float = field(default_factory=time.monotonic)
+    claimed: bool = False  # a consumer is reading it (pull connectors): only its release frees it
+
+
+class HeldTable:
+    """Payloads waiting for consumers, by edge key; expiry and request-prefix cleanup. Thread-safe.
+
+    A claimed payload (a consumer is pulling it) that is cleaned up or replaced by a new put of the
+    same key is retired, not freed: its slot is freed when the reader releases it or at expiry.
+    """
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._items: dict[str, Held] = {}
+        self._retired: dict[tuple[str, str], Held] = {}
+        self._lock = threading.Lock()
+
+    def gone(self) -> str:
+        if self.ttl_s > 0:
+            return f"no payload under this key: already consumed, cleaned up, or expired after ttl_s={self.ttl_s:g}"
+        return "no payload under this key: already consumed or cleaned up"
+
+    def add(self, held: Held) -> Held | None:
+        """Store `held`; returns the unclaimed payload it replaces (to be freed by the caller), if any."""
+        with self._lock:
+            old = self._items.pop(held.key, None)
+            self._items[held.key] = held
+            if old is not None and old.claimed:
+                self._retired[(old.key, old.token)] = old
+                return None
+            return old
+
+    def _find(self, key: str, token: str) -> Held | str:
+        held = self._items.get(key)
+        if held is None:
+            return self.gone()
+        if not secrets.compare_digest(held.token, token):
+            return "token mismatch: the metadata belongs to another put of this key"
+        return held
+
+    def take(self, key: str, token: str) -> Held | str:
+        """Remove and return the payload, or the reason it is not there."""
+        with self._lock:
+            retired = self._retired.pop((key, token), None)
+            if retired is not None:
+                return retired
+            found = self._find(key, token)
+            if isinstance(found, Held):
+                del self._items[key]
+            return found
+
+    def claim(self, key: str, token: str) -> Held | str:
+        """Mark the payload as being read: it stays until released (or expired)."""
+        with self._lock:
+            found = self._find(key, token)
+            if isinstance(found, Held):
+                found.claimed = True
+                found.touched = time.monotonic()
+            return found
+
+    def pop_expired(self, now: float) -> list[Held]:
+        if self.ttl_s <= 0:
+            return []
+        with self._lock:
+            stale = [key for key, held in self._items.items() if now - held.touched > self.ttl_s]
+            expired = [self._items.pop(key) for key in stale]
+            stale_retired = [ref for ref, held in self._retired.items() if now - held.touched > self.ttl_s]
+            expired += [self._retired.pop(ref) for ref in stale_retired]
+            return expired
+
+    def pop_matching(self, key: str) -> list[Held]:
+        """Unclaimed payloads whose put_key is `key` or starts with `key/` (claimed ones are retired)."""
+        prefix = key + "/"
+        with self._lock:
+            matching = [k for k, h in self._items.items() if h.put_key == key or h.put_key.startswith(prefix)]
+            freed = []
+            for k in matching:
+                held = self._items.pop(k)
+                if held.claimed:
+                    self._retired[(held.key, held.token)] = held
+                else:
+                    freed.append(held)
+            return freed
+
+    def pop_all(self) -> list[Held]:
+        with self._lock:
+            items = [*self._items.values(), *self._retired.values()]
+            self._items.clear()
+            self._retired.clear()
+            return items
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items) + len(self._retired)
