@@ -32,7 +32,8 @@ import msgpack
 import torch
 import zmq
 
-from omni_mesh.connectors import create_connector, parse_size
+from omni_mesh.connectors import connector_class, create_connector, parse_size
+from omni_mesh.connectors.base import parse_config
 
 DEFAULT_SIZES = ["4KiB", "1MiB", "16MiB", "256MiB"]
 EDGE = ("producer", "consumer")
@@ -216,7 +217,9 @@ def add_raw_baseline(name: str, result: SizeResult, config: dict) -> None:
     module_name, _, attr = target.partition(":")
     function: Callable[..., list[float]] = getattr(importlib.import_module(module_name), attr)
     if name == "YuanrongConnector":  # the raw client talks to the same worker as the connector
-        times = function(result.size, result.repeats, config.get("host", "127.0.0.1"), config["port"])
+        # The connector's own parsing, so a config that relies on its default host or port works too.
+        parsed = parse_config(connector_class(name).config_class, config, owner=name)
+        times = function(result.size, result.repeats, parsed.host, parsed.port)
     else:
         times = function(result.size, result.repeats)
     raw = statistics.median(times)
