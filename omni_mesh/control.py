@@ -17,6 +17,7 @@ Coordinator -> stage
     work        rid, stage, inputs | sources {src: [{key, meta}]}, stream_from, params, remaining_s
     chunk       rid, src, key, meta, seq, last       (the next streamed chunk of an accepted request)
     abort       rid, reason
+    drained     replica                              (draining, and every request it took part in has ended)
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "work": {"rid": str, "stage": str, "params": dict, "remaining_s": (int, float)},
     "chunk": {"rid": str, "src": str, "key": str, "seq": int, "last": bool},
     "abort": {"rid": str, "reason": str},
+    "drained": {"replica": str},
 }
 
 MAX_MESSAGE_BYTES = 1 << 20  # metadata only: anything larger is a bug or an attack

@@ -32,7 +32,7 @@ import zmq.asyncio
 from omni_mesh import aio, codec, control
 from omni_mesh.connectors import OmniConnectorBase, create_connector
 from omni_mesh.connectors.shm_segments import ProcessIdentity, segment_name
-from omni_mesh.hostinfo import process_info
+from omni_mesh.hostinfo import namespace, process_info
 from omni_mesh.topology import EdgeSpec, StageSpec, Topology, add_to_sys_path
 
 log = logging.getLogger("omni_mesh.stage")
@@ -59,6 +59,19 @@ class StageContext:
 
 class StageInputError(RuntimeError):
     """An input payload could not be fetched (gone, stale, or the connector failed)."""
+
+
+#: The initial PID namespace (the kernel's PROC_PID_INIT_INO): a process outside any container.
+_INITIAL_PID_NAMESPACE = "pid:[4026531836]"
+
+
+def default_replica_id(stage: str, host: str) -> str:
+    """`stage-host-pid`, plus the PID namespace inside a container: pids there repeat from one
+    container to the next, and containers on the host network all carry the host's name, so
+    `--scale` would otherwise give every replica the same id."""
+    pidns = namespace("pid")
+    suffix = f"-{pidns.removeprefix('pid:[').rstrip(']')}" if pidns not in ("", _INITIAL_PID_NAMESPACE) else ""
+    return f"{stage}-{host}-{os.getpid()}{suffix}"
 
 
 def load_handler(topology: Topology, stage: StageSpec) -> Callable[..., Any]:
@@ -131,7 +144,7 @@ class StageReplica:
         self.stage = stage
         self.coordinator = coordinator
         self.host = host or socket.gethostname()
-        self.replica_id = replica_id or f"{stage.name}-{self.host}-{os.getpid()}"
+        self.replica_id = replica_id or default_replica_id(stage.name, self.host)
         self.drain_grace_s = drain_grace_s
         self.health_file = Path(health_file) if health_file else None
         self.handler = load_handler(topology, stage)
@@ -151,6 +164,7 @@ class StageReplica:
         self.malformed = 0
         self.draining = False
         self._registered = asyncio.Event()
+        self._drained = asyncio.Event()  # the coordinator says no running request needs us any more
         self._stopped = asyncio.Event()
         self._ctx = zmq.asyncio.Context()
         self._socket = self._ctx.socket(zmq.DEALER)
@@ -188,8 +202,15 @@ class StageReplica:
 
     async def _drain(self) -> None:
         await self._heartbeat()  # tell the coordinator at once so no new work arrives
-        deadline = asyncio.get_running_loop().time() + self.drain_grace_s
-        while (self.work or self._unconsumed()) and asyncio.get_running_loop().time() < deadline:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_grace_s
+        # Finishing our own work is not enough: what we put may still wait for a downstream replica
+        # to fetch it, and exiting takes it along. The coordinator answers our (draining) heartbeats
+        # with `drained` once every request we took part in has ended (and tells every replica so
+        # when it shuts down). Unregistered, we hold nothing anybody waits for.
+        while loop.time() < deadline and (
+            self.work or self._unconsumed() or (self._registered.is_set() and not self._drained.is_set())
+        ):
             await asyncio.sleep(0.05)
         self._stopped.set()
 
@@ -277,6 +298,8 @@ class StageReplica:
                 work = self.work.get(message["rid"])
                 if work is not None and work.stream is not None:
                     work.stream.feed(message)
+            elif kind == "drained":
+                self._drained.set()
             elif kind == "abort":
                 self._abort(message["rid"], message["reason"])
             else:
@@ -290,6 +313,7 @@ class StageReplica:
         if message.get("stream_from"):
             work.stream = _ChunkStream(lambda item: self._fetch(work, message["stream_from"], item))
         self.work[rid] = work
+        self._drained.clear()  # a new request may need what we put for it
         work.task = loop.create_task(self._run(work, message))
 
     def _abort(self, rid: str, reason: str) -> None:

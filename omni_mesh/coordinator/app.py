@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -197,4 +199,13 @@ async def serve(
     )
     server = uvicorn.Server(config)
     log.info("coordinator for topology %r on http://%s:%d", topology.name, host, port)
-    await server.serve()
+    # uvicorn re-raises the signal that stopped it once it has shut down gracefully, so SIGTERM (a
+    # container stop, `omni-mesh up` shutting down) would end the process with status 143 after a
+    # clean shutdown. Catch that re-raised SIGTERM: a graceful stop exits 0, like a stage replica's.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: None) if main_thread else None
+    try:
+        await server.serve()
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)

@@ -289,6 +289,11 @@ class Dispatcher:
             stage = next(iter(state.at), None) or next(iter(state.queued), None)
             self.fail(state, RequestFailed(504, f"deadline exceeded while at {state.location()}", stage))
 
+    def holds(self, replica_id: str) -> bool:
+        """Whether a request still running took part of its work on `replica_id`: the outputs that
+        replica put may not have been fetched yet, so a draining replica must not exit before."""
+        return any(replica_id in state.touched for state in self.requests.values())
+
     def replica_lost(self, replica: Replica, reason: str) -> None:
         """A replica died or left. Work it held that had produced no output yet is retried once on
         another healthy replica; the rest fails now, naming the stage, rather than at its deadline."""

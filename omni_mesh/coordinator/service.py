@@ -59,7 +59,12 @@ class Coordinator:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if self._socket is not None:
-            self._socket.close(0)
+            # Every request has ended by now: no replica's outputs are needed any more, so none has
+            # to wait for us when it drains (`omni-mesh up` stops the replicas after us).
+            for replica in list(self.registry.replicas.values()):
+                with contextlib.suppress(zmq.ZMQError):
+                    self.send(replica, {"type": "drained", "replica": replica.replica_id})
+            self._socket.close(linger=500)  # long enough to hand those few bytes to the kernel
         if self._ctx is not None:
             self._ctx.term()
 
@@ -97,6 +102,8 @@ class Coordinator:
             return
         if kind == "heartbeat":
             self.registry.heartbeat(message)
+            if replica.draining and not self.dispatcher.holds(replica.replica_id):
+                self.send(replica, {"type": "drained", "replica": replica.replica_id})
             self.dispatcher.drain_queue(replica.stage)
         elif kind == "output":
             self.dispatcher.on_output(replica, message, frame)
