@@ -152,10 +152,10 @@ class StageReplica:
         self.out_edges = {topology.stage(e.dst).name: e for e in topology.outputs_of(stage.stage_id)}
         self.is_final = any(s.stage_id == stage.stage_id for s in topology.final_stages)
         self.connectors: dict[str, OmniConnectorBase] = {}
-        for edge in [*self.in_edges.values(), *self.out_edges.values()]:
-            spec = edge.connector
-            if spec.ref not in self.connectors:
-                self.connectors[spec.ref] = create_connector(spec.name, spec.extra)
+        specs = {e.connector.ref: e.connector for e in [*self.in_edges.values(), *self.out_edges.values()]}
+        # Mooncake's native library must load before openYuanrong's in one process, or it crashes.
+        for spec in sorted(specs.values(), key=lambda s: not s.name.startswith("Mooncake")):
+            self.connectors[spec.ref] = create_connector(spec.name, spec.extra)
         self.executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{stage.name}-io")
         self.work: dict[str, _Work] = {}
         self.aborted: dict[str, float] = {}  # rid -> until when (loop time) to sweep what we put for it

@@ -416,3 +416,15 @@ def test_store_payload_larger_than_localbuf_says_what_to_raise(store_producer) -
     with pytest.raises(ConnectorError, match=r"localbuf is 67108864 bytes; raise localbuf.*'65MiB'"):
         store_producer.put("a", "b", "big/x", torch.ones(64 * MiB + 1, dtype=torch.uint8))
     assert store_producer.health()["localbuf_in_use"] == 0
+
+
+def test_mooncake_after_yuanrong_is_a_clear_error_not_a_crash() -> None:
+    """Loading mooncake after yr.datasystem segfaults the process; the connector refuses that order instead."""
+    code = (
+        "import yr.datasystem\n"
+        "from omni_mesh.connectors import create_connector\n"
+        "create_connector('MooncakeTransferEngineConnector', {})\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
+    assert "cannot be loaded after openYuanrong's yr.datasystem" in result.stderr

@@ -17,6 +17,7 @@ import mmap
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.parse
@@ -41,6 +42,12 @@ def import_mooncake(module: str, owner: str) -> ModuleType:
     """Import `mooncake.engine` / `mooncake.store` on first use, with an error that says what to install."""
     # glog prints ~10 lines per engine at INFO; users can still ask for more by setting it themselves.
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    if module not in sys.modules and yuanrong_loaded_first():
+        raise ConnectorError(
+            f"{owner}: mooncake cannot be loaded after openYuanrong's yr.datasystem in one process: their "
+            "native libraries clash and the process would crash. Create Mooncake connectors first "
+            "(`omni-mesh stage` does), or import mooncake before yr.datasystem"
+        )
     try:
         return importlib.import_module(module)
     except ImportError as exc:
@@ -53,6 +60,12 @@ def import_mooncake(module: str, owner: str) -> ModuleType:
         raise ConnectorError(
             f"{owner}: the mooncake library is not available ({detail}); {INSTALL_HINT}"
         ) from exc
+
+
+def yuanrong_loaded_first() -> bool:
+    """yr.datasystem is loaded and mooncake is not: loading mooncake now would segfault (measured)."""
+    mooncake = any(name in sys.modules for name in ("mooncake.engine", "mooncake.store"))
+    return not mooncake and any(name.split(".")[:2] == ["yr", "datasystem"] for name in sys.modules)
 
 
 def close_at_exit(connector: Any) -> None:
