@@ -76,8 +76,8 @@ def _stop(pid: int) -> None:
 
 
 @contextlib.contextmanager
-def running_worker(shared_memory_mb: int = 1024) -> Iterator[Worker]:
-    """Start a worker, yield it, stop it (on every path)."""
+def running_worker(shared_memory_mb: int = 1024, extra_args: tuple[str, ...] = ()) -> Iterator[Worker]:
+    """Start a worker, yield it, stop it (on every path). `extra_args` go to `dscli start` as they are."""
     home = tempfile.mkdtemp(prefix="omy-")  # short: the worker's unix socket path must stay under 80 chars
     port, metastore = free_ports(2)
     address = f"127.0.0.1:{port}"
@@ -86,7 +86,7 @@ def running_worker(shared_memory_mb: int = 1024) -> Iterator[Worker]:
     os.environ["DATASYSTEM_CLIENT_LOG_DIR"] = env["DATASYSTEM_CLIENT_LOG_DIR"]
     argv = [DSCLI, "start", "-t", "60", "-d", home, "-w", "--worker_address", address]
     argv += ["--metastore_address", f"127.0.0.1:{metastore}", "--start_metastore_service", "true"]
-    argv += ["--shared_memory_size_mb", str(shared_memory_mb)]
+    argv += ["--shared_memory_size_mb", str(shared_memory_mb), *extra_args]
     pid = None
     try:
         started = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)

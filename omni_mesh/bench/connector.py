@@ -64,8 +64,9 @@ class SizeResult:
 
 
 def repeats_for(size: int) -> int:
-    """Enough repetitions for a stable median without making 256 MiB take minutes."""
-    return max(5, min(200, (2 << 30) // max(size, 1) // 16))
+    """Enough repetitions for a stable median on a noisy machine, without making 256 MiB take minutes."""
+    floor = 8 if size >= 256 << 20 else 20
+    return max(floor, min(200, (2 << 30) // max(size, 1) // 16))
 
 
 def payload(size: int) -> dict[str, torch.Tensor]:
@@ -210,18 +211,24 @@ def bench_size(name: str, config: dict, consumer: ConsumerProcess, size: int, re
     )
 
 
-def add_raw_baseline(name: str, result: SizeResult, config: dict) -> None:
+def raw_seconds(name: str, size: int, repeats: int, config: dict) -> list[float] | None:
+    """Times of the raw library moving `size` bytes, or None for connectors without a raw baseline."""
     target = RAW_BASELINES.get(name)
     if target is None:
-        return
+        return None
     module_name, _, attr = target.partition(":")
     function: Callable[..., list[float]] = getattr(importlib.import_module(module_name), attr)
     if name == "YuanrongConnector":  # the raw client talks to the same worker as the connector
         # The connector's own parsing, so a config that relies on its default host or port works too.
         parsed = parse_config(connector_class(name).config_class, config, owner=name)
-        times = function(result.size, result.repeats, parsed.host, parsed.port)
-    else:
-        times = function(result.size, result.repeats)
+        return function(size, repeats, parsed.host, parsed.port)
+    return function(size, repeats)
+
+
+def add_raw_baseline(name: str, result: SizeResult, config: dict) -> None:
+    times = raw_seconds(name, result.size, result.repeats, config)
+    if times is None:
+        return
     raw = statistics.median(times)
     result.raw_gbps = result.size / raw / 1e9
     result.ratio_raw = raw / result.put_get_s
@@ -235,6 +242,10 @@ def run(name: str, config: dict, sizes: list[int], *, raw: bool = True) -> dict[
     consumer = ConsumerProcess(name, config)
     try:
         for size in sizes:
+            if raw:
+                # Untimed: warm the backend (a datasystem worker's arena faults its pages in on first
+                # use) so that neither side of the comparison pays for that and the other does not.
+                raw_seconds(name, size, 2, config)
             result = bench_size(name, config, consumer, size, repeats_for(size))
             if raw:
                 add_raw_baseline(name, result, config)

@@ -16,6 +16,7 @@ The datasystem client holds the GIL while it blocks, so every call is kept short
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -144,6 +145,11 @@ class YuanrongConnector(OmniConnectorBase):
         self._mine: dict[str, tuple[str, str, float]] = {}  # edge key -> (datasystem key, put_key, put at)
         self._last_error = -1e9
         self._counters = Counters("puts", "gets", "bytes_put", "bytes_got", "errors", "deleted")
+        # Consumed keys are deleted by a background thread, in batches: one delete RPC (about 1 ms
+        # here) for many keys, and none on the get path.
+        self._consumed: list[str] = []
+        self._consumed_ready = threading.Condition()
+        self._deleter: threading.Thread | None = None
 
     def _unreachable(self, waited: float, reason: str) -> str:
         return (
@@ -273,7 +279,7 @@ class YuanrongConnector(OmniConnectorBase):
             ) from None
         finally:
             view = buffers = None
-        self._delete([ds_key], where)
+        self._delete_later(ds_key)
         with self._lock:
             self._mine.pop(edge, None)
         self._counters.add("gets")
@@ -298,6 +304,32 @@ class YuanrongConnector(OmniConnectorBase):
                 )
             # The client held the GIL for that whole poll: give other threads as long before the next.
             time.sleep(min(sub_ms / 1000, max(0.0, deadline - time.monotonic())))
+
+    def _delete_later(self, ds_key: str) -> None:
+        with self._consumed_ready:
+            self._consumed.append(ds_key)
+            if self._deleter is None:
+                self._deleter = threading.Thread(target=self._delete_consumed, name="yuanrong-delete", daemon=True)
+                self._deleter.start()
+            self._consumed_ready.notify()
+
+    def _delete_consumed(self) -> None:
+        while True:
+            with self._consumed_ready:
+                while not self._consumed and self._client is not None:
+                    self._consumed_ready.wait()
+                keys, self._consumed = self._consumed, []
+            if not keys:
+                return  # closed, nothing left
+            with contextlib.suppress(ConnectorError):  # counted as an error by _delete
+                self._delete(keys, f"YuanrongConnector: delete {len(keys)} consumed key(s)")
+
+    def flush(self) -> None:
+        """Delete every consumed key now (close does this too)."""
+        with self._consumed_ready:
+            keys, self._consumed = self._consumed, []
+        if keys:
+            self._delete(keys, f"YuanrongConnector: delete {len(keys)} consumed key(s)")
 
     def _delete(self, ds_keys: list[str], where: str) -> None:
         try:
@@ -342,5 +374,12 @@ class YuanrongConnector(OmniConnectorBase):
     def close(self) -> None:
         """Idempotent. The client disconnects as it is destroyed here; if the worker is already gone
         that takes the datasystem client several seconds."""
-        with self._lock:
-            self._client = None
+        if self._client is not None:
+            with contextlib.suppress(ConnectorError):
+                self.flush()
+        with self._consumed_ready:
+            with self._lock:
+                self._client = None
+            self._consumed_ready.notify()
+        if self._deleter is not None:
+            self._deleter.join(timeout=10)
