@@ -886,3 +886,17 @@ def test_a_slot_taken_by_a_killed_consumer_can_be_taken_again() -> None:
         finally:
             if first.proc.poll() is None:
                 first.kill()
+
+
+def test_allocator_aligns_large_frames_and_frees_all_it_took() -> None:
+    """allocate(align=PAGE, skew=h) puts offset + h on a page boundary; free returns the whole extent."""
+    from omni_mesh.connectors.allocator import PAGE, PoolAllocator
+
+    allocator = PoolAllocator(1 << 20, start=64)
+    small = allocator.allocate(100)
+    offsets = [allocator.allocate(70_000, align=PAGE, skew=64) for _ in range(5)]
+    assert small == 64 and all(o is not None and (o + 64) % PAGE == 0 for o in offsets)
+    assert len(set(offsets)) == 5
+    for offset in [small, *offsets]:
+        allocator.free(offset)
+    assert allocator.in_use == 0 and allocator.largest_free == (1 << 20) - 64

@@ -174,7 +174,10 @@ def _consume(connector: Any, message: dict) -> dict:
     return reply
 
 
-def bench_size(name: str, config: dict, consumer: ConsumerProcess, size: int, repeats: int) -> SizeResult:
+def measure(
+    name: str, config: dict, consumer: ConsumerProcess, size: int, repeats: int
+) -> tuple[list[float], list[float], list[float]]:
+    """Producer put, consumer get and end-to-end times of `repeats` transfers (after two warm-up ones)."""
     connector = create_connector(name, config)
     data = payload(size)
     expected = digest(data["hidden_states"])
@@ -196,11 +199,17 @@ def bench_size(name: str, config: dict, consumer: ConsumerProcess, size: int, re
                 e2e_s.append(reply["done"] - started)  # perf_counter is CLOCK_MONOTONIC: one clock per host
     finally:
         connector.close()
+    return put_s, get_s, e2e_s
+
+
+def summarize(
+    size: int, put_s: list[float], get_s: list[float], e2e_s: list[float], raw_s: list[float] | None
+) -> SizeResult:
     put_get = statistics.median([p + g for p, g in zip(put_s, get_s, strict=True)])
-    memcpy = statistics.median(memcpy_seconds(size, repeats))
-    return SizeResult(
+    memcpy = statistics.median(memcpy_seconds(size, len(put_s)))
+    result = SizeResult(
         size=size,
-        repeats=repeats,
+        repeats=len(put_s),
         put_get_s=put_get,
         put_s=statistics.median(put_s),
         get_s=statistics.median(get_s),
@@ -209,6 +218,11 @@ def bench_size(name: str, config: dict, consumer: ConsumerProcess, size: int, re
         memcpy_gbps=size / memcpy / 1e9,
         ratio_memcpy=memcpy / put_get,
     )
+    if raw_s:
+        raw = statistics.median(raw_s)
+        result.raw_gbps = size / raw / 1e9
+        result.ratio_raw = raw / put_get
+    return result
 
 
 def raw_seconds(name: str, size: int, repeats: int, config: dict) -> list[float] | None:
@@ -225,13 +239,31 @@ def raw_seconds(name: str, size: int, repeats: int, config: dict) -> list[float]
     return function(size, repeats)
 
 
-def add_raw_baseline(name: str, result: SizeResult, config: dict) -> None:
-    times = raw_seconds(name, result.size, result.repeats, config)
-    if times is None:
-        return
-    raw = statistics.median(times)
-    result.raw_gbps = result.size / raw / 1e9
-    result.ratio_raw = raw / result.put_get_s
+def measure_size(name: str, config: dict, consumer: ConsumerProcess, size: int, *, raw: bool) -> SizeResult:
+    """The connector and, where there is one, its raw library, in alternating halves.
+
+    The machines drift (other tenants, frequency): alternating the two halves and taking medians over
+    all samples keeps a slow minute from landing on one side of the ratio only.
+    """
+    repeats = repeats_for(size)
+    put_s: list[float] = []
+    get_s: list[float] = []
+    e2e_s: list[float] = []
+    raw_s: list[float] = []
+    has_raw = raw and name in RAW_BASELINES
+    if has_raw:
+        # Untimed: warm the backend (a datasystem worker's arena faults its pages in on first use)
+        # so that neither side of the comparison pays for that and the other does not.
+        raw_seconds(name, size, 2, config)
+    halves = 2 if has_raw else 1
+    for _ in range(halves):
+        puts, gets, e2es = measure(name, config, consumer, size, max(3, repeats // halves))
+        put_s += puts
+        get_s += gets
+        e2e_s += e2es
+        if has_raw:
+            raw_s += raw_seconds(name, size, max(3, repeats // halves), config) or []
+    return summarize(size, put_s, get_s, e2e_s, raw_s)
 
 
 def run(name: str, config: dict, sizes: list[int], *, raw: bool = True) -> dict[str, Any]:
@@ -242,14 +274,7 @@ def run(name: str, config: dict, sizes: list[int], *, raw: bool = True) -> dict[
     consumer = ConsumerProcess(name, config)
     try:
         for size in sizes:
-            if raw:
-                # Untimed: warm the backend (a datasystem worker's arena faults its pages in on first
-                # use) so that neither side of the comparison pays for that and the other does not.
-                raw_seconds(name, size, 2, config)
-            result = bench_size(name, config, consumer, size, repeats_for(size))
-            if raw:
-                add_raw_baseline(name, result, config)
-            results.append(result)
+            results.append(measure_size(name, config, consumer, size, raw=raw))
     finally:
         consumer.close()
     small = statistics.median(in_process_seconds(name, config, 4096, 2000))

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_mesh.connectors.allocator import PoolAllocator
+from omni_mesh.connectors.allocator import PoolAllocator, frame_alignment
 
 
 class SlotPool:
@@ -22,8 +22,9 @@ class SlotPool:
         self._lock = threading.Lock()
 
     def allocate(self, nbytes: int) -> int | None:
+        """Large frames start on a page boundary (see PoolAllocator.allocate)."""
         with self._lock:
-            return self._allocator.allocate(nbytes)
+            return self._allocator.allocate(nbytes, align=frame_alignment(nbytes))
 
     def free(self, offset: int) -> None:
         with self._lock:

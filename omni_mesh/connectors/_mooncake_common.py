@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from omni_mesh.connectors._addresses import resolve_host as resolve_host  # the shared rule, re-exported
-from omni_mesh.connectors.allocator import PoolAllocator, round_up
+from omni_mesh.connectors.allocator import PoolAllocator, frame_alignment, round_up
 from omni_mesh.connectors.base import ConnectorConfigError, ConnectorError
 
 INSTALL_HINT = (
@@ -158,7 +158,7 @@ class RegisteredPool:
         with self._cond:
             while True:
                 self._drain_locked()
-                offset = self._allocator.allocate(nbytes)
+                offset = self._allocator.allocate(nbytes, align=frame_alignment(nbytes))
                 if offset is not None:
                     return offset
                 remaining = deadline - time.monotonic()

@@ -8,6 +8,12 @@ from __future__ import annotations
 import bisect
 
 ALIGNMENT = 64
+PAGE = 4096
+LARGE_FRAME = 64 * 1024  # frames this large start on a page boundary (see PoolAllocator.allocate)
+
+
+def frame_alignment(nbytes: int) -> int:
+    return PAGE if nbytes >= LARGE_FRAME else ALIGNMENT
 
 
 def round_up(n: int, alignment: int = ALIGNMENT) -> int:
@@ -19,29 +25,36 @@ class PoolAllocator:
         self.size = size
         self.start = start
         self.in_use = 0
-        self._allocated: dict[int, int] = {}  # offset -> size
+        self._allocated: dict[int, tuple[int, int]] = {}  # handed-out offset -> (extent start, size)
         # Free extents sorted by offset, kept as two parallel lists for bisect.
         self._free_offsets: list[int] = [start] if size > start else []
         self._free_sizes: list[int] = [size - start] if size > start else []
 
-    def allocate(self, nbytes: int) -> int | None:
-        """Offset of `nbytes` (rounded up to the alignment), or None if no extent is large enough."""
+    def allocate(self, nbytes: int, *, align: int = ALIGNMENT, skew: int = 0) -> int | None:
+        """Offset `o` of `nbytes` with (o + skew) % align == 0, or None if no extent is large enough.
+
+        A large frame asks for a page boundary (align=4096; skew = the size of a header that precedes
+        it): the codec places large leaves at page offsets where memcpy runs fastest, which needs
+        the frame's own start on a page boundary.
+        """
         need = round_up(max(nbytes, 1))
         for i, extent in enumerate(self._free_sizes):
-            if extent >= need:
-                offset = self._free_offsets[i]
-                if extent == need:
+            start = self._free_offsets[i]
+            offset = round_up(start + skew, align) - skew if align > ALIGNMENT else start
+            taken = offset - start + need
+            if extent >= taken:
+                if extent == taken:
                     del self._free_offsets[i], self._free_sizes[i]
                 else:
-                    self._free_offsets[i] += need
-                    self._free_sizes[i] -= need
-                self._allocated[offset] = need
-                self.in_use += need
+                    self._free_offsets[i] += taken
+                    self._free_sizes[i] -= taken
+                self._allocated[offset] = (start, taken)
+                self.in_use += taken
                 return offset
         return None
 
     def free(self, offset: int) -> None:
-        size = self._allocated.pop(offset)
+        offset, size = self._allocated.pop(offset)
         self.in_use -= size
         i = bisect.bisect_left(self._free_offsets, offset)
         # Merge with the following extent, then with the preceding one.

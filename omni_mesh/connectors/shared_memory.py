@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from omni_mesh import codec
-from omni_mesh.connectors.allocator import PoolAllocator, round_up
+from omni_mesh.connectors.allocator import PAGE, PoolAllocator, frame_alignment, round_up
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
 from omni_mesh.connectors.shm_segments import (
     SHM_DIR,
@@ -55,8 +55,6 @@ SLOT = struct.Struct("<B3xII4xQ16sQ")  # generation at byte 16
 SLOT_HEADER = 64
 POOL_HEADER = 64
 FREE, WRITTEN, TAKEN, RELEASED = 0, 1, 2, 3
-PAGE = 4096
-PAGE_ALIGN_MIN = 64 * 1024
 _TAKER = struct.Struct("<II")
 
 
@@ -86,7 +84,6 @@ class _Slot:
     offset: int  # of the slot header; the frame follows it
     generation: int
     put_key: str
-    start: int  # what the allocator handed out (the slot may sit a little after it)
 
 
 def _digest(from_stage: str, to_stage: str, key: str) -> bytes:
@@ -173,33 +170,34 @@ class SharedMemoryConnector(OmniConnectorBase):
             self._counters.add(extra)
 
     def _allocate(self, size: int, put_key: str, generation: int, from_stage: str, to_stage: str) -> _Slot:
-        # Large frames start on a page boundary (the slot header sits just before it), which the
-        # codec's page-offset matching of large leaves relies on; the slack costs < 4 KiB per slot.
-        slack = PAGE if size >= PAGE_ALIGN_MIN else 0
-        need = SLOT_HEADER + size + slack
+        # Large frames start on a page boundary, the slot header just before it: the codec's placing
+        # of large leaves at fast page offsets relies on it.
+        need = SLOT_HEADER + size
+        align = frame_alignment(size)
         with self._lock:
             if self._closed:
                 raise ConnectorError(
                     f"SharedMemoryConnector is closed (put {put_key!r} on {from_stage}->{to_stage})"
                 )
             pool = self._pool_locked()
-            start = None
+            offset = None
             # Always, not only when the pool is the target: released fallback segments are unlinked here.
             self._reclaim_locked(check_takers=False)
-            if need <= pool.allocator.size - POOL_HEADER:
-                start = pool.allocator.allocate(need)
-                if start is None:
+            if need + align <= pool.allocator.size - POOL_HEADER:
+                offset = pool.allocator.allocate(need, align=align, skew=SLOT_HEADER)
+                if offset is None:
                     self._reclaim_locked(check_takers=True)
-                    start = pool.allocator.allocate(need)
-            if start is None:
-                segment, start = self._fallback_locked(need, from_stage, to_stage, put_key), 0
+                    offset = pool.allocator.allocate(need, align=align, skew=SLOT_HEADER)
+            if offset is None:
+                # A one-off segment; the slot header sits just before its first page boundary.
+                skew = PAGE - SLOT_HEADER if align == PAGE else 0
+                segment, offset = self._fallback_locked(need + skew, from_stage, to_stage, put_key), skew
             else:
                 segment = pool
-            offset = round_up(start + SLOT_HEADER, PAGE) - SLOT_HEADER if slack else start
             # Reused pool space holds bytes of older frames: until this put writes its header, the
             # state byte must not read as RELEASED or TAKEN, or a reclaim would free the slot mid-write.
             segment.mm[offset] = FREE
-            slot = _Slot(segment, offset, generation, put_key, start)
+            slot = _Slot(segment, offset, generation, put_key)
             self._slots[(segment.name, offset)] = slot
             return slot
 
@@ -257,7 +255,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         # Invalidate the generation first, so a racing consumer's release or take no longer matches.
         struct.pack_into("<Q", segment.mm, slot.offset + 16, 0)
         segment.mm[slot.offset] = FREE
-        segment.allocator.free(slot.start)
+        segment.allocator.free(slot.offset)
 
     def cleanup(self, key: str) -> None:
         """Free what this process put under `key` (or `key/...`) that no consumer holds."""
