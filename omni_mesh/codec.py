@@ -18,13 +18,11 @@ There is no pickle anywhere; only the types listed in `encode` round-trip.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import math
 import re
 import struct
-from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -222,7 +220,11 @@ def leaf_buffers(leaves: list[Any], lengths: list[int]) -> list[bytearray]:
     for leaf, length in zip(leaves, lengths, strict=True):
         part = bytearray(length)
         if length and type(leaf) is not _PagePad:
-            _copy_leaf(leaf, memoryview(part), ctypes.addressof(ctypes.c_char.from_buffer(part)), 0, length)
+            address = ctypes.addressof(ctypes.c_char.from_buffer(part))
+            if type(leaf) is torch.Tensor and leaf.is_contiguous():
+                ctypes.memmove(address, leaf.data_ptr(), length)  # the common case, without dispatch
+            else:
+                _copy_leaf(leaf, memoryview(part), address, 0, length)
         parts.append(part)
     return parts
 
@@ -382,21 +384,19 @@ def decode(buffer: Any, offset: int = 0, *, copy: bool = False) -> Any:
     buffer is copied once first so the views are writable. With copy=True every tensor and array is
     copied exactly once and `buffer` may be released as soon as this returns.
     """
-    with _frame_errors():
-        return _decode(buffer, offset, copy)
-
-
-@contextlib.contextmanager
-def _frame_errors() -> Iterator[None]:
-    """Any malformed input surfaces as one clear error type, FrameError."""
     try:
-        yield
-    except FrameError:
-        raise
-    except RecursionError:
-        raise FrameError("frame nests too deeply") from None
+        return _decode(buffer, offset, copy)
     except Exception as exc:
-        raise FrameError(f"malformed frame: {type(exc).__name__}: {exc}") from None
+        raise _frame_error(exc) from None
+
+
+def _frame_error(exc: Exception) -> FrameError:
+    """Any malformed input surfaces as one clear error type, FrameError."""
+    if isinstance(exc, FrameError):
+        return exc
+    if isinstance(exc, RecursionError):
+        return FrameError("frame nests too deeply")
+    return FrameError(f"malformed frame: {type(exc).__name__}: {exc}")
 
 
 def _decode(buffer: Any, offset: int, copy: bool) -> Any:
@@ -427,10 +427,12 @@ def _decode(buffer: Any, offset: int, copy: bool) -> Any:
 
 def decode_parts(header: bytes, parts: list[Any], *, copy: bool = False) -> Any:
     """Decode the parts form (`split` + `leaf_buffers`): a header and one buffer per leaf."""
-    with _frame_errors():
+    try:
         if type(header) is not bytes or type(parts) is not list:
             raise FrameError("parts form needs a bytes header and a list of buffers")
         return _template(header, len(header)).build(_Parts(parts, copy))
+    except Exception as exc:
+        raise _frame_error(exc) from None
 
 
 def _template(header: bytes, header_len: int) -> Any:
@@ -498,6 +500,8 @@ class _Parts:
         if index >= len(self.parts):
             raise FrameError(f"buffer reference {index} out of range ({len(self.parts)} buffers)")
         part = self.parts[index]
+        if type(part) is bytearray and len(part) == expected:
+            return part, 0  # the common case, in one process: writable, the right size
         with memoryview(part) as view:
             if view.nbytes != expected:
                 raise FrameError(f"buffer {index} holds {view.nbytes} bytes, its leaf needs {expected}")

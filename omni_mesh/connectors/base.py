@@ -114,11 +114,13 @@ class Counters:
         for name, amount in amounts.items():
             shard[name] = shard.get(name, 0) + amount
 
-    def add_pair(self, first: str, second: str, amount: int) -> None:
-        """`first` += 1 and `second` += amount: a put or a get and its bytes, the hottest case."""
+    def add_pair(self, first: str, second: str, amount: int, also: str | None = None) -> None:
+        """`first` += 1 and `second` += amount (and `also` += 1): a put or a get and its bytes."""
         shard = self._shard()
         shard[first] += 1
         shard[second] += amount
+        if also is not None:
+            shard[also] += 1
 
     def snapshot(self) -> dict[str, int]:
         totals = dict.fromkeys(self._names, 0)

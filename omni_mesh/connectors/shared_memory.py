@@ -165,9 +165,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             self._pool_locked()
 
     def _count_put(self, size: int, extra: str | None = None) -> None:
-        self._counters.add_pair("puts", "bytes_put", size)
-        if extra:
-            self._counters.add(extra)
+        self._counters.add_pair("puts", "bytes_put", size, extra)
 
     def _allocate(self, size: int, put_key: str, generation: int, from_stage: str, to_stage: str) -> _Slot:
         # Large frames start on a page boundary, the slot header just before it: the codec's placing
@@ -322,13 +320,14 @@ class SharedMemoryConnector(OmniConnectorBase):
     def _get_inline(self, from_stage: str, to_stage: str, get_key: str, metadata: dict, inline: Any) -> Any:
         if metadata.get("key") != edge_key(from_stage, to_stage, get_key):
             return self._stale()  # metadata of another key or edge: never hand out its data
+        parts = metadata.get("parts")
         try:
-            data = codec.decode_parts(inline, metadata.get("parts"))
+            data = codec.decode_parts(inline, parts)
         except codec.FrameError as exc:
             self._counters.add("errors")
             where = _where(from_stage, to_stage, get_key)
             raise ConnectorError(f"SharedMemoryConnector: bad inline payload for {where}: {exc}") from None
-        size = len(inline) + sum(len(part) for part in metadata["parts"])
+        size = len(inline) + sum(map(len, parts))
         self._counters.add_pair("gets", "bytes_got", size)
         return data, size
 
