@@ -368,8 +368,9 @@ def localize(
     tmp.mkdir(parents=True, exist_ok=True)
 
     def translate(text: str) -> str:
-        text = re.sub(r"(?<![\w/])/app(?=/|$)", str(REPO), text)
-        text = re.sub(r"(?<![\w/])/tmp(?=/|$)", str(tmp), text)
+        # One pass: the repository may itself live under /tmp (a CI clone), and must not be rewritten.
+        roots = {"app": str(REPO), "tmp": str(tmp)}
+        text = re.sub(r"(?<![\w/])/(app|tmp)(?=/|$)", lambda m: roots[m.group(1)], text)
         for other, mapping in ports.items():
             for port, new in mapping.items():
                 text = re.sub(rf"(?<![\w.-]){re.escape(other)}:{port}\b", f"127.0.0.1:{new}", text)
