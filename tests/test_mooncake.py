@@ -236,6 +236,88 @@ def test_te_many_threads_at_once(te_producer, te_consumer) -> None:
     assert te_consumer.health()["gets"] >= 40 and te_producer.health()["pending_payloads"] == 0
 
 
+def test_te_large_leaves_go_from_their_own_memory_and_registrations_are_released(
+    te_producer, te_peer: Peer
+) -> None:
+    for name in ("16mib", "8mib"):
+        ok, size, metadata = te_producer.put("thinker", "talker", f"zc/{name}", payload(name))
+        health = te_producer.health()
+        assert health["registered_leaves"] == 1  # the leaf itself is registered ...
+        assert health["pool_in_use"] < MiB  # ... and only the head went into the pool
+        reply = te_peer.ask(
+            op="get", **{"from": "thinker", "to": "talker"}, key=f"zc/{name}", metadata=metadata, expect=name
+        )
+        assert reply.get("error") is None and reply["mismatch"] is None, (name, reply)
+        assert reply["size"] == size == metadata["length"]
+        health = te_producer.health()
+        assert health["registered_leaves"] == 0 and health["pool_in_use"] == 0
+    # Released on cleanup too, and shared by two payloads of one tensor.
+    tensor = torch.ones(2 * MiB, dtype=torch.uint8)
+    te_producer.put("a", "b", "zc-clean/1", tensor)
+    te_producer.put("a", "b", "zc-clean/2", [tensor, tensor])
+    assert te_producer.health()["registered_leaves"] == 1
+    te_producer.cleanup("zc-clean")
+    health = te_producer.health()
+    assert health["registered_leaves"] == 0 and health["pool_in_use"] == 0
+
+
+def test_te_large_leaves_every_shape_round_trip_byte_identical(te_producer, te_consumer) -> None:
+    import numpy as np
+
+    g = torch.Generator().manual_seed(7)
+    big = torch.randn(MiB // 2, generator=g)  # 2 MiB
+    value = {
+        "big": big,
+        "again": big,  # the same memory twice
+        "overlap": big[MiB // 8 :],  # overlaps a registered leaf: copied instead
+        "array": np.arange(MiB // 4, dtype=np.float64),
+        "strided": torch.randn(1024, 1024, generator=g).t(),  # not contiguous: copied
+        "small": torch.arange(7),
+        "blob": b"\x01" * (2 * MiB),
+        "rest": [1, "two", (3.0, None)],
+    }
+    _, size, metadata = te_producer.put("a", "b", "zc-all/x", value)
+    assert te_producer.health()["registered_leaves"] == 2
+    data, got = te_consumer.get("a", "b", "zc-all/x", metadata)
+    assert got == size and mismatch(value, data) is None
+    assert te_producer.health()["registered_leaves"] == 0
+    # A get() result put again lies in the consumer's own (registered) pool: nothing to register.
+    _, _, metadata = te_consumer.put("b", "c", "zc-all/y", {"v": data["big"]})
+    assert te_consumer.health()["registered_leaves"] == 0
+    again, _ = te_producer.get("b", "c", "zc-all/y", metadata)
+    assert torch.equal(again["v"], big)
+    # Same instance: assembled locally, registrations released.
+    _, _, metadata = te_producer.put("a", "b", "zc-all/z", value)
+    local, _ = te_producer.get("a", "b", "zc-all/z", metadata)
+    assert mismatch(value, local) is None and te_producer.health()["registered_leaves"] == 0
+    del data, again, local
+    gc.collect()
+    assert te_consumer.health()["pool_in_use"] == 0 and te_producer.health()["pool_in_use"] == 0
+
+
+def test_te_large_leaf_registrations_expire_with_ttl_and_close(te_consumer) -> None:
+    producer = create_connector(TE, {**TE_CONFIG, "ttl_s": 0.3})
+    try:
+        _, _, metadata = producer.put("a", "b", "zc-ttl/x", torch.ones(4 * MiB, dtype=torch.uint8))
+        assert producer.health()["registered_leaves"] == 1
+        assert wait_until(lambda: producer.health()["registered_leaves"] == 0, 5.0)
+        assert producer.health()["pool_in_use"] == 0 and producer.health()["expired"] == 1
+        with pytest.raises(ConnectorError, match="expired after ttl_s"):
+            te_consumer.get("a", "b", "zc-ttl/x", metadata)
+        producer.put("a", "b", "zc-ttl/y", torch.ones(4 * MiB, dtype=torch.uint8))
+    finally:
+        producer.close()  # releases the pending payload's registration
+    assert producer.health()["registered_leaves"] == 0
+    copying = create_connector(TE, {**TE_CONFIG, "zero_copy_min_bytes": 0})
+    try:
+        _, size, metadata = copying.put("a", "b", "zc-off/x", payload("16mib"))
+        assert copying.health()["registered_leaves"] == 0 and copying.health()["pool_in_use"] >= size
+        data, _ = te_consumer.get("a", "b", "zc-off/x", metadata)
+        assert mismatch(payload("16mib"), data) is None
+    finally:
+        copying.close()
+
+
 def test_te_killed_producer_fails_within_the_connect_timeout(te_consumer, logs: Path) -> None:
     producer = Peer(TE, TE_CONFIG, log=logs / "te-killed.log")
     try:
