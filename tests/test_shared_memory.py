@@ -900,3 +900,20 @@ def test_allocator_aligns_large_frames_and_frees_all_it_took() -> None:
     for offset in [small, *offsets]:
         allocator.free(offset)
     assert allocator.in_use == 0 and allocator.largest_free == (1 << 20) - 64
+
+
+def test_a_planted_symlink_is_never_followed(tmp_path: Path) -> None:
+    """Metadata naming a segment that is a symlink (to a file of someone else's) must not map that file."""
+    from omni_mesh.connectors.shm_segments import SHM_DIR
+
+    target = tmp_path / "secret"
+    target.write_bytes(b"x" * 8192)
+    name = "omnimesh_1_2_3_abcdefabcdef"
+    (SHM_DIR / name).symlink_to(target)
+    try:
+        with connector(PATHS["pool"]) as conn:
+            metadata = {"segment": name, "offset": 0, "generation": 1, "length": 100}
+            with pytest.raises(ConnectorError, match="cannot map"):
+                conn.get("a", "b", "k", metadata)
+    finally:
+        (SHM_DIR / name).unlink()

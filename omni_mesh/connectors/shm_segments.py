@@ -94,7 +94,7 @@ def open_segment(name: str) -> mmap.mmap:
     """Map an existing segment read-write. Only names of our own pattern are accepted."""
     if not NAME_PATTERN.match(name):
         raise ValueError(f"not an omni-mesh shared-memory segment name: {name!r}")
-    fd = os.open(SHM_DIR / name, os.O_RDWR)
+    fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)  # a planted symlink must not redirect us
     try:
         size = os.fstat(fd).st_size
         if size == 0:
