@@ -42,8 +42,12 @@ run: install
 test: install
 	$(BIN)/python -m pytest -q
 
+# Connectors that need no service of their own; YuanrongConnector needs a worker (README) and
+# MooncakeStoreConnector a master: run `omni-mesh bench connector --connector ... --config ...` for them.
 bench: install
 	$(BIN)/omni-mesh bench connector --connector SharedMemoryConnector
+	$(BIN)/omni-mesh bench connector --connector ZmqConnector --sizes 16MiB,256MiB
+	$(BIN)/omni-mesh bench connector --connector MooncakeTransferEngineConnector --sizes 16MiB,256MiB
 	$(BIN)/omni-mesh bench pipeline --topology compose/noop-pipeline.yaml --concurrency 32 --duration 10
 
 lint: install
