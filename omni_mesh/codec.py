@@ -141,10 +141,6 @@ class FramePlan:
         table = struct.pack(f"<{count}Q", *lengths) if count else b""
         self.head = PREFIX.pack(MAGIC, VERSION, 0, count, len(header), pos) + table + header
 
-    @property
-    def payload_bytes(self) -> int:
-        return sum(self.lengths)
-
     def write_into(self, dest: Any, offset: int = 0) -> int:
         """Lay the whole frame into `dest` (any writable buffer) at `offset`; returns its size."""
         with memoryview(dest) as whole:

@@ -157,6 +157,8 @@ class StageReplica:
         for spec in sorted(specs.values(), key=lambda s: not s.name.startswith("Mooncake")):
             self.connectors[spec.ref] = create_connector(spec.name, spec.extra)
         self.executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{stage.name}-io")
+        # Health has its own thread: heartbeats must not wait behind long transfers in the I/O pool.
+        self.health_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage.name}-health")
         self.work: dict[str, _Work] = {}
         self.aborted: dict[str, float] = {}  # rid -> until when (loop time) to sweep what we put for it
         self.processed = 0
@@ -209,20 +211,17 @@ class StageReplica:
         # with `drained` once every request we took part in has ended (and tells every replica so
         # when it shuts down). Unregistered, we hold nothing anybody waits for.
         while loop.time() < deadline and (
-            self.work or self._unconsumed() or (self._registered.is_set() and not self._drained.is_set())
+            self.work or (self._registered.is_set() and not self._drained.is_set())
         ):
             await asyncio.sleep(0.05)
         self._stopped.set()
-
-    def _unconsumed(self) -> int:
-        """Payloads this replica put that no consumer has taken yet: exiting would lose them."""
-        return sum(int(c.health().get("unconsumed", 0)) for c in self.connectors.values())
 
     def close(self) -> None:
         for connector in self.connectors.values():
             with contextlib.suppress(Exception):
                 connector.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.health_executor.shutdown(wait=False, cancel_futures=True)
         self._socket.close(0)
         self._ctx.term()
 
@@ -237,7 +236,7 @@ class StageReplica:
             "shm_prefix": segment_name(identity, ""),
             "max_inflight": self.stage.max_inflight,
             "edges": {e.label: e.connector.name for e in [*self.in_edges.values(), *self.out_edges.values()]},
-            "connectors": {ref: c.health() for ref, c in self.connectors.items()},
+            "connectors": await self._connector_health(),
         }
         while not self._registered.is_set():
             await self._send(message)
@@ -262,11 +261,18 @@ class StageReplica:
                 "errors": self.errors,
                 "malformed": self.malformed,
                 "draining": self.draining,
-                "connectors": {ref: c.health() for ref, c in self.connectors.items()},
+                "connectors": await self._connector_health(),
             }
         )
         if self.health_file is not None and not self.draining:
             self.health_file.touch()  # container health checks look at its age
+
+    async def _connector_health(self) -> dict[str, dict]:
+        """In the thread pool: some connectors ask their backend (a datasystem worker RPC)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self.health_executor, lambda: {ref: c.health() for ref, c in self.connectors.items()}
+        )
 
     async def _send(self, message: dict, *extra: Any) -> None:
         await self._socket.send_multipart([control.pack(message), *extra], copy=False)

@@ -15,9 +15,6 @@ import threading
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, TypeVar
 
-PutResult = tuple[bool, int, "dict | None"]
-GetResult = "tuple[Any, int] | None"
-
 C = TypeVar("C")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
