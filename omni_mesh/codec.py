@@ -23,6 +23,7 @@ import functools
 import math
 import re
 import struct
+import threading
 from typing import Any
 
 import msgpack
@@ -126,20 +127,15 @@ class FramePlan:
     def __init__(self, header: bytes, leaves: list[Any], lengths: list[int]) -> None:
         self.header = header
         self.leaves = leaves
-        self.lengths = lengths
-        self.offsets = []
-        count = len(lengths)
-        pos = PREFIX.size + 8 * count + len(header)
-        for i, leaf in enumerate(leaves):
-            start = align(pos)
-            if type(leaf) is _PagePad:
-                lengths[i] = (leaf.page_offset - start) % PAGE
-            self.offsets.append(start)
-            pos = start + lengths[i]
-        self.nbytes = pos
-        # Prefix, buffer table and header in one piece: written with a single copy.
-        table = struct.pack(f"<{count}Q", *lengths) if count else b""
-        self.head = PREFIX.pack(MAGIC, VERSION, 0, count, len(header), pos) + table + header
+        pads = tuple(leaf.page_offset for leaf in leaves if type(leaf) is _PagePad)
+        key = (header, tuple(lengths), pads)
+        layout = _LAYOUTS.get(key)
+        if layout is None:
+            layout = _layout(header, leaves, lengths)
+            if len(_LAYOUTS) >= LAYOUT_CACHE_SIZE:
+                _LAYOUTS.clear()
+            _LAYOUTS[key] = layout
+        self.lengths, self.offsets, self.nbytes, self.head = layout
 
     def write_into(self, dest: Any, offset: int = 0) -> int:
         """Lay the whole frame into `dest` (any writable buffer) at `offset`; returns its size."""
@@ -160,6 +156,47 @@ class FramePlan:
             if flat is not whole:
                 flat.release()
         return self.nbytes
+
+    def write_at(self, address: int) -> int:
+        """Lay the frame at a raw `address` the caller guarantees holds `nbytes` mapped, writable bytes.
+
+        The hot path of the shared-memory pool: no buffer exports, only memmoves. Strided leaves
+        still go through torch/numpy, over a ctypes array at the address.
+        """
+        ctypes.memmove(address, self.head, len(self.head))
+        for leaf, off, length in zip(self.leaves, self.offsets, self.lengths, strict=True):
+            if not length or type(leaf) is _PagePad:
+                continue
+            if type(leaf) is torch.Tensor and leaf.is_contiguous():
+                ctypes.memmove(address + off, leaf.data_ptr(), length)  # the common case, without dispatch
+            else:
+                view = memoryview((ctypes.c_char * length).from_address(address + off)).cast("B")
+                _copy_leaf(leaf, view, address + off, 0, length)
+                view.release()
+        return self.nbytes
+
+
+# Layouts by (header, leaf lengths, pad page offsets): payloads repeat their structure, so a frame's
+# offsets and its packed prefix, table and header are computed once.
+LAYOUT_CACHE_SIZE = 512
+_LAYOUTS: dict[tuple, tuple[list[int], list[int], int, bytes]] = {}
+
+
+def _layout(header: bytes, leaves: list[Any], lengths: list[int]) -> tuple[list[int], list[int], int, bytes]:
+    """(lengths with pads sized, buffer offsets, frame size, prefix + table + header) of a frame."""
+    lengths = list(lengths)
+    offsets = []
+    count = len(lengths)
+    pos = PREFIX.size + 8 * count + len(header)
+    for i, leaf in enumerate(leaves):
+        start = align(pos)
+        if type(leaf) is _PagePad:
+            lengths[i] = (leaf.page_offset - start) % PAGE
+        offsets.append(start)
+        pos = start + lengths[i]
+    # Prefix, buffer table and header in one piece: written with a single copy.
+    table = struct.pack(f"<{count}Q", *lengths) if count else b""
+    return lengths, offsets, pos, PREFIX.pack(MAGIC, VERSION, 0, count, len(header), pos) + table + header
 
 
 def _copy_leaf(leaf: Any, view: memoryview, address: int, offset: int, length: int) -> None:
@@ -235,9 +272,17 @@ def _not_utf8(exc: UnicodeEncodeError) -> str:
     return f"cannot encode a str that is not valid UTF-8 ({exc.reason})"
 
 
+_PACKERS = threading.local()
+
+
 def _pack(value: Any) -> bytes:
-    # strict_types keeps tuples (already turned into ext) from being packed as lists by mistake.
-    return msgpack.packb(value, strict_types=True, use_bin_type=True, datetime=False)
+    # One packer per thread: building one per call costs more than packing a small header.
+    try:
+        packer = _PACKERS.packer
+    except AttributeError:
+        # strict_types keeps tuples (already turned into ext) from being packed as lists by mistake.
+        packer = _PACKERS.packer = msgpack.Packer(strict_types=True, use_bin_type=True, datetime=False)
+    return packer.pack(value)
 
 
 _NATIVE = (str, float, bool, type(None))
@@ -264,6 +309,8 @@ class _Walker:
         kind = type(value)
         if kind in _NATIVE:
             return value
+        if kind is torch.Tensor:  # the usual leaf, ahead of the container checks
+            return self.tensor(value)
         if kind is int:
             if not -(2**63) <= value < 2**64:
                 raise UnsupportedTypeError(f"cannot encode the integer {value}: it does not fit in 64 bits")
@@ -304,6 +351,15 @@ class _Walker:
 
     def tensor(self, tensor: torch.Tensor) -> msgpack.ExtType:
         name = _DTYPE_NAMES.get(tensor.dtype)
+        if (
+            name is not None
+            and tensor.is_cpu
+            and tensor.layout is torch.strided
+            and not (tensor.is_nested or tensor.is_conj() or tensor.is_neg())
+            and tensor.is_contiguous()
+        ):  # the common case, checked in one go: the leaf is copied from data_ptr as it stands
+            index = self.leaf(tensor, tensor.nbytes, tensor.data_ptr())
+            return _tensor_ext(name, tensor.shape, index)
         if name is None:
             raise UnsupportedTypeError(f"cannot encode a tensor of dtype {tensor.dtype}; convert it first")
         if tensor.layout is not torch.strided or tensor.is_nested:
@@ -399,26 +455,46 @@ def _decode(buffer: Any, offset: int, copy: bool) -> Any:
     with memoryview(buffer) as view:
         available = view.nbytes - offset
         readonly = view.readonly
-    if offset < 0 or available < PREFIX.size:
-        raise FrameError(f"truncated frame: {available} bytes, the prefix alone is {PREFIX.size}")
-    magic, version, _flags, count, header_len, nbytes = PREFIX.unpack_from(buffer, offset)
-    if magic != MAGIC or version != VERSION:
-        raise FrameError(f"not an omni-mesh frame (magic {bytes(magic)!r}, version {version})")
-    if nbytes > available:
-        raise FrameError(f"truncated frame: prefix says {nbytes} bytes, {available} present")
-    table_end = PREFIX.size + 8 * count
-    if table_end + header_len > nbytes:
-        raise FrameError(f"truncated frame: {count} buffers and a {header_len}-byte header exceed {nbytes} bytes")
+        if offset < 0 or available < PREFIX.size:
+            raise FrameError(f"truncated frame: {available} bytes, the prefix alone is {PREFIX.size}")
+        magic, version, _flags, count, header_len, nbytes = PREFIX.unpack_from(view, offset)
+        if magic != MAGIC or version != VERSION:
+            raise FrameError(f"not an omni-mesh frame (magic {bytes(magic)!r}, version {version})")
+        if nbytes > available:
+            raise FrameError(f"truncated frame: prefix says {nbytes} bytes, {available} present")
+        head_end = PREFIX.size + 8 * count + header_len
+        if head_end > nbytes:
+            raise FrameError(
+                f"truncated frame: {count} buffers and a {header_len}-byte header exceed {nbytes} bytes"
+            )
+        head = view[offset : offset + head_end].tobytes()
+    layout = _HEADS.get(head)
+    if layout is None:
+        layout = _read_head(head, count, header_len, nbytes)
+    template, offsets, lengths = layout
     if readonly and not copy:  # views must be writable tensors: copy the frame once
         buffer, offset = bytearray(memoryview(buffer)[offset : offset + nbytes]), 0
-    lengths = list(_table(count).unpack_from(buffer, offset + PREFIX.size)) if count else []
+    return template.build(_Buffers(buffer, offset, offsets, lengths, copy))
+
+
+# Decoding layouts by frame head (prefix, buffer table and header), for the same reason as _LAYOUTS.
+HEAD_CACHE_MAX = 8192  # larger heads are read each time, not kept
+_HEADS: dict[bytes, tuple[Any, list[int], list[int]]] = {}
+
+
+def _read_head(head: bytes, count: int, header_len: int, nbytes: int) -> tuple[Any, list[int], list[int]]:
+    """(template, buffer offsets, buffer lengths) of a frame head, validated against the frame size."""
+    table_end = PREFIX.size + 8 * count
+    lengths = list(_table(count).unpack_from(head, PREFIX.size)) if count else []
     offsets = _buffer_offsets(table_end + header_len, lengths)
     if lengths and offsets[-1] + lengths[-1] > nbytes:
         raise FrameError(f"buffer table overruns the frame ({offsets[-1] + lengths[-1]} > {nbytes} bytes)")
-    header_start = offset + table_end
-    with memoryview(buffer) as view:
-        header = bytes(view[header_start : header_start + header_len])
-    return _template(header, header_len).build(_Buffers(buffer, offset, offsets, lengths, copy))
+    layout = (_template(head[table_end:], header_len), offsets, lengths)
+    if len(head) <= HEAD_CACHE_MAX:
+        if len(_HEADS) >= TEMPLATE_CACHE_SIZE:
+            _HEADS.clear()  # hostile variety only costs re-reading, never memory
+        _HEADS[head] = layout
+    return layout
 
 
 def decode_parts(header: bytes, parts: list[Any], *, copy: bool = False) -> Any:

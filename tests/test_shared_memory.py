@@ -850,21 +850,71 @@ def test_a_put_in_progress_is_never_reclaimed(monkeypatch: pytest.MonkeyPatch) -
         conn.cleanup("filler")  # frees the space; the released-looking bytes stay behind
         a1, a2, b = torch.full((8000,), 1), torch.full((8000,), 2), torch.full((8000,), 9)
         conn.put("a", "b", "a1", a1)
-        original = codec.FramePlan.write_into
+        original = codec.FramePlan.write_at
         interleave = []
 
-        def write_then_let_another_put_run(self: codec.FramePlan, dest: Any, offset: int = 0) -> int:
-            written = original(self, dest, offset)
+        def write_then_let_another_put_run(self: codec.FramePlan, address: int) -> int:
+            written = original(self, address)
             if interleave:
                 interleave.pop()()
             return written
 
-        monkeypatch.setattr(codec.FramePlan, "write_into", write_then_let_another_put_run)
+        monkeypatch.setattr(codec.FramePlan, "write_at", write_then_let_another_put_run)
         results = {}
         interleave.append(lambda: results.setdefault("b", conn.put("a", "b", "b", b)[2]))
         meta_a2 = conn.put("a", "b", "a2", a2)[2]
         assert_same(conn.get("a", "b", "a2", meta_a2)[0], a2)
         assert_same(conn.get("a", "b", "b", results["b"])[0], b)
+
+
+def test_a_released_slot_is_refilled_by_the_next_put_of_its_size() -> None:
+    """Steady streams reuse the slot the consumer just released; its old metadata then reads as stale."""
+    with connector(PATHS["pool"]) as conn:
+        first, second, other = torch.arange(5000), torch.arange(5000) * 3, torch.arange(7000)
+        _, _, meta1 = conn.put("a", "b", "r1", first)
+        data, _ = conn.get("a", "b", "r1", meta1)
+        assert_same(data, first)
+        del data
+        gc.collect()
+        in_use = conn.health()["pool_in_use"]
+        _, _, meta2 = conn.put("a", "b", "r2", second)
+        assert (meta2["segment"], meta2["offset"]) == (meta1["segment"], meta1["offset"])
+        assert meta2["generation"] != meta1["generation"]
+        assert conn.health()["pool_in_use"] == in_use  # refilled, not allocated anew
+        assert conn.get("a", "b", "r1", meta1) is None
+        assert_same(conn.get("a", "b", "r2", meta2)[0], second)
+        gc.collect()
+        _, _, meta3 = conn.put("a", "b", "r3", other)  # another size: freed and allocated as usual
+        assert_same(conn.get("a", "b", "r3", meta3)[0], other)
+        assert conn.health()["live_payloads"] == 1
+
+
+def test_close_waits_for_a_put_that_is_copying(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Puts copy through the mapping's raw address: close() from another thread must not unmap under them."""
+    conn = connector(PATHS["pool"])
+    copying, closing = threading.Event(), threading.Event()
+    original = codec.FramePlan.write_at
+
+    def slow_write(self: codec.FramePlan, address: int) -> int:
+        copying.set()
+        closing.wait(5)
+        time.sleep(0.2)  # close() is waiting by now; it must not have unmapped the pool
+        return original(self, address)
+
+    monkeypatch.setattr(codec.FramePlan, "write_at", slow_write)
+    results: list[Any] = []
+    writer = threading.Thread(target=lambda: results.append(conn.put("a", "b", "k", torch.arange(5000))))
+    writer.start()
+    assert copying.wait(5)
+    closer = threading.Thread(target=conn.close)
+    closer.start()
+    closing.set()
+    closer.join(10)
+    writer.join(10)
+    assert not closer.is_alive() and not writer.is_alive()
+    assert results and results[0][0] is True
+    with pytest.raises(ConnectorError, match="closed"):
+        conn.put("a", "b", "k2", torch.arange(5000))
 
 
 def test_a_slot_taken_by_a_killed_consumer_can_be_taken_again() -> None:

@@ -67,6 +67,11 @@ class PoolAllocator:
             self._free_offsets.insert(i, offset)
             self._free_sizes.insert(i, size)
 
+    def extent_end(self, offset: int) -> int:
+        """Where the allocation handed out at `offset` ends (its alignment slack included)."""
+        start, size = self._allocated[offset]
+        return start + size
+
     @property
     def largest_free(self) -> int:
         return max(self._free_sizes, default=0)

@@ -22,6 +22,7 @@ reclaimed when the pool runs short.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import itertools
 import mmap
@@ -56,6 +57,8 @@ SLOT_HEADER = 64
 POOL_HEADER = 64
 FREE, WRITTEN, TAKEN, RELEASED = 0, 1, 2, 3
 _TAKER = struct.Struct("<II")
+CLOSE_WAIT_S = 30.0
+REUSE_SLACK = 2 * PAGE  # a released slot is refilled by a put this much smaller at most
 
 
 @dataclass(frozen=True)
@@ -70,20 +73,29 @@ class SharedMemoryConfig:
 
 
 class _Segment:
-    __slots__ = ("name", "mm", "allocator")
+    __slots__ = ("name", "mm", "allocator", "address")
 
     def __init__(self, name: str, mm: mmap.mmap, allocator: PoolAllocator | None) -> None:
         self.name = name
         self.mm = mm
         self.allocator = allocator  # None for a one-off fallback segment
+        self.address = _address_of(mm)  # valid while mm is open; puts write through it
 
 
-@dataclass
+def _address_of(mm: mmap.mmap) -> int:
+    anchor = ctypes.c_char.from_buffer(mm)
+    address = ctypes.addressof(anchor)
+    del anchor  # the buffer export must not outlive this call, or mm.close() would fail
+    return address
+
+
+@dataclass(slots=True, eq=False)  # hashed by identity: sets of slots being written
 class _Slot:
     segment: _Segment
     offset: int  # of the slot header; the frame follows it
     generation: int
     put_key: str
+    capacity: int  # bytes from offset to the end of its allocation: a later put that fits may reuse it
 
 
 def _digest(from_stage: str, to_stage: str, key: str) -> bytes:
@@ -111,10 +123,27 @@ def _taker_died(mm: mmap.mmap, offset: int) -> bool:
 
 
 def _release(mm: mmap.mmap, offset: int, generation: int) -> None:
-    """Finalizer of a consumed payload's views: hand the slot back to its producer."""
+    """Hand a consumed payload's slot back to its producer."""
     with contextlib.suppress(ValueError):  # the mapping was closed: nothing left to release
         if struct.unpack_from("<Q", mm, offset + 16)[0] == generation:
             mm[offset] = RELEASED
+
+
+# Consumed payloads whose views are alive, by id of the weak reference to the buffer they share. A
+# weakref callback costs a fraction of weakref.finalize on the get path; the table keeps each
+# reference (and so its callback) alive until it fires.
+_HELD: dict[int, tuple[weakref.ref, mmap.mmap, int, int]] = {}
+
+
+def _hold_until_dead(base: np.ndarray, mm: mmap.mmap, offset: int, generation: int) -> None:
+    ref = weakref.ref(base, _views_dead)
+    _HELD[id(ref)] = (ref, mm, offset, generation)
+
+
+def _views_dead(ref: weakref.ref) -> None:
+    held = _HELD.pop(id(ref), None)
+    if held is not None:
+        _release(*held[1:])
 
 
 class SharedMemoryConnector(OmniConnectorBase):
@@ -126,6 +155,9 @@ class SharedMemoryConnector(OmniConnectorBase):
         self._identity = ProcessIdentity.current()
         self._token = new_token()
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        # Slots that puts are copying into right now: cleanup() leaves them alone, close() waits.
+        self._writing: set[_Slot] = set()
         self._pool: _Segment | None = None
         self._fallback_ids = itertools.count(1)
         self._generations = itertools.count(1)
@@ -149,15 +181,18 @@ class SharedMemoryConnector(OmniConnectorBase):
             return True, size, {"inline": header, "parts": parts, "key": edge_key(from_stage, to_stage, put_key)}
         frame = codec.FramePlan(header, leaves, lengths)
         size = frame.nbytes
-        generation = next(self._generations)
-        slot = self._allocate(size, put_key, generation, from_stage, to_stage)
-        mm, offset = slot.segment.mm, slot.offset
-        frame.write_into(mm, offset + SLOT_HEADER)
-        # The state byte goes last: a consumer never sees WRITTEN before the frame is complete.
-        SLOT.pack_into(mm, offset, FREE, 0, 0, generation, _digest(from_stage, to_stage, put_key), size)
-        mm[offset] = WRITTEN
+        slot = self._allocate(size, put_key, from_stage, to_stage)
+        segment, offset, generation = slot.segment, slot.offset, slot.generation
+        try:
+            frame.write_at(segment.address + offset + SLOT_HEADER)
+            mm = segment.mm
+            # The state byte goes last: a consumer never sees WRITTEN before the frame is complete.
+            SLOT.pack_into(mm, offset, FREE, 0, 0, generation, _digest(from_stage, to_stage, put_key), size)
+            mm[offset] = WRITTEN
+        finally:
+            self._done_writing(slot)
         self._count_put(size)
-        metadata = {"segment": slot.segment.name, "offset": offset, "generation": generation, "length": size}
+        metadata = {"segment": segment.name, "offset": offset, "generation": generation, "length": size}
         return True, size, metadata
 
     def warm_up(self) -> None:
@@ -167,7 +202,8 @@ class SharedMemoryConnector(OmniConnectorBase):
     def _count_put(self, size: int, extra: str | None = None) -> None:
         self._counters.add_pair("puts", "bytes_put", size, extra)
 
-    def _allocate(self, size: int, put_key: str, generation: int, from_stage: str, to_stage: str) -> _Slot:
+    def _allocate(self, size: int, put_key: str, from_stage: str, to_stage: str) -> _Slot:
+        """A slot for a `size`-byte frame, counted as being written until `_done_writing`."""
         # Large frames start on a page boundary, the slot header just before it: the codec's placing
         # of large leaves at fast page offsets relies on it.
         need = SLOT_HEADER + size
@@ -177,10 +213,13 @@ class SharedMemoryConnector(OmniConnectorBase):
                 raise ConnectorError(
                     f"SharedMemoryConnector is closed (put {put_key!r} on {from_stage}->{to_stage})"
                 )
-            pool = self._pool_locked()
+            pool = self._pool or self._pool_locked()
             offset = None
             # Always, not only when the pool is the target: released fallback segments are unlinked here.
-            self._reclaim_locked(check_takers=False)
+            if self._slots:
+                reused = self._reclaim_locked(check_takers=False, reuse=(need, align))
+                if reused is not None:
+                    return self._refill_locked(reused, put_key)
             if need + align <= pool.allocator.size - POOL_HEADER:
                 offset = pool.allocator.allocate(need, align=align, skew=SLOT_HEADER)
                 if offset is None:
@@ -195,9 +234,31 @@ class SharedMemoryConnector(OmniConnectorBase):
             # Reused pool space holds bytes of older frames: until this put writes its header, the
             # state byte must not read as RELEASED or TAKEN, or a reclaim would free the slot mid-write.
             segment.mm[offset] = FREE
-            slot = _Slot(segment, offset, generation, put_key)
+            capacity = segment.allocator.extent_end(offset) - offset if segment.allocator else need
+            slot = _Slot(segment, offset, next(self._generations), put_key, capacity)
             self._slots[(segment.name, offset)] = slot
+            self._writing.add(slot)
             return slot
+
+    def _refill_locked(self, slot: _Slot, put_key: str) -> _Slot:
+        """A released pool slot that fits the next put, handed to it as it stands.
+
+        Steady streams put payloads of one size: this skips a free and an allocation, and the frame
+        lands in memory the last one warmed. The old generation is invalidated first, as in a free.
+        """
+        mm, offset = slot.segment.mm, slot.offset
+        struct.pack_into("<Q", mm, offset + 16, 0)
+        mm[offset] = FREE
+        slot.generation = next(self._generations)
+        slot.put_key = put_key
+        self._writing.add(slot)
+        return slot
+
+    def _done_writing(self, slot: _Slot) -> None:
+        with self._lock:
+            self._writing.discard(slot)
+            if self._closed and not self._writing:
+                self._idle.notify_all()
 
     def _pool_locked(self) -> _Segment:
         if self._pool is None:
@@ -213,6 +274,7 @@ class SharedMemoryConnector(OmniConnectorBase):
                 ) from exc
             self._pool = _Segment(name, mm, PoolAllocator(size, start=POOL_HEADER))
             self._own[name] = self._pool
+            self._mapped[name] = mm  # so that gets in this process find it at once
         return self._pool
 
     def _fallback_locked(self, need: int, from_stage: str, to_stage: str, put_key: str) -> _Segment:
@@ -230,12 +292,27 @@ class SharedMemoryConnector(OmniConnectorBase):
         self._own[name] = segment
         return segment
 
-    def _reclaim_locked(self, *, check_takers: bool) -> None:
-        """Free slots their consumers released; with check_takers, also those held by dead consumers."""
+    def _reclaim_locked(self, *, check_takers: bool, reuse: tuple[int, int] | None = None) -> _Slot | None:
+        """Free slots their consumers released; with check_takers, also those held by dead consumers.
+
+        With `reuse` (bytes needed, alignment), the first released pool slot that fits them without
+        wasting more than REUSE_SLACK is kept, not freed, and returned for the caller to refill.
+        """
+        need, align = reuse or (0, 0)
+        kept = None
         for slot in list(self._slots.values()):
             state = slot.segment.mm[slot.offset]
             if state == RELEASED or (check_takers and state == TAKEN and self._taker_died(slot)):
-                self._free_locked(slot)
+                if (
+                    kept is None
+                    and need <= slot.capacity <= need + REUSE_SLACK
+                    and (slot.offset + SLOT_HEADER) % align == 0
+                    and slot.segment.allocator is not None
+                ):
+                    kept = slot
+                else:
+                    self._free_locked(slot)
+        return kept
 
     @staticmethod
     def _taker_died(slot: _Slot) -> bool:
@@ -261,7 +338,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         with self._lock:
             for slot in list(self._slots.values()):
                 owned = slot.put_key == key or slot.put_key.startswith(prefix)
-                if owned and slot.segment.mm[slot.offset] != TAKEN:
+                if owned and slot not in self._writing and slot.segment.mm[slot.offset] != TAKEN:
                     self._free_locked(slot)
 
     # ------------------------------------------------------------------ consumer side
@@ -289,7 +366,9 @@ class SharedMemoryConnector(OmniConnectorBase):
         ):
             where = _where(from_stage, to_stage, get_key)
             raise ConnectorError(f"SharedMemoryConnector: metadata for {where} {_metadata_problem(metadata)}")
-        mm = self._mapping(name, from_stage, to_stage, get_key)
+        mm = self._mapped.get(name)
+        if mm is None:
+            mm = self._mapping(name, from_stage, to_stage, get_key)
         if mm is None or offset + SLOT_HEADER + length > len(mm):
             return self._stale()
         state, _, _, slot_generation, digest, slot_length = SLOT.unpack_from(mm, offset)
@@ -312,7 +391,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             raise ConnectorError(f"SharedMemoryConnector: bad frame for {where}: {exc}") from None
         finally:
             # With views alive, the slot goes back when they die; otherwise right now.
-            weakref.finalize(base, _release, mm, offset, generation)
+            _hold_until_dead(base, mm, offset, generation)
             del base
         self._counters.add_pair("gets", "bytes_got", length)
         return data, length
@@ -390,6 +469,9 @@ class SharedMemoryConnector(OmniConnectorBase):
             if self._closed:
                 return
             self._closed = True
+            # Puts write through raw addresses: unmapping under one of them would crash the process.
+            if not self._idle.wait_for(lambda: not self._writing, timeout=CLOSE_WAIT_S):
+                return  # a put is stuck mid-copy: leave the mappings to process exit rather than crash
             # A forked child closes its inherited copy, but the segments belong to its parent.
             owner = os.getpid() == self._identity.pid
             for segment in self._own.values():
