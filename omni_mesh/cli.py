@@ -197,6 +197,9 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     connector.add_argument("--config", default="{}", help="the connector's extra: mapping, as JSON")
     connector.add_argument("--sizes", default=None, help="comma-separated sizes (default 4KiB,1MiB,16MiB,256MiB)")
     connector.add_argument("--no-raw", action="store_true", help="skip the raw-library baseline")
+    connector.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"], help="where the payload tensor lives (cuda: vs device copy_)"
+    )
     connector.add_argument("--json", action="store_true", help="print the results as JSON")
     pipeline = kinds.add_parser("pipeline", help="drive a mesh over HTTP with concurrent clients")
     pipeline.add_argument("--url", default=None, help="coordinator URL of a running mesh")
@@ -215,7 +218,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from omni_mesh.bench import connector
 
         config = _json_arg(args.config, "--config")
-        result = connector.run(args.connector, config, connector.parse_sizes(args.sizes), raw=not args.no_raw)
+        if args.device == "cuda" and not connector.torch.cuda.is_available():
+            raise CliError("--device cuda: this machine has no CUDA device")
+        result = connector.run(
+            args.connector, config, connector.parse_sizes(args.sizes), raw=not args.no_raw, device=args.device
+        )
         print(json.dumps(result, indent=2) if args.json else connector.report(result))
         return EXIT_OK
     from omni_mesh.bench import pipeline

@@ -30,6 +30,8 @@ import msgpack
 import numpy as np
 import torch
 
+from omni_mesh import cuda_ipc
+
 MAGIC = b"OMF1"
 VERSION = 1
 ALIGN = 64
@@ -45,6 +47,7 @@ EXT_NDARRAY = 2
 EXT_BYTES = 3
 EXT_TUPLE = 4
 EXT_NPSCALAR = 5
+EXT_CUDA_IPC = 6  # a CUDA tensor by IPC handle (same host only; see omni_mesh.cuda_ipc)
 
 _NUMPY_KINDS = frozenset("biufcmMSU")
 
@@ -217,12 +220,15 @@ def _copy_leaf(leaf: Any, view: memoryview, address: int, offset: int, length: i
         view[offset : offset + length] = leaf
 
 
-def split(obj: Any) -> tuple[bytes, list[Any], list[int]]:
+def split(obj: Any, *, cuda_tensors: list[cuda_ipc.Exported] | None = None) -> tuple[bytes, list[Any], list[int]]:
     """The msgpack header of `obj` and its out-of-band leaves (with their sizes), before any layout.
 
+    CUDA tensors are copied to host memory, unless `cuda_tensors` is a list: then they travel by CUDA
+    IPC handle (a consumer on the same host maps them on the device) and each export is appended to the
+    list, which the caller keeps until the payload is consumed or freed (see omni_mesh.cuda_ipc).
     Raises UnsupportedTypeError naming the value it cannot carry and where.
     """
-    walker = _Walker()
+    walker = _Walker(cuda_tensors)
     try:
         header = _pack(walker.convert(obj))
     except (UnsupportedTypeError, UnicodeEncodeError) as exc:
@@ -291,7 +297,8 @@ _NATIVE = (str, float, bool, type(None))
 class _Walker:
     """Turns an object tree into a msgpack-native tree, moving large leaves out of band."""
 
-    def __init__(self) -> None:
+    def __init__(self, cuda_tensors: list[cuda_ipc.Exported] | None = None) -> None:
+        self.cuda_tensors = cuda_tensors
         self.leaves: list[Any] = []
         self.lengths: list[int] = []
         self.depth = 0  # of tuples, as the decoder counts them
@@ -368,6 +375,8 @@ class _Walker:
             raise UnsupportedTypeError(f"cannot encode a {tensor.layout} tensor; convert it with .to_dense()")
         if tensor.requires_grad:
             tensor = tensor.detach()
+        if tensor.is_cuda and self.cuda_tensors is not None:
+            return self.cuda_ipc(name, tensor)
         if not tensor.is_cpu:
             if tensor.is_meta:
                 raise UnsupportedTypeError("cannot encode a tensor on the meta device: it has no data")
@@ -377,6 +386,18 @@ class _Walker:
         address = tensor.data_ptr() if tensor.is_contiguous() else None
         index = self.leaf(tensor, tensor.nbytes, address)
         return _tensor_ext(name, tensor.shape, index)
+
+    def cuda_ipc(self, name: str, tensor: torch.Tensor) -> msgpack.ExtType:
+        if tensor.is_conj() or tensor.is_neg():
+            tensor = tensor.resolve_conj().resolve_neg()  # the bits live on the tensor, not in its memory
+        try:
+            exported = cuda_ipc.export(tensor)
+        except (RuntimeError, ValueError) as exc:
+            raise UnsupportedTypeError(
+                f"cannot pass a CUDA tensor by IPC handle ({exc}); set cuda_ipc: false to send it through host memory"
+            ) from None
+        self.cuda_tensors.append(exported)
+        return msgpack.ExtType(EXT_CUDA_IPC, _pack([name, *exported.fields]))
 
     def ndarray(self, array: np.ndarray) -> msgpack.ExtType:
         dtype = array.dtype
@@ -442,9 +463,10 @@ def decode(buffer: Any, offset: int = 0, *, copy: bool = False) -> Any:
         raise _frame_error(exc) from None
 
 
-def _frame_error(exc: Exception) -> FrameError:
-    """Any malformed input surfaces as one clear error type, FrameError."""
-    if isinstance(exc, FrameError):
+def _frame_error(exc: Exception) -> Exception:
+    """Any malformed input surfaces as one clear error type, FrameError (a CUDA tensor this process
+    cannot map is not a malformed frame: it keeps its own type)."""
+    if isinstance(exc, (FrameError, cuda_ipc.CudaIpcUnavailable)):
         return exc
     if isinstance(exc, RecursionError):
         return FrameError("frame nests too deeply")
@@ -489,8 +511,9 @@ def _read_head(head: bytes, count: int, header_len: int, nbytes: int) -> tuple[A
     offsets = _buffer_offsets(table_end + header_len, lengths)
     if lengths and offsets[-1] + lengths[-1] > nbytes:
         raise FrameError(f"buffer table overruns the frame ({offsets[-1] + lengths[-1]} > {nbytes} bytes)")
-    layout = (_template(head[table_end:], header_len), offsets, lengths)
-    if len(head) <= HEAD_CACHE_MAX:
+    template, cacheable = _template(head[table_end:], header_len)
+    layout = (template, offsets, lengths)
+    if cacheable and len(head) <= HEAD_CACHE_MAX:
         if len(_HEADS) >= TEMPLATE_CACHE_SIZE:
             _HEADS.clear()  # hostile variety only costs re-reading, never memory
         _HEADS[head] = layout
@@ -502,20 +525,25 @@ def decode_parts(header: bytes, parts: list[Any], *, copy: bool = False) -> Any:
     try:
         if type(header) is not bytes or type(parts) is not list:
             raise FrameError("parts form needs a bytes header and a list of buffers")
-        return _template(header, len(header)).build(_Parts(parts, copy))
+        return _template(header, len(header))[0].build(_Parts(parts, copy))
     except Exception as exc:
         raise _frame_error(exc) from None
 
 
-def _template(header: bytes, header_len: int) -> Any:
+def _template(header: bytes, header_len: int) -> tuple[Any, bool]:
+    """The compiled header, and whether it may be cached (CUDA IPC handles are unique to one put)."""
     template = _TEMPLATES.get(header)
-    if template is None:
-        template = _Compiler(_tuple_budget(header_len)).compile(header)
-        if header_len <= TEMPLATE_HEADER_MAX:
-            if len(_TEMPLATES) >= TEMPLATE_CACHE_SIZE:
-                _TEMPLATES.clear()  # hostile variety only costs recompiling, never memory
-            _TEMPLATES[header] = template
-    return template
+    if template is not None:
+        return template, True
+    compiler = _Compiler(_tuple_budget(header_len))
+    template = compiler.compile(header)
+    if compiler.cuda_slots:
+        return template, False
+    if header_len <= TEMPLATE_HEADER_MAX:
+        if len(_TEMPLATES) >= TEMPLATE_CACHE_SIZE:
+            _TEMPLATES.clear()  # hostile variety only costs recompiling, never memory
+        _TEMPLATES[header] = template
+    return template, True
 
 
 # --------------------------------------------------------------------------- decode templates
@@ -681,13 +709,54 @@ class _BytesSlot:
             return bytes(view.cast("B")[start : start + length])
 
 
-_SLOTS = (_TensorSlot, _ArraySlot, _BytesSlot)
+class _CudaIpcSlot:
+    """A CUDA tensor passed by IPC handle: every field is checked here, mapped only at build."""
+
+    __slots__ = ("dtype", "fields")
+
+    def __init__(self, fields: list[Any]) -> None:
+        name, *ipc = _fields(fields, 1 + len(cuda_ipc.FIELDS), "CUDA IPC tensor")
+        dtype = TORCH_DTYPES.get(name) if type(name) is str else None
+        if dtype is None:
+            raise FrameError(f"unknown tensor dtype {name!r}")
+        self.dtype = dtype
+        values = dict(zip(cuda_ipc.FIELDS, ipc, strict=True))
+        shape, stride = _shape(values["shape"]), _shape(values["stride"])
+        if len(stride) != len(shape):
+            raise FrameError(f"CUDA IPC tensor: stride {stride} does not match shape {shape}")
+        for field in ("storage_offset", "device", "storage_size_bytes", "storage_offset_bytes", "ref_counter_offset"):
+            if type(values[field]) is not int or not 0 <= values[field] < 2**62:
+                raise FrameError(f"CUDA IPC tensor: bad {field} {values[field]!r}")
+        for field, optional in (("handle", values["storage_size_bytes"] == 0), ("ref_counter_handle", False),
+                                ("event_handle", True)):
+            value = values[field]
+            if not ((value is None and optional) or (type(value) is bytes and 0 < len(value) <= 256)):
+                raise FrameError(f"CUDA IPC tensor: bad {field} {value!r}")
+        if type(values["event_sync_required"]) is not bool:
+            raise FrameError("CUDA IPC tensor: bad event_sync_required")
+        if all(shape):  # the view's last element must lie inside the shared storage
+            end = (values["storage_offset"] + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1)
+            if end * dtype.itemsize > values["storage_size_bytes"]:
+                raise FrameError(
+                    f"CUDA IPC tensor of shape {list(shape)} reaches byte {end * dtype.itemsize} of a "
+                    f"{values['storage_size_bytes']}-byte storage"
+                )
+        values["shape"], values["stride"] = shape, stride
+        self.fields = values
+
+    def build(self, buffers: _Buffers) -> torch.Tensor:
+        tensor = cuda_ipc.open_tensor(self.dtype, self.fields)
+        return tensor.clone() if buffers.copy else tensor  # the clone stays on the consumer's device
+
+
+_SLOTS = (_TensorSlot, _ArraySlot, _BytesSlot, _CudaIpcSlot)
 
 
 class _Compiler:
     """Turns a header into a template, validating everything the header alone decides."""
 
     def __init__(self, tuple_budget: int) -> None:
+        self.cuda_slots = 0
         self.depth = 0
         self.tuple_budget = tuple_budget  # bytes of tuple bodies still allowed (see _tuple_budget)
 
@@ -719,6 +788,9 @@ class _Compiler:
             return _ArraySlot(*_fields(fields, 3, "ndarray"))
         if code == EXT_BYTES:
             return _BytesSlot(fields)
+        if code == EXT_CUDA_IPC:
+            self.cuda_slots += 1
+            return _CudaIpcSlot(fields)
         if code == EXT_NPSCALAR:
             dtype_str, raw = _fields(fields, 2, "numpy scalar")
             dtype = _numpy_dtype(dtype_str)

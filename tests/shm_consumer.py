@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 import msgpack
+import torch
 
 from omni_mesh import codec
 from omni_mesh.connectors import create_connector
@@ -42,6 +43,17 @@ def shm_mappings() -> list[str]:
         return sorted({line.split(None, 5)[5].strip() for line in maps if "/omnimesh_" in line})
 
 
+def cuda_leaves(value: Any) -> int:
+    """How many tensors of the payload this process sees on a CUDA device (mapped by IPC handle)."""
+    if isinstance(value, torch.Tensor):
+        return int(value.is_cuda)
+    if isinstance(value, dict):
+        return sum(cuda_leaves(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(cuda_leaves(v) for v in value)
+    return 0
+
+
 def main() -> None:
     config = msgpack.unpackb(bytes.fromhex(sys.argv[1])) if len(sys.argv) > 1 else {}
     connector = create_connector("SharedMemoryConnector", config)
@@ -60,6 +72,7 @@ def main() -> None:
                 else:
                     data, size = result
                     reply = {"size": size} if summary else {"frame": bytes(codec.encode(data)), "size": size}
+                    reply["cuda_leaves"] = cuda_leaves(data)
                     if hold is not None:
                         held[hold] = data
                     del data, result

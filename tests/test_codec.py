@@ -28,7 +28,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from omni_mesh import codec
+from omni_mesh import codec, cuda_ipc
 from omni_mesh.codec import FrameError, UnsupportedTypeError
 
 pytestmark = pytest.mark.filterwarnings(
@@ -709,6 +709,24 @@ def raw_ext(code: int, data: bytes) -> bytes:
     return bytes([0xC7, len(data), code & 0xFF]) + data
 
 
+def cuda_ipc_ext(dtype: str = "float32", **overrides: Any) -> msgpack.ExtType:
+    """A CUDA IPC tensor entry, well-formed unless `overrides` say otherwise (4 float32 in 16 bytes)."""
+    fields = {
+        "shape": [4],
+        "stride": [1],
+        "storage_offset": 0,
+        "device": 0,
+        "handle": b"h" * 64,
+        "storage_size_bytes": 16,
+        "storage_offset_bytes": 0,
+        "ref_counter_handle": b"/torch_1_2",
+        "ref_counter_offset": 0,
+        "event_handle": b"e" * 64,
+        "event_sync_required": True,
+    } | overrides
+    return E(codec.EXT_CUDA_IPC, packb([dtype, *(fields[name] for name in cuda_ipc.FIELDS)]))
+
+
 def nested_arrays(depth: int) -> bytes:
     return b"\x91" * depth + b"\xc0"
 
@@ -824,8 +842,19 @@ HOSTILE = {
     "tuple holds an int": forge(E(codec.EXT_TUPLE, packb(1))),
     "tuple holds garbage": forge(E(codec.EXT_TUPLE, b"\xc1")),
     "tensor fields not msgpack": forge(E(codec.EXT_TENSOR, b"\xdd\xff\xff\xff\xff")),
+    "CUDA IPC fields too few": forge(E(codec.EXT_CUDA_IPC, packb(["float32", [4]]))),
+    "CUDA IPC unknown dtype": forge(cuda_ipc_ext(dtype="float99")),
+    "CUDA IPC stride rank differs": forge(cuda_ipc_ext(stride=[1, 1])),
+    "CUDA IPC negative offset": forge(cuda_ipc_ext(storage_offset=-1)),
+    "CUDA IPC device a str": forge(cuda_ipc_ext(device="0")),
+    "CUDA IPC handle a str": forge(cuda_ipc_ext(handle="h" * 64)),
+    "CUDA IPC handle too long": forge(cuda_ipc_ext(handle=b"h" * 1000)),
+    "CUDA IPC no ref counter": forge(cuda_ipc_ext(ref_counter_handle=None)),
+    "CUDA IPC event sync an int": forge(cuda_ipc_ext(event_sync_required=1)),
+    "CUDA IPC view beyond storage": forge(cuda_ipc_ext(shape=[4], storage_size_bytes=12)),
+    "CUDA IPC strided view beyond storage": forge(cuda_ipc_ext(shape=[2, 2], stride=[4, 1], storage_size_bytes=16)),
     "unknown ext 0": forge(E(0, b"x")),
-    "unknown ext 6": forge(E(6, b"x")),
+    "unknown ext 7": forge(E(7, b"x")),
     "unknown ext 127": forge(E(127, b"")),
     "negative ext -2": forge(raw_ext(-2, b"x")),
     "negative ext -128": forge(raw_ext(-128, b"x")),
@@ -866,7 +895,7 @@ def test_frame_error_is_a_value_error_with_a_clear_message() -> None:
     with pytest.raises(FrameError, match="truncated"):
         codec.decode(VALID_FRAME[:10])
     with pytest.raises(FrameError, match="unknown extension type"):
-        codec.decode(HOSTILE["unknown ext 6"])
+        codec.decode(HOSTILE["unknown ext 7"])
     with pytest.raises(FrameError, match="dtype"):
         codec.decode(HOSTILE["numpy object dtype"])
 
@@ -1018,3 +1047,23 @@ def test_nested_tuples_do_not_amplify_memory() -> None:
     finally:
         tracemalloc.stop()
     assert peak < 8 * len(frame), f"decoding a {len(frame)}-byte frame peaked at {peak} bytes"
+
+
+# --------------------------------------------------------------------------- CUDA tensors by IPC handle
+
+
+def test_asking_for_cuda_ipc_changes_nothing_for_host_payloads() -> None:
+    value = {"x": torch.arange(100_000), "y": [np.ones(3), b"z" * 600, (1, "a")]}
+    kept: list[torch.Tensor] = []
+    assert codec.split(value, cuda_tensors=kept)[0] == codec.split(value)[0]
+    assert kept == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a process without CUDA")
+def test_a_cuda_ipc_tensor_in_a_process_without_cuda_is_a_clear_error() -> None:
+    frame = forge({"hidden": cuda_ipc_ext()})
+    with pytest.raises(cuda_ipc.CudaIpcUnavailable, match=r"cuda:0.*no CUDA device.*cuda_ipc: false"):
+        codec.decode(frame)
+    # A well-formed entry is not a malformed frame, and it is never cached (handles are single-use).
+    with pytest.raises(cuda_ipc.CudaIpcUnavailable):
+        codec.decode(frame)

@@ -917,6 +917,73 @@ def test_close_waits_for_a_put_that_is_copying(monkeypatch: pytest.MonkeyPatch) 
         conn.put("a", "b", "k2", torch.arange(5000))
 
 
+class RecordingExport:
+    """Stands in for a cuda_ipc.Exported on this CPU-only machine: records give-backs of its reference."""
+
+    def __init__(self) -> None:
+        self.released = 0
+
+    def release_unmapped(self) -> None:
+        self.released += 1
+
+
+def put_with_exports(conn: SharedMemoryConnector, key: str, count: int = 2) -> tuple[dict, list[RecordingExport]]:
+    exports = [RecordingExport() for _ in range(count)]
+    frame = codec.plan({"host part": torch.arange(2000)})
+    _, _, metadata = conn._put_with_exports("a", "b", key, frame, exports)  # type: ignore[arg-type]
+    return metadata, exports
+
+
+def test_a_payload_with_cuda_tensors_gives_their_references_back_unless_a_consumer_mapped_them() -> None:
+    """The IPC reference counting of CUDA tensors (torch's) needs one give-back per export that no
+    consumer mapped: freed unconsumed, closed, or taken by a consumer that died."""
+    with connector(PATHS["pool"]) as conn:
+        consumed_meta, consumed = put_with_exports(conn, "consumed")
+        data, _ = conn.get("a", "b", "consumed", consumed_meta)
+        del data
+        gc.collect()
+        _, unconsumed = put_with_exports(conn, "unconsumed")
+        conn.cleanup("unconsumed")
+        assert [e.released for e in unconsumed] == [1, 1]
+        put_with_exports(conn, "next")  # reclaims (refills) the consumed slot: its consumer gives back
+        assert [e.released for e in consumed] == [0, 0]
+        assert conn.health()["cuda_ipc_tensors"] == 6
+        _, at_close = put_with_exports(conn, "at close", count=1)
+    assert [e.released for e in at_close] == [1]
+    with connector(PATHS["pool"]) as conn:
+        meta, taken_by_the_dead = put_with_exports(conn, "dead")
+        peer = Peer()
+        assert peer.get("dead", meta, hold="x") is not None
+        peer.proc.kill()
+        peer.proc.wait()
+        conn.put("a", "b", "fill", torch.zeros((4 * MiB - 16 * KiB) // 4))  # the pool runs short: dead takers go
+        assert [e.released for e in taken_by_the_dead] == [1, 1]
+        conn.cleanup("fill")
+
+
+def test_the_cuda_ipc_switch_changes_nothing_for_host_payloads() -> None:
+    value = {"x": torch.arange(50_000), "y": np.ones(7)}
+    for switch in (True, False):
+        with connector({**PATHS["pool"], "cuda_ipc": switch}) as conn:
+            _, _, metadata = conn.put("a", "b", "k", value)
+            assert_same(conn.get("a", "b", "k", metadata)[0], value)
+            assert conn.health()["cuda_ipc_tensors"] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_cross_processes_by_ipc_handle() -> None:
+    source = torch.randn(1 << 20, device="cuda")
+    strided = torch.arange(4096, dtype=torch.float16, device="cuda").view(64, 64).t()
+    value = {"big": source, "strided": strided, "host": torch.ones(5)}
+    with connector(PATHS["pool"]) as conn:
+        _, _, metadata = conn.put("a", "b", "cuda", value)
+        peer = Peer()
+        reply = peer.call("get", from_stage="a", to_stage="b", get_key="cuda", metadata=over_the_wire(metadata))
+        assert reply.get("cuda_leaves") == 2, reply
+        assert_same(codec.decode(reply["frame"]), {k: v.cpu() for k, v in value.items()})
+        assert conn.health()["cuda_ipc_tensors"] == 2
+
+
 def test_a_slot_taken_by_a_killed_consumer_can_be_taken_again() -> None:
     """The coordinator retries work whose replica died before producing output: the new replica must be
     able to get the input the dead one had taken. A live taker's slot stays refused."""

@@ -7,7 +7,9 @@ print medians of:
 - put->get: the producer's put time plus the consumer's get time, i.e. the data plane's cost of moving
   the payload (the metadata hop belongs to the control plane and is shown separately as e2e);
 - memcpy: copying the same number of bytes between two pre-faulted buffers in this process, measured
-  in the same run, and the ratio put->get / memcpy bandwidth;
+  in the same run, and the ratio put->get / memcpy bandwidth (with --device cuda the payload lives on
+  the GPU and the reference is a device-to-device `copy_`; the consumer synchronizes before it stops
+  its clock, so a get counts the work the device still had queued);
 - raw: where a raw transport exists (Mooncake, ZeroMQ, Yuanrong), the same bytes moved with the raw
   library between two processes in the same run, and the ratio connector / raw.
 
@@ -69,23 +71,31 @@ def repeats_for(size: int) -> int:
     return max(floor, min(200, (2 << 30) // max(size, 1) // 16))
 
 
-def payload(size: int) -> dict[str, torch.Tensor]:
+def payload(size: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(size)
-    return {"hidden_states": torch.randn(max(1, size // 2), generator=generator).to(torch.bfloat16)}
+    return {"hidden_states": torch.randn(max(1, size // 2), generator=generator).to(torch.bfloat16).to(device)}
 
 
 def digest(tensor: torch.Tensor) -> str:
-    return hashlib.blake2b(tensor.contiguous().view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()
+    data = tensor.detach().cpu().contiguous().view(torch.uint8).numpy()
+    return hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest()
 
 
-def memcpy_seconds(size: int, repeats: int) -> list[float]:
-    """The reference: one memcpy (the codec's copy primitive) between two pre-faulted buffers."""
-    src = torch.ones(size, dtype=torch.uint8)
-    dst = torch.zeros(size, dtype=torch.uint8)
+def memcpy_seconds(size: int, repeats: int, device: str = "cpu") -> list[float]:
+    """The reference: one memcpy (the codec's copy primitive) between two pre-faulted buffers, or on a
+    CUDA device one device-to-device copy_, synchronized."""
+    src = torch.ones(size, dtype=torch.uint8, device=device)
+    dst = torch.zeros(size, dtype=torch.uint8, device=device)
     times = []
     for _ in range(repeats + 1):
-        started = time.perf_counter()
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), size)
+        if device != "cpu":
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            dst.copy_(src)
+            torch.cuda.synchronize()
+        else:
+            started = time.perf_counter()
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), size)
         times.append(time.perf_counter() - started)
     return times[1:]
 
@@ -164,6 +174,8 @@ def consumer_main(name: str, config_json: str, port: int) -> int:
 def _consume(connector: Any, message: dict) -> dict:
     received = time.perf_counter()
     result = connector.get(*EDGE, message["key"], message["meta"])
+    if result is not None and result[0]["hidden_states"].is_cuda:
+        torch.cuda.synchronize()  # the mapping waits on the producer's event asynchronously
     got = time.perf_counter()
     if result is None:
         return {"error": f"get returned None for {message['key']}"}
@@ -175,11 +187,11 @@ def _consume(connector: Any, message: dict) -> dict:
 
 
 def measure(
-    name: str, config: dict, consumer: ConsumerProcess, size: int, repeats: int
+    name: str, config: dict, consumer: ConsumerProcess, size: int, repeats: int, device: str = "cpu"
 ) -> tuple[list[float], list[float], list[float]]:
     """Producer put, consumer get and end-to-end times of `repeats` transfers (after two warm-up ones)."""
     connector = create_connector(name, config)
-    data = payload(size)
+    data = payload(size, device)
     expected = digest(data["hidden_states"])
     put_s, get_s, e2e_s = [], [], []
     try:
@@ -203,10 +215,15 @@ def measure(
 
 
 def summarize(
-    size: int, put_s: list[float], get_s: list[float], e2e_s: list[float], raw_s: list[float] | None
+    size: int,
+    put_s: list[float],
+    get_s: list[float],
+    e2e_s: list[float],
+    raw_s: list[float] | None,
+    device: str = "cpu",
 ) -> SizeResult:
     put_get = statistics.median([p + g for p, g in zip(put_s, get_s, strict=True)])
-    memcpy = statistics.median(memcpy_seconds(size, len(put_s)))
+    memcpy = statistics.median(memcpy_seconds(size, len(put_s), device))
     result = SizeResult(
         size=size,
         repeats=len(put_s),
@@ -239,7 +256,9 @@ def raw_seconds(name: str, size: int, repeats: int, config: dict) -> list[float]
     return function(size, repeats)
 
 
-def measure_size(name: str, config: dict, consumer: ConsumerProcess, size: int, *, raw: bool) -> SizeResult:
+def measure_size(
+    name: str, config: dict, consumer: ConsumerProcess, size: int, *, raw: bool, device: str = "cpu"
+) -> SizeResult:
     """The connector and, where there is one, its raw library, in alternating halves.
 
     The machines drift (other tenants, frequency): alternating the two halves and taking medians over
@@ -250,23 +269,23 @@ def measure_size(name: str, config: dict, consumer: ConsumerProcess, size: int, 
     get_s: list[float] = []
     e2e_s: list[float] = []
     raw_s: list[float] = []
-    has_raw = raw and name in RAW_BASELINES
+    has_raw = raw and name in RAW_BASELINES and device == "cpu"  # the raw baselines move host bytes
     if has_raw:
         # Untimed: warm the backend (a datasystem worker's arena faults its pages in on first use)
         # so that neither side of the comparison pays for that and the other does not.
         raw_seconds(name, size, 2, config)
     halves = 2 if has_raw else 1
     for _ in range(halves):
-        puts, gets, e2es = measure(name, config, consumer, size, max(3, repeats // halves))
+        puts, gets, e2es = measure(name, config, consumer, size, max(3, repeats // halves), device)
         put_s += puts
         get_s += gets
         e2e_s += e2es
         if has_raw:
             raw_s += raw_seconds(name, size, max(3, repeats // halves), config) or []
-    return summarize(size, put_s, get_s, e2e_s, raw_s)
+    return summarize(size, put_s, get_s, e2e_s, raw_s, device)
 
 
-def run(name: str, config: dict, sizes: list[int], *, raw: bool = True) -> dict[str, Any]:
+def run(name: str, config: dict, sizes: list[int], *, raw: bool = True, device: str = "cpu") -> dict[str, Any]:
     if name == "SharedMemoryConnector" and "memory_pool_size" not in config:
         # Size the pool for the workload, as a deployment would: two payloads in flight at once.
         config = {**config, "memory_pool_size": max(256 << 20, 2 * max(sizes) + (4 << 20))}
@@ -274,11 +293,17 @@ def run(name: str, config: dict, sizes: list[int], *, raw: bool = True) -> dict[
     consumer = ConsumerProcess(name, config)
     try:
         for size in sizes:
-            results.append(measure_size(name, config, consumer, size, raw=raw))
+            results.append(measure_size(name, config, consumer, size, raw=raw, device=device))
     finally:
         consumer.close()
     small = statistics.median(in_process_seconds(name, config, 4096, 2000))
-    return {"connector": name, "config": config, "sizes": [asdict(r) for r in results], "inproc_4k_s": small}
+    return {
+        "connector": name,
+        "config": config,
+        "device": device,
+        "sizes": [asdict(r) for r in results],
+        "inproc_4k_s": small,
+    }
 
 
 def _fmt_size(size: int) -> str:
@@ -294,7 +319,7 @@ def _fmt_time(seconds: float) -> str:
 
 def report(result: dict[str, Any]) -> str:
     lines = [
-        f"connector {result['connector']}  config {json.dumps(result['config'])}",
+        f"connector {result['connector']}  config {json.dumps(result['config'])}  payload on {result['device']}",
         "medians; put->get = producer put + consumer get; e2e adds the metadata hop between the processes",
         f"{'size':>9} {'reps':>5} {'put->get':>10} {'GB/s':>7} {'memcpy GB/s':>12} {'x memcpy':>9} {'e2e':>10}"
         f" {'raw GB/s':>9} {'x raw':>6}",

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from omni_mesh import codec
+from omni_mesh import codec, cuda_ipc
 from omni_mesh.connectors.allocator import PAGE, PoolAllocator, frame_alignment, round_up
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
 from omni_mesh.connectors.shm_segments import (
@@ -70,6 +70,9 @@ class SharedMemoryConfig:
     copy_on_get: bool = False
     #: Fault the pool's pages in when it is created, so no put pays for them.
     prefault: bool = True
+    #: Pass CUDA tensors by CUDA IPC handle (the consumer maps them on the same device: no copy through
+    #: host memory). False copies them to host memory at put, like every other connector.
+    cuda_ipc: bool = True
 
 
 class _Segment:
@@ -96,6 +99,7 @@ class _Slot:
     generation: int
     put_key: str
     capacity: int  # bytes from offset to the end of its allocation: a later put that fits may reuse it
+    exports: list[cuda_ipc.Exported] | None = None  # CUDA tensors the frame passes by IPC handle
 
 
 def _digest(from_stage: str, to_stage: str, key: str) -> bytes:
@@ -166,25 +170,60 @@ class SharedMemoryConnector(OmniConnectorBase):
         self._mapped: dict[str, mmap.mmap] = {}
         self._closed = False
         self._counters = Counters(
-            "puts", "gets", "bytes_put", "bytes_got", "inline_puts", "fallbacks", "stale_gets", "errors"
+            "puts",
+            "gets",
+            "bytes_put",
+            "bytes_got",
+            "inline_puts",
+            "fallbacks",
+            "stale_gets",
+            "errors",
+            "cuda_ipc_tensors",
         )
 
     # ------------------------------------------------------------------ producer side
 
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
-        header, leaves, lengths = codec.split(data)
+        exports: list[cuda_ipc.Exported] | None = [] if self.config.cuda_ipc else None
+        header, leaves, lengths = codec.split(data, cuda_tensors=exports)
+        if exports:
+            return self._put_with_exports(from_stage, to_stage, put_key, codec.FramePlan(header, leaves, lengths), exports)
         if len(header) + sum(lengths) <= self.config.inline_max_bytes:
             # Tiny payloads skip the frame layout: the header and one buffer per leaf, in the metadata.
             parts = codec.leaf_buffers(leaves, lengths)
             size = len(header) + sum(lengths)
             self._count_put(size, "inline_puts")
             return True, size, {"inline": header, "parts": parts, "key": edge_key(from_stage, to_stage, put_key)}
-        frame = codec.FramePlan(header, leaves, lengths)
+        return self._put_frame(from_stage, to_stage, put_key, codec.FramePlan(header, leaves, lengths))
+
+    def _put_with_exports(
+        self, from_stage: str, to_stage: str, put_key: str, frame: codec.FramePlan, exports: list[cuda_ipc.Exported]
+    ) -> tuple[bool, int, dict]:
+        """A payload with CUDA tensors always takes a slot: the slot holds the exported tensors until the
+        consumer has mapped them (or the payload is freed unconsumed, which gives their references back)."""
+        try:
+            result = self._put_frame(from_stage, to_stage, put_key, frame, exports)
+        except BaseException:
+            for exported in exports:
+                exported.release_unmapped()
+            raise
+        self._counters.add("cuda_ipc_tensors", len(exports))
+        return result
+
+    def _put_frame(
+        self,
+        from_stage: str,
+        to_stage: str,
+        put_key: str,
+        frame: codec.FramePlan,
+        exports: list[cuda_ipc.Exported] | None = None,
+    ) -> tuple[bool, int, dict]:
         size = frame.nbytes
         slot = self._allocate(size, put_key, from_stage, to_stage)
         segment, offset, generation = slot.segment, slot.offset, slot.generation
         try:
             frame.write_at(segment.address + offset + SLOT_HEADER)
+            slot.exports = exports  # from here on the slot answers for them (a failure above: the caller)
             mm = segment.mm
             # The state byte goes last: a consumer never sees WRITTEN before the frame is complete.
             SLOT.pack_into(mm, offset, FREE, 0, 0, generation, _digest(from_stage, to_stage, put_key), size)
@@ -247,6 +286,8 @@ class SharedMemoryConnector(OmniConnectorBase):
         lands in memory the last one warmed. The old generation is invalidated first, as in a free.
         """
         mm, offset = slot.segment.mm, slot.offset
+        if slot.exports:
+            self._drop_exports_locked(slot)
         struct.pack_into("<Q", mm, offset + 16, 0)
         mm[offset] = FREE
         slot.generation = next(self._generations)
@@ -320,6 +361,8 @@ class SharedMemoryConnector(OmniConnectorBase):
 
     def _free_locked(self, slot: _Slot) -> None:
         segment = slot.segment
+        if slot.exports:
+            self._drop_exports_locked(slot)
         del self._slots[(segment.name, slot.offset)]
         if segment.allocator is None:
             del self._own[segment.name]
@@ -331,6 +374,16 @@ class SharedMemoryConnector(OmniConnectorBase):
         struct.pack_into("<Q", segment.mm, slot.offset + 16, 0)
         segment.mm[slot.offset] = FREE
         segment.allocator.free(slot.offset)
+
+    @staticmethod
+    def _drop_exports_locked(slot: _Slot) -> None:
+        """Let go of a slot's exported CUDA tensors. A consumer that released the slot mapped them and
+        gives their references back itself; any other state means no live consumer will."""
+        if slot.segment.mm[slot.offset] != RELEASED:
+            for exported in slot.exports:
+                with contextlib.suppress(Exception):  # a CUDA error must not stop the reclaim
+                    exported.release_unmapped()
+        slot.exports = None
 
     def cleanup(self, key: str) -> None:
         """Free what this process put under `key` (or `key/...`) that no consumer holds."""
@@ -389,6 +442,10 @@ class SharedMemoryConnector(OmniConnectorBase):
             self._counters.add("errors")
             where = _where(from_stage, to_stage, get_key)
             raise ConnectorError(f"SharedMemoryConnector: bad frame for {where}: {exc}") from None
+        except cuda_ipc.CudaIpcUnavailable as exc:
+            self._counters.add("errors")
+            where = _where(from_stage, to_stage, get_key)
+            raise ConnectorError(f"SharedMemoryConnector: cannot map the CUDA tensors of {where}: {exc}") from None
         finally:
             # With views alive, the slot goes back when they die; otherwise right now.
             _hold_until_dead(base, mm, offset, generation)
@@ -474,6 +531,9 @@ class SharedMemoryConnector(OmniConnectorBase):
                 return  # a put is stuck mid-copy: leave the mappings to process exit rather than crash
             # A forked child closes its inherited copy, but the segments belong to its parent.
             owner = os.getpid() == self._identity.pid
+            for slot in self._slots.values():
+                if slot.exports and owner and not slot.segment.mm.closed:
+                    self._drop_exports_locked(slot)
             for segment in self._own.values():
                 if owner:
                     unlink_segment(segment.name)
