@@ -67,7 +67,7 @@ class SizeResult:
 
 def repeats_for(size: int) -> int:
     """Enough repetitions for a stable median on a noisy machine, without making 256 MiB take minutes."""
-    floor = 8 if size >= 256 << 20 else 20
+    floor = 8 if size >= 256 << 20 else 40
     return max(floor, min(200, (2 << 30) // max(size, 1) // 16))
 
 
@@ -187,30 +187,27 @@ def _consume(connector: Any, message: dict) -> dict:
 
 
 def measure(
-    name: str, config: dict, consumer: ConsumerProcess, size: int, repeats: int, device: str = "cpu"
+    connector: Any, consumer: ConsumerProcess, size: int, repeats: int, device: str = "cpu", round_: int = 0
 ) -> tuple[list[float], list[float], list[float]]:
     """Producer put, consumer get and end-to-end times of `repeats` transfers (after two warm-up ones)."""
-    connector = create_connector(name, config)
+    name = type(connector).__name__
     data = payload(size, device)
     expected = digest(data["hidden_states"])
     put_s, get_s, e2e_s = [], [], []
-    try:
-        for i in range(repeats + 2):
-            key = f"bench-{size}/{i}"
-            started = time.perf_counter()
-            ok, _, meta = connector.put(*EDGE, key, data)
-            put_done = time.perf_counter()
-            if not ok:
-                raise RuntimeError(f"put of {key} failed")
-            reply = consumer.ask({"key": key, "meta": meta, "verify": i == 0})
-            if i == 0 and reply["digest"] != expected:
-                raise RuntimeError(f"{name}: the consumer received different bytes at {size} bytes")
-            if i >= 2:  # two warm-up rounds
-                put_s.append(put_done - started)
-                get_s.append(reply["get_s"])
-                e2e_s.append(reply["done"] - started)  # perf_counter is CLOCK_MONOTONIC: one clock per host
-    finally:
-        connector.close()
+    for i in range(repeats + 2):
+        key = f"bench-{size}/{round_}/{i}"  # never reused: a consumed key may still be being deleted
+        started = time.perf_counter()
+        ok, _, meta = connector.put(*EDGE, key, data)
+        put_done = time.perf_counter()
+        if not ok:
+            raise RuntimeError(f"put of {key} failed")
+        reply = consumer.ask({"key": key, "meta": meta, "verify": i == 0})
+        if i == 0 and reply["digest"] != expected:
+            raise RuntimeError(f"{name}: the consumer received different bytes at {size} bytes")
+        if i >= 2:  # two warm-up rounds
+            put_s.append(put_done - started)
+            get_s.append(reply["get_s"])
+            e2e_s.append(reply["done"] - started)  # perf_counter is CLOCK_MONOTONIC: one clock per host
     return put_s, get_s, e2e_s
 
 
@@ -259,9 +256,9 @@ def raw_seconds(name: str, size: int, repeats: int, config: dict) -> list[float]
 def measure_size(
     name: str, config: dict, consumer: ConsumerProcess, size: int, *, raw: bool, device: str = "cpu"
 ) -> SizeResult:
-    """The connector and, where there is one, its raw library, in alternating halves.
+    """The connector and, where there is one, its raw library, in alternating rounds.
 
-    The machines drift (other tenants, frequency): alternating the two halves and taking medians over
+    The machines drift (other tenants, frequency): alternating the two sides and taking medians over
     all samples keeps a slow minute from landing on one side of the ratio only.
     """
     repeats = repeats_for(size)
@@ -274,14 +271,20 @@ def measure_size(
         # Untimed: warm the backend (a datasystem worker's arena faults its pages in on first use)
         # so that neither side of the comparison pays for that and the other does not.
         raw_seconds(name, size, 2, config)
-    halves = 2 if has_raw else 1
-    for _ in range(halves):
-        puts, gets, e2es = measure(name, config, consumer, size, max(3, repeats // halves), device)
-        put_s += puts
-        get_s += gets
-        e2e_s += e2es
-        if has_raw:
-            raw_s += raw_seconds(name, size, max(3, repeats // halves), config) or []
+    rounds = 4 if has_raw else 1
+    # One connector for all rounds, as a stage keeps one for its lifetime: a fresh one per round would
+    # pay its client's first-touch costs (mappings, connections) inside the timings.
+    connector = create_connector(name, config)
+    try:
+        for round_ in range(rounds):
+            puts, gets, e2es = measure(connector, consumer, size, max(3, repeats // rounds), device, round_)
+            put_s += puts
+            get_s += gets
+            e2e_s += e2es
+            if has_raw:
+                raw_s += raw_seconds(name, size, max(3, repeats // rounds), config) or []
+    finally:
+        connector.close()
     return summarize(size, put_s, get_s, e2e_s, raw_s, device)
 
 
