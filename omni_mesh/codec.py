@@ -48,6 +48,7 @@ EXT_BYTES = 3
 EXT_TUPLE = 4
 EXT_NPSCALAR = 5
 EXT_CUDA_IPC = 6  # a CUDA tensor by IPC handle (same host only; see omni_mesh.cuda_ipc)
+EXT_DEVICE_TENSOR = 7  # a tensor whose bytes travel outside the frame, into a device buffer of the consumer
 
 _NUMPY_KINDS = frozenset("biufcmMSU")
 
@@ -220,15 +221,49 @@ def _copy_leaf(leaf: Any, view: memoryview, address: int, offset: int, length: i
         view[offset : offset + length] = leaf
 
 
-def split(obj: Any, *, cuda_tensors: list[cuda_ipc.Exported] | None = None) -> tuple[bytes, list[Any], list[int]]:
+class CudaIpcExports:
+    """Device policy of `split`: CUDA tensors travel by CUDA IPC handle (a consumer on the same host
+    maps them on the device). The caller keeps `exports` until the payload is consumed or freed."""
+
+    def __init__(self) -> None:
+        self.exports: list[cuda_ipc.Exported] = []
+
+    def wants(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_cuda
+
+    def entry(self, name: str, tensor: torch.Tensor) -> msgpack.ExtType:
+        exported = cuda_ipc.export(tensor)
+        self.exports.append(exported)
+        return msgpack.ExtType(EXT_CUDA_IPC, _pack([name, *exported.fields]))
+
+
+class DeviceLeaves:
+    """Device policy of `split`: CUDA tensors stay out of the frame, as contiguous `tensors` a transport
+    moves device to device itself; the consumer decodes them from the `device_buffers` it received.
+
+    `host_min_bytes` > 0 sends CPU tensors that large the same way (receive buffers then live in host
+    memory): how the protocol is tested on machines without a GPU.
+    """
+
+    def __init__(self, host_min_bytes: int = 0) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.host_min_bytes = host_min_bytes
+
+    def wants(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_cuda or (0 < self.host_min_bytes <= tensor.nbytes and tensor.is_cpu)
+
+    def entry(self, name: str, tensor: torch.Tensor) -> msgpack.ExtType:
+        self.tensors.append(tensor.contiguous())
+        return msgpack.ExtType(EXT_DEVICE_TENSOR, _pack([name, list(tensor.shape), len(self.tensors) - 1]))
+
+
+def split(obj: Any, *, device: CudaIpcExports | DeviceLeaves | None = None) -> tuple[bytes, list[Any], list[int]]:
     """The msgpack header of `obj` and its out-of-band leaves (with their sizes), before any layout.
 
-    CUDA tensors are copied to host memory, unless `cuda_tensors` is a list: then they travel by CUDA
-    IPC handle (a consumer on the same host maps them on the device) and each export is appended to the
-    list, which the caller keeps until the payload is consumed or freed (see omni_mesh.cuda_ipc).
-    Raises UnsupportedTypeError naming the value it cannot carry and where.
+    CUDA tensors are copied to host memory, unless a `device` policy takes them (CudaIpcExports,
+    DeviceLeaves). Raises UnsupportedTypeError naming the value it cannot carry and where.
     """
-    walker = _Walker(cuda_tensors)
+    walker = _Walker(device)
     try:
         header = _pack(walker.convert(obj))
     except (UnsupportedTypeError, UnicodeEncodeError) as exc:
@@ -297,8 +332,8 @@ _NATIVE = (str, float, bool, type(None))
 class _Walker:
     """Turns an object tree into a msgpack-native tree, moving large leaves out of band."""
 
-    def __init__(self, cuda_tensors: list[cuda_ipc.Exported] | None = None) -> None:
-        self.cuda_tensors = cuda_tensors
+    def __init__(self, device: CudaIpcExports | DeviceLeaves | None = None) -> None:
+        self.device = device
         self.leaves: list[Any] = []
         self.lengths: list[int] = []
         self.depth = 0  # of tuples, as the decoder counts them
@@ -358,6 +393,8 @@ class _Walker:
 
     def tensor(self, tensor: torch.Tensor) -> msgpack.ExtType:
         name = _DTYPE_NAMES.get(tensor.dtype)
+        if self.device is not None and name is not None and self.device.wants(tensor):
+            return self.device_entry(name, tensor)
         if (
             name is not None
             and tensor.is_cpu
@@ -375,8 +412,6 @@ class _Walker:
             raise UnsupportedTypeError(f"cannot encode a {tensor.layout} tensor; convert it with .to_dense()")
         if tensor.requires_grad:
             tensor = tensor.detach()
-        if tensor.is_cuda and self.cuda_tensors is not None:
-            return self.cuda_ipc(name, tensor)
         if not tensor.is_cpu:
             if tensor.is_meta:
                 raise UnsupportedTypeError("cannot encode a tensor on the meta device: it has no data")
@@ -387,17 +422,19 @@ class _Walker:
         index = self.leaf(tensor, tensor.nbytes, address)
         return _tensor_ext(name, tensor.shape, index)
 
-    def cuda_ipc(self, name: str, tensor: torch.Tensor) -> msgpack.ExtType:
+    def device_entry(self, name: str, tensor: torch.Tensor) -> msgpack.ExtType:
+        if tensor.layout is not torch.strided or tensor.is_nested:
+            raise UnsupportedTypeError(f"cannot send a {tensor.layout} tensor device to device; convert it first")
+        tensor = tensor.detach()
         if tensor.is_conj() or tensor.is_neg():
             tensor = tensor.resolve_conj().resolve_neg()  # the bits live on the tensor, not in its memory
         try:
-            exported = cuda_ipc.export(tensor)
+            return self.device.entry(name, tensor)
         except (RuntimeError, ValueError) as exc:
             raise UnsupportedTypeError(
-                f"cannot pass a CUDA tensor by IPC handle ({exc}); set cuda_ipc: false to send it through host memory"
+                f"cannot send a {tensor.device} tensor device to device ({exc}); turn the connector's "
+                "device path off (cuda_ipc / device_transfer: false) to send it through host memory"
             ) from None
-        self.cuda_tensors.append(exported)
-        return msgpack.ExtType(EXT_CUDA_IPC, _pack([name, *exported.fields]))
 
     def ndarray(self, array: np.ndarray) -> msgpack.ExtType:
         dtype = array.dtype
@@ -450,15 +487,18 @@ def frame_length(buffer: Any, offset: int = 0) -> int:
     return nbytes
 
 
-def decode(buffer: Any, offset: int = 0, *, copy: bool = False) -> Any:
+def decode(
+    buffer: Any, offset: int = 0, *, copy: bool = False, device_buffers: list[torch.Tensor] | None = None
+) -> Any:
     """Decode the frame at `offset` of `buffer`.
 
     With copy=False, tensors and arrays are views over `buffer` (which they keep alive); a read-only
     buffer is copied once first so the views are writable. With copy=True every tensor and array is
-    copied exactly once and `buffer` may be released as soon as this returns.
+    copied exactly once and `buffer` may be released as soon as this returns. `device_buffers` are the
+    received bytes of the frame's device tensors (DeviceLeaves), one flat uint8 tensor each, in order.
     """
     try:
-        return _decode(buffer, offset, copy)
+        return _decode(buffer, offset, copy, device_buffers)
     except Exception as exc:
         raise _frame_error(exc) from None
 
@@ -473,7 +513,7 @@ def _frame_error(exc: Exception) -> Exception:
     return FrameError(f"malformed frame: {type(exc).__name__}: {exc}")
 
 
-def _decode(buffer: Any, offset: int, copy: bool) -> Any:
+def _decode(buffer: Any, offset: int, copy: bool, device_buffers: list[torch.Tensor] | None = None) -> Any:
     with memoryview(buffer) as view:
         available = view.nbytes - offset
         readonly = view.readonly
@@ -496,7 +536,9 @@ def _decode(buffer: Any, offset: int, copy: bool) -> Any:
     template, offsets, lengths = layout
     if readonly and not copy:  # views must be writable tensors: copy the frame once
         buffer, offset = bytearray(memoryview(buffer)[offset : offset + nbytes]), 0
-    return template.build(_Buffers(buffer, offset, offsets, lengths, copy))
+    buffers = _Buffers(buffer, offset, offsets, lengths, copy)
+    buffers.device = device_buffers
+    return template.build(buffers)
 
 
 # Decoding layouts by frame head (prefix, buffer table and header), for the same reason as _LAYOUTS.
@@ -561,9 +603,10 @@ _CONSTANT = (str, int, float, bool, type(None), bytes, np.generic)
 
 
 class _Buffers:
-    """The frame's buffers: `whole` is the caller's buffer object, which every view keeps alive."""
+    """The frame's buffers: `whole` is the caller's buffer object, which every view keeps alive;
+    `device` the received device buffers, if the frame has device tensors."""
 
-    __slots__ = ("whole", "base", "offsets", "lengths", "copy")
+    __slots__ = ("whole", "base", "offsets", "lengths", "copy", "device")
 
     def __init__(self, whole: Any, base: int, offsets: list[int], lengths: list[int], copy: bool) -> None:
         self.whole = whole
@@ -571,6 +614,7 @@ class _Buffers:
         self.offsets = offsets
         self.lengths = lengths
         self.copy = copy
+        self.device: list[torch.Tensor] | None = None
 
     def length(self, index: int) -> int:
         return self.lengths[index] if index < len(self.lengths) else -1
@@ -749,7 +793,34 @@ class _CudaIpcSlot:
         return tensor.clone() if buffers.copy else tensor  # the clone stays on the consumer's device
 
 
-_SLOTS = (_TensorSlot, _ArraySlot, _BytesSlot, _CudaIpcSlot)
+class _DeviceTensorSlot:
+    """A tensor whose bytes arrived outside the frame, in a device buffer (see DeviceLeaves)."""
+
+    __slots__ = ("dtype", "shape", "nbytes", "index")
+
+    def __init__(self, name: Any, shape: Any, index: Any) -> None:
+        dtype = TORCH_DTYPES.get(name) if type(name) is str else None
+        if dtype is None:
+            raise FrameError(f"unknown tensor dtype {name!r}")
+        self.dtype = dtype
+        self.shape = _shape(shape)
+        self.nbytes = math.prod(self.shape) * dtype.itemsize
+        self.index = _index(index)
+
+    def build(self, buffers: Any) -> torch.Tensor:
+        received = getattr(buffers, "device", None) or []
+        if self.index >= len(received):
+            raise FrameError(f"device tensor {self.index} has no received buffer ({len(received)} given)")
+        raw = received[self.index]
+        if raw.dtype is not torch.uint8 or raw.dim() != 1 or raw.numel() != self.nbytes:
+            raise FrameError(f"device buffer {self.index} holds {raw.numel()} bytes, its tensor needs {self.nbytes}")
+        if not self.nbytes:
+            return torch.empty(self.shape, dtype=self.dtype, device=raw.device)
+        tensor = raw.view(self.dtype).view(self.shape)
+        return tensor.clone() if buffers.copy else tensor
+
+
+_SLOTS = (_TensorSlot, _ArraySlot, _BytesSlot, _CudaIpcSlot, _DeviceTensorSlot)
 
 
 class _Compiler:
@@ -791,6 +862,8 @@ class _Compiler:
         if code == EXT_CUDA_IPC:
             self.cuda_slots += 1
             return _CudaIpcSlot(fields)
+        if code == EXT_DEVICE_TENSOR:
+            return _DeviceTensorSlot(*_fields(fields, 3, "device tensor"))
         if code == EXT_NPSCALAR:
             dtype_str, raw = _fields(fields, 2, "numpy scalar")
             dtype = _numpy_dtype(dtype_str)

@@ -854,7 +854,7 @@ HOSTILE = {
     "CUDA IPC view beyond storage": forge(cuda_ipc_ext(shape=[4], storage_size_bytes=12)),
     "CUDA IPC strided view beyond storage": forge(cuda_ipc_ext(shape=[2, 2], stride=[4, 1], storage_size_bytes=16)),
     "unknown ext 0": forge(E(0, b"x")),
-    "unknown ext 7": forge(E(7, b"x")),
+    "unknown ext 8": forge(E(8, b"x")),
     "unknown ext 127": forge(E(127, b"")),
     "negative ext -2": forge(raw_ext(-2, b"x")),
     "negative ext -128": forge(raw_ext(-128, b"x")),
@@ -895,7 +895,7 @@ def test_frame_error_is_a_value_error_with_a_clear_message() -> None:
     with pytest.raises(FrameError, match="truncated"):
         codec.decode(VALID_FRAME[:10])
     with pytest.raises(FrameError, match="unknown extension type"):
-        codec.decode(HOSTILE["unknown ext 7"])
+        codec.decode(HOSTILE["unknown ext 8"])
     with pytest.raises(FrameError, match="dtype"):
         codec.decode(HOSTILE["numpy object dtype"])
 
@@ -1054,9 +1054,9 @@ def test_nested_tuples_do_not_amplify_memory() -> None:
 
 def test_asking_for_cuda_ipc_changes_nothing_for_host_payloads() -> None:
     value = {"x": torch.arange(100_000), "y": [np.ones(3), b"z" * 600, (1, "a")]}
-    kept: list[torch.Tensor] = []
-    assert codec.split(value, cuda_tensors=kept)[0] == codec.split(value)[0]
-    assert kept == []
+    policy = codec.CudaIpcExports()
+    assert codec.split(value, device=policy)[0] == codec.split(value)[0]
+    assert policy.exports == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a process without CUDA")
@@ -1067,3 +1067,28 @@ def test_a_cuda_ipc_tensor_in_a_process_without_cuda_is_a_clear_error() -> None:
     # A well-formed entry is not a malformed frame, and it is never cached (handles are single-use).
     with pytest.raises(cuda_ipc.CudaIpcUnavailable):
         codec.decode(frame)
+
+
+# --------------------------------------------------------------------------- device tensors (DeviceLeaves)
+
+
+def test_device_leaves_travel_outside_the_frame_and_decode_from_their_buffers() -> None:
+    value = {"big": torch.randn(64, 64), "odd": torch.arange(30, dtype=torch.int16).view(5, 6).t(), "small": torch.ones(2)}
+    policy = codec.DeviceLeaves(host_min_bytes=32)  # CPU tensors stand in for CUDA ones here
+    header, leaves, lengths = codec.split(value, device=policy)
+    assert len(policy.tensors) == 2 and all(t.is_contiguous() for t in policy.tensors)
+    frame = bytearray(codec.FramePlan(header, leaves, lengths).nbytes)
+    codec.FramePlan(header, leaves, lengths).write_into(frame)
+    assert len(frame) < 1024  # the device tensors' bytes are not in it
+    received = [t.reshape(-1).view(torch.uint8).clone() for t in policy.tensors]
+    decoded = codec.decode(frame, device_buffers=received)
+    assert_same(decoded, value)
+    assert decoded["big"].data_ptr() == received[0].data_ptr()  # a view over the received buffer
+    copied = codec.decode(frame, copy=True, device_buffers=received)
+    assert copied["big"].data_ptr() != received[0].data_ptr()
+    with pytest.raises(FrameError, match="no received buffer"):
+        codec.decode(frame)
+    with pytest.raises(FrameError, match="holds 3 bytes"):
+        codec.decode(frame, device_buffers=[torch.zeros(3, dtype=torch.uint8), received[1]])
+    with pytest.raises(FrameError, match="device tensor extension needs 3 fields"):
+        codec.decode(forge(E(codec.EXT_DEVICE_TENSOR, packb(["float32", [1]]))))

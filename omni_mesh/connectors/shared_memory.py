@@ -184,8 +184,9 @@ class SharedMemoryConnector(OmniConnectorBase):
     # ------------------------------------------------------------------ producer side
 
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
-        exports: list[cuda_ipc.Exported] | None = [] if self.config.cuda_ipc else None
-        header, leaves, lengths = codec.split(data, cuda_tensors=exports)
+        policy = codec.CudaIpcExports() if self.config.cuda_ipc else None
+        header, leaves, lengths = codec.split(data, device=policy)
+        exports = policy.exports if policy else None
         if exports:
             return self._put_with_exports(from_stage, to_stage, put_key, codec.FramePlan(header, leaves, lengths), exports)
         if len(header) + sum(lengths) <= self.config.inline_max_bytes:
