@@ -283,9 +283,9 @@ def split(obj: Any, *, device: CudaIpcExports | DeviceLeaves | None = None) -> t
     return header, walker.leaves, walker.lengths
 
 
-def plan(obj: Any) -> FramePlan:
+def plan(obj: Any, *, device: CudaIpcExports | DeviceLeaves | None = None) -> FramePlan:
     """Plan `obj` into a frame. Raises UnsupportedTypeError naming the value it cannot carry and where."""
-    return FramePlan(*split(obj))
+    return FramePlan(*split(obj, device=device))
 
 
 def leaf_buffers(leaves: list[Any], lengths: list[int]) -> list[bytearray]:

@@ -14,13 +14,20 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from mooncake_fixtures import PAYLOADS, MiB, Peer, blackhole, mismatch, payload
 from netns import TwoHosts
 
-from omni_mesh.connectors import ConnectorConfigError, ConnectorError, connector_class, create_connector
+from omni_mesh.connectors import (
+    ConnectorConfigError,
+    ConnectorError,
+    _device_transfer,
+    connector_class,
+    create_connector,
+)
 from omni_mesh.connectors._mooncake_common import MooncakeMaster, free_port, resolve_host
 
 TE = "MooncakeTransferEngineConnector"
@@ -316,6 +323,61 @@ def test_te_large_leaf_registrations_expire_with_ttl_and_close(te_consumer) -> N
         assert mismatch(payload("16mib"), data) is None
     finally:
         copying.close()
+
+
+def test_te_device_tensors_go_beside_the_frame_into_registered_receive_buffers(
+    logs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The device-to-device path (CUDA wheel, GPUs) for real, with host memory standing in for GPU
+    memory through the test seam: the tensors leave the frame, the producer registers their memory,
+    the consumer registers receive buffers, one batch write fills frame and buffers."""
+    monkeypatch.setenv(_device_transfer.HOST_SEAM, "8")  # CPU tensors of 8 bytes or more take the path
+    producer = create_connector(TE, TE_CONFIG)
+    peer = Peer(TE, TE_CONFIG, log=logs / "te-device-peer.log")
+    try:
+        for name in PAYLOADS:
+            ok, size, metadata = producer.put("thinker", "talker", f"dev/{name}", payload(name))
+            assert ("device" in metadata) == has_tensor_of_8_bytes(payload(name)), (name, metadata)
+            reply = peer.ask(
+                op="get", **{"from": "thinker", "to": "talker"}, key=f"dev/{name}", metadata=metadata, expect=name
+            )
+            assert reply.get("error") is None and reply["mismatch"] is None, (name, reply)
+        mixed = payload("mixed")
+        _, _, metadata = producer.put("thinker", "talker", "dev/local", mixed)
+        assert len(metadata["device"]) == 9  # every tensor of 8 bytes or more in "mixed"
+        got, _ = producer.get("thinker", "talker", "dev/local", metadata)  # same instance: handed over
+        assert mismatch(mixed, got) is None
+        health = producer.health()
+        assert health["device_tensors"] > 0 and health["registered_leaves"] == 0 and health["pending_payloads"] == 0
+        assert peer.ask(op="health")["device_tensors"] > 0
+        _, _, metadata = producer.put("thinker", "talker", "dev/bad", mixed)
+        bad = {**metadata, "device": [1] * 3}
+        reply = peer.ask(op="get", **{"from": "thinker", "to": "talker"}, key="dev/bad", metadata=bad, expect="mixed")
+        assert "device buffers do not match" in reply["error"], reply
+        producer.cleanup("dev/bad")
+        off = create_connector(TE, {**TE_CONFIG, "device_transfer": False})
+        try:
+            assert "device" not in off.put("thinker", "talker", "dev/off", mixed)[2]
+        finally:
+            off.close()
+    finally:
+        peer.close()
+        producer.close()
+
+
+def has_tensor_of_8_bytes(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.nbytes >= 8
+    if isinstance(value, dict):
+        value = list(value.values())
+    return isinstance(value, (list, tuple)) and any(has_tensor_of_8_bytes(v) for v in value)
+
+
+def test_te_device_transfer_needs_the_cuda_wheel() -> None:
+    """Without the test seam, only Mooncake's CUDA wheel takes tensors off the frame; this machine has
+    the non-CUDA wheel, so its CUDA tensors (if it had any) would go through host memory."""
+    assert _device_transfer.engine_reaches_gpu_memory() is False
+    assert _device_transfer.policy(True) is None and _device_transfer.policy(False) is None
 
 
 def test_te_killed_producer_fails_within_the_connect_timeout(te_consumer, logs: Path) -> None:

@@ -22,6 +22,11 @@ until the payload is consumed or freed: the consumer would receive the mutated b
 unregister cost a few microseconds each over TCP (measured: about 1.5 us + 1.2 us, 60 us for the very
 first); under RDMA they pin memory, which was not measured, so other protocols keep the put-time copy.
 
+CUDA tensors (`device_transfer`, with Mooncake's CUDA wheel): they stay out of the frame. The producer
+registers each tensor's GPU memory and lists the sizes in the metadata; the consumer allocates and
+registers receive buffers on its current CUDA device, and the same batch write that delivers the frame
+writes them GPU to GPU. See `_device_transfer`.
+
 Reclaim: unconsumed payloads are freed `ttl_s` after their put; `cleanup(request_id)` frees a
 request's payloads; `close()` frees everything. A consumer whose request timed out keeps its region
 reserved ("quarantined") until the producer's late answer arrives or `ttl_s` passes, so a late write
@@ -33,8 +38,8 @@ pool of transfer threads performs the writes, so one large transfer does not hol
 
 Metadata (msgpack-able): {"segment": engine segment name (`host:rpc_port` with P2PHANDSHAKE),
 "endpoint": "tcp://host:port", "session": producer instance id, "handle": int, "addr": producer pool
-address, "length": frame bytes, "key": "from->to/put_key"}. The producer checks session, handle, key
-and length before it writes anything.
+address, "length": frame bytes, "key": "from->to/put_key"[, "device": [bytes of each device tensor]]}.
+The producer checks session, handle, key, length and the device buffers before it writes anything.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ import torch
 import zmq
 
 from omni_mesh import codec
+from omni_mesh.connectors import _device_transfer
 from omni_mesh.connectors._mooncake_common import (
     RegisteredPool,
     check_positive,
@@ -81,6 +87,8 @@ P2P = "P2PHANDSHAKE"
 _AGENT_TICK_MS = 50
 _MAX_MESSAGE = 64 * 1024  # side-channel messages are a few hundred bytes
 _DEALER_IDLE_S = 60.0  # a side-channel socket unused this long is closed (its producer may be gone)
+_MAX_DEVICE_TENSORS = 4096  # per payload
+_MAX_DEVICE_BYTES = 1 << 40
 
 
 @dataclass(frozen=True)
@@ -115,6 +123,9 @@ class MooncakeTransferEngineConfig:
     #: being copied into the pool at put (protocol "tcp" only); they must not be mutated until consumed.
     #: 0 turns this off.
     zero_copy_min_bytes: int = 1024 * 1024
+    #: CUDA tensors go GPU to GPU, outside the frame, when the installed Mooncake wheel is the CUDA
+    #: build (extra `mooncake-cuda`); false, or the non-CUDA wheel, sends them through host memory.
+    device_transfer: bool = True
 
     def __post_init__(self) -> None:
         check_protocol(OWNER, self.protocol)
@@ -152,6 +163,8 @@ class _Payload:
     writes: list[tuple[int, int, int]] | None = None
     sources: list[Any] = field(default_factory=list)  # large leaves, kept alive and unchanged
     registered: list[int] = field(default_factory=list)  # their engine registrations (addresses)
+    #: Device tensors sent beside the frame (DeviceLeaves), in frame order: contiguous, registered.
+    device: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -160,6 +173,7 @@ class _Quarantined:
     request_id: int
     offset: int
     until: float
+    device: list[torch.Tensor] = field(default_factory=list)  # receive buffers a late write may still fill
 
 
 class MooncakeTransferEngineConnector(OmniConnectorBase):
@@ -186,7 +200,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
         self._quarantine: list[_Quarantined] = []
         self._handoff: list[_Quarantined] = []  # filled by callers, taken over by the agent thread
         self._counters = Counters(
-            "puts", "gets", "bytes_put", "bytes_got", "errors", "expired", "cleaned", "local_gets"
+            "puts", "gets", "bytes_put", "bytes_got", "errors", "expired", "cleaned", "local_gets", "device_tensors"
         )
         self._ctx = zmq.Context()
         self._engine: Any = None
@@ -263,15 +277,19 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
         where = payload_name(from_stage, to_stage, put_key)
         pool = self._open_pool(f"put of {where}")
+        device = _device_transfer.policy(self.config.device_transfer)
         try:
-            frame = codec.plan(data)
+            frame = codec.plan(data, device=device)
         except codec.UnsupportedTypeError as exc:
             self._counters.add("errors")
             raise ConnectorError(f"{OWNER}: cannot put {where}: {exc}") from None
         size = frame.nbytes
         self._check_fits(pool, size, f"put of {where}")
+        device_tensors = device.tensors if device else []
         large, registered = self._pick_large_leaves(frame, where)
         try:
+            if device_tensors:
+                self._register_device(device_tensors, registered, where)
             if large:
                 offset, writes = self._write_pieces(pool, frame, large, where)
             else:
@@ -296,13 +314,14 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             writes=writes,
             sources=[frame.leaves[i] for i, _ in large],
             registered=registered,
+            device=device_tensors,
         )
         with self._lock:
             if self._closed:
                 self._release_locked(payload)
                 raise ConnectorError(f"{OWNER} is closed (put of {where})")
             self._payloads[handle] = payload
-        self._counters.add_many(puts=1, bytes_put=size)
+        self._counters.add_many(puts=1, bytes_put=size, device_tensors=len(device_tensors))
         metadata = {
             "segment": self.segment,
             "endpoint": self.endpoint,
@@ -312,7 +331,23 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             "length": size,
             "key": key,
         }
+        if device_tensors:
+            metadata["device"] = [t.nbytes for t in device_tensors]
         return True, size, metadata
+
+    def _register_device(self, tensors: list[torch.Tensor], registered: list[int], where: str) -> None:
+        """Register the memory of the tensors sent device to device (after their kernels are done)."""
+        _device_transfer.settle(tensors)
+        with self._lock:
+            if self._closed:
+                raise ConnectorError(f"{OWNER} is closed (put of {where})")
+            for tensor in tensors:
+                if tensor.nbytes and not self._register_locked(tensor.data_ptr(), tensor.nbytes, registered):
+                    self._counters.add("errors")
+                    raise ConnectorError(
+                        f"{OWNER}: put of {where}: the engine refused to register {tensor.nbytes} bytes of "
+                        f"{tensor.device} memory; set device_transfer: false to send CUDA tensors through host memory"
+                    )
 
     def _pick_large_leaves(
         self, frame: codec.FramePlan, where: str
@@ -375,6 +410,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             pool.free(payload.offset)
         self._unregister_locked(payload.registered)
         payload.sources.clear()
+        payload.device.clear()
 
     def _write_pieces(
         self, pool: RegisteredPool, frame: codec.FramePlan, large: list[tuple[int, int]], where: str
@@ -475,11 +511,24 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
                 }
             if payload.key != key or payload.length != length:
                 return {"error": f"metadata does not match the payload put under handle {handle}"}
+            device_addrs = request.get("device_addrs", [])
+            if not _device_addrs_match(device_addrs, payload.device):
+                return {"error": f"the consumer's device buffers do not match the {len(payload.device)} device tensors"}
             payload.claimed = True
         rc = -1
         try:
             if time.monotonic() < deadline:  # the consumer has not given up on it yet
-                if payload.writes is None:
+                if payload.device:
+                    pieces = payload.writes or [(self._pool.address + payload.offset, 0, length)]
+                    sent = [(t.data_ptr(), target, t.nbytes) for t, target in zip(payload.device, device_addrs, strict=True)]
+                    sent = [piece for piece in sent if piece[2]]
+                    rc = self._engine.batch_transfer_sync_write(
+                        segment,
+                        [source for source, _, _ in pieces] + [source for source, _, _ in sent],
+                        [addr + at for _, at, _ in pieces] + [target for _, target, _ in sent],
+                        [size for _, _, size in pieces] + [size for _, _, size in sent],
+                    )
+                elif payload.writes is None:
                     rc = self._engine.transfer_sync_write(
                         segment, self._pool.address + payload.offset, addr, length
                     )
@@ -524,20 +573,54 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             return self._get_local(meta, where)
         length = meta["length"]
         offset = self._allocate(pool, length, f"get of {where}")
+        device, device_registered = self._receive_buffers(meta, where)
         try:
-            self._pull_into(meta, pool, offset, where)
+            self._pull_into(meta, pool, offset, where, device)
         except _PullTimedOut:
             self._counters.add("errors")
-            raise
+            raise  # the buffers stay registered and referenced until the quarantine ends
         except BaseException:
             pool.free(offset)  # nothing can land there any more: the producer answered or was never asked
+            self._unregister_receive(device_registered)
             self._counters.add("errors")
             raise
-        data = self._decode(pool.view(offset, length), length, where)
-        self._counters.add_many(gets=1, bytes_got=length)
+        self._unregister_receive(device_registered)
+        data = self._decode(pool.view(offset, length), length, where, device)
+        self._counters.add_many(gets=1, bytes_got=length, device_tensors=len(device))
         return data, length
 
+    def _receive_buffers(self, meta: dict, where: str) -> tuple[list[torch.Tensor], list[int]]:
+        """Registered buffers for the payload's device tensors, if it has any."""
+        sizes = meta.get("device", [])
+        if not sizes:
+            return [], []
+        try:
+            buffers = _device_transfer.receive_buffers(sizes)
+        except RuntimeError as exc:  # out of device memory
+            self._counters.add("errors")
+            raise ConnectorError(f"{OWNER}: get of {where}: no memory for {sum(sizes)} device bytes: {exc}") from None
+        registered: list[int] = []
+        for buffer in buffers:
+            if not buffer.nbytes:
+                continue
+            if self._engine.register_memory(buffer.data_ptr(), buffer.nbytes) != 0:
+                self._unregister_receive(registered)
+                self._counters.add("errors")
+                raise ConnectorError(
+                    f"{OWNER}: get of {where}: the engine refused to register a {buffer.nbytes}-byte receive "
+                    f"buffer on {buffer.device}"
+                )
+            registered.append(buffer.data_ptr())
+        return buffers, registered
+
+    def _unregister_receive(self, registered: list[int]) -> None:
+        engine = self._engine
+        if engine is not None:
+            for address in registered:
+                engine.unregister_memory(address)
+
     def _check_metadata(self, metadata: dict | None, key: str, where: str) -> dict:
+        self._check_device_sizes(metadata, where)
         if not isinstance(metadata, dict):
             raise ConnectorError(f"{OWNER}: get of {where} needs the metadata that put() returned")
         kinds = {
@@ -558,7 +641,19 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             raise ConnectorError(f"{OWNER}: malformed metadata for {where}: {metadata!r}")
         return metadata
 
-    def _pull_into(self, meta: dict, pool: RegisteredPool, offset: int, where: str) -> None:
+    def _check_device_sizes(self, metadata: Any, where: str) -> None:
+        sizes = metadata.get("device", []) if isinstance(metadata, dict) else []
+        if not (
+            isinstance(sizes, list)
+            and len(sizes) <= _MAX_DEVICE_TENSORS
+            and all(type(n) is int and n >= 0 for n in sizes)
+            and sum(sizes) <= _MAX_DEVICE_BYTES  # a hostile list must not make us allocate without bound
+        ):
+            raise ConnectorError(f"{OWNER}: metadata for {where} has a bad 'device' list: {sizes!r}"[:300])
+
+    def _pull_into(
+        self, meta: dict, pool: RegisteredPool, offset: int, where: str, device: list[torch.Tensor] | None = None
+    ) -> None:
         """Ask the producer to write the payload at `offset` of our pool; raise on any failure."""
         cfg: MooncakeTransferEngineConfig = self.config
         endpoint = meta["endpoint"]
@@ -581,12 +676,14 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             "addr": pool.address + offset,
             "timeout_ms": int(cfg.transfer_timeout_s * 1000),
         }
+        if device:
+            request["device_addrs"] = [buffer.data_ptr() for buffer in device]
         sock.send(msgpack.packb(request))
         deadline = time.monotonic() + cfg.transfer_timeout_s
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not sock.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
-                self._quarantine_region(sock, request_id, offset)
+                self._quarantine_region(sock, request_id, offset, device or [])
                 raise _PullTimedOut(
                     f"{OWNER}: get of {where}: the producer at {endpoint} did not deliver "
                     f"{meta['length']} bytes within transfer_timeout_s={cfg.transfer_timeout_s}s"
@@ -612,6 +709,8 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             del self._payloads[meta["handle"]]
         length = payload.length
         offset = payload.offset
+        # The producer's own device tensors are handed over as they are (copy_on_get clones them).
+        device = [t.reshape(-1).view(torch.uint8) for t in payload.device]
         if payload.writes is not None:  # assemble the frame from its pieces in a fresh region
             try:
                 offset = self._allocate(self._pool, length, f"get of {where}")
@@ -621,15 +720,18 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             finally:
                 with self._lock:
                     self._release_locked(payload)
-        data = self._decode(self._pool.view(offset, length), length, where)
-        self._counters.add_many(gets=1, bytes_got=length, local_gets=1)
+        if payload.writes is None and payload.device:
+            with self._lock:
+                self._unregister_locked(payload.registered)
+        data = self._decode(self._pool.view(offset, length), length, where, device)
+        self._counters.add_many(gets=1, bytes_got=length, local_gets=1, device_tensors=len(device))
         return data, length
 
-    def _decode(self, region: Any, length: int, where: str) -> Any:
+    def _decode(self, region: Any, length: int, where: str, device: list[torch.Tensor] | None = None) -> Any:
         try:
             if codec.frame_length(region) != length:
                 raise codec.FrameError(f"frame length differs from the {length} bytes announced")
-            return codec.decode(region, copy=self.config.copy_on_get)
+            return codec.decode(region, copy=self.config.copy_on_get, device_buffers=device)
         except codec.FrameError as exc:
             self._counters.add("errors")
             raise ConnectorError(f"{OWNER}: bad frame for {where}: {exc}") from None
@@ -654,9 +756,12 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
                 return
         sock.close(linger=0)
 
-    def _quarantine_region(self, sock: zmq.Socket, request_id: int, offset: int) -> None:
+    def _quarantine_region(
+        self, sock: zmq.Socket, request_id: int, offset: int, device: list[torch.Tensor]
+    ) -> None:
+        until = time.monotonic() + self.config.ttl_s
         with self._lock:
-            self._handoff.append(_Quarantined(sock, request_id, offset, time.monotonic() + self.config.ttl_s))
+            self._handoff.append(_Quarantined(sock, request_id, offset, until, device))
 
     # ------------------------------------------------------------------ agent thread
 
@@ -727,6 +832,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             if self._late_answer(entry) or entry.until <= now:
                 entry.socket.close(linger=0)
                 self._pool.free(entry.offset)
+                self._unregister_receive([b.data_ptr() for b in entry.device if b.nbytes])
             else:
                 keep.append(entry)
         self._quarantine = keep
@@ -846,6 +952,13 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
 
 class _PullTimedOut(ConnectorError):
     """A pull timed out: its region stays reserved until the late answer or ttl_s."""
+
+
+def _device_addrs_match(addrs: Any, tensors: list[torch.Tensor]) -> bool:
+    """The consumer sent one receive address per device tensor (0 only for an empty one)."""
+    if not isinstance(addrs, list) or len(addrs) != len(tensors):
+        return False
+    return all(type(a) is int and (a > 0 or not t.nbytes) for a, t in zip(addrs, tensors, strict=True))
 
 
 def _leaf_address(leaf: Any) -> int | None:
