@@ -126,7 +126,7 @@ class FramePlan:
     get a valid frame, only without the page-offset matching of large leaves.
     """
 
-    __slots__ = ("header", "leaves", "lengths", "offsets", "nbytes", "head")
+    __slots__ = ("header", "leaves", "lengths", "offsets", "nbytes", "head", "payload_bytes")
 
     def __init__(self, header: bytes, leaves: list[Any], lengths: list[int]) -> None:
         self.header = header
@@ -139,7 +139,7 @@ class FramePlan:
             if len(_LAYOUTS) >= LAYOUT_CACHE_SIZE:
                 _LAYOUTS.clear()
             _LAYOUTS[key] = layout
-        self.lengths, self.offsets, self.nbytes, self.head = layout
+        self.lengths, self.offsets, self.nbytes, self.head, self.payload_bytes = layout
 
     def write_into(self, dest: Any, offset: int = 0) -> int:
         """Lay the whole frame into `dest` (any writable buffer) at `offset`; returns its size."""
@@ -160,6 +160,11 @@ class FramePlan:
             if flat is not whole:
                 flat.release()
         return self.nbytes
+
+    def inline_parts(self) -> list[bytearray]:
+        """Each leaf as its own buffer (padding as empty ones): the parts form, for tiny payloads."""
+        lengths = [0 if type(leaf) is _PagePad else n for leaf, n in zip(self.leaves, self.lengths, strict=True)]
+        return leaf_buffers(self.leaves, lengths)
 
     def write_at(self, address: int) -> int:
         """Lay the frame at a raw `address` the caller guarantees holds `nbytes` mapped, writable bytes.
@@ -183,11 +188,13 @@ class FramePlan:
 # Layouts by (header, leaf lengths, pad page offsets): payloads repeat their structure, so a frame's
 # offsets and its packed prefix, table and header are computed once.
 LAYOUT_CACHE_SIZE = 512
-_LAYOUTS: dict[tuple, tuple[list[int], list[int], int, bytes]] = {}
+_LAYOUTS: dict[tuple, tuple[list[int], list[int], int, bytes, int]] = {}
 
 
-def _layout(header: bytes, leaves: list[Any], lengths: list[int]) -> tuple[list[int], list[int], int, bytes]:
-    """(lengths with pads sized, buffer offsets, frame size, prefix + table + header) of a frame."""
+def _layout(header: bytes, leaves: list[Any], lengths: list[int]) -> tuple[list[int], list[int], int, bytes, int]:
+    """(lengths with pads sized, buffer offsets, frame size, prefix + table + header, payload bytes) of a
+    frame; payload bytes count the header and the leaves, not the frame's prefix, table and padding."""
+    payload_bytes = len(header) + sum(lengths)  # pads are still 0 here
     lengths = list(lengths)
     offsets = []
     count = len(lengths)
@@ -200,7 +207,8 @@ def _layout(header: bytes, leaves: list[Any], lengths: list[int]) -> tuple[list[
         pos = start + lengths[i]
     # Prefix, buffer table and header in one piece: written with a single copy.
     table = struct.pack(f"<{count}Q", *lengths) if count else b""
-    return lengths, offsets, pos, PREFIX.pack(MAGIC, VERSION, 0, count, len(header), pos) + table + header
+    head = PREFIX.pack(MAGIC, VERSION, 0, count, len(header), pos) + table + header
+    return lengths, offsets, pos, head, payload_bytes
 
 
 def _copy_leaf(leaf: Any, view: memoryview, address: int, offset: int, length: int) -> None:
@@ -285,7 +293,60 @@ def split(obj: Any, *, device: CudaIpcExports | DeviceLeaves | None = None) -> t
 
 def plan(obj: Any, *, device: CudaIpcExports | DeviceLeaves | None = None) -> FramePlan:
     """Plan `obj` into a frame. Raises UnsupportedTypeError naming the value it cannot carry and where."""
+    if type(obj) is dict and (device is None or type(device) is CudaIpcExports):  # it never takes CPU tensors
+        frame = _flat_plan(obj)
+        if frame is not None:
+            return frame
     return FramePlan(*split(obj, device=device))
+
+
+# Plans of dicts of host tensors by (key, dtype, shape, page offset) per item: the usual stage payload,
+# planned once per structure instead of walked, packed and laid out on every put.
+_FLAT_PLANS: dict[tuple, tuple[FramePlan, tuple[_PagePad | None, ...]]] = {}
+
+
+def _flat_plan(obj: dict) -> FramePlan | None:
+    """The plan of a dict of contiguous CPU tensors with str keys, from the cache; None for anything else."""
+    signature: list[Any] = []
+    tensors = []
+    for key, value in obj.items():
+        if (
+            type(key) is not str
+            or type(value) is not torch.Tensor
+            or not (value.is_cpu and value.layout is torch.strided and value.is_contiguous())
+            or value.is_nested
+            or value.is_conj()
+            or value.is_neg()
+        ):
+            return None
+        page_offset = (value.data_ptr() - ALIGN) % PAGE & ~(ALIGN - 1) if value.nbytes >= PAGE_MATCH_MIN else -1
+        signature += (key, value.dtype, value.shape, page_offset)
+        tensors.append(value)
+    key = tuple(signature)
+    cached = _FLAT_PLANS.get(key)
+    if cached is None:
+        if any(_DTYPE_NAMES.get(t.dtype) is None for t in tensors):
+            return None  # the general path names the dtype it cannot carry
+        model = FramePlan(*split(obj))
+        pads = tuple(leaf if type(leaf) is _PagePad else None for leaf in model.leaves)
+        model.leaves = []  # the cache must not keep this payload's tensors alive
+        if len(_FLAT_PLANS) >= LAYOUT_CACHE_SIZE:
+            _FLAT_PLANS.clear()
+        cached = _FLAT_PLANS[key] = (model, pads)
+    model, pads = cached
+    frame = FramePlan.__new__(FramePlan)
+    frame.header, frame.lengths, frame.offsets, frame.nbytes, frame.head = (
+        model.header,
+        model.lengths,
+        model.offsets,
+        model.nbytes,
+        model.head,
+    )
+    frame.payload_bytes = model.payload_bytes
+    # The model's pads (shared, immutable) with this payload's tensors between them.
+    source = iter(tensors)
+    frame.leaves = [next(source) if pad is None else pad for pad in pads]
+    return frame
 
 
 def leaf_buffers(leaves: list[Any], lengths: list[int]) -> list[bytearray]:
@@ -533,9 +594,19 @@ def _decode(buffer: Any, offset: int, copy: bool, device_buffers: list[torch.Ten
     layout = _HEADS.get(head)
     if layout is None:
         layout = _read_head(head, count, header_len, nbytes)
-    template, offsets, lengths = layout
+    template, offsets, lengths, flat = layout
     if readonly and not copy:  # views must be writable tensors: copy the frame once
         buffer, offset = bytearray(memoryview(buffer)[offset : offset + nbytes]), 0
+    if flat is not None and not copy:
+        # A dict of tensors, already checked against this very head: views straight off the buffer.
+        out = {}
+        for key, dtype, count, at, shape in flat:
+            if count:
+                tensor = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset + at)
+                out[key] = tensor if shape is None else tensor.view(shape)  # view() costs as much again
+            else:
+                out[key] = torch.empty(shape or (0,), dtype=dtype)
+        return out
     buffers = _Buffers(buffer, offset, offsets, lengths, copy)
     buffers.device = device_buffers
     return template.build(buffers)
@@ -543,23 +614,40 @@ def _decode(buffer: Any, offset: int, copy: bool, device_buffers: list[torch.Ten
 
 # Decoding layouts by frame head (prefix, buffer table and header), for the same reason as _LAYOUTS.
 HEAD_CACHE_MAX = 8192  # larger heads are read each time, not kept
-_HEADS: dict[bytes, tuple[Any, list[int], list[int]]] = {}
+_HEADS: dict[bytes, tuple[Any, list[int], list[int], tuple | None]] = {}
 
 
-def _read_head(head: bytes, count: int, header_len: int, nbytes: int) -> tuple[Any, list[int], list[int]]:
-    """(template, buffer offsets, buffer lengths) of a frame head, validated against the frame size."""
+def _read_head(
+    head: bytes, count: int, header_len: int, nbytes: int
+) -> tuple[Any, list[int], list[int], tuple | None]:
+    """(template, buffer offsets, buffer lengths, flat) of a frame head, validated against the frame
+    size; `flat` is set for a dict of tensors whose buffers all check out (see _flat_tensors)."""
     table_end = PREFIX.size + 8 * count
     lengths = list(_table(count).unpack_from(head, PREFIX.size)) if count else []
     offsets = _buffer_offsets(table_end + header_len, lengths)
     if lengths and offsets[-1] + lengths[-1] > nbytes:
         raise FrameError(f"buffer table overruns the frame ({offsets[-1] + lengths[-1]} > {nbytes} bytes)")
     template, cacheable = _template(head[table_end:], header_len)
-    layout = (template, offsets, lengths)
+    layout = (template, offsets, lengths, _flat_tensors(template, offsets, lengths))
     if cacheable and len(head) <= HEAD_CACHE_MAX:
         if len(_HEADS) >= TEMPLATE_CACHE_SIZE:
             _HEADS.clear()  # hostile variety only costs re-reading, never memory
         _HEADS[head] = layout
     return layout
+
+
+def _flat_tensors(template: Any, offsets: list[int], lengths: list[int]) -> tuple | None:
+    """For a dict whose values are all tensors: (key, dtype, element count, buffer offset, shape or None
+    for 1-D) per item, with every buffer already checked to hold exactly its tensor; else None."""
+    if type(template) is not _DictNode:
+        return None
+    flat = []
+    for key, slot in template.items:
+        if type(slot) is not _TensorSlot or slot.index >= len(lengths) or lengths[slot.index] != slot.nbytes:
+            return None  # the general path decodes it, or raises the precise error
+        shape = None if len(slot.shape) == 1 else slot.shape  # 1-D: frombuffer's result as it is
+        flat.append((key, slot.dtype, slot.numel, offsets[slot.index], shape))
+    return tuple(flat)
 
 
 def decode_parts(header: bytes, parts: list[Any], *, copy: bool = False) -> Any:

@@ -185,17 +185,16 @@ class SharedMemoryConnector(OmniConnectorBase):
 
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
         policy = codec.CudaIpcExports() if self.config.cuda_ipc else None
-        header, leaves, lengths = codec.split(data, device=policy)
-        exports = policy.exports if policy else None
-        if exports:
-            return self._put_with_exports(from_stage, to_stage, put_key, codec.FramePlan(header, leaves, lengths), exports)
-        if len(header) + sum(lengths) <= self.config.inline_max_bytes:
+        frame = codec.plan(data, device=policy)
+        if policy and policy.exports:
+            return self._put_with_exports(from_stage, to_stage, put_key, frame, policy.exports)
+        size = frame.payload_bytes
+        if size <= self.config.inline_max_bytes:
             # Tiny payloads skip the frame layout: the header and one buffer per leaf, in the metadata.
-            parts = codec.leaf_buffers(leaves, lengths)
-            size = len(header) + sum(lengths)
+            metadata = {"inline": frame.header, "parts": frame.inline_parts(), "key": edge_key(from_stage, to_stage, put_key)}
             self._count_put(size, "inline_puts")
-            return True, size, {"inline": header, "parts": parts, "key": edge_key(from_stage, to_stage, put_key)}
-        return self._put_frame(from_stage, to_stage, put_key, codec.FramePlan(header, leaves, lengths))
+            return True, size, metadata
+        return self._put_frame(from_stage, to_stage, put_key, frame)
 
     def _put_with_exports(
         self, from_stage: str, to_stage: str, put_key: str, frame: codec.FramePlan, exports: list[cuda_ipc.Exported]
@@ -297,10 +296,11 @@ class SharedMemoryConnector(OmniConnectorBase):
         return slot
 
     def _done_writing(self, slot: _Slot) -> None:
-        with self._lock:
-            self._writing.discard(slot)
-            if self._closed and not self._writing:
-                self._idle.notify_all()
+        self._writing.discard(slot)  # atomic; close() sets _closed before it waits, under the lock
+        if self._closed:
+            with self._lock:
+                if not self._writing:
+                    self._idle.notify_all()
 
     def _pool_locked(self) -> _Segment:
         if self._pool is None:
