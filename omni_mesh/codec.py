@@ -791,10 +791,7 @@ class _TensorSlot:
     __slots__ = ("dtype", "shape", "numel", "nbytes", "index")
 
     def __init__(self, name: Any, shape: Any, index: Any) -> None:
-        dtype = TORCH_DTYPES.get(name) if type(name) is str else None
-        if dtype is None:
-            raise FrameError(f"unknown tensor dtype {name!r}")
-        self.dtype = dtype
+        self.dtype = dtype = _torch_dtype(name)
         self.shape = _shape(shape)
         self.numel = math.prod(self.shape)
         self.nbytes = self.numel * dtype.itemsize
@@ -848,10 +845,7 @@ class _CudaIpcSlot:
 
     def __init__(self, fields: list[Any]) -> None:
         name, *ipc = _fields(fields, 1 + len(cuda_ipc.FIELDS), "CUDA IPC tensor")
-        dtype = TORCH_DTYPES.get(name) if type(name) is str else None
-        if dtype is None:
-            raise FrameError(f"unknown tensor dtype {name!r}")
-        self.dtype = dtype
+        self.dtype = dtype = _torch_dtype(name)
         values = dict(zip(cuda_ipc.FIELDS, ipc, strict=True))
         shape, stride = _shape(values["shape"]), _shape(values["stride"])
         if len(stride) != len(shape):
@@ -881,19 +875,11 @@ class _CudaIpcSlot:
         return tensor.clone() if buffers.copy else tensor  # the clone stays on the consumer's device
 
 
-class _DeviceTensorSlot:
-    """A tensor whose bytes arrived outside the frame, in a device buffer (see DeviceLeaves)."""
+class _DeviceTensorSlot(_TensorSlot):
+    """A tensor whose bytes arrived outside the frame, in a device buffer (see DeviceLeaves); `index`
+    counts device buffers, not frame buffers."""
 
-    __slots__ = ("dtype", "shape", "nbytes", "index")
-
-    def __init__(self, name: Any, shape: Any, index: Any) -> None:
-        dtype = TORCH_DTYPES.get(name) if type(name) is str else None
-        if dtype is None:
-            raise FrameError(f"unknown tensor dtype {name!r}")
-        self.dtype = dtype
-        self.shape = _shape(shape)
-        self.nbytes = math.prod(self.shape) * dtype.itemsize
-        self.index = _index(index)
+    __slots__ = ()
 
     def build(self, buffers: Any) -> torch.Tensor:
         received = getattr(buffers, "device", None) or []
@@ -983,6 +969,13 @@ class _Compiler:
 @functools.lru_cache(maxsize=64)
 def _table(count: int) -> struct.Struct:
     return struct.Struct(f"<{count}Q")
+
+
+def _torch_dtype(name: Any) -> torch.dtype:
+    dtype = TORCH_DTYPES.get(name) if type(name) is str else None
+    if dtype is None:
+        raise FrameError(f"unknown tensor dtype {name!r}")
+    return dtype
 
 
 def _index(index: Any) -> int:
