@@ -42,12 +42,14 @@ run: install
 test: install
 	$(BIN)/python -m pytest -q
 
-# Connectors that need no service of their own; YuanrongConnector needs a worker (README) and
-# MooncakeStoreConnector a master: run `omni-mesh bench connector --connector ... --config ...` for them.
+# Every connector that runs here without a service of yours: YuanrongConnector against a throwaway
+# worker it starts itself. MooncakeStoreConnector needs a master: `omni-mesh bench connector
+# --connector MooncakeStoreConnector --config ...` (README).
 bench: install
 	$(BIN)/omni-mesh bench connector --connector SharedMemoryConnector
 	$(BIN)/omni-mesh bench connector --connector ZmqConnector --sizes 16MiB,256MiB
 	$(BIN)/omni-mesh bench connector --connector MooncakeTransferEngineConnector --sizes 16MiB,256MiB
+	$(BIN)/omni-mesh bench connector --connector YuanrongConnector --sizes 16MiB --start-worker
 	$(BIN)/omni-mesh bench pipeline --topology compose/noop-pipeline.yaml --concurrency 32 --duration 10
 
 lint: install

@@ -8,6 +8,7 @@ raising `CliError` (or `TopologyError`): `main` prints `error: <message>` on std
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -200,6 +201,11 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     connector.add_argument(
         "--device", default="cpu", choices=["cpu", "cuda"], help="where the payload tensor lives (cuda: vs device copy_)"
     )
+    connector.add_argument(
+        "--start-worker",
+        action="store_true",
+        help="YuanrongConnector: start a throwaway datasystem worker on loopback for the run (dscli)",
+    )
     connector.add_argument("--json", action="store_true", help="print the results as JSON")
     pipeline = kinds.add_parser("pipeline", help="drive a mesh over HTTP with concurrent clients")
     pipeline.add_argument("--url", default=None, help="coordinator URL of a running mesh")
@@ -220,9 +226,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         config = _json_arg(args.config, "--config")
         if args.device == "cuda" and not connector.torch.cuda.is_available():
             raise CliError("--device cuda: this machine has no CUDA device")
-        result = connector.run(
-            args.connector, config, connector.parse_sizes(args.sizes), raw=not args.no_raw, device=args.device
-        )
+        sizes = connector.parse_sizes(args.sizes)
+        with contextlib.ExitStack() as stack:
+            if args.start_worker:
+                if args.connector != "YuanrongConnector":
+                    raise CliError("--start-worker starts a datasystem worker: it is for YuanrongConnector")
+                from omni_mesh.bench.datasystem_worker import running_worker
+
+                config = {**config, **stack.enter_context(running_worker()).config}
+            result = connector.run(args.connector, config, sizes, raw=not args.no_raw, device=args.device)
         print(json.dumps(result, indent=2) if args.json else connector.report(result))
         return EXIT_OK
     from omni_mesh.bench import pipeline

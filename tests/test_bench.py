@@ -44,3 +44,16 @@ def test_the_cuda_bench_without_cuda_is_a_clear_error() -> None:
     done = run_bench("--device", "cuda", "--sizes", "4KiB")
     assert done.returncode == 2
     assert "no CUDA device" in done.stderr
+
+
+def test_the_yuanrong_bench_starts_its_own_worker() -> None:
+    """What `make bench` runs for YuanrongConnector: a throwaway worker, the raw client beside it."""
+    done = run_bench("--connector", "YuanrongConnector", "--start-worker", "--sizes", "64KiB", "--json")
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(done.stdout)["sizes"]
+    assert row["gbps"] > 0 and row["raw_gbps"] > 0 and row["ratio_raw"] > 0
+
+
+def test_start_worker_is_only_for_yuanrong() -> None:
+    done = run_bench("--start-worker", "--sizes", "4KiB")
+    assert done.returncode == 2 and "YuanrongConnector" in done.stderr

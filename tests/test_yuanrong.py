@@ -1,6 +1,6 @@
 """YuanrongConnector against a real openYuanrong datasystem worker.
 
-A module-scoped fixture starts one worker with `dscli start` (tests/yuanrong_worker.py: built-in
+A module-scoped fixture starts one worker with `dscli start` (omni_mesh/bench/datasystem_worker.py: built-in
 metastore, free loopback ports, a temp dir; ~6 s) and stops it afterwards. Consumers are real separate
 processes (the peer script of tests/test_zmq_connector.py). Every datasystem key a test touches is
 checked to be gone at the end.
@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from test_zmq_connector import Peer, assert_same, make_payload
-from yuanrong_worker import free_ports, running_worker
 
+from omni_mesh.bench.datasystem_worker import free_ports, running_worker
 from omni_mesh.connectors import ConnectorConfigError, ConnectorError, create_connector
 from omni_mesh.connectors.yuanrong import YuanrongConnector, datasystem_key
 

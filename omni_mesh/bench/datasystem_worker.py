@@ -1,9 +1,9 @@
-"""A real openYuanrong datasystem worker for tests: `dscli start` on free loopback ports, in a temp dir.
+"""A throwaway openYuanrong datasystem worker: `dscli start` on free loopback ports, in a temp dir.
 
-    @pytest.fixture(scope="module")
-    def worker():
-        with running_worker() as w:
-            yield w
+For the test suite and for `omni-mesh bench connector --connector YuanrongConnector --start-worker`:
+
+    with running_worker() as worker:
+        connector = create_connector("YuanrongConnector", worker.config)
 
 The worker uses dscli's built-in metastore (no etcd) and takes ~6 s to start. While it runs, the
 datasystem client logs of this process and of every process it starts go to the worker's temp dir
@@ -92,7 +92,8 @@ def running_worker(shared_memory_mb: int = 1024, extra_args: tuple[str, ...] = (
         started = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
         found = re.search(r"PID: (\d+)", started.stdout)
         pid = int(found.group(1)) if found else None
-        assert started.returncode == 0 and "success" in started.stdout, started.stdout + started.stderr
+        if started.returncode != 0 or "success" not in started.stdout:
+            raise RuntimeError(f"dscli did not start a worker on {address}: {started.stdout}{started.stderr}")
         yield Worker("127.0.0.1", port, env)
     finally:
         if pid is not None:
