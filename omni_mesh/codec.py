@@ -549,7 +549,12 @@ def frame_length(buffer: Any, offset: int = 0) -> int:
 
 
 def decode(
-    buffer: Any, offset: int = 0, *, copy: bool = False, device_buffers: list[torch.Tensor] | None = None
+    buffer: Any,
+    offset: int = 0,
+    *,
+    copy: bool = False,
+    device_buffers: list[torch.Tensor] | None = None,
+    cuda_local: list[torch.Tensor] | None = None,
 ) -> Any:
     """Decode the frame at `offset` of `buffer`.
 
@@ -557,9 +562,11 @@ def decode(
     buffer is copied once first so the views are writable. With copy=True every tensor and array is
     copied exactly once and `buffer` may be released as soon as this returns. `device_buffers` are the
     received bytes of the frame's device tensors (DeviceLeaves), one flat uint8 tensor each, in order.
+    `cuda_local` are the tensors of the frame's CUDA IPC entries when this process exported them itself
+    (CUDA cannot map a process's own handle), in order.
     """
     try:
-        return _decode(buffer, offset, copy, device_buffers)
+        return _decode(buffer, offset, copy, device_buffers if cuda_local is None else iter(cuda_local))
     except Exception as exc:
         raise _frame_error(exc) from None
 
@@ -574,7 +581,7 @@ def _frame_error(exc: Exception) -> Exception:
     return FrameError(f"malformed frame: {type(exc).__name__}: {exc}")
 
 
-def _decode(buffer: Any, offset: int, copy: bool, device_buffers: list[torch.Tensor] | None = None) -> Any:
+def _decode(buffer: Any, offset: int, copy: bool, device: Any = None) -> Any:
     with memoryview(buffer) as view:
         available = view.nbytes - offset
         readonly = view.readonly
@@ -597,7 +604,7 @@ def _decode(buffer: Any, offset: int, copy: bool, device_buffers: list[torch.Ten
     template, offsets, lengths, flat = layout
     if readonly and not copy:  # views must be writable tensors: copy the frame once
         buffer, offset = bytearray(memoryview(buffer)[offset : offset + nbytes]), 0
-    if flat is not None and not copy:
+    if flat is not None and not copy:  # (flat frames have no device entries)
         # A dict of tensors, already checked against this very head: views straight off the buffer.
         out = {}
         for key, dtype, count, at, shape in flat:
@@ -608,7 +615,7 @@ def _decode(buffer: Any, offset: int, copy: bool, device_buffers: list[torch.Ten
                 out[key] = torch.empty(shape or (0,), dtype=dtype)
         return out
     buffers = _Buffers(buffer, offset, offsets, lengths, copy)
-    buffers.device = device_buffers
+    buffers.device = device  # received device buffers, or an iterator over local CUDA IPC tensors
     return template.build(buffers)
 
 
@@ -702,7 +709,7 @@ class _Buffers:
         self.offsets = offsets
         self.lengths = lengths
         self.copy = copy
-        self.device: list[torch.Tensor] | None = None
+        self.device: Any = None
 
     def length(self, index: int) -> int:
         return self.lengths[index] if index < len(self.lengths) else -1
@@ -853,12 +860,16 @@ class _CudaIpcSlot:
         for field in ("storage_offset", "device", "storage_size_bytes", "storage_offset_bytes", "ref_counter_offset"):
             if type(values[field]) is not int or not 0 <= values[field] < 2**62:
                 raise FrameError(f"CUDA IPC tensor: bad {field} {values[field]!r}")
-        for field, optional in (("handle", values["storage_size_bytes"] == 0), ("ref_counter_handle", False),
-                                ("event_handle", True)):
+        # torch shares an empty storage with no handle, no reference counter and no event (all None).
+        empty = values["handle"] is None
+        if empty and values["storage_size_bytes"]:
+            raise FrameError("CUDA IPC tensor: a storage of bytes without a handle")
+        for field in ("handle", "ref_counter_handle", "event_handle"):
             value = values[field]
+            optional = empty or field == "event_handle"
             if not ((value is None and optional) or (type(value) is bytes and 0 < len(value) <= 256)):
                 raise FrameError(f"CUDA IPC tensor: bad {field} {value!r}")
-        if type(values["event_sync_required"]) is not bool:
+        if not (type(values["event_sync_required"]) is bool or (empty and values["event_sync_required"] is None)):
             raise FrameError("CUDA IPC tensor: bad event_sync_required")
         if all(shape):  # the view's last element must lie inside the shared storage
             end = (values["storage_offset"] + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1)
@@ -871,7 +882,13 @@ class _CudaIpcSlot:
         self.fields = values
 
     def build(self, buffers: _Buffers) -> torch.Tensor:
-        tensor = cuda_ipc.open_tensor(self.dtype, self.fields)
+        local = buffers.device
+        if local is not None:  # this process exported it: CUDA cannot map its own handle, take the tensor
+            tensor = next(local)
+            if tensor.dtype is not self.dtype or tuple(tensor.shape) != self.fields["shape"]:
+                raise FrameError(f"CUDA IPC tensor of shape {list(self.fields['shape'])} does not match its export")
+        else:
+            tensor = cuda_ipc.open_tensor(self.dtype, self.fields)
         return tensor.clone() if buffers.copy else tensor  # the clone stays on the consumer's device
 
 

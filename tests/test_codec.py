@@ -1059,6 +1059,31 @@ def test_asking_for_cuda_ipc_changes_nothing_for_host_payloads() -> None:
     assert policy.exports == []
 
 
+def test_an_empty_cuda_storage_is_shared_with_no_handle() -> None:
+    """torch shares an empty storage with handle, reference counter, event and sync flag all None."""
+    empty = {"handle": None, "ref_counter_handle": None, "event_handle": None, "event_sync_required": None}
+    frame = forge({"e": cuda_ipc_ext(shape=[0], storage_size_bytes=0, **empty)})
+    if torch.cuda.is_available():
+        assert codec.decode(frame)["e"].shape == (0,)
+    else:
+        with pytest.raises(cuda_ipc.CudaIpcUnavailable):  # well-formed: only the mapping is missing
+            codec.decode(frame)
+    with pytest.raises(FrameError, match="without a handle"):
+        codec.decode(forge({"e": cuda_ipc_ext(storage_size_bytes=16, **empty)}))
+
+
+def test_the_exporting_process_decodes_its_own_cuda_ipc_entries_from_its_tensors() -> None:
+    """CUDA cannot map a process's own IPC handle: a get in the putting process hands its tensors over
+    (CPU tensors stand in for CUDA ones here, the frame is the same)."""
+    frame = forge({"a": cuda_ipc_ext(), "n": 1, "b": [cuda_ipc_ext(dtype="int16", shape=[2], storage_size_bytes=4)]})
+    mine = [torch.arange(4, dtype=torch.float32), torch.arange(2, dtype=torch.int16)]
+    decoded = codec.decode(frame, cuda_local=mine)
+    assert decoded["a"] is mine[0] and decoded["b"][0] is mine[1] and decoded["n"] == 1
+    assert codec.decode(frame, copy=True, cuda_local=mine)["a"] is not mine[0]
+    with pytest.raises(FrameError, match="does not match its export"):
+        codec.decode(frame, cuda_local=[mine[1], mine[0]])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a process without CUDA")
 def test_a_cuda_ipc_tensor_in_a_process_without_cuda_is_a_clear_error() -> None:
     frame = forge({"hidden": cuda_ipc_ext()})

@@ -922,6 +922,7 @@ class RecordingExport:
 
     def __init__(self) -> None:
         self.released = 0
+        self.tensor = torch.empty(0)
 
     def release_unmapped(self) -> None:
         self.released += 1

@@ -438,7 +438,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         mm[offset] = TAKEN
         base = np.frombuffer(mm, dtype=np.uint8, count=length, offset=offset + SLOT_HEADER)
         try:
-            data = codec.decode(base, copy=self.config.copy_on_get)
+            data = codec.decode(base, copy=self.config.copy_on_get, cuda_local=self._own_exports(name, offset))
         except codec.FrameError as exc:
             self._counters.add("errors")
             where = _where(from_stage, to_stage, get_key)
@@ -453,6 +453,13 @@ class SharedMemoryConnector(OmniConnectorBase):
             del base
         self._counters.add_pair("gets", "bytes_got", length)
         return data, length
+
+    def _own_exports(self, name: str, offset: int) -> list[Any] | None:
+        """The CUDA tensors of a payload this process put itself (its IPC handles cannot be opened here)."""
+        if name not in self._own:
+            return None
+        slot = self._slots.get((name, offset))
+        return [exported.tensor for exported in slot.exports] if slot is not None and slot.exports else None
 
     def _get_inline(self, from_stage: str, to_stage: str, get_key: str, metadata: dict, inline: Any) -> Any:
         if metadata.get("key") != edge_key(from_stage, to_stage, get_key):
