@@ -38,6 +38,7 @@ from omni_mesh.topology import EdgeSpec, StageSpec, Topology, add_to_sys_path
 log = logging.getLogger("omni_mesh.stage")
 
 HEARTBEAT_S = 0.5
+HEALTH_WAIT_S = 0.25  # longest a heartbeat waits for connector health (a backend RPC) before sending
 #: How long a replica keeps releasing what it put for an aborted request: a consumer still holding
 #: a payload when the abort arrives (its handler is being cancelled) lets go of it moments later.
 ABORT_SWEEP_S = 10.0
@@ -159,6 +160,10 @@ class StageReplica:
         self.executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{stage.name}-io")
         # Health has its own thread: heartbeats must not wait behind long transfers in the I/O pool.
         self.health_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage.name}-health")
+        # The latest connector health, refreshed beside the heartbeats: a heartbeat never waits for it
+        # (a backend RPC can stall behind busy transfers, and a late heartbeat reads as a dead replica).
+        self._health: dict[str, dict] = {}
+        self._health_refresh: asyncio.Task | None = None
         self.work: dict[str, _Work] = {}
         self.aborted: dict[str, float] = {}  # rid -> until when (loop time) to sweep what we put for it
         self.processed = 0
@@ -190,8 +195,9 @@ class StageReplica:
             log.info("replica %s of stage %s ready", self.replica_id, self.stage.name)
             await self._stopped.wait()
         finally:
-            for task in (receiver, heartbeat, sweeper):
-                task.cancel()
+            for task in (receiver, heartbeat, sweeper, self._health_refresh):
+                if task is not None:
+                    task.cancel()
             with contextlib.suppress(Exception):
                 await self._send({"type": "deregister", "replica": self.replica_id})
             self.close()
@@ -236,7 +242,7 @@ class StageReplica:
             "shm_prefix": segment_name(identity, ""),
             "max_inflight": self.stage.max_inflight,
             "edges": {e.label: e.connector.name for e in [*self.in_edges.values(), *self.out_edges.values()]},
-            "connectors": await self._connector_health(),
+            "connectors": await self._connector_health(),  # the first read may take long: it is waited for
         }
         while not self._registered.is_set():
             await self._send(message)
@@ -261,11 +267,26 @@ class StageReplica:
                 "errors": self.errors,
                 "malformed": self.malformed,
                 "draining": self.draining,
-                "connectors": await self._connector_health(),
+                "connectors": await self._latest_health(),
             }
         )
         if self.health_file is not None and not self.draining:
             self.health_file.touch()  # container health checks look at its age
+
+    async def _latest_health(self) -> dict[str, dict]:
+        """Fresh connector health, or the last one read if the read stalls: a heartbeat waits for it
+        HEALTH_WAIT_S at most (the read goes on, and the next heartbeat does not start another)."""
+        if self._health_refresh is None or self._health_refresh.done():
+            self._health_refresh = asyncio.ensure_future(self._refresh_health())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._health_refresh), timeout=HEALTH_WAIT_S)
+        return self._health
+
+    async def _refresh_health(self) -> None:
+        try:
+            self._health = await self._connector_health()
+        except Exception as exc:  # a connector's health() failing must not take the heartbeats along
+            log.warning("replica %s: reading connector health failed: %s", self.replica_id, exc)
 
     async def _connector_health(self) -> dict[str, dict]:
         """In the thread pool: some connectors ask their backend (a datasystem worker RPC)."""
