@@ -24,6 +24,7 @@ import math
 import re
 import struct
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -566,7 +567,7 @@ def decode(
     (CUDA cannot map a process's own handle), in order.
     """
     try:
-        return _decode(buffer, offset, copy, device_buffers if cuda_local is None else iter(cuda_local))
+        return _decode(buffer, offset, copy, device_buffers, cuda_local)
     except Exception as exc:
         raise _frame_error(exc) from None
 
@@ -581,7 +582,13 @@ def _frame_error(exc: Exception) -> Exception:
     return FrameError(f"malformed frame: {type(exc).__name__}: {exc}")
 
 
-def _decode(buffer: Any, offset: int, copy: bool, device: Any = None) -> Any:
+def _decode(
+    buffer: Any,
+    offset: int,
+    copy: bool,
+    device_buffers: list[torch.Tensor] | None = None,
+    cuda_local: list[torch.Tensor] | None = None,
+) -> Any:
     with memoryview(buffer) as view:
         available = view.nbytes - offset
         readonly = view.readonly
@@ -615,7 +622,8 @@ def _decode(buffer: Any, offset: int, copy: bool, device: Any = None) -> Any:
                 out[key] = torch.empty(shape or (0,), dtype=dtype)
         return out
     buffers = _Buffers(buffer, offset, offsets, lengths, copy)
-    buffers.device = device  # received device buffers, or an iterator over local CUDA IPC tensors
+    buffers.device = device_buffers
+    buffers.cuda_local = None if cuda_local is None else iter(cuda_local)
     return template.build(buffers)
 
 
@@ -701,7 +709,7 @@ class _Buffers:
     """The frame's buffers: `whole` is the caller's buffer object, which every view keeps alive;
     `device` the received device buffers, if the frame has device tensors."""
 
-    __slots__ = ("whole", "base", "offsets", "lengths", "copy", "device")
+    __slots__ = ("whole", "base", "offsets", "lengths", "copy", "device", "cuda_local")
 
     def __init__(self, whole: Any, base: int, offsets: list[int], lengths: list[int], copy: bool) -> None:
         self.whole = whole
@@ -709,7 +717,8 @@ class _Buffers:
         self.offsets = offsets
         self.lengths = lengths
         self.copy = copy
-        self.device: Any = None
+        self.device: list[torch.Tensor] | None = None
+        self.cuda_local: Iterator[torch.Tensor] | None = None  # see decode(cuda_local=...)
 
     def length(self, index: int) -> int:
         return self.lengths[index] if index < len(self.lengths) else -1
@@ -882,7 +891,7 @@ class _CudaIpcSlot:
         self.fields = values
 
     def build(self, buffers: _Buffers) -> torch.Tensor:
-        local = buffers.device
+        local = getattr(buffers, "cuda_local", None)
         if local is not None:  # this process exported it: CUDA cannot map its own handle, take the tensor
             tensor = next(local)
             if tensor.dtype is not self.dtype or tuple(tensor.shape) != self.fields["shape"]:

@@ -92,12 +92,6 @@ def check_protocol(owner: str, protocol: str) -> None:
         )
 
 
-def check_positive(owner: str, **values: float) -> None:
-    for name, value in values.items():
-        if value <= 0:
-            raise ConnectorConfigError(f"{owner}: {name} must be positive, got {value!r}")
-
-
 def split_address(address: str, owner: str, what: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_mesh import codec
+from omni_mesh.connectors._checks import check_not_negative, check_positive
 from omni_mesh.connectors._mooncake_common import (
     RegisteredPool,
-    check_positive,
     check_protocol,
     close_at_exit,
     import_mooncake,
@@ -114,8 +114,7 @@ class MooncakeStoreConfig:
             ttl_s=self.ttl_s,
             replica_num=self.replica_num,
         )
-        if self.pool_wait_s < 0:
-            raise ConnectorConfigError(f"{OWNER}: pool_wait_s must not be negative, got {self.pool_wait_s!r}")
+        check_not_negative(OWNER, pool_wait_s=self.pool_wait_s)
         split_address(self.master, OWNER, "master")
         if not self.host.strip():
             raise ConnectorConfigError(f"{OWNER}: host must be an address or 'auto'")

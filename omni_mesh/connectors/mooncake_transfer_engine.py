@@ -62,9 +62,9 @@ import zmq
 
 from omni_mesh import codec
 from omni_mesh.connectors import _device_transfer
+from omni_mesh.connectors._checks import check_not_negative, check_port, check_positive
 from omni_mesh.connectors._mooncake_common import (
     RegisteredPool,
-    check_positive,
     check_protocol,
     close_at_exit,
     import_mooncake,
@@ -137,14 +137,8 @@ class MooncakeTransferEngineConfig:
             transfer_timeout_s=self.transfer_timeout_s,
             transfer_threads=self.transfer_threads,
         )
-        if self.zero_copy_min_bytes < 0:
-            raise ConnectorConfigError(
-                f"{OWNER}: zero_copy_min_bytes must not be negative, got {self.zero_copy_min_bytes!r}"
-            )
-        if self.pool_wait_s < 0:
-            raise ConnectorConfigError(f"{OWNER}: pool_wait_s must not be negative, got {self.pool_wait_s!r}")
-        if not 0 <= self.zmq_port < 65536:
-            raise ConnectorConfigError(f"{OWNER}: zmq_port must be 0..65535, got {self.zmq_port!r}")
+        check_not_negative(OWNER, zero_copy_min_bytes=self.zero_copy_min_bytes, pool_wait_s=self.pool_wait_s)
+        check_port(OWNER, "zmq_port", self.zmq_port)
         if not self.host.strip():
             raise ConnectorConfigError(f"{OWNER}: host must be an address or 'auto'")
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_mesh.codec import FrameError, decode, plan
+from omni_mesh.connectors._checks import check_not_negative, check_positive
 from omni_mesh.connectors.base import (
     ConnectorConfigError,
     ConnectorError,
@@ -167,16 +168,13 @@ class YuanrongConnector(OmniConnectorBase):
         name = cls.__name__
         if not 0 < cfg.port < 65536:
             raise ConnectorConfigError(f"{name}: port must be the worker's port (1-65535), got {cfg.port}")
-        for field_name in ("connect_timeout_ms", "get_sub_timeout_ms", "get_timeout_s"):
-            if getattr(cfg, field_name) <= 0:
-                raise ConnectorConfigError(
-                    f"{name}: {field_name} must be positive, got {getattr(cfg, field_name)!r}"
-                )
-        for field_name in ("req_timeout_ms", "ttl_s"):
-            if getattr(cfg, field_name) < 0:
-                raise ConnectorConfigError(
-                    f"{name}: {field_name} must not be negative, got {getattr(cfg, field_name)!r}"
-                )
+        check_positive(
+            name,
+            connect_timeout_ms=cfg.connect_timeout_ms,
+            get_sub_timeout_ms=cfg.get_sub_timeout_ms,
+            get_timeout_s=cfg.get_timeout_s,
+        )
+        check_not_negative(name, req_timeout_ms=cfg.req_timeout_ms, ttl_s=cfg.ttl_s)
         if cfg.write_mode not in WRITE_MODES:
             raise ConnectorConfigError(
                 f"{name}: write_mode must be one of {', '.join(WRITE_MODES)}, got {cfg.write_mode!r}"
