@@ -150,14 +150,9 @@ class FramePlan:
                     f"destination holds {whole.nbytes - offset} writable bytes, frame needs {self.nbytes}"
                 )
             flat = whole if whole.format == "B" and whole.ndim == 1 else whole.cast("B")
-            view = flat[offset : offset + self.nbytes]
-            view[: len(self.head)] = self.head
-            if self.leaves:
-                address = ctypes.addressof(ctypes.c_char.from_buffer(view))
-                for leaf, off, length in zip(self.leaves, self.offsets, self.lengths, strict=True):
-                    if length and type(leaf) is not _PagePad:
-                        _copy_leaf(leaf, view, address, off, length)
-            view.release()
+            with flat[offset : offset + self.nbytes] as view:
+                # The export keeps the destination in place while write_at copies to its address.
+                self.write_at(ctypes.addressof(ctypes.c_char.from_buffer(view)))
             if flat is not whole:
                 flat.release()
         return self.nbytes
