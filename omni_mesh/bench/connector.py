@@ -86,9 +86,10 @@ def memcpy_seconds(size: int, repeats: int, device: str = "cpu") -> list[float]:
     """The reference: one memcpy (the codec's copy primitive) between two pre-faulted buffers, or on a
     CUDA device one device-to-device copy_, synchronized.
 
-    The destination sits 64 bytes behind the source modulo 4096, memcpy's fastest placement. Two
-    tensors allocated the plain way start at the same page offset, where 4K aliasing makes memcpy
-    about 30% slower at 1 MiB: a reference that slow would flatter every ratio against it.
+    The destination sits 64 bytes behind the source modulo 4096, the placement the codec gives large
+    leaves. Two tensors allocated the plain way start at the same page offset, where 4K aliasing can
+    slow memcpy (on this project's VM: by up to a quarter at 1 MiB in some runs, not at all in others);
+    a reference slowed that way would flatter the ratios against it.
     """
     if device != "cpu":
         return _device_copy_seconds(size, repeats, device)
