@@ -1,78 +1,245 @@
-"""Control-plane messages: msgpack maps over ZeroMQ multipart, never pickle.
+"""Control-plane messages: typed, msgpack maps over ZeroMQ multipart, never pickle.
 
-Every message is one msgpack map with a "type"; a message that carries a payload inline (a final
-stage's output) adds one more ZeroMQ frame holding a codec frame. Stage replicas talk to the
-coordinator over one DEALER socket each; the coordinator binds a ROUTER. Payloads between stages never
-travel here: only the connector metadata that locates them.
+One dataclass per message type is the single definition the stage, the coordinator's service and the
+dispatcher all use. On the wire a message is one msgpack map with a "type" and the class's fields; a
+message that carries a payload inline (a final stage's output) adds one more ZeroMQ frame holding a
+codec frame. Stage replicas talk to the coordinator over one DEALER socket each; the coordinator binds
+a ROUTER. Payloads between stages never travel here: only the connector metadata that locates them.
 
-Stage -> coordinator
-    register    stage, replica, pid, host, pidns, ipcns, shm_prefix, max_inflight, edges {label: connector},
-                connectors {ref: health}
-    heartbeat   replica, inflight, processed, errors, connectors {ref: health}, draining
-    output      rid, stage, replica, edges {dst: {key, meta}}, seq, last, timings; + frame if final
-    error       rid, stage, replica, error, timeout (true: the request's deadline passed in the stage)
-    deregister  replica
-Coordinator -> stage
-    registered  replica, heartbeat_s
-    work        rid, stage, inputs | sources {src: [{key, meta}]}, stream_from, params, remaining_s
-    chunk       rid, src, key, meta, seq, last       (the next streamed chunk of an accepted request)
-    abort       rid, reason
-    drained     replica                              (draining, and every request it took part in has ended)
+`unpack` checks every field's type (a bool is not an int) and rejects unknown types, missing fields
+and oversized messages with `MalformedMessage`; fields it does not know are ignored, so a newer peer
+can add some.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
 
 import msgpack
 
-# Message types and the fields each must carry, with their types. Anything else is dropped and counted.
-SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "register": {"stage": str, "replica": str, "pid": int, "host": str, "max_inflight": int, "edges": dict},
-    "heartbeat": {"replica": str, "inflight": int},
-    "output": {"rid": str, "stage": str, "replica": str, "edges": dict, "seq": int, "last": bool},
-    "error": {"rid": str, "stage": str, "replica": str, "error": str},
-    "deregister": {"replica": str},
-    "registered": {"replica": str, "heartbeat_s": (int, float)},
-    "rejected": {"replica": str, "error": str},
-    "work": {"rid": str, "stage": str, "params": dict, "remaining_s": (int, float)},
-    "chunk": {"rid": str, "src": str, "key": str, "seq": int, "last": bool},
-    "abort": {"rid": str, "reason": str},
-    "drained": {"replica": str},
-}
-
-MAX_MESSAGE_BYTES = 1 << 20  # metadata only: anything larger is a bug or an attack
+#: A control message carries metadata only; anything larger is a bug or an attack. (A final output
+#: rides in a separate frame, bounded by the socket's own limit.)
+MAX_MESSAGE_BYTES = 1 << 20
+#: The largest frame the coordinator's socket takes (a final output rides inline); libzmq drops the
+#: connection of a peer that sends more, before buffering it. Stages check their outputs against it.
+MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 
 class MalformedMessage(ValueError):
-    """A control message that does not follow SCHEMA."""
+    """A control message that does not follow its type's definition. `rid` names the request it was
+    about when that much could be read, so the receiver can fail that request instead of dropping it."""
+
+    def __init__(self, reason: str, rid: str | None = None) -> None:
+        super().__init__(reason)
+        self.rid = rid
 
 
-def pack(message: dict[str, Any]) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
+@dataclass(slots=True)
+class Message:
+    TYPE: ClassVar[str] = ""
+
+    def to_map(self) -> dict[str, Any]:
+        return {"type": self.TYPE, **{name: getattr(self, name) for name in _FIELDS[self.TYPE]}}
 
 
-def unpack(raw: bytes | memoryview) -> dict[str, Any]:
-    """Decode and check one message; raises MalformedMessage with the reason."""
+# ---------------------------------------------------------------- stage -> coordinator
+
+
+@dataclass(slots=True)
+class Register(Message):
+    TYPE: ClassVar[str] = "register"
+    stage: str
+    replica: str
+    pid: int
+    host: str
+    max_inflight: int
+    edges: dict
+    start: int = 0  # process start time (clock ticks since boot): with the pid, safe against reuse
+    machine: str = ""
+    pidns: str = ""
+    netns: str = ""
+    shm_domain: str = ""
+    connectors: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Heartbeat(Message):
+    TYPE: ClassVar[str] = "heartbeat"
+    replica: str
+    inflight: int
+    processed: int = 0
+    errors: int = 0
+    malformed: int = 0
+    draining: bool = False
+    connectors: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Output(Message):
+    """One output (or streamed chunk, or a stream's end) of a stage; `edges` maps each downstream
+    stage to {key, meta}. A final stage's output rides in the next ZeroMQ frame."""
+
+    TYPE: ClassVar[str] = "output"
+    rid: str
+    stage: str
+    replica: str
+    edges: dict
+    seq: int
+    last: bool
+    end: bool = False
+    final: bool = False
+    timings: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Error(Message):
+    TYPE: ClassVar[str] = "error"
+    rid: str
+    stage: str
+    replica: str
+    error: str
+    timeout: bool = False  # the request's deadline passed in the stage
+    status: int = 500  # 500: the handler failed; 400: the stage could not read the work it was sent
+
+
+@dataclass(slots=True)
+class Deregister(Message):
+    TYPE: ClassVar[str] = "deregister"
+    replica: str
+
+
+# ---------------------------------------------------------------- coordinator -> stage
+
+
+@dataclass(slots=True)
+class Registered(Message):
+    TYPE: ClassVar[str] = "registered"
+    replica: str
+    heartbeat_s: float  # how often the replica must heartbeat: the coordinator's clock is the one that counts
+
+
+@dataclass(slots=True)
+class Rejected(Message):
+    TYPE: ClassVar[str] = "rejected"
+    replica: str
+    error: str
+    reregister: bool = False  # true: register again (the coordinator restarted or took us out)
+
+
+@dataclass(slots=True)
+class Work(Message):
+    """A request's work for one stage. An entry stage gets `inputs` (or `inputs_ref`, the connector
+    metadata of inputs too large for a control message); others get `sources` {src: [{key, meta}]}
+    and/or `stream_from` (chunks follow as `Chunk` messages)."""
+
+    TYPE: ClassVar[str] = "work"
+    rid: str
+    stage: str
+    params: dict
+    remaining_s: float = 0.0
+    inputs: Any = None
+    inputs_ref: dict | None = None
+    sources: dict | None = None
+    streamed: list = field(default_factory=list)
+    stream_from: str | None = None
+
+    @property
+    def is_entry(self) -> bool:
+        return self.sources is None and self.stream_from is None
+
+
+@dataclass(slots=True)
+class Chunk(Message):
+    """The next streamed chunk of an accepted request (`end`: the stream is over, no payload)."""
+
+    TYPE: ClassVar[str] = "chunk"
+    rid: str
+    src: str
+    key: str
+    seq: int
+    last: bool
+    meta: Any = None
+    end: bool = False
+
+
+@dataclass(slots=True)
+class Abort(Message):
+    TYPE: ClassVar[str] = "abort"
+    rid: str
+    reason: str
+
+
+@dataclass(slots=True)
+class Drained(Message):
+    """Draining, and every request the replica took part in has ended: it may exit."""
+
+    TYPE: ClassVar[str] = "drained"
+    replica: str
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (Register, Heartbeat, Output, Error, Deregister, Registered, Rejected, Work, Chunk, Abort, Drained)
+}
+
+
+def _field_table(cls: type[Message]) -> tuple[tuple[str, tuple[type, ...] | None, bool], ...]:
+    """(name, accepted types or None for any, required) per field, from the class's annotations."""
+    hints = typing.get_type_hints(cls)
+    table = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if hint is Any:
+            accepted = None
+        elif isinstance(hint, types.UnionType) or typing.get_origin(hint) is Union:
+            accepted = tuple(typing.get_origin(a) or a for a in typing.get_args(hint))
+        else:
+            accepted = (typing.get_origin(hint) or hint,)
+        if accepted is not None and float in accepted:
+            accepted = (*accepted, int)  # msgpack may send a whole number of seconds as an int
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        table.append((f.name, accepted, required))
+    return tuple(table)
+
+
+_TABLES = {kind: _field_table(cls) for kind, cls in MESSAGE_TYPES.items()}
+_FIELDS = {kind: tuple(name for name, _, _ in table) for kind, table in _TABLES.items()}
+
+
+def pack(message: Message) -> bytes:
+    return msgpack.packb(message.to_map(), use_bin_type=True)
+
+
+def unpack(raw: bytes | memoryview) -> Message:
+    """Decode and check one message; raises MalformedMessage with the reason (and the rid, if any)."""
     if len(raw) > MAX_MESSAGE_BYTES:
         raise MalformedMessage(f"control message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
-        message = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
     except Exception as exc:
         raise MalformedMessage(f"undecodable control message: {exc}") from None
-    if not isinstance(message, dict):
-        raise MalformedMessage(f"control message is a {type(message).__name__}, not a map")
-    kind = message.get("type")
-    fields = SCHEMA.get(kind) if isinstance(kind, str) else None
-    if fields is None:
-        raise MalformedMessage(f"unknown control message type {kind!r}")
-    for name, expected in fields.items():
-        value = message.get(name)
-        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            raise MalformedMessage(f"{kind} message: field {name!r} missing or not {_names(expected)}")
-    return message
-
-
-def _names(expected: type | tuple[type, ...]) -> str:
-    types = expected if isinstance(expected, tuple) else (expected,)
-    return " or ".join(t.__name__ for t in types)
+    if not isinstance(data, dict):
+        raise MalformedMessage(f"control message is a {type(data).__name__}, not a map")
+    kind = data.get("type")
+    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise MalformedMessage(f"unknown control message type {str(kind)[:40]!r}")
+    rid = data.get("rid") if isinstance(data.get("rid"), str) else None
+    values = {}
+    for name, accepted, required in _TABLES[kind]:
+        if name not in data:
+            if required:
+                raise MalformedMessage(f"{kind} message: field {name!r} missing", rid)
+            continue
+        value = data[name]
+        if accepted is not None and (
+            not isinstance(value, accepted) or (isinstance(value, bool) and bool not in accepted)
+        ):
+            expected = " or ".join(t.__name__ for t in accepted)
+            raise MalformedMessage(f"{kind} message: field {name!r} is not {expected}", rid)
+        values[name] = value
+    return cls(**values)

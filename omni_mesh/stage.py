@@ -31,13 +31,27 @@ import zmq.asyncio
 
 from omni_mesh import aio, codec, control
 from omni_mesh.connectors import OmniConnectorBase, create_connector
-from omni_mesh.connectors.shm_segments import ProcessIdentity, segment_name
+from omni_mesh.control import (
+    Abort,
+    Chunk,
+    Deregister,
+    Drained,
+    Error,
+    Heartbeat,
+    Message,
+    Output,
+    Register,
+    Registered,
+    Rejected,
+    Work,
+)
 from omni_mesh.hostinfo import namespace, process_info
+from omni_mesh.security import mesh_keys, secure_client
 from omni_mesh.topology import EdgeSpec, StageSpec, Topology, add_to_sys_path
 
 log = logging.getLogger("omni_mesh.stage")
 
-HEARTBEAT_S = 0.5
+HEARTBEAT_S = 0.5  # until the coordinator announces its interval at registration
 HEALTH_WAIT_S = 0.25  # longest a heartbeat waits for connector health (a backend RPC) before sending
 #: How long a replica keeps releasing what it put for an aborted request: a consumer still holding
 #: a payload when the abort arrives (its handler is being cancelled) lets go of it moments later.
@@ -101,8 +115,8 @@ class _ChunkStream:
         self._fetch = fetch
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
 
-    def feed(self, chunk_message: dict) -> None:
-        self._queue.put_nowait(_END if chunk_message.get("end") else chunk_message)
+    def feed(self, chunk_message: Chunk) -> None:
+        self._queue.put_nowait(_END if chunk_message.end else chunk_message)
 
     def fail(self, error: BaseException) -> None:
         self._queue.put_nowait(error)
@@ -170,12 +184,15 @@ class StageReplica:
         self.errors = 0
         self.malformed = 0
         self.draining = False
+        self.heartbeat_s = HEARTBEAT_S
         self._registered = asyncio.Event()
         self._drained = asyncio.Event()  # the coordinator says no running request needs us any more
         self._stopped = asyncio.Event()
         self._ctx = zmq.asyncio.Context()
         self._socket = self._ctx.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, control.MAX_MESSAGE_BYTES)  # the coordinator sends metadata only
+        secure_client(self._socket, mesh_keys())
         self._socket.connect(coordinator)
 
     # ------------------------------------------------------------------ lifecycle
@@ -199,7 +216,7 @@ class StageReplica:
                 if task is not None:
                     task.cancel()
             with contextlib.suppress(Exception):
-                await self._send({"type": "deregister", "replica": self.replica_id})
+                await self._send(Deregister(self.replica_id))
             self.close()
 
     def request_drain(self) -> None:
@@ -232,18 +249,14 @@ class StageReplica:
         self._ctx.term()
 
     async def _register(self) -> None:
-        identity = ProcessIdentity.current()
-        message = {
-            "type": "register",
-            "stage": self.stage.name,
-            "replica": self.replica_id,
-            **process_info(),
-            "host": self.host,
-            "shm_prefix": segment_name(identity, ""),
-            "max_inflight": self.stage.max_inflight,
-            "edges": {e.label: e.connector.name for e in [*self.in_edges.values(), *self.out_edges.values()]},
-            "connectors": await self._connector_health(),  # the first read may take long: it is waited for
-        }
+        message = Register(
+            **{**process_info(), "host": self.host},
+            stage=self.stage.name,
+            replica=self.replica_id,
+            max_inflight=self.stage.max_inflight,
+            edges={e.label: e.connector.name for e in [*self.in_edges.values(), *self.out_edges.values()]},
+            connectors=await self._connector_health(),  # the first read may take long: it is waited for
+        )
         while not self._registered.is_set():
             await self._send(message)
             with contextlib.suppress(TimeoutError):
@@ -253,22 +266,21 @@ class StageReplica:
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            await asyncio.sleep(HEARTBEAT_S)
+            await asyncio.sleep(self.heartbeat_s)
             if self._registered.is_set():
                 await self._heartbeat()
 
     async def _heartbeat(self) -> None:
         await self._send(
-            {
-                "type": "heartbeat",
-                "replica": self.replica_id,
-                "inflight": len(self.work),
-                "processed": self.processed,
-                "errors": self.errors,
-                "malformed": self.malformed,
-                "draining": self.draining,
-                "connectors": await self._latest_health(),
-            }
+            Heartbeat(
+                self.replica_id,
+                len(self.work),
+                processed=self.processed,
+                errors=self.errors,
+                malformed=self.malformed,
+                draining=self.draining,
+                connectors=await self._latest_health(),
+            )
         )
         if self.health_file is not None and not self.draining:
             self.health_file.touch()  # container health checks look at its age
@@ -295,7 +307,7 @@ class StageReplica:
             self.health_executor, lambda: {ref: c.health() for ref, c in self.connectors.items()}
         )
 
-    async def _send(self, message: dict, *extra: Any) -> None:
+    async def _send(self, message: Message, *extra: Any) -> None:
         await self._socket.send_multipart([control.pack(message), *extra], copy=False)
 
     # ------------------------------------------------------------------ messages
@@ -308,37 +320,44 @@ class StageReplica:
             except control.MalformedMessage as exc:
                 self.malformed += 1
                 log.warning("replica %s dropped a control message: %s", self.replica_id, exc)
+                if exc.rid is not None:  # say so, or that request would wait for its deadline
+                    await self._send(Error(exc.rid, self.stage.name, self.replica_id, str(exc), status=400))
                 continue
-            kind = message["type"]
-            if kind == "registered":
+            if isinstance(message, Registered):
+                self.heartbeat_s = min(max(float(message.heartbeat_s), 0.05), 5.0)
                 self._registered.set()
-            elif kind == "rejected":
-                log.error("coordinator rejected replica %s: %s", self.replica_id, message["error"])
-                if message.get("reregister"):
-                    self._registered.clear()
-                    asyncio.get_running_loop().create_task(self._register())
-                else:
-                    self._stopped.set()
-            elif kind == "work":
+            elif isinstance(message, Rejected):
+                self._rejected(message)
+            elif isinstance(message, Work):
                 self._accept(message)
-            elif kind == "chunk":
-                work = self.work.get(message["rid"])
+            elif isinstance(message, Chunk):
+                work = self.work.get(message.rid)
                 if work is not None and work.stream is not None:
                     work.stream.feed(message)
-            elif kind == "drained":
+            elif isinstance(message, Drained):
                 self._drained.set()
-            elif kind == "abort":
-                self._abort(message["rid"], message["reason"])
+            elif isinstance(message, Abort):
+                self._abort(message.rid, message.reason)
             else:
                 self.malformed += 1
 
-    def _accept(self, message: dict) -> None:
-        rid = message["rid"]
+    def _rejected(self, message: Rejected) -> None:
+        if not message.reregister:
+            log.error("coordinator rejected replica %s: %s", self.replica_id, message.error)
+            self._stopped.set()
+            return
+        log.warning("coordinator asks replica %s to register again: %s", self.replica_id, message.error)
+        if self._registered.is_set():
+            self._registered.clear()
+            asyncio.get_running_loop().create_task(self._register())
+
+    def _accept(self, message: Work) -> None:
+        rid = message.rid
         loop = asyncio.get_running_loop()
-        ctx = StageContext(rid, message["params"], self.stage.name, self.replica_id, loop.time() + message["remaining_s"])
+        ctx = StageContext(rid, message.params, self.stage.name, self.replica_id, loop.time() + message.remaining_s)
         work = _Work(rid, ctx)
-        if message.get("stream_from"):
-            work.stream = _ChunkStream(lambda item: self._fetch(work, message["stream_from"], item))
+        if message.stream_from:
+            work.stream = _ChunkStream(lambda item: self._fetch(work, message.stream_from, item))
         self.work[rid] = work
         self._drained.clear()  # a new request may need what we put for it
         work.task = loop.create_task(self._run(work, message))
@@ -412,44 +431,37 @@ class StageReplica:
     async def _fail(self, work: _Work, error: str, *, timeout: bool = False) -> None:
         self.errors += 1
         await self._cleanup(work.rid)
-        message = {
-            "type": "error",
-            "rid": work.rid,
-            "stage": self.stage.name,
-            "replica": self.replica_id,
-            "error": error,
-            "timeout": timeout,
-        }
-        await self._send(message)
+        await self._send(Error(work.rid, self.stage.name, self.replica_id, error, timeout=timeout))
 
-    async def _inputs(self, work: _Work, message: dict) -> Any:
-        if "inputs" in message:  # an entry stage: the request's own inputs
-            return message["inputs"]
-        streamed = set(message.get("streamed", ()))
+    async def _inputs(self, work: _Work, message: Work) -> Any:
+        if message.is_entry:  # an entry stage: the request's own inputs
+            return message.inputs
+        streamed = set(message.streamed)
         values: dict[str, Any] = {}
-        for src, items in (message.get("sources") or {}).items():
+        for src, items in (message.sources or {}).items():
             objects = [await self._fetch(work, src, item) for item in items]
             values[src] = objects if src in streamed else objects[0]
-        if message.get("stream_from"):
-            values[message["stream_from"]] = work.stream
+        if message.stream_from:
+            values[message.stream_from] = work.stream
         if len(self.in_edges) == 1 and len(values) == 1:
             return next(iter(values.values()))
         return values
 
-    async def _fetch(self, work: _Work, src: str, item: dict) -> Any:
+    async def _fetch(self, work: _Work, src: str, item: dict | Chunk) -> Any:
         edge = self.in_edges.get(src)
         if edge is None:
             raise StageInputError(f"stage {self.stage.name!r} has no inbound edge from {src!r}")
+        key, meta = (item.key, item.meta) if isinstance(item, Chunk) else (item.get("key"), item.get("meta"))
+        if not isinstance(key, str):
+            raise StageInputError(f"stage {self.stage.name!r}: the work for edge {edge.label} names no payload key")
         connector = self.connectors[edge.connector.ref]
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(
-            self.executor, connector.get, src, self.stage.name, item["key"], item.get("meta")
-        )
+        result = await loop.run_in_executor(self.executor, connector.get, src, self.stage.name, key, meta)
         work.transfer_s += time.perf_counter() - started
         if result is None:
             raise StageInputError(
-                f"stage {self.stage.name!r}: payload {item['key']!r} on edge {edge.label} "
+                f"stage {self.stage.name!r}: payload {key!r} on edge {edge.label} "
                 f"({edge.connector.name}) is gone: stale, already consumed, or its producer died"
             )
         return result[0]
@@ -465,21 +477,19 @@ class StageReplica:
                 edges[dst] = {"key": key, "meta": await self._put(edge, dst, key, data)}
         extra: list[Any] = []
         if self.is_final and not end:
-            extra.append(await loop.run_in_executor(self.executor, codec.encode, data))
+            frame = await loop.run_in_executor(self.executor, codec.encode, data)
+            if len(frame) > control.MAX_FRAME_BYTES:  # the coordinator would drop our connection for it
+                raise RuntimeError(
+                    f"final output of {len(frame)} bytes exceeds the control plane's limit of {control.MAX_FRAME_BYTES} "
+                    "bytes: return a smaller result (or a reference to where the data is stored)"
+                )
+            extra.append(frame)
         work.transfer_s += time.perf_counter() - started
         last = end or not streaming
-        message = {
-            "type": "output",
-            "rid": work.rid,
-            "stage": self.stage.name,
-            "replica": self.replica_id,
-            "edges": edges,
-            "seq": seq,
-            "last": last,
-            "end": end,
-            "final": bool(extra),
-            "timings": self._timings(work) if last else {},
-        }
+        message = Output(
+            work.rid, self.stage.name, self.replica_id, edges, seq, last,
+            end=end, final=bool(extra), timings=self._timings(work) if last else {},
+        )
         await self._send(message, *extra)
 
     async def _put(self, edge: EdgeSpec, dst: str, key: str, data: Any) -> Any:

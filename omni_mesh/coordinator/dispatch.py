@@ -10,6 +10,7 @@ what they hold. Payloads never pass through here: only connector metadata, and t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_mesh import codec
+from omni_mesh.control import Abort, Chunk, Error, Message, Output, Work
 from omni_mesh.coordinator.registry import Registry, Replica
 from omni_mesh.topology import Topology
 
@@ -48,9 +50,9 @@ class RequestState:
     gathered: dict[str, dict[str, tuple[list, bool]]] = field(default_factory=dict)  # dst -> src -> (items, streamed)
     gathering: dict[tuple[str, str], list] = field(default_factory=dict)  # (dst, src) -> streamed chunk items
     stream_targets: dict[str, str | None] = field(default_factory=dict)  # dst -> replica (None: queued)
-    stream_buffer: dict[str, list[dict]] = field(default_factory=dict)  # dst -> chunks before dispatch
-    sent_chunks: dict[str, list[dict]] = field(default_factory=dict)  # dst -> chunks sent (replayed on retry)
-    work: dict[str, dict] = field(default_factory=dict)  # stage -> the work message routed to it
+    stream_buffer: dict[str, list[Chunk]] = field(default_factory=dict)  # dst -> chunks before dispatch
+    sent_chunks: dict[str, list[Chunk]] = field(default_factory=dict)  # dst -> chunks sent (replayed on retry)
+    work: dict[str, Work] = field(default_factory=dict)  # stage -> the work message routed to it
     emitted: set[str] = field(default_factory=set)  # stages that produced output (no retry after that)
     retried: set[str] = field(default_factory=set)
     outputs: dict[str, Any] = field(default_factory=dict)
@@ -67,12 +69,12 @@ class RequestState:
 
 
 class Dispatcher:
-    def __init__(self, topology: Topology, registry: Registry, send: Callable[[Replica, dict], None]) -> None:
+    def __init__(self, topology: Topology, registry: Registry, send: Callable[[Replica, Message], None]) -> None:
         self.topology = topology
         self.registry = registry
         self.send = send
         self.requests: dict[str, RequestState] = {}
-        self.queues: dict[str, deque[tuple[str, dict]]] = {s.name: deque() for s in topology.stages}
+        self.queues: dict[str, deque[tuple[str, Work]]] = {s.name: deque() for s in topology.stages}
         self.final_names = [s.name for s in topology.final_stages]
         self._inputs_of = {s.name: [topology.stage(e.src).name for e in topology.inputs_of(s.stage_id)] for s in topology.stages}
         self._outputs_of = {s.name: [topology.stage(e.dst).name for e in topology.outputs_of(s.stage_id)] for s in topology.stages}
@@ -93,40 +95,45 @@ class Dispatcher:
         )
         self.requests[state.rid] = state
         for entry in self.topology.entry_stages:
-            self._route(state, entry.name, {"inputs": inputs})
+            self._route(state, entry.name, inputs=inputs)
         return state
 
     # ------------------------------------------------------------------ routing
 
-    def _route(self, state: RequestState, stage: str, body: dict) -> None:
-        message = {"type": "work", "rid": state.rid, "stage": stage, "params": state.params, **body}
+    def _route(self, state: RequestState, stage: str, **body: Any) -> None:
+        message = Work(state.rid, stage, state.params, **body)
         state.work[stage] = message
         self._place(state, message)
 
-    def _place(self, state: RequestState, message: dict) -> None:
+    def _place(self, state: RequestState, message: Work) -> None:
         """Dispatch to a replica with a free slot, or queue until one frees up."""
-        replica = self.registry.pick(message["stage"])
+        replica = self.registry.pick(message.stage)
         if replica is None:
-            state.queued[message["stage"]] = time.perf_counter()
-            self.queues[message["stage"]].append((state.rid, message))
+            state.queued[message.stage] = time.perf_counter()
+            self.queues[message.stage].append((state.rid, message))
         else:
             self._dispatch(state, replica, message)
 
-    def _dispatch(self, state: RequestState, replica: Replica, message: dict) -> None:
-        stage = message["stage"]
+    def _dispatch(self, state: RequestState, replica: Replica, message: Work) -> None:
+        """Send the work; if that fails, the slot is released and only this request fails."""
+        stage = message.stage
         now = time.perf_counter()
         state.timings.setdefault(stage, {})["queued_s"] = now - state.queued.pop(stage, now)
-        message["remaining_s"] = max(0.0, state.deadline - asyncio.get_running_loop().time())
+        message.remaining_s = max(0.0, state.deadline - asyncio.get_running_loop().time())
         replica.inflight.add(state.rid)
         state.at[stage] = replica.replica_id
         state.touched.add(replica.replica_id)
-        self.send(replica, message)
-        if message.get("stream_from"):
-            state.stream_targets[stage] = replica.replica_id
-            for chunk in state.stream_buffer.pop(stage, []):
-                self._send_chunk(state, stage, replica, chunk)
+        try:
+            self.send(replica, message)
+            if message.stream_from:
+                state.stream_targets[stage] = replica.replica_id
+                for chunk in state.stream_buffer.pop(stage, []):
+                    self._send_chunk(state, stage, replica, chunk)
+        except Exception as exc:
+            log.exception("request %s: sending work to replica %s failed", state.rid, replica.replica_id)
+            self.fail(state, RequestFailed(500, f"could not send the request to stage {stage!r}: {exc}", stage))
 
-    def _send_chunk(self, state: RequestState, dst: str, replica: Replica, chunk: dict) -> None:
+    def _send_chunk(self, state: RequestState, dst: str, replica: Replica, chunk: Chunk) -> None:
         state.sent_chunks.setdefault(dst, []).append(chunk)
         self.send(replica, chunk)
 
@@ -148,28 +155,31 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ stage messages
 
-    def on_output(self, replica: Replica, message: dict, frame: bytes | None) -> None:
-        stage, rid = message["stage"], message["rid"]
+    def on_output(self, replica: Replica, message: Output, frame: bytes | None) -> None:
+        stage, rid = message.stage, message.rid
         state = self.requests.get(rid)
         if state is None:
             # The request already ended (deadline, failure): let the replica free what it put.
-            self.send(replica, {"type": "abort", "rid": rid, "reason": "request already ended"})
+            self.send(replica, Abort(rid, "request already ended"))
             return
         state.emitted.add(stage)
-        streamed = bool(message.get("end")) or not message["last"]
+        streamed = message.end or not message.last
         for dst in self._outputs_of[stage]:
-            item = message["edges"].get(dst)
+            item = message.edges.get(dst)
             if streamed:
                 self._relay_chunk(state, stage, dst, item, message)
             elif item is not None:
                 self._input_ready(state, stage, dst, [item], streamed=False)
         if frame is not None:
             self._final_output(state, stage, frame, streamed)
-        if message["last"]:
+        if message.last and state.rid in self.requests:
             self._stage_done(state, replica, stage, message)
 
-    def _relay_chunk(self, state: RequestState, src: str, dst: str, item: dict | None, message: dict) -> None:
-        end = bool(message.get("end"))
+    def _relay_chunk(self, state: RequestState, src: str, dst: str, item: Any, message: Output) -> None:
+        end = message.end
+        if item is not None and not (isinstance(item, dict) and isinstance(item.get("key"), str)):
+            self.fail(state, RequestFailed(502, f"stage {src!r} sent a malformed chunk for {dst!r}", src))
+            return
         if len(self._inputs_of[dst]) > 1:
             # A fan-in stage gets a streamed input as the list of its chunks, once the stream ends.
             items = state.gathering.setdefault((dst, src), [])
@@ -178,20 +188,14 @@ class Dispatcher:
             elif item is not None:
                 items.append(item)
             return
-        chunk = {
-            "type": "chunk",
-            "rid": state.rid,
-            "src": src,
-            "key": item["key"] if item else "",
-            "meta": item.get("meta") if item else None,
-            "seq": message["seq"],
-            "last": end,
-            "end": end,
-        }
+        chunk = Chunk(
+            state.rid, src, item["key"] if item else "", message.seq, last=end,
+            meta=item.get("meta") if item else None, end=end,
+        )
         if dst not in state.stream_targets:
             state.stream_targets[dst] = None
             state.stream_buffer[dst] = [chunk]
-            self._route(state, dst, {"stream_from": src})
+            self._route(state, dst, stream_from=src)
             return
         target = state.stream_targets[dst]
         replica = self.registry.replicas.get(target) if target else None
@@ -208,7 +212,7 @@ class Dispatcher:
         del state.gathered[dst]
         sources = {name: entry[0] for name, entry in gathered.items()}
         streamed_names = [name for name, entry in gathered.items() if entry[1]]
-        self._route(state, dst, {"sources": sources, "streamed": streamed_names})
+        self._route(state, dst, sources=sources, streamed=streamed_names)
 
     def _final_output(self, state: RequestState, stage: str, frame: bytes, streamed: bool) -> None:
         try:
@@ -223,14 +227,12 @@ class Dispatcher:
         else:
             state.outputs[stage] = value
 
-    def _stage_done(self, state: RequestState, replica: Replica, stage: str, message: dict) -> None:
+    def _stage_done(self, state: RequestState, replica: Replica, stage: str, message: Output) -> None:
         replica.inflight.discard(state.rid)
         state.at.pop(stage, None)
         state.done.add(stage)
-        timings = message.get("timings")
-        if isinstance(timings, dict):
-            state.timings.setdefault(stage, {}).update(timings)
-        if stage in state.chunks or (message.get("end") and stage in self.final_names):
+        state.timings.setdefault(stage, {}).update(message.timings)
+        if stage in state.chunks or (message.end and stage in self.final_names):
             state.outputs[stage] = state.chunks.pop(stage, [])
         self.drain_queue(stage)
         if all(name in state.done for name in self.final_names) and not state.future.done():
@@ -247,19 +249,20 @@ class Dispatcher:
         if state.events is not None:
             state.events.put_nowait(("done", None, outputs))
 
-    def on_error(self, replica: Replica, message: dict) -> None:
-        state = self.requests.get(message["rid"])
-        replica.inflight.discard(message["rid"])
+    def on_error(self, replica: Replica, message: Error) -> None:
+        state = self.requests.get(message.rid)
+        replica.inflight.discard(message.rid)
+        if state is not None:
+            stage = message.stage
+            if message.timeout:
+                # The stage's own deadline fired before our monitor noticed: the same 504 as expire().
+                where = f"stage {stage!r} (replica {replica.replica_id!r})"
+                self.fail(state, RequestFailed(504, f"deadline exceeded while at {where}", stage))
+            elif message.status == 400:
+                self.fail(state, RequestFailed(502, f"stage {stage!r} could not read its work: {message.error}", stage))
+            else:
+                self.fail(state, RequestFailed(500, f"stage {stage!r} failed: {message.error}", stage))
         self.drain_queue(replica.stage)
-        if state is None:
-            return
-        stage = message["stage"]
-        if message.get("timeout") is True:
-            # The stage's own deadline fired before our monitor noticed: the same 504 as expire().
-            where = f"stage {stage!r} (replica {replica.replica_id!r})"
-            self.fail(state, RequestFailed(504, f"deadline exceeded while at {where}", stage))
-        else:
-            self.fail(state, RequestFailed(500, f"stage {stage!r} failed: {message['error']}", stage))
 
     # ------------------------------------------------------------------ failure
 
@@ -272,7 +275,10 @@ class Dispatcher:
             replica = self.registry.replicas.get(replica_id)
             if replica is not None:
                 replica.inflight.discard(state.rid)
-                self.send(replica, {"type": "abort", "rid": state.rid, "reason": error.message})
+                try:
+                    self.send(replica, Abort(state.rid, error.message))
+                except Exception:
+                    log.exception("request %s: abort to replica %s failed", state.rid, replica_id)
         for stage in state.queued:
             self.queues[stage] = deque(item for item in self.queues[stage] if item[0] != state.rid)
         if not state.future.done():
@@ -314,8 +320,8 @@ class Dispatcher:
     def _retry(self, state: RequestState, stage: str) -> None:
         state.retried.add(stage)
         state.at.pop(stage, None)
-        message = dict(state.work[stage])
-        if message.get("stream_from"):  # the new replica needs the chunks the old one already had
+        message = dataclasses.replace(state.work[stage])
+        if message.stream_from:  # the new replica needs the chunks the old one already had
             state.stream_buffer[stage] = state.sent_chunks.pop(stage, []) + state.stream_buffer.get(stage, [])
             state.stream_targets[stage] = None
         self._place(state, message)

@@ -8,9 +8,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_mesh.connectors import connector_class
-from omni_mesh.connectors.shm_segments import list_segments, process_start_time, unlink_segment
+from omni_mesh.connectors.shm_segments import (
+    ProcessIdentity,
+    list_segments,
+    process_start_time,
+    segment_name,
+    unlink_segment,
+)
+from omni_mesh.control import Heartbeat, Register
 from omni_mesh.hostinfo import machine_id, namespace, shm_domain
 from omni_mesh.topology import Topology
+
+#: How long a replica may stay silent before it leaves the rotation and its requests fail.
+HEARTBEAT_TIMEOUT_S = 5.0
+
+
+class RegistrationRefused(ValueError):
+    """A register the coordinator refuses; `retry`: the replica may try again later (its id is held
+    by a connection that has not been confirmed gone yet)."""
+
+    def __init__(self, message: str, *, retry: bool = False) -> None:
+        super().__init__(message)
+        self.retry = retry
 
 
 @dataclass
@@ -24,7 +43,6 @@ class Replica:
     machine: str
     pidns: str
     shm_domain: str
-    shm_prefix: str
     max_inflight: int
     edges: dict[str, str]
     registered_at: float = field(default_factory=time.monotonic)
@@ -48,11 +66,19 @@ class Replica:
         return "draining" if self.draining else "healthy"
 
     def local_process_gone(self) -> bool:
-        """True when the replica ran on this machine, in our PID namespace, and its process is gone."""
-        if self.machine != machine_id() or self.pidns != namespace("pid"):
+        """True only when the replica ran on this machine, in our PID namespace, and its process is
+        confirmed gone: silence alone (a frozen or partitioned process) never counts."""
+        if self.machine != machine_id() or self.pidns != namespace("pid") or self.start == 0:
             return False
-        started = process_start_time(self.pid)
-        return started is None or (self.start != 0 and started != self.start)
+        return process_start_time(self.pid) != self.start
+
+    def shm_prefix(self) -> str | None:
+        """The exact prefix of the segments this replica's process made (derived from its pid, start
+        time and PID namespace, never taken from the replica), or None when it cannot be derived."""
+        inode = self.pidns.removeprefix("pid:[").rstrip("]")
+        if not inode.isdigit() or self.start == 0:
+            return None
+        return segment_name(ProcessIdentity(int(inode), self.pid, self.start), "")
 
     def describe(self, now: float, timeout_s: float) -> dict[str, Any]:
         return {
@@ -74,12 +100,14 @@ class Replica:
 
 
 class Registry:
-    def __init__(self, topology: Topology, heartbeat_timeout_s: float = 2.5) -> None:
+    def __init__(self, topology: Topology, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
         self.topology = topology
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.replicas: dict[str, Replica] = {}
+        self.by_identity: dict[bytes, Replica] = {}
+        self.silent: dict[str, Replica] = {}  # taken out for silence, process not confirmed gone
         self.restarts: dict[str, int] = {}
-        self._seen_ids: set[str] = set()
+        self._last_pid: dict[str, int] = {}  # replica id -> pid of its latest registration
         self._tiebreak = itertools.count()
         self.expected_edges = {
             edge.label: edge.connector.name for edge in topology.edges
@@ -87,67 +115,80 @@ class Registry:
 
     # ------------------------------------------------------------------ membership
 
-    def register(self, message: dict[str, Any], identity: bytes) -> Replica:
-        """Admit a replica; raises ValueError (sent back to it) when it does not fit the topology."""
-        stage = message["stage"]
+    def register(self, message: Register, identity: bytes) -> tuple[Replica, Replica | None]:
+        """Admit a replica: (the replica, the one it replaces, or itself when the same connection
+        registers again) or RegistrationRefused (sent back to it).
+
+        A replica id belongs to the connection that registered it: the same connection registering
+        again is confirmed, another connection may take the id over only once its holder is confirmed
+        gone (its process died on this host) or has been taken out for silence.
+        """
+        stage = message.stage
         names = {s.name for s in self.topology.stages}
         if stage not in names:
-            raise ValueError(f"stage {stage!r} is not in topology {self.topology.name!r} (stages: {', '.join(sorted(names))})")
-        for label, connector in message["edges"].items():
+            raise RegistrationRefused(
+                f"stage {stage!r} is not in topology {self.topology.name!r} (stages: {', '.join(sorted(names))})"
+            )
+        for label, connector in message.edges.items():
             expected = self.expected_edges.get(label)
             if expected != connector:
-                raise ValueError(
-                    f"replica {message['replica']!r} of stage {stage!r} wires edge {label} with {connector}, "
+                raise RegistrationRefused(
+                    f"replica {message.replica!r} of stage {stage!r} wires edge {label} with {connector}, "
                     f"the coordinator's topology says {expected}: run every service from the same topology file"
                 )
-        replica_id = message["replica"]
+        replica_id = message.replica
         previous = self.replicas.get(replica_id)
-        if previous is not None and previous.pid == message["pid"] and previous.identity == identity:
+        if previous is not None and previous.identity == identity:
             previous.last_seen = time.monotonic()  # a repeated register (sent while we were starting)
-            return previous
-        if replica_id in self._seen_ids and (previous is None or previous.pid != message["pid"]):
+            return previous, previous
+        if previous is not None and not previous.local_process_gone():
+            raise RegistrationRefused(
+                f"replica id {replica_id!r} is held by a live connection (pid {previous.pid} on {previous.host}); "
+                "give every replica its own id", retry=True,
+            )
+        last_pid = self._last_pid.get(replica_id)
+        if last_pid is not None and last_pid != message.pid:  # not a replica back from silence
             self.restarts[replica_id] = self.restarts.get(replica_id, 0) + 1
-        self._seen_ids.add(replica_id)
+        self._last_pid[replica_id] = message.pid
+        self.silent.pop(replica_id, None)
         replica = Replica(
             replica_id=replica_id,
             stage=stage,
             identity=identity,
-            pid=message["pid"],
-            start=int(message.get("start") or 0),
-            host=message["host"],
-            machine=str(message.get("machine", "")),
-            pidns=str(message.get("pidns", "")),
-            shm_domain=str(message.get("shm_domain", "")),
-            shm_prefix=str(message.get("shm_prefix", "")),
-            max_inflight=max(1, message["max_inflight"]),
-            edges=dict(message["edges"]),
+            pid=message.pid,
+            start=message.start,
+            host=message.host,
+            machine=message.machine,
+            pidns=message.pidns,
+            shm_domain=message.shm_domain,
+            max_inflight=max(1, message.max_inflight),
+            edges=dict(message.edges),
             restarts=self.restarts.get(replica_id, 0),
+            connectors=message.connectors,
         )
-        connectors = message.get("connectors")
-        if isinstance(connectors, dict):
-            replica.connectors = connectors
-        if previous is not None:
-            replica.inflight = previous.inflight  # the caller fails these: that process is gone
         self.replicas[replica_id] = replica
-        return replica
+        self.by_identity[identity] = replica
+        if previous is not None:
+            self.by_identity.pop(previous.identity, None)
+        return replica, previous
 
-    def heartbeat(self, message: dict[str, Any]) -> Replica | None:
-        replica = self.replicas.get(message["replica"])
-        if replica is None:
-            return None
+    def heartbeat(self, replica: Replica, message: Heartbeat) -> None:
         replica.last_seen = time.monotonic()
-        for name in ("processed", "errors", "malformed"):
-            value = message.get(name)
-            if isinstance(value, int):
-                setattr(replica, name, value)
-        replica.draining = bool(message.get("draining", False))
-        connectors = message.get("connectors")
-        if isinstance(connectors, dict):
-            replica.connectors = connectors
-        return replica
+        replica.processed = message.processed
+        replica.errors = message.errors
+        replica.malformed = message.malformed
+        replica.draining = message.draining
+        replica.connectors = message.connectors
 
     def remove(self, replica_id: str) -> Replica | None:
-        return self.replicas.pop(replica_id, None)
+        replica = self.replicas.pop(replica_id, None)
+        if replica is not None:
+            self.by_identity.pop(replica.identity, None)
+        return replica
+
+    def owner(self, identity: bytes) -> Replica | None:
+        """The replica registered by the connection `identity`, if any."""
+        return self.by_identity.get(identity)
 
     def dead(self) -> list[Replica]:
         """Replicas whose heartbeats stopped or whose local process is gone."""
@@ -159,10 +200,24 @@ class Registry:
         ]
 
     def reap_segments(self, replica: Replica) -> list[str]:
-        """Unlink a dead replica's shared-memory segments, if we share its /dev/shm."""
-        if not replica.shm_prefix or replica.shm_domain != shm_domain():
+        """Unlink the shared-memory segments of a replica whose process is confirmed dead on this host,
+        under that process's own exact prefix only. A silent replica keeps its memory: it is watched
+        (`reap_silent`) until its process is gone, or it comes back and registers again."""
+        prefix = replica.shm_prefix()
+        if prefix is None or replica.shm_domain != shm_domain():
             return []
-        return [name for name in list_segments() if name.startswith(replica.shm_prefix) and unlink_segment(name)]
+        if not replica.local_process_gone():
+            self.silent[replica.replica_id] = replica
+            return []
+        self.silent.pop(replica.replica_id, None)
+        return [name for name in list_segments() if name.startswith(prefix) and unlink_segment(name)]
+
+    def reap_silent(self) -> list[str]:
+        """Reap the segments of silent replicas whose process has since died."""
+        return [
+            name for replica in list(self.silent.values()) if replica.local_process_gone()
+            for name in self.reap_segments(replica)
+        ]
 
     # ------------------------------------------------------------------ selection
 

@@ -1,24 +1,45 @@
-"""The coordinator's control side: one ROUTER socket all replicas talk to, and a monitor loop."""
+"""The coordinator's control side: one ROUTER socket all replicas talk to, and a monitor loop.
+
+With mesh keys (the default: `omni_mesh.security`) the socket is a CURVE server and a ZAP handler on
+its context admits only holders of this mesh's keys. A replica id belongs to the connection that
+registered it: anything another connection sends in its name is dropped and counted, and an output or
+error counts only from the replica the request was sent to at that stage.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from omni_mesh import control
-from omni_mesh.coordinator.dispatch import Dispatcher
-from omni_mesh.coordinator.registry import Registry, Replica
+from omni_mesh.control import (
+    Abort,
+    Deregister,
+    Drained,
+    Error,
+    Heartbeat,
+    Message,
+    Output,
+    Register,
+    Registered,
+    Rejected,
+)
+from omni_mesh.coordinator.dispatch import Dispatcher, RequestFailed
+from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S, RegistrationRefused, Registry, Replica
+from omni_mesh.security import MeshKeys, Refusals, bind_zap, mesh_keys, secure_server, zap_reply
 from omni_mesh.topology import Topology
 
 log = logging.getLogger("omni_mesh.coordinator")
 
-HEARTBEAT_S = 0.5
+_FROM_STAGES = (Register, Heartbeat, Output, Error, Deregister)  # what a replica may send
+
+HEARTBEAT_S = 0.5  # announced to every replica at registration: the one interval the mesh uses
 MONITOR_S = 0.05
+REAP_CHECK_S = 1.0  # how often silent replicas are checked for a process that has since died
 
 
 class Coordinator:
@@ -27,30 +48,42 @@ class Coordinator:
         topology: Topology,
         control_endpoint: str,
         *,
-        heartbeat_timeout_s: float = 5.0,
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
         default_timeout_s: float = 30.0,
         max_timeout_s: float = 3600.0,
+        keys: MeshKeys | None | object = ...,
     ) -> None:
         self.topology = topology
         self.control_endpoint = control_endpoint
         self.default_timeout_s = default_timeout_s
         self.max_timeout_s = max_timeout_s
+        self.keys: MeshKeys | None = mesh_keys() if keys is ... else keys  # type: ignore[assignment]
         self.registry = Registry(topology, heartbeat_timeout_s)
         self.dispatcher = Dispatcher(topology, self.registry, self.send)
         self.malformed = 0
+        self.forged = Refusals("coordinator control plane")  # messages sent in another connection's name
+        self.refused_peers = Refusals("coordinator control plane")  # handshakes without the mesh keys
+        self._garbage = Refusals("coordinator control plane")  # for rate-limited logging only
         self._ctx: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
+        self._zap: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
+        self._zap = bind_zap(self._ctx, self.keys)
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished replica must not stall us
+        self._socket.setsockopt(zmq.MAXMSGSIZE, control.MAX_FRAME_BYTES)
+        secure_server(self._socket, self.keys)
         self._socket.bind(self.control_endpoint)
         self.control_endpoint = self._socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._monitor_loop())]
-        log.info("coordinator control plane on %s", self.control_endpoint)
+        if self._zap is not None:
+            self._tasks.append(asyncio.create_task(self._zap_loop()))
+        security = "CURVE, mesh keys only" if self.keys else "NO authentication (insecure)"
+        log.info("coordinator control plane on %s (%s)", self.control_endpoint, security)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -63,18 +96,25 @@ class Coordinator:
             # to wait for us when it drains (`omni-mesh up` stops the replicas after us).
             for replica in list(self.registry.replicas.values()):
                 with contextlib.suppress(zmq.ZMQError):
-                    self.send(replica, {"type": "drained", "replica": replica.replica_id})
+                    self.send(replica, Drained(replica.replica_id))
             self._socket.close(linger=500)  # long enough to hand those few bytes to the kernel
+        if self._zap is not None:
+            self._zap.close(linger=0)
         if self._ctx is not None:
             self._ctx.term()
 
-    def send(self, replica: Replica, message: dict[str, Any]) -> None:
-        assert self._socket is not None
-        self._socket.send_multipart([replica.identity, control.pack(message)])
+    def send(self, replica: Replica, message: Message) -> None:
+        self._reply(replica.identity, message)
 
-    def _reply(self, identity: bytes, message: dict[str, Any]) -> None:
+    def _reply(self, identity: bytes, message: Message) -> None:
         assert self._socket is not None
         self._socket.send_multipart([identity, control.pack(message)])
+
+    async def _zap_loop(self) -> None:
+        assert self._zap is not None and self.keys is not None
+        while True:
+            request = await self._zap.recv_multipart()
+            await self._zap.send_multipart(zap_reply(request, self.keys, self.refused_peers))
 
     async def _receive_loop(self) -> None:
         assert self._socket is not None
@@ -86,70 +126,120 @@ class Coordinator:
                 self._handle(frames[0], control.unpack(frames[1]), frames[2] if len(frames) > 2 else None)
             except control.MalformedMessage as exc:
                 self.malformed += 1
-                log.warning("dropped a control message: %s", exc)
+                self._garbage.refuse(f"a control message: {exc}")
+                self._fail_unreadable(frames[0], exc)
             except Exception:
                 log.exception("error handling a control message")
 
-    def _handle(self, identity: bytes, message: dict[str, Any], frame: bytes | None) -> None:
-        kind = message["type"]
-        if kind == "register":
+    def _fail_unreadable(self, identity: bytes, exc: control.MalformedMessage) -> None:
+        """A replica's message about a request we cannot read: fail that request now, not at its deadline."""
+        replica = self.registry.owner(identity)
+        state = self.dispatcher.requests.get(exc.rid) if exc.rid else None
+        if replica is None or state is None or state.at.get(replica.stage) != replica.replica_id:
+            return
+        message = f"stage {replica.stage!r} replica {replica.replica_id!r} sent an unreadable message: {exc}"
+        self.dispatcher.fail(state, RequestFailed(502, message, replica.stage))
+
+    def _handle(self, identity: bytes, message: Message, frame: bytes | None) -> None:
+        if not isinstance(message, _FROM_STAGES):
+            self.malformed += 1
+            self._garbage.refuse(f"a {message.TYPE} message, which only the coordinator sends")
+            return
+        if isinstance(message, Register):
             self._register(identity, message)
             return
-        replica = self.registry.replicas.get(message.get("replica", ""))
+        replica_id = getattr(message, "replica", None)
+        replica = self.registry.replicas.get(replica_id) if isinstance(replica_id, str) else None
         if replica is None:
-            if kind == "heartbeat":  # we restarted, or declared it dead: ask it to register again
-                self._reply(identity, {"type": "rejected", "replica": message["replica"], "error": "unknown replica", "reregister": True})
+            self._from_unknown(identity, message)
             return
-        if kind == "heartbeat":
-            self.registry.heartbeat(message)
+        if replica.identity != identity:
+            self.forged.refuse(f"a {message.TYPE} in the name of replica {replica.replica_id!r} from another connection")
+            return
+        if isinstance(message, Heartbeat):
+            self.registry.heartbeat(replica, message)
             if replica.draining and not self.dispatcher.holds(replica.replica_id):
-                self.send(replica, {"type": "drained", "replica": replica.replica_id})
+                self.send(replica, Drained(replica.replica_id))
             self.dispatcher.drain_queue(replica.stage)
-        elif kind == "output":
-            self.dispatcher.on_output(replica, message, frame)
-        elif kind == "error":
-            self.dispatcher.on_error(replica, message)
-        elif kind == "deregister":
+        elif isinstance(message, Output | Error):
+            if not self._sent_to(replica, message.rid, message.stage):
+                return
+            if isinstance(message, Output):
+                self.dispatcher.on_output(replica, message, frame)
+            else:
+                self.dispatcher.on_error(replica, message)
+        else:
             self.registry.remove(replica.replica_id)
             self.dispatcher.replica_lost(replica, "left")
             log.info("replica %s of stage %s deregistered", replica.replica_id, replica.stage)
-        else:
-            self.malformed += 1
 
-    def _register(self, identity: bytes, message: dict[str, Any]) -> None:
-        previous = self.registry.replicas.get(message["replica"])
+    def _sent_to(self, replica: Replica, rid: str, stage: str) -> bool:
+        """Whether `replica` is the one request `rid` was sent to at `stage`. If not, the replica is
+        told to let go of whatever it holds for that request (it ended, or moved to another replica)."""
+        state = self.dispatcher.requests.get(rid)
+        if state is not None and stage == replica.stage and state.at.get(stage) == replica.replica_id:
+            return True
+        if state is not None and rid not in replica.inflight:
+            self.forged.refuse(f"an output for request {rid} from replica {replica.replica_id!r}, which was not sent it")
+        self.send(replica, Abort(rid, "request already ended or moved to another replica"))
+        return False
+
+    def _from_unknown(self, identity: bytes, message: Message) -> None:
+        """A message from a replica we do not know (we restarted, or took it out for silence)."""
+        if self.registry.owner(identity) is not None:  # a registered connection naming another id
+            self.forged.refuse(f"a {message.TYPE} naming an unknown replica from a registered connection")
+            return
+        if isinstance(message, Heartbeat):  # ask it to register again
+            self._reply(identity, Rejected(message.replica, "unknown replica", reregister=True))
+        elif isinstance(message, Output | Error):  # let it release what it put for that request
+            self._reply(identity, Abort(message.rid, "unknown replica: register again"))
+
+    def _register(self, identity: bytes, message: Register) -> None:
         try:
-            replica = self.registry.register(message, identity)
-        except ValueError as exc:
-            log.error("rejected replica %s: %s", message["replica"], exc)
-            self._reply(identity, {"type": "rejected", "replica": message["replica"], "error": str(exc)})
+            replica, previous = self.registry.register(message, identity)
+        except RegistrationRefused as exc:
+            if exc.retry:
+                self.forged.refuse(f"register of replica {message.replica!r}: {exc}")
+            else:
+                log.error("rejected replica %s: %s", message.replica, exc)
+            self._reply(identity, Rejected(message.replica, str(exc), reregister=exc.retry))
             return
-        if replica is previous:  # the same process registering again: just confirm
-            self._reply(identity, {"type": "registered", "replica": replica.replica_id, "heartbeat_s": HEARTBEAT_S})
-            return
-        if previous is not None and previous.pid != replica.pid:
-            self.dispatcher.replica_lost(replica, f"restarted (pid {previous.pid} -> {replica.pid})")
-        self._reply(identity, {"type": "registered", "replica": replica.replica_id, "heartbeat_s": HEARTBEAT_S})
+        self._reply(identity, Registered(replica.replica_id, HEARTBEAT_S))
+        if previous is replica:
+            return  # the same connection registering again: confirmed, nothing changes
+        if previous is not None:
+            self.dispatcher.replica_lost(previous, f"restarted (pid {previous.pid} -> {replica.pid})")
+            self.registry.reap_segments(previous)
         restart = f" (restart #{replica.restarts})" if replica.restarts else ""
         log.info("replica %s of stage %s registered from %s pid %d%s", replica.replica_id, replica.stage, replica.host, replica.pid, restart)
         self.dispatcher.drain_queue(replica.stage)
 
     async def _monitor_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_reap_check = loop.time()
         while True:
             await asyncio.sleep(MONITOR_S)
             try:
                 self.dispatcher.expire()
                 for replica in self.registry.dead():
                     self._bury(replica)
+                if loop.time() >= next_reap_check:
+                    next_reap_check = loop.time() + REAP_CHECK_S
+                    reaped = self.registry.reap_silent()
+                    if reaped:
+                        log.warning("reaped %d shared-memory segment(s) of silent replicas now gone", len(reaped))
             except Exception:
                 log.exception("monitor loop error")
 
     def _bury(self, replica: Replica) -> None:
         self.registry.remove(replica.replica_id)
-        reason = f"died (pid {replica.pid})" if replica.local_process_gone() else "stopped sending heartbeats"
+        gone = replica.local_process_gone()
+        reason = f"died (pid {replica.pid})" if gone else "stopped sending heartbeats"
         self.dispatcher.replica_lost(replica, reason)
         reaped = self.registry.reap_segments(replica)
         log.warning(
             "replica %s of stage %s %s; removed%s",
-            replica.replica_id, replica.stage, reason, f", reaped {len(reaped)} shared-memory segment(s)" if reaped else "",
+            replica.replica_id, replica.stage, reason,
+            f", reaped {len(reaped)} shared-memory segment(s)" if reaped
+            else "" if gone else "; its memory stays until its process is gone",
         )
