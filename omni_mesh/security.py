@@ -9,7 +9,8 @@ Where the keys come from, first match wins:
   1. `set_mesh_keys()` in this process (tests, embedding);
   2. OMNI_MESH_CURVE_PUBLIC_KEY and OMNI_MESH_CURVE_SECRET_KEY (Z85 text; `omni-mesh up` passes
      ephemeral keys to its children this way);
-  3. OMNI_MESH_KEYS_DIR, a directory written by `omni-mesh keys generate DIR` (mount it as a secret).
+  3. OMNI_MESH_KEYS_DIR, a directory written by `omni-mesh keys generate DIR`, or the `mesh.key_secret`
+     file in it (mount that file as a compose or Kubernetes secret).
 OMNI_MESH_INSECURE=1 turns CURVE off, loudly: for debugging only.
 """
 
@@ -66,7 +67,10 @@ class MeshKeys:
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> MeshKeys:
-        path = Path(directory) / f"{KEY_BASENAME}.key_secret"
+        """From DIR/mesh.key_secret, or from the secret-key file itself (a compose secret is one file)."""
+        path = Path(directory)
+        if not path.is_file():
+            path = path / f"{KEY_BASENAME}.key_secret"
         try:
             public, secret = zmq.auth.load_certificate(path)
         except (OSError, ValueError) as exc:

@@ -15,12 +15,14 @@ each service are mapped to 127.0.0.1 and free ports (see `localize`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -39,6 +41,7 @@ from omni_mesh.connectors.shm_segments import (
     process_start_time,
     reap_orphaned_segments,
 )
+from omni_mesh.security import ENV_KEYS_DIR, MeshKeys
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "compose"
@@ -117,7 +120,8 @@ class Services:
     ) -> Service:
         """Start one process (from the main thread: its parent-death signal follows this thread)."""
         log_path = self.directory / f"{name}.log"
-        environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        keys = {ENV_KEYS_DIR: str(test_keys_file())}  # every service of a test shares the mesh keys
+        environment = {**os.environ, "PYTHONUNBUFFERED": "1", **keys, **(env or {})}
         with log_path.open("ab") as log:
             process = subprocess.Popen(
                 [*wrap, *argv],
@@ -315,12 +319,19 @@ def docker_compose() -> str:
     return found
 
 
+@functools.cache
+def test_keys_file() -> Path:
+    """One mesh key pair for the whole test session: the file compose mounts as its `mesh_keys` secret."""
+    directory = Path(tempfile.mkdtemp(prefix="omni-mesh-test-keys-"))
+    return MeshKeys.generate().write(directory)
+
+
 def compose_config(path: Path, env: dict[str, str] | None = None) -> dict:
     """`docker-compose -f FILE config` run from the file's directory, parsed: the resolved file."""
     result = subprocess.run(
         [docker_compose(), "-f", path.name, "config"],
         cwd=path.parent,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, "OMNI_MESH_KEYS_FILE": str(test_keys_file()), **(env or {})},
         capture_output=True,
         text=True,
         timeout=120,
@@ -367,10 +378,20 @@ def localize(
     tmp = scratch / instance / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
 
+    secrets = {name: spec_["file"] for name, spec_ in (config.get("secrets") or {}).items() if "file" in spec_}
+
     def translate(text: str) -> str:
-        # One pass: the repository may itself live under /tmp (a CI clone), and must not be rewritten.
+        # One pass: the repository (or a secret's file) may itself live under /tmp (a CI clone, a test's
+        # keys), and must not be rewritten. Secrets are mounted at /run/secrets/NAME: here they are the
+        # files compose would mount.
         roots = {"app": str(REPO), "tmp": str(tmp)}
-        text = re.sub(r"(?<![\w/])/(app|tmp)(?=/|$)", lambda m: roots[m.group(1)], text)
+
+        def local(match: re.Match) -> str:
+            if match.group(1):
+                return secrets.get(match.group(1), match.group(0))
+            return roots[match.group(2)]
+
+        text = re.sub(r"/run/secrets/([\w.-]+)|(?<![\w/])/(app|tmp)(?=/|$)", local, text)
         for other, mapping in ports.items():
             for port, new in mapping.items():
                 text = re.sub(rf"(?<![\w.-]){re.escape(other)}:{port}\b", f"127.0.0.1:{new}", text)

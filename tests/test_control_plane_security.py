@@ -1,0 +1,364 @@
+"""The control plane as an attacker on the same network meets it: real `omni-mesh up`, real sockets.
+
+The mesh runs with keys the test knows (OMNI_MESH_KEYS_DIR), so the test can play two attackers: a
+stranger (no keys, or a key pair of its own) whom CURVE keeps out, and a connection that holds the
+mesh keys but tries to act in another replica's name, which the coordinator's identity binding stops.
+After every attack, requests in flight and after it still succeed with correct outputs, and no
+shared-memory segment of the mesh has been unlinked.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+from meshkit import Mesh, descendants, running_mesh, wait_for
+
+from omni_mesh import codec
+from omni_mesh.connectors.shm_segments import list_segments, owner_of, process_start_time
+from omni_mesh.hostinfo import machine_id, namespace, shm_domain
+from omni_mesh.security import ENV_KEYS_DIR, MeshKeys, secure_client
+
+
+def _stage(stage_id: int, name: str, **more: object) -> dict:
+    return {"stage_id": stage_id, "name": name, "handler": "mesh_handlers:step", **more}
+
+
+# a (entry) -> d (final): x = arange(n); a: 2x + 1; d: 2(2x + 1) + 4 = 4x + 6, summarised.
+TOPOLOGY = {
+    "name": "security",
+    "connectors": {"shm": {"name": "SharedMemoryConnector", "extra": {"memory_pool_size": 8 * 1024 * 1024}}},
+    "stages": [
+        _stage(0, "a", output_connectors={"to_stage_1": "shm"}),
+        _stage(1, "d", input_connectors={"from_stage_0": "shm"}, final_output=True),
+    ],
+}
+N = 50_000  # 400 KB of float64: travels through a pool segment, not inline
+
+
+def _check(body: dict, n: int = N) -> None:
+    out = body["outputs"]
+    assert out["trail"] == ["a", "d"], out
+    assert out["n"] == n and out["sum"] == 4 * (n * (n - 1) / 2) + 6 * n, out
+
+
+@pytest.fixture(scope="module")
+def keys_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("keys")
+    MeshKeys.generate().write(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def keys(keys_dir: Path) -> MeshKeys:
+    return MeshKeys.load(keys_dir)
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory, keys_dir: Path) -> Iterator[Mesh]:
+    saved = os.environ.get(ENV_KEYS_DIR)
+    os.environ[ENV_KEYS_DIR] = str(keys_dir)
+    try:
+        with running_mesh(tmp_path_factory.mktemp("security"), TOPOLOGY) as mesh:
+            yield mesh
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_KEYS_DIR, None)
+        else:
+            os.environ[ENV_KEYS_DIR] = saved
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return []
+
+
+def control_endpoint(mesh: Mesh) -> tuple[str, int]:
+    """(the coordinator's control endpoint, the coordinator's pid), from its command line."""
+    for pid in descendants(mesh.process.pid):
+        argv = _cmdline(pid)
+        if "coordinator" in argv and "--control" in argv:
+            return argv[argv.index("--control") + 1], pid
+    raise AssertionError("no coordinator process found")
+
+
+def mesh_segments(mesh: Mesh) -> set[str]:
+    mesh.remember_tree()
+    return {name for name in list_segments() if (o := owner_of(name)) is not None and o.pid in mesh.processes}
+
+
+class Peer:
+    """A DEALER on the control endpoint: no keys, a key pair of its own, or the mesh keys."""
+
+    def __init__(self, endpoint: str, keys: MeshKeys | None, *, own_pair: bool = False) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None and own_pair:
+            public, secret = zmq.curve_keypair()
+            self.sock.curve_serverkey = keys.public
+            self.sock.curve_publickey = public
+            self.sock.curve_secretkey = secret
+        else:
+            secure_client(self.sock, keys)
+        self.sock.connect(endpoint)
+
+    def send(self, message: dict, *extra: bytes) -> None:
+        self.sock.send_multipart([msgpack.packb(message), *extra])
+
+    def receive(self, timeout_s: float = 2.0) -> dict | None:
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        return msgpack.unpackb(self.sock.recv_multipart()[0])
+
+    def messages(self, timeout_s: float) -> list[dict]:
+        out, deadline = [], time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            message = self.receive(left)
+            if message is not None:
+                out.append(message)
+        return out
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def register_message(mesh: Mesh, stage: str, replica: str, **more: object) -> dict:
+    edges = {e["label"]: e["connector_name"] for e in mesh.client.get("/v1/topology").json()["edges"]}
+    return {
+        "type": "register", "stage": stage, "replica": replica, "pid": os.getpid(), "host": "attacker",
+        "max_inflight": 8, "edges": edges, **more,
+    }
+
+
+def replica_ids(mesh: Mesh) -> dict[str, list[str]]:
+    return {stage: [r["id"] for r in replicas] for stage, replicas in mesh.stages().items()}
+
+
+def health(mesh: Mesh) -> dict:
+    return mesh.client.get("/health").json()
+
+
+def requests_succeed(mesh: Mesh, count: int = 4) -> None:
+    with ThreadPoolExecutor(count) as pool:
+        for body in pool.map(lambda _: mesh.ok({"n": N}), range(count)):
+            _check(body)
+
+
+# ------------------------------------------------------------------ strangers: CURVE keeps them out
+
+
+@pytest.mark.parametrize("who", ["no keys", "own key pair"])
+def test_a_stranger_cannot_register_or_read_work(mesh: Mesh, keys: MeshKeys, who: str) -> None:
+    endpoint, _ = control_endpoint(mesh)
+    before = mesh_segments(mesh)
+    refused = health(mesh)["refused_peers"]
+    stranger = Peer(endpoint, keys if who == "own key pair" else None, own_pair=True)
+    try:
+        stranger.send(register_message(mesh, "a", "evil"))
+        stranger.send({"type": "heartbeat", "replica": "a-0", "inflight": 0})
+        stranger.send({"type": "deregister", "replica": "a-0"})
+        requests_succeed(mesh)  # every request goes to the real replicas, none to the stranger
+        assert stranger.receive(0.5) is None, "the stranger got an answer"
+    finally:
+        stranger.close()
+    assert "evil" not in replica_ids(mesh)["a"]
+    assert replica_ids(mesh) == {"a": ["a-0"], "d": ["d-0"]}
+    if who == "own key pair":  # a plain-text peer fails the handshake before ZAP is even asked
+        wait_for(lambda: health(mesh)["refused_peers"] > refused, 5, "the coordinator to count the refusal")
+    assert mesh_segments(mesh) >= before
+    assert mesh.ready().status_code == 200
+
+
+# ------------------------------------------------------------------ members acting in another's name
+
+
+def test_registering_a_live_replica_id_is_refused(mesh: Mesh, keys: MeshKeys) -> None:
+    endpoint, _ = control_endpoint(mesh)
+    pid_before = mesh.replica("a")["pid"]
+    forged = health(mesh)["forged_messages"]
+    attacker = Peer(endpoint, keys)
+    try:
+        attacker.send(register_message(mesh, "a", "a-0"))
+        answer = attacker.receive(5)
+        assert answer is not None and answer["type"] == "rejected", answer
+        assert "held by a live connection" in answer["error"]
+        requests_succeed(mesh)
+    finally:
+        attacker.close()
+    assert mesh.replica("a")["pid"] == pid_before
+    assert health(mesh)["forged_messages"] > forged
+
+
+def test_heartbeats_deregister_and_errors_in_another_replicas_name_are_dropped(mesh: Mesh, keys: MeshKeys) -> None:
+    endpoint, _ = control_endpoint(mesh)
+    forged = health(mesh)["forged_messages"]
+    attacker = Peer(endpoint, keys)
+    stop = threading.Event()
+
+    def forge() -> None:
+        while not stop.is_set():
+            attacker.send({"type": "heartbeat", "replica": "a-0", "inflight": 99, "draining": True})
+            attacker.send({"type": "deregister", "replica": "d-0"})
+            time.sleep(0.02)
+
+    forger = threading.Thread(target=forge)
+    forger.start()
+    try:
+        for _ in range(3):
+            requests_succeed(mesh)
+            assert mesh.ready().status_code == 200
+    finally:
+        stop.set()
+        forger.join()
+        attacker.close()
+    stages = mesh.stages()
+    assert [r["id"] for r in stages["d"]] == ["d-0"] and stages["a"][0]["health"] == "healthy"
+    assert health(mesh)["forged_messages"] > forged
+
+
+def test_outputs_only_count_from_the_replica_that_was_sent_the_request(mesh: Mesh, keys: MeshKeys) -> None:
+    """A member registers a replica of stage a, takes some requests, and answers them in d-0's name and
+    at the wrong stage with a forged final output. None of it reaches a client: once it leaves, its
+    requests are retried on a-0 and every client gets the true output."""
+    endpoint, _ = control_endpoint(mesh)
+    rogue = Peer(endpoint, keys)
+    try:
+        rogue.send(register_message(mesh, "a", "rogue"))
+        assert rogue.receive(5)["type"] == "registered"
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(mesh.ok, {"n": N}, timeout_s=20) for _ in range(6)]
+            work = [m for m in rogue.messages(2.0) if m["type"] == "work"]
+            assert work, "the rogue replica got no work (round robin should have sent it some)"
+            forged_frame = bytes(codec.encode({"trail": ["forged"], "n": 1, "sum": -1.0}))
+            for message in work:
+                rid = message["rid"]
+                base = {"type": "output", "rid": rid, "edges": {}, "seq": 0, "last": True, "final": True}
+                rogue.send({**base, "stage": "d", "replica": "d-0"}, forged_frame)  # another's name
+                rogue.send({**base, "stage": "d", "replica": "rogue"}, forged_frame)  # a stage it is not
+                rogue.send({"type": "error", "rid": rid, "stage": "a", "replica": "a-0", "error": "forged"})
+            time.sleep(0.3)
+            rogue.send({"type": "deregister", "replica": "rogue"})  # its requests are retried on a-0
+            for future in futures:
+                _check(future.result())
+    finally:
+        rogue.close()
+    assert "rogue" not in replica_ids(mesh)["a"]
+
+
+def test_a_silent_replica_with_a_greedy_prefix_reaps_nothing(mesh: Mesh, keys: MeshKeys) -> None:
+    """Registers claiming a live process's pid and the whole segment namespace as its prefix, then goes
+    silent: it is taken out, and no segment is unlinked (the coordinator derives the prefix itself and
+    only for a process it has seen die)."""
+    endpoint, _ = control_endpoint(mesh)
+    a_pid = mesh.replica("a")["pid"]
+    requests_succeed(mesh)  # the producers' pools exist
+    before = mesh_segments(mesh)
+    assert before, "the mesh has no segments to protect"
+    attacker = Peer(endpoint, keys)
+    try:
+        message = register_message(
+            mesh, "a", "greedy", pid=a_pid, start=process_start_time(a_pid), shm_prefix="omnimesh_",
+            pidns=namespace("pid"), shm_domain=shm_domain(), machine=machine_id(),
+        )
+        attacker.send(message)
+        assert attacker.receive(5)["type"] == "registered"
+    finally:
+        attacker.close()  # silent from now on
+    wait_for(lambda: "greedy" not in replica_ids(mesh)["a"], 15, "the silent replica to be taken out")
+    assert mesh_segments(mesh) >= before
+    requests_succeed(mesh)
+
+
+# ------------------------------------------------------------------ limits
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_an_oversized_frame_is_refused_not_buffered(mesh: Mesh, keys: MeshKeys) -> None:
+    endpoint, coordinator_pid = control_endpoint(mesh)
+    rss_before = _rss_bytes(coordinator_pid)
+    attacker = Peer(endpoint, keys)
+    try:
+        huge = bytes(300 * 1024 * 1024)
+        attacker.send({"type": "heartbeat", "replica": "a-0", "inflight": 0}, huge)
+        del huge
+        time.sleep(2.0)
+        requests_succeed(mesh)
+    finally:
+        attacker.close()
+    grown = _rss_bytes(coordinator_pid) - rss_before
+    assert grown < 100 * 1024 * 1024, f"the coordinator grew by {grown >> 20} MiB"
+
+
+def test_a_garbage_flood_is_counted_and_logged_sparingly(mesh: Mesh, keys: MeshKeys) -> None:
+    endpoint, _ = control_endpoint(mesh)
+    log_before = mesh.log().count("refused")
+    malformed = health(mesh)["malformed_messages"]
+    attacker = Peer(endpoint, keys)
+    garbage = [
+        b"\xc1", b"not msgpack at all", msgpack.packb([1, 2, 3]), msgpack.packb({"type": "nope"}),
+        msgpack.packb({"type": "output", "rid": "x"}), msgpack.packb({"type": "heartbeat", "replica": 5}),
+        msgpack.packb({"type": "work", "rid": "x", "stage": "a", "params": {}}),  # only we send work
+    ]
+    try:
+        for i in range(5000):
+            attacker.sock.send(garbage[i % len(garbage)])
+        requests_succeed(mesh)
+        wait_for(lambda: health(mesh)["malformed_messages"] >= malformed + 4000, 10, "the flood to be counted")
+    finally:
+        attacker.close()
+    assert mesh.log().count("refused") - log_before < 20, "the flood filled the log"
+    assert mesh.ready().status_code == 200
+
+
+# ------------------------------------------------------------------ a frozen replica
+
+
+def test_a_frozen_replica_fails_its_request_fast_and_comes_back(mesh: Mesh) -> None:
+    """SIGSTOP the only replica of stage a for 30 s while it holds a request: the request fails when
+    the replica is taken out (about the heartbeat timeout, not the 60 s deadline), /ready says so, its
+    memory stays, and once resumed it registers again and serves."""
+    requests_succeed(mesh)
+    a = mesh.replica("a")
+    pid = a["pid"]
+    own = {name for name in mesh_segments(mesh) if owner_of(name).pid == pid}
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        pending = pool.submit(mesh.request, {"n": N}, params={"sleep": {"a": 2}}, timeout_s=60)
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            response = pending.result()
+            failed_after = time.monotonic() - started
+            assert response.status_code == 502, response.text
+            assert "'a'" in response.json()["error"], response.text
+            assert failed_after < 12, f"the request failed only after {failed_after:.1f} s"
+            wait_for(lambda: mesh.ready().status_code == 503, 10, "/ready to say stage a is down")
+            assert "'a'" in " ".join(mesh.ready().json()["missing"])
+            frozen_until = started + 30
+            while time.monotonic() < frozen_until:
+                assert mesh.ready().status_code == 503
+                assert {n for n in own if n in list_segments()} == own, "a frozen replica's memory was unlinked"
+                time.sleep(1.0)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    wait_for(lambda: mesh.ready().status_code == 200, 15, "the resumed replica to register again")
+    assert mesh.replica("a")["pid"] == pid and mesh.replica("a")["restarts"] == 0
+    requests_succeed(mesh)
