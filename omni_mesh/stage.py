@@ -29,7 +29,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from omni_mesh import aio, codec, control
+from omni_mesh import aio, codec, control, ingress
 from omni_mesh.connectors import OmniConnectorBase, create_connector
 from omni_mesh.control import (
     Abort,
@@ -167,6 +167,7 @@ class StageReplica:
         self.out_edges = {topology.stage(e.dst).name: e for e in topology.outputs_of(stage.stage_id)}
         self.is_final = any(s.stage_id == stage.stage_id for s in topology.final_stages)
         self.connectors: dict[str, OmniConnectorBase] = {}
+        self._ingress: OmniConnectorBase | None = None  # fetches request inputs too large to ride inline
         specs = {e.connector.ref: e.connector for e in [*self.in_edges.values(), *self.out_edges.values()]}
         # Mooncake's native library must load before openYuanrong's in one process, or it crashes.
         for spec in sorted(specs.values(), key=lambda s: not s.name.startswith("Mooncake")):
@@ -240,7 +241,7 @@ class StageReplica:
         self._stopped.set()
 
     def close(self) -> None:
-        for connector in self.connectors.values():
+        for connector in [*self.connectors.values(), *([self._ingress] if self._ingress else [])]:
             with contextlib.suppress(Exception):
                 connector.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -434,6 +435,8 @@ class StageReplica:
         await self._send(Error(work.rid, self.stage.name, self.replica_id, error, timeout=timeout))
 
     async def _inputs(self, work: _Work, message: Work) -> Any:
+        if message.inputs_ref is not None:  # request inputs too large for a control message
+            return await self._fetch_large_inputs(work, message.inputs_ref)
         if message.is_entry:  # an entry stage: the request's own inputs
             return message.inputs
         streamed = set(message.streamed)
@@ -446,6 +449,20 @@ class StageReplica:
         if len(self.in_edges) == 1 and len(values) == 1:
             return next(iter(values.values()))
         return values
+
+    async def _fetch_large_inputs(self, work: _Work, ref: dict) -> Any:
+        key, meta = ref.get("key"), ref.get("meta")
+        if not isinstance(key, str):
+            raise StageInputError(f"stage {self.stage.name!r}: the work's inputs_ref names no key")
+        if self._ingress is None:
+            self._ingress = ingress.consumer()
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(self.executor, self._ingress.get, ingress.SOURCE, self.stage.name, key, meta)
+        work.transfer_s += time.perf_counter() - started
+        if result is None:
+            raise StageInputError(f"stage {self.stage.name!r}: the request's inputs {key!r} are gone from the coordinator")
+        return result[0]
 
     async def _fetch(self, work: _Work, src: str, item: dict | Chunk) -> Any:
         edge = self.in_edges.get(src)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
@@ -113,3 +114,18 @@ async def relay(inputs: Any, ctx: Any) -> AsyncIterator[dict]:
             raise AssertionError(f"chunk {expected} holds the wrong values")
         yield {"seq": chunk["seq"], "size": x.numel(), "sum": float(x.sum())}
         expected += 1
+
+
+# ---------------------------------------------------------------------- large request bodies
+
+
+async def digest(inputs: dict, ctx: Any) -> dict:
+    """What arrived of a large request: the text's length and SHA-256, the numbers' count and sum."""
+    text = inputs.get("text", "")
+    numbers = inputs.get("numbers", [])
+    return {
+        "text_len": len(text),
+        "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "numbers": len(numbers),
+        "numbers_sum": sum(numbers),
+    }

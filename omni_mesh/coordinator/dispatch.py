@@ -19,12 +19,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+
 from omni_mesh import codec
 from omni_mesh.control import Abort, Chunk, Error, Message, Output, Work
 from omni_mesh.coordinator.registry import Registry, Replica
+from omni_mesh.ingress import INLINE_MAX_BYTES, Ingress
 from omni_mesh.topology import Topology
 
 log = logging.getLogger("omni_mesh.coordinator")
+
+#: Params travel in every stage's work message: they must stay small (large data goes in inputs).
+MAX_PARAMS_BYTES = 256 * 1024
 
 
 class RequestFailed(Exception):
@@ -59,6 +65,7 @@ class RequestState:
     chunks: dict[str, list] = field(default_factory=dict)
     events: asyncio.Queue | None = None
     timings: dict[str, dict] = field(default_factory=dict)
+    large_inputs: Any = None  # inputs held by the ingress connector (put again for a retried entry stage)
 
     def location(self) -> str:
         if self.at:
@@ -80,22 +87,48 @@ class Dispatcher:
         self._outputs_of = {s.name: [topology.stage(e.dst).name for e in topology.outputs_of(s.stage_id)] for s in topology.stages}
         self.completed = 0
         self.failed = 0
+        self.ingress: Ingress | None = None  # set once the control endpoint is bound
 
     # ------------------------------------------------------------------ intake
 
-    def submit(self, inputs: Any, params: dict, timeout_s: float, stream: bool) -> RequestState:
+    async def admit(self, inputs: Any, params: dict, timeout_s: float, stream: bool) -> RequestState:
+        """Submit a request of any size up to the REST limit: inputs too large for a control message
+        go to the entry stages through the ingress connector. RequestFailed for params too large."""
+        params_size = len(msgpack.packb(params))
+        if params_size > MAX_PARAMS_BYTES:
+            raise RequestFailed(413, f"params of {params_size} bytes exceed {MAX_PARAMS_BYTES}: put large data in inputs")
+        if self.ingress is None or len(msgpack.packb(inputs)) <= INLINE_MAX_BYTES:
+            return self.submit(inputs, params, timeout_s, stream)
+        rid = uuid.uuid4().hex
+        refs = {entry.name: await self.ingress.put(rid, entry.name, inputs) for entry in self.topology.entry_stages}
+        return self.submit(inputs, params, timeout_s, stream, rid=rid, inputs_refs=refs)
+
+    def submit(
+        self,
+        inputs: Any,
+        params: dict,
+        timeout_s: float,
+        stream: bool,
+        *,
+        rid: str | None = None,
+        inputs_refs: dict[str, dict] | None = None,
+    ) -> RequestState:
         loop = asyncio.get_running_loop()
         state = RequestState(
-            rid=uuid.uuid4().hex,
+            rid=rid or uuid.uuid4().hex,
             params=params,
             deadline=loop.time() + timeout_s,
             stream=stream,
             future=loop.create_future(),
             events=asyncio.Queue() if stream else None,
+            large_inputs=inputs if inputs_refs else None,
         )
         self.requests[state.rid] = state
         for entry in self.topology.entry_stages:
-            self._route(state, entry.name, inputs=inputs)
+            if inputs_refs:
+                self._route(state, entry.name, inputs_ref=inputs_refs[entry.name])
+            else:
+                self._route(state, entry.name, inputs=inputs)
         return state
 
     # ------------------------------------------------------------------ routing
@@ -240,6 +273,7 @@ class Dispatcher:
 
     def _complete(self, state: RequestState) -> None:
         self.requests.pop(state.rid, None)
+        self._release_inputs(state)
         if len(self.final_names) == 1:
             outputs = state.outputs.get(self.final_names[0])
         else:
@@ -271,6 +305,7 @@ class Dispatcher:
         if self.requests.pop(state.rid, None) is None:
             return
         self.failed += 1
+        self._release_inputs(state)
         for replica_id in state.touched:
             replica = self.registry.replicas.get(replica_id)
             if replica is not None:
@@ -321,7 +356,25 @@ class Dispatcher:
         state.retried.add(stage)
         state.at.pop(stage, None)
         message = dataclasses.replace(state.work[stage])
+        if message.inputs_ref is not None:  # the first replica took the inputs: hold them again
+            asyncio.get_running_loop().create_task(self._put_again_and_place(state, message))
+            return
         if message.stream_from:  # the new replica needs the chunks the old one already had
             state.stream_buffer[stage] = state.sent_chunks.pop(stage, []) + state.stream_buffer.get(stage, [])
             state.stream_targets[stage] = None
         self._place(state, message)
+
+    async def _put_again_and_place(self, state: RequestState, message: Work) -> None:
+        assert self.ingress is not None
+        try:
+            message.inputs_ref = await self.ingress.put(state.rid, message.stage, state.large_inputs)
+        except Exception as exc:
+            self.fail(state, RequestFailed(500, f"could not hold the inputs again for stage {message.stage!r}: {exc}", message.stage))
+            return
+        if state.rid in self.requests:
+            state.work[message.stage] = message
+            self._place(state, message)
+
+    def _release_inputs(self, state: RequestState) -> None:
+        if state.large_inputs is not None and self.ingress is not None:
+            self.ingress.release(state.rid)

@@ -30,6 +30,7 @@ from omni_mesh.control import (
 )
 from omni_mesh.coordinator.dispatch import Dispatcher, RequestFailed
 from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S, RegistrationRefused, Registry, Replica
+from omni_mesh.ingress import Ingress
 from omni_mesh.security import MeshKeys, Refusals, bind_zap, mesh_keys, secure_server, zap_reply
 from omni_mesh.topology import Topology
 
@@ -79,6 +80,7 @@ class Coordinator:
         secure_server(self._socket, self.keys)
         self._socket.bind(self.control_endpoint)
         self.control_endpoint = self._socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.dispatcher.ingress = Ingress(self.control_endpoint)
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._monitor_loop())]
         if self._zap is not None:
             self._tasks.append(asyncio.create_task(self._zap_loop()))
@@ -100,6 +102,8 @@ class Coordinator:
             self._socket.close(linger=500)  # long enough to hand those few bytes to the kernel
         if self._zap is not None:
             self._zap.close(linger=0)
+        if self.dispatcher.ingress is not None:
+            self.dispatcher.ingress.close()
         if self._ctx is not None:
             self._ctx.term()
 
