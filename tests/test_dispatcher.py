@@ -1,0 +1,320 @@
+"""The coordinator's scheduler and control-message handling in one process: no sockets, no stages.
+
+The dispatcher is a state machine driven by control messages; these tests feed it typed messages
+(`omni_mesh.control`) as replicas would send them and read what it sends back through a recording
+`send`. The coordinator's identity rules (a replica is its connection) are checked the same way, with
+its socket replaced by the recorder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from omni_mesh import codec
+from omni_mesh.control import (
+    Abort,
+    Chunk,
+    Deregister,
+    Drained,
+    Error,
+    Heartbeat,
+    Message,
+    Output,
+    Register,
+    Registered,
+    Rejected,
+    Work,
+)
+from omni_mesh.coordinator.dispatch import Dispatcher, RequestFailed
+from omni_mesh.coordinator.registry import Registry, Replica
+from omni_mesh.coordinator.service import Coordinator
+from omni_mesh.topology import Topology, parse_topology
+
+
+def chain(*names: str, max_inflight: int = 1) -> Topology:
+    stages = [{"stage_id": i, "name": n, "max_inflight": max_inflight} for i, n in enumerate(names)]
+    for i in range(1, len(names)):
+        stages[i]["engine_input_source"] = [i - 1]
+    return parse_topology({"name": "t", "stages": stages})
+
+
+def graph(edges: list[tuple[int, int]], names: list[str]) -> Topology:
+    stages = [{"stage_id": i, "name": n} for i, n in enumerate(names)]
+    return parse_topology({"name": "g", "stages": stages, "edges": [{"from": s, "to": d} for s, d in edges]})
+
+
+class Mesh:
+    """A Dispatcher over a Registry, with replicas registered by hand and a recording `send`."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self.registry = Registry(topology)
+        self.sent: list[tuple[str, Message]] = []
+        self.failing: set[str] = set()  # replica ids whose sends raise
+        self.fail_next_work = 0  # how many more work messages fail to send
+        self.dispatcher = Dispatcher(topology, self.registry, self.send)
+
+    def send(self, replica: Replica, message: Message) -> None:
+        if replica.replica_id in self.failing or (isinstance(message, Work) and self.fail_next_work > 0):
+            self.fail_next_work -= isinstance(message, Work)
+            raise ValueError("cannot pack this message")
+        self.sent.append((replica.replica_id, message))
+
+    def add(self, stage: str, replica_id: str, max_inflight: int = 1) -> Replica:
+        edges = {e.label: e.connector.name for e in self.topology.edges}
+        message = Register(stage, replica_id, 1000 + len(self.registry.replicas), "host", max_inflight, edges)
+        replica, _ = self.registry.register(message, replica_id.encode())
+        return replica
+
+    def take(self, kind: type[Message], replica_id: str | None = None) -> list[Message]:
+        """The messages of `kind` sent so far (to `replica_id`), removed from the record."""
+        taken = [(r, m) for r, m in self.sent if isinstance(m, kind) and replica_id in (None, r)]
+        self.sent = [item for item in self.sent if item not in taken]
+        return [m for _, m in taken]
+
+    def work_for(self, replica_id: str) -> Work:
+        work = self.take(Work, replica_id)
+        assert len(work) == 1, work
+        return work[0]
+
+    def output(self, replica_id: str, work: Work, edges: dict, *, final: Any = None, seq: int = 0,
+               last: bool = True, end: bool = False) -> None:
+        replica = self.registry.replicas[replica_id]
+        frame = bytes(codec.encode(final)) if final is not None else None
+        message = Output(work.rid, work.stage, replica_id, edges, seq, last, end=end, final=frame is not None)
+        self.dispatcher.on_output(replica, message, frame)
+
+
+def item(key: str) -> dict:
+    return {"key": key, "meta": {"m": key}}
+
+
+async def test_a_request_flows_down_the_chain_and_completes() -> None:
+    mesh = Mesh(chain("a", "b"))
+    mesh.add("a", "a-0")
+    mesh.add("b", "b-0")
+    state = mesh.dispatcher.submit({"p": 1}, {"k": "v"}, 10.0, False)
+    work = mesh.work_for("a-0")
+    assert work.is_entry and work.inputs == {"p": 1} and work.params == {"k": "v"} and 9 < work.remaining_s <= 10
+    mesh.output("a-0", work, {"b": item("x")})
+    work_b = mesh.work_for("b-0")
+    assert work_b.sources == {"a": [item("x")]} and not work_b.is_entry
+    mesh.output("b-0", work_b, {}, final={"answer": 42})
+    assert await state.future == {"answer": 42}
+    assert not mesh.dispatcher.requests and mesh.dispatcher.completed == 1
+    assert not mesh.registry.replicas["a-0"].inflight and not mesh.registry.replicas["b-0"].inflight
+
+
+async def test_work_waits_in_the_queue_for_a_free_slot_and_goes_to_the_least_loaded() -> None:
+    mesh = Mesh(chain("a"))
+    mesh.add("a", "a-0")
+    mesh.add("a", "a-1")
+    states = [mesh.dispatcher.submit({}, {}, 10.0, False) for _ in range(3)]
+    first = mesh.take(Work)
+    assert len(first) == 2 and {w.rid for w in first} == {states[0].rid, states[1].rid}
+    assert [rid for rid, _ in mesh.dispatcher.queues["a"]] == [states[2].rid]
+    replica = next(r for r in mesh.registry.replicas.values() if first[0].rid in r.inflight)
+    mesh.output(replica.replica_id, first[0], {}, final={"ok": 1})
+    assert mesh.work_for(replica.replica_id).rid == states[2].rid  # the freed slot took the queued one
+    assert not mesh.dispatcher.queues["a"]
+
+
+async def test_a_lost_replica_s_work_is_retried_once_then_fails_naming_the_stage() -> None:
+    mesh = Mesh(chain("a"))
+    a0, a1 = mesh.add("a", "a-0"), mesh.add("a", "a-1")
+    state = mesh.dispatcher.submit({}, {}, 10.0, False)
+    first = mesh.take(Work)[0]
+    holder, other = (a0, a1) if state.rid in a0.inflight else (a1, a0)
+    mesh.registry.remove(holder.replica_id)
+    mesh.dispatcher.replica_lost(holder, "died (pid 1)")
+    retried = mesh.work_for(other.replica_id)
+    assert retried.rid == first.rid and retried.inputs == first.inputs
+    mesh.registry.remove(other.replica_id)
+    mesh.dispatcher.replica_lost(other, "died (pid 2)")
+    with pytest.raises(RequestFailed) as failed:
+        await state.future
+    assert failed.value.status == 502 and "'a'" in failed.value.message and "died" in failed.value.message
+
+
+async def test_no_retry_after_a_stage_emitted_output() -> None:
+    mesh = Mesh(chain("a", "b"))
+    mesh.add("a", "a-0")
+    b0, _ = mesh.add("b", "b-0"), mesh.add("b", "b-1")
+    state = mesh.dispatcher.submit({}, {}, 10.0, False)
+    mesh.output("a-0", mesh.work_for("a-0"), {"b": item("x")})
+    holder = next(r for r in mesh.registry.of_stage("b") if state.rid in r.inflight)
+    mesh.output(holder.replica_id, mesh.take(Work)[0], {}, final={"part": 1}, last=False)  # a streamed chunk
+    mesh.dispatcher.replica_lost(holder, "died")
+    with pytest.raises(RequestFailed):
+        await state.future
+    assert b0 is not None
+
+
+async def test_fan_in_waits_for_every_input_then_sends_one_work() -> None:
+    mesh = Mesh(graph([(0, 1), (0, 2), (1, 3), (2, 3)], ["split", "left", "right", "join"]))
+    for name in ("split", "left", "right", "join"):
+        mesh.add(name, f"{name}-0")
+    state = mesh.dispatcher.submit({}, {}, 10.0, False)
+    mesh.output("split-0", mesh.work_for("split-0"), {"left": item("l"), "right": item("r")})
+    mesh.output("left-0", mesh.work_for("left-0"), {"join": item("L")})
+    assert not mesh.take(Work, "join-0"), "join started with one input missing"
+    mesh.output("right-0", mesh.work_for("right-0"), {"join": item("R")})
+    join = mesh.work_for("join-0")
+    assert join.sources == {"left": [item("L")], "right": [item("R")]}
+    mesh.output("join-0", join, {}, final=[1, 2])
+    assert await state.future == [1, 2]
+
+
+async def test_streamed_chunks_are_relayed_in_order_and_buffered_until_dispatch() -> None:
+    mesh = Mesh(chain("talker", "code2wav"))
+    mesh.add("talker", "talker-0")
+    mesh.add("code2wav", "code2wav-0")
+    state = mesh.dispatcher.submit({}, {}, 10.0, True)
+    work = mesh.work_for("talker-0")
+    for seq in range(3):
+        mesh.output("talker-0", work, {"code2wav": item(f"c{seq}")}, seq=seq, last=False)
+    mesh.output("talker-0", work, {}, seq=3, last=True, end=True)
+    downstream = mesh.work_for("code2wav-0")
+    assert downstream.stream_from == "talker"
+    chunks = mesh.take(Chunk, "code2wav-0")
+    assert [c.key for c in chunks] == ["c0", "c1", "c2", ""] and chunks[-1].end
+    for seq in range(2):
+        mesh.output("code2wav-0", downstream, {}, final={"audio": seq}, seq=seq, last=False)
+    mesh.output("code2wav-0", downstream, {}, seq=2, last=True, end=True)
+    events = []
+    while not state.events.empty():
+        events.append(state.events.get_nowait())
+    assert [e[0] for e in events] == ["chunk", "chunk", "done"]
+    assert await state.future == [{"audio": 0}, {"audio": 1}]
+
+
+async def test_the_deadline_fails_the_request_and_aborts_every_replica_it_touched() -> None:
+    mesh = Mesh(chain("a", "b"))
+    mesh.add("a", "a-0")
+    mesh.add("b", "b-0")
+    state = mesh.dispatcher.submit({}, {}, 0.05, False)
+    mesh.output("a-0", mesh.work_for("a-0"), {"b": item("x")})
+    await asyncio.sleep(0.08)
+    mesh.dispatcher.expire()
+    with pytest.raises(RequestFailed) as failed:
+        await state.future
+    assert failed.value.status == 504 and "'b'" in failed.value.message
+    assert {m.rid for m in mesh.take(Abort, "a-0")} == {state.rid} == {m.rid for m in mesh.take(Abort, "b-0")}
+
+
+async def test_a_failed_send_releases_the_slot_and_fails_only_that_request() -> None:
+    mesh = Mesh(chain("a"))
+    mesh.add("a", "a-0")
+    mesh.failing.add("a-0")
+    poisoned = mesh.dispatcher.submit({}, {}, 10.0, False)
+    with pytest.raises(RequestFailed) as failed:
+        await poisoned.future
+    assert failed.value.status == 500 and "'a'" in failed.value.message
+    assert not mesh.registry.replicas["a-0"].inflight, "the slot stayed taken"
+    mesh.failing.clear()
+    good = mesh.dispatcher.submit({}, {}, 10.0, False)
+    mesh.output("a-0", mesh.work_for("a-0"), {}, final="fine")
+    assert await good.future == "fine"
+
+
+async def test_a_queued_request_whose_send_fails_does_not_take_the_queue_down() -> None:
+    mesh = Mesh(chain("a"))
+    mesh.add("a", "a-0")
+    first = mesh.dispatcher.submit({}, {}, 10.0, False)
+    queued = [mesh.dispatcher.submit({}, {}, 10.0, False) for _ in range(2)]
+    work = mesh.work_for("a-0")
+    mesh.fail_next_work = 1
+    mesh.output("a-0", work, {}, final=1)  # frees the slot: the next queued send fails
+    assert await first.future == 1
+    with pytest.raises(RequestFailed):
+        await queued[0].future
+    mesh.output("a-0", mesh.work_for("a-0"), {}, final=2)
+    assert await queued[1].future == 2
+
+
+async def test_a_stage_error_fails_the_request_and_frees_the_slot() -> None:
+    mesh = Mesh(chain("a"))
+    replica = mesh.add("a", "a-0")
+    state = mesh.dispatcher.submit({}, {}, 10.0, False)
+    work = mesh.work_for("a-0")
+    mesh.dispatcher.on_error(replica, Error(work.rid, "a", "a-0", "ValueError: boom"))
+    with pytest.raises(RequestFailed) as failed:
+        await state.future
+    assert failed.value.status == 500 and "boom" in failed.value.message and not replica.inflight
+
+
+async def test_holds_says_whether_a_running_request_touched_a_replica() -> None:
+    mesh = Mesh(chain("a", "b"))
+    mesh.add("a", "a-0")
+    mesh.add("b", "b-0")
+    state = mesh.dispatcher.submit({}, {}, 10.0, False)
+    mesh.output("a-0", mesh.work_for("a-0"), {"b": item("x")})
+    assert mesh.dispatcher.holds("a-0")  # b has not fetched a's output yet
+    mesh.output("b-0", mesh.work_for("b-0"), {}, final=0)
+    await state.future
+    assert not mesh.dispatcher.holds("a-0")
+
+
+# ------------------------------------------------------------------ the coordinator's identity rules
+
+
+class Wire:
+    """A Coordinator whose socket is replaced: what it would send, by connection identity."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.coordinator = Coordinator(topology, "tcp://127.0.0.1:0", keys=None)
+        self.out: list[tuple[bytes, Message]] = []
+        self.coordinator._reply = lambda identity, message: self.out.append((identity, message))  # type: ignore[method-assign]
+
+    def receive(self, identity: bytes, message: Message, frame: bytes | None = None) -> None:
+        self.coordinator._handle(identity, message, frame)
+
+    def replies(self, identity: bytes) -> list[Message]:
+        return [m for i, m in self.out if i == identity]
+
+    def register(self, identity: bytes, stage: str, replica: str, pid: int = 1) -> None:
+        edges = {e.label: e.connector.name for e in self.coordinator.topology.edges}
+        self.receive(identity, Register(stage, replica, pid, "host", 1, edges))
+
+
+async def test_a_replica_id_belongs_to_its_connection() -> None:
+    wire = Wire(chain("a"))
+    wire.register(b"real", "a", "a-0")
+    assert isinstance(wire.replies(b"real")[-1], Registered)
+    wire.register(b"thief", "a", "a-0", pid=2)
+    refused = wire.replies(b"thief")[-1]
+    assert isinstance(refused, Rejected) and refused.reregister and "live connection" in refused.error
+    wire.receive(b"thief", Heartbeat("a-0", 0, draining=True))
+    wire.receive(b"thief", Deregister("a-0"))
+    replica = wire.coordinator.registry.replicas["a-0"]
+    assert replica.identity == b"real" and not replica.draining
+    assert wire.coordinator.forged.count == 3
+
+
+async def test_outputs_count_only_from_the_replica_that_was_sent_the_request() -> None:
+    wire = Wire(chain("a", "b"))
+    wire.register(b"A", "a", "a-0")
+    wire.register(b"B", "b", "b-0")
+    state = wire.coordinator.dispatcher.submit({}, {}, 10.0, False)
+    forged = Output(state.rid, "b", "b-0", {}, 0, True, final=True)
+    wire.receive(b"A", forged, bytes(codec.encode("forged")))  # another connection's name
+    wire.receive(b"B", forged, bytes(codec.encode("forged")))  # b-0 was not sent this request
+    assert not state.future.done()
+    assert isinstance(wire.replies(b"B")[-1], Abort)
+    wire.receive(b"A", Output(state.rid, "a", "a-0", {"b": item("x")}, 0, True))
+    wire.receive(b"B", forged, bytes(codec.encode("true")))
+    assert await state.future == "true"
+
+
+async def test_messages_from_an_unknown_replica_ask_it_to_register_or_release() -> None:
+    wire = Wire(chain("a"))
+    wire.receive(b"ghost", Heartbeat("a-9", 0))
+    wire.receive(b"ghost", Error("rid", "a", "a-9", "late"))
+    reregister, release = wire.replies(b"ghost")
+    assert isinstance(reregister, Rejected) and reregister.reregister
+    assert isinstance(release, Abort) and release.rid == "rid"
+    wire.receive(b"ghost", Drained("a-9"))  # only the coordinator sends this
+    assert wire.coordinator.malformed == 1
