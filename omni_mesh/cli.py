@@ -63,6 +63,7 @@ def format_summary(topology: Topology) -> str:
         lines.append(
             f"  {stage.stage_id}  {stage.name}  replicas={stage.replicas} max_inflight={stage.max_inflight}"
             f"  handler={stage.handler or '-'}" + (f"  [{', '.join(roles)}]" if roles else "")
+            + f"  max_queued={stage.queue_limit()}" + ("" if stage.max_queued is not None else " (default)")
         )
     lines.append(f"edges ({len(topology.edges)}):")
     for edge in topology.edges:

@@ -24,6 +24,7 @@ from omni_mesh.connectors import ConnectorConfigError, available_connectors, con
 
 __all__ = [
     "AUTO_CONNECTOR",
+    "QUEUE_FACTOR",
     "ConnectorSpec",
     "EdgeSpec",
     "StageSpec",
@@ -37,6 +38,11 @@ __all__ = [
 #: The connector created for an edge that names none (unless the file sets `auto_shm: false`).
 AUTO_CONNECTOR = "SharedMemoryConnector"
 
+#: A stage without `max_queued` holds at most this many times its total max_inflight waiting:
+#: enough to keep every replica busy through a burst, small enough that a client gets 429 in time
+#: to go elsewhere instead of waiting out its deadline in a queue.
+QUEUE_FACTOR = 4
+
 # Stage keys this module interprets; any other key is kept verbatim in StageSpec.options.
 _STAGE_KEYS = frozenset(
     {
@@ -45,6 +51,7 @@ _STAGE_KEYS = frozenset(
         "handler",
         "replicas",
         "max_inflight",
+        "max_queued",
         "final_output",
         "engine_input_source",
         "input_connectors",
@@ -85,9 +92,19 @@ class StageSpec:
     handler: str | None
     replicas: int = 1
     max_inflight: int = 8
+    #: Requests that may wait for a free replica of this stage; None: QUEUE_FACTOR x total max_inflight.
+    max_queued: int | None = None
     final_output: bool = False
     #: Stage keys omni-mesh does not interpret (vllm-omni's engine_args, runtime, ...), kept verbatim.
     options: dict = field(default_factory=dict, hash=False)
+
+    def queue_limit(self, running_capacity: int = 0) -> int:
+        """How many requests may wait for this stage: `max_queued`, or QUEUE_FACTOR x its total
+        max_inflight. `running_capacity` is the slots of the replicas registered now, which a
+        compose `--scale` can make more than `replicas` x `max_inflight`; the larger one counts."""
+        if self.max_queued is not None:
+            return self.max_queued
+        return QUEUE_FACTOR * max(self.replicas * self.max_inflight, running_capacity)
 
 
 @dataclass(frozen=True)
@@ -163,6 +180,7 @@ class Topology:
                     "handler": stage.handler,
                     "replicas": stage.replicas,
                     "max_inflight": stage.max_inflight,
+                    "max_queued": stage.max_queued,
                     "final_output": stage.final_output,
                     "entry": stage.stage_id in entries,
                     "final": stage.stage_id in finals,
@@ -646,6 +664,7 @@ def _parse_stage(entry: Any, index: int, defaults: dict[str, int]) -> StageSpec:
         max_inflight=_positive_int(
             entry.get("max_inflight", defaults.get("max_inflight", 8)), f"{who}: max_inflight"
         ),
+        max_queued=_optional_count(entry.get("max_queued"), f"{who}: max_queued"),
         final_output=final_output,
         options={key: value for key, value in entry.items() if key not in _STAGE_KEYS},
     )
@@ -675,6 +694,15 @@ def _parse_connector_entry(entry: Any, ref: str, who: str) -> ConnectorSpec:
 def _positive_int(value: Any, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise TopologyError(f"{what} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _optional_count(value: Any, what: str) -> int | None:
+    """An optional integer >= 0 (null or absent: the default applies)."""
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise TopologyError(f"{what} must be an integer >= 0 (0: never queue), got {value!r}; or leave it out")
     return value
 
 

@@ -267,6 +267,7 @@ def test_to_dict_is_json_and_complete() -> None:
         "handler": "topology_demo_handlers:thinker",
         "replicas": 2,
         "max_inflight": 4,
+        "max_queued": None,
         "final_output": False,
         "entry": True,
         "final": False,
@@ -661,6 +662,52 @@ def test_counts_must_be_positive_integers(key: str, value: object) -> None:
           - {{stage_id: 3, name: talker, engine_input_source: [0], {key}: {json.dumps(value)}}}
     """)
     assert f"stage 3 'talker': {key} must be an integer >= 1" in message
+
+
+def test_max_queued_is_optional_and_defaults_to_four_times_the_stage_capacity() -> None:
+    topo = parse("""
+        stages:
+          - {stage_id: 0, name: thinker, replicas: 2, max_inflight: 3}
+          - {stage_id: 1, name: talker, engine_input_source: [0], max_queued: 5}
+          - {stage_id: 2, name: code2wav, engine_input_source: [1], max_queued: 0}
+    """)
+    thinker, talker, code2wav = topo.stages
+    assert (thinker.max_queued, talker.max_queued, code2wav.max_queued) == (None, 5, 0)
+    assert thinker.queue_limit() == 4 * 2 * 3
+    # Replicas scaled past the topology's count (compose --scale) raise the default, not a set value.
+    assert thinker.queue_limit(running_capacity=10 * 3) == 4 * 30
+    assert thinker.queue_limit(running_capacity=1) == 4 * 2 * 3
+    assert talker.queue_limit(running_capacity=100) == 5
+    assert code2wav.queue_limit() == 0
+    assert [stage["max_queued"] for stage in topo.to_dict()["stages"]] == [None, 5, 0]
+
+
+@pytest.mark.parametrize("value", [-1, "2", True, 1.5, [1]])
+def test_max_queued_must_be_a_non_negative_integer(value: object) -> None:
+    message = error_of(f"""
+        stages:
+          - {{stage_id: 0, name: thinker}}
+          - {{stage_id: 3, name: talker, engine_input_source: [0], max_queued: {json.dumps(value)}}}
+    """)
+    assert "stage 3 'talker': max_queued must be an integer >= 0" in message
+    assert repr(value) in message
+
+
+def test_validate_summary_shows_each_stage_queue_limit() -> None:
+    from omni_mesh.cli import format_summary
+
+    summary = format_summary(parse("""
+        stages:
+          - {stage_id: 0, name: thinker, replicas: 2, max_inflight: 3}
+          - {stage_id: 1, name: talker, engine_input_source: [0], max_queued: 5}
+    """))
+    assert "max_queued=24 (default)" in summary.splitlines()[2]
+    assert summary.splitlines()[3].endswith("max_queued=5")
+
+
+def test_max_queued_is_not_passed_on_as_an_unknown_option() -> None:
+    topo = parse("stages: [{stage_id: 0, max_queued: 2}]")
+    assert topo.stage(0).options == {}
 
 
 @pytest.mark.parametrize("value", ['"0"', "1.5", "true", "-1", "null"])
