@@ -13,6 +13,7 @@ import ctypes
 import logging
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -77,6 +78,9 @@ class Launcher:
         ready_timeout_s: float = 60.0,
         grace_s: float = 10.0,
         coordinator_args: list[str] | None = None,
+        api_key: str | None = None,
+        ssl_certfile: str | None = None,
+        ssl_keyfile: str | None = None,
     ) -> None:
         if topology.path is None:
             raise ValueError("omni-mesh up needs a topology file")
@@ -89,7 +93,10 @@ class Launcher:
         self.port = port
         self.ready_timeout_s = ready_timeout_s
         self.grace_s = grace_s
-        self.url = f"http://{host}:{port}"
+        self.url = f"{'https' if ssl_certfile else 'http'}://{host}:{port}"
+        self.api_key = api_key  # the coordinator inherits it through the environment (OMNI_MESH_API_KEY)
+        self.ssl_certfile = ssl_certfile
+        tls = ["--ssl-certfile", ssl_certfile, "--ssl-keyfile", ssl_keyfile or ""] if ssl_certfile else []
         self.control = f"tcp://127.0.0.1:{free_port()}"
         self._stop = threading.Event()
         path = str(topology.path)
@@ -97,7 +104,7 @@ class Launcher:
         self.coordinator = Child(
             "coordinator",
             [*python, "coordinator", path, "--host", host, "--port", str(port), "--control", self.control,
-             "--grace-s", str(grace_s), *(coordinator_args or [])],
+             "--grace-s", str(grace_s), *tls, *(coordinator_args or [])],
         )
         self.replicas = [
             Child(
@@ -136,7 +143,8 @@ class Launcher:
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
         last = "no answer yet"
-        with httpx.Client(timeout=2.0) as client:
+        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        with httpx.Client(timeout=2.0, headers=headers, verify=self._trust()) as client:
             while time.monotonic() < deadline and not self._stop.is_set():
                 for child in self.children:
                     if not child.running():
@@ -152,13 +160,27 @@ class Launcher:
         if not self._stop.is_set():
             raise RuntimeError(f"mesh not ready after {self.ready_timeout_s:.0f} s: {last}")
 
+    def _trust(self) -> ssl.SSLContext | bool:
+        """Over HTTPS, trust exactly the certificate we gave the coordinator: the poll goes to the
+        address it binds, which the certificate need not name (it may be a public host name)."""
+        if not self.ssl_certfile:
+            return True
+        context = ssl.create_default_context(cafile=self.ssl_certfile)
+        context.check_hostname = False
+        context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # the leaf itself is the trust anchor
+        return context
+
     def announce(self) -> None:
         sample = '{"inputs": {"prompt": "Hello, omni-mesh!"}, "timeout_s": 30}'
+        # The key itself is never printed: the line tells the shell to take it from the environment.
+        curl = "curl -s" + (f" --cacert {self.ssl_certfile}" if self.ssl_certfile else "")
+        curl += ' -H "Authorization: Bearer $OMNI_MESH_API_KEY"' if self.api_key else ""
+        docs = f"{self.url}/docs" + (" (send the key: a browser alone gets 401)" if self.api_key else "")
         print(
             f"\nomni-mesh {self.topology.name!r} is ready at {self.url}\n"
-            f"  send a request:  curl -s {self.url}/v1/requests -H 'content-type: application/json' -d '{sample}'\n"
-            f"  replicas:        curl -s {self.url}/v1/stages\n"
-            f"  API docs:        {self.url}/docs\n"
+            f"  send a request:  {curl} {self.url}/v1/requests -H 'content-type: application/json' -d '{sample}'\n"
+            f"  replicas:        {curl} {self.url}/v1/stages\n"
+            f"  API docs:        {docs}\n"
             f"Ctrl-C stops everything.\n",
             flush=True,
         )
@@ -207,7 +229,19 @@ class Launcher:
                 child.process.wait()
 
 
-def run_up(topology: Topology, *, host: str, port: int, coordinator_args: list[str] | None = None) -> int:
+def run_up(
+    topology: Topology,
+    *,
+    host: str,
+    port: int,
+    coordinator_args: list[str] | None = None,
+    api_key: str | None = None,
+    ssl_certfile: str | None = None,
+    ssl_keyfile: str | None = None,
+) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per /ready poll is noise
-    return Launcher(topology, host=host, port=port, coordinator_args=coordinator_args).run()
+    return Launcher(
+        topology, host=host, port=port, coordinator_args=coordinator_args,
+        api_key=api_key, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
+    ).run()

@@ -29,7 +29,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from omni_mesh import aio, codec, control, ingress
+from omni_mesh import aio, codec, control, ingress, logs
 from omni_mesh.connectors import OmniConnectorBase, create_connector
 from omni_mesh.control import (
     Abort,
@@ -140,6 +140,7 @@ class _Work:
     task: asyncio.Task | None = None
     stream: _ChunkStream | None = None
     transfer_s: float = 0.0
+    edges: dict[str, dict[str, float]] = field(default_factory=dict)  # dst -> {bytes, put_s} put so far
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -401,7 +402,8 @@ class StageReplica:
 
     # ------------------------------------------------------------------ running one request
 
-    async def _run(self, work: _Work, message: dict) -> None:
+    async def _run(self, work: _Work, message: Work) -> None:
+        logs.request_id.set(work.rid)  # this task's own context: every line logged for it names the request
         deadline = asyncio.timeout_at(work.ctx.deadline)
         try:
             async with deadline:
@@ -418,6 +420,8 @@ class StageReplica:
                         result = await result
                     await self._emit(work, result, 0, streaming=False)
             self.processed += 1
+            log.debug("stage %s finished request %s in %.1f ms", self.stage.name, work.rid,
+                      (time.perf_counter() - work.started) * 1000)
         except asyncio.CancelledError:
             pass  # aborted by the coordinator, which already answered the client
         except Exception as exc:
@@ -491,7 +495,12 @@ class StageReplica:
         key = f"{work.rid}/{seq}"
         if not end:
             for dst, edge in self.out_edges.items():
-                edges[dst] = {"key": key, "meta": await self._put(edge, dst, key, data)}
+                put_started = time.perf_counter()
+                meta, size = await self._put(edge, dst, key, data)
+                edges[dst] = {"key": key, "meta": meta}
+                sent = work.edges.setdefault(dst, {"bytes": 0, "put_s": 0.0})
+                sent["bytes"] += size
+                sent["put_s"] += time.perf_counter() - put_started
         extra: list[Any] = []
         if self.is_final and not end:
             frame = await loop.run_in_executor(self.executor, codec.encode, data)
@@ -509,20 +518,26 @@ class StageReplica:
         )
         await self._send(message, *extra)
 
-    async def _put(self, edge: EdgeSpec, dst: str, key: str, data: Any) -> Any:
+    async def _put(self, edge: EdgeSpec, dst: str, key: str, data: Any) -> tuple[Any, int]:
+        """Put `data` on `edge`: (the metadata the consumer needs, the payload's size)."""
         connector = self.connectors[edge.connector.ref]
         loop = asyncio.get_running_loop()
         try:
-            ok, _size, meta = await loop.run_in_executor(self.executor, connector.put, self.stage.name, dst, key, data)
+            ok, size, meta = await loop.run_in_executor(self.executor, connector.put, self.stage.name, dst, key, data)
         except Exception as exc:
             raise RuntimeError(f"put of {key!r} on edge {edge.label} ({edge.connector.name}) failed: {exc}") from exc
         if not ok:
             raise RuntimeError(f"put of {key!r} on edge {edge.label} ({edge.connector.name}) failed")
-        return meta
+        return meta, size
 
-    def _timings(self, work: _Work) -> dict[str, float]:
+    def _timings(self, work: _Work) -> dict[str, Any]:
         total = time.perf_counter() - work.started
-        return {"transfer_s": work.transfer_s, "handler_s": max(0.0, total - work.transfer_s), "total_s": total}
+        timings: dict[str, Any] = {
+            "transfer_s": work.transfer_s, "handler_s": max(0.0, total - work.transfer_s), "total_s": total,
+        }
+        if work.edges:
+            timings["edges"] = work.edges
+        return timings
 
 
 async def serve_stage(topology: Topology, stage_name: str, coordinator: str, **options: Any) -> None:

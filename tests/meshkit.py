@@ -14,6 +14,7 @@ import ctypes
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -82,12 +83,22 @@ def descendants(root: int) -> set[int]:
 class Mesh:
     """One running `omni-mesh up`, with an HTTP client and the bookkeeping its checks need."""
 
-    def __init__(self, process: subprocess.Popen, url: str, topology: Path, log: Path) -> None:
+    def __init__(
+        self,
+        process: subprocess.Popen,
+        url: str,
+        topology: Path,
+        log: Path,
+        *,
+        headers: dict[str, str] | None = None,
+        verify: ssl.SSLContext | bool = True,
+    ) -> None:
         self.process = process
         self.url = url
         self.topology = topology
         self.log_path = log
-        self.client = httpx.Client(base_url=url, timeout=60.0)
+        # headers: e.g. the API key; verify: the context that trusts a mesh's self-signed certificate.
+        self.client = httpx.Client(base_url=url, timeout=60.0, headers=headers, verify=verify)
         self.shm_before = set(list_segments())
         # pid -> start time of every process of this mesh we have seen (a restarted stage adds one).
         self.processes: dict[int, int] = {}
@@ -223,21 +234,33 @@ def up_command(topology: Path, port: int, *extra: str) -> list[str]:
     return [str(OMNI_MESH), "up", str(topology), "--port", str(port), *extra]
 
 
-def start_mesh(directory: Path, topology: dict | str | Path, *extra: str) -> Mesh:
-    """`omni-mesh up` on `topology` (written into `directory`), ready to serve."""
+def start_mesh(
+    directory: Path,
+    topology: dict | str | Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    headers: dict[str, str] | None = None,
+    verify: ssl.SSLContext | bool = True,
+    scheme: str = "http",
+) -> Mesh:
+    """`omni-mesh up` on `topology` (written into `directory`), ready to serve.
+
+    `env` is added to this process's environment for `up`; `headers` and `verify` go to the mesh's
+    HTTP client and `scheme` into its URL (an API key, a mesh serving HTTPS)."""
     path = write_topology(directory, topology)
     port = free_port()
     log = directory / "mesh.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
             up_command(path, port, *extra),
+            env={**os.environ, **env} if env else None,
             cwd=directory,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
             preexec_fn=_parent_death_signal,
         )
-    mesh = Mesh(process, f"http://127.0.0.1:{port}", path, log)
+    mesh = Mesh(process, f"{scheme}://127.0.0.1:{port}", path, log, headers=headers, verify=verify)
     try:
         mesh.wait_ready()
         mesh.remember_tree()
@@ -251,10 +274,11 @@ def start_mesh(directory: Path, topology: dict | str | Path, *extra: str) -> Mes
 
 @contextlib.contextmanager
 def running_mesh(
-    directory: Path, topology: dict | str | Path, *extra: str, sig: signal.Signals = signal.SIGINT
+    directory: Path, topology: dict | str | Path, *extra: str, sig: signal.Signals = signal.SIGINT, **options: Any
 ) -> Iterator[Mesh]:
-    """A mesh for a `with` block or a fixture: stopped with `sig` and checked afterwards."""
-    mesh = start_mesh(directory, topology, *extra)
+    """A mesh for a `with` block or a fixture: stopped with `sig` and checked afterwards.
+    `options` are start_mesh's keywords (env, headers, verify, scheme)."""
+    mesh = start_mesh(directory, topology, *extra, **options)
     try:
         yield mesh
     except BaseException:

@@ -8,17 +8,22 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
+from omni_mesh.coordinator import envelope
+from omni_mesh.coordinator.auth import ApiKey
 from omni_mesh.coordinator.dispatch import RequestFailed, RequestState
+from omni_mesh.coordinator.envelope import error_response, responses
+from omni_mesh.coordinator.http_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, BodyLimit, read_deadlines
 from omni_mesh.coordinator.jsonable import jsonable
+from omni_mesh.coordinator.request_body import RequestBody, unpackable
 from omni_mesh.coordinator.service import Coordinator
 from omni_mesh.topology import Topology
 
@@ -26,59 +31,22 @@ log = logging.getLogger("omni_mesh.coordinator")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 CLIENT_GONE = 499
+#: Retry-After of a 429: a queue drains at the pace of its stage, which we cannot promise; a second
+#: spreads retries out without making a client wait long for a slot that frees soon.
+RETRY_AFTER_S = 1
 
 
-class RequestBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    inputs: dict[str, Any] = Field(default_factory=dict, description="the entry stages' inputs")
-    params: dict[str, Any] = Field(default_factory=dict, description="passed to every handler as ctx.params")
-    timeout_s: float | None = Field(default=None, gt=0, description="deadline; the coordinator's default if unset")
-    stream: bool = Field(default=False, description="answer with server-sent events as the final stage streams")
-
-
-def _error(status: int, message: str, stage: str | None = None, rid: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": message, "stage": stage, "request_id": rid})
+class ReadyBody(BaseModel):
+    ready: bool
+    missing: list[str] = Field(description="what keeps the mesh from serving: stages without a healthy replica, edges")
+    error: str | None = Field(default=None, description="when not ready: the same, in one sentence")
+    stage: str | None = None
+    request_id: str | None = None
 
 
-class BodyLimit:
-    """Answer 413 to request bodies over `limit` bytes, declared or streamed, before anything parses them."""
-
-    def __init__(self, app: Callable[..., Awaitable[None]], limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._too_large(scope, receive, send)
-            return
-        messages, total = [], 0
-        while True:
-            message = await receive()
-            messages.append(message)
-            total += len(message.get("body", b""))
-            if total > self.limit:
-                await self._too_large(scope, receive, send)
-                return
-            if message["type"] != "http.request" or not message.get("more_body"):
-                break
-        replay = iter(messages)
-
-        async def replayed() -> dict:
-            return next(replay, None) or await receive()
-
-        await self.app(scope, replayed, send)
-
-    async def _too_large(self, scope: dict, receive: Callable, send: Callable) -> None:
-        response = _error(413, f"request body exceeds {self.limit} bytes")
-        await response(scope, receive, send)
-
-
-def create_app(coordinator: Coordinator, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def create_app(
+    coordinator: Coordinator, *, max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None
+) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await coordinator.start()
@@ -88,25 +56,59 @@ def create_app(coordinator: Coordinator, *, max_body_bytes: int = MAX_BODY_BYTES
             await coordinator.stop()
 
     app = FastAPI(title="omni-mesh coordinator", version="0.1.0", lifespan=lifespan)
+    envelope.install(app)
     dispatcher = coordinator.dispatcher
     registry = coordinator.registry
 
-    @app.post("/v1/requests", summary="run one request through the pipeline")
+    @app.post(
+        "/v1/requests",
+        summary="run one request through the pipeline",
+        responses=responses(401, 413, 422, 429, 500, 502, 504),
+    )
     async def submit(body: RequestBody) -> Any:
         timeout_s = body.timeout_s or coordinator.default_timeout_s
         if timeout_s > coordinator.max_timeout_s:
-            return _error(422, f"timeout_s {timeout_s} exceeds the maximum of {coordinator.max_timeout_s}")
-        state = dispatcher.submit(body.inputs, body.params, timeout_s, body.stream)
+            return error_response(
+                422, f"timeout_s: {timeout_s:g} s exceeds the maximum of {coordinator.max_timeout_s:g} s",
+                field="timeout_s",
+            )
+        bad = unpackable(body.inputs, body.params)
+        if bad is not None:
+            return error_response(422, f"{bad[0]}: {bad[1]}", field=bad[0])
+        full = _full_stage()
+        if full is not None:
+            stage, limit = full
+            return error_response(
+                429,
+                f"stage {stage!r} has {limit} request(s) waiting for a free replica, its limit "
+                "(max_queued); retry later, or add replicas",
+                stage=stage,
+                headers={"retry-after": str(RETRY_AFTER_S)},
+            )
+        try:  # inputs too large for a control message go to the entry stages through a connector
+            state = await dispatcher.admit(body.inputs, body.params, timeout_s, body.stream)
+        except RequestFailed as exc:
+            return error_response(exc.status, exc.message, stage=exc.stage)
         if body.stream:
             return StreamingResponse(_events(state), media_type="text/event-stream")
         try:
             outputs = await state.future
         except RequestFailed as exc:
-            return _error(exc.status, exc.message, exc.stage, state.rid)
+            return error_response(exc.status, exc.message, stage=exc.stage, rid=state.rid)
         except asyncio.CancelledError:
             dispatcher.fail(state, RequestFailed(CLIENT_GONE, "the client went away", None))
             raise
         return _result(state, outputs)
+
+    def _full_stage() -> tuple[str, int] | None:
+        """The first stage whose queue is at its limit, and the limit. Work of requests already
+        admitted may still push a queue past it: they are never refused midway."""
+        for stage in coordinator.topology.stages:
+            running = sum(replica.max_inflight for replica in registry.of_stage(stage.name))
+            limit = stage.queue_limit(running)
+            if len(dispatcher.queues[stage.name]) >= limit:
+                return stage.name, limit
+        return None
 
     def _result(state: RequestState, outputs: Any) -> dict:
         return {
@@ -133,7 +135,7 @@ def create_app(coordinator: Coordinator, *, max_body_bytes: int = MAX_BODY_BYTES
             if state.rid in dispatcher.requests:
                 dispatcher.fail(state, RequestFailed(CLIENT_GONE, "the client went away", None))
 
-    @app.get("/health", summary="200 while the coordinator runs")
+    @app.get("/health", summary="200 while the coordinator runs (no API key needed)")
     async def health() -> dict:
         return {
             "status": "ok",
@@ -141,20 +143,33 @@ def create_app(coordinator: Coordinator, *, max_body_bytes: int = MAX_BODY_BYTES
             "completed": dispatcher.completed,
             "failed": dispatcher.failed,
             "malformed_messages": coordinator.malformed,
+            "refused_peers": coordinator.refused_peers.count,  # handshakes without this mesh's keys
+            "forged_messages": coordinator.forged.count,  # sent in another connection's replica's name
+            "ingress": dispatcher.ingress.health() if dispatcher.ingress else None,
         }
 
-    @app.get("/ready", summary="200 when every stage and edge can work, else 503 saying what is missing")
+    @app.get(
+        "/ready",
+        summary="200 when every stage and edge can work, else 503 saying what is missing",
+        responses={**responses(401), 503: {"model": ReadyBody, "description": envelope.MEANINGS[503]}},
+    )
     async def ready() -> JSONResponse:
         missing = registry.readiness()
         if missing:
-            return JSONResponse(status_code=503, content={"ready": False, "missing": missing})
+            error = f"not ready: {'; '.join(missing)}"
+            body = ReadyBody(ready=False, missing=missing, error=error)
+            return JSONResponse(status_code=503, content=body.model_dump())
         return JSONResponse(content={"ready": True, "missing": []})
 
-    @app.get("/v1/topology", summary="stages, edges and the connector of each edge")
+    @app.get("/v1/topology", summary="stages, edges and the connector of each edge", responses=responses(401))
     async def topology() -> dict:
         return coordinator.topology.to_dict()
 
-    @app.get("/v1/stages", summary="each stage's replicas with health, in-flight work and counters")
+    @app.get(
+        "/v1/stages",
+        summary="each stage's replicas with health, in-flight work and counters",
+        responses=responses(401),
+    )
     async def stages() -> dict:
         now = time.monotonic()
         return {
@@ -172,6 +187,8 @@ def create_app(coordinator: Coordinator, *, max_body_bytes: int = MAX_BODY_BYTES
         }
 
     app.add_middleware(BodyLimit, limit=max_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKey, key=api_key)  # added last: runs first, before any body is read
     return app
 
 
@@ -182,23 +199,41 @@ def _sse(event: str, data: dict) -> str:
 async def serve(
     topology: Topology,
     *,
-    host: str = "0.0.0.0",
+    host: str = "127.0.0.1",
     port: int = 8000,
     control: str = "tcp://0.0.0.0:5555",
     default_timeout_s: float = 30.0,
     heartbeat_timeout_s: float = 5.0,
     grace_s: float = 10.0,
+    api_key: str | None = None,
+    ssl_keyfile: str | None = None,
+    ssl_certfile: str | None = None,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
+    body_timeout_s: float = BODY_TIMEOUT_S,
 ) -> None:
     """Run the coordinator until SIGINT/SIGTERM; in-flight requests get `grace_s` to finish."""
     coordinator = Coordinator(
         topology, control, default_timeout_s=default_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s
     )
-    app = create_app(coordinator)
+    app = create_app(coordinator, api_key=api_key)
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace_s, access_log=False
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        timeout_graceful_shutdown=grace_s,
+        access_log=False,
+        http=read_deadlines(header_timeout_s, body_timeout_s),
+        ws="none",  # no WebSocket routes: an upgrade request is answered as plain HTTP
+        ssl_keyfile=ssl_keyfile,
+        ssl_certfile=ssl_certfile,
     )
     server = uvicorn.Server(config)
-    log.info("coordinator for topology %r on http://%s:%d", topology.name, host, port)
+    scheme = "https" if ssl_certfile else "http"
+    log.info(
+        "coordinator for topology %r on %s://%s:%d (API key %s)",
+        topology.name, scheme, host, port, "required" if api_key else "not set: every client is admitted",
+    )
     # uvicorn re-raises the signal that stopped it once it has shut down gracefully, so SIGTERM (a
     # container stop, `omni-mesh up` shutting down) would end the process with status 143 after a
     # clean shutdown. Catch that re-raised SIGTERM: a graceful stop exits 0, like a stage replica's.

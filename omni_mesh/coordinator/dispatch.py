@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import time
 import uuid
 from collections import deque
@@ -31,6 +32,8 @@ log = logging.getLogger("omni_mesh.coordinator")
 
 #: Params travel in every stage's work message: they must stay small (large data goes in inputs).
 MAX_PARAMS_BYTES = 256 * 1024
+#: A client's X-Request-Id becomes the request's id when it is this tame (it ends up in connector keys).
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 
 class RequestFailed(Exception):
@@ -66,6 +69,7 @@ class RequestState:
     events: asyncio.Queue | None = None
     timings: dict[str, dict] = field(default_factory=dict)
     large_inputs: Any = None  # inputs held by the ingress connector (put again for a retried entry stage)
+    first_chunk_s: float | None = None  # admission to the first streamed final output
 
     def location(self) -> str:
         if self.at:
@@ -88,18 +92,29 @@ class Dispatcher:
         self.completed = 0
         self.failed = 0
         self.ingress: Ingress | None = None  # set once the control endpoint is bound
+        #: Told of every request that ends, with its status (200 or the failure's): the metrics.
+        self.observer: Callable[[RequestState, int], None] | None = None
 
     # ------------------------------------------------------------------ intake
 
-    async def admit(self, inputs: Any, params: dict, timeout_s: float, stream: bool) -> RequestState:
+    def new_rid(self, wanted: str | None = None) -> str:
+        """The client's request id (X-Request-Id) when it is usable as one, else a fresh one: it names
+        the request in every log line and connector key, so it must be unique among running requests."""
+        if wanted and _REQUEST_ID.fullmatch(wanted) and wanted not in self.requests:
+            return wanted
+        return uuid.uuid4().hex
+
+    async def admit(
+        self, inputs: Any, params: dict, timeout_s: float, stream: bool, *, rid: str | None = None
+    ) -> RequestState:
         """Submit a request of any size up to the REST limit: inputs too large for a control message
         go to the entry stages through the ingress connector. RequestFailed for params too large."""
         params_size = len(msgpack.packb(params))
         if params_size > MAX_PARAMS_BYTES:
             raise RequestFailed(413, f"params of {params_size} bytes exceed {MAX_PARAMS_BYTES}: put large data in inputs")
+        rid = self.new_rid(rid)
         if self.ingress is None or len(msgpack.packb(inputs)) <= INLINE_MAX_BYTES:
-            return self.submit(inputs, params, timeout_s, stream)
-        rid = uuid.uuid4().hex
+            return self.submit(inputs, params, timeout_s, stream, rid=rid)
         refs = {entry.name: await self.ingress.put(rid, entry.name, inputs) for entry in self.topology.entry_stages}
         return self.submit(inputs, params, timeout_s, stream, rid=rid, inputs_refs=refs)
 
@@ -254,6 +269,8 @@ class Dispatcher:
             self.fail(state, RequestFailed(502, f"stage {stage!r} sent an unreadable output: {exc}", stage))
             return
         if streamed:
+            if state.first_chunk_s is None:
+                state.first_chunk_s = time.perf_counter() - state.created
             state.chunks.setdefault(stage, []).append(value)
             if state.events is not None:
                 state.events.put_nowait(("chunk", stage, value))
@@ -279,6 +296,7 @@ class Dispatcher:
         else:
             outputs = {name: state.outputs.get(name) for name in self.final_names}
         self.completed += 1
+        self._observe(state, 200)
         state.future.set_result(outputs)
         if state.events is not None:
             state.events.put_nowait(("done", None, outputs))
@@ -306,6 +324,9 @@ class Dispatcher:
             return
         self.failed += 1
         self._release_inputs(state)
+        self._observe(state, error.status)
+        log.warning("request %s failed with %d%s: %s", state.rid, error.status,
+                    f" at stage {error.stage!r}" if error.stage else "", error.message, extra={"request_id": state.rid})
         for replica_id in state.touched:
             replica = self.registry.replicas.get(replica_id)
             if replica is not None:
@@ -374,6 +395,13 @@ class Dispatcher:
         if state.rid in self.requests:
             state.work[message.stage] = message
             self._place(state, message)
+
+    def _observe(self, state: RequestState, status: int) -> None:
+        if self.observer is not None:
+            try:
+                self.observer(state, status)
+            except Exception:  # metrics must never fail a request
+                log.exception("request %s: recording metrics failed", state.rid)
 
     def _release_inputs(self, state: RequestState) -> None:
         if state.large_inputs is not None and self.ingress is not None:

@@ -1,0 +1,143 @@
+"""Limits on what one HTTP client may cost the coordinator: time to send a request, and its size.
+
+uvicorn bounds idle keep-alive connections, but not a request that is still arriving: a client that
+sends half a header, or trickles a body a byte at a time, holds its connection (and the task that
+waits for the body) for as long as it likes, and a few hundred such clients wedge the front door.
+`ReadDeadlines` gives every request two deadlines, checked below the ASGI app so they hold for every
+route, whether or not it reads the body:
+
+- headers: from the connection's start (or the first byte of the next request on a kept-alive one)
+  until the headers are complete;
+- body: from the end of the headers until the body is complete.
+
+A request that misses one gets 408 and its connection is closed. `BodyLimit` answers 413 to bodies
+over the size limit before anything parses them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from omni_mesh.coordinator.envelope import error_bytes, error_response
+
+log = logging.getLogger("omni_mesh.coordinator")
+
+HEADER_TIMEOUT_S = 5.0
+BODY_TIMEOUT_S = 10.0
+
+
+class ReadDeadlines(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a deadline on the headers and one on the body of each request."""
+
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._reading: str | None = None  # "headers" | "body" while a request is arriving
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm("headers", self.header_timeout_s)  # a client that connects and sends nothing, too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    # httptools parser callbacks
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._reading is None:  # the next request on a kept-alive connection
+            self._arm("headers", self.header_timeout_s)
+
+    def on_headers_complete(self) -> None:
+        self._arm("body", self.body_timeout_s)
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
+
+    # deadlines
+
+    def _arm(self, part: str, timeout_s: float) -> None:
+        self._disarm()
+        self._reading = part
+        self._deadline = self.loop.call_later(timeout_s, self._expired, part, timeout_s)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = None
+        self._reading = None
+
+    def _expired(self, part: str, timeout_s: float) -> None:
+        self._deadline = None
+        self._reading = None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle if part == "body" else None
+        if cycle is not None and not cycle.response_complete:
+            # The app is waiting for the body: it now reads a disconnect, and anything it answers
+            # is dropped rather than written after our 408.
+            cycle.disconnected = True
+            cycle.message_event.set()
+        if cycle is None or not cycle.response_started:
+            self.transport.write(
+                error_bytes(408, f"the request {part} did not arrive within {timeout_s:g} s; send it faster")
+            )
+        log.debug("closed a connection from %s: request %s not complete after %g s", self.client, part, timeout_s)
+        self.transport.close()
+
+
+def read_deadlines(header_timeout_s: float, body_timeout_s: float) -> type[ReadDeadlines]:
+    """The protocol class to give `uvicorn.Config(http=...)`, with these two deadlines."""
+    if header_timeout_s <= 0 or body_timeout_s <= 0:
+        raise ValueError(f"read timeouts must be > 0 s, got headers {header_timeout_s} s, body {body_timeout_s} s")
+    attributes = {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s}
+    return type("ReadDeadlinesProtocol", (ReadDeadlines,), attributes)
+
+
+class BodyLimit:
+    """Answer 413 to request bodies over `limit` bytes, declared or streamed, before anything parses them."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._too_large(scope, receive, send)
+            return
+        messages, total = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            total += len(message.get("body", b""))
+            if total > self.limit:
+                await self._too_large(scope, receive, send)
+                return
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+        replay = iter(messages)
+
+        async def replayed() -> dict:
+            return next(replay, None) or await receive()
+
+        await self.app(scope, replayed, send)
+
+    async def _too_large(self, scope: dict, receive: Callable, send: Callable) -> None:
+        # The rest of the body is read and dropped below us (a client mid-upload could not read an
+        # answer on a connection closed under it); ReadDeadlines bounds how long that may take.
+        await error_response(413, f"request body exceeds {self.limit} bytes")(scope, receive, send)

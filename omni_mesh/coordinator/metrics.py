@@ -1,0 +1,140 @@
+"""Prometheus metrics of the coordinator (`GET /metrics`), names `omni_mesh_*` in base units.
+
+Events are counted where they happen: HTTP requests by the REST middleware, finished pipeline requests
+(with each stage's queue wait, handler time and per-edge bytes, as the stages report them) by the
+dispatcher. State (replicas, in-flight and queued work, restarts, the connectors' counters from the
+stages' heartbeats) is read from the registry when Prometheus scrapes, so it is never stale.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from omni_mesh.coordinator.dispatch import RequestState
+    from omni_mesh.coordinator.service import Coordinator
+
+__all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
+
+# Latency buckets from 1 ms to 2 min: a no-op hop is ~1 ms, a long generation takes minutes.
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# Connector counters (from `health()`) that only ever grow: exported as counters, the rest as gauges.
+_CONNECTOR_COUNTERS = ("puts", "gets", "bytes_put", "bytes_got", "errors", "expired", "oneoff", "fallbacks")
+
+
+class Metrics:
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.http_requests = Counter(
+            "omni_mesh_http_requests", "HTTP requests answered, by route and status", ["route", "method", "status"], registry=r
+        )
+        self.http_seconds = Histogram(
+            "omni_mesh_http_request_duration_seconds", "HTTP request latency, by route and status",
+            ["route", "method", "status"], buckets=_BUCKETS, registry=r,
+        )
+        self.requests = Counter(
+            "omni_mesh_requests", "pipeline requests finished, by outcome status", ["status"], registry=r
+        )
+        self.request_seconds = Histogram(
+            "omni_mesh_request_duration_seconds", "pipeline request latency, admission to last output",
+            ["status"], buckets=_BUCKETS, registry=r,
+        )
+        self.first_chunk_seconds = Histogram(
+            "omni_mesh_time_to_first_chunk_seconds", "admission to the first streamed output chunk",
+            buckets=_BUCKETS, registry=r,
+        )
+        self.queue_seconds = Histogram(
+            "omni_mesh_stage_queue_wait_seconds", "time waiting for a free replica, per stage", ["stage"],
+            buckets=_BUCKETS, registry=r,
+        )
+        self.service_seconds = Histogram(
+            "omni_mesh_stage_service_seconds", "time in a replica (handler and transfers), per stage", ["stage"],
+            buckets=_BUCKETS, registry=r,
+        )
+        self.edge_bytes = Counter(
+            "omni_mesh_edge_bytes", "payload bytes put on each edge", ["edge", "connector"], registry=r
+        )
+        self.edge_seconds = Counter(
+            "omni_mesh_edge_put_seconds", "time spent putting payloads on each edge", ["edge", "connector"], registry=r
+        )
+        self.registry.register(_StateCollector(coordinator))
+        self._connectors = {
+            f"{coordinator.topology.stage(e.src).name}->{coordinator.topology.stage(e.dst).name}": e.connector.name
+            for e in coordinator.topology.edges
+        }
+
+    def observe_http(self, route: str, method: str, status: int, seconds: float) -> None:
+        self.http_requests.labels(route, method, str(status)).inc()
+        self.http_seconds.labels(route, method, str(status)).observe(seconds)
+
+    def observe_request(self, state: RequestState, status: int) -> None:
+        """A pipeline request ended (the dispatcher calls this once per request)."""
+        self.requests.labels(str(status)).inc()
+        self.request_seconds.labels(str(status)).observe(time.perf_counter() - state.created)
+        if state.first_chunk_s is not None:
+            self.first_chunk_seconds.observe(state.first_chunk_s)
+        for stage, timings in state.timings.items():
+            if "queued_s" in timings:
+                self.queue_seconds.labels(stage).observe(timings["queued_s"])
+            if "total_s" in timings:
+                self.service_seconds.labels(stage).observe(timings["total_s"])
+            for dst, edge in (timings.get("edges") or {}).items():
+                label = f"{stage}->{dst}"
+                connector = self._connectors.get(label, "")
+                self.edge_bytes.labels(label, connector).inc(max(0, int(edge.get("bytes", 0))))
+                self.edge_seconds.labels(label, connector).inc(max(0.0, float(edge.get("put_s", 0.0))))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StateCollector(Collector):
+    """Gauges read at scrape time from the coordinator's registry and dispatcher."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+
+    def collect(self) -> Iterator[Any]:
+        registry, dispatcher = self.coordinator.registry, self.coordinator.dispatcher
+        now = time.monotonic()
+        replicas = GaugeMetricFamily("omni_mesh_stage_replicas", "registered replicas per stage, by health", labels=["stage", "health"])
+        inflight = GaugeMetricFamily("omni_mesh_stage_inflight_requests", "requests a stage's replicas work on", labels=["stage"])
+        queued = GaugeMetricFamily("omni_mesh_stage_queued_requests", "requests waiting for a free replica", labels=["stage"])
+        restarts = CounterMetricFamily("omni_mesh_replica_restarts", "replica restarts seen by the coordinator", labels=["stage", "replica"])
+        counters = CounterMetricFamily(
+            "omni_mesh_connector_events", "connector counters from the replicas' heartbeats",
+            labels=["stage", "replica", "connector", "counter"],
+        )
+        gauges = GaugeMetricFamily(
+            "omni_mesh_connector_state", "connector gauges from the replicas' heartbeats (held payloads, pool bytes)",
+            labels=["stage", "replica", "connector", "gauge"],
+        )
+        for stage in self.coordinator.topology.stages:
+            mine = registry.of_stage(stage.name)
+            by_health: dict[str, int] = {"healthy": 0, "unhealthy": 0, "draining": 0}
+            for replica in mine:
+                health = replica.health(now, registry.heartbeat_timeout_s)
+                by_health[health] = by_health.get(health, 0) + 1
+                restarts.add_metric([stage.name, replica.replica_id], replica.restarts)
+                for ref, report in replica.connectors.items():
+                    if not isinstance(report, dict):
+                        continue
+                    for name, value in report.items():
+                        if isinstance(value, bool) or not isinstance(value, int | float):
+                            continue
+                        family = counters if name in _CONNECTOR_COUNTERS else gauges
+                        family.add_metric([stage.name, replica.replica_id, ref, name], value)
+            for health, count in by_health.items():
+                replicas.add_metric([stage.name, health], count)
+            inflight.add_metric([stage.name], sum(len(r.inflight) for r in mine))
+            queued.add_metric([stage.name], len(dispatcher.queues[stage.name]))
+        inflight_total = GaugeMetricFamily("omni_mesh_requests_inflight", "pipeline requests admitted and not ended")
+        inflight_total.add_metric([], len(dispatcher.requests))
+        yield from (replicas, inflight, queued, restarts, counters, gauges, inflight_total)
