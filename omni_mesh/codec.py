@@ -24,7 +24,7 @@ import math
 import re
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import msgpack
@@ -179,6 +179,49 @@ class FramePlan:
                 _copy_leaf(leaf, view, address + off, 0, length)
                 view.release()
         return self.nbytes
+
+
+def sparse_layout(frame: FramePlan, skip: Collection[int]) -> tuple[list[tuple[int, int, int]], int]:
+    """The frame packed without the leaves numbered in `skip` and without its padding, for a sender
+    that sends those leaves from their own memory beside the packed rest.
+
+    Returns the runs of bytes that remain as (frame start, frame end, offset in the packed region), in
+    frame order, and the packed size. Each run keeps its frame offset modulo ALIGN, so leaves in it
+    stay aligned; the first run starts at 0 and holds the head.
+    """
+    gaps = [
+        (offset, offset + length)
+        for i, (leaf, offset, length) in enumerate(zip(frame.leaves, frame.offsets, frame.lengths, strict=True))
+        if length and (i in skip or type(leaf) is _PagePad)
+    ]
+    runs: list[tuple[int, int, int]] = []
+    pos = start = 0
+    for gap_start, gap_end in [*gaps, (frame.nbytes, frame.nbytes)]:
+        if gap_start > start:
+            at = align(pos) + start % ALIGN
+            runs.append((start, gap_start, at))
+            pos = at + gap_start - start
+        start = gap_end
+    return runs, pos
+
+
+def write_sparse(frame: FramePlan, skip: Collection[int], runs: list[tuple[int, int, int]], address: int) -> None:
+    """Lay the bytes of `runs` (from `sparse_layout(frame, skip)`) at `address`, which the caller
+    guarantees holds the packed size in mapped, writable bytes."""
+    size = runs[-1][2] + runs[-1][1] - runs[-1][0]
+    ctypes.memmove(address, frame.head, len(frame.head))
+    view = memoryview((ctypes.c_char * size).from_address(address)).cast("B")
+    try:
+        run = 0
+        for i, (leaf, offset, length) in enumerate(zip(frame.leaves, frame.offsets, frame.lengths, strict=True)):
+            if not length or i in skip or type(leaf) is _PagePad:
+                continue
+            while runs[run][1] <= offset:
+                run += 1
+            start, _, at = runs[run]
+            _copy_leaf(leaf, view, address, at + offset - start, length)
+    finally:
+        view.release()
 
 
 # Layouts by (header, leaf lengths, pad page offsets): payloads repeat their structure, so a frame's
