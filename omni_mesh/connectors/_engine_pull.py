@@ -17,6 +17,7 @@ from typing import Any
 
 from omni_mesh.codec import FrameError, FramePlan, plan
 from omni_mesh.connectors._checks import check_positive
+from omni_mesh.connectors._held import PendingReleases
 from omni_mesh.connectors._served import ServedConnector
 from omni_mesh.connectors._zmq_channel import ERR, OK, Handler, Reply, frame_text
 from omni_mesh.connectors.base import ConnectorError, edge_key
@@ -30,7 +31,7 @@ class EnginePullConnector(ServedConnector):
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         super().__init__(config)
-        self._orphans: list[tuple[Any, int]] = []  # (unfinished transfer, local offset) after a timeout
+        self._orphans = PendingReleases()  # local slots of transfers unfinished at their deadline
 
     @classmethod
     def _check(cls, cfg: Any) -> None:
@@ -143,8 +144,7 @@ class EnginePullConnector(ServedConnector):
             if unfinished is None:
                 self._slots.free(offset)
             else:  # the engine may still write there: free the slot once it has finished
-                with self._lock:
-                    self._orphans.append((unfinished, offset))
+                self._orphans.add(lambda: self._transfer_done(unfinished), lambda: self._slots.free(offset))
         # The payload is ours now: a lost release only delays the producer's free to its ttl_s.
         with contextlib.suppress(ConnectorError):
             self._side_request(endpoint, b"RELEASE", request, max(deadline, time.monotonic() + 1.0), where)
@@ -160,7 +160,7 @@ class EnginePullConnector(ServedConnector):
 
     def _local_slot(self, size: int, deadline: float, where: str) -> int:
         while True:
-            self._reap_orphans()
+            self._orphans.reap()
             offset = self._slots.allocate(size)
             if offset is not None:
                 return offset
@@ -172,14 +172,3 @@ class EnginePullConnector(ServedConnector):
                     "raise memory_pool_size"
                 )
             time.sleep(0.002)  # other gets finish and free their slots
-
-    def _reap_orphans(self) -> None:
-        with self._lock:
-            if not self._orphans:
-                return
-            keep, done = [], []
-            for orphan in self._orphans:
-                (done if self._transfer_done(orphan[0]) else keep).append(orphan)
-            self._orphans = keep
-        for _, offset in done:
-            self._slots.free(offset)

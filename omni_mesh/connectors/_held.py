@@ -1,5 +1,6 @@
-"""What a producer keeps for its consumers: payloads waiting under their edge key, and the pool slots
-they occupy. Thread-safe bookkeeping only; the memory itself belongs to the connector.
+"""What a connector keeps on behalf of transfers: payloads a producer holds for its consumers (under
+their edge key, in pool slots), and regions a consumer cannot reuse yet because a transfer that timed
+out may still write there. Thread-safe bookkeeping only; the memory itself belongs to the connector.
 """
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,10 +57,13 @@ class HeldTable:
 
     A claimed payload (a consumer is pulling it) that is cleaned up or replaced by a new put of the
     same key is retired, not freed: its slot is freed when the reader releases it or at expiry.
+    With `expire_claimed=False` a claimed payload never expires: its reader is a local transfer with
+    a deadline of its own, which must finish before the memory goes.
     """
 
-    def __init__(self, ttl_s: float) -> None:
+    def __init__(self, ttl_s: float, *, expire_claimed: bool = True) -> None:
         self.ttl_s = ttl_s
+        self._expire_claimed = expire_claimed
         self._items: dict[str, Held] = {}
         self._retired: dict[tuple[str, str], Held] = {}
         self._lock = threading.Lock()
@@ -97,24 +102,43 @@ class HeldTable:
                 del self._items[key]
             return found
 
-    def claim(self, key: str, token: str) -> Held | str:
-        """Mark the payload as being read: it stays until released (or expired)."""
+    def claim(self, key: str, token: str, *, exclusive: bool = False) -> Held | str:
+        """Mark the payload as being read: it stays until released (or expired). `exclusive`: refuse
+        a payload another reader has claimed."""
         with self._lock:
             found = self._find(key, token)
             if isinstance(found, Held):
+                if exclusive and found.claimed:
+                    return "another consumer is reading this payload"
                 found.claimed = True
                 found.touched = time.monotonic()
             return found
+
+    def unclaim(self, key: str, token: str) -> Held | None:
+        """The reader gave up: the payload waits again, or, if it was retired meanwhile, is returned
+        to be freed by the caller."""
+        with self._lock:
+            retired = self._retired.pop((key, token), None)
+            if retired is not None:
+                return retired
+            held = self._items.get(key)
+            if held is not None and held.token == token:
+                held.claimed = False
+                held.touched = time.monotonic()
+            return None
 
     def pop_expired(self, now: float) -> list[Held]:
         if self.ttl_s <= 0:
             return []
         with self._lock:
-            stale = [key for key, held in self._items.items() if now - held.touched > self.ttl_s]
+            stale = [key for key, held in self._items.items() if self._stale(held, now)]
             expired = [self._items.pop(key) for key in stale]
-            stale_retired = [ref for ref, held in self._retired.items() if now - held.touched > self.ttl_s]
+            stale_retired = [ref for ref, held in self._retired.items() if self._stale(held, now)]
             expired += [self._retired.pop(ref) for ref in stale_retired]
             return expired
+
+    def _stale(self, held: Held, now: float) -> bool:
+        return now - held.touched > self.ttl_s and (self._expire_claimed or not held.claimed)
 
     def pop_matching(self, key: str) -> list[Held]:
         """Unclaimed payloads whose put_key is `key` or starts with `key/` (claimed ones are retired)."""
@@ -140,3 +164,38 @@ class HeldTable:
     def __len__(self) -> int:
         with self._lock:
             return len(self._items) + len(self._retired)
+
+
+class PendingReleases:
+    """Releases that wait for something to finish, each run once its `done()` says so: memory a
+    timed-out transfer may still write into, or a reply libzmq may still be sending from.
+    Thread-safe; `reap()` from any thread."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[Callable[[], bool], Callable[[], None]]] = []
+        self._lock = threading.Lock()
+
+    def add(self, done: Callable[[], bool], release: Callable[[], None]) -> None:
+        with self._lock:
+            self._items.append((done, release))
+
+    def reap(self) -> None:
+        with self._lock:
+            if not self._items:
+                return
+            finished, keep = [], []
+            for item in self._items:
+                (finished if item[0]() else keep).append(item)
+            self._items = keep
+        for _, release in finished:
+            release()
+
+    def release_all(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for _, release in items:
+            release()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)

@@ -21,8 +21,9 @@ import zmq
 
 from omni_mesh.connectors._addresses import bind_and_advertise, tcp_endpoint
 from omni_mesh.connectors._checks import check_not_negative, check_port, check_positive
+from omni_mesh.connectors._dealers import ChannelClosed, DealerPool
 from omni_mesh.connectors._held import Held, HeldTable, SlotPool
-from omni_mesh.connectors._zmq_channel import OK, ChannelClosed, DealerPool, Handler, RouterServer, frame_text
+from omni_mesh.connectors._zmq_channel import OK, Handler, RouterServer, frame_text
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key, parse_config
 
 _RECENT_ERROR_S = 60.0  # health() reports "degraded" this long after an error
@@ -89,7 +90,13 @@ class ServedConnector(OmniConnectorBase):
                 return
             port = getattr(self.config, self.port_field)
             server = RouterServer(
-                self._ctx, self._bind_host, port, self._serving_handlers(), self._expire, self._name
+                self._ctx,
+                self._bind_host,
+                port,
+                self._serving_handlers(),
+                self._expire,
+                self._name,
+                port_name=self.port_field,
             )
             port = server.start()
             self._server = server

@@ -1,23 +1,25 @@
 """The ZeroMQ side channel between a producer and its consumers.
 
 `RouterServer` answers requests `[op, key, *args]` on one background thread, sending reply frames
-zero-copy; `DealerPool` sends requests from any consumer thread and never reuses a socket whose
-request failed. Replies are `[OK, key, *frames]` or `[ERR, key, reason]`.
+zero-copy; a handler may instead answer later, from another thread (`Deferred`). Replies are
+`[OK, key, *frames]` or `[ERR, key, reason]`. Consumers send requests through a
+`_dealers.DealerPool`.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import errno
+import socket
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from omni_mesh.connectors._addresses import tcp_endpoint
+from omni_mesh.connectors._held import PendingReleases
 from omni_mesh.connectors.base import ConnectorError
 
 _POLL_MS = 50  # server loop granularity: how late a TTL expiry or a stop request may be noticed
@@ -26,16 +28,30 @@ _TICK_S = 0.1
 OK = b"OK"
 ERR = b"ERR"
 
+Answer = Callable[[list[Any]], None]
 Reply = tuple[list[Any], "Callable[[], None] | None"]
-Handler = Callable[[list[bytes]], Reply]
+
+
+class Deferred:
+    """A handler's reply that comes later: the server calls `start(answer)`, which hands the work to
+    another thread; that thread calls `answer(frames)` once, when done (frames are copied)."""
+
+    __slots__ = ("start",)
+
+    def __init__(self, start: Callable[[Answer], object]) -> None:
+        self.start = start
+
+
+Handler = Callable[[list[bytes]], "Reply | Deferred"]
 
 
 class RouterServer:
     """A ROUTER socket served by one background thread.
 
-    Requests are [op, *args]; `handlers[op](args)` returns (reply frames, on_sent). Reply frames are
-    sent zero-copy; `on_sent` runs once libzmq has let go of them (the memory may then be reused).
-    `tick()` runs between polls for housekeeping such as TTL expiry.
+    Requests are [op, *args]; `handlers[op](args)` returns (reply frames, on_sent) or a `Deferred`.
+    Reply frames are sent zero-copy; `on_sent` runs once libzmq has let go of them (the memory may
+    then be reused). Deferred answers come back through a queue the thread wakes up for (a pipe it
+    polls beside the socket). `tick()` runs between polls for housekeeping such as TTL expiry.
     """
 
     def __init__(
@@ -46,8 +62,11 @@ class RouterServer:
         handlers: dict[bytes, Handler],
         tick: Callable[[], None],
         owner: str,
+        *,
+        port_name: str = "port",
     ) -> None:
         self._ctx = ctx
+        self._port_name = port_name  # the config key that sets the port, for errors
         self._bind = tcp_endpoint(bind_host, port or "*")
         self._handlers = handlers
         self._tick = tick
@@ -56,8 +75,11 @@ class RouterServer:
         self._ready = threading.Event()
         self.port = 0
         self.error: BaseException | None = None
-        self._pending: list[tuple[zmq.MessageTracker, Callable[[], None]]] = []
-        self._pending_lock = threading.Lock()
+        self._sending = PendingReleases()  # on_sent of replies libzmq still sends from
+        self._later: collections.deque[list[Any]] = collections.deque()  # deferred answers to send
+        self._wake_read, self._wake_write = socket.socketpair()  # wakes the thread up for them
+        self._wake_write.setblocking(False)
+        self._wake_lock = threading.Lock()  # no wake-up is written while stop() closes the pair
         self._thread = threading.Thread(target=self._run, name=f"{owner}-server", daemon=True)
 
     def start(self) -> int:
@@ -66,7 +88,7 @@ class RouterServer:
         if self.error is not None or not self.port:
             raise ConnectorError(
                 f"{self._owner}: cannot serve on {self._bind}: {self.error or 'bind timed out'}; "
-                "set `port` to a free port (0 picks any) and `host` to an address of this host"
+                f"set `{self._port_name}` to a free port (0 picks any) and `host` to an address of this host"
             )
         return self.port
 
@@ -78,6 +100,10 @@ class RouterServer:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(5)
+        with self._wake_lock:
+            self._wake_write.close()
+        if not self._thread.is_alive():
+            self._wake_read.close()
 
     def _run(self) -> None:
         try:
@@ -102,26 +128,26 @@ class RouterServer:
 
     def reap(self) -> None:
         """Run `on_sent` for every reply libzmq has let go of (any thread may call this)."""
-        with self._pending_lock:
-            if not self._pending:
-                return
-            done, keep = [], []
-            for item in self._pending:
-                (done if item[0].done else keep).append(item)
-            self._pending = keep
-        for _, on_sent in done:
-            on_sent()
+        self._sending.reap()
 
     def _serve(self, sock: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        wake = self._wake_read.fileno()
+        poller.register(wake, zmq.POLLIN)
         next_tick = time.monotonic()
         while not self._stop.is_set():
-            if sock.poll(_POLL_MS, zmq.POLLIN):
+            ready = dict(poller.poll(_POLL_MS))
+            if sock in ready:
                 for _ in range(256):  # drain what is queued, then do housekeeping
                     try:
                         request = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     self._answer(sock, request)
+            if wake in ready:
+                self._wake_read.recv(4096)
+                self._send_later(sock)
             self.reap()
             now = time.monotonic()
             if now >= next_tick:
@@ -138,7 +164,11 @@ class RouterServer:
         try:
             if handler is None:
                 raise ValueError(f"unknown request {op[:32]!r}")
-            frames, on_sent = handler(args)
+            reply = handler(args)
+            if isinstance(reply, Deferred):
+                reply.start(self._answer_later(identity))
+                return
+            frames, on_sent = reply
         except Exception as exc:  # a bad request must never stop the server
             frames = [ERR, args[0] if args else b"", f"{type(exc).__name__}: {exc}".encode()]
         try:
@@ -149,93 +179,20 @@ class RouterServer:
             if tracker is None or tracker.done:
                 on_sent()
             else:
-                with self._pending_lock:
-                    self._pending.append((tracker, on_sent))
+                self._sending.add(lambda: tracker.done, on_sent)
 
+    def _answer_later(self, identity: bytes) -> Answer:
+        def answer(frames: list[Any]) -> None:
+            self._later.append([identity, *frames])
+            with self._wake_lock, contextlib.suppress(OSError):  # full: a wake-up is pending; closed: stopped
+                self._wake_write.send(b"\0")
 
-class ChannelClosed(Exception):
-    """The connector was closed while a request was in flight."""
+        return answer
 
-
-class DealerPool:
-    """Request/reply to ROUTER endpoints from many threads.
-
-    Idle DEALER sockets are cached per endpoint (usually one); a thread checks one out for a whole
-    request, so concurrent requests never share a socket. A socket whose request failed or timed out
-    is closed (LINGER 0), never reused: a late reply cannot be read as the answer to the next request.
-    Only the most recently used endpoints keep idle sockets, so producers that come and go (restarted
-    replicas, new ports) do not leave sockets reconnecting forever.
-    """
-
-    MAX_ENDPOINTS = 64
-    MAX_IDLE_PER_ENDPOINT = 8
-
-    def __init__(self, ctx: zmq.Context) -> None:
-        self._ctx = ctx
-        self._idle: OrderedDict[str, list[zmq.Socket]] = OrderedDict()
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def request(self, endpoint: str, parts: list[bytes], timeout_s: float) -> list[zmq.Frame]:
-        """Send `parts` and return the reply frames (zero-copy); TimeoutError past `timeout_s`."""
-        sock = self._checkout(endpoint)
-        try:
-            sock.send_multipart(parts, zmq.NOBLOCK)
-            if not sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
-                raise TimeoutError(f"no reply within {timeout_s:g}s")
-            reply = sock.recv_multipart(copy=False)
-        except BaseException as exc:
-            sock.close(linger=0)
-            if isinstance(exc, zmq.ZMQError) and exc.errno in (errno.ENOTSOCK, zmq.ETERM):
-                raise ChannelClosed() from None
-            if isinstance(exc, zmq.Again):
-                raise TimeoutError("the send queue is full") from None
-            raise
-        self._checkin(endpoint, sock)
-        return reply
-
-    def _checkout(self, endpoint: str) -> zmq.Socket:
-        with self._lock:
-            if self._closed:
-                raise ChannelClosed()
-            idle = self._idle.get(endpoint)
-            if idle:
-                return idle.pop()
-            try:
-                sock = self._ctx.socket(zmq.DEALER)
-            except zmq.ZMQError:
-                raise ChannelClosed() from None
-        try:
-            sock.setsockopt(zmq.LINGER, 0)
-            if endpoint.startswith("tcp://["):
-                sock.setsockopt(zmq.IPV6, 1)
-            sock.connect(endpoint)  # raises for a malformed endpoint
-        except BaseException:
-            sock.close(linger=0)
-            raise
-        return sock
-
-    def _checkin(self, endpoint: str, sock: zmq.Socket) -> None:
-        evicted = [sock]
-        with self._lock:
-            if not self._closed:
-                idle = self._idle.setdefault(endpoint, [])
-                self._idle.move_to_end(endpoint)
-                if len(idle) < self.MAX_IDLE_PER_ENDPOINT:
-                    idle.append(sock)
-                    evicted = []
-                while len(self._idle) > self.MAX_ENDPOINTS:
-                    evicted += self._idle.popitem(last=False)[1]
-        for old in evicted:
-            old.close(linger=0)
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            sockets = [s for idle in self._idle.values() for s in idle]
-            self._idle.clear()
-        for sock in sockets:
-            sock.close(linger=0)
+    def _send_later(self, sock: zmq.Socket) -> None:
+        while self._later:
+            with contextlib.suppress(zmq.ZMQError):  # the consumer went away: nothing to tell
+                sock.send_multipart(self._later.popleft(), zmq.NOBLOCK)
 
 
 def frame_text(frame: Any) -> str:
