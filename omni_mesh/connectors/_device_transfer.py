@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 from importlib import metadata
+from typing import Any
 
 import torch
 
@@ -61,3 +62,25 @@ def receive_buffers(sizes: list[int]) -> list[torch.Tensor]:
     on_gpu = torch.cuda.is_available() and not host_seam_bytes()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     return [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
+
+
+MAX_TENSORS = 4096  # device tensors of one payload
+MAX_BYTES = 1 << 40  # their bytes in all
+
+
+def sizes_ok(sizes: Any) -> bool:
+    """A metadata 'device' list a consumer may allocate receive buffers for (a hostile list must not
+    make it allocate without bound)."""
+    return (
+        isinstance(sizes, list)
+        and len(sizes) <= MAX_TENSORS
+        and all(type(n) is int and n >= 0 for n in sizes)
+        and sum(sizes) <= MAX_BYTES
+    )
+
+
+def addresses_match(addresses: Any, tensors: list[torch.Tensor]) -> bool:
+    """The consumer sent one receive address per device tensor (0 only for an empty one)."""
+    if not isinstance(addresses, list) or len(addresses) != len(tensors):
+        return False
+    return all(type(a) is int and (a > 0 or not t.nbytes) for a, t in zip(addresses, tensors, strict=True))

@@ -22,11 +22,14 @@ import threading
 import time
 import urllib.parse
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+from omni_mesh import codec
 from omni_mesh.connectors._addresses import resolve_host as resolve_host  # the shared rule, re-exported
 from omni_mesh.connectors.allocator import PoolAllocator, frame_alignment, round_up
 from omni_mesh.connectors.base import ConnectorConfigError, ConnectorError
@@ -127,6 +130,22 @@ def probe_metadata_server(metadata_server: str, timeout_s: float, owner: str) ->
     )
 
 
+@dataclass(frozen=True)
+class PoolErrors:
+    """How a pool's errors name its owner and what to do: `{owner}: {what} needs N bytes but {knob} is
+    ...`, `... held by {held_by}); {advice}`. `count` runs for each error raised (health counters)."""
+
+    owner: str
+    knob: str
+    held_by: str
+    advice: str
+    count: Callable[[], None]
+
+
+def _uncounted() -> None:
+    """A pool without an owner's counters."""
+
+
 class RegisteredPool:
     """One anonymous mapping carved into 64-byte aligned regions by a first-fit allocator.
 
@@ -134,9 +153,11 @@ class RegisteredPool:
     region out as a numpy array whose garbage collection gives the region back, so tensors decoded as
     views over it keep it reserved exactly as long as they live. Finalizers never take the lock (they
     may run inside a locked section of the same thread during GC); they queue the offset instead.
+    `reserve`, `check_fits` and `decode` raise ConnectorErrors worded by `errors`.
     """
 
-    def __init__(self, size: int, *, prefault: bool) -> None:
+    def __init__(self, size: int, *, prefault: bool, errors: PoolErrors | None = None) -> None:
+        self.errors = errors or PoolErrors("RegisteredPool", "its size", "its users", "free regions sooner", _uncounted)
         self.size = round_up(size, mmap.PAGESIZE)
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if prefault else 0)
         self._mm: mmap.mmap | None = mmap.mmap(-1, self.size, flags=flags)
@@ -160,6 +181,41 @@ class RegisteredPool:
                     return None
                 # Frees through finalizers cannot notify; a short wait slice picks them up.
                 self._cond.wait(min(remaining, 0.02))
+
+    def check_fits(self, nbytes: int, what: str) -> None:
+        """A frame larger than the pool can never be received (consumers size their pool alike)."""
+        if nbytes > self.size:
+            e = self.errors
+            e.count()
+            raise ConnectorError(
+                f"{e.owner}: {what} needs {nbytes} bytes but {e.knob} is {self.size} bytes; raise {e.knob} in "
+                f"the connector's extra to at least '{-(-nbytes // (1 << 20))}MiB' on both producer and consumer"
+            )
+
+    def reserve(self, nbytes: int, timeout_s: float, what: str) -> int:
+        """`allocate`, or a ConnectorError saying what holds the pool and what to do."""
+        self.check_fits(nbytes, what)
+        offset = self.allocate(nbytes, timeout_s)
+        if offset is None:
+            e = self.errors
+            e.count()
+            raise ConnectorError(
+                f"{e.owner}: {what} waited {timeout_s}s for {nbytes} free bytes of {e.knob} "
+                f"({self.in_use} of {self.size} bytes held by {e.held_by}); {e.advice}"
+            )
+        return offset
+
+    def decode(self, offset: int, length: int, what: str, *, copy: bool, device: list | None = None) -> Any:
+        """Decode the frame of `length` bytes at `offset`: views over the region (which stays reserved
+        while they live), or copies."""
+        region = self.view(offset, length)
+        try:
+            if codec.frame_length(region) != length:
+                raise codec.FrameError(f"frame length differs from the {length} bytes announced")
+            return codec.decode(region, copy=copy, device_buffers=device)
+        except codec.FrameError as exc:
+            self.errors.count()
+            raise ConnectorError(f"{self.errors.owner}: bad frame for {what}: {exc}") from None
 
     def free(self, offset: int) -> None:
         with self._cond:
@@ -199,6 +255,16 @@ class RegisteredPool:
         """Drop this object's hold on the memory; arrays still viewing it keep it mapped until they die."""
         self.array = np.empty(0, dtype=np.uint8)
         self._mm = None
+
+
+def pool_status(pool: RegisteredPool | None, *, up: bool, strained: bool = False) -> tuple[str, int, int]:
+    """(health status, bytes in use, size) of a connector around one pool: "unhealthy" when it is not
+    `up`, "degraded" when `strained` or the pool is over 90% full."""
+    in_use = pool.in_use if pool is not None else 0
+    size = pool.size if pool is not None else 0
+    if not up or pool is None:
+        return "unhealthy", in_use, size
+    return ("degraded" if strained or in_use > 0.9 * size else "healthy"), in_use, size
 
 
 def master_binary() -> str:

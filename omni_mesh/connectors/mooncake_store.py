@@ -31,11 +31,13 @@ from typing import Any
 from omni_mesh import codec
 from omni_mesh.connectors._checks import check_not_negative, check_positive
 from omni_mesh.connectors._mooncake_common import (
+    PoolErrors,
     RegisteredPool,
     check_protocol,
     close_at_exit,
     import_mooncake,
     payload_name,
+    pool_status,
     probe_metadata_server,
     probe_tcp,
     resolve_host,
@@ -165,7 +167,14 @@ class MooncakeStoreConnector(OmniConnectorBase):
                 f"{OWNER}: the store client did not start (rc={rc}, host={self.host}, master={cfg.master}, "
                 f"metadata_server={cfg.metadata_server!r}, segment={cfg.segment}); check the master's log"
             )
-        self._pool: RegisteredPool | None = RegisteredPool(cfg.localbuf, prefault=cfg.prefault)
+        errors = PoolErrors(
+            OWNER,
+            "localbuf",
+            "tensors returned from get()",
+            "drop them sooner, raise localbuf, or set copy_on_get: true",
+            lambda: self._counters.add("errors"),
+        )
+        self._pool: RegisteredPool | None = RegisteredPool(cfg.localbuf, prefault=cfg.prefault, errors=errors)
         rc = self._store.register_buffer(self._pool.address, self._pool.size)
         if rc != 0:
             self._shutdown_store()
@@ -189,7 +198,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
             raise ConnectorError(f"{OWNER}: cannot put {where}: {exc}") from None
         size = frame.nbytes
         key = self._store_key(from_stage, to_stage, put_key)
-        offset = self._allocate(pool, size, f"put of {where}")
+        offset = pool.reserve(size, self.config.pool_wait_s, f"put of {where}")
         try:
             frame.write_into(pool.array, offset)
             # upsert: a repeated put of one key replaces the payload (a plain put keeps the first one).
@@ -206,23 +215,6 @@ class MooncakeStoreConnector(OmniConnectorBase):
             self._owned[key] = _Owned(put_key, time.monotonic() + self.config.ttl_s)
         self._counters.add_many(puts=1, bytes_put=size)
         return True, size, {"key": key, "length": size}
-
-    def _allocate(self, pool: RegisteredPool, size: int, what: str) -> int:
-        if size > pool.size:
-            self._counters.add("errors")
-            raise ConnectorError(
-                f"{OWNER}: {what} needs {size} bytes but localbuf is {pool.size} bytes; raise localbuf in the "
-                f"connector's extra to at least '{-(-size // (1 << 20))}MiB' on both producer and consumer"
-            )
-        offset = pool.allocate(size, self.config.pool_wait_s)
-        if offset is None:
-            self._counters.add("errors")
-            raise ConnectorError(
-                f"{OWNER}: {what} waited {self.config.pool_wait_s}s for {size} free bytes of localbuf "
-                f"({pool.in_use} of {pool.size} held by tensors returned from get()); drop them sooner, raise "
-                "localbuf, or set copy_on_get: true"
-            )
-        return offset
 
     # ------------------------------------------------------------------ consumer side
 
@@ -241,7 +233,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
         store.remove(key, True)  # force: our own read holds a lease on it
         with self._lock:
             self._owned.pop(key, None)  # producer and consumer may be this instance
-        data = self._decode(pool.view(offset, length), length, where)
+        data = pool.decode(offset, length, where, copy=self.config.copy_on_get)
         self._counters.add_many(gets=1, bytes_got=length)
         return data, length
 
@@ -254,7 +246,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
         if length is None:
             length = self._wait_for(store, key, where)
         while True:
-            offset = self._allocate(pool, length, f"get of {where}")
+            offset = pool.reserve(length, self.config.pool_wait_s, f"get of {where}")
             try:
                 got = store.get_into(key, pool.address + offset, length)
             except BaseException:
@@ -294,15 +286,6 @@ class MooncakeStoreConnector(OmniConnectorBase):
             if self._stop.wait(min(interval, remaining)):
                 raise ConnectorError(f"{OWNER} was closed during get of {where}")
             interval = min(interval * 2, 0.05)
-
-    def _decode(self, region: Any, length: int, where: str) -> Any:
-        try:
-            if codec.frame_length(region) != length:
-                raise codec.FrameError(f"frame length differs from the {length} bytes in the store")
-            return codec.decode(region, copy=self.config.copy_on_get)
-        except codec.FrameError as exc:
-            self._counters.add("errors")
-            raise ConnectorError(f"{OWNER}: bad frame for {where}: {exc}") from None
 
     # ------------------------------------------------------------------ reclaim and lifecycle
 
@@ -346,15 +329,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
         counters = self._counters.snapshot()
         with self._lock:
             pending = len(self._owned)
-        pool = self._pool
-        in_use = pool.in_use if pool is not None else 0
-        size = pool.size if pool is not None else 0
-        if self._closed or not self._reaper.is_alive():
-            status = "unhealthy"
-        elif in_use > 0.9 * size:
-            status = "degraded"
-        else:
-            status = "healthy"
+        status, in_use, size = pool_status(self._pool, up=not self._closed and self._reaper.is_alive())
         return {
             "status": status,
             **counters,

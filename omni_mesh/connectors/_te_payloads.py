@@ -1,0 +1,187 @@
+"""A Mooncake TE producer's payloads: what each frame is sent from, and how long it is kept.
+
+A payload lies whole in a region of the registered pool, or in pieces (`_frame_pieces`): its head and
+small leaves in a region, its large leaves in their own memory, registered with the engine while the
+payload lives. Device tensors travel beside the frame from their own registered memory. Payloads are
+held under "key#handle" (a put never replaces another) until a write of it to a consumer succeeds,
+ttl_s passes or cleanup() drops it; one being written never expires and, if dropped meanwhile, is
+freed when its write ends.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omni_mesh import codec
+from omni_mesh.connectors import _device_transfer, _frame_pieces
+from omni_mesh.connectors._held import Held, HeldTable
+from omni_mesh.connectors._mooncake_common import RegisteredPool
+from omni_mesh.connectors._registrations import Registrations
+from omni_mesh.connectors.base import ConnectorError
+
+
+@dataclass(eq=False)
+class Payload(Held):
+    """One payload: its pool region (`offset`, None until reserved) and what else it is sent from."""
+
+    pieces: list[_frame_pieces.Piece] | None = None  # None: the frame lies whole at `offset`
+    sources: list[Any] = field(default_factory=list)  # large leaves, kept alive and unchanged
+    registered: list[int] = field(default_factory=list)  # their engine registrations (addresses)
+    #: Device tensors sent beside the frame (DeviceLeaves), in frame order: contiguous, registered.
+    device: list[torch.Tensor] = field(default_factory=list)
+
+
+class Payloads:
+    """The producer's payloads in `pool` (module docstring); thread-safe."""
+
+    def __init__(
+        self,
+        owner: str,
+        engine: Any,
+        pool: RegisteredPool,
+        registrations: Registrations,
+        session: str,
+        cfg: Any,
+    ) -> None:
+        self._owner = owner
+        self._engine = engine
+        self._pool = pool
+        self._registrations = registrations
+        self._session = session  # every payload's token: metadata from another instance never matches
+        self._cfg = cfg  # ttl_s, pool_wait_s, protocol, zero_copy_min_bytes
+        self._held = HeldTable(cfg.ttl_s, expire_claimed=False)
+
+    def put(
+        self, frame: codec.FramePlan, device: list[torch.Tensor], ref: tuple[str, str, int], what: str
+    ) -> Payload:
+        """Lay the frame into the pool, register what is sent from elsewhere and hold the payload;
+        `ref` is (edge key, put_key, handle)."""
+        key, put_key, handle = ref
+        payload = Payload(f"{key}#{handle}", put_key, self._session, frame.nbytes, None, device=device)
+        try:
+            self._register_device(payload, what)
+            large = {}
+            if self._cfg.protocol == "tcp" and self._cfg.zero_copy_min_bytes:
+                share = functools.partial(self._registrations.share, registered=payload.registered)
+                large = _frame_pieces.large_leaves(frame, self._cfg.zero_copy_min_bytes, share)
+            if large:
+                reserve = functools.partial(self._reserve, payload, what=what)
+                payload.offset, payload.pieces = _frame_pieces.lay_out(frame, large, reserve)
+                payload.sources = [frame.leaves[i] for i in large]
+            else:
+                self._reserve(payload, frame.nbytes, what)
+                frame.write_into(self._pool.array, payload.offset)
+        except BaseException:
+            self.release(payload)
+            raise
+        payload.touched = time.monotonic()
+        self._held.add(payload)
+        return payload
+
+    def _reserve(self, payload: Payload, nbytes: int, what: str) -> tuple[int, int]:
+        payload.offset = self._pool.reserve(nbytes, self._cfg.pool_wait_s, what)
+        return payload.offset, self._pool.address + payload.offset
+
+    def _register_device(self, payload: Payload, what: str) -> None:
+        """Register the memory of the tensors sent device to device (after their kernels are done)."""
+        if payload.device:
+            _device_transfer.settle(payload.device)
+        for tensor in payload.device:
+            if tensor.nbytes and not self._registrations.share(
+                tensor.data_ptr(), tensor.nbytes, payload.registered
+            ):
+                self._pool.errors.count()
+                raise ConnectorError(
+                    f"{self._owner}: {what}: the engine refused to register {tensor.nbytes} bytes of "
+                    f"{tensor.device} memory; set device_transfer: false to send CUDA tensors through host "
+                    "memory"
+                )
+
+    def claim(self, key: str, handle: int, length: int) -> Payload | str:
+        """The payload, reserved for one reader (a write to a consumer, or a local get), or why not."""
+        ref = f"{key}#{handle}"
+        payload = self._held.claim(ref, self._session, exclusive=True)
+        if not isinstance(payload, str) and payload.size != length:
+            self._held.unclaim(ref, self._session)
+            return f"metadata does not match the payload put under handle {handle}"
+        return payload
+
+    def finish(self, payload: Payload, consumed: bool) -> None:
+        """A reader is done: free the payload if it was consumed (or dropped meanwhile), else keep it."""
+        done = (
+            self._held.take(payload.key, self._session)
+            if consumed
+            else self._held.unclaim(payload.key, self._session)
+        )
+        if isinstance(done, Held):
+            self.release(done)
+
+    def hand_over(self, payload: Payload) -> None:
+        """A local get took the payload: it leaves the table, and a whole frame's region goes with it
+        (freed when the getter's views die)."""
+        self._held.take(payload.key, self._session)
+        if payload.pieces is None:
+            payload.offset = None
+        self.release(payload)
+
+    def write(self, request: dict, closing: Callable[[], bool]) -> str | None:
+        """Write the payload a consumer's PULL names (`_te_pull.parse_request`) into its segment with
+        one engine call; None once written, else why not. A payload whose write failed waits again,
+        unless `closing()`."""
+        deadline = time.monotonic() + request["timeout_ms"] / 1000
+        payload = self.claim(request["key"], request["handle"], request["length"])
+        if isinstance(payload, str):
+            return payload
+        targets = request.get("device_addrs", [])
+        single = payload.pieces is None and not payload.device  # the whole frame from one region
+        rc = -1
+        try:
+            if not _device_transfer.addresses_match(targets, payload.device):
+                return f"the consumer's device buffers do not match the {len(payload.device)} device tensors"
+            if time.monotonic() < deadline:  # the consumer has not given up on it yet
+                pieces = payload.pieces or [(self._pool.address + payload.offset, 0, payload.size)]
+                sources, dests, sizes = _frame_pieces.moves(pieces, request["addr"], payload.device, targets)
+                if single:
+                    rc = self._engine.transfer_sync_write(request["segment"], sources[0], dests[0], sizes[0])
+                else:
+                    rc = self._engine.batch_transfer_sync_write(request["segment"], sources, dests, sizes)
+        finally:
+            self.finish(payload, consumed=rc == 0 or closing())
+        if rc != 0:
+            call = "transfer_sync_write" if single else "batch_transfer_sync_write"
+            return f"{call} to segment {request['segment']} failed (rc={rc})"
+        return None
+
+    def release(self, payload: Payload) -> None:
+        """Give a payload's region, registrations and leaf references back."""
+        if payload.offset is not None:
+            self._pool.free(payload.offset)
+            payload.offset = None
+        self._registrations.drop(payload.registered)
+        payload.sources.clear()
+        payload.device.clear()
+
+    def expire(self) -> int:
+        expired = self._held.pop_expired(time.monotonic())
+        for payload in expired:
+            self.release(payload)
+        return len(expired)
+
+    def clean(self, key: str) -> int:
+        freed = self._held.pop_matching(key)
+        for payload in freed:
+            self.release(payload)
+        return len(freed)
+
+    def close(self) -> None:
+        for payload in self._held.pop_all():
+            self.release(payload)
+
+    def __len__(self) -> int:
+        return len(self._held)
