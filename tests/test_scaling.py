@@ -37,7 +37,8 @@ ZMQ = {"name": "ZmqConnector", "extra": {"host": "127.0.0.1", "memory_pool_size"
 
 WORK = {
     "name": "scaling-work",
-    "stages": [{"stage_id": 0, "name": "work", "handler": "scaling_handlers:work", "max_inflight": 1}],
+    "stages": [{"stage_id": 0, "name": "work", "handler": "scaling_handlers:work", "max_inflight": 1,
+                "max_queued": 64}],  # the test keeps more waiting than the default 4 x max_inflight
 }
 
 PIPELINE = {
@@ -324,6 +325,7 @@ def _with_mid_to_sink(connector: str) -> dict:
     stages[1]["output_connectors"] = {"to_stage_2": connector}
     stages[2]["input_connectors"] = {"from_stage_1": connector}
     stages[2]["max_inflight"] = 1  # with sink_s, the sink is the bottleneck: mid's outputs wait for it
+    stages[2]["max_queued"] = 64  # and more of them wait than the default queue limit (4) allows
     return {**topology, "stages": stages}
 
 

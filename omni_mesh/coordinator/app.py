@@ -10,19 +10,22 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 
 from omni_mesh.coordinator import envelope
+from omni_mesh.coordinator.access import AccessLog
 from omni_mesh.coordinator.auth import ApiKey
 from omni_mesh.coordinator.dispatch import RequestFailed, RequestState
 from omni_mesh.coordinator.envelope import error_response, responses
 from omni_mesh.coordinator.http_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, BodyLimit, read_deadlines
 from omni_mesh.coordinator.jsonable import jsonable
+from omni_mesh.coordinator.metrics import CONTENT_TYPE_LATEST, Metrics, stats
 from omni_mesh.coordinator.request_body import RequestBody, unpackable
 from omni_mesh.coordinator.service import Coordinator
 from omni_mesh.topology import Topology
@@ -59,13 +62,15 @@ def create_app(
     envelope.install(app)
     dispatcher = coordinator.dispatcher
     registry = coordinator.registry
+    metrics = Metrics(coordinator)
+    dispatcher.observer = metrics.observe_request
 
     @app.post(
         "/v1/requests",
         summary="run one request through the pipeline",
         responses=responses(401, 413, 422, 429, 500, 502, 504),
     )
-    async def submit(body: RequestBody) -> Any:
+    async def submit(body: RequestBody, request: Request) -> Any:
         timeout_s = body.timeout_s or coordinator.default_timeout_s
         if timeout_s > coordinator.max_timeout_s:
             return error_response(
@@ -86,7 +91,9 @@ def create_app(
                 headers={"retry-after": str(RETRY_AFTER_S)},
             )
         try:  # inputs too large for a control message go to the entry stages through a connector
-            state = await dispatcher.admit(body.inputs, body.params, timeout_s, body.stream)
+            state = await dispatcher.admit(
+                body.inputs, body.params, timeout_s, body.stream, rid=request.state.request_id
+            )
         except RequestFailed as exc:
             return error_response(exc.status, exc.message, stage=exc.stage)
         if body.stream:
@@ -186,10 +193,26 @@ def create_app(
             ]
         }
 
+    @app.get("/metrics", summary="Prometheus metrics (omni_mesh_*)", response_class=Response, responses=responses(401))
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/stats", summary="live totals behind /dashboard and `omni-mesh status`", responses=responses(401))
+    async def live_stats() -> dict:
+        return stats(coordinator, metrics)
+
+    @app.get("/dashboard", summary="live page: topology graph, health, throughput", response_class=HTMLResponse)
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(_DASHBOARD)
+
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     if api_key:
-        app.add_middleware(ApiKey, key=api_key)  # added last: runs first, before any body is read
+        app.add_middleware(ApiKey, key=api_key)  # runs before any body is read
+    app.add_middleware(AccessLog, metrics=metrics)  # added last: outermost, so every answer is logged
     return app
+
+
+_DASHBOARD = (Path(__file__).with_name("dashboard.html")).read_text()
 
 
 def _sse(event: str, data: dict) -> str:

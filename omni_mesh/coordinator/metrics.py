@@ -94,6 +94,59 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def edge_totals(self) -> dict[str, dict[str, float]]:
+        """{edge label: {bytes, put_s}} since start (the dashboard turns them into rates)."""
+        totals: dict[str, dict[str, float]] = {label: {"bytes": 0, "put_s": 0.0} for label in self._connectors}
+        for metric, field in ((self.edge_bytes, "bytes"), (self.edge_seconds, "put_s")):
+            for sample in metric.collect()[0].samples:
+                if sample.name.endswith("_total"):
+                    totals.setdefault(sample.labels["edge"], {"bytes": 0, "put_s": 0.0})[field] = sample.value
+        return totals
+
+    def service_totals(self) -> dict[str, tuple[float, float]]:
+        """{stage: (seconds in replicas, requests)} since start."""
+        totals: dict[str, list[float]] = {}
+        for sample in self.service_seconds.collect()[0].samples:
+            stage = sample.labels.get("stage")
+            if sample.name.endswith("_sum"):
+                totals.setdefault(stage, [0.0, 0.0])[0] = sample.value
+            elif sample.name.endswith("_count"):
+                totals.setdefault(stage, [0.0, 0.0])[1] = sample.value
+        return {stage: (v[0], v[1]) for stage, v in totals.items()}
+
+
+def stats(coordinator: Coordinator, metrics: Metrics) -> dict[str, Any]:
+    """The live figures behind `/dashboard` and `omni-mesh status`: totals, never rates (a reader takes
+    two snapshots and divides by the time between them)."""
+    registry, dispatcher = coordinator.registry, coordinator.dispatcher
+    now = time.monotonic()
+    service = metrics.service_totals()
+    stages = {}
+    for stage in coordinator.topology.stages:
+        mine = registry.of_stage(stage.name)
+        seconds, count = service.get(stage.name, (0.0, 0.0))
+        stages[stage.name] = {
+            "replicas": [
+                {"id": r.replica_id, "health": r.health(now, registry.heartbeat_timeout_s), "inflight": len(r.inflight)}
+                for r in mine
+            ],
+            "inflight": sum(len(r.inflight) for r in mine),
+            "queued": len(dispatcher.queues[stage.name]),
+            "processed": sum(r.processed for r in mine),
+            "errors": sum(r.errors for r in mine),
+            "service_seconds": seconds,
+            "service_count": count,
+            "mean_service_s": seconds / count if count else None,
+        }
+    return {
+        "name": coordinator.topology.name,
+        "stages": stages,
+        "edges": metrics.edge_totals(),
+        "requests": {
+            "completed": dispatcher.completed, "failed": dispatcher.failed, "inflight": len(dispatcher.requests),
+        },
+    }
+
 
 class _StateCollector(Collector):
     """Gauges read at scrape time from the coordinator's registry and dispatcher."""
