@@ -1,0 +1,164 @@
+"""What a user sees of a running mesh: request ids in every log line, `/metrics` scraped by a real
+Prometheus server, `/dashboard` rendered by real headless Chromium, `omni-mesh status`.
+
+Prometheus and Chromium are Debian's packages (`make test` installs them); a missing one fails here
+with the command that installs it, rather than skipping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from meshkit import OMNI_MESH, Mesh, running_mesh, wait_for
+
+from omni_mesh.launcher import free_port
+
+
+def _stage(stage_id: int, name: str, **more: object) -> dict:
+    return {"stage_id": stage_id, "name": name, "handler": "mesh_handlers:step", **more}
+
+
+TOPOLOGY = {
+    "name": "observed",
+    "stages": [_stage(0, "a", replicas=2), _stage(1, "d", engine_input_source=[0], final_output=True)],
+}
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed: run `make test` (it installs it) or `apt-get install {name}`")
+    return path
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    with running_mesh(tmp_path_factory.mktemp("observed"), TOPOLOGY, "--log-level", "debug") as mesh:
+        yield mesh
+
+
+def test_a_clients_request_id_is_echoed_and_follows_the_request_into_every_stage(mesh: Mesh) -> None:
+    response = mesh.client.post("/v1/requests", json={"inputs": {"n": 10}}, headers={"X-Request-Id": "abc-123"})
+    assert response.status_code == 200, response.text
+    assert response.headers["x-request-id"] == "abc-123" and response.json()["request_id"] == "abc-123"
+    generated = mesh.client.get("/health").headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", generated)
+
+    def lines() -> list[str]:
+        return [line for line in mesh.log().splitlines() if "request_id=abc-123" in line]
+
+    wait_for(lambda: len(lines()) >= 3, 5, "the log lines of request abc-123")
+    services = {line.split()[2] for line in lines()}
+    assert "coordinator" in services, lines()
+    assert any(s.startswith("a-") for s in services) and "d-0" in services, services
+    access = [line for line in lines() if "POST /v1/requests 200" in line]
+    assert access, lines()
+
+
+def test_a_failed_request_is_logged_naming_the_stage(mesh: Mesh) -> None:
+    response = mesh.client.post(
+        "/v1/requests", json={"inputs": {"n": 3}, "params": {"fail": "d"}}, headers={"X-Request-Id": "boom-1"}
+    )
+    assert response.status_code == 500
+    wait_for(lambda: "request boom-1 failed with 500 at stage 'd'" in mesh.log(), 5, "the failure's log line")
+
+
+def test_prometheus_scrapes_the_request_counter_and_histogram(mesh: Mesh, tmp_path: Path) -> None:
+    prometheus = _tool("prometheus")
+    port = free_port()
+    target = mesh.url.removeprefix("http://")
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s}\n"
+        f"scrape_configs: [{{job_name: omni-mesh, static_configs: [{{targets: ['{target}']}}]}}]\n"
+    )
+    server = subprocess.Popen(
+        [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5)
+
+    def query(expression: str) -> float | None:
+        with contextlib.suppress(httpx.HTTPError):
+            result = api.get("/api/v1/query", params={"query": expression}).json()["data"]["result"]
+            return float(result[0]["value"][1]) if result else 0.0
+        return None
+
+    counter = 'sum(omni_mesh_http_requests_total{route="/v1/requests",status="200"})'
+    histogram = 'sum(omni_mesh_http_request_duration_seconds_count{route="/v1/requests",status="200"})'
+    try:
+        wait_for(lambda: query("up") == 1.0, 30, "Prometheus to scrape the coordinator")
+        before = query(counter)
+        sent = 7
+        for _ in range(sent):
+            mesh.ok({"n": 5})
+        wait_for(lambda: query(counter) == before + sent, 15, f"Prometheus to see {sent} more requests")
+        assert query(histogram) == before + sent
+        assert query('sum(omni_mesh_stage_replicas{stage="a",health="healthy"})') == 2.0
+        assert query('sum(omni_mesh_edge_bytes_total{edge="a->d"})') > 0
+    finally:
+        api.close()
+        server.terminate()
+        server.wait(10)
+
+
+def _dom(url: str) -> str:
+    chromium = _tool("chromium")
+    result = subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=3000", "--dump-dom", url],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+def test_the_dashboard_shows_the_graph_and_live_numbers(mesh: Mesh, tmp_path: Path) -> None:
+    chromium = _tool("chromium")
+    screenshot = tmp_path / "dashboard.png"
+    subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1100,700",
+         "--virtual-time-budget=3000", f"--screenshot={screenshot}", f"{mesh.url}/dashboard"],
+        capture_output=True, timeout=60, check=True,
+    )
+    assert screenshot.stat().st_size > 10_000  # a rendered page, not a blank one
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            mesh.ok({"n": 100})
+
+    worker = threading.Thread(target=load)
+    worker.start()
+    try:
+        first = _dom(f"{mesh.url}/dashboard")
+        time.sleep(1.0)
+        second = _dom(f"{mesh.url}/dashboard")
+    finally:
+        stop.set()
+        worker.join()
+    for dom in (first, second):
+        for name in ("a", "d"):
+            assert f'data-stage="{name}"' in dom
+        assert 'data-replica="a-0"' in dom and 'data-replica="a-1"' in dom and 'data-replica="d-0"' in dom
+        assert 'data-edge="a-&gt;d"' in dom or 'data-edge="a->d"' in dom
+    completed = [int(re.search(r'id="completed">(\d+)<', dom).group(1)) for dom in (first, second)]
+    assert completed[1] > completed[0] > 0, completed
+
+
+def test_status_prints_the_same_figures(mesh: Mesh) -> None:
+    mesh.ok({"n": 5})
+    result = subprocess.run([str(OMNI_MESH), "status", mesh.url], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "mesh 'observed'" in out and "a-0 (healthy)" in out and "a-1 (healthy)" in out and "d-0 (healthy)" in out
+    assert re.search(r"^a->d\s+SharedMemoryConnector", out, re.M), out
