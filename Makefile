@@ -9,23 +9,24 @@ PORT   ?= 8000
 # CPU build of torch (a local wheel on this project's machines); an unpinned torch may pull a
 # multi-GB CUDA build. GPU users install their own torch before `pip install omni-mesh`.
 TORCH  ?= torch==2.13.0
-SYSTEM_PACKAGES := libibverbs1 iproute2 docker-compose
+SYSTEM_PACKAGES := libibverbs1 iproute2 docker-compose prometheus chromium
 
 .PHONY: install system-deps run test bench lint clean
 
-install: $(STAMP)
+install: system-deps $(STAMP)  # system packages checked every time: a new one may have been added
 
 $(STAMP): pyproject.toml
 	@$(MAKE) --no-print-directory system-deps
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,mooncake,yuanrong]'
-	$(BIN)/python -c "import torch, zmq, fastapi, mooncake.engine, mooncake.store, yr.datasystem" \
+	$(BIN)/python -c "import torch, zmq, fastapi, prometheus_client, mooncake.engine, mooncake.store, yr.datasystem" \
 		|| { echo "error: the install is incomplete (see above)"; exit 1; }
 	touch $(STAMP)
 
 # libibverbs1: Mooncake's wheels link it; iproute2: multi-host tests (ip netns);
-# docker-compose: validates the compose files without a Docker engine.
+# docker-compose: validates the compose files without a Docker engine; prometheus and chromium: the
+# observability tests scrape /metrics with a real Prometheus and render /dashboard in headless Chromium.
 system-deps:
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
