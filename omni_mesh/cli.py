@@ -332,6 +332,99 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# --------------------------------------------------------------------------------------------------
+# status
+
+
+def _add_status(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "status",
+        help="a running mesh's stages, replicas, edges and rates, in the terminal",
+        description="Show what /dashboard shows: each stage's replicas and health, in-flight and queued "
+        "work, requests per second and latency, bytes per second on each edge.",
+    )
+    parser.add_argument("url", metavar="URL", nargs="?", default="http://127.0.0.1:8000", help="the coordinator")
+    parser.add_argument("--watch", action="store_true", help="refresh every second until Ctrl-C")
+    parser.add_argument("--api-key", default=None, help="the REST API key (default: $OMNI_MESH_API_KEY)")
+    return parser
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    import httpx
+
+    from omni_mesh import status
+
+    try:
+        status.run(args.url, api_key=args.api_key or os.environ.get("OMNI_MESH_API_KEY"), watch=args.watch)
+    except (httpx.HTTPError, RuntimeError) as exc:
+        raise CliError(f"cannot read the mesh at {args.url}: {exc}") from None
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------------------------------
+# keys, and the security flags of the commands that run services
+
+
+def _add_keys(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "keys",
+        help="mesh keys: the CURVE key pair every service of one mesh shares",
+        description="Write a new mesh key pair (DIR/mesh.key and DIR/mesh.key_secret, mode 0600). Give "
+        "every coordinator and stage replica of the mesh the same DIR (--keys DIR, OMNI_MESH_KEYS_DIR, "
+        "or a mounted secret). `omni-mesh up` needs none: it makes keys for its own processes.",
+    )
+    actions = parser.add_subparsers(dest="keys_action", metavar="ACTION", required=True)
+    generate = actions.add_parser("generate", help="write a new key pair into DIR (never overwrites)")
+    generate.add_argument("directory", metavar="DIR")
+    return parser
+
+
+def _cmd_keys(args: argparse.Namespace) -> int:
+    from omni_mesh.security import MeshKeyError, MeshKeys
+
+    try:
+        path = MeshKeys.generate().write(args.directory)
+    except (MeshKeyError, OSError) as exc:
+        raise CliError(str(exc)) from None
+    print(f"wrote {path} and {path.with_suffix('.key')}: mount the directory into every service of the mesh "
+          f"and point OMNI_MESH_KEYS_DIR (or --keys) at it")
+    return EXIT_OK
+
+
+#: Commands that run services: they take --keys / --insecure; the long-running single services
+#: refuse to start without keys unless --insecure says so (`up` makes its own).
+_SECURED = ("up", "coordinator", "stage")
+
+
+def _add_security_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--keys", metavar="DIR", default=None,
+        help="directory with the mesh keys (`omni-mesh keys generate DIR`; default: $OMNI_MESH_KEYS_DIR)",
+    )
+    parser.add_argument(
+        "--insecure", action="store_true",
+        help="run the control plane and side channels WITHOUT authentication or encryption (debugging only)",
+    )
+
+
+def _apply_security_flags(args: argparse.Namespace) -> None:
+    from omni_mesh import security
+
+    if args.insecure:
+        os.environ[security.ENV_INSECURE] = "1"
+    if args.keys:
+        os.environ[security.ENV_KEYS_DIR] = args.keys
+    try:
+        keys = security.keys_from_environment()
+    except security.MeshKeyError as exc:
+        raise CliError(str(exc)) from None
+    if keys is None and not security.insecure_requested() and args.command != "up":
+        raise CliError(
+            f"no mesh keys: run `omni-mesh keys generate DIR` once, then give every service of the mesh "
+            f"--keys DIR (or {security.ENV_KEYS_DIR}=DIR); --insecure runs without authentication (debugging only)"
+        )
+
+
 def _json_arg(text: str, flag: str) -> dict:
     try:
         value = json.loads(text)
@@ -361,6 +454,8 @@ _COMMANDS: dict[str, tuple[Declare, Command]] = {
     "coordinator": (_add_coordinator, _cmd_coordinator),
     "stage": (_add_stage, _cmd_stage),
     "bench": (_add_bench, _cmd_bench),
+    "keys": (_add_keys, _cmd_keys),
+    "status": (_add_status, _cmd_status),
 }
 
 
@@ -370,9 +465,29 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Run a multi-stage omni-modality inference pipeline as a mesh of asyncio services.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-    for declare, run in _COMMANDS.values():
-        declare(subparsers).set_defaults(_run=run)
+    for name, (declare, run) in _COMMANDS.items():
+        command = declare(subparsers)
+        command.set_defaults(_run=run)
+        _add_logging_flags(command)
+        if name in _SECURED:
+            _add_security_flags(command)
     return parser
+
+
+def _add_logging_flags(parser: argparse.ArgumentParser) -> None:
+    from omni_mesh import logs
+
+    parser.add_argument("--log-level", choices=logs.LEVELS, default=logs.default_level(),
+                        help=f"log verbosity (${logs.ENV_LEVEL})")
+    parser.add_argument("--log-format", choices=logs.FORMATS, default=logs.default_format(),
+                        help=f"text lines or JSON lines (${logs.ENV_FORMAT})")
+
+
+def _service_name(args: argparse.Namespace) -> str:
+    """How this process names itself in log lines."""
+    if args.command == "stage" and args.stage:
+        return args.replica or args.stage
+    return {"up": "launcher"}.get(args.command, args.command)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -381,7 +496,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:  # bare `omni-mesh`: show what there is to run
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    from omni_mesh import logs
+
+    logs.configure(_service_name(args), args.log_level, args.log_format)
     try:
+        if args.command in _SECURED:
+            _apply_security_flags(args)
         return args._run(args)
     except (CliError, TopologyError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import socket
 import ssl
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from omni_mesh.connectors.shm_segments import reap_orphaned_segments
+from omni_mesh.security import MeshKeys, insecure_requested, keys_from_environment
 from omni_mesh.topology import Topology
 
 log = logging.getLogger("omni_mesh.launcher")
@@ -42,10 +44,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def mesh_environment() -> dict[str, str]:
+    """The children's environment: this one, plus mesh keys. Keys the environment already names
+    (a deployment's) are used as they are; otherwise a fresh pair is made for this run alone, so a
+    local mesh is authenticated with no flag. OMNI_MESH_INSECURE passes through (the children log it)."""
+    env = dict(os.environ)
+    if insecure_requested() or keys_from_environment() is not None:
+        return env
+    env.update(MeshKeys.generate().to_env())
+    return env
+
+
 @dataclass
 class Child:
     name: str
     argv: list[str]
+    env: dict[str, str] | None = None
     process: subprocess.Popen | None = None
     restarts: int = 0
     started_at: float = 0.0
@@ -54,7 +68,9 @@ class Child:
 
     def start(self) -> None:
         # A new session: a terminal's Ctrl-C reaches only the launcher, which stops children in order.
-        self.process = subprocess.Popen(self.argv, start_new_session=True, preexec_fn=_die_with_parent)
+        self.process = subprocess.Popen(
+            self.argv, env=self.env, start_new_session=True, preexec_fn=_die_with_parent
+        )
         self.pids.append(self.process.pid)
         self.started_at = time.monotonic()
 
@@ -99,18 +115,21 @@ class Launcher:
         tls = ["--ssl-certfile", ssl_certfile, "--ssl-keyfile", ssl_keyfile or ""] if ssl_certfile else []
         self.control = f"tcp://127.0.0.1:{free_port()}"
         self._stop = threading.Event()
+        env = mesh_environment()
         path = str(topology.path)
         python = [sys.executable, "-m", "omni_mesh"]
         self.coordinator = Child(
             "coordinator",
             [*python, "coordinator", path, "--host", host, "--port", str(port), "--control", self.control,
              "--grace-s", str(grace_s), *tls, *(coordinator_args or [])],
+            env,
         )
         self.replicas = [
             Child(
                 f"{stage.name}-{index}",
                 [*python, "stage", path, "--stage", stage.name, "--replica", f"{stage.name}-{index}",
                  "--coordinator", self.control],
+                env,
             )
             for stage in topology.stages
             for index in range(stage.replicas)
