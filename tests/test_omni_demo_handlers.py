@@ -1,4 +1,9 @@
-"""The demo pipeline's stage handlers, driven directly in-process (no runtime, no connectors)."""
+"""The demo pipeline's stage handlers, driven directly in-process (no runtime, no connectors).
+
+Besides what each handler computes: the Talker streams the transcript first and then the codes,
+paced by `decode_delay_s`; Code2Wav answers once, or, when the client reads a stream, passes the
+transcript on at once and turns each Talker chunk into audio as it arrives.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import asyncio
 import base64
 import inspect
 import io
+import time
 import wave
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -15,9 +21,10 @@ import numpy as np
 import pytest
 import torch
 
+from omni_mesh.errors import InvalidInput
 from services import omni_demo
 from services.omni_demo import stages
-from services.omni_demo.audio import GROUP_SECONDS
+from services.omni_demo.audio import GROUP_SAMPLES, GROUP_SECONDS, SAMPLE_RATE
 from services.omni_demo.model import CODEBOOK_SIZE, CODES_PER_TOKEN, HIDDEN_SIZE
 
 PROMPT = "Hello there, how is the weather?"
@@ -57,8 +64,9 @@ def read_wav(result: dict) -> tuple[Any, np.ndarray]:
 
 async def test_thinker_output_shapes_and_text() -> None:
     out = await stages.thinker({"prompt": PROMPT}, Ctx())
-    assert set(out) == {"text", "hidden_states", "prompt"}
+    assert set(out) == {"text", "hidden_states", "prompt", "usage"}
     assert out["prompt"] == PROMPT
+    assert out["usage"] == {"prompt_tokens": len(PROMPT.encode()), "completion_tokens": len(out["text"].encode())}
     assert PROMPT in out["text"]
     hidden = out["hidden_states"]
     assert hidden.dtype == torch.bfloat16
@@ -104,28 +112,29 @@ async def test_thinker_cap_inside_multibyte_character_keeps_text_and_tokens_alig
     ],
 )
 async def test_thinker_rejects_bad_prompt(inputs: Any, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(InvalidInput, match=match):
         await stages.thinker(inputs, Ctx())
 
 
 @pytest.mark.parametrize("value", [0, -3, "8", 2.5, True])
 async def test_bad_params_are_rejected(value: Any) -> None:
-    with pytest.raises(ValueError, match="max_tokens"):
+    with pytest.raises(InvalidInput, match="max_tokens"):
         await stages.thinker({"prompt": PROMPT}, Ctx(params={"max_tokens": value}))
     thought = await stages.thinker({"prompt": PROMPT}, Ctx())
-    with pytest.raises(ValueError, match="chunk_tokens"):
+    with pytest.raises(InvalidInput, match="chunk_tokens"):
         await collect(stages.talker(thought, Ctx(params={"chunk_tokens": value})))
 
 
-async def test_talker_streams_ordered_chunks() -> None:
+async def test_talker_streams_the_transcript_then_ordered_code_chunks() -> None:
     thought = await stages.thinker({"prompt": PROMPT}, Ctx())
     tokens = thought["hidden_states"].shape[0]
     chunks = await collect(stages.talker(thought, Ctx(params={"chunk_tokens": 5})))
-    assert [c["seq"] for c in chunks] == list(range(-(-tokens // 5)))
+    assert [c["seq"] for c in chunks] == list(range(1 + -(-tokens // 5)))
     assert [c["final"] for c in chunks] == [False] * (len(chunks) - 1) + [True]
-    assert chunks[0]["text"] == thought["text"]
+    assert chunks[0]["text"] == thought["text"] and chunks[0]["usage"] == thought["usage"]
+    assert chunks[0]["codes"].shape == (0, CODES_PER_TOKEN)  # the transcript goes out before any code
     assert all("text" not in c for c in chunks[1:])
-    for chunk in chunks:
+    for chunk in chunks[1:]:
         assert chunk["codes"].dtype == torch.int64
         assert not chunk["codes"].is_inference()  # downstream may modify it in place
         assert chunk["codes"].dim() == 2 and chunk["codes"].shape[1] == CODES_PER_TOKEN
@@ -169,7 +178,7 @@ async def test_talker_with_empty_hidden_states_sends_one_final_chunk() -> None:
     chunks = await collect(stages.talker(thought, Ctx()))
     assert len(chunks) == 1 and chunks[0]["final"] and chunks[0]["codes"].shape == (0, CODES_PER_TOKEN)
     result = await stages.code2wav(stream(chunks), Ctx())
-    assert result["duration_s"] == 0.0 and result["codes"] == 0
+    assert result["duration_s"] == 0.0 and result["codes"] == 0 and result["text"] == ""
     params, _ = read_wav(result)
     assert params.nframes == 0
 
@@ -184,8 +193,8 @@ async def test_talker_rejects_bad_hidden_states() -> None:
 async def test_pipeline_produces_playable_wav() -> None:
     thought, chunks, result = await run_pipeline(PROMPT)
     tokens = thought["hidden_states"].shape[0]
-    assert set(result) == {"text", "sample_rate", "audio_wav_base64", "duration_s", "codes"}
-    assert result["text"] == thought["text"]
+    assert set(result) == {"text", "sample_rate", "audio_wav_base64", "duration_s", "codes", "usage"}
+    assert result["text"] == thought["text"] and result["usage"] == thought["usage"]
     assert result["sample_rate"] == 24000
     assert result["codes"] == tokens * CODES_PER_TOKEN
     assert result["duration_s"] == pytest.approx(tokens * GROUP_SECONDS)
@@ -212,11 +221,12 @@ async def test_code2wav_consumes_talker_stream_directly() -> None:
     assert streamed == buffered
 
 
-async def test_code2wav_accepts_single_unstreamed_chunk() -> None:
-    _, chunks, _ = await run_pipeline(PROMPT, chunk_tokens=1000)
-    assert len(chunks) == 1
-    result = await stages.code2wav(chunks[0], Ctx())
-    assert result["codes"] == chunks[0]["codes"].numel()
+async def test_code2wav_accepts_single_unstreamed_chunk_with_text_and_codes() -> None:
+    _, chunks, whole = await run_pipeline(PROMPT, chunk_tokens=1000)
+    assert len(chunks) == 2
+    single = {**chunks[0], "codes": chunks[1]["codes"], "final": True}
+    result = await stages.code2wav(single, Ctx())
+    assert result == whole
 
 
 async def test_code2wav_raises_on_gap() -> None:
@@ -246,10 +256,99 @@ async def test_code2wav_rejects_bad_codes() -> None:
         await stages.code2wav(stream([floats]), Ctx())
 
 
-def test_handlers_exported_under_topology_names() -> None:
+async def test_handlers_exported_under_topology_names() -> None:
     assert omni_demo.thinker is stages.thinker
     assert omni_demo.talker is stages.talker
     assert omni_demo.code2wav is stages.code2wav
     assert inspect.iscoroutinefunction(stages.thinker)
     assert inspect.isasyncgenfunction(stages.talker)
-    assert inspect.iscoroutinefunction(stages.code2wav)
+    # code2wav answers once or streams, as the client reads: the runtime looks at what the call returns.
+    whole, streamed = stages.code2wav([], Ctx()), stages.code2wav([], Ctx(params={"stream": True}))
+    assert inspect.iscoroutine(whole) and inspect.isasyncgen(streamed)
+    whole.close()
+    await streamed.aclose()
+
+
+# ------------------------------------------------------------------ streaming to the client
+
+
+@dataclass
+class RuntimeCtx(Ctx):
+    """A context from a runtime that says itself whether the client reads a stream."""
+
+    stream: bool = False
+
+
+def pcm_of(chunks: list[dict]) -> np.ndarray:
+    return np.frombuffer(b"".join(c["audio_pcm16"] for c in chunks), dtype="<i2")
+
+
+async def test_code2wav_streams_the_transcript_first_then_audio_per_talker_chunk() -> None:
+    ctx = Ctx(params={"stream": True, "chunk_tokens": 4})
+    thought, talked, whole = await run_pipeline(PROMPT, chunk_tokens=4)
+    chunks = await collect(stages.code2wav(stream(talked), ctx))
+    assert len(chunks) == len(talked)  # the transcript, then one audio chunk per code chunk
+    first, rest = chunks[0], chunks[1:]
+    assert first == {"text": thought["text"], "audio_pcm16": b"", "sample_rate": SAMPLE_RATE, "usage": thought["usage"]}
+    for chunk, codes in zip(rest, [c["codes"] for c in talked[1:]], strict=True):
+        assert chunk["text"] == "" and chunk["sample_rate"] == SAMPLE_RATE
+        assert len(chunk["audio_pcm16"]) == 2 * GROUP_SAMPLES * codes.shape[0]
+    _, wav_pcm = read_wav(whole)
+    assert np.array_equal(pcm_of(chunks), wav_pcm)  # the same audio as the one-piece answer
+
+
+async def test_runtime_stream_flag_overrides_the_param() -> None:
+    _, talked, _ = await run_pipeline(PROMPT)
+    streamed = stages.code2wav(stream(talked), RuntimeCtx(stream=True))
+    assert inspect.isasyncgen(streamed)
+    assert len(await collect(streamed)) == len(talked)
+    whole = stages.code2wav(stream(talked), RuntimeCtx(params={"stream": True}, stream=False))
+    assert inspect.iscoroutine(whole)
+    assert (await whole)["text"]
+
+
+async def test_code2wav_passes_each_piece_on_before_the_next_talker_chunk_exists() -> None:
+    """Progressive for real: each output chunk leaves Code2Wav while the Talker still holds the next."""
+    _, talked, _ = await run_pipeline(PROMPT, chunk_tokens=4)
+    released = 0
+    more = asyncio.Event()
+
+    async def gated() -> AsyncIterator[dict]:
+        nonlocal released
+        for chunk in talked:
+            released += 1
+            yield chunk
+            await more.wait()  # the next chunk comes only once the test has seen this one's output
+            more.clear()
+
+    out = stages.code2wav(gated(), Ctx(params={"stream": True}))
+    for index in range(len(talked)):
+        chunk = await anext(out)
+        assert released == index + 1, f"output chunk {index} needed talker chunk {released}"
+        assert bool(chunk["text"]) == (index == 0) and bool(chunk["audio_pcm16"]) == (index > 0)
+        more.set()
+    with pytest.raises(StopAsyncIteration):
+        await anext(out)
+
+
+async def test_decode_delay_paces_the_talker_after_the_transcript() -> None:
+    thought = await stages.thinker({"prompt": PROMPT}, Ctx())
+    tokens = thought["hidden_states"].shape[0]
+    delay = 0.005
+    started, arrivals = time.perf_counter(), []
+    async for _ in stages.talker(thought, Ctx(params={"chunk_tokens": 8, "decode_delay_s": delay})):
+        arrivals.append(time.perf_counter() - started)
+    assert arrivals[0] < delay  # the transcript waits for no decoding
+    assert arrivals[-1] >= tokens * delay * 0.9
+    assert arrivals[1] < arrivals[-1] / 2  # the first codes come long before the last
+
+
+@pytest.mark.parametrize("value", [-0.1, 5, "0.1", True, float("nan")])
+async def test_bad_decode_delay_is_rejected(value: Any) -> None:
+    thought = await stages.thinker({"prompt": PROMPT}, Ctx())
+    with pytest.raises(InvalidInput, match="decode_delay_s"):
+        await collect(stages.talker(thought, Ctx(params={"decode_delay_s": value})))
+
+
+def test_invalid_input_is_a_value_error() -> None:
+    assert issubclass(InvalidInput, ValueError)  # callers that catch ValueError keep working

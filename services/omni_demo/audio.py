@@ -63,15 +63,19 @@ def synthesize(groups: np.ndarray) -> np.ndarray:
     return (_PEAK * mix * _ENV[None, :]).astype(np.float32).reshape(-1)
 
 
+def pcm16_bytes(samples: np.ndarray) -> bytes:
+    """Float samples in [-1, 1] as 16-bit little-endian PCM (what a WAV file and a pcm16 stream hold)."""
+    return (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+
+
 def wav_bytes(samples: np.ndarray, sample_rate: int = SAMPLE_RATE) -> bytes:
     """A mono 16-bit PCM RIFF/WAV file holding float samples in [-1, 1]."""
-    pcm = (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2")
     buf = io.BytesIO()
     with wave.open(buf, "wb") as wav:
         wav.setnchannels(1)
         wav.setsampwidth(2)
         wav.setframerate(sample_rate)
-        wav.writeframes(pcm.tobytes())
+        wav.writeframes(pcm16_bytes(samples))
     return buf.getvalue()
 
 

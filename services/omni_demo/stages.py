@@ -6,61 +6,94 @@ int64 codec codes streamed in chunks, a 24 kHz waveform) but the networks are a 
 sequence of pentatonic tones chosen by the codec codes (see ``audio.py``). Everything is
 deterministic: the same prompt and params give the same text, tensors and WAV bytes.
 
-Request params read here: ``max_tokens`` (reply token cap, Thinker) and ``chunk_tokens`` (tokens per
-streamed chunk, Talker).
+How the reply streams. The Talker streams: first the transcript (the Thinker's text, with its token
+counts), then the codec codes chunk by chunk. Code2Wav turns each chunk into audio as it arrives.
+When the client reads a stream, Code2Wav streams too: a chunk with the transcript as soon as it
+arrives, then one chunk of 16-bit PCM per Talker chunk. So the text reaches the client first, riding
+the same one-way path as the audio (no stage output goes to the client except the final stage's).
+Otherwise Code2Wav answers once, with the text and the whole WAV.
+
+Request params read here: ``max_tokens`` (reply token cap, Thinker), ``chunk_tokens`` (tokens per
+streamed chunk, Talker), ``decode_delay_s`` (seconds the Talker spends per token, standing in for a
+real talker's decode time so the streaming can be watched; 0 by default) and ``stream`` (true: the
+client reads a stream; the runtime's ``ctx.stream`` overrides it where the runtime sets one).
+Bad inputs or params raise ``InvalidInput`` (a ValueError), which names the field.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+import math
+from collections.abc import AsyncIterable, AsyncIterator, Coroutine, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from services.omni_demo.audio import SAMPLE_RATE, synthesize, wav_base64
+from omni_mesh.errors import InvalidInput
+from services.omni_demo.audio import SAMPLE_RATE, pcm16_bytes, synthesize, wav_base64
 from services.omni_demo.model import CODES_PER_TOKEN, HIDDEN_SIZE, encode_text, get_model, reply_text
 
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_CHUNK_TOKENS = 8
 CONTEXT_TOKENS = 2048  # the toy's context window: longer prompts contribute only their tail
+MAX_DECODE_DELAY_S = 1.0  # per token: more would make a demo reply take minutes
+
+
+def _params(ctx: Any) -> dict:
+    return getattr(ctx, "params", None) or {}
 
 
 def _param_int(ctx: Any, name: str, default: int) -> int:
     """A positive int request param, or ``default`` when the request does not set it."""
-    value = (getattr(ctx, "params", None) or {}).get(name, default)
+    value = _params(ctx).get(name, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"param {name!r} must be a positive integer, got {value!r}")
+        raise InvalidInput(f"param {name!r} must be a positive integer, got {value!r}")
     return value
+
+
+def _decode_delay_s(ctx: Any) -> float:
+    value = _params(ctx).get("decode_delay_s", 0.0)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or not 0 <= value <= MAX_DECODE_DELAY_S:
+        raise InvalidInput(f"param 'decode_delay_s' must be a number of seconds in [0, {MAX_DECODE_DELAY_S}], got {value!r}")
+    return float(value)
+
+
+def _client_streams(ctx: Any) -> bool:
+    """Whether the client reads a stream: the runtime's ``ctx.stream`` where it has one, else ``params.stream``."""
+    stream = getattr(ctx, "stream", None)
+    return (_params(ctx).get("stream") if stream is None else stream) is True
 
 
 def _prompt(inputs: Any) -> str:
     if not isinstance(inputs, dict) or "prompt" not in inputs:
-        raise ValueError('thinker inputs need a "prompt" string, e.g. {"prompt": "Hello"}')
+        raise InvalidInput('inputs.prompt: missing; the demo needs a "prompt" string, e.g. {"prompt": "Hello"}')
     prompt = inputs["prompt"]
     if not isinstance(prompt, str):
-        raise ValueError(f'thinker input "prompt" must be a string, got {type(prompt).__name__}')
+        raise InvalidInput(f"inputs.prompt: must be a string, got {type(prompt).__name__}")
     if not prompt.strip():
-        raise ValueError('thinker input "prompt" is empty; send some text to reply to')
+        raise InvalidInput("inputs.prompt: is empty; send some text to reply to")
     return prompt
 
 
-def _run_thinker(prompt: str, max_tokens: int) -> tuple[str, torch.Tensor]:
-    """Reply text and the bfloat16 hidden states of its tokens, conditioned on the prompt."""
+def _run_thinker(prompt: str, max_tokens: int) -> tuple[str, torch.Tensor, dict]:
+    """Reply text, the bfloat16 hidden states of its tokens (conditioned on the prompt), token counts."""
     text, reply_tokens = reply_text(prompt, max_tokens)
     context = encode_text(prompt)[-CONTEXT_TOKENS:]
     hidden = get_model().hidden_states(context + reply_tokens)[len(context) :]
-    return text, hidden.to(torch.bfloat16)
+    usage = {"prompt_tokens": len(context), "completion_tokens": len(reply_tokens)}
+    return text, hidden.to(torch.bfloat16), usage
 
 
 async def thinker(inputs: dict, ctx: Any) -> dict:
-    """``{"prompt": str}`` -> ``{"text": str, "hidden_states": bf16 [tokens, 3584], "prompt": str}``."""
+    """``{"prompt": str}`` -> ``{"text", "hidden_states": bf16 [tokens, 3584], "prompt", "usage"}``."""
     prompt = _prompt(inputs)
     max_tokens = _param_int(ctx, "max_tokens", DEFAULT_MAX_TOKENS)
     # A worker thread keeps the event loop free for the replica's other in-flight requests.
-    text, hidden = await asyncio.to_thread(_run_thinker, prompt, max_tokens)
-    return {"text": text, "hidden_states": hidden, "prompt": prompt}
+    text, hidden, usage = await asyncio.to_thread(_run_thinker, prompt, max_tokens)
+    return {"text": text, "hidden_states": hidden, "prompt": prompt, "usage": usage}
 
 
 def _hidden_states(inputs: Any) -> torch.Tensor:
@@ -76,25 +109,26 @@ def _hidden_states(inputs: Any) -> torch.Tensor:
 
 
 async def talker(inputs: dict, ctx: Any) -> AsyncIterator[dict]:
-    """Thinker output -> stream of ``{"seq", "codes", "text" (seq 0 only), "final"}`` chunks.
+    """Thinker output -> the transcript, then the codec codes, as a stream of chunks.
 
-    ``codes`` is int64 ``[<= chunk_tokens, 4]``: one code-group per reply token.
-
-    Codes are computed chunk by chunk, so Code2Wav starts synthesising before the Talker is done.
+    Chunk 0 is ``{"seq": 0, "text", "usage", "codes": [0, 4], "final"}``: the transcript goes first, so
+    the client can show it while the audio is being made. Then ``{"seq": n, "codes", "final"}`` with
+    int64 codes ``[<= chunk_tokens, 4]``, one code-group per reply token; exactly one chunk is final.
     """
     hidden = _hidden_states(inputs)
-    text = inputs.get("text", "")
     chunk_tokens = _param_int(ctx, "chunk_tokens", DEFAULT_CHUNK_TOKENS)
-    starts = range(0, hidden.shape[0], chunk_tokens) or range(1)  # an empty reply still ends the stream
+    delay_s = _decode_delay_s(ctx)
+    starts = range(0, hidden.shape[0], chunk_tokens)
+    transcript: dict[str, Any] = {"seq": 0, "text": inputs.get("text", "")}
+    if "usage" in inputs:
+        transcript["usage"] = inputs["usage"]
+    yield {**transcript, "codes": torch.zeros(0, CODES_PER_TOKEN, dtype=torch.int64), "final": not starts}
     model = get_model()
-    for seq, start in enumerate(starts):
-        if seq:
-            await asyncio.sleep(0)  # let the runtime ship the previous chunk before computing the next
-        chunk: dict[str, Any] = {"seq": seq, "codes": model.codec_codes(hidden[start : start + chunk_tokens])}
-        if seq == 0:
-            chunk["text"] = text
-        chunk["final"] = seq == len(starts) - 1
-        yield chunk
+    for seq, start in enumerate(starts, 1):
+        rows = hidden[start : start + chunk_tokens]
+        # Also lets the runtime ship the previous chunk before this one is computed.
+        await asyncio.sleep(delay_s * rows.shape[0])
+        yield {"seq": seq, "codes": model.codec_codes(rows), "final": seq == len(starts)}
 
 
 async def _chunks(inputs: Any) -> AsyncIterator[dict]:
@@ -124,35 +158,80 @@ def _chunk_codes(chunk: dict, seq: int) -> np.ndarray:
     return codes.astype(np.int64, copy=False)
 
 
-async def code2wav(inputs: Any, ctx: Any) -> dict:
-    """Talker chunk stream -> ``{"text", "sample_rate", "audio_wav_base64", "duration_s", "codes"}``.
+@dataclass
+class _Transcript:
+    text: str
+    usage: dict | None
 
-    Each chunk is turned into samples as it arrives; chunks must come in seq order 0, 1, 2, ...
-    and the stream must end with exactly one ``final`` chunk.
+
+@dataclass
+class _Sound:
+    samples: np.ndarray  # float32 in [-1, 1]
+    codes: int  # how many codes made them
+
+
+async def _pieces(inputs: Any) -> AsyncIterator[_Transcript | _Sound]:
+    """The Talker's stream, checked, as what the client reads and hears: a chunk's transcript as soon
+    as it arrives (before its codes are synthesised), then each chunk's audio.
+
+    Chunks must come in seq order 0, 1, 2, ... and the stream must end with exactly one ``final`` chunk.
     """
-    text, pieces, n_codes, expected, finished = "", [], 0, 0, False
+    expected, finished = 0, False
     async for chunk in _chunks(inputs):
         seq = chunk.get("seq") if isinstance(chunk, dict) else None
         if finished:
             raise ValueError(f"talker chunk seq={seq} arrived after the final chunk seq={expected - 1}")
         if isinstance(seq, bool) or seq != expected:
             raise ValueError(f"talker chunk gap or reorder: expected seq={expected}, got seq={seq!r}")
-        if seq == 0:
-            text = chunk.get("text", "")
+        if "text" in chunk:
+            yield _Transcript(chunk["text"], chunk.get("usage"))
         codes = _chunk_codes(chunk, seq)
-        try:
-            pieces.append(synthesize(codes))
-        except ValueError as exc:
-            raise ValueError(f"talker chunk seq={seq}: {exc}") from None
-        n_codes += int(codes.size)
+        if codes.size:
+            try:
+                yield _Sound(synthesize(codes), int(codes.size))
+            except ValueError as exc:
+                raise ValueError(f"talker chunk seq={seq}: {exc}") from None
         finished, expected = bool(chunk.get("final")), expected + 1
     if not finished:
         raise ValueError(f"talker stream ended after {expected} chunk(s) without a final chunk")
-    samples = np.concatenate(pieces)
+
+
+async def _audio_stream(inputs: Any) -> AsyncIterator[dict]:
+    """``{"text", "audio_pcm16", "sample_rate"}`` chunks (plus ``usage`` beside the transcript):
+    the transcript in the first, then each Talker chunk's audio as 16-bit little-endian mono PCM."""
+    async for piece in _pieces(inputs):
+        if isinstance(piece, _Transcript):
+            chunk = {"text": piece.text, "audio_pcm16": b"", "sample_rate": SAMPLE_RATE}
+            yield {**chunk, "usage": piece.usage} if piece.usage is not None else chunk
+        else:
+            yield {"text": "", "audio_pcm16": pcm16_bytes(piece.samples), "sample_rate": SAMPLE_RATE}
+
+
+async def _whole_audio(inputs: Any) -> dict:
+    """``{"text", "sample_rate", "audio_wav_base64", "duration_s", "codes", "usage"}`` once the stream ends."""
+    text, usage, sounds, codes = "", None, [np.zeros(0, np.float32)], 0
+    async for piece in _pieces(inputs):
+        if isinstance(piece, _Transcript):
+            text, usage = piece.text, piece.usage
+        else:
+            sounds.append(piece.samples)
+            codes += piece.codes
+    samples = np.concatenate(sounds)
     return {
         "text": text,
         "sample_rate": SAMPLE_RATE,
         "audio_wav_base64": wav_base64(samples),
         "duration_s": len(samples) / SAMPLE_RATE,
-        "codes": n_codes,
+        "codes": codes,
+        "usage": usage,
     }
+
+
+def code2wav(inputs: Any, ctx: Any) -> AsyncIterator[dict] | Coroutine[Any, Any, dict]:
+    """Talker chunk stream -> audio, synthesised chunk by chunk as the codes arrive.
+
+    A client reading a stream gets chunks (an async generator: see ``_audio_stream``); any other
+    gets one output (a coroutine: see ``_whole_audio``). The runtime tells them apart by what this
+    call returns.
+    """
+    return _audio_stream(inputs) if _client_streams(ctx) else _whole_audio(inputs)
