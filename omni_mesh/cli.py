@@ -53,6 +53,8 @@ def format_summary(topology: Topology) -> str:
     entries = {stage.stage_id for stage in topology.entry_stages}
     finals = {stage.stage_id for stage in topology.final_stages}
     lines = [f"topology {topology.name!r} is valid" + (f" ({topology.path})" if topology.path else "")]
+    if topology.graph_from:
+        lines.append(f"graph: from omni-mesh's built-in copy of {topology.graph_from}")
     lines.append(f"stages ({len(topology.stages)}):")
     for stage in topology.stages:
         roles = [
@@ -74,6 +76,11 @@ def format_summary(topology: Topology) -> str:
         )
     if not topology.edges:
         lines.append("  (none)")
+    used = {edge.connector.ref for edge in topology.edges}
+    spare = [f"{ref} ({spec.name})" for ref, spec in topology.connectors.items() if ref not in used]
+    if spare:
+        lines.append(f"connectors no edge uses: {', '.join(spare)}")
+    lines.extend(f"warning: {warning}" for warning in topology.warnings)
     missing = topology.missing_handlers()
     if missing:
         who = ", ".join(f"{stage.stage_id} {stage.name!r}" for stage in missing)
@@ -464,14 +471,27 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="omni-mesh",
         description="Run a multi-stage omni-modality inference pipeline as a mesh of asyncio services.",
     )
+    from omni_mesh import __version__
+
+    parser.add_argument("--version", action="version", version=f"omni-mesh {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name, (declare, run) in _COMMANDS.items():
         command = declare(subparsers)
+        _show_defaults(command)
         command.set_defaults(_run=run)
         _add_logging_flags(command)
         if name in _SECURED:
             _add_security_flags(command)
     return parser
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every command's --help (and its subcommands', such as `bench pipeline`) shows the defaults."""
+    parser.formatter_class = _HelpWithDefaults
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _show_defaults(sub)
 
 
 def _add_logging_flags(parser: argparse.ArgumentParser) -> None:

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import httpx
@@ -28,6 +29,12 @@ from omni_mesh.security import MeshKeys, insecure_requested, keys_from_environme
 from omni_mesh.topology import Topology
 
 log = logging.getLogger("omni_mesh.launcher")
+
+INSTANCE_ENV = "OMNI_MESH_INSTANCE"  # = omni_mesh.coordinator.service.INSTANCE_ENV (not imported: heavy)
+#: A child that exits this soon after its start, more than MAX_QUICK_RESTARTS times in a row, is
+#: crash-looping: restarting it again only fills the log.
+QUICK_EXIT_S = 30.0
+MAX_QUICK_RESTARTS = 5
 
 _PR_SET_PDEATHSIG = 1
 
@@ -65,6 +72,8 @@ class Child:
     started_at: float = 0.0
     next_start: float = 0.0
     pids: list[int] = field(default_factory=list)
+    quick_exits: int = 0  # exits in a row, each soon after its start
+    given_up: bool = False
 
     def start(self) -> None:
         # A new session: a terminal's Ctrl-C reaches only the launcher, which stops children in order.
@@ -93,6 +102,8 @@ class Launcher:
         port: int = 8000,
         ready_timeout_s: float = 60.0,
         grace_s: float = 10.0,
+        max_quick_restarts: int = MAX_QUICK_RESTARTS,
+        restart_backoff_s: float = 0.5,
         coordinator_args: list[str] | None = None,
         api_key: str | None = None,
         ssl_certfile: str | None = None,
@@ -109,6 +120,8 @@ class Launcher:
         self.port = port
         self.ready_timeout_s = ready_timeout_s
         self.grace_s = grace_s
+        self.max_quick_restarts = max_quick_restarts
+        self.restart_backoff_s = restart_backoff_s  # the first restart's delay; doubled up to 10 s
         self.url = f"{'https' if ssl_certfile else 'http'}://{host}:{port}"
         self.api_key = api_key  # the coordinator inherits it through the environment (OMNI_MESH_API_KEY)
         self.ssl_certfile = ssl_certfile
@@ -116,13 +129,14 @@ class Launcher:
         self.control = f"tcp://127.0.0.1:{free_port()}"
         self._stop = threading.Event()
         env = mesh_environment()
+        self.instance = uuid.uuid4().hex  # its coordinator says it in /ready: no other mesh's answer counts
         path = str(topology.path)
         python = [sys.executable, "-m", "omni_mesh"]
         self.coordinator = Child(
             "coordinator",
             [*python, "coordinator", path, "--host", host, "--port", str(port), "--control", self.control,
              "--grace-s", str(grace_s), *tls, *(coordinator_args or [])],
-            env,
+            {**env, INSTANCE_ENV: self.instance},
         )
         self.replicas = [
             Child(
@@ -155,9 +169,22 @@ class Launcher:
             self.stop()
 
     def start(self) -> None:
+        self.check_port()
         for child in self.children:
             child.start()
         self.wait_ready()
+
+    def check_port(self) -> None:
+        """Refuse, before starting anything, a REST port another process already listens on."""
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+                probe.bind((self.host, self.port))
+        except OSError as exc:
+            raise RuntimeError(
+                f"cannot serve on {self.host}:{self.port}: {exc.strerror or exc} (another mesh or service "
+                "may be running there); stop it, or pass --port N"
+            ) from None
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
@@ -170,9 +197,12 @@ class Launcher:
                         raise RuntimeError(f"{child.name} {child.describe_exit()} during start-up (see its log above)")
                 try:
                     response = client.get(f"{self.url}/ready")
+                    answer = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
+                    if answer.get("instance") not in (None, self.instance):
+                        raise RuntimeError(f"another mesh ({answer.get('mesh')!r}) answers on {self.url}: pass --port N")
                     if response.status_code == 200:
                         return
-                    last = "; ".join(response.json().get("missing", [])) or response.text
+                    last = "; ".join(answer.get("missing", [])) or response.text
                 except httpx.HTTPError as exc:
                     last = f"coordinator not answering ({type(exc).__name__})"
                 self._stop.wait(0.2)
@@ -208,12 +238,17 @@ class Launcher:
         while not self._stop.wait(0.2):
             now = time.monotonic()
             for child in self.children:
-                if child.running() or now < child.next_start:
+                if child.given_up or child.running() or now < child.next_start:
                     continue
                 if child.next_start == 0.0:  # it just exited: reap, then schedule a restart with backoff
                     reaped = reap_orphaned_segments(pid=child.process.pid)
                     uptime = now - child.started_at
-                    delay = 0.5 if uptime > 30 else min(10.0, 0.5 * 2 ** min(child.restarts, 5))
+                    child.quick_exits = child.quick_exits + 1 if uptime < QUICK_EXIT_S else 0
+                    if child.quick_exits > self.max_quick_restarts:
+                        self._give_up(child)
+                        continue
+                    base = self.restart_backoff_s
+                    delay = base if uptime > QUICK_EXIT_S else min(10.0, base * 2 ** min(child.restarts, 5))
                     child.next_start = now + delay
                     log.warning(
                         "%s %s after %.1f s; restarting in %.1f s (restart #%d)%s",
@@ -224,6 +259,16 @@ class Launcher:
                 child.restarts += 1
                 child.next_start = 0.0
                 child.start()
+
+    def _give_up(self, child: Child) -> None:
+        message = (
+            f"giving up on {child.name}: it {child.describe_exit()} {child.quick_exits} times in a row, each within "
+            f"{QUICK_EXIT_S:.0f} s of its start; fix the cause (see its log above) and start the mesh again"
+        )
+        if child is self.coordinator:
+            raise RuntimeError(message)
+        child.given_up = True
+        log.error("%s; the rest of the mesh keeps running", message)
 
     def stop(self) -> None:
         # Coordinator first: it stops taking requests and lets in-flight ones finish (grace).

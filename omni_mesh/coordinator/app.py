@@ -18,7 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 
-from omni_mesh.coordinator import envelope
+from omni_mesh import __version__
+from omni_mesh.coordinator import docs, envelope
 from omni_mesh.coordinator.access import AccessLog
 from omni_mesh.coordinator.auth import ApiKey
 from omni_mesh.coordinator.dispatch import RequestFailed, RequestState
@@ -41,6 +42,8 @@ RETRY_AFTER_S = 1
 
 class ReadyBody(BaseModel):
     ready: bool
+    mesh: str = Field(description="the topology's name")
+    instance: str = Field(description="this coordinator's instance id (OMNI_MESH_INSTANCE, or made at start)")
     missing: list[str] = Field(description="what keeps the mesh from serving: stages without a healthy replica, edges")
     error: str | None = Field(default=None, description="when not ready: the same, in one sentence")
     stage: str | None = None
@@ -58,8 +61,11 @@ def create_app(
         finally:
             await coordinator.stop()
 
-    app = FastAPI(title="omni-mesh coordinator", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(
+        title="omni-mesh coordinator", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
+    )
     envelope.install(app)
+    docs.install(app)  # /docs and /redoc with local assets: no CDN
     dispatcher = coordinator.dispatcher
     registry = coordinator.registry
     metrics = Metrics(coordinator)
@@ -162,11 +168,12 @@ def create_app(
     )
     async def ready() -> JSONResponse:
         missing = registry.readiness()
+        mesh = {"mesh": coordinator.topology.name, "instance": coordinator.instance}
         if missing:
             error = f"not ready: {'; '.join(missing)}"
-            body = ReadyBody(ready=False, missing=missing, error=error)
+            body = ReadyBody(ready=False, missing=missing, error=error, **mesh)
             return JSONResponse(status_code=503, content=body.model_dump())
-        return JSONResponse(content={"ready": True, "missing": []})
+        return JSONResponse(content={"ready": True, "missing": [], **mesh})
 
     @app.get("/v1/topology", summary="stages, edges and the connector of each edge", responses=responses(401))
     async def topology() -> dict:
@@ -192,6 +199,7 @@ def create_app(
                 for stage in coordinator.topology.stages
             ]
         }
+
 
     @app.get("/metrics", summary="Prometheus metrics (omni_mesh_*)", response_class=Response, responses=responses(401))
     async def prometheus() -> Response:

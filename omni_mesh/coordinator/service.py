@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import uuid
 
 import zmq
 import zmq.asyncio
@@ -38,6 +40,7 @@ log = logging.getLogger("omni_mesh.coordinator")
 
 _FROM_STAGES = (Register, Heartbeat, Output, Error, Deregister)  # what a replica may send
 
+INSTANCE_ENV = "OMNI_MESH_INSTANCE"
 HEARTBEAT_S = 0.5  # announced to every replica at registration: the one interval the mesh uses
 MONITOR_S = 0.05
 REAP_CHECK_S = 1.0  # how often silent replicas are checked for a process that has since died
@@ -59,6 +62,9 @@ class Coordinator:
         self.default_timeout_s = default_timeout_s
         self.max_timeout_s = max_timeout_s
         self.keys: MeshKeys | None = mesh_keys() if keys is ... else keys  # type: ignore[assignment]
+        #: Names this coordinator in /ready, so `omni-mesh up` knows it is its own answering, not
+        #: another mesh's on the same port.
+        self.instance = os.environ.get(INSTANCE_ENV) or uuid.uuid4().hex
         self.registry = Registry(topology, heartbeat_timeout_s)
         self.dispatcher = Dispatcher(topology, self.registry, self.send)
         self.malformed = 0

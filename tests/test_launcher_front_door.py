@@ -1,0 +1,127 @@
+"""The rest of the front door: `up` on a port in use, /ready naming its mesh, a crash-looping replica,
+offline API docs, --version and defaults in --help. Real processes and sockets."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from meshkit import OMNI_MESH, Mesh, running_mesh, up_command, write_topology
+
+from omni_mesh import __version__
+from omni_mesh.launcher import Launcher, free_port
+from omni_mesh.topology import load_topology
+
+TOPOLOGY = {
+    "name": "front-door",
+    "stages": [{"stage_id": 0, "name": "a", "handler": "mesh_handlers:step", "final_output": True}],
+}
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    with running_mesh(tmp_path_factory.mktemp("front-door"), TOPOLOGY) as mesh:
+        yield mesh
+
+
+def test_ready_names_the_mesh_and_its_instance(mesh: Mesh) -> None:
+    body = mesh.ready().json()
+    assert body["ready"] is True and body["mesh"] == "front-door" and len(body["instance"]) == 32
+
+
+def test_up_refuses_a_port_in_use_before_starting_anything(mesh: Mesh, tmp_path: Path) -> None:
+    path = write_topology(tmp_path, TOPOLOGY)
+    port = int(mesh.url.rsplit(":", 1)[1])
+    started = time.monotonic()
+    result = subprocess.run(up_command(path, port), capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert f"127.0.0.1:{port}" in result.stderr and "--port" in result.stderr, result.stderr
+    assert time.monotonic() - started < 15
+    assert "ready" not in result.stdout
+    assert mesh.ready().status_code == 200  # the running mesh was not disturbed
+
+
+def test_the_api_docs_load_without_a_cdn(mesh: Mesh) -> None:
+    for page, asset in (("/docs", "/docs-assets/swagger-ui-bundle.js"), ("/redoc", "/docs-assets/redoc.standalone.js")):
+        html = mesh.client.get(page).text
+        assert asset in html and "cdn" not in html.lower() and "googleapis" not in html
+        response = mesh.client.get(asset)
+        assert response.status_code == 200 and len(response.content) > 100_000
+    spec = mesh.client.get("/openapi.json").json()
+    assert set(spec["paths"]["/v1/requests"]["post"]["responses"]) >= {"200", "401", "413", "422", "429", "502", "504"}
+
+
+def test_a_crash_looping_replica_is_given_up_on_with_a_clear_message(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A replica that exits right after every start is restarted a bounded number of times, then left
+    down with an error naming it; the launcher keeps the rest of the mesh."""
+    launcher = Launcher(load_topology(write_topology(tmp_path, TOPOLOGY)), port=free_port(),
+                        max_quick_restarts=2, restart_backoff_s=0.05)
+    launcher.coordinator.argv = [sys.executable, "-c", "import time; time.sleep(60)"]  # stays up
+    launcher.coordinator.start()
+    crasher = launcher.replicas[0]
+    crasher.argv = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    crasher.start()
+    watcher = threading.Thread(target=launcher.supervise)
+    watcher.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not crasher.given_up and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        launcher._stop.set()
+        watcher.join()
+        launcher.coordinator.process.kill()
+        launcher.coordinator.process.wait()
+    assert crasher.given_up and crasher.restarts == 2
+    assert any("giving up on a-0" in r.message and "exited with status 3" in r.message for r in caplog.records)
+
+
+def test_a_crash_looping_coordinator_stops_the_launcher(tmp_path: Path) -> None:
+    launcher = Launcher(load_topology(write_topology(tmp_path, TOPOLOGY)), port=free_port(),
+                        max_quick_restarts=1, restart_backoff_s=0.05)
+    launcher.coordinator.argv = [sys.executable, "-c", "import sys; sys.exit(4)"]
+    launcher.replicas = []
+    launcher.coordinator.start()
+    with pytest.raises(RuntimeError, match="giving up on coordinator"):
+        launcher.supervise()
+
+
+def test_another_meshs_ready_answer_is_not_taken_for_ours(mesh: Mesh, tmp_path: Path) -> None:
+    """A launcher whose port check passed (say, the other mesh bound after it) still refuses the
+    other mesh's /ready: its instance id is not ours."""
+    launcher = Launcher(load_topology(write_topology(tmp_path, TOPOLOGY)), port=int(mesh.url.rsplit(":", 1)[1]),
+                        ready_timeout_s=10)
+    for child in launcher.children:  # its own processes, stand-ins that just run
+        child.argv = [sys.executable, "-c", "import time; time.sleep(60)"]
+        child.start()
+    try:
+        with pytest.raises(RuntimeError, match="another mesh \\('front-door'\\) answers"):
+            launcher.wait_ready()
+    finally:
+        for child in launcher.children:
+            child.process.kill()
+            child.process.wait()
+
+
+def test_version_and_defaults_in_help() -> None:
+    version = subprocess.run([str(OMNI_MESH), "--version"], capture_output=True, text=True, timeout=30)
+    assert version.returncode == 0 and version.stdout.strip() == f"omni-mesh {__version__}"
+    for argv in (["up", "--help"], ["coordinator", "--help"], ["bench", "connector", "--help"]):
+        text = subprocess.run([str(OMNI_MESH), *argv], capture_output=True, text=True, timeout=30).stdout
+        assert "(default: " in text, argv
+
+
+def test_port_check_sees_a_plain_listener(tmp_path: Path) -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        launcher = Launcher(load_topology(write_topology(tmp_path, TOPOLOGY)), port=port)
+        with pytest.raises(RuntimeError, match=f"127.0.0.1:{port}"):
+            launcher.check_port()
