@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from omni_mesh.connectors import ConnectorConfigError, available_connectors, connector_class
+from omni_mesh.openai_section import OpenAISectionError, OpenAISpec, parse_openai_section
 
 __all__ = [
     "AUTO_CONNECTOR",
@@ -126,6 +127,7 @@ class Topology:
     connectors: dict[str, ConnectorSpec]  # by ref, auto-created ones included
     path: Path | None = None
     base_dir: Path | None = None
+    openai: OpenAISpec | None = None  # the optional `openai:` section (omni_mesh.openai_section)
 
     def stage(self, key: int | str) -> StageSpec:
         """A stage by id or by name (a digit string that is no stage name is taken as an id)."""
@@ -360,7 +362,7 @@ class _Parser:
         self._validate_connectors(edges)
         position = {sid: index for index, sid in enumerate(order)}
         edge_list = sorted(edges.values(), key=lambda e: (position[e.src], position[e.dst]))
-        return Topology(
+        topology = Topology(
             name=name,
             stages=[self.stages[sid] for sid in order],
             edges=edge_list,
@@ -368,6 +370,11 @@ class _Parser:
             path=None,
             base_dir=base_dir,
         )
+        try:
+            topology.openai = parse_openai_section(self.data.get("openai"), topology)
+        except OpenAISectionError as exc:
+            raise TopologyError(str(exc)) from None
+        return topology
 
     def _defaults(self) -> dict[str, int]:
         """`defaults: {replicas, max_inflight}` (also under runtime:, as vllm-omni writes them)."""

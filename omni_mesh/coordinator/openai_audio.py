@@ -1,0 +1,85 @@
+"""Audio between a stage's output and an OpenAI client: anything a stage may hold -> 16-bit PCM -> wav or pcm16.
+
+A stage's audio field holds one of `omni_mesh.openai_section.ENCODINGS`; the client asks for one of
+FORMATS. 16-bit little-endian mono PCM is the common ground: pieces are joined as PCM, and each
+answer (or streamed delta) is encoded on its own, so every `wav` delta is a whole, playable file.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import wave
+from typing import Any
+
+import numpy as np
+import torch
+
+FORMATS = ("wav", "pcm16")
+
+
+class AudioError(ValueError):
+    """A stage's audio value is not what the topology's `openai.audio_output` says it is."""
+
+
+def to_pcm16(value: Any, encoding: str) -> tuple[bytes, int | None]:
+    """(16-bit little-endian mono PCM, the rate when the value itself says it: wav) of a stage's value."""
+    if encoding == "float":
+        return _float_pcm16(value), None
+    data = _raw_bytes(value)
+    if encoding == "pcm16":
+        if len(data) % 2:
+            raise AudioError(f"pcm16 audio of {len(data)} bytes: an odd count cannot be 16-bit samples")
+        return data, None
+    return _wav_pcm16(data)
+
+
+def encode(pcm: bytes, sample_rate: int, fmt: str) -> bytes:
+    """`pcm` (16-bit mono) in the client's format: a whole WAV file, or the PCM itself."""
+    if fmt == "pcm16":
+        return pcm
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(sample_rate)
+        out.writeframes(pcm)
+    return buf.getvalue()
+
+
+def _raw_bytes(value: Any) -> bytes:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, np.ndarray) and value.dtype == np.uint8:
+        return value.tobytes()
+    if isinstance(value, str):  # base64, as a JSON-minded stage may send it
+        try:
+            return base64.b64decode(value, validate=True)
+        except binascii.Error as exc:
+            raise AudioError(f"audio given as a string is not base64: {exc}") from None
+    raise AudioError(f"audio must be bytes (or base64 text), got {type(value).__name__}")
+
+
+def _float_pcm16(value: Any) -> bytes:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().to("cpu", torch.float32).numpy()
+    try:
+        samples = np.asarray(value, dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        raise AudioError(f"float audio must be an array of samples, got {type(value).__name__}: {exc}") from None
+    if samples.ndim != 1:
+        raise AudioError(f"float audio must be 1-D mono samples, got shape {tuple(samples.shape)}")
+    return (np.clip(np.nan_to_num(samples), -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+
+
+def _wav_pcm16(data: bytes) -> tuple[bytes, int]:
+    try:
+        with wave.open(io.BytesIO(data), "rb") as wav:
+            if wav.getnchannels() != 1 or wav.getsampwidth() != 2:
+                raise AudioError(
+                    f"wav audio must be mono 16-bit, got {wav.getnchannels()} channel(s) of {8 * wav.getsampwidth()} bits"
+                )
+            return wav.readframes(wav.getnframes()), wav.getframerate()
+    except (wave.Error, EOFError) as exc:
+        raise AudioError(f"wav audio is not a readable WAV file: {exc}") from None
