@@ -8,6 +8,7 @@ with the command that installs it, rather than skipping.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import shutil
 import subprocess
@@ -27,6 +28,7 @@ def _stage(stage_id: int, name: str, **more: object) -> dict:
     return {"stage_id": stage_id, "name": name, "handler": "mesh_handlers:step", **more}
 
 
+GRAFANA = Path(__file__).resolve().parents[1] / "compose" / "observability" / "grafana-dashboard.json"
 TOPOLOGY = {
     "name": "observed",
     "stages": [_stage(0, "a", replicas=2), _stage(1, "d", engine_input_source=[0], final_output=True)],
@@ -106,6 +108,14 @@ def test_prometheus_scrapes_the_request_counter_and_histogram(mesh: Mesh, tmp_pa
         assert query(histogram) == before + sent
         assert query('sum(omni_mesh_stage_replicas{stage="a",health="healthy"})') == 2.0
         assert query('sum(omni_mesh_edge_bytes_total{edge="a->d"})') > 0
+        # The Grafana dashboard we ship asks only for series this coordinator exports, in valid PromQL.
+        exported = mesh.client.get("/metrics").text
+        for panel in json.loads(GRAFANA.read_text())["panels"]:
+            for target in panel["targets"]:
+                answer = api.get("/api/v1/query", params={"query": target["expr"]}).json()
+                assert answer["status"] == "success", (panel["title"], answer)
+                for name in re.findall(r"omni_mesh_\w+", target["expr"]):
+                    assert f"\n{name}" in exported or f"\n{name}{{" in exported, (panel["title"], name)
     finally:
         api.close()
         server.terminate()
