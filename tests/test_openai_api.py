@@ -123,6 +123,14 @@ def test_non_streaming_answer_has_text_and_a_wav_that_decodes(client: openai.Ope
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
+def test_the_client_request_id_names_the_completion(client: openai.OpenAI) -> None:
+    completion = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], extra_headers={"x-request-id": "chat-42"}
+    )
+    assert completion.headers["x-request-id"] == "chat-42"
+    assert completion.parse().id == "chatcmpl-chat-42"
+
+
 def test_pcm16_is_the_wavs_samples_and_text_only_has_no_audio(client: openai.OpenAI) -> None:
     _, wav_samples = read_wav(base64.b64decode(audio_chat(client).choices[0].message.audio.data))
     pcm = base64.b64decode(audio_chat(client, "pcm16").choices[0].message.audio.data)

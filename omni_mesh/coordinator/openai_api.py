@@ -116,7 +116,7 @@ def openai_router(coordinator: Coordinator) -> APIRouter:
         return spec if isinstance(spec, JSONResponse) else model_card(spec)
 
     @router.post("/v1/chat/completions", summary="OpenAI chat completions, text and audio", response_model=None)
-    async def chat_completions(body: ChatRequest) -> Response:
+    async def chat_completions(body: ChatRequest, request: Request) -> Response:
         spec = spec_for(body.model)
         if isinstance(spec, JSONResponse):
             return spec
@@ -131,7 +131,10 @@ def openai_router(coordinator: Coordinator) -> APIRouter:
         if full is not None:
             return openai_error(429, full, headers={"retry-after": "1"})
         try:
-            state = await dispatcher.admit(call.inputs, call.params, coordinator.default_timeout_s, True)
+            # The request's id is the access log's (the client's X-Request-Id, when usable): it names
+            # the request in every stage's log lines.
+            rid = getattr(request.state, "request_id", None)
+            state = await dispatcher.admit(call.inputs, call.params, coordinator.default_timeout_s, True, rid=rid)
         except RequestFailed as exc:
             return failed(exc)
         answer = _Answer(coordinator, state, spec, call)
