@@ -103,7 +103,8 @@ class Error(Message):
     replica: str
     error: str
     timeout: bool = False  # the request's deadline passed in the stage
-    status: int = 500  # 500: the handler failed; 400: the stage could not read the work it was sent
+    status: int = 500  # 500: the handler failed; 422: it refused the request's inputs (InvalidInput);
+    # 400: the stage could not read the work it was sent
 
 
 @dataclass(slots=True)
@@ -146,6 +147,7 @@ class Work(Message):
     sources: dict | None = None
     streamed: list = field(default_factory=list)
     stream_from: str | None = None
+    stream: bool = False  # the client reads the final output as a stream (handlers may stream to it)
 
     @property
     def is_entry(self) -> bool:

@@ -45,6 +45,7 @@ from omni_mesh.control import (
     Rejected,
     Work,
 )
+from omni_mesh.errors import InvalidInput
 from omni_mesh.hostinfo import namespace, process_info
 from omni_mesh.security import mesh_keys, secure_client
 from omni_mesh.topology import EdgeSpec, StageSpec, Topology, add_to_sys_path
@@ -67,6 +68,7 @@ class StageContext:
     stage: str
     replica: str
     deadline: float  # event-loop time
+    stream: bool = False  # the client reads the final output as a stream
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - asyncio.get_running_loop().time())
@@ -356,7 +358,9 @@ class StageReplica:
     def _accept(self, message: Work) -> None:
         rid = message.rid
         loop = asyncio.get_running_loop()
-        ctx = StageContext(rid, message.params, self.stage.name, self.replica_id, loop.time() + message.remaining_s)
+        ctx = StageContext(
+            rid, message.params, self.stage.name, self.replica_id, loop.time() + message.remaining_s, message.stream
+        )
         work = _Work(rid, ctx)
         if message.stream_from:
             work.stream = _ChunkStream(lambda item: self._fetch(work, message.stream_from, item))
@@ -427,16 +431,19 @@ class StageReplica:
         except Exception as exc:
             if isinstance(exc, TimeoutError) and deadline.expired():  # not a handler's own timeout
                 await self._fail(work, f"deadline exceeded in stage {self.stage.name!r}", timeout=True)
+            elif isinstance(exc, InvalidInput):  # the request is at fault, not the stage: 422
+                log.info("stage %s refused request %s: %s", self.stage.name, work.rid, exc)
+                await self._fail(work, str(exc), status=422)
             else:
                 log.exception("stage %s failed request %s", self.stage.name, work.rid)
                 await self._fail(work, f"{type(exc).__name__}: {exc}")
         finally:
             self.work.pop(work.rid, None)
 
-    async def _fail(self, work: _Work, error: str, *, timeout: bool = False) -> None:
+    async def _fail(self, work: _Work, error: str, *, timeout: bool = False, status: int = 500) -> None:
         self.errors += 1
         await self._cleanup(work.rid)
-        await self._send(Error(work.rid, self.stage.name, self.replica_id, error, timeout=timeout))
+        await self._send(Error(work.rid, self.stage.name, self.replica_id, error, timeout=timeout, status=status))
 
     async def _inputs(self, work: _Work, message: Work) -> Any:
         if message.inputs_ref is not None:  # request inputs too large for a control message

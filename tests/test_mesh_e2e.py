@@ -125,6 +125,21 @@ class TestDemo:
         assert np.abs(samples.astype(np.int32)).max() > 1000, "the WAV is silent"
         assert set(body["timings"]) == {"thinker", "talker", "code2wav"}
 
+    def test_a_missing_prompt_is_422_naming_the_stage(self, demo: Mesh) -> None:
+        response = demo.request({})
+        assert response.status_code == 422, response.text
+        body = response.json()
+        assert body["stage"] == "thinker" and "prompt" in body["error"]
+
+    def test_stream_true_delivers_text_then_audio_chunks(self, demo: Mesh) -> None:
+        response = demo.request({"prompt": "Hello, streaming!"}, stream=True)
+        assert response.status_code == 200, response.text
+        events = [line.removeprefix("event: ") for line in response.text.splitlines() if line.startswith("event: ")]
+        chunks = [json.loads(line.removeprefix("data: "))["output"] for line in response.text.splitlines()
+                  if line.startswith("data: ") and '"output"' in line]
+        assert events[-1] == "done" and events.count("chunk") >= 3, events
+        assert "text" in chunks[0] and all("audio_pcm16" in c for c in chunks[1:]), [sorted(c) for c in chunks]
+
     def test_sigint_stops_everything(self, demo: Mesh) -> None:
         # The demo's producers hold shared-memory pools (thinker's hidden states go through it).
         assert demo.our_segments(), "expected the running demo to hold shared-memory pools"

@@ -227,7 +227,6 @@ def test_bad_requests_get_a_bad_request_error_naming_the_field(client: openai.Op
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
 
 
-@pytest.mark.xfail(reason="needs the runtime to answer a handler's InvalidInput with 422 (stage.py, dispatch.py)")
 def test_a_param_a_stage_refuses_is_a_bad_request(client: openai.OpenAI, demo: Mesh) -> None:
     with pytest.raises(openai.BadRequestError, match="chunk_tokens"):
         client.chat.completions.create(

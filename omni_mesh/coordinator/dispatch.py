@@ -149,7 +149,7 @@ class Dispatcher:
     # ------------------------------------------------------------------ routing
 
     def _route(self, state: RequestState, stage: str, **body: Any) -> None:
-        message = Work(state.rid, stage, state.params, **body)
+        message = Work(state.rid, stage, state.params, stream=state.stream, **body)
         state.work[stage] = message
         self._place(state, message)
 
@@ -184,6 +184,17 @@ class Dispatcher:
     def _send_chunk(self, state: RequestState, dst: str, replica: Replica, chunk: Chunk) -> None:
         state.sent_chunks.setdefault(dst, []).append(chunk)
         self.send(replica, chunk)
+
+    def full_stage(self) -> tuple[str, int] | None:
+        """The first stage whose queue is at its limit (max_queued), and the limit: a new request is
+        refused (429) then. Work of requests already admitted may still push a queue past it: they are
+        never refused midway."""
+        for stage in self.topology.stages:
+            running = sum(replica.max_inflight for replica in self.registry.of_stage(stage.name))
+            limit = stage.queue_limit(running)
+            if len(self.queues[stage.name]) >= limit:
+                return stage.name, limit
+        return None
 
     def drain_queue(self, stage: str) -> None:
         """Hand queued work of `stage` to replicas with free slots."""
@@ -312,6 +323,8 @@ class Dispatcher:
                 self.fail(state, RequestFailed(504, f"deadline exceeded while at {where}", stage))
             elif message.status == 400:
                 self.fail(state, RequestFailed(502, f"stage {stage!r} could not read its work: {message.error}", stage))
+            elif message.status == 422:  # the handler says the request's inputs or params are wrong
+                self.fail(state, RequestFailed(422, f"stage {stage!r}: {message.error}", stage))
             else:
                 self.fail(state, RequestFailed(500, f"stage {stage!r} failed: {message.error}", stage))
         self.drain_queue(replica.stage)
