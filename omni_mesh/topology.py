@@ -3,12 +3,16 @@
 A topology names its stages, the edges between them and the connector that carries payloads along
 each edge. Two layouts are accepted: ours (top-level `stages:`, `connectors:`, `edges:`) and the one
 vllm-omni stage configs use (`stage_args:`, with `connectors:`/`edges:` nested under `runtime:`).
+vllm-omni's deploy files, which leave the graph to vllm-omni's code, get it from
+`omni_mesh.vllm_omni_deploy`. Where vllm-omni's loader ignores something in its own files (a spare
+connector, an edges: entry it cannot use), this module warns instead of refusing the file.
 Everything is checked up front, and every error names the stages and the edge (`0->1`) involved and
 says what to change, so a bad file fails at `omni-mesh validate` rather than mid-request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import heapq
 import re
@@ -20,6 +24,8 @@ from typing import Any
 
 import yaml
 
+from omni_mesh import vllm_omni_deploy
+from omni_mesh.connector_values import coerce_numbers, expand_env, numeric_fields, unset_variables
 from omni_mesh.connectors import ConnectorConfigError, available_connectors, connector_class
 from omni_mesh.openai_section import OpenAISectionError, OpenAISpec, parse_openai_section
 
@@ -125,6 +131,10 @@ class Topology:
     stages: list[StageSpec]  # in topological order (ties broken by stage id)
     edges: list[EdgeSpec]  # ordered by the topological position of (src, dst)
     connectors: dict[str, ConnectorSpec]  # by ref, auto-created ones included
+    #: Things accepted as vllm-omni's loader accepts them but worth a look (validate prints them).
+    warnings: list[str] = field(default_factory=list)
+    #: Where the graph came from when the file left it to vllm-omni's code (a deploy file).
+    graph_from: str | None = None
     path: Path | None = None
     base_dir: Path | None = None
     openai: OpenAISpec | None = None  # the optional `openai:` section (omni_mesh.openai_section)
@@ -175,6 +185,8 @@ class Topology:
         return {
             "name": self.name,
             "path": str(self.path) if self.path is not None else None,
+            "graph_from": self.graph_from,
+            "warnings": list(self.warnings),
             "stages": [
                 {
                     "id": stage.stage_id,
@@ -265,9 +277,14 @@ def parse_topology(
 ) -> Topology:
     """Validate an already-parsed topology mapping. Errors are prefixed with `source`."""
     try:
-        return _Parser(data, default_name).build(base_dir)
-    except TopologyError as exc:
+        prepared = vllm_omni_deploy.prepare(data, name=default_name, base_dir=base_dir)
+        parser = _Parser(prepared.data, default_name, prepared)
+        topology = parser.build(base_dir)
+    except (TopologyError, vllm_omni_deploy.DeployFileError) as exc:
         raise TopologyError(f"{source}: {exc}") from None
+    topology.graph_from = prepared.graph_from
+    topology.warnings = [*prepared.warnings, *parser.warnings]
+    return topology
 
 
 # --------------------------------------------------------------------------------------------------
@@ -285,7 +302,9 @@ class _EdgeDecl:
 
 
 class _Parser:
-    def __init__(self, data: Any, default_name: str) -> None:
+    def __init__(
+        self, data: Any, default_name: str, prepared: vllm_omni_deploy.PreparedFile | None = None
+    ) -> None:
         if not isinstance(data, dict):
             raise TopologyError(
                 f"a topology must be a mapping with a stages: list, got {type(data).__name__}"
@@ -296,6 +315,13 @@ class _Parser:
         self.stages: dict[int, StageSpec] = {}  # by id, in file order
         self.raw_stages: dict[int, dict] = {}
         self.connectors: dict[str, ConnectorSpec] = {}
+        # Connector entries that failed to parse: an error only once an edge names them.
+        self.broken_connectors: dict[str, str] = {}
+        self.warnings: list[str] = []
+        self.prepared = prepared or vllm_omni_deploy.PreparedFile(data)
+        # vllm-omni's files (stage_args:, deploy files) get its loader's leniency where it ignores
+        # something; omni-mesh's own layout is checked strictly.
+        self.lenient = "stage_args" in data or self.prepared.is_deploy
 
     # -- sections ----------------------------------------------------------------------------------
 
@@ -402,6 +428,8 @@ class _Parser:
             names[stage.name] = stage.stage_id
             self.stages[stage.stage_id] = stage
             self.raw_stages[stage.stage_id] = entry
+        if self.prepared.missing_graph:
+            raise TopologyError(self.prepared.missing_graph)
 
     def _stage_list(self) -> list:
         if "stages" in self.data and "stage_args" in self.data:
@@ -428,7 +456,17 @@ class _Parser:
         for ref, entry in self._merged_mapping("connectors", "connector").items():
             if not isinstance(ref, str):
                 raise TopologyError(f"connector key {ref!r} must be a string")
-            self.connectors[ref] = _parse_connector_entry(entry, ref, f"connector {ref!r}")
+            try:
+                self.connectors[ref] = self._connector_entry(entry, ref, f"connector {ref!r}")
+            except TopologyError as exc:  # vllm-omni reads a connector only when an edge names it
+                self.broken_connectors[ref] = str(exc)
+
+    def _connector_entry(self, entry: Any, ref: str, who: str) -> ConnectorSpec:
+        spec = _parse_connector_entry(entry, ref, who, unknown_keys_ok=self.lenient)
+        unknown = sorted(set(entry) - _CONNECTOR_KEYS, key=str)
+        if unknown:  # only reached when lenient: vllm-omni reads name and extra, nothing else
+            self.warnings.append(f"{who}: key(s) {', '.join(map(repr, unknown))} ignored (a connector has name: and extra:)")
+        return spec
 
     def _resolve_connector(self, value: Any, src: int, dst: int, where: str) -> ConnectorSpec | None:
         """A connector named at `where`: a ref into `connectors:`, an inline {name, extra}, or null."""
@@ -436,6 +474,11 @@ class _Parser:
             return None
         if isinstance(value, str):
             spec = self.connectors.get(value)
+            if spec is None and value in self.broken_connectors:
+                raise TopologyError(
+                    f"{self.describe_edge(src, dst)}: {where} names connector {value!r}, which is invalid: "
+                    f"{self.broken_connectors[value]}"
+                )
             if spec is None:
                 defined = ", ".join(sorted(self.connectors)) or "none"
                 raise TopologyError(
@@ -445,9 +488,7 @@ class _Parser:
             return spec
         if isinstance(value, dict):
             # vllm-omni also allows the connector inline: {name: ..., extra: {...}}.
-            return _parse_connector_entry(
-                value, f"inline_{src}_{dst}", f"{self.describe_edge(src, dst)}: {where}"
-            )
+            return self._connector_entry(value, f"inline_{src}_{dst}", f"{self.describe_edge(src, dst)}: {where}")
         raise TopologyError(
             f"{self.describe_edge(src, dst)}: {where}: a connector is a name defined under connectors: "
             f"or a {{name: ..., extra: {{...}}}} mapping, got {value!r}"
@@ -464,6 +505,8 @@ class _Parser:
             for stage in self.stages.values():
                 if stage.name == value:
                     return stage.stage_id
+            if value.isdigit() and int(value) in self.stages:  # vllm-omni compares ids as strings
+                return int(value)
         raise TopologyError(
             f"{where} names stage {value!r}, which is not defined (stages: {_stage_list(self.stages.values())}); "
             "fix the reference or add the stage"
@@ -474,7 +517,9 @@ class _Parser:
         for sid, raw in self.raw_stages.items():
             decls.extend(self._stage_edge_decls(sid, raw))
         for where, entry in self._edge_entries():
-            decls.append(self._edge_entry_decl(entry, where))
+            decl = self._edge_entry_decl(entry, where)
+            if decl is not None:
+                decls.append(decl)
         return decls
 
     def _stage_edge_decls(self, sid: int, raw: dict) -> Iterable[_EdgeDecl]:
@@ -507,19 +552,29 @@ class _Parser:
                 where = f"{who} {key}.{item}"
                 yield _EdgeDecl(src, dst, self._resolve_connector(value, src, dst, where), where)
 
-    def _edge_entry_decl(self, entry: Any, where: str) -> _EdgeDecl:
-        if not isinstance(entry, dict) or "from" not in entry or "to" not in entry:
-            raise TopologyError(
-                f"{where}: an edge is a mapping {{from: <stage>, to: <stage>}}, got {entry!r}"
-            )
+    def _edge_entry_decl(self, entry: Any, where: str) -> _EdgeDecl | None:
+        """One edges: entry. In vllm-omni's files such an entry only picks the connector of an edge
+        (engine_input_source carries the data), and its loader skips what it cannot use: so do we,
+        with a warning."""
+        if not isinstance(entry, dict) or entry.get("from") is None or entry.get("to") is None:
+            message = f"{where}: an edge is a mapping {{from: <stage>, to: <stage>}}, got {entry!r}"
+            return self._skip_edge(message, "skipped")
         unknown = sorted(set(entry) - _EDGE_KEYS - _IGNORED_EDGE_KEYS, key=str)
         if unknown:
-            raise TopologyError(
-                f"{where}: unknown key {unknown[0]!r} in edge entry (allowed: connector, from, to)"
-            )
-        src = self._stage_ref(entry["from"], f"{where}: from")
-        dst = self._stage_ref(entry["to"], f"{where}: to")
+            message = f"{where}: unknown key(s) {', '.join(map(repr, unknown))} in edge entry (allowed: connector, from, to)"
+            self._skip_edge(message, "ignored")
+        try:
+            src = self._stage_ref(entry["from"], f"{where}: from")
+            dst = self._stage_ref(entry["to"], f"{where}: to")
+        except TopologyError as exc:
+            return self._skip_edge(str(exc), "skipped: vllm-omni builds no stage for it")
         return _EdgeDecl(src, dst, self._resolve_connector(entry.get("connector"), src, dst, where), where)
+
+    def _skip_edge(self, message: str, what: str) -> None:
+        """Raise `message`, or in a vllm-omni file record it as a warning (`what` happened instead)."""
+        if not self.lenient:
+            raise TopologyError(message)
+        self.warnings.append(f"{message}; {what}")
 
     def _merge_edges(self, decls: list[_EdgeDecl]) -> dict[tuple[int, int], EdgeSpec]:
         """One edge per (src, dst); every declaration that names a connector must name the same one."""
@@ -586,7 +641,18 @@ class _Parser:
         if len(order) < len(self.stages):
             self._raise_cycle(successors, entries=[sid for sid in self.stages if not _has_input(sid, edges)])
         self._check_finals(edges, successors)
+        self._note_unconnected(edges)
         return order
+
+    def _note_unconnected(self, edges: dict[tuple[int, int], EdgeSpec]) -> None:
+        """Stages without any edge each run alone; vllm-omni files mean that only with `modes:`."""
+        if edges or len(self.stages) < 2 or not self.lenient or "modes" in self.data:
+            return
+        who = ", ".join(self.describe(sid) for sid in self.stages)
+        self.warnings.append(
+            f"no edge connects the stages ({who}): each is an entry and a final stage and runs alone; if they "
+            "form a pipeline, give each downstream stage engine_input_source: [<upstream stage id>]"
+        )
 
     def _raise_cycle(self, successors: dict[int, list[int]], entries: list[int]) -> None:
         cycle = _find_cycle(successors)
@@ -621,25 +687,52 @@ class _Parser:
     def _validate_connectors(self, edges: dict[tuple[int, int], EdgeSpec]) -> None:
         for ref, spec in self.connectors.items():
             users = [self.describe_edge(*key) for key, edge in edges.items() if edge.connector.ref == ref]
-            used = f"used by {', '.join(users)}" if users else "used by no edge"
             try:
-                cls = connector_class(spec.name)
-            except ValueError as exc:
-                close = difflib.get_close_matches(spec.name, available_connectors(), n=1)
-                hint = f"did you mean {close[0]!r}? " if close else ""
-                raise TopologyError(
-                    f"connector {ref!r} ({used}): {exc}; {hint}set its name: to one of those, or install "
-                    "the package that registers it"
-                ) from None
-            except ImportError as exc:
-                raise TopologyError(
-                    f"connector {ref!r} ({used}): {spec.name} could not be imported ({exc}); "
-                    "install the package it needs"
-                ) from None
-            try:
-                cls.validate_config(dict(spec.extra))
-            except ConnectorConfigError as exc:
-                raise TopologyError(f"connector {ref!r} ({used}): {exc}; fix its extra: mapping") from None
+                self._validate_connector(ref, spec, users)
+            except TopologyError as exc:
+                if users:
+                    raise
+                # vllm-omni creates only the connectors edges name: an unused one cannot fail a run.
+                self.warnings.append(f"{exc} (not an error: no edge uses it)")
+        self.warnings.extend(
+            f"{message} (not an error: no edge uses it)" for message in self.broken_connectors.values()
+        )
+
+    def _validate_connector(self, ref: str, spec: ConnectorSpec, users: list[str]) -> None:
+        used = f"used by {', '.join(users)}" if users else "used by no edge"
+        try:
+            cls = connector_class(spec.name)
+        except ValueError as exc:
+            close = difflib.get_close_matches(spec.name, available_connectors(), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise TopologyError(
+                f"connector {ref!r} ({used}): {exc}; {hint}set its name: to one of those, or install "
+                "the package that registers it"
+            ) from None
+        except ImportError as exc:
+            raise TopologyError(
+                f"connector {ref!r} ({used}): {spec.name} could not be imported ({exc}); "
+                "install the package it needs"
+            ) from None
+        config = dict(spec.extra)
+        known = _config_field_names(cls)
+        for key, value in spec.extra.items():
+            names = unset_variables(value)
+            if names and key in known:  # an unknown key still fails below, by its name
+                del config[key]
+                self.warnings.append(
+                    f"connector {ref!r} ({used}): extra.{key} uses {', '.join('$' + n for n in names)}, which "
+                    "is not set here, so its value is not checked; set it wherever the stages run"
+                )
+        try:
+            cls.validate_config(config)
+        except ConnectorConfigError as exc:
+            raise TopologyError(f"connector {ref!r} ({used}): {exc}; fix its extra: mapping") from None
+
+
+def _config_field_names(cls: type) -> set[str]:
+    config_class = getattr(cls, "config_class", None)
+    return {f.name for f in dataclasses.fields(config_class)} if dataclasses.is_dataclass(config_class) else set()
 
 
 def _parse_stage(entry: Any, index: int, defaults: dict[str, int]) -> StageSpec:
@@ -648,6 +741,8 @@ def _parse_stage(entry: Any, index: int, defaults: dict[str, int]) -> StageSpec:
     if "stage_id" not in entry:
         raise TopologyError(f"stage #{index} has no stage_id; give every stage an integer stage_id")
     sid = entry["stage_id"]
+    if isinstance(sid, str) and sid.isdigit():  # vllm-omni compares stage ids as strings: "1" is 1
+        sid = int(sid)
     if not isinstance(sid, int) or isinstance(sid, bool) or sid < 0:
         raise TopologyError(f"stage #{index}: stage_id must be a non-negative integer, got {sid!r}")
     name = entry.get("name", f"stage_{sid}")
@@ -677,7 +772,8 @@ def _parse_stage(entry: Any, index: int, defaults: dict[str, int]) -> StageSpec:
     )
 
 
-def _parse_connector_entry(entry: Any, ref: str, who: str) -> ConnectorSpec:
+def _parse_connector_entry(entry: Any, ref: str, who: str, *, unknown_keys_ok: bool = False) -> ConnectorSpec:
+    """One connector; `extra` with variables expanded and numeric strings read as vllm-omni reads them."""
     if not isinstance(entry, dict):
         raise TopologyError(
             f"{who}: a connector is a mapping {{name: <type>, extra: {{...}}}}, got {entry!r}"
@@ -690,12 +786,22 @@ def _parse_connector_entry(entry: Any, ref: str, who: str) -> ConnectorSpec:
     if not isinstance(name, str) or not name:
         raise TopologyError(f"{who}: name must be a connector type such as {AUTO_CONNECTOR!r}, got {name!r}")
     unknown = sorted(set(entry) - _CONNECTOR_KEYS, key=str)
-    if unknown:
+    if unknown and not unknown_keys_ok:
         raise TopologyError(f"{who}: unknown key {unknown[0]!r} (a connector has name: and extra:)")
     extra = entry.get("extra") or {}
     if not isinstance(extra, dict):
         raise TopologyError(f"{who}: extra must be a mapping, got {extra!r}")
-    return ConnectorSpec(ref=ref, name=name, extra=dict(extra), auto=False)
+    extra = coerce_numbers(expand_env(extra), _numeric_fields_of(name))
+    return ConnectorSpec(ref=ref, name=name, extra=extra, auto=False)
+
+
+def _numeric_fields_of(connector_name: str) -> dict[str, type]:
+    """The numeric config fields of a connector type ({} for a type that does not load)."""
+    try:
+        cls = connector_class(connector_name)
+    except (ValueError, ImportError):
+        return {}  # reported with the edges that use it
+    return numeric_fields(getattr(cls, "config_class", None))
 
 
 def _positive_int(value: Any, what: str) -> int:

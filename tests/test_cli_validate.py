@@ -88,3 +88,29 @@ def test_main_in_process(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
     assert "no handler" not in out
     assert main(["validate", str(tmp_path / "absent.yaml")]) == 2
     assert "topology file not found" in capsys.readouterr().err
+
+
+VLLM_OMNI = TOPOLOGIES / "vllm_omni"
+
+
+def test_validate_prints_warnings_and_still_passes(tmp_path: Path) -> None:
+    result = omni_mesh("validate", VLLM_OMNI / "unused_connectors.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert "connectors no edge uses: threshold_shm (SharedMemoryConnector)" in result.stdout
+    assert "\nwarning: connector 'kv_store' (used by no edge): unknown connector 'SomeKVConnector'" in result.stdout
+
+
+def test_validate_deploy_file_prints_the_pipeline_graph(tmp_path: Path) -> None:
+    result = omni_mesh("validate", VLLM_OMNI / "deploy" / "qwen3_tts.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "graph: from omni-mesh's built-in copy of vllm-omni pipeline 'qwen3_tts' (Qwen3-TTS)" in result.stdout
+    assert "0->1  qwen3_tts -> code2wav  via SharedMemoryConnector [shm]" in result.stdout
+    result = omni_mesh("validate", "--json", VLLM_OMNI / "deploy" / "qwen3_tts.yaml", cwd=tmp_path)
+    assert json.loads(result.stdout)["graph_from"].startswith("vllm-omni pipeline 'qwen3_tts'")
+
+
+def test_validate_refuses_a_deploy_file_without_a_graph(tmp_path: Path) -> None:
+    result = omni_mesh("validate", VLLM_OMNI / "deploy" / "unknown_model.yaml", cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert "no edge between them" in result.stderr and "set pipeline:" in result.stderr.lower()
