@@ -300,6 +300,12 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     pipeline.add_argument("--inputs", default='{"prompt": "Hello"}', help="request inputs, as JSON")
     pipeline.add_argument("--params", default="{}", help="request params, as JSON")
     pipeline.add_argument("--timeout-s", type=float, default=30.0)
+    pipeline.add_argument(
+        "--security", choices=["both", "on", "off"], default=None,
+        help="with --topology: measure the control plane with CURVE on, off (OMNI_MESH_INSECURE=1), or both "
+        "in alternating rounds, each on a fresh mesh (default: both). --url measures the mesh as it runs",
+    )
+    pipeline.add_argument("--rounds", type=int, default=3, help="with --topology: rounds per security mode")
     pipeline.add_argument("--json", action="store_true", help="print the results as JSON")
     return parser
 
@@ -326,6 +332,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if bool(args.url) == bool(args.topology):
         raise CliError("pass exactly one of --url (a running mesh) or --topology (start one for the run)")
+    if args.url and args.security:
+        raise CliError("--security picks how the bench starts the mesh: it needs --topology, not --url")
+    if args.rounds < 1:
+        raise CliError(f"--rounds must be >= 1, got {args.rounds}")
     result = pipeline.run(
         url=args.url,
         topology=args.topology,
@@ -334,6 +344,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         inputs=_json_arg(args.inputs, "--inputs"),
         params=_json_arg(args.params, "--params"),
         timeout_s=args.timeout_s,
+        security=args.security or "both",
+        rounds=args.rounds,
     )
     print(json.dumps(result, indent=2) if args.json else pipeline.report(result))
     return EXIT_OK

@@ -1,19 +1,26 @@
-"""`omni-mesh bench connector` as a user runs it: real processes, small sizes, every figure present."""
+"""`omni-mesh bench connector` and `bench pipeline` as a user runs them: real processes, small sizes
+and short rounds, every figure present."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from omni_mesh.bench import pipeline
+from omni_mesh.bench.mesh import running_mesh
+
 BENCH = [sys.executable, "-m", "omni_mesh.cli", "bench", "connector"]
+PIPELINE = [sys.executable, "-m", "omni_mesh.cli", "bench", "pipeline"]
+NOOP = str(Path(__file__).parents[1] / "compose" / "noop-pipeline.yaml")
 
 
-def run_bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*BENCH, *args], capture_output=True, text=True, timeout=300)
+def run_bench(*args: str, bench: list[str] = BENCH) -> subprocess.CompletedProcess:
+    return subprocess.run([*bench, *args], capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("name", ["SharedMemoryConnector", "ZmqConnector"])
@@ -57,3 +64,49 @@ def test_the_yuanrong_bench_starts_its_own_worker() -> None:
 def test_start_worker_is_only_for_yuanrong() -> None:
     done = run_bench("--start-worker", "--sizes", "4KiB")
     assert done.returncode == 2 and "YuanrongConnector" in done.stderr
+
+
+# ---------------------------------------------------------------------- bench pipeline
+
+
+def test_the_pipeline_bench_measures_curve_on_and_off_in_one_run() -> None:
+    """What `make bench` runs, in short rounds: CURVE on and off alternate, each on a fresh mesh, and
+    each round confirms from the coordinator's log which control plane it measured."""
+    done = run_bench("--topology", NOOP, "--concurrency", "4", "--duration", "1", "--rounds", "2", "--json",
+                     bench=PIPELINE)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["security"] == "both" and result["topology"] == NOOP
+    assert [(r["mode"], r["control_plane"]) for r in result["rounds"]] == [
+        ("on", "CURVE"), ("off", "insecure"), ("on", "CURVE"), ("off", "insecure")
+    ]
+    for r in result["rounds"]:
+        assert r["ok"] > 0 and r["errors"] == {} and r["req_per_s"] == pytest.approx(r["ok"] / r["duration_s"])
+        assert 0 < r["p50_s"] <= r["p99_s"]
+        assert r["mesh_cpu_s"] > 0 and r["cpu_s_per_request"] == pytest.approx(r["mesh_cpu_s"] / r["ok"])
+        assert set(r["stages"]) == {"first", "second", "third"}
+    for mode in ("on", "off"):
+        summary = result["modes"][mode]
+        rates = [r["req_per_s"] for r in result["rounds"] if r["mode"] == mode]
+        assert summary["rounds"] == 2 and summary["req_per_s_rounds"] == rates
+        assert summary["req_per_s"] == pytest.approx(sum(rates) / 2)  # the median of two
+    ratio = result["ratio_on_off"]
+    assert ratio["req_per_s"] == pytest.approx(result["modes"]["on"]["req_per_s"] / result["modes"]["off"]["req_per_s"])
+    assert len(ratio["req_per_s_pairs"]) == 2 and all(x > 0 for x in ratio["req_per_s_pairs"])
+    assert ratio["cpu_s_per_request"] == pytest.approx(
+        result["modes"]["on"]["cpu_s_per_request"] / result["modes"]["off"]["cpu_s_per_request"]
+    )
+    text = pipeline.report(result)  # the table, from the same figures
+    assert "median CURVE on" in text and "median CURVE off" in text
+    assert f"CURVE on / off: throughput {ratio['req_per_s']:.3f}x" in text
+    assert text.count("round  CURVE") == 4 and "third" in text
+
+
+def test_the_pipeline_bench_measures_a_running_mesh_as_it_runs() -> None:
+    with running_mesh(NOOP) as mesh:
+        done = run_bench("--url", mesh.url, "--concurrency", "2", "--duration", "1", bench=PIPELINE)
+        refused = run_bench("--url", mesh.url, "--security", "off", bench=PIPELINE)
+    assert done.returncode == 0, done.stderr
+    assert "median as running" in done.stdout and "CURVE on / off" not in done.stdout
+    assert "mesh CPU    -" in done.stdout  # another machine's processes, perhaps: not counted
+    assert refused.returncode == 2 and "--security" in refused.stderr and "--topology" in refused.stderr

@@ -2,27 +2,32 @@
 
 Reports requests per second, p50/p99 latency, errors by status, and the per-stage breakdown the
 coordinator returns with each response (time queued for a replica, time in connectors, time in the
-handler). With --topology it starts the mesh with `omni-mesh up` for the run and stops it after.
+handler). With --url it measures the running mesh once. With --topology it starts the mesh with
+`omni-mesh up` for every round and stops it after; `--security both` (the default) alternates rounds
+with the control plane on CURVE and with it off (OMNI_MESH_INSECURE=1), so the two are measured in
+the same run under the same noise, and reports each mode's medians and the ratio on/off.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import signal
 import statistics
-import subprocess
-import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import httpx
 
 from omni_mesh import aio
-from omni_mesh.launcher import free_port
+from omni_mesh.bench.http_client import Connection
+from omni_mesh.bench.mesh import cpu_seconds, running_mesh
+
+#: --security: which control planes to measure, in the order rounds alternate.
+SECURITY_MODES = {"both": ("on", "off"), "on": ("on",), "off": ("off",)}
+EXPECTED_CONTROL_PLANE = {"on": "CURVE", "off": "insecure"}
+WARMUP_S = 1.0  # full load before the measured window: connections, first-touch costs, caches
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -32,91 +37,62 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-class _Connection:
-    """A minimal HTTP/1.1 keep-alive client for the load loop.
-
-    A general client (httpx) spends about 5 ms of CPU per request here, more than the mesh it
-    measures, so on a 2-core machine it would benchmark itself. This one only POSTs JSON and reads a
-    Content-Length response, which is all the coordinator sends for non-streaming requests.
-    """
-
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        if self.writer is None or self.writer.is_closing():
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        assert self.reader is not None
-        head = (
-            f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-        )
-        self.writer.write(head.encode() + body)
-        status_line = await self.reader.readline()
-        if not status_line:
-            raise ConnectionError("the coordinator closed the connection")
-        status = int(status_line.split()[1])
-        length = None
-        while (line := await self.reader.readline()) not in (b"\r\n", b""):
-            name, _, value = line.decode("latin-1").partition(":")
-            if name.strip().lower() == "content-length":
-                length = int(value)
-        if length is None:
-            raise ConnectionError("response without Content-Length")
-        return status, await self.reader.readexactly(length)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-
-
-async def _drive(url: str, concurrency: int, duration_s: float, body: dict) -> dict[str, Any]:
+async def _drive(url: str, concurrency: int, duration_s: float, body: dict, pids: set[int] | None = None) -> dict[str, Any]:
+    """Load for WARMUP_S + duration_s; figures count what completes inside the last duration_s.
+    With `pids` (the mesh's processes), also the CPU time they spend in that window per request:
+    a cost the other loads on a shared machine disturb far less than throughput."""
     latencies: list[float] = []
     statuses: Counter[str] = Counter()
     stage_times: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    target = httpx.URL(url)
     payload = json.dumps(body).encode()
     async with httpx.AsyncClient(base_url=url, timeout=body["timeout_s"] + 5.0) as client:
-        await client.post("/v1/requests", json=body)  # warm-up: first-request costs are not the mesh's
-    stop_at = time.perf_counter() + duration_s
+        await client.post("/v1/requests", json=body)  # the mesh's first request (imports, pools) is not timed
+    measure_from = time.perf_counter() + WARMUP_S
+    stop_at = measure_from + duration_s
 
     async def client_loop() -> None:
-        connection = _Connection(target.host, target.port or 80)
+        connection = Connection(url)
         try:
-            while time.perf_counter() < stop_at:
-                started = time.perf_counter()
+            while (started := time.perf_counter()) < stop_at:
                 try:
-                    status, raw = await asyncio.wait_for(connection.post("/v1/requests", payload), body["timeout_s"] + 5)
+                    status, _, raw = await asyncio.wait_for(connection.post("/v1/requests", payload), body["timeout_s"] + 5)
+                    outcome = str(status)
                 except (OSError, ConnectionError, asyncio.IncompleteReadError, TimeoutError) as exc:
-                    statuses[type(exc).__name__] += 1
+                    outcome, raw = type(exc).__name__, b""
                     connection.close()
-                    connection = _Connection(target.host, target.port or 80)
+                finished = time.perf_counter()
+                if not measure_from <= finished <= stop_at:
                     continue
-                latencies.append(time.perf_counter() - started)
-                statuses[str(status)] += 1
-                if status == 200:
+                statuses[outcome] += 1
+                if outcome == "200":
+                    latencies.append(finished - started)
                     for stage, times in json.loads(raw).get("timings", {}).items():
                         for name, value in times.items():
-                            stage_times[stage][name].append(value)
+                            if isinstance(value, (int, float)):  # not the per-edge detail ("edges")
+                                stage_times[stage][name].append(value)
         finally:
             connection.close()
 
-    started = time.perf_counter()
-    await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-    elapsed = time.perf_counter() - started
+    async def cpu_in_window() -> float | None:
+        if pids is None:
+            return None
+        await asyncio.sleep(measure_from - time.perf_counter())
+        before = cpu_seconds(pids)
+        await asyncio.sleep(stop_at - time.perf_counter())
+        return cpu_seconds(pids) - before
+
+    mesh_cpu_s, *_ = await asyncio.gather(cpu_in_window(), *(client_loop() for _ in range(concurrency)))
     ok = statuses.get("200", 0)
     return {
-        "url": url,
-        "concurrency": concurrency,
-        "duration_s": elapsed,
+        "duration_s": duration_s,
         "requests": sum(statuses.values()),
         "ok": ok,
         "errors": {status: n for status, n in statuses.items() if status != "200"},
-        "req_per_s": ok / elapsed if elapsed else 0.0,
+        "req_per_s": ok / duration_s,
         "p50_s": percentile(latencies, 0.50),
         "p99_s": percentile(latencies, 0.99),
+        "mesh_cpu_s": mesh_cpu_s,
+        "cpu_s_per_request": mesh_cpu_s / ok if mesh_cpu_s is not None and ok else None,
         "stages": {
             stage: {name: statistics.median(values) for name, values in times.items()}
             for stage, times in stage_times.items()
@@ -124,34 +100,55 @@ async def _drive(url: str, concurrency: int, duration_s: float, body: dict) -> d
     }
 
 
-@contextlib.contextmanager
-def _mesh(topology: str) -> Iterator[str]:
-    """Run `omni-mesh up TOPOLOGY` for the duration of the block; yields its URL."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "omni_mesh", "up", topology, "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"omni-mesh up {topology} exited with status {process.returncode}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/ready", timeout=1.0).status_code == 200:
-                    break
-            time.sleep(0.2)
-        else:
-            raise RuntimeError(f"omni-mesh up {topology} was not ready within 60 s")
-        yield url
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+def _round_on_new_mesh(topology: str, mode: str, concurrency: int, duration_s: float, body: dict) -> dict[str, Any]:
+    with running_mesh(topology, insecure=mode == "off") as mesh:
+        result = aio.run(_drive(mesh.url, concurrency, duration_s, body, mesh.processes()))
+        seen = mesh.control_plane()
+    if seen != "unknown" and seen != EXPECTED_CONTROL_PLANE[mode]:
+        raise RuntimeError(f"asked for CURVE {mode}, but the coordinator runs its control plane {seen}")
+    return {"mode": mode, "control_plane": seen, **result}
+
+
+def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's rounds: medians of the per-round figures, sums of the counts."""
+    errors: Counter[str] = Counter()
+    for r in rounds:
+        errors.update(r["errors"])
+    stages: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in rounds:
+        for stage, times in r["stages"].items():
+            for name, value in times.items():
+                stages[stage][name].append(value)
+    return {
+        "rounds": len(rounds),
+        "req_per_s": statistics.median(r["req_per_s"] for r in rounds),
+        "req_per_s_rounds": [r["req_per_s"] for r in rounds],
+        "p50_s": statistics.median(r["p50_s"] for r in rounds),
+        "p99_s": statistics.median(r["p99_s"] for r in rounds),
+        "cpu_s_per_request": _median_known(r["cpu_s_per_request"] for r in rounds),
+        "requests": sum(r["requests"] for r in rounds),
+        "ok": sum(r["ok"] for r in rounds),
+        "errors": dict(errors),
+        "stages": {s: {n: statistics.median(v) for n, v in t.items()} for s, t in stages.items()},
+    }
+
+
+def _median_known(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _ratios(rounds: list[dict[str, Any]], modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """CURVE on / off: of the medians, and of each on round to the off round beside it."""
+    on = [r["req_per_s"] for r in rounds if r["mode"] == "on"]
+    off = [r["req_per_s"] for r in rounds if r["mode"] == "off"]
+    return {
+        "req_per_s": modes["on"]["req_per_s"] / modes["off"]["req_per_s"],
+        "p50_s": modes["on"]["p50_s"] / modes["off"]["p50_s"],
+        "p99_s": modes["on"]["p99_s"] / modes["off"]["p99_s"],
+        "req_per_s_pairs": [a / b for a, b in zip(on, off, strict=True)],
+        "cpu_s_per_request": modes["on"]["cpu_s_per_request"] / modes["off"]["cpu_s_per_request"],
+    }
 
 
 def run(
@@ -163,26 +160,60 @@ def run(
     inputs: dict,
     params: dict,
     timeout_s: float,
+    security: str = "both",
+    rounds: int = 3,
 ) -> dict[str, Any]:
+    """With `url`: one measurement of the running mesh (security "running"). With `topology`:
+    `rounds` rounds per mode of `security`, alternating modes, each on a freshly started mesh."""
     body = {"inputs": inputs, "params": params, "timeout_s": timeout_s}
+    common = {"url": url, "topology": topology, "concurrency": concurrency, "duration_s": duration_s}
     if url:
-        return aio.run(_drive(url, concurrency, duration_s, body))
+        measured = [{"mode": "running", "control_plane": "unknown", **aio.run(_drive(url, concurrency, duration_s, body))}]
+        return {**common, "security": "running", "rounds": measured, "modes": {"running": summarise(measured)}}
     assert topology is not None
-    with _mesh(topology) as started_url:
-        result = aio.run(_drive(started_url, concurrency, duration_s, body))
-    result["topology"] = topology
+    order = SECURITY_MODES[security]
+    measured = [
+        _round_on_new_mesh(topology, mode, concurrency, duration_s, body) for _ in range(rounds) for mode in order
+    ]
+    modes = {mode: summarise([r for r in measured if r["mode"] == mode]) for mode in order}
+    result = {**common, "security": security, "rounds": measured, "modes": modes}
+    if len(order) == 2:
+        result["ratio_on_off"] = _ratios(measured, modes)
     return result
 
 
+_MODE_TITLES = {"on": "CURVE on", "off": "CURVE off", "running": "as running"}
+
+
+def _cpu(figures: dict[str, Any]) -> str:
+    cpu = figures.get("cpu_s_per_request")
+    return "mesh CPU    -    " if cpu is None else f"mesh CPU {cpu * 1e3:5.2f} ms/req"
+
+
 def report(result: dict[str, Any]) -> str:
-    errors = ", ".join(f"{status}: {n}" for status, n in result["errors"].items()) or "none"
-    lines = [
-        f"{result['url']}  {result['concurrency']} concurrent clients for {result['duration_s']:.1f} s",
-        f"  {result['req_per_s']:.1f} req/s   p50 {result['p50_s'] * 1e3:.1f} ms   p99 {result['p99_s'] * 1e3:.1f} ms"
-        f"   {result['ok']} ok, errors: {errors}",
-        "  per stage (medians, ms):   queued  transfer   handler     total",
-    ]
-    for stage, times in result["stages"].items():
-        cells = [times.get(name, float("nan")) * 1e3 for name in ("queued_s", "transfer_s", "handler_s", "total_s")]
-        lines.append(f"    {stage:<22}" + "".join(f"{value:10.2f}" for value in cells))
+    target = result["url"] or result["topology"]
+    lines = [f"{target}  {result['concurrency']} concurrent clients, {result['duration_s']:.1f} s per round"]
+    for r in result["rounds"]:
+        errors = ", ".join(f"{status}: {n}" for status, n in r["errors"].items()) or "none"
+        lines.append(
+            f"  round  {_MODE_TITLES[r['mode']]:<10} {r['req_per_s']:8.1f} req/s   p50 {r['p50_s'] * 1e3:6.1f} ms"
+            f"   p99 {r['p99_s'] * 1e3:6.1f} ms   {_cpu(r)}   {r['ok']} ok, errors: {errors}"
+        )
+    for mode, summary in result["modes"].items():
+        lines.append(
+            f"  median {_MODE_TITLES[mode]:<10} {summary['req_per_s']:8.1f} req/s   p50 {summary['p50_s'] * 1e3:6.1f} ms"
+            f"   p99 {summary['p99_s'] * 1e3:6.1f} ms   {_cpu(summary)}   ({summary['rounds']} rounds)"
+        )
+    if ratio := result.get("ratio_on_off"):
+        pairs = ", ".join(f"{x:.2f}" for x in ratio["req_per_s_pairs"])
+        lines.append(
+            f"  CURVE on / off: throughput {ratio['req_per_s']:.3f}x (round pairs: {pairs}), "
+            f"p50 {ratio['p50_s']:.2f}x, p99 {ratio['p99_s']:.2f}x, mesh CPU per request {ratio['cpu_s_per_request']:.3f}x"
+        )
+    columns = ("queued_s", "transfer_s", "handler_s", "total_s")
+    lines.append(f"  {'per stage (medians, ms)':<28}" + "".join(f"{name[:-2]:>10}" for name in columns))
+    for mode, summary in result["modes"].items():
+        for stage, times in summary["stages"].items():
+            cells = [times.get(name, float("nan")) * 1e3 for name in columns]
+            lines.append(f"    {stage:<14}{_MODE_TITLES[mode]:<12}" + "".join(f"{value:10.2f}" for value in cells))
     return "\n".join(lines)

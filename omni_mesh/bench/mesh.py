@@ -1,0 +1,132 @@
+"""A mesh started with `omni-mesh up` for one benchmark run, in a process of its own.
+
+The launcher's output goes to a temporary log, not the terminal: the benchmark reads it to tell
+which control plane it measured (the coordinator logs "CURVE" or "NO authentication"), and shows
+its tail when the mesh does not come up. The launcher's children (coordinator, replicas) are found
+in /proc, to signal them or to count the CPU time they spend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from omni_mesh.launcher import free_port
+
+ENV_INSECURE = "OMNI_MESH_INSECURE"  # = omni_mesh.security.ENV_INSECURE (the launcher passes it on)
+READY_TIMEOUT_S = 60.0
+
+
+@dataclass
+class RunningMesh:
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+    exit_status: int | None = None  # set once the launcher has stopped
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def processes(self) -> set[int]:
+        """The launcher's children now: the coordinator and the stage replicas."""
+        return children_of(self.process.pid)
+
+    def control_plane(self) -> str:
+        """"CURVE" or "insecure" as the coordinator announced it, "unknown" if it has not (yet)."""
+        for line in self.log().splitlines():
+            if "coordinator control plane on" in line:
+                return "CURVE" if "(CURVE" in line else "insecure" if "NO authentication" in line else "unknown"
+        return "unknown"
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (which may hold spaces and parentheses)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()
+
+
+def children_of(parent: int) -> set[int]:
+    """Processes whose parent is `parent` now."""
+    found = set()
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and (fields := _stat_fields(int(entry.name))) and int(fields[1]) == parent:
+            found.add(int(entry.name))
+    return found
+
+
+def cpu_seconds(pids: set[int]) -> float:
+    """User + system CPU time the processes have used so far (those gone count 0)."""
+    ticks = 0
+    for pid in pids:
+        if fields := _stat_fields(pid):
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def launcher_environment(insecure: bool | None) -> dict[str, str]:
+    """This environment with CURVE forced off (True), forced on (False), or as it is (None)."""
+    env = dict(os.environ)
+    if insecure is True:
+        env[ENV_INSECURE] = "1"
+    elif insecure is False:
+        env.pop(ENV_INSECURE, None)
+    return env
+
+
+@contextlib.contextmanager
+def running_mesh(topology: str | os.PathLike, *, insecure: bool | None = None) -> Iterator[RunningMesh]:
+    """Run `omni-mesh up TOPOLOGY` for the block, ready; stop it with SIGINT (Ctrl-C) after."""
+    port = free_port()
+    with tempfile.NamedTemporaryFile("w+b", prefix="omni-mesh-up-", suffix=".log", delete=False) as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "omni_mesh", "up", str(topology), "--port", str(port)],
+            stdout=log_file, stderr=subprocess.STDOUT, env=launcher_environment(insecure),
+        )
+    mesh = RunningMesh(f"http://127.0.0.1:{port}", process, Path(log_file.name))
+    try:
+        _wait_ready(mesh, str(topology))
+        yield mesh
+    finally:
+        mesh.exit_status = stop(process)
+        if mesh.exit_status == 0:
+            mesh.log_path.unlink(missing_ok=True)
+
+
+def stop(process: subprocess.Popen, timeout_s: float = 45.0) -> int:
+    """SIGINT, as Ctrl-C would (an orderly stop that reaps /dev/shm); SIGKILL if that hangs."""
+    process.send_signal(signal.SIGINT)
+    try:
+        return process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        return -signal.SIGKILL
+
+
+def _wait_ready(mesh: RunningMesh, topology: str) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if mesh.process.poll() is not None:
+            raise RuntimeError(f"omni-mesh up {topology} exited with status {mesh.process.returncode}:\n{_tail(mesh)}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{mesh.url}/ready", timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"omni-mesh up {topology} was not ready within {READY_TIMEOUT_S:.0f} s:\n{_tail(mesh)}")
+
+
+def _tail(mesh: RunningMesh, lines: int = 20) -> str:
+    return "\n".join(mesh.log().splitlines()[-lines:])
