@@ -307,6 +307,20 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     pipeline.add_argument("--rounds", type=int, default=3, help="with --topology: rounds per security mode")
     pipeline.add_argument("--json", action="store_true", help="print the results as JSON")
+    chaos = kinds.add_parser(
+        "chaos", help="soak: checked load while replicas are SIGKILLed; non-zero exit if an invariant breaks"
+    )
+    chaos.add_argument(
+        "--topology", default=None,
+        help="a chain of omni_mesh.bench.chaos_handlers:step stages (default: 3 stages x --replicas, shared memory)",
+    )
+    chaos.add_argument("--replicas", type=int, default=2, help="replicas per stage of the default topology")
+    chaos.add_argument("--duration", type=float, default=180.0, help="seconds of load and kills")
+    chaos.add_argument("--concurrency", type=int, default=8, help="concurrent clients")
+    chaos.add_argument("--kill-every", type=float, default=4.0, help="mean seconds between SIGKILLs")
+    chaos.add_argument("--timeout-s", type=float, default=10.0, help="each request's deadline")
+    chaos.add_argument("--seed", type=int, default=None, help="seed of the kill schedule (default: random, printed)")
+    chaos.add_argument("--json", action="store_true", help="print the results as JSON")
     return parser
 
 
@@ -328,6 +342,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             result = connector.run(args.connector, config, sizes, raw=not args.no_raw, device=args.device)
         print(json.dumps(result, indent=2) if args.json else connector.report(result))
         return EXIT_OK
+    if args.bench == "chaos":
+        from omni_mesh.bench import chaos
+
+        for flag in ("replicas", "duration", "concurrency", "kill_every", "timeout_s"):
+            if not getattr(args, flag) > 0:
+                raise CliError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+        try:
+            result = chaos.run(
+                topology=args.topology, duration_s=args.duration, concurrency=args.concurrency,
+                kill_every_s=args.kill_every, timeout_s=args.timeout_s, seed=args.seed, replicas=args.replicas,
+            )
+        except ValueError as exc:  # not a chain of the chaos handler, or not a topology at all
+            raise CliError(str(exc)) from None
+        print(json.dumps(result, indent=2) if args.json else chaos.report(result))
+        return 1 if chaos.broken(result) else EXIT_OK  # 1: an invariant broke (the report says which)
     from omni_mesh.bench import pipeline
 
     if bool(args.url) == bool(args.topology):
