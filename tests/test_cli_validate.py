@@ -13,6 +13,7 @@ from omni_mesh.cli import main
 from omni_mesh.topology import load_topology
 
 TOPOLOGIES = Path(__file__).parent / "topologies"
+REPO = Path(__file__).resolve().parents[1]
 OMNI_MESH = Path(sys.executable).with_name("omni-mesh")  # the console script next to this venv's python
 
 
@@ -81,7 +82,7 @@ def test_no_subcommand_is_a_usage_error(tmp_path: Path) -> None:
 def test_main_in_process(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     complete = tmp_path / "complete.yaml"
     complete.write_text("stages:\n  - {stage_id: 0, name: only, handler: 'pkg.mod:run'}\n")
-    assert main(["validate", str(complete)]) == 0
+    assert main(["validate", "--no-import", str(complete)]) == 0  # pkg.mod is made up: check the file only
     out = capsys.readouterr().out
     assert "topology 'complete' is valid" in out
     assert "edges (0):\n  (none)" in out
@@ -114,3 +115,18 @@ def test_validate_refuses_a_deploy_file_without_a_graph(tmp_path: Path) -> None:
     result = omni_mesh("validate", VLLM_OMNI / "deploy" / "unknown_model.yaml", cwd=tmp_path)
     assert result.returncode == 2 and result.stdout == ""
     assert "no edge between them" in result.stderr and "set pipeline:" in result.stderr.lower()
+
+
+def test_validate_imports_handlers_and_names_the_ones_that_fail(tmp_path: Path) -> None:
+    path = tmp_path / "t.yaml"
+    path.write_text(
+        "name: handlers\nstages:\n"
+        "  - {stage_id: 0, name: good, handler: 'services.noop:passthrough'}\n"
+        "  - {stage_id: 1, name: bad, handler: 'nosuchmodule:fn', engine_input_source: [0]}\n"
+    )
+    result = omni_mesh("validate", path, cwd=REPO)
+    assert result.returncode == 2
+    assert "handlers: 1 of 2 import" in result.stdout
+    assert "stage 'bad': cannot load handler 'nosuchmodule:fn'" in result.stderr
+    skipped = omni_mesh("validate", "--no-import", path, cwd=REPO)
+    assert skipped.returncode == 0, skipped.stderr
