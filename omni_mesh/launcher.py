@@ -248,7 +248,7 @@ class Launcher:
                         self._give_up(child)
                         continue
                     base = self.restart_backoff_s
-                    delay = base if uptime > QUICK_EXIT_S else min(10.0, base * 2 ** min(child.restarts, 5))
+                    delay = min(10.0, base * 2 ** min(child.quick_exits - 1, 5)) if child.quick_exits else base
                     child.next_start = now + delay
                     log.warning(
                         "%s %s after %.1f s; restarting in %.1f s (restart #%d)%s",
