@@ -110,3 +110,17 @@ def test_the_pipeline_bench_measures_a_running_mesh_as_it_runs() -> None:
     assert "median as running" in done.stdout and "CURVE on / off" not in done.stdout
     assert "mesh CPU    -" in done.stdout  # another machine's processes, perhaps: not counted
     assert refused.returncode == 2 and "--security" in refused.stderr and "--topology" in refused.stderr
+
+
+def test_the_pipeline_bench_reports_time_to_first_audio_when_streaming() -> None:
+    demo = Path(__file__).resolve().parents[1] / "compose" / "omni-demo.yaml"
+    with running_mesh(str(demo)) as mesh:
+        done = run_bench(
+            "--url", mesh.url, "--stream", "--concurrency", "2", "--duration", "3",
+            "--params", '{"decode_delay_s": 0.01}', "--json", bench=PIPELINE,
+        )
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(done.stdout)["modes"]["running"]
+    assert figures["ok"] > 0 and not figures["errors"]
+    # Text first, audio well before the end: the demo streams for real.
+    assert figures["first_chunk_p50_s"] <= figures["first_audio_p50_s"] < 0.8 * figures["p50_s"], figures

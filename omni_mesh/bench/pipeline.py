@@ -42,6 +42,8 @@ async def _drive(url: str, concurrency: int, duration_s: float, body: dict, pids
     With `pids` (the mesh's processes), also the CPU time they spend in that window per request:
     a cost the other loads on a shared machine disturb far less than throughput."""
     latencies: list[float] = []
+    first_chunk: list[float] = []  # streaming: request start to the first chunk event
+    first_audio: list[float] = []  # streaming: request start to the first chunk that carries audio
     statuses: Counter[str] = Counter()
     stage_times: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     payload = json.dumps(body).encode()
@@ -52,12 +54,17 @@ async def _drive(url: str, concurrency: int, duration_s: float, body: dict, pids
 
     async def client_loop() -> None:
         connection = Connection(url)
+        streaming = httpx.AsyncClient(base_url=url, timeout=body["timeout_s"] + 5.0) if body.get("stream") else None
         try:
             while (started := time.perf_counter()) < stop_at:
+                marks: dict[str, float] = {}
                 try:
-                    status, _, raw = await asyncio.wait_for(connection.post("/v1/requests", payload), body["timeout_s"] + 5)
+                    if streaming is not None:
+                        status, raw = await _streamed(streaming, body, marks)
+                    else:
+                        status, _, raw = await asyncio.wait_for(connection.post("/v1/requests", payload), body["timeout_s"] + 5)
                     outcome = str(status)
-                except (OSError, ConnectionError, asyncio.IncompleteReadError, TimeoutError) as exc:
+                except (OSError, ConnectionError, asyncio.IncompleteReadError, TimeoutError, httpx.HTTPError) as exc:
                     outcome, raw = type(exc).__name__, b""
                     connection.close()
                 finished = time.perf_counter()
@@ -66,12 +73,18 @@ async def _drive(url: str, concurrency: int, duration_s: float, body: dict, pids
                 statuses[outcome] += 1
                 if outcome == "200":
                     latencies.append(finished - started)
+                    if "chunk" in marks:
+                        first_chunk.append(marks["chunk"] - started)
+                    if "audio" in marks:
+                        first_audio.append(marks["audio"] - started)
                     for stage, times in json.loads(raw).get("timings", {}).items():
                         for name, value in times.items():
                             if isinstance(value, (int, float)):  # not the per-edge detail ("edges")
                                 stage_times[stage][name].append(value)
         finally:
             connection.close()
+            if streaming is not None:
+                await streaming.aclose()
 
     async def cpu_in_window() -> float | None:
         if pids is None:
@@ -91,6 +104,10 @@ async def _drive(url: str, concurrency: int, duration_s: float, body: dict, pids
         "req_per_s": ok / duration_s,
         "p50_s": percentile(latencies, 0.50),
         "p99_s": percentile(latencies, 0.99),
+        **({
+            "first_chunk_p50_s": percentile(first_chunk, 0.50), "first_chunk_p99_s": percentile(first_chunk, 0.99),
+            "first_audio_p50_s": percentile(first_audio, 0.50), "first_audio_p99_s": percentile(first_audio, 0.99),
+        } if body.get("stream") else {}),
         "mesh_cpu_s": mesh_cpu_s,
         "cpu_s_per_request": mesh_cpu_s / ok if mesh_cpu_s is not None and ok else None,
         "stages": {
@@ -98,6 +115,30 @@ async def _drive(url: str, concurrency: int, duration_s: float, body: dict, pids
             for stage, times in stage_times.items()
         },
     }
+
+
+async def _streamed(client: httpx.AsyncClient, body: dict, marks: dict[str, float]) -> tuple[int, bytes]:
+    """One `stream: true` request, read as server-sent events; `marks` gets when the first chunk and the
+    first chunk carrying audio (a non-empty output field with "audio" in its name) arrived. (status, the done
+    event's data)."""
+    async with client.stream("POST", "/v1/requests", json=body) as response:
+        if response.status_code != 200:
+            return response.status_code, await response.aread()
+        event, done = "", b""
+        async for line in response.aiter_lines():
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: ") and event == "chunk":
+                now = time.perf_counter()
+                marks.setdefault("chunk", now)
+                output = json.loads(line[6:]).get("output")
+                if isinstance(output, dict) and any("audio" in key and value for key, value in output.items()):
+                    marks.setdefault("audio", now)
+            elif line.startswith("data: ") and event == "done":
+                done = line[6:].encode()
+            elif line.startswith("data: ") and event == "error":
+                return int(json.loads(line[6:]).get("status", 500)), b""
+        return 200, done
 
 
 def _round_on_new_mesh(topology: str, mode: str, concurrency: int, duration_s: float, body: dict) -> dict[str, Any]:
@@ -125,6 +166,7 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "req_per_s_rounds": [r["req_per_s"] for r in rounds],
         "p50_s": statistics.median(r["p50_s"] for r in rounds),
         "p99_s": statistics.median(r["p99_s"] for r in rounds),
+        **{name: statistics.median(r[name] for r in rounds) for name in _STREAM_FIGURES if name in rounds[0]},
         "cpu_s_per_request": _median_known(r["cpu_s_per_request"] for r in rounds),
         "requests": sum(r["requests"] for r in rounds),
         "ok": sum(r["ok"] for r in rounds),
@@ -162,10 +204,11 @@ def run(
     timeout_s: float,
     security: str = "both",
     rounds: int = 3,
+    stream: bool = False,
 ) -> dict[str, Any]:
     """With `url`: one measurement of the running mesh (security "running"). With `topology`:
     `rounds` rounds per mode of `security`, alternating modes, each on a freshly started mesh."""
-    body = {"inputs": inputs, "params": params, "timeout_s": timeout_s}
+    body = {"inputs": inputs, "params": params, "timeout_s": timeout_s, **({"stream": True} if stream else {})}
     common = {"url": url, "topology": topology, "concurrency": concurrency, "duration_s": duration_s}
     if url:
         measured = [{"mode": "running", "control_plane": "unknown", **aio.run(_drive(url, concurrency, duration_s, body))}]
@@ -183,6 +226,7 @@ def run(
 
 
 _MODE_TITLES = {"on": "CURVE on", "off": "CURVE off", "running": "as running"}
+_STREAM_FIGURES = ("first_chunk_p50_s", "first_chunk_p99_s", "first_audio_p50_s", "first_audio_p99_s")
 
 
 def _cpu(figures: dict[str, Any]) -> str:
@@ -204,6 +248,14 @@ def report(result: dict[str, Any]) -> str:
             f"  median {_MODE_TITLES[mode]:<10} {summary['req_per_s']:8.1f} req/s   p50 {summary['p50_s'] * 1e3:6.1f} ms"
             f"   p99 {summary['p99_s'] * 1e3:6.1f} ms   {_cpu(summary)}   ({summary['rounds']} rounds)"
         )
+    for mode, summary in result["modes"].items():
+        if "first_chunk_p50_s" in summary:
+            ms = {name: summary[name] * 1e3 for name in _STREAM_FIGURES}
+            lines.append(
+                f"  streaming {_MODE_TITLES[mode]:<10} first chunk p50 {ms['first_chunk_p50_s']:.1f} ms, p99 "
+                f"{ms['first_chunk_p99_s']:.1f} ms; first audio p50 {ms['first_audio_p50_s']:.1f} ms, p99 "
+                f"{ms['first_audio_p99_s']:.1f} ms; whole request p50 {summary['p50_s'] * 1e3:.1f} ms"
+            )
     if ratio := result.get("ratio_on_off"):
         pairs = ", ".join(f"{x:.2f}" for x in ratio["req_per_s_pairs"])
         lines.append(
