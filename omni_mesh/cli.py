@@ -330,6 +330,10 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "in alternating rounds, each on a fresh mesh (default: both). --url measures the mesh as it runs",
     )
     pipeline.add_argument("--rounds", type=int, default=3, help="with --topology: rounds per security mode")
+    pipeline.add_argument(
+        "--stream", action="store_true",
+        help="send stream: true and read the events: time to the first chunk and to the first audio chunk",
+    )
     pipeline.add_argument("--json", action="store_true", help="print the results as JSON")
     chaos = kinds.add_parser(
         "chaos", help="soak: checked load while replicas are SIGKILLed; non-zero exit if an invariant breaks"
@@ -399,6 +403,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         timeout_s=args.timeout_s,
         security=args.security or "both",
         rounds=args.rounds,
+        stream=args.stream,
     )
     print(json.dumps(result, indent=2) if args.json else pipeline.report(result))
     return EXIT_OK
