@@ -27,6 +27,7 @@ from omni_mesh.coordinator.envelope import error_response, responses
 from omni_mesh.coordinator.http_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, BodyLimit, read_deadlines
 from omni_mesh.coordinator.jsonable import jsonable
 from omni_mesh.coordinator.metrics import CONTENT_TYPE_LATEST, Metrics, stats
+from omni_mesh.coordinator.openai_api import openai_router
 from omni_mesh.coordinator.request_body import RequestBody, unpackable
 from omni_mesh.coordinator.service import Coordinator
 from omni_mesh.topology import Topology
@@ -200,6 +201,7 @@ def create_app(
             ]
         }
 
+    app.include_router(openai_router(coordinator))  # /v1/chat/completions, /v1/models
 
     @app.get("/metrics", summary="Prometheus metrics (omni_mesh_*)", response_class=Response, responses=responses(401))
     async def prometheus() -> Response:
