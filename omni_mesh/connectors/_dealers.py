@@ -17,6 +17,8 @@ from collections import OrderedDict
 
 import zmq
 
+from omni_mesh.security import MeshKeys, secure_client
+
 
 class ChannelClosed(Exception):
     """The connector was closed while a request was in flight."""
@@ -46,6 +48,7 @@ class LateReply(TimeoutError):
 class DealerPool:
     """Request/reply to ROUTER endpoints from many threads (module docstring).
 
+    `keys`: every socket is a CURVE client with the mesh keys (producers admit nobody else);
     `immediate`: queue nothing for an endpoint not connected yet (needed for `connect_timeout_s`);
     `max_reply_bytes`: a peer sending a larger message is disconnected (-1: no limit).
     """
@@ -56,12 +59,14 @@ class DealerPool:
     def __init__(
         self,
         ctx: zmq.Context,
+        keys: MeshKeys | None = None,
         *,
         immediate: bool = False,
         max_reply_bytes: int = -1,
         idle_s: float | None = None,
     ) -> None:
         self._ctx = ctx
+        self._keys = keys
         self._options = {zmq.LINGER: 0, zmq.IMMEDIATE: int(immediate), zmq.MAXMSGSIZE: max_reply_bytes}
         self._idle_s = idle_s
         self._idle: OrderedDict[str, list[zmq.Socket]] = OrderedDict()
@@ -119,6 +124,7 @@ class DealerPool:
         try:
             for option, value in self._options.items():
                 sock.setsockopt(option, value)
+            secure_client(sock, self._keys)
             if endpoint.startswith("tcp://["):
                 sock.setsockopt(zmq.IPV6, 1)
             sock.connect(endpoint)  # raises for a malformed endpoint

@@ -2,7 +2,8 @@
 
 A producer keeps each payload in a slot of its memory pool (`SlotPool`, `HeldTable`) until a consumer
 asks for it over the ZeroMQ side channel (a `RouterServer`, started by the first put), `ttl_s` passes
-or `cleanup()` drops it. A consumer asks producers through a `DealerPool`. Subclasses decide how the
+or `cleanup()` drops it. A consumer asks producers through a `DealerPool`. With the mesh's keys the
+side channel runs CURVE both ways (`_channel_guard`). Subclasses decide how the
 bytes move (in the reply itself, or pulled by a transfer engine) and which requests the server answers.
 
 Config fields every subclass has: host, its side-channel port (`port_field`), memory_pool_size,
@@ -20,6 +21,7 @@ from typing import Any, ClassVar
 import zmq
 
 from omni_mesh.connectors._addresses import bind_and_advertise, tcp_endpoint
+from omni_mesh.connectors._channel_guard import side_channel_keys
 from omni_mesh.connectors._checks import check_not_negative, check_port, check_positive
 from omni_mesh.connectors._dealers import ChannelClosed, DealerPool
 from omni_mesh.connectors._held import Held, HeldTable, SlotPool
@@ -45,12 +47,13 @@ class ServedConnector(OmniConnectorBase):
         self._name = type(self).__name__
         self._check(cfg)
         self._bind_host, self.host = bind_and_advertise(cfg.host)
+        self._keys = side_channel_keys(self._name)  # CURVE on the side channel, or None (warned once)
         self._open_backend()  # raises ConnectorError naming what is missing
         self._closed = False
         self._slots = SlotPool(cfg.memory_pool_size)
         self._held = HeldTable(cfg.ttl_s)
         self._ctx = zmq.Context()
-        self._dealers = DealerPool(self._ctx)
+        self._dealers = DealerPool(self._ctx, self._keys)
         self._server: RouterServer | None = None
         self.endpoint: str | None = None
         self._lock = threading.Lock()
@@ -96,6 +99,7 @@ class ServedConnector(OmniConnectorBase):
                 self._serving_handlers(),
                 self._expire,
                 self._name,
+                keys=self._keys,
                 port_name=self.port_field,
             )
             port = server.start()
@@ -212,6 +216,9 @@ class ServedConnector(OmniConnectorBase):
             held=len(self._held),
             pool_bytes=self._slots.size,
             pool_used_bytes=self._slots.in_use,
+            curve=self._keys is not None,
+            refused_peers=server.guard.refused.count if server is not None else 0,
+            malformed_requests=server.guard.malformed.count if server is not None else 0,
         )
         if server is not None and server.error is not None:
             report["error"] = f"server thread stopped: {server.error}"

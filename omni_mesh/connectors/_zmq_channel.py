@@ -3,7 +3,7 @@
 `RouterServer` answers requests `[op, key, *args]` on one background thread, sending reply frames
 zero-copy; a handler may instead answer later, from another thread (`Deferred`). Replies are
 `[OK, key, *frames]` or `[ERR, key, reason]`. Consumers send requests through a
-`_dealers.DealerPool`.
+`_dealers.DealerPool`. Who may connect, and the size of a request, are `_channel_guard`'s.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from typing import Any
 import zmq
 
 from omni_mesh.connectors._addresses import tcp_endpoint
+from omni_mesh.connectors._channel_guard import ChannelGuard
 from omni_mesh.connectors._held import PendingReleases
 from omni_mesh.connectors.base import ConnectorError
+from omni_mesh.security import MeshKeys
 
 _POLL_MS = 50  # server loop granularity: how late a TTL expiry or a stop request may be noticed
 _TICK_S = 0.1
@@ -52,6 +54,8 @@ class RouterServer:
     Reply frames are sent zero-copy; `on_sent` runs once libzmq has let go of them (the memory may
     then be reused). Deferred answers come back through a queue the thread wakes up for (a pipe it
     polls beside the socket). `tick()` runs between polls for housekeeping such as TTL expiry.
+    With `keys` the socket runs CURVE and admits only the mesh (`ChannelGuard`, polled here too).
+    Malformed requests are answered with ERR where they can be, counted and logged rate-limited.
     """
 
     def __init__(
@@ -63,9 +67,11 @@ class RouterServer:
         tick: Callable[[], None],
         owner: str,
         *,
+        keys: MeshKeys | None = None,
         port_name: str = "port",
     ) -> None:
         self._ctx = ctx
+        self.guard = ChannelGuard(owner, keys)
         self._port_name = port_name  # the config key that sets the port, for errors
         self._bind = tcp_endpoint(bind_host, port or "*")
         self._handlers = handlers
@@ -116,23 +122,26 @@ class RouterServer:
             sock.setsockopt(zmq.LINGER, 0)
             if self._bind.startswith("tcp://["):
                 sock.setsockopt(zmq.IPV6, 1)
+            guarding = self.guard.arm(self._ctx, sock)
             sock.bind(self._bind)
             self.port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
             self._ready.set()
-            self._serve(sock)
+            self._serve(sock, guarding)
         except BaseException as exc:  # surfaced by start() and by the owner's health()
             self.error = exc
         finally:
             self._ready.set()
+            self.guard.close(sock)
             sock.close(linger=0)
 
     def reap(self) -> None:
         """Run `on_sent` for every reply libzmq has let go of (any thread may call this)."""
         self._sending.reap()
 
-    def _serve(self, sock: zmq.Socket) -> None:
+    def _serve(self, sock: zmq.Socket, guarding: list[zmq.Socket]) -> None:
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
+        for polled in (sock, *guarding):
+            poller.register(polled, zmq.POLLIN)
         wake = self._wake_read.fileno()
         poller.register(wake, zmq.POLLIN)
         next_tick = time.monotonic()
@@ -148,6 +157,8 @@ class RouterServer:
             if wake in ready:
                 self._wake_read.recv(4096)
                 self._send_later(sock)
+            if len(ready) > (sock in ready) + (wake in ready):
+                self.guard.handle(ready)
             self.reap()
             now = time.monotonic()
             if now >= next_tick:
@@ -157,6 +168,7 @@ class RouterServer:
 
     def _answer(self, sock: zmq.Socket, request: list[bytes]) -> None:
         if len(request) < 2:
+            self.guard.malformed.refuse("a request without an operation")
             return  # not a request of ours: there is nothing sensible to answer
         identity, op, args = request[0], request[1], request[2:]
         on_sent = None
@@ -170,7 +182,9 @@ class RouterServer:
                 return
             frames, on_sent = reply
         except Exception as exc:  # a bad request must never stop the server
-            frames = [ERR, args[0] if args else b"", f"{type(exc).__name__}: {exc}".encode()]
+            reason = f"{type(exc).__name__}: {exc}"[:200]
+            self.guard.malformed.refuse(f"a malformed request ({reason})")
+            frames = [ERR, args[0][:256] if args else b"", reason.encode()]
         try:
             tracker = sock.send_multipart([identity, *frames], copy=False, track=on_sent is not None)
         except zmq.ZMQError:
