@@ -65,11 +65,13 @@ class Payloads:
         key, put_key, handle = ref
         payload = Payload(f"{key}#{handle}", put_key, self._session, frame.nbytes, None, device=device)
         try:
-            self._register_device(payload, what)
+            if device:
+                self._register_device(payload, what)
             large = {}
-            if self._cfg.protocol == "tcp" and self._cfg.zero_copy_min_bytes:
+            min_bytes = self._cfg.zero_copy_min_bytes
+            if self._cfg.protocol == "tcp" and min_bytes and frame.nbytes >= min_bytes:
                 share = functools.partial(self._registrations.share, registered=payload.registered)
-                large = _frame_pieces.large_leaves(frame, self._cfg.zero_copy_min_bytes, share)
+                large = _frame_pieces.large_leaves(frame, min_bytes, share)
             if large:
                 reserve = functools.partial(self._reserve, payload, what=what)
                 payload.offset, payload.pieces = _frame_pieces.lay_out(frame, large, reserve)
@@ -90,8 +92,7 @@ class Payloads:
 
     def _register_device(self, payload: Payload, what: str) -> None:
         """Register the memory of the tensors sent device to device (after their kernels are done)."""
-        if payload.device:
-            _device_transfer.settle(payload.device)
+        _device_transfer.settle(payload.device)
         for tensor in payload.device:
             if tensor.nbytes and not self._registrations.share(
                 tensor.data_ptr(), tensor.nbytes, payload.registered

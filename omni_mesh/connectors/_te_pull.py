@@ -26,7 +26,6 @@ from omni_mesh.connectors._zmq_channel import OK, frame_text
 from omni_mesh.connectors.base import ConnectorError
 
 PULL = b"PULL"
-MAX_MESSAGE = 64 * 1024  # requests and answers are a few hundred bytes (device lists: a few KiB)
 METADATA_KINDS = {
     "segment": str,
     "endpoint": str,
@@ -52,7 +51,7 @@ def check_metadata(owner: str, metadata: Any, key: str, where: str) -> dict:
     """The metadata put() returned, checked before anything is allocated for it."""
     if not isinstance(metadata, dict):
         raise ConnectorError(f"{owner}: get of {where} needs the metadata that put() returned")
-    if not _device_transfer.sizes_ok(metadata.get("device", [])):
+    if "device" in metadata and not _device_transfer.sizes_ok(metadata["device"]):
         raise ConnectorError(
             f"{owner}: metadata for {where} has a bad 'device' list: {metadata['device']!r}"[:300]
         )

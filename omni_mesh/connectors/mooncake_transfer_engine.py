@@ -60,6 +60,7 @@ import zmq
 from omni_mesh import codec
 from omni_mesh.connectors import _device_transfer, _frame_pieces, _te_pull
 from omni_mesh.connectors._addresses import tcp_endpoint
+from omni_mesh.connectors._channel_guard import MAX_REQUEST_BYTES, side_channel_keys
 from omni_mesh.connectors._checks import check_not_negative, check_port, check_positive
 from omni_mesh.connectors._dealers import DealerPool
 from omni_mesh.connectors._held import PendingReleases
@@ -154,6 +155,9 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
         engine_module = import_mooncake("mooncake.engine", OWNER)
         self.host = resolve_host(cfg.host)
         probe_metadata_server(cfg.metadata_server, cfg.connect_timeout_s, OWNER)
+        # With the mesh's keys only mesh members reach the side channel: nobody else can make this
+        # producer write anywhere (the pull checks below come on top).
+        self._keys = side_channel_keys(OWNER)
         self._session = uuid.uuid4().hex
         self._lock = threading.Lock()
         self._closed = False
@@ -172,8 +176,9 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             "device_tensors",
         )
         self._ctx = zmq.Context()
+        # Answers are as small as requests: a producer sending more is not one of ours.
         self._dealers = DealerPool(
-            self._ctx, immediate=True, max_reply_bytes=_te_pull.MAX_MESSAGE, idle_s=_DEALER_IDLE_S
+            self._ctx, self._keys, immediate=True, max_reply_bytes=MAX_REQUEST_BYTES, idle_s=_DEALER_IDLE_S
         )
         self._workers = ThreadPoolExecutor(cfg.transfer_threads, thread_name_prefix="omni-mesh-te-transfer")
         self._server: RouterServer | None = None
@@ -188,6 +193,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
                 {_te_pull.PULL: self._on_pull},
                 self._tick,
                 OWNER,
+                keys=self._keys,
                 port_name="zmq_port",
             )
             self._zmq_port = self._server.start()
@@ -408,6 +414,9 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             "segment": getattr(self, "segment", ""),
             "endpoint": getattr(self, "endpoint", ""),
             "protocol": self.config.protocol,
+            "curve": self._keys is not None,
+            "refused_peers": server.guard.refused.count if server is not None else 0,
+            "malformed_requests": server.guard.malformed.count if server is not None else 0,
         }
 
     def close(self) -> None:
