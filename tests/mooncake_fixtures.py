@@ -122,11 +122,19 @@ def mismatch(expected: Any, got: Any, path: str = "payload") -> str | None:
 class Peer:
     """A separate process owning one connector; `ask` sends a command and returns its reply."""
 
-    def __init__(self, connector: str, config: dict[str, Any], *, wrap: list[str] | None = None, log: Path):
+    def __init__(
+        self,
+        connector: str,
+        config: dict[str, Any],
+        *,
+        wrap: list[str] | None = None,
+        log: Path,
+        env: dict[str, str] | None = None,
+    ):
         self.log_path = log
         self._log = open(log, "ab")  # noqa: SIM115 - closed in close()
         argv = [sys.executable, str(Path(__file__).resolve()), connector, json.dumps(config)]
-        env = dict(os.environ, MC_LOG_LEVEL="ERROR", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, MC_LOG_LEVEL="ERROR", PYTHONUNBUFFERED="1", **(env or {}))
         self.process = subprocess.Popen(
             [*(wrap or []), *argv],
             stdin=subprocess.PIPE,
