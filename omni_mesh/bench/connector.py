@@ -37,6 +37,7 @@ import zmq
 from omni_mesh import codec
 from omni_mesh.connectors import connector_class, create_connector, parse_size
 from omni_mesh.connectors.base import parse_config
+from omni_mesh.security import mesh_keys
 
 DEFAULT_SIZES = ["4KiB", "1MiB", "16MiB", "256MiB"]
 EDGE = ("producer", "consumer")
@@ -324,6 +325,10 @@ def run(name: str, config: dict, sizes: list[int], *, raw: bool = True, device: 
         "connector": name,
         "config": config,
         "device": device,
+        # Side channels (ZmqConnector, the transfer engines) run CURVE when the environment holds
+        # mesh keys (OMNI_MESH_CURVE_PUBLIC_KEY/_SECRET_KEY or OMNI_MESH_KEYS_DIR; the consumer
+        # process inherits them): the same command measures both, the header says which ran.
+        "mesh_keys": mesh_keys() is not None,
         "sizes": [asdict(r) for r in results],
         "inproc_4k_s": small,
     }
@@ -342,7 +347,8 @@ def _fmt_time(seconds: float) -> str:
 
 def report(result: dict[str, Any]) -> str:
     lines = [
-        f"connector {result['connector']}  config {json.dumps(result['config'])}  payload on {result['device']}",
+        f"connector {result['connector']}  config {json.dumps(result['config'])}  payload on {result['device']}"
+        f"  mesh keys {'set (CURVE side channels)' if result.get('mesh_keys') else 'none'}",
         "medians; put->get = producer put + consumer get; e2e adds the metadata hop between the processes",
         f"{'size':>9} {'reps':>5} {'put->get':>10} {'GB/s':>7} {'memcpy GB/s':>12} {'x memcpy':>9} {'e2e':>10}"
         f" {'raw GB/s':>9} {'x raw':>6}",
