@@ -658,7 +658,7 @@ class TestKeyAndTls:
     def test_the_key_works_over_https(self, guarded: Mesh) -> None:
         assert guarded.url.startswith("https://")
         assert guarded.ok({"n": 6})["outputs"] == expected(6)
-        assert guarded.ready().json() == {"ready": True, "missing": []}
+        assert guarded.ready().json()["ready"] is True
         assert [s["name"] for s in guarded.client.get("/v1/topology").json()["stages"]] == ["a", "d"]
 
     def test_plain_http_gets_no_answer(self, guarded: Mesh) -> None:

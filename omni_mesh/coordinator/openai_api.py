@@ -24,7 +24,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from omni_mesh.coordinator.dispatch import RequestFailed, RequestState
-from omni_mesh.coordinator.envelope import field_path
+from omni_mesh.coordinator.envelope import field_path, responses
 from omni_mesh.coordinator.openai_audio import encode
 from omni_mesh.coordinator.openai_reply import Piece, Reply, ReplyError
 from omni_mesh.coordinator.openai_request import ChatCall, ChatRequest, ChatRequestError, chat_call
@@ -110,12 +110,16 @@ def openai_router(coordinator: Coordinator) -> APIRouter:
         spec = coordinator.topology.openai
         return {"object": "list", "data": [model_card(spec)] if spec else []}
 
-    @router.get("/v1/models/{model:path}", summary="one model", response_model=None)
+    # 422 documented with our envelope, not FastAPI's default HTTPValidationError (bad bodies are 400 here).
+    @router.get("/v1/models/{model:path}", summary="one model", response_model=None, responses=responses(401, 422))
     async def model(model: str) -> dict | JSONResponse:
         spec = spec_for(model)
         return spec if isinstance(spec, JSONResponse) else model_card(spec)
 
-    @router.post("/v1/chat/completions", summary="OpenAI chat completions, text and audio", response_model=None)
+    @router.post(
+        "/v1/chat/completions", summary="OpenAI chat completions, text and audio", response_model=None,
+        responses=responses(401, 422, 429),
+    )
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         spec = spec_for(body.model)
         if isinstance(spec, JSONResponse):
