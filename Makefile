@@ -46,7 +46,7 @@ test: install
 
 # Every connector that runs here without a service of yours: YuanrongConnector against a throwaway
 # worker it starts itself. MooncakeStoreConnector needs a master: `omni-mesh bench connector
-# --connector MooncakeStoreConnector --config ...` (README).
+# --connector MooncakeStoreConnector --config ...` (docs/benchmarks.md).
 bench: install
 	$(BIN)/omni-mesh bench connector --connector SharedMemoryConnector
 	$(BIN)/omni-mesh bench connector --connector ZmqConnector --sizes 16MiB,256MiB

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device-to-device check, for a session that is lent a GPU machine (see the README, "CUDA tensors").
+# The device-to-device check, for a session that is lent a GPU machine (see docs/connectors.md, "CUDA tensors").
 # There, python3 holds a CUDA build of torch but not pyzmq: carry its wheel in .whl (Python 3.12), e.g.
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl pyzmq
 # then run this script with .whl carried. It prints the CUDA tests' result and, for a 256 MiB CUDA
