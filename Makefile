@@ -9,7 +9,7 @@ PORT   ?= 8000
 # CPU build of torch (a local wheel on this project's machines); an unpinned torch may pull a
 # multi-GB CUDA build. GPU users install their own torch before `pip install omni-mesh`.
 TORCH  ?= torch==2.13.0
-SYSTEM_PACKAGES := libibverbs1 iproute2 docker-compose prometheus chromium docker.io debootstrap
+SYSTEM_PACKAGES := libibverbs1 iproute2 docker-compose prometheus chromium openssl docker.io debootstrap
 
 .PHONY: install system-deps run test bench lint clean
 

@@ -610,7 +610,7 @@ KEY = "front-door-test-key"
 def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     openssl = shutil.which("openssl")
     if openssl is None:
-        pytest.skip("openssl is not installed: cannot make a certificate for the TLS test")
+        pytest.fail("openssl is not installed: run `make test` (it installs it) or `apt-get install openssl`")
     directory = tmp_path_factory.mktemp("tls")
     cert, key = directory / "cert.pem", directory / "key.pem"
     subprocess.run(
