@@ -37,6 +37,8 @@ ENTRY_POINT_GROUP = "omni_mesh.connectors"
 _REGISTRY: dict[str, str | type[OmniConnectorBase]] = {
     "SharedMemoryConnector": "omni_mesh.connectors.shared_memory:SharedMemoryConnector",
     "MooncakeStoreConnector": "omni_mesh.connectors.mooncake_store:MooncakeStoreConnector",
+    # vllm-omni's name for the store connector, in every version of its stage configs.
+    "MooncakeConnector": "omni_mesh.connectors.mooncake_store:MooncakeStoreConnector",
     "MooncakeTransferEngineConnector": "omni_mesh.connectors.mooncake_transfer_engine:MooncakeTransferEngineConnector",
     "ZmqConnector": "omni_mesh.connectors.zmq:ZmqConnector",
     "YuanrongConnector": "omni_mesh.connectors.yuanrong:YuanrongConnector",

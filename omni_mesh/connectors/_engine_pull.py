@@ -5,7 +5,8 @@ its ZeroMQ side channel. The consumer claims the payload over the side channel (
 be cleaned up mid-read), pulls the bytes into its own registered pool with the engine, releases the
 payload (the producer frees the slot) and decodes. Subclasses supply the engine.
 
-Config fields every subclass has: host, zmq_port, memory_pool_size, ttl_s, get_timeout_s.
+Config fields every subclass has: host, zmq_port, memory_pool_size, ttl_s, get_timeout_s (checked by
+`_checks.check_engine_pull` from each config's `check()`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from abc import abstractmethod
 from typing import Any
 
 from omni_mesh.codec import FrameError, FramePlan, plan
-from omni_mesh.connectors._checks import check_positive
 from omni_mesh.connectors._held import PendingReleases
 from omni_mesh.connectors._served import ServedConnector
 from omni_mesh.connectors._zmq_channel import ERR, OK, Handler, Reply, frame_text
@@ -32,11 +32,6 @@ class EnginePullConnector(ServedConnector):
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         super().__init__(config)
         self._orphans = PendingReleases()  # local slots of transfers unfinished at their deadline
-
-    @classmethod
-    def _check(cls, cfg: Any) -> None:
-        super()._check(cfg)
-        check_positive(cls.__name__, memory_pool_size=cfg.memory_pool_size)
 
     # ---- what a subclass provides
 

@@ -7,7 +7,7 @@ side channel runs CURVE both ways (`_channel_guard`). Subclasses decide how the
 bytes move (in the reply itself, or pulled by a transfer engine) and which requests the server answers.
 
 Config fields every subclass has: host, its side-channel port (`port_field`), memory_pool_size,
-ttl_s, get_timeout_s.
+ttl_s, get_timeout_s; each config's `check()` checks them with `_checks.check_served`.
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ import zmq
 
 from omni_mesh.connectors._addresses import bind_and_advertise, tcp_endpoint
 from omni_mesh.connectors._channel_guard import side_channel_keys
-from omni_mesh.connectors._checks import check_not_negative, check_port, check_positive
 from omni_mesh.connectors._dealers import ChannelClosed, DealerPool
 from omni_mesh.connectors._held import Held, HeldTable, SlotPool
 from omni_mesh.connectors._zmq_channel import OK, Handler, RouterServer, frame_text
-from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key, parse_config
+from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
 
 _RECENT_ERROR_S = 60.0  # health() reports "degraded" this long after an error
 
@@ -45,7 +44,6 @@ class ServedConnector(OmniConnectorBase):
         super().__init__(config)
         cfg = self.config
         self._name = type(self).__name__
-        self._check(cfg)
         self._bind_host, self.host = bind_and_advertise(cfg.host)
         self._keys = side_channel_keys(self._name)  # CURVE on the side channel, or None (warned once)
         self._open_backend()  # raises ConnectorError naming what is missing
@@ -59,17 +57,6 @@ class ServedConnector(OmniConnectorBase):
         self._lock = threading.Lock()
         self._last_error = -1e9
         self._counters = Counters(*self.counter_names)
-
-    @classmethod
-    def validate_config(cls, config: dict[str, Any] | None) -> None:
-        cls._check(parse_config(cls.config_class, config, owner=cls.__name__))
-
-    @classmethod
-    def _check(cls, cfg: Any) -> None:
-        """Check config values before any backend is looked for; subclasses extend it."""
-        check_port(cls.__name__, cls.port_field, getattr(cfg, cls.port_field))
-        check_positive(cls.__name__, get_timeout_s=cfg.get_timeout_s)
-        check_not_negative(cls.__name__, ttl_s=cfg.ttl_s)
 
     # ---- hooks
 

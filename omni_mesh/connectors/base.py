@@ -15,6 +15,9 @@ import threading
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, TypeVar
 
+from omni_mesh.connector_values import coerce_numbers, expand_env, numeric_fields
+from omni_mesh.connectors import _vllm_omni_keys as vllm_omni_keys
+
 C = TypeVar("C")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
@@ -45,22 +48,21 @@ def parse_size(value: Any, *, what: str = "size") -> int:
 
 
 def parse_config(cls: type[C], raw: dict[str, Any] | None, *, owner: str) -> C:
-    """Build the config dataclass `cls` from a user's `extra:` mapping.
+    """Build the config dataclass `cls` from a user's `extra:` mapping; the one place configs are read.
 
-    Unknown keys are an error naming the key and the allowed ones. Fields whose name ends in `_size`
-    or `_bytes` accept human sizes. Values are checked against the field's default type.
+    In order: `$VAR`/`${VAR}` expand from the environment; vllm-omni's names for our keys are read as
+    ours, and its keys that change nothing here are dropped with one warning each
+    (`_vllm_omni_keys`); a key neither knows is an error naming it, with a "did you mean"; numeric
+    strings become numbers where a number is meant; sizes (`_size`/`_bytes` names, or fields with
+    `metadata=SIZE`) accept "256MiB"; values are checked against the field's default type; and
+    then the dataclass's own `check(owner)` checks the values together.
     """
-    raw = dict(raw or {})
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        raise ConnectorConfigError(
-            f"{owner}: unknown config key {unknown[0]!r} in extra (allowed: {', '.join(sorted(fields))})"
-        )
-    values: dict[str, Any] = {}
-    for name, value in raw.items():
+    values = _ours(owner, expand_env(dict(raw or {})), fields)
+    values = coerce_numbers(values, numeric_fields(cls))
+    for name, value in values.items():
         field = fields[name]
-        if name.endswith(("_size", "_bytes")):
+        if name.endswith(("_size", "_bytes")) or field.metadata.get("size"):
             values[name] = parse_size(value, what=f"{owner}: {name}")
             continue
         default = field.default if field.default is not dataclasses.MISSING else None
@@ -69,7 +71,48 @@ def parse_config(cls: type[C], raw: dict[str, Any] | None, *, owner: str) -> C:
                 f"{owner}: config key {name!r} expects {type(default).__name__}, got {value!r}"
             )
         values[name] = float(value) if isinstance(default, float) else value
-    return cls(**values)
+    config = cls(**values)
+    check = getattr(config, "check", None)
+    if check is not None:
+        check(owner)
+    return config
+
+
+#: `field(metadata=SIZE)`: the field is a size in bytes whatever its name ("512MiB" accepted).
+SIZE = {"size": True}
+
+
+def _ours(owner: str, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """`raw` under our field names: vllm-omni's aliases renamed, its no-effect keys dropped (warned)."""
+    values: dict[str, Any] = {}
+    aliased: dict[str, str] = {}
+    for key, value in raw.items():
+        if key in fields:
+            values.setdefault(key, value)
+            continue
+        entry = vllm_omni_keys.lookup(owner, key)
+        if entry is None:
+            hint = vllm_omni_keys.did_you_mean(key, [*fields, *vllm_omni_keys.known_keys(owner)])
+            raise ConnectorConfigError(
+                f"{owner}: unknown config key {key!r} in extra; {hint}(allowed: {', '.join(sorted(fields))}; "
+                f"vllm-omni's: {vllm_omni_keys.summary(owner)})"
+            )
+        if entry.kind == "alias":
+            target = entry.target or key
+            aliased[target] = key
+            values[target] = value
+        elif entry.kind == "honoured" and entry.same_as_ours and value not in entry.same_as_ours:
+            choices = ", ".join(map(repr, entry.same_as_ours))
+            raise ConnectorConfigError(f"{owner}: config key {key!r} must be one of {choices}, got {value!r}")
+        else:
+            vllm_omni_keys.warn_no_effect(owner, key, value, entry)
+    for target, alias in aliased.items():
+        if target in raw and raw[target] != raw[alias]:
+            raise ConnectorConfigError(
+                f"{owner}: {alias!r} (vllm-omni's name for {target!r}) and {target!r} disagree "
+                f"({raw[alias]!r} vs {raw[target]!r}); set only one"
+            )
+    return values
 
 
 def _same_kind(default: Any, value: Any) -> bool:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from omni_mesh import codec
@@ -44,12 +44,12 @@ from omni_mesh.connectors._mooncake_common import (
     split_address,
 )
 from omni_mesh.connectors.base import (
+    SIZE,
     ConnectorConfigError,
     ConnectorError,
     Counters,
     OmniConnectorBase,
     edge_key,
-    parse_size,
 )
 
 __all__ = ["MooncakeStoreConfig", "MooncakeStoreConnector"]
@@ -70,16 +70,14 @@ class MooncakeStoreConfig:
     #: HOST:PORT of the mooncake_master RPC service.
     master: str = "127.0.0.1:50051"
     #: Bytes this process contributes to the store ("512MiB"); 0 makes it a pure client.
-    segment: Any = None
+    segment: int = field(default=_DEFAULT_SEGMENT, metadata=SIZE)
     #: Registered local buffer puts are staged in and gets land in ("256MiB"); the largest frame must fit.
-    localbuf: Any = None
+    localbuf: int = field(default=_DEFAULT_LOCALBUF, metadata=SIZE)
     #: "tcp" or "rdma".
     protocol: str = "tcp"
-    #: RDMA device(s), e.g. "mlx5_0"; "" lets the store choose.
+    #: RDMA device(s), e.g. "mlx5_0"; "" lets the store choose. (vllm-omni's `proto` and `rdma` are read
+    #: as protocol and device_name: connectors/_vllm_omni_keys.py.)
     device_name: str = ""
-    #: Older spellings of protocol / device_name, as in existing topologies.
-    proto: str = ""
-    rdma: str = ""
     #: How long to wait for the master to accept a TCP connection before giving up.
     master_connect_timeout_s: float = 3.0
     #: How long get() polls for a key that is not in the store yet.
@@ -97,33 +95,20 @@ class MooncakeStoreConfig:
     #: Fault the local buffer's pages in at start, so no transfer pays for first-touch page faults.
     prefault: bool = True
 
-    def __post_init__(self) -> None:
-        set_ = object.__setattr__  # frozen: normalise the aliases and sizes once, here
-        set_(self, "segment", _size(self.segment, _DEFAULT_SEGMENT, "segment"))
-        set_(self, "localbuf", _size(self.localbuf, _DEFAULT_LOCALBUF, "localbuf"))
-        for name, alias, default in (("protocol", "proto", "tcp"), ("device_name", "rdma", "")):
-            value = getattr(self, alias)
-            if value:
-                if getattr(self, name) not in (value, default):
-                    raise ConnectorConfigError(f"{OWNER}: {alias!r} and {name!r} disagree; set only {name!r}")
-                set_(self, name, value)
-        check_protocol(OWNER, self.protocol)
+    def check(self, owner: str) -> None:
+        check_protocol(owner, self.protocol)
         check_positive(
-            OWNER,
+            owner,
             localbuf=self.localbuf,
             master_connect_timeout_s=self.master_connect_timeout_s,
             get_timeout_s=self.get_timeout_s,
             ttl_s=self.ttl_s,
             replica_num=self.replica_num,
         )
-        check_not_negative(OWNER, pool_wait_s=self.pool_wait_s)
-        split_address(self.master, OWNER, "master")
+        check_not_negative(owner, pool_wait_s=self.pool_wait_s)
+        split_address(self.master, owner, "master")
         if not self.host.strip():
-            raise ConnectorConfigError(f"{OWNER}: host must be an address or 'auto'")
-
-
-def _size(value: Any, default: int, name: str) -> int:
-    return default if value is None else parse_size(value, what=f"{OWNER}: {name}")
+            raise ConnectorConfigError(f"{owner}: host must be an address or 'auto'")
 
 
 @dataclass

@@ -129,20 +129,20 @@ class MooncakeTransferEngineConfig:
     #: build (extra `mooncake-cuda`); false, or the non-CUDA wheel, sends them through host memory.
     device_transfer: bool = True
 
-    def __post_init__(self) -> None:
-        check_protocol(OWNER, self.protocol)
+    def check(self, owner: str) -> None:
+        check_protocol(owner, self.protocol)
         check_positive(
-            OWNER,
+            owner,
             memory_pool_size=self.memory_pool_size,
             ttl_s=self.ttl_s,
             connect_timeout_s=self.connect_timeout_s,
             transfer_timeout_s=self.transfer_timeout_s,
             transfer_threads=self.transfer_threads,
         )
-        check_not_negative(OWNER, zero_copy_min_bytes=self.zero_copy_min_bytes, pool_wait_s=self.pool_wait_s)
-        check_port(OWNER, "zmq_port", self.zmq_port)
+        check_not_negative(owner, zero_copy_min_bytes=self.zero_copy_min_bytes, pool_wait_s=self.pool_wait_s)
+        check_port(owner, "zmq_port", self.zmq_port)
         if not self.host.strip():
-            raise ConnectorConfigError(f"{OWNER}: host must be an address or 'auto'")
+            raise ConnectorConfigError(f"{owner}: host must be an address or 'auto'")
 
 
 class MooncakeTransferEngineConnector(OmniConnectorBase):

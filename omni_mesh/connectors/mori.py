@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from omni_mesh.codec import FramePlan, decode
-from omni_mesh.connectors._checks import check_port
+from omni_mesh.connectors._checks import check_engine_pull, check_port
 from omni_mesh.connectors._engine_pull import EnginePullConnector
 from omni_mesh.connectors.base import ConnectorConfigError, ConnectorError
 
@@ -71,42 +71,38 @@ class MoriConfig:
     ttl_s: float = 300.0  # unconsumed payloads are freed after this; 0 keeps them until cleanup()
     get_timeout_s: float = 30.0  # deadline of get() when the caller gives none
 
+    def check(self, owner: str) -> None:
+        check_engine_pull(owner, self)
+        check_port(owner, "port", self.port)
+        if self.backend_type not in BACKENDS:
+            raise ConnectorConfigError(
+                f"{owner}: backend_type must be one of {', '.join(BACKENDS)}, got {self.backend_type!r}"
+            )
+        if self.poll_cq_mode not in POLL_MODES:
+            raise ConnectorConfigError(
+                f"{owner}: poll_cq_mode must be one of {', '.join(POLL_MODES)}, got {self.poll_cq_mode!r}"
+            )
+        device = self.memory_pool_device
+        if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
+            raise ConnectorConfigError(f"{owner}: memory_pool_device must be cpu, cuda or cuda:N, got {device!r}")
+        if self.backend_type == "xgmi" and device == "cpu":
+            raise ConnectorConfigError(
+                f"{owner}: backend_type xgmi links GPUs; set memory_pool_device to cuda or cuda:N"
+            )
+        for field_name in ("qp_per_transfer", "num_worker_threads", "xgmi_num_streams", "xgmi_num_events"):
+            if getattr(self, field_name) < 1:
+                raise ConnectorConfigError(
+                    f"{owner}: {field_name} must be at least 1, got {getattr(self, field_name)}"
+                )
+        if self.post_batch_size == 0 or self.post_batch_size < -1:
+            raise ConnectorConfigError(f"{owner}: post_batch_size must be -1 (MORI's default) or positive")
+
 
 class MoriTransferEngineConnector(EnginePullConnector):
     """Pull-based RDMA/XGMI transfers with MORI's IOEngine (module docstring)."""
 
     config_class = MoriConfig
     scope = "network"
-
-    @classmethod
-    def _check(cls, cfg: MoriConfig) -> None:
-        super()._check(cfg)
-        name = cls.__name__
-        check_port(name, "port", cfg.port)
-        if cfg.backend_type not in BACKENDS:
-            raise ConnectorConfigError(
-                f"{name}: backend_type must be one of {', '.join(BACKENDS)}, got {cfg.backend_type!r}"
-            )
-        if cfg.poll_cq_mode not in POLL_MODES:
-            raise ConnectorConfigError(
-                f"{name}: poll_cq_mode must be one of {', '.join(POLL_MODES)}, got {cfg.poll_cq_mode!r}"
-            )
-        device = cfg.memory_pool_device
-        if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
-            raise ConnectorConfigError(
-                f"{name}: memory_pool_device must be cpu, cuda or cuda:N, got {device!r}"
-            )
-        if cfg.backend_type == "xgmi" and device == "cpu":
-            raise ConnectorConfigError(
-                f"{name}: backend_type xgmi links GPUs; set memory_pool_device to cuda or cuda:N"
-            )
-        for field_name in ("qp_per_transfer", "num_worker_threads", "xgmi_num_streams", "xgmi_num_events"):
-            if getattr(cfg, field_name) < 1:
-                raise ConnectorConfigError(
-                    f"{name}: {field_name} must be at least 1, got {getattr(cfg, field_name)}"
-                )
-        if cfg.post_batch_size == 0 or cfg.post_batch_size < -1:
-            raise ConnectorConfigError(f"{name}: post_batch_size must be -1 (MORI's default) or positive")
 
     def _open_backend(self) -> None:
         cfg: MoriConfig = self.config

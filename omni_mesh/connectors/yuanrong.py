@@ -36,7 +36,6 @@ from omni_mesh.connectors.base import (
     Counters,
     OmniConnectorBase,
     edge_key,
-    parse_config,
 )
 
 INSTALL_HINT = "install it with `pip install 'omni-mesh[yuanrong]'` (package openyuanrong-datasystem)"
@@ -94,6 +93,25 @@ class YuanrongConfig:
     secret_key: str = ""
     tenant_id: str = ""
 
+    def check(self, owner: str) -> None:
+        if not 0 < self.port < 65536:
+            raise ConnectorConfigError(f"{owner}: port must be the worker's port (1-65535), got {self.port}")
+        check_positive(
+            owner,
+            connect_timeout_ms=self.connect_timeout_ms,
+            get_sub_timeout_ms=self.get_sub_timeout_ms,
+            get_timeout_s=self.get_timeout_s,
+        )
+        check_not_negative(owner, req_timeout_ms=self.req_timeout_ms, ttl_s=self.ttl_s)
+        if self.write_mode not in WRITE_MODES:
+            raise ConnectorConfigError(
+                f"{owner}: write_mode must be one of {', '.join(WRITE_MODES)}, got {self.write_mode!r}"
+            )
+        if not _PREFIX.match(self.key_prefix):
+            raise ConnectorConfigError(
+                f"{owner}: key_prefix may hold letters, digits, '-' and '_' (up to 64), got {self.key_prefix!r}"
+            )
+
 
 class YuanrongConnector(OmniConnectorBase):
     """Payloads through an openYuanrong datasystem worker (module docstring)."""
@@ -104,7 +122,6 @@ class YuanrongConnector(OmniConnectorBase):
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         super().__init__(config)
         cfg: YuanrongConfig = self.config
-        self._check(cfg)
         self.worker = f"{cfg.host}:{cfg.port}"
         client_log_dir()  # before the client library starts logging
         try:
@@ -158,31 +175,6 @@ class YuanrongConnector(OmniConnectorBase):
             f"{reason}); start one there with `dscli start -w --worker_address {self.worker} ...` or set "
             "host/port to a running worker"
         )
-
-    @classmethod
-    def validate_config(cls, config: dict[str, Any] | None) -> None:
-        cls._check(parse_config(cls.config_class, config, owner=cls.__name__))
-
-    @classmethod
-    def _check(cls, cfg: YuanrongConfig) -> None:
-        name = cls.__name__
-        if not 0 < cfg.port < 65536:
-            raise ConnectorConfigError(f"{name}: port must be the worker's port (1-65535), got {cfg.port}")
-        check_positive(
-            name,
-            connect_timeout_ms=cfg.connect_timeout_ms,
-            get_sub_timeout_ms=cfg.get_sub_timeout_ms,
-            get_timeout_s=cfg.get_timeout_s,
-        )
-        check_not_negative(name, req_timeout_ms=cfg.req_timeout_ms, ttl_s=cfg.ttl_s)
-        if cfg.write_mode not in WRITE_MODES:
-            raise ConnectorConfigError(
-                f"{name}: write_mode must be one of {', '.join(WRITE_MODES)}, got {cfg.write_mode!r}"
-            )
-        if not _PREFIX.match(cfg.key_prefix):
-            raise ConnectorConfigError(
-                f"{name}: key_prefix may hold letters, digits, '-' and '_' (up to 64), got {cfg.key_prefix!r}"
-            )
 
     def _key(self, from_stage: str, to_stage: str, key: str) -> tuple[str, str]:
         edge = edge_key(from_stage, to_stage, key)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from omni_mesh.codec import FramePlan, decode
-from omni_mesh.connectors._checks import check_port
+from omni_mesh.connectors._checks import check_engine_pull, check_port
 from omni_mesh.connectors._engine_pull import EnginePullConnector
 from omni_mesh.connectors.base import ConnectorConfigError, ConnectorError
 from omni_mesh.connectors.yuanrong import INSTALL_HINT, client_log_dir
@@ -88,6 +88,16 @@ class YuanrongTransferEngineConfig:
     ttl_s: float = 300.0  # unconsumed payloads are freed after this; 0 keeps them until cleanup()
     get_timeout_s: float = 30.0  # deadline of get() when the caller gives none
 
+    def check(self, owner: str) -> None:
+        check_engine_pull(owner, self)
+        check_port(owner, "rpc_port", self.rpc_port)
+        for name in ("device_name", "memory_pool_device"):
+            value = getattr(self, name)
+            if value != "auto" and not (value == "npu" or value.startswith("npu:")):
+                raise ConnectorConfigError(f"{owner}: {name} must be 'auto' or 'npu:N', got {value!r}")
+        if not self.protocol:
+            raise ConnectorConfigError(f"{owner}: protocol must not be empty")
+
 
 def _ok(result: Any, action: str, owner: str) -> None:
     if not result.is_ok():
@@ -99,17 +109,6 @@ class YuanrongTransferEngineConnector(EnginePullConnector):
 
     config_class = YuanrongTransferEngineConfig
     scope = "network"
-
-    @classmethod
-    def _check(cls, cfg: YuanrongTransferEngineConfig) -> None:
-        super()._check(cfg)
-        check_port(cls.__name__, "rpc_port", cfg.rpc_port)
-        for name in ("device_name", "memory_pool_device"):
-            value = getattr(cfg, name)
-            if value != "auto" and not (value == "npu" or value.startswith("npu:")):
-                raise ConnectorConfigError(f"{cls.__name__}: {name} must be 'auto' or 'npu:N', got {value!r}")
-        if not cfg.protocol:
-            raise ConnectorConfigError(f"{cls.__name__}: protocol must not be empty")
 
     def _open_backend(self) -> None:
         cfg: YuanrongTransferEngineConfig = self.config

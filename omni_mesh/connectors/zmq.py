@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_mesh.codec import FrameError, decode, plan
+from omni_mesh.connectors._checks import check_served
 from omni_mesh.connectors._served import ServedConnector
 from omni_mesh.connectors._zmq_channel import ERR, OK, Handler, Reply, frame_text
 from omni_mesh.connectors.base import ConnectorError, edge_key
@@ -38,6 +39,9 @@ class ZmqConfig:
     memory_pool_size: int = 1 << 30  # virtual until used; reused slots stay faulted in
     ttl_s: float = 300.0  # unconsumed payloads are freed after this; 0 keeps them until cleanup()
     get_timeout_s: float = 30.0  # deadline of get() when the caller gives none
+
+    def check(self, owner: str) -> None:
+        check_served(owner, "port", self.port, get_timeout_s=self.get_timeout_s, ttl_s=self.ttl_s)
 
 
 def _anonymous_map(size: int) -> mmap.mmap:

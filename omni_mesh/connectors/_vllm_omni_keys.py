@@ -1,0 +1,181 @@
+"""The config keys vllm-omni's connectors read, and what omni-mesh does with each.
+
+vllm-omni's users bring their `extra:` mappings as they are, so every key a vllm-omni connector of
+the same name reads (its `__init__`, its stage-config YAMLs, the keys its orchestrator injects into
+every connector's config) is accepted here under that name:
+
+    alias     the same meaning as one of our fields: the value is read as that field
+    honoured  a meaning we have without a field of that name (the note says how), accepted silently
+    no effect accepted, with one warning per key and process that names it and says it does nothing
+
+Sources: vllm_omni/distributed/omni_connectors/connectors/*.py (Dec 2025 - Jul 2026), the chunk
+adapter and stage input processors (they read the `codec_*`/`connector_get_*` keys out of the
+connector's extra), and the stage-config YAMLs. docs/connectors.md shows these tables to users.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["KEYS", "VllmKey", "did_you_mean", "known_keys", "lookup", "no_effect_messages", "warn_no_effect"]
+
+log = logging.getLogger("omni_mesh.connectors")
+
+Kind = Literal["alias", "honoured", "no effect"]
+
+
+@dataclass(frozen=True)
+class VllmKey:
+    kind: Kind
+    #: Our field, for an alias.
+    target: str | None = None
+    #: What the key means in vllm-omni and why we do what we do.
+    note: str = ""
+    #: Values that ask for exactly what we do anyway (no warning for these); empty: any value.
+    same_as_ours: tuple[Any, ...] = ()
+
+
+def _alias(target: str, note: str = "") -> VllmKey:
+    return VllmKey("alias", target, note)
+
+
+def _honoured(note: str, same_as_ours: tuple[Any, ...] = ()) -> VllmKey:
+    return VllmKey("honoured", None, note, same_as_ours)
+
+
+def _no_effect(note: str, same_as_ours: tuple[Any, ...] = ()) -> VllmKey:
+    return VllmKey("no effect", None, note, same_as_ours)
+
+
+# Keys vllm-omni's orchestrator and chunk adapter put into every connector's extra.
+_EVERY_CONNECTOR: dict[str, VllmKey] = {
+    "stage_id": _honoured("injected by vllm-omni's orchestrator; the connector's `stage_id` attribute"),
+    "role": _honoured(
+        "sender / receiver / dual: every omni-mesh connector instance can put and get, and binds its "
+        "side channel only on its first put",
+        ("sender", "receiver", "dual"),
+    ),
+}
+# Read out of the connector's extra by vllm-omni's chunk adapter and stage input processors, not by the
+# connector; omni-mesh streams chunks through its stage runtime, so they change nothing here. A
+# trailing "*" matches any key with that prefix.
+_CHUNK_ADAPTER: dict[str, VllmKey] = {
+    name: _no_effect("read by vllm-omni's chunk transfer adapter / code2wav stage, not by the connector")
+    for name in (
+        "codec_chunk_frames",
+        "codec_left_context_frames",
+        "codec_streaming",
+        "codec_chunk_ramp",
+        "codec_*",
+        "initial_codec_chunk_frames",
+        "decode_cudagraph_capture_sizes",
+        "decode_*",
+        "connector_get_*",
+    )
+}
+_SENDER = {
+    "sender_host": _no_effect("the producer a receiver asks when get() has no metadata; put()'s metadata names it"),
+    "sender_zmq_port": _no_effect("the producer's side-channel port for a get() without metadata; see sender_host"),
+}
+_TTL = {"buffer_ttl_seconds": _alias("ttl_s", "unconsumed payloads are freed this long after their put")}
+
+_MOONCAKE_STORE: dict[str, VllmKey] = {
+    "proto": _alias("protocol", "tcp or rdma"),
+    "rdma": _alias("device_name", "the RDMA device(s)"),
+}
+
+#: connector name -> {vllm-omni key: what we do}, beyond the keys that are our own fields by name.
+KEYS: dict[str, dict[str, VllmKey]] = {
+    "SharedMemoryConnector": {
+        "shm_threshold_bytes": _alias("inline_max_bytes", "payloads up to this size travel inline in the metadata"),
+    },
+    "MooncakeStoreConnector": _MOONCAKE_STORE,
+    "MooncakeConnector": _MOONCAKE_STORE,
+    "MooncakeTransferEngineConnector": {
+        **_TTL,
+        **_SENDER,
+        "memory_pool_device": _no_effect(
+            "our pool is host memory; CUDA tensors go GPU to GPU outside it (device_transfer)", ("cpu",)
+        ),
+    },
+    "MoriTransferEngineConnector": {**_TTL, **_SENDER},
+    "YuanrongConnector": {},
+    "YuanrongTransferEngineConnector": {
+        **_TTL,
+        **_SENDER,
+        "transfer_engine_python_path": _no_effect("where vllm-omni imports transfer_engine from; we import yr.datasystem"),
+    },
+    "ZmqConnector": {},  # ours: vllm-omni has no connector of this name
+}
+
+
+def _table(owner: str) -> dict[str, VllmKey]:
+    return {**_EVERY_CONNECTOR, **_CHUNK_ADAPTER, **KEYS.get(owner, {})}
+
+
+def lookup(owner: str, key: str) -> VllmKey | None:
+    """What `owner` does with vllm-omni's `key` (None: vllm-omni does not know it either)."""
+    table = _table(owner)
+    if key in table:
+        return table[key]
+    for name, entry in table.items():
+        if name.endswith("*") and key.startswith(name[:-1]):
+            return entry
+    return None
+
+
+def known_keys(owner: str) -> list[str]:
+    """vllm-omni's keys `owner` accepts (prefix patterns end in "*")."""
+    return sorted(_table(owner))
+
+
+def summary(owner: str) -> str:
+    """vllm-omni's keys for an error message: the named ones, and the prefixes for the rest."""
+    table = _table(owner)
+    prefixes = [name[:-1] for name in table if name.endswith("*")]
+    named = [name for name in table if not name.endswith("*") and not name.startswith(tuple(prefixes))]
+    return ", ".join(sorted(named) + sorted(name for name in table if name.endswith("*")))
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def no_effect_message(owner: str, key: str, value: Any, entry: VllmKey) -> str | None:
+    """What to tell the user about a key that changes nothing here, or None."""
+    if entry.kind != "no effect" or (entry.same_as_ours and value in entry.same_as_ours):
+        return None
+    return f"{owner}: config key {key!r} (vllm-omni's) has no effect in omni-mesh: {entry.note}"
+
+
+def no_effect_messages(owner: str, raw: Mapping[str, Any], fields: Iterable[str]) -> list[str]:
+    """no_effect_message for each key of `raw` that is not one of our `fields` (for `omni-mesh validate`)."""
+    ours = set(fields)
+    messages = []
+    for key, value in raw.items():
+        entry = None if key in ours else lookup(owner, key)
+        message = entry and no_effect_message(owner, key, value, entry)
+        if message:
+            messages.append(message)
+    return messages
+
+
+def warn_no_effect(owner: str, key: str, value: Any, entry: VllmKey) -> None:
+    """Log no_effect_message once per owner and key in this process."""
+    message = no_effect_message(owner, key, value, entry)
+    if message is not None and (owner, key) not in _warned:
+        _warned.add((owner, key))
+        log.warning("%s", message)
+
+
+def did_you_mean(key: str, candidates: Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, [c for c in candidates if not c.endswith("*")], n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def table_rows(owner: str) -> Mapping[str, VllmKey]:
+    """The rows docs/connectors.md shows for `owner`."""
+    return dict(sorted(_table(owner).items()))
