@@ -2,8 +2,9 @@
 
 vllm-omni's connectors expand `$VAR`, `${VAR}` and `${VAR:-default}` from the environment (a variable
 that is not set stays as written) and read ports and sizes with `int(...)`, so `"50051"` is a port.
-The topology applies the same rules when it loads a file, in every process that loads it: a stage on
-another host expands the variables of its own environment.
+`read_extra` is the rule, applied by `parse_config` to every connector config (so also to a config
+given straight to `create_connector`) and by the topology when it loads a file, in every process that
+loads it: a stage on another host expands the variables of its own environment.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["coerce_numbers", "expand_env", "numeric_fields", "unset_variables"]
+__all__ = ["coerce_numbers", "expand_env", "numeric_fields", "read_extra", "unset_variables"]
 
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 _INT = re.compile(r"^[+-]?\d+$")
@@ -22,6 +23,12 @@ _FLOAT = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?$")
 # Keys vllm-omni reads with int() whatever the connector: ports and sizes (Mooncake's segment and
 # localbuf are sizes in bytes).
 _SIZE_KEYS = frozenset({"segment", "localbuf"})
+
+
+def read_extra(extra: dict[str, Any], config_class: Any = None) -> dict[str, Any]:
+    """`extra` as vllm-omni reads it: variables expanded, then numeric strings read as numbers where
+    a number is meant (ports, sizes and `config_class`'s numeric fields)."""
+    return coerce_numbers(expand_env(extra), numeric_fields(config_class))
 
 
 def expand_env(value: Any, environ: Mapping[str, str] | None = None) -> Any:

@@ -25,8 +25,9 @@ from typing import Any
 import yaml
 
 from omni_mesh import vllm_omni_deploy
-from omni_mesh.connector_values import coerce_numbers, expand_env, numeric_fields, unset_variables
+from omni_mesh.connector_values import read_extra, unset_variables
 from omni_mesh.connectors import ConnectorConfigError, available_connectors, connector_class
+from omni_mesh.connectors import _vllm_omni_keys as vllm_omni_keys
 from omni_mesh.openai_section import OpenAISectionError, OpenAISpec, parse_openai_section
 
 __all__ = [
@@ -715,10 +716,11 @@ class _Parser:
                 "install the package it needs"
             ) from None
         config = dict(spec.extra)
-        known = _config_field_names(cls)
+        fields = _config_field_names(cls)
         for key, value in spec.extra.items():
             names = unset_variables(value)
-            if names and key in known:  # an unknown key still fails below, by its name
+            known = key in fields or vllm_omni_keys.lookup(cls.__name__, key) is not None
+            if names and known:  # an unknown key still fails below, by its name
                 del config[key]
                 self.warnings.append(
                     f"connector {ref!r} ({used}): extra.{key} uses {', '.join('$' + n for n in names)}, which "
@@ -728,6 +730,10 @@ class _Parser:
             cls.validate_config(config)
         except ConnectorConfigError as exc:
             raise TopologyError(f"connector {ref!r} ({used}): {exc}; fix its extra: mapping") from None
+        self.warnings.extend(
+            f"connector {ref!r} ({used}): {message}"
+            for message in vllm_omni_keys.no_effect_messages(cls.__name__, config, fields)
+        )
 
 
 def _config_field_names(cls: type) -> set[str]:
@@ -791,17 +797,17 @@ def _parse_connector_entry(entry: Any, ref: str, who: str, *, unknown_keys_ok: b
     extra = entry.get("extra") or {}
     if not isinstance(extra, dict):
         raise TopologyError(f"{who}: extra must be a mapping, got {extra!r}")
-    extra = coerce_numbers(expand_env(extra), _numeric_fields_of(name))
+    extra = read_extra(extra, _config_class_of(name))
     return ConnectorSpec(ref=ref, name=name, extra=extra, auto=False)
 
 
-def _numeric_fields_of(connector_name: str) -> dict[str, type]:
-    """The numeric config fields of a connector type ({} for a type that does not load)."""
+def _config_class_of(connector_name: str) -> Any:
+    """The config dataclass of a connector type (None for a type that does not load)."""
     try:
         cls = connector_class(connector_name)
     except (ValueError, ImportError):
-        return {}  # reported with the edges that use it
-    return numeric_fields(getattr(cls, "config_class", None))
+        return None  # reported with the edges that use it
+    return getattr(cls, "config_class", None)
 
 
 def _positive_int(value: Any, what: str) -> int:

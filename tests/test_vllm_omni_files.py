@@ -55,7 +55,8 @@ def test_unused_connectors_are_warnings_whatever_is_wrong_with_them() -> None:
     topo = load_topology(FILES / "unused_connectors.yaml")
     assert edges_of(topo) == [("0->1", "shm_link")]
     threshold, kv_store = topo.warnings
-    assert threshold.startswith("connector 'threshold_shm' (used by no edge)") and "'shm_threshold_bytes'" in threshold
+    assert threshold.startswith("connector 'threshold_shm' (used by no edge)") and "'shm_treshold_bytes'" in threshold
+    assert "did you mean 'shm_threshold_bytes'?" in threshold
     assert "unknown connector 'SomeKVConnector'" in kv_store and "not an error: no edge uses it" in kv_store
     assert topo.connectors["datasystem"].extra["port"] == 35000  # checked, and fine once read as a number
 

@@ -58,8 +58,9 @@ def parse_config(cls: type[C], raw: dict[str, Any] | None, *, owner: str) -> C:
     then the dataclass's own `check(owner)` checks the values together.
     """
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    values = _ours(owner, expand_env(dict(raw or {})), fields)
-    values = coerce_numbers(values, numeric_fields(cls))
+    # read_extra's two steps, with vllm-omni's names made ours in between (so "60" for
+    # buffer_ttl_seconds is read as the float ttl_s is).
+    values = coerce_numbers(_ours(owner, expand_env(dict(raw or {})), fields), numeric_fields(cls))
     for name, value in values.items():
         field = fields[name]
         if name.endswith(("_size", "_bytes")) or field.metadata.get("size"):
