@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -316,3 +317,15 @@ def test_no_effect_keys_are_validate_warnings() -> None:
     assert any(w.startswith("connector 'used' (used by edge 0->1") and "'codec_chunk_frames'" in w for w in warnings)
     assert any(w.startswith("connector 'spare' (used by no edge)") and "'sender_host'" in w for w in warnings)
     assert not any("stage_id" in w or "memory_pool_device" in w for w in warnings)
+
+
+def test_docs_show_every_row_of_the_table() -> None:
+    docs = (Path(__file__).parent.parent / "docs" / "connectors.md").read_text()
+    section = docs.split("## vllm-omni's configuration keys", 1)[1].split("\n## ", 1)[0]
+    for name, table in _vllm_omni_keys.KEYS.items():
+        if name != "MooncakeConnector" and table:
+            part = section.split(f"### {name}", 1)[1].split("\n### ", 1)[0]
+            for key in table:
+                assert f"| `{key}` |" in part, f"docs/connectors.md: {name} lacks {key}"
+    for key in {**_vllm_omni_keys._EVERY_CONNECTOR, **_vllm_omni_keys._CHUNK_ADAPTER}:
+        assert f"| `{key}` |" in section, key
