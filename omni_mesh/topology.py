@@ -704,6 +704,14 @@ class _Parser:
         try:
             cls = connector_class(spec.name)
         except ValueError as exc:
+            instead = vllm_omni_keys.VLLM_OMNI_ONLY.get(spec.name)
+            if instead is not None and users:
+                self.warnings.append(
+                    f"connector {ref!r} ({used}): {spec.name} is vllm-omni's and omni-mesh has no connector of "
+                    f"that name, so the graph is checked but no stage can create it; to run this file, set its "
+                    f"name: to {instead}"
+                )
+                return
             close = difflib.get_close_matches(spec.name, available_connectors(), n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise TopologyError(

@@ -92,6 +92,29 @@ def test_unset_variables_leave_the_value_unchecked_with_a_warning(monkeypatch: p
     assert any("connector 'engine' (used by edge 1->2" in w and "extra.zmq_port" in w for w in topo.warnings)
 
 
+def test_connector_keys_under_vllm_omnis_names_validate(capsys: pytest.CaptureFixture[str]) -> None:
+    topo = load_topology(FILES / "vllm_omni_keys.yaml")
+    assert edges_of(topo) == [("0->1", "store"), ("1->2", "rdma")]
+    assert topo.connectors["rdma"].extra["zmq_port"] == 50051  # a port written as a string, read as one
+    no_effect = sorted(w.split("config key ")[1].split(" ")[0] for w in topo.warnings if "has no effect" in w)
+    assert no_effect == ["'codec_chunk_frames'", "'codec_chunk_ramp'", "'connector_get_sleep_s'", "'sender_host'"]
+    assert main(["validate", str(FILES / "vllm_omni_keys.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "0->1  stage_0 -> stage_1  via MooncakeConnector [store]" in out
+    assert "1->2  stage_1 -> stage_2  via MooncakeTransferEngineConnector [rdma]" in out
+
+
+def test_an_edge_on_a_connector_only_vllm_omni_has_validates_with_a_warning() -> None:
+    topo = load_topology(FILES / "vllm_omni_only_connector.yaml")
+    assert edges_of(topo) == [("0->1", "kv")]
+    (warning,) = topo.warnings
+    assert warning.startswith("connector 'kv' (used by edge 0->1") and "PrisKVConnector is vllm-omni's" in warning
+    assert "set its name: to MooncakeStoreConnector or YuanrongConnector" in warning
+    text = (FILES / "vllm_omni_only_connector.yaml").read_text().replace("PrisKVConnector", "PrisKVConector")
+    with pytest.raises(TopologyError, match="unknown connector 'PrisKVConector'"):  # not vllm-omni's: an error
+        parse_topology(yaml.safe_load(text), source="t.yaml")
+
+
 def two_stages_linked_by(connector: str) -> str:
     """A stage config whose one edge, 0->1, uses `connector` (a flow mapping), defined as `link`."""
     return f"""

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["KEYS", "VllmKey", "did_you_mean", "known_keys", "lookup", "no_effect_messages", "warn_no_effect"]
+__all__ = ["KEYS", "VLLM_OMNI_ONLY", "VllmKey", "did_you_mean", "known_keys", "lookup", "no_effect_messages", "warn_no_effect"]
 
 log = logging.getLogger("omni_mesh.connectors")
 
@@ -54,6 +54,11 @@ def _no_effect(note: str, same_as_ours: tuple[Any, ...] = ()) -> VllmKey:
 # Keys vllm-omni's orchestrator and chunk adapter put into every connector's extra.
 _EVERY_CONNECTOR: dict[str, VllmKey] = {
     "stage_id": _honoured("injected by vllm-omni's orchestrator; the connector's `stage_id` attribute"),
+    "from_stage": _no_effect("the edge, injected by vllm-omni's orchestrator; our edges come from the topology"),
+    "to_stage": _no_effect("the edge, injected by vllm-omni's orchestrator; our edges come from the topology"),
+    "rank_mapping": _no_effect("vllm-omni's heterogeneous-TP rank mapping for KV transfer"),
+    "recv_rank_mapping": _no_effect("vllm-omni's heterogeneous-TP rank mapping for KV transfer"),
+    "send_rank_mapping": _no_effect("vllm-omni's heterogeneous-TP rank mapping for KV transfer"),
     "role": _honoured(
         "sender / receiver / dual: every omni-mesh connector instance can put and get, and binds its "
         "side channel only on its first put",
@@ -110,6 +115,16 @@ KEYS: dict[str, dict[str, VllmKey]] = {
         "transfer_engine_python_path": _no_effect("where vllm-omni imports transfer_engine from; we import yr.datasystem"),
     },
     "ZmqConnector": {},  # ours: vllm-omni has no connector of this name
+}
+
+
+#: vllm-omni's connectors omni-mesh has none of: a file whose edges use one still validates (the graph
+#: is checked, with a warning saying what to use instead), but no stage can create it.
+VLLM_OMNI_ONLY: dict[str, str] = {
+    "PrisKVConnector": "MooncakeStoreConnector or YuanrongConnector (a shared KV store)",
+    "NixlConnector": "MooncakeTransferEngineConnector (RDMA pulls between hosts)",
+    "NixlKVConnector": "MooncakeTransferEngineConnector (RDMA pulls between hosts)",
+    "CudaIPCConnector": "SharedMemoryConnector (it passes CUDA tensors by CUDA IPC handle on one host)",
 }
 
 
