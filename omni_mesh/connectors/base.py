@@ -47,7 +47,7 @@ def parse_size(value: Any, *, what: str = "size") -> int:
     raise ConnectorConfigError(f"{what}: expected a size such as 268435456 or '256MiB', got {value!r}")
 
 
-def parse_config(cls: type[C], raw: dict[str, Any] | None, *, owner: str) -> C:
+def parse_config(cls: type[C], raw: dict[str, Any] | None, *, owner: str, warn: bool = True) -> C:
     """Build the config dataclass `cls` from a user's `extra:` mapping; the one place configs are read.
 
     In order: `$VAR`/`${VAR}` expand from the environment; vllm-omni's names for our keys are read as
@@ -55,12 +55,13 @@ def parse_config(cls: type[C], raw: dict[str, Any] | None, *, owner: str) -> C:
     (`_vllm_omni_keys`); a key neither knows is an error naming it, with a "did you mean"; numeric
     strings become numbers where a number is meant; sizes (`_size`/`_bytes` names, or fields with
     `metadata=SIZE`) accept "256MiB"; values are checked against the field's default type; and
-    then the dataclass's own `check(owner)` checks the values together.
+    then the dataclass's own `check(owner)` checks the values together. `warn=False` leaves the
+    no-effect warnings to the caller (topology validation lists them itself).
     """
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     # read_extra's two steps, with vllm-omni's names made ours in between (so "60" for
     # buffer_ttl_seconds is read as the float ttl_s is).
-    values = coerce_numbers(_ours(owner, expand_env(dict(raw or {})), fields), numeric_fields(cls))
+    values = coerce_numbers(_ours(owner, expand_env(dict(raw or {})), fields, warn), numeric_fields(cls))
     for name, value in values.items():
         field = fields[name]
         if name.endswith(("_size", "_bytes")) or field.metadata.get("size"):
@@ -83,7 +84,7 @@ def parse_config(cls: type[C], raw: dict[str, Any] | None, *, owner: str) -> C:
 SIZE = {"size": True}
 
 
-def _ours(owner: str, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+def _ours(owner: str, raw: dict[str, Any], fields: dict[str, Any], warn: bool) -> dict[str, Any]:
     """`raw` under our field names: vllm-omni's aliases renamed, its no-effect keys dropped (warned)."""
     values: dict[str, Any] = {}
     aliased: dict[str, str] = {}
@@ -105,7 +106,7 @@ def _ours(owner: str, raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, 
         elif entry.kind == "honoured" and entry.same_as_ours and value not in entry.same_as_ours:
             choices = ", ".join(map(repr, entry.same_as_ours))
             raise ConnectorConfigError(f"{owner}: config key {key!r} must be one of {choices}, got {value!r}")
-        else:
+        elif warn:
             vllm_omni_keys.warn_no_effect(owner, key, value, entry)
     for target, alias in aliased.items():
         if target in raw and raw[target] != raw[alias]:
@@ -186,8 +187,9 @@ class OmniConnectorBase(ABC):
 
     @classmethod
     def validate_config(cls, config: dict[str, Any] | None) -> None:
-        """Check a config without touching the backend (used by topology validation)."""
-        parse_config(cls.config_class, config, owner=cls.__name__)
+        """Check a config without touching the backend (topology validation, which reports what has no
+        effect itself)."""
+        parse_config(cls.config_class, config, owner=cls.__name__, warn=False)
 
     @abstractmethod
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
