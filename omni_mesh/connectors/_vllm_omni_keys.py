@@ -167,14 +167,19 @@ def no_effect_message(owner: str, key: str, value: Any, entry: VllmKey) -> str |
 
 
 def no_effect_messages(owner: str, raw: Mapping[str, Any], fields: Iterable[str]) -> list[str]:
-    """no_effect_message for each key of `raw` that is not one of our `fields` (for `omni-mesh validate`)."""
+    """For `omni-mesh validate`: the keys of `raw` that change nothing here, one message per reason."""
     ours = set(fields)
-    messages = []
+    by_note: dict[str, list[str]] = {}
     for key, value in raw.items():
         entry = None if key in ours else lookup(owner, key)
-        message = entry and no_effect_message(owner, key, value, entry)
-        if message:
-            messages.append(message)
+        if entry is not None and no_effect_message(owner, key, value, entry):
+            by_note.setdefault(entry.note, []).append(key)
+    messages = []
+    for note, keys in by_note.items():
+        names = ", ".join(map(repr, keys))
+        verb = "has" if len(keys) == 1 else "have"
+        messages.append(f"{owner}: config key{'s' if len(keys) > 1 else ''} {names} (vllm-omni's) {verb} no effect "
+                        f"in omni-mesh: {note}")
     return messages
 
 
