@@ -59,6 +59,14 @@ _GRAPHS = (
     PipelineGraph("qwen3_omni_moe", "Qwen3-Omni", _THINKER_TALKER_CODE2WAV),
     PipelineGraph("qwen3_omni_moe_duplex", "Qwen3-Omni, duplex sessions", _THINKER_TALKER_CODE2WAV),
     PipelineGraph("qwen3_omni_moe_thinker_only", "Qwen3-Omni, thinker only", _THINKER_ONLY),
+    # BAGEL: the thinker's KV cache goes to the DiT, which makes the image (vllm-omni's bagel
+    # pipeline.py); its single-stage variant runs everything in one DiT stage.
+    PipelineGraph(
+        "bagel",
+        "BAGEL",
+        (GraphStage(0, "thinker", final=True), GraphStage(1, "dit", inputs=(0,), final=True)),
+    ),
+    PipelineGraph("bagel_single_stage", "BAGEL, single stage", (GraphStage(0, "dit", final=True),)),
     PipelineGraph(
         "qwen3_tts",
         "Qwen3-TTS",

@@ -231,6 +231,16 @@ def test_qwen3_tts_deploy_file() -> None:
     assert [s.name for s in topo.final_stages] == ["code2wav"]
 
 
+def test_bagel_deploy_files_get_bagels_graphs() -> None:
+    two = load_topology(DEPLOY / "bagel.yaml")
+    assert [s.name for s in two.stages] == ["thinker", "dit"]
+    assert edges_of(two) == [("0->1", "auto_shm_0_1")]
+    assert [s.name for s in two.final_stages] == ["thinker", "dit"]  # text and image
+    one = load_topology(DEPLOY / "bagel_single_stage.yaml")  # the longer key wins over "bagel"
+    assert [s.name for s in one.stages] == ["dit"] and one.edges == []
+    assert one.graph_from is not None and "pipeline 'bagel_single_stage'" in one.graph_from
+
+
 def test_pipeline_key_chooses_the_graph() -> None:
     topo = load_topology(DEPLOY / "serve_two_gpus.yaml")
     assert edges_of(topo) == THINKER_TALKER_CODE2WAV
@@ -326,7 +336,10 @@ def test_every_built_in_graph_loads(key: str) -> None:
         ("qwen3_omni_moe_thinker_only", "qwen3_omni_moe_thinker_only"),  # the longest key wins
         ("/models/Qwen2.5-Omni-3B", "qwen2_5_omni"),
         ("Qwen3-TTS-12Hz-1.7B-Base", "qwen3_tts"),
-        ("bagel", None),
+        ("bagel_mooncake_ci", "bagel"),
+        ("BAGEL-7B-MoT", "bagel"),
+        ("bagel_single_stage", "bagel_single_stage"),
+        ("cosyvoice3", None),
     ],
 )
 def test_match_pipeline(name: str, key: str | None) -> None:
