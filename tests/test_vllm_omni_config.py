@@ -329,3 +329,14 @@ def test_docs_show_every_row_of_the_table() -> None:
                 assert f"| `{key}` |" in part, f"docs/connectors.md: {name} lacks {key}"
     for key in {**_vllm_omni_keys._EVERY_CONNECTOR, **_vllm_omni_keys._CHUNK_ADAPTER}:
         assert f"| `{key}` |" in section, key
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_config_values_are_checked_one_way(name: str) -> None:
+    """parse_config calls the config dataclass's check() (where it has one); nothing checks another way."""
+    cls = connector_class(name)
+    assert "validate_config" not in vars(cls) and not hasattr(cls, "_check")
+    assert "__post_init__" not in vars(cls.config_class)
+    if "ttl_s" in {f.name for f in dataclasses.fields(cls.config_class)}:
+        with pytest.raises(ConnectorConfigError, match=rf"^{cls.__name__}: ttl_s must"):  # check() ran
+            cls.validate_config({"ttl_s": -1})
