@@ -60,8 +60,8 @@ _EVERY_CONNECTOR: dict[str, VllmKey] = {
     "recv_rank_mapping": _no_effect("vllm-omni's heterogeneous-TP rank mapping for KV transfer"),
     "send_rank_mapping": _no_effect("vllm-omni's heterogeneous-TP rank mapping for KV transfer"),
     "role": _honoured(
-        "sender / receiver / dual: every omni-mesh connector instance can put and get, and binds its "
-        "side channel only on its first put",
+        "sender / receiver / dual: every omni-mesh connector instance both puts and gets (vllm-omni's "
+        "dual), whatever the role",
         ("sender", "receiver", "dual"),
     ),
 }
