@@ -4,9 +4,11 @@ A frame is a msgpack header plus out-of-band buffers, laid out so it can be writ
 shared memory and read back as views (the layout is in `format`). There is no pickle anywhere, and no
 class is ever imported because a frame names it: bytes from another process are untrusted.
 
-Carried types: dicts, lists, tuples (they stay tuples), str, int (64-bit), float, bool, None, bytes,
-torch tensors (every carried dtype and layout; torch.Size arrives as a tuple), numpy arrays and
-scalars, and subclasses of the base types (they arrive as their base).
+Carried types: dicts, lists, tuples (they stay tuples), sets and frozensets (they stay themselves),
+slices, str, int (64-bit), float, bool, None, bytes, torch tensors (every carried dtype and layout;
+torch.Size arrives as a tuple), numpy arrays and scalars, PIL images (pixels out of band; Pillow
+optional, see `image`), dataclass instances (they arrive as dicts of their fields, as vllm-omni
+sends them) and subclasses of the base types (they arrive as their base).
 
 The package, one concept a module:
 
@@ -14,6 +16,7 @@ The package, one concept a module:
     frame     FramePlan: a planned frame, laid whole (`write_into`, `write_at`) or as pieces (`pieces()`)
     encode    the walker and the planners: `split`, `plan`, `encode`
     device    device tensors: the CudaIpcExports / DeviceLeaves policies and their decode slots
+    image     PIL images: their header fields, raw sizes and decode slot (Pillow imported lazily)
     nodes     the nodes of a decode template (containers, constants, slots)
     template  the decode-template compiler and its cache
     decode    `decode`, `decode_parts`, `frame_length`
@@ -27,8 +30,12 @@ from omni_mesh.codec.format import (
     EXT_BYTES,
     EXT_CUDA_IPC,
     EXT_DEVICE_TENSOR,
+    EXT_FROZENSET,
+    EXT_IMAGE,
     EXT_NDARRAY,
     EXT_NPSCALAR,
+    EXT_SET,
+    EXT_SLICE,
     EXT_TENSOR,
     EXT_TUPLE,
     INLINE_BYTES_MAX,
@@ -51,8 +58,12 @@ __all__ = [
     "EXT_BYTES",
     "EXT_CUDA_IPC",
     "EXT_DEVICE_TENSOR",
+    "EXT_FROZENSET",
+    "EXT_IMAGE",
     "EXT_NDARRAY",
     "EXT_NPSCALAR",
+    "EXT_SET",
+    "EXT_SLICE",
     "EXT_TENSOR",
     "EXT_TUPLE",
     "INLINE_BYTES_MAX",

@@ -7,6 +7,7 @@ any other type is refused with UnsupportedTypeError naming it and where it is.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -14,13 +15,18 @@ import msgpack
 import numpy as np
 import torch
 
+from omni_mesh.codec import image
 from omni_mesh.codec.device import CudaIpcExports, DeviceLeaves
 from omni_mesh.codec.format import (
     ALIGN,
     DTYPE_NAMES,
     EXT_BYTES,
+    EXT_FROZENSET,
+    EXT_IMAGE,
     EXT_NDARRAY,
     EXT_NPSCALAR,
+    EXT_SET,
+    EXT_SLICE,
     EXT_TENSOR,
     EXT_TUPLE,
     INLINE_BYTES_MAX,
@@ -130,6 +136,7 @@ def _not_utf8(exc: UnicodeEncodeError) -> str:
 
 
 _NATIVE = (str, float, bool, type(None))
+_SLICE_BOUNDS = (type(None), bool, int, float, str)
 
 
 class _Walker:
@@ -139,7 +146,8 @@ class _Walker:
         self.device = device
         self.leaves: list[Any] = []
         self.lengths: list[int] = []
-        self.depth = 0  # of tuples, as the decoder counts them
+        self.depth = 0  # of tuples and sets, as the decoder counts them
+        self.in_set = 0  # > 0 inside a set, whose members must stay hashable once decoded
         self.tuple_bytes = 0
 
     def leaf(self, leaf: Any, nbytes: int, address: int | None = None) -> int:
@@ -165,13 +173,7 @@ class _Walker:
         if kind is list:
             return [self.convert(v) for v in value]
         if kind is tuple:
-            self.depth += 1
-            if self.depth > MAX_TUPLE_DEPTH:
-                raise UnsupportedTypeError(f"tuples nest deeper than {MAX_TUPLE_DEPTH}")
-            body = pack([self.convert(v) for v in value])
-            self.depth -= 1
-            self.tuple_bytes += len(body)
-            return msgpack.ExtType(EXT_TUPLE, body)
+            return self.members(EXT_TUPLE, value)
         if kind is bytes:
             if len(value) <= INLINE_BYTES_MAX:
                 return value
@@ -185,14 +187,59 @@ class _Walker:
             if not dtype.itemsize:  # np.str_("") or np.bytes_(b""): one NUL element, which numpy strips
                 dtype, raw = np.dtype(dtype.kind + "1"), bytes(np.dtype(dtype.kind + "1").itemsize)
             return msgpack.ExtType(EXT_NPSCALAR, pack([dtype.str, raw]))
+        if kind is set or kind is frozenset:
+            self.in_set += 1
+            entry = self.members(EXT_SET if kind is set else EXT_FROZENSET, value)
+            self.in_set -= 1
+            return entry
+        if kind is slice:
+            return self.slice(value)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return self.dataclass(value)
+        image_class = image.image_class()
+        if image_class is not None and isinstance(value, image_class):
+            return self.image(value)
         # Subclasses (OrderedDict, IntEnum, str enums, namedtuples, torch.Size) travel as their base.
-        for base in (bool, int, float, str, bytes, dict, list, tuple):
+        for base in (bool, int, float, str, bytes, dict, list, tuple, set, frozenset):
             if isinstance(value, base):
                 # str() of a str-mixin enum member is "Cls.NAME", not its value: take the str itself.
                 return self.convert(str.__str__(value) if base is str else base(value))
         if isinstance(value, (bytearray, memoryview)):
             return self.convert(bytes(value))
         raise UnsupportedTypeError(f"cannot encode a value of type {kind.__qualname__}")
+
+    def members(self, code: int, items: Any) -> msgpack.ExtType:
+        """A tuple or set: its members packed as a list inside the extension, as deep as decoders allow."""
+        self.depth += 1
+        if self.depth > MAX_TUPLE_DEPTH:
+            raise UnsupportedTypeError(f"tuples and sets nest deeper than {MAX_TUPLE_DEPTH}")
+        body = pack([self.convert(v) for v in items])
+        self.depth -= 1
+        self.tuple_bytes += len(body)
+        return msgpack.ExtType(code, body)
+
+    def slice(self, value: slice) -> msgpack.ExtType:
+        bounds = [value.start, value.stop, value.step]
+        for bound in bounds:
+            if type(bound) not in _SLICE_BOUNDS:
+                raise UnsupportedTypeError(
+                    f"cannot encode a slice bound of type {type(bound).__qualname__} (None, bool, int, float, str)"
+                )
+        return msgpack.ExtType(EXT_SLICE, pack([self.convert(bound) for bound in bounds]))
+
+    def dataclass(self, value: Any) -> dict:
+        """A dataclass instance as the dict of its fields (as vllm-omni sends it): the decoding side
+        never imports the class. Fields are converted as they are, not deep-copied like asdict()."""
+        if self.in_set:
+            raise UnsupportedTypeError(
+                f"cannot encode a {type(value).__qualname__} inside a set: it arrives as a dict, which a set cannot hold"
+            )
+        return {field.name: self.convert(getattr(value, field.name)) for field in dataclasses.fields(value)}
+
+    def image(self, value: Any) -> msgpack.ExtType:
+        mode, size, raw, palette = image.encode_fields(value)
+        index = self.leaf(raw, len(raw))
+        return msgpack.ExtType(EXT_IMAGE, pack([mode, size, index, palette]))
 
     def tensor(self, tensor: torch.Tensor) -> msgpack.ExtType:
         name = DTYPE_NAMES.get(tensor.dtype)
@@ -248,21 +295,28 @@ class _Walker:
         return msgpack.ExtType(EXT_NDARRAY, pack([dtype.str, list(array.shape), index]))
 
 
-def _find_unsupported(obj: Any, path: str) -> str | None:
+def _find_unsupported(obj: Any, path: str, in_set: bool = False) -> str | None:
     """Slow path for the error message: where in the tree is the value we cannot carry?"""
     if isinstance(obj, dict):
         pairs = (((f"{path} (key {k!r})", k), (f"{path}[{k!r}]", v)) for k, v in obj.items())
         children = (child for pair in pairs for child in pair)
     elif isinstance(obj, (list, tuple)):
         children = ((f"{path}[{i}]", v) for i, v in enumerate(obj))
+    elif isinstance(obj, (set, frozenset)):
+        children = ((f"{path} (member {v!r})", v) for v in obj)
+        in_set = True
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type) and not in_set:
+        children = ((f"{path}.{field.name}", getattr(obj, field.name)) for field in dataclasses.fields(obj))
     else:
+        walker = _Walker()
+        walker.in_set = int(in_set)
         try:
-            pack(_Walker().convert(obj))
+            pack(walker.convert(obj))
         except (UnsupportedTypeError, UnicodeEncodeError):
             return path
         return None
     for child_path, child in children:
-        found = _find_unsupported(child, child_path)
+        found = _find_unsupported(child, child_path, in_set)
         if found:
             return found
     return None

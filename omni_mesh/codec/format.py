@@ -42,6 +42,10 @@ EXT_TUPLE = 4
 EXT_NPSCALAR = 5
 EXT_CUDA_IPC = 6  # a CUDA tensor by IPC handle (same host only; see omni_mesh.cuda_ipc)
 EXT_DEVICE_TENSOR = 7  # a tensor whose bytes travel outside the frame, into a device buffer of the consumer
+EXT_SET = 8  # a set: its members as a msgpack list, like a tuple body
+EXT_FROZENSET = 9
+EXT_SLICE = 10  # [start, stop, step], each None, bool, int, float or str
+EXT_IMAGE = 11  # a PIL image: [mode, [width, height], buffer index, palette or None] (see codec.image)
 
 NUMPY_KINDS = frozenset("biufcmMSU")
 

@@ -104,6 +104,28 @@ class TupleNode(ListNode):
         return tuple([child.build(buffers) for child in self.children])
 
 
+class FlatSet(Const):
+    def build(self, buffers: Buffers) -> Any:
+        return set(self.value)  # a fresh set: callers may mutate what they get
+
+
+class SetNode:
+    """A set or frozenset with members built per decode (tensors, large bytes, tuples of them)."""
+
+    __slots__ = ("children", "frozen")
+
+    def __init__(self, children: list, frozen: bool) -> None:
+        self.children = children
+        self.frozen = frozen
+
+    def build(self, buffers: Buffers) -> Any:
+        members = [child.build(buffers) for child in self.children]
+        try:
+            return frozenset(members) if self.frozen else set(members)
+        except TypeError:  # only a forged frame puts an unhashable value in a set
+            raise FrameError("a set member is not hashable") from None
+
+
 class DictNode:
     __slots__ = ("items",)
 

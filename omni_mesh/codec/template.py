@@ -14,14 +14,19 @@ from omni_mesh.codec.format import (
     EXT_BYTES,
     EXT_CUDA_IPC,
     EXT_DEVICE_TENSOR,
+    EXT_FROZENSET,
+    EXT_IMAGE,
     EXT_NDARRAY,
     EXT_NPSCALAR,
+    EXT_SET,
+    EXT_SLICE,
     EXT_TENSOR,
     EXT_TUPLE,
     MAX_TUPLE_DEPTH,
     FrameError,
     tuple_budget,
 )
+from omni_mesh.codec.image import ImageSlot
 from omni_mesh.codec.nodes import (
     ArraySlot,
     BytesSlot,
@@ -29,7 +34,9 @@ from omni_mesh.codec.nodes import (
     DictNode,
     FlatDict,
     FlatList,
+    FlatSet,
     ListNode,
+    SetNode,
     TensorSlot,
     TupleNode,
     ext_fields,
@@ -45,9 +52,12 @@ from omni_mesh.codec.nodes import (
 TEMPLATE_CACHE_SIZE = 512
 TEMPLATE_HEADER_MAX = 4096  # larger headers (long lists of numbers) are compiled each time, not kept
 _TEMPLATES: dict[bytes, Any] = {}
-_CONSTANT = (str, int, float, bool, type(None), bytes, np.generic)
+_CONSTANT = (str, int, float, bool, type(None), bytes, np.generic, frozenset, slice)
+_SLICE_BOUNDS = (type(None), bool, int, float, str)
 
-_SLOTS = (TensorSlot, ArraySlot, BytesSlot, CudaIpcSlot, DeviceTensorSlot)
+_SLOTS = (TensorSlot, ArraySlot, BytesSlot, CudaIpcSlot, DeviceTensorSlot, ImageSlot)
+# Nodes whose values are unhashable, so a set never holds them (mutable sets are checked apart).
+_NOT_IN_SETS = (ListNode, FlatList, DictNode, FlatDict, FlatSet, ArraySlot, ImageSlot)
 
 
 class _Compiler:
@@ -68,17 +78,15 @@ class _Compiler:
 
     def ext(self, code: int, data: bytes) -> Any:
         if code == EXT_TUPLE:
-            self.depth += 1
-            if self.depth > MAX_TUPLE_DEPTH:
-                raise FrameError(f"tuples nest deeper than {MAX_TUPLE_DEPTH}")
-            self.tuple_budget -= len(data)
-            if self.tuple_budget < 0:
-                raise FrameError("tuple bodies exceed what the header size allows")
-            items = self.unpack(data)
-            self.depth -= 1
-            if not isinstance(items, list):
-                raise FrameError("tuple extension does not hold a list")
-            return tuple(items)
+            return tuple(self.members(data, "tuple"))
+        if code in (EXT_SET, EXT_FROZENSET):
+            members = self.members(data, "set")
+            if code == EXT_FROZENSET and all(_constant(member) for member in members):
+                try:  # a constant frozenset is a value like a tuple: it may be a dict key
+                    return frozenset(members)
+                except TypeError:
+                    raise FrameError("a set member is not hashable") from None
+            return _Members(members, frozen=code == EXT_FROZENSET)
         fields = msgpack.unpackb(data, raw=False)
         if code == EXT_TENSOR:
             return TensorSlot(*ext_fields(fields, 3, "tensor"))
@@ -91,6 +99,13 @@ class _Compiler:
             return CudaIpcSlot(fields)
         if code == EXT_DEVICE_TENSOR:
             return DeviceTensorSlot(*ext_fields(fields, 3, "device tensor"))
+        if code == EXT_SLICE:
+            bounds = ext_fields(fields, 3, "slice")
+            if not all(type(bound) in _SLICE_BOUNDS for bound in bounds):
+                raise FrameError(f"slice bounds {bounds!r} are not None, bool, int, float or str")
+            return slice(*bounds)
+        if code == EXT_IMAGE:
+            return ImageSlot(fields)
         if code == EXT_NPSCALAR:
             dtype_str, raw = ext_fields(fields, 2, "numpy scalar")
             dtype = numpy_dtype(dtype_str)
@@ -98,6 +113,32 @@ class _Compiler:
                 raise FrameError(f"numpy scalar of {dtype} needs {dtype.itemsize} bytes")
             return np.frombuffer(raw, dtype=dtype)[0]
         raise FrameError(f"unknown extension type {code}")
+
+    def set_node(self, members: _Members) -> Any:
+        children = [self.node(member) for member in members.items]
+        for child in children:
+            if type(child) in _NOT_IN_SETS or (type(child) is SetNode and not child.frozen):
+                raise FrameError(f"a set cannot hold a {type(child).__name__}")
+        if members.frozen or not all(type(child) is Const for child in children):
+            return SetNode(children, members.frozen)
+        try:
+            return FlatSet(frozenset(child.value for child in children))
+        except TypeError:
+            raise FrameError("a set member is not hashable") from None
+
+    def members(self, data: bytes, what: str) -> list:
+        """The members of a tuple or set body, counted against the nesting depth and the budget."""
+        self.depth += 1
+        if self.depth > MAX_TUPLE_DEPTH:
+            raise FrameError(f"tuples and sets nest deeper than {MAX_TUPLE_DEPTH}")
+        self.tuple_budget -= len(data)
+        if self.tuple_budget < 0:
+            raise FrameError("tuple and set bodies exceed what the header size allows")
+        items = self.unpack(data)
+        self.depth -= 1
+        if not isinstance(items, list):
+            raise FrameError(f"{what} extension does not hold a list")
+        return items
 
     def node(self, value: Any) -> Any:
         kind = type(value)
@@ -114,6 +155,8 @@ class _Compiler:
             if kind is tuple:
                 return Const(value) if flat else TupleNode(children)
             return FlatList(value) if flat else ListNode(children)
+        if kind is _Members:
+            return self.set_node(value)
         if isinstance(value, _CONSTANT):
             return Const(value)
         raise FrameError(f"unexpected {kind.__name__} in header")
@@ -134,3 +177,20 @@ def template_of(header: bytes, header_len: int) -> tuple[Any, bool]:
         _TEMPLATES[header] = template
     return template, True
 
+
+class _Members:
+    """A set's members before compiling; unhashable, so a forged set used as a dict key fails."""
+
+    __slots__ = ("items", "frozen")
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, items: list, frozen: bool) -> None:
+        self.items = items
+        self.frozen = frozen
+
+
+def _constant(value: Any) -> bool:
+    """Whether a decoded header value holds no slot and no container a set could not keep."""
+    if type(value) in (tuple, frozenset):
+        return all(_constant(item) for item in value)
+    return type(value) in _SLICE_BOUNDS or type(value) is bytes or isinstance(value, np.generic)
