@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import ctypes
 import dataclasses
 import enum
 import inspect
@@ -686,6 +687,30 @@ def test_write_into_the_middle_of_a_buffer(value: Any, offset: int, tail: int) -
     assert_same(codec.decode(memoryview(buf), offset, copy=True), want)
     meta_end = 24 + 8 * len(frame_plan.lengths) + len(frame_plan.header)  # prefix, table, header
     assert bytes(buf[offset : offset + meta_end]) == bytes(codec.encode(value)[:meta_end])
+
+
+@settings(FAST, max_examples=100)
+@given(payloads)
+def test_pieces_scatter_the_same_frame(value: Any) -> None:
+    """The scatter form: the head and each leaf written at its offset make the frame write_into makes,
+    byte for byte outside the padding; pieces are in frame order, disjoint, and inside the frame."""
+    frame_plan = codec.plan(value)
+    pieces = frame_plan.pieces()
+    assert pieces[0].offset == 0 and pieces[0].index == -1 and bytes(pieces[0].source[:4]) == codec.MAGIC
+    assert [p.index for p in pieces[1:]] == sorted(p.index for p in pieces[1:])
+    for before, after in zip(pieces, pieces[1:], strict=False):
+        assert before.offset + before.length <= after.offset and after.offset % codec.ALIGN == 0
+    assert pieces[-1].offset + pieces[-1].length <= frame_plan.nbytes
+    whole = bytearray(frame_plan.nbytes)
+    frame_plan.write_into(whole)
+    scattered = bytearray(frame_plan.nbytes)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(scattered))
+    for piece in pieces:
+        piece.write_at(base + piece.offset)
+        assert scattered[piece.offset : piece.offset + piece.length] == whole[piece.offset : piece.offset + piece.length]
+        if piece.address is not None:  # a contiguous CPU leaf a transport may send from its own memory
+            assert ctypes.string_at(piece.address, piece.length) == whole[piece.offset : piece.offset + piece.length]
+    assert_same(codec.decode(scattered), expected(value))
 
 
 def test_write_into_refuses_small_or_read_only_destinations() -> None:
