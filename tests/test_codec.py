@@ -14,6 +14,7 @@ import enum
 import inspect
 import math
 import pickle
+import re
 import struct
 import subprocess
 import sys
@@ -1187,6 +1188,26 @@ def test_frame_length_checks_the_prefix() -> None:
         codec.frame_length(VALID_FRAME[:23])
     with pytest.raises(FrameError):
         codec.frame_length(b"X" + VALID_FRAME[1:])
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("set member a list", "a set cannot hold a list"),
+        ("set member an image", "a set cannot hold a PIL image"),
+        ("set member a list in a tuple", "not hashable"),
+        ("nested sets 65", "nest deeper"),
+        ("slice bound a list", "slice bounds"),
+        ("image unknown mode", "unknown mode 'XYZ'"),
+        ("image buffer smaller than the size", "buffer 0 holds 8 bytes, its leaf needs 16"),
+        ("image claims a terabyte", "its leaf needs 1099511627776"),
+        ("image side past Pillow's bound", "bad size"),
+        ("image palette on an L image", "bad palette for mode 'L'"),
+    ],
+)
+def test_hostile_new_types_say_what_is_wrong(name: str, message: str) -> None:
+    with pytest.raises(FrameError, match=re.escape(message)):
+        codec.decode(HOSTILE[name])
 
 
 def decode_or_frame_error(frame: bytes | bytearray) -> None:

@@ -57,7 +57,15 @@ _SLICE_BOUNDS = (type(None), bool, int, float, str)
 
 _SLOTS = (TensorSlot, ArraySlot, BytesSlot, CudaIpcSlot, DeviceTensorSlot, ImageSlot)
 # Nodes whose values are unhashable, so a set never holds them (mutable sets are checked apart).
-_NOT_IN_SETS = (ListNode, FlatList, DictNode, FlatDict, FlatSet, ArraySlot, ImageSlot)
+_NOT_IN_SETS = {
+    ListNode: "list",
+    FlatList: "list",
+    DictNode: "dict",
+    FlatDict: "dict",
+    FlatSet: "set",
+    ArraySlot: "numpy array",
+    ImageSlot: "PIL image",
+}
 
 
 class _Compiler:
@@ -117,8 +125,9 @@ class _Compiler:
     def set_node(self, members: _Members) -> Any:
         children = [self.node(member) for member in members.items]
         for child in children:
-            if type(child) in _NOT_IN_SETS or (type(child) is SetNode and not child.frozen):
-                raise FrameError(f"a set cannot hold a {type(child).__name__}")
+            kind = _NOT_IN_SETS.get(type(child)) or ("set" if type(child) is SetNode and not child.frozen else None)
+            if kind is not None:
+                raise FrameError(f"a set cannot hold a {kind}")
         if members.frozen or not all(type(child) is Const for child in children):
             return SetNode(children, members.frozen)
         try:
