@@ -478,8 +478,8 @@ def test_subclasses_travel_as_their_base() -> None:
 
 # --------------------------------------------------------------------------- vllm-omni's payload types
 
-IMAGE_MODES = ["1", "L", "P", "LA", "La", "PA", "I;16", "I;16L", "I;16B", "I;16N", "RGB", "YCbCr", "LAB", "HSV"]
-IMAGE_MODES += ["RGBA", "RGBa", "RGBX", "CMYK", "I", "F"]
+IMAGE_MODES = ["1", "L", "P", "LA", "La", "PA", "I;16", "I;16L", "I;16B", "I;16N", "RGB", "YCbCr"]
+IMAGE_MODES += ["LAB", "HSV", "RGBA", "RGBa", "RGBX", "CMYK", "I", "F"]
 MAPPED_MODES = {"L", "P", "RGBA", "RGBX", "CMYK", "I;16", "I;16L", "I;16B"}  # Pillow maps these in place
 
 
@@ -513,7 +513,11 @@ def test_sets_and_frozensets_come_back_as_themselves() -> None:
 
 
 def test_slices_come_back_as_slices() -> None:
-    value = {"s": slice(1, None, -2), "t": (slice(None), slice("a", "b")), "big": slice(-(2**63), 2**64 - 1, 1.5)}
+    value = {
+        "s": slice(1, None, -2),
+        "t": (slice(None), slice("a", "b")),
+        "big": slice(-(2**63), 2**64 - 1, 1.5),
+    }
     got = round_trip(value)
     assert got == value and all(type(v) is slice for v in (got["s"], *got["t"], got["big"]))
     assert [1, 2, 3, 4][got["s"]] == [2]
@@ -537,7 +541,13 @@ def test_dataclasses_arrive_as_dicts_of_their_fields() -> None:
         {
             "text": "hi",
             "tokens": tokens.contiguous(),
-            "extra": {"text": "inner", "tokens": torch.tensor(1.0), "extra": None, "scores": [], "computed": 7},
+            "extra": {
+                "text": "inner",
+                "tokens": torch.tensor(1.0),
+                "extra": None,
+                "scores": [],
+                "computed": 7,
+            },
             "scores": [{"x": 2}],
             "computed": 7,
         },
@@ -708,9 +718,10 @@ def test_pieces_scatter_the_same_frame(value: Any) -> None:
     base = ctypes.addressof(ctypes.c_char.from_buffer(scattered))
     for piece in pieces:
         piece.write_at(base + piece.offset)
-        assert scattered[piece.offset : piece.offset + piece.length] == whole[piece.offset : piece.offset + piece.length]
+        span = slice(piece.offset, piece.offset + piece.length)
+        assert scattered[span] == whole[span]
         if piece.address is not None:  # a contiguous CPU leaf a transport may send from its own memory
-            assert ctypes.string_at(piece.address, piece.length) == whole[piece.offset : piece.offset + piece.length]
+            assert ctypes.string_at(piece.address, piece.length) == whole[span]
     assert_same(codec.decode(scattered), expected(value))
 
 
@@ -935,7 +946,8 @@ def nested_arrays(depth: int) -> bytes:
 
 
 def nested_tuples(depth: int, core: bytes = b"\xc0", code: int = codec.EXT_TUPLE) -> bytes:
-    """`depth` tuples (or sets, by `code`) each holding the next, built in linear time: ext header + fixarray(1) + inner."""
+    """`depth` tuples (or sets, by `code`) each holding the next, built in linear time: ext header +
+    fixarray(1) + inner."""
     sizes = []
     size = len(core)
     for _ in range(depth):
@@ -1070,7 +1082,9 @@ HOSTILE = {
     "set member an image": forge(E(codec.EXT_FROZENSET, packb([image_ext()])), [8]),
     "set member a list in a tuple": forge(E(codec.EXT_SET, packb([E(codec.EXT_TUPLE, packb([[1]]))]))),
     "set as a map key": forge({E(codec.EXT_SET, packb([1])): 1}),
-    "frozenset of tensors as a map key": forge({E(codec.EXT_FROZENSET, packb([tensor_ext("uint8", [1], 0)])): 1}, [1]),
+    "frozenset of tensors as a map key": forge(
+        {E(codec.EXT_FROZENSET, packb([tensor_ext("uint8", [1], 0)])): 1}, [1]
+    ),
     "nested sets 65": forge(nested_sets(codec.MAX_TUPLE_DEPTH + 1)),
     "nested sets 100k": forge(nested_sets(100_000)),
     "slice fields too few": forge(E(codec.EXT_SLICE, packb([1, 2]))),
@@ -1088,7 +1102,9 @@ HOSTILE = {
     "image buffer larger than the size": forge(image_ext(mode="RGB", size=(2, 2)), [16]),
     "image 1-bit rows unpadded": forge(image_ext(mode="1", size=(9, 2)), [3]),
     "image claims a terabyte": forge(image_ext(mode="RGBA", size=(2**20, 2**18)), [64]),
-    "image claims a terabyte in its table": forge(image_ext(mode="L", size=(2**20, 2**20)), [64], lengths=[2**40]),
+    "image claims a terabyte in its table": forge(
+        image_ext(mode="L", size=(2**20, 2**20)), [64], lengths=[2**40]
+    ),
     "image side past Pillow's bound": forge(image_ext(size=(2**31, 1)), [8]),
     "image huge side": forge(image_ext(size=(2**64 - 1, 0)), [0]),
     "image negative size": forge(image_ext(size=(-4, -2)), [8]),

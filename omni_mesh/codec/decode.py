@@ -106,7 +106,8 @@ def _decode(
     return template.build(buffers)
 
 
-# Decoding layouts by frame head (prefix, buffer table and header), for the same reason as the layouts in `frame`.
+# Decoding layouts by frame head (prefix, buffer table and header), cached for the same reason as
+# the encoding layouts in `frame`.
 HEAD_CACHE_MAX = 8192  # larger heads are read each time, not kept
 _HEADS: dict[bytes, tuple[Any, list[int], list[int], tuple | None]] = {}
 

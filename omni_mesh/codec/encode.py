@@ -223,7 +223,8 @@ class _Walker:
         for bound in bounds:
             if type(bound) not in _SLICE_BOUNDS:
                 raise UnsupportedTypeError(
-                    f"cannot encode a slice bound of type {type(bound).__qualname__} (None, bool, int, float, str)"
+                    f"cannot encode a slice bound of type {type(bound).__qualname__} "
+                    "(bounds may be None, bool, int, float or str)"
                 )
         return msgpack.ExtType(EXT_SLICE, pack([self.convert(bound) for bound in bounds]))
 
@@ -232,7 +233,8 @@ class _Walker:
         never imports the class. Fields are converted as they are, not deep-copied like asdict()."""
         if self.in_set:
             raise UnsupportedTypeError(
-                f"cannot encode a {type(value).__qualname__} inside a set: it arrives as a dict, which a set cannot hold"
+                f"cannot encode a {type(value).__qualname__} inside a set: it arrives as a dict, which a set "
+                "cannot hold"
             )
         return {field.name: self.convert(getattr(value, field.name)) for field in dataclasses.fields(value)}
 

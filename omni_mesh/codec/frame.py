@@ -81,7 +81,8 @@ class FramePlan:
         """The frame as a scatter list, in frame order: the head at 0, then every leaf that has bytes
         (padding left out). Writing each piece at its offset of a region lays the whole frame."""
         out = [Piece(0, len(self.head), self.head, -1)]
-        for index, (leaf, offset, length) in enumerate(zip(self.leaves, self.offsets, self.lengths, strict=True)):
+        placed = zip(self.leaves, self.offsets, self.lengths, strict=True)
+        for index, (leaf, offset, length) in enumerate(placed):
             if length and type(leaf) is not PagePad:
                 out.append(Piece(offset, length, leaf, index))
         return out

@@ -97,7 +97,8 @@ class ImageSlot:
         mode, size, index, palette = fields
         if type(mode) is not str or mode not in PIXEL_BYTES:
             raise FrameError(f"image: unknown mode {mode!r}")
-        if type(size) is not list or len(size) != 2 or not all(type(n) is int and 0 <= n <= MAX_SIDE for n in size):
+        sides = size if type(size) is list and len(size) == 2 else None
+        if sides is None or not all(type(n) is int and 0 <= n <= MAX_SIDE for n in sides):
             raise FrameError(f"image: bad size {size!r}")
         if palette is not None:
             ok = (

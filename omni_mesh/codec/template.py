@@ -125,7 +125,9 @@ class _Compiler:
     def set_node(self, members: _Members) -> Any:
         children = [self.node(member) for member in members.items]
         for child in children:
-            kind = _NOT_IN_SETS.get(type(child)) or ("set" if type(child) is SetNode and not child.frozen else None)
+            kind = _NOT_IN_SETS.get(type(child))
+            if kind is None and type(child) is SetNode and not child.frozen:
+                kind = "set"
             if kind is not None:
                 raise FrameError(f"a set cannot hold a {kind}")
         if members.frozen or not all(type(child) is Const for child in children):
