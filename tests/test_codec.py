@@ -776,6 +776,9 @@ def _quietly(make: Any) -> Any:
         ({"s": (slice(0, torch.ones(1)),)}, "slice bound of type Tensor", "payload['s'][0]"),
         ({"d": Pair(1, object())}, "object", "payload['d'].right"),
         ({"cls": Pair}, "type", "payload['cls']"),
+        ({(torch.ones(1),): 1}, "Tensor in a dict key", "payload (key (tensor([1.]),))[0]"),
+        ({"k": {(1, b"x" * 600): 1}}, "bytes in a dict key", "payload['k'] (key (1, b'xxx"),
+        ({Frozen(1): 1}, "inside a dict key", "payload (key Frozen(x=1))"),
         ([object()], "object", "payload[0]"),
         ({"f": (1, _function)}, "function", "payload['f'][1]"),
         ({"big": 2**64}, "int", "payload['big']"),
@@ -1082,6 +1085,11 @@ HOSTILE = {
     "set member an image": forge(E(codec.EXT_FROZENSET, packb([image_ext()])), [8]),
     "set member a list in a tuple": forge(E(codec.EXT_SET, packb([E(codec.EXT_TUPLE, packb([[1]]))]))),
     "set as a map key": forge({E(codec.EXT_SET, packb([1])): 1}),
+    "tensor as a map key": forge({tensor_ext("uint8", [1], 0): 1}, [1]),
+    "tuple of bytes out of band as a map key": forge(
+        {E(codec.EXT_TUPLE, packb([E(codec.EXT_BYTES, packb(0))])): 1}, [600]
+    ),
+    "image as a map key": forge({image_ext(): 1}, [8]),
     "frozenset of tensors as a map key": forge(
         {E(codec.EXT_FROZENSET, packb([tensor_ext("uint8", [1], 0)])): 1}, [1]
     ),
@@ -1210,6 +1218,7 @@ def test_frame_length_checks_the_prefix() -> None:
     ("name", "message"),
     [
         ("set member a list", "a set cannot hold a list"),
+        ("tensor as a map key", "a dict key holds a buffer reference"),
         ("set member an image", "a set cannot hold a PIL image"),
         ("set member a list in a tuple", "not hashable"),
         ("nested sets 65", "nest deeper"),

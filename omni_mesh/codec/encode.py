@@ -148,9 +148,15 @@ class _Walker:
         self.lengths: list[int] = []
         self.depth = 0  # of tuples and sets, as the decoder counts them
         self.in_set = 0  # > 0 inside a set, whose members must stay hashable once decoded
+        self.in_key = 0  # > 0 inside a dict key, which must decode to itself: no leaf, no dataclass
         self.tuple_bytes = 0
 
     def leaf(self, leaf: Any, nbytes: int, address: int | None = None) -> int:
+        if self.in_key:
+            raise UnsupportedTypeError(
+                f"cannot encode a {type(leaf).__qualname__} in a dict key: keys carry no tensors, arrays, "
+                f"images or bytes over {INLINE_BYTES_MAX} bytes"
+            )
         if address is not None and nbytes >= PAGE_MATCH_MIN:
             self.leaves.append(PagePad(address))
             self.lengths.append(0)  # sized when the frame is laid out
@@ -169,7 +175,7 @@ class _Walker:
                 raise UnsupportedTypeError(f"cannot encode the integer {value}: it does not fit in 64 bits")
             return value
         if kind is dict:
-            return {self.convert(k): self.convert(v) for k, v in value.items()}
+            return {(k if type(k) is str else self.key(k)): self.convert(v) for k, v in value.items()}
         if kind is list:
             return [self.convert(v) for v in value]
         if kind is tuple:
@@ -208,6 +214,12 @@ class _Walker:
             return self.convert(bytes(value))
         raise UnsupportedTypeError(f"cannot encode a value of type {kind.__qualname__}")
 
+    def key(self, key: Any) -> Any:
+        self.in_key += 1
+        converted = self.convert(key)
+        self.in_key -= 1
+        return converted
+
     def members(self, code: int, items: Any) -> msgpack.ExtType:
         """A tuple or set: its members packed as a list inside the extension, as deep as decoders allow."""
         self.depth += 1
@@ -231,10 +243,11 @@ class _Walker:
     def dataclass(self, value: Any) -> dict:
         """A dataclass instance as the dict of its fields (as vllm-omni sends it): the decoding side
         never imports the class. Fields are converted as they are, not deep-copied like asdict()."""
-        if self.in_set:
+        if self.in_set or self.in_key:
+            inside = "a set" if self.in_set else "a dict key"
             raise UnsupportedTypeError(
-                f"cannot encode a {type(value).__qualname__} inside a set: it arrives as a dict, which a set "
-                "cannot hold"
+                f"cannot encode a {type(value).__qualname__} inside {inside}: it arrives as a dict, which is "
+                "not hashable"
             )
         return {field.name: self.convert(getattr(value, field.name)) for field in dataclasses.fields(value)}
 
@@ -275,6 +288,8 @@ class _Walker:
         return _tensor_ext(name, tensor.shape, index)
 
     def device_entry(self, name: str, tensor: torch.Tensor) -> msgpack.ExtType:
+        if self.in_key:
+            raise UnsupportedTypeError(f"cannot encode a {tensor.device} tensor in a dict key")
         if tensor.layout is not torch.strided or tensor.is_nested:
             raise UnsupportedTypeError(f"cannot send a {tensor.layout} tensor device to device; convert it first")
         tensor = tensor.detach()
@@ -297,28 +312,28 @@ class _Walker:
         return msgpack.ExtType(EXT_NDARRAY, pack([dtype.str, list(array.shape), index]))
 
 
-def _find_unsupported(obj: Any, path: str, in_set: bool = False) -> str | None:
+def _find_unsupported(obj: Any, path: str, in_set: bool = False, in_key: bool = False) -> str | None:
     """Slow path for the error message: where in the tree is the value we cannot carry?"""
     if isinstance(obj, dict):
-        pairs = (((f"{path} (key {k!r})", k), (f"{path}[{k!r}]", v)) for k, v in obj.items())
+        pairs = (((f"{path} (key {k!r})", k, True), (f"{path}[{k!r}]", v, in_key)) for k, v in obj.items())
         children = (child for pair in pairs for child in pair)
     elif isinstance(obj, (list, tuple)):
-        children = ((f"{path}[{i}]", v) for i, v in enumerate(obj))
+        children = ((f"{path}[{i}]", v, in_key) for i, v in enumerate(obj))
     elif isinstance(obj, (set, frozenset)):
-        children = ((f"{path} (member {v!r})", v) for v in obj)
+        children = ((f"{path} (member {v!r})", v, in_key) for v in obj)
         in_set = True
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type) and not in_set:
-        children = ((f"{path}.{field.name}", getattr(obj, field.name)) for field in dataclasses.fields(obj))
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type) and not (in_set or in_key):
+        children = ((f"{path}.{f.name}", getattr(obj, f.name), in_key) for f in dataclasses.fields(obj))
     else:
         walker = _Walker()
-        walker.in_set = int(in_set)
+        walker.in_set, walker.in_key = int(in_set), int(in_key)
         try:
             pack(walker.convert(obj))
         except (UnsupportedTypeError, UnicodeEncodeError):
             return path
         return None
-    for child_path, child in children:
-        found = _find_unsupported(child, child_path, in_set)
+    for child_path, child, child_in_key in children:
+        found = _find_unsupported(child, child_path, in_set, child_in_key)
         if found:
             return found
     return None

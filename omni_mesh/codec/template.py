@@ -156,6 +156,9 @@ class _Compiler:
         if kind in _SLOTS:
             return value
         if kind is dict:
+            for key in value:
+                if type(key) is not str and not _constant(key):
+                    raise FrameError("a dict key holds a buffer reference (tensor, array, image or bytes)")
             items = [(key, self.node(child)) for key, child in value.items()]
             if all(type(child) is Const for _, child in items):
                 return FlatDict(value)
@@ -204,4 +207,4 @@ def _constant(value: Any) -> bool:
     """Whether a decoded header value holds no slot and no container a set could not keep."""
     if type(value) in (tuple, frozenset):
         return all(_constant(item) for item in value)
-    return type(value) in _SLICE_BOUNDS or type(value) is bytes or isinstance(value, np.generic)
+    return type(value) in _SLICE_BOUNDS or type(value) in (bytes, slice) or isinstance(value, np.generic)
