@@ -211,8 +211,10 @@ def blackhole() -> Iterator[str]:
 
 
 def _serve(connector_name: str, config: dict[str, Any]) -> None:
-    from omni_mesh.connectors import create_connector
+    from omni_mesh.connectors import create_connector, register_connector
 
+    if ":" in connector_name:  # a test's own connector class, by its lazy "module:Class" path
+        register_connector(connector_name, connector_name)
     def reply(message: dict[str, Any]) -> None:
         print(MARK + json.dumps(message), flush=True)
 

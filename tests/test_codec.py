@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import ast
 import collections
+import ctypes
+import dataclasses
 import enum
 import inspect
 import math
 import pickle
+import re
 import struct
 import subprocess
 import sys
@@ -27,6 +30,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from PIL import Image
 
 from omni_mesh import codec, cuda_ipc
 from omni_mesh.codec import FrameError, UnsupportedTypeError
@@ -54,6 +58,10 @@ def expected(value: Any) -> Any:
         return expected(value.value)
     if isinstance(value, (bytearray, memoryview)):
         return bytes(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {field.name: expected(getattr(value, field.name)) for field in dataclasses.fields(value)}
+    if isinstance(value, (set, frozenset)):
+        return (frozenset if isinstance(value, frozenset) else set)(expected(v) for v in value)
     if isinstance(value, dict):
         return {expected(k): expected(v) for k, v in value.items()}
     if isinstance(value, tuple):
@@ -92,6 +100,18 @@ def assert_same(got: Any, want: Any, path: str = "payload") -> None:
         for (gk, gv), (wk, wv) in zip(got.items(), want.items(), strict=True):
             assert_same(gk, wk, f"{path} key {wk!r}")
             assert_same(gv, wv, f"{path}[{wk!r}]")
+    elif isinstance(want, (set, frozenset)):
+        assert type(got) is type(want), f"{path}: {type(got)} instead of {type(want)}"
+        assert len(got) == len(want), path
+        if any(isinstance(w, torch.Tensor) for w in want):  # hashed by identity: compare their bytes
+            assert sorted(map(tensor_bytes, got)) == sorted(map(tensor_bytes, want)), path
+        else:
+            assert got == want, f"{path}: {got!r} != {want!r}"
+    elif is_image(want):
+        assert is_image(got), f"{path}: {type(got)}"
+        assert (got.mode, got.size) == (want.mode, want.size), f"{path}: {got.mode} {got.size}"
+        assert got.tobytes() == want.tobytes(), f"{path}: pixels differ"
+        assert got.getpalette() == want.getpalette(), f"{path}: palettes differ"
     elif isinstance(want, (list, tuple)):
         assert type(got) is type(want), f"{path}: {type(got)} instead of {type(want)}"
         assert len(got) == len(want), path
@@ -105,7 +125,11 @@ def round_trip(value: Any, **kwargs: Any) -> Any:
     return codec.decode(codec.encode(value), **kwargs)
 
 
-CARRIED = (str, bytes, int, float, bool, type(None), torch.Tensor, np.ndarray, np.generic)
+CARRIED = (str, bytes, int, float, bool, type(None), torch.Tensor, np.ndarray, np.generic, slice, Image.Image)
+
+
+def is_image(value: Any) -> bool:
+    return isinstance(value, Image.Image)
 
 
 def assert_carried_only(value: Any) -> None:
@@ -114,7 +138,7 @@ def assert_carried_only(value: Any) -> None:
         for k, v in value.items():
             assert_carried_only(k)
             assert_carried_only(v)
-    elif type(value) in (list, tuple):
+    elif type(value) in (list, tuple, set, frozenset):
         for v in value:
             assert_carried_only(v)
     else:
@@ -250,12 +274,30 @@ keys = st.one_of(
     st.integers(-(2**63), 2**64 - 1),
     st.tuples(st.integers(-5, 5), st.text(max_size=3)),
 )
+slice_bounds = st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1), st.text(max_size=3), st.booleans())
+members = st.one_of(keys, st.binary(max_size=2000), st.none())  # hashable, and equal after a round trip
+
+
+@dataclasses.dataclass
+class Pair:
+    left: Any
+    right: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    x: Any
+
+
 payloads = st.recursive(
-    leaves,
+    st.one_of(leaves, st.builds(slice, slice_bounds, slice_bounds, slice_bounds)),
     lambda children: st.one_of(
         st.lists(children, max_size=4),
         st.lists(children, max_size=4).map(tuple),
         st.dictionaries(keys, children, max_size=4),
+        st.sets(members, max_size=4),
+        st.frozensets(members, max_size=4),
+        st.builds(Pair, children, children),
     ),
     max_leaves=10,
 )
@@ -392,6 +434,7 @@ def test_containers_keep_their_kind_and_keys() -> None:
         -(2**63): "min key",
         (1, "a"): "tuple key",
         ((1, 2), ("x",)): "nested tuple key",
+        frozenset({1, (2, "b")}): "frozenset key",
         "l": [[], {}, ()],
     }
     got = round_trip(value)
@@ -431,6 +474,141 @@ def test_subclasses_travel_as_their_base() -> None:
         },
     )
     assert type(got["enum"]) is int and type(got["point"]) is tuple
+
+
+# --------------------------------------------------------------------------- vllm-omni's payload types
+
+IMAGE_MODES = ["1", "L", "P", "LA", "La", "PA", "I;16", "I;16L", "I;16B", "I;16N", "RGB", "YCbCr"]
+IMAGE_MODES += ["LAB", "HSV", "RGBA", "RGBa", "RGBX", "CMYK", "I", "F"]
+MAPPED_MODES = {"L", "P", "RGBA", "RGBX", "CMYK", "I;16", "I;16L", "I;16B"}  # Pillow maps these in place
+
+
+def make_image(mode: str, size: tuple[int, int] = (37, 23), seed: int = 0) -> Image.Image:
+    """An image whose every raw byte is random: any pixel that moves shows up."""
+    probe = Image.new(mode, size)
+    raw = np.random.default_rng(seed).integers(0, 256, len(probe.tobytes()), dtype=np.uint8).tobytes()
+    image = Image.frombytes(mode, size, raw)
+    if mode in ("P", "PA"):
+        image.putpalette(bytes(range(256)) * 3, rawmode="RGB")
+    return image
+
+
+def test_sets_and_frozensets_come_back_as_themselves() -> None:
+    value = {
+        "set": {1, "a", b"b" * 600, (2, ("x", None)), 2.5, False},
+        "frozen": frozenset({1, frozenset({2, (3,)}), b"q"}),
+        "empty": set(),
+        "empty frozen": frozenset(),
+        "nested": [{frozenset({1})}, ({"k"},)],
+        "tensors": {torch.arange(3), torch.ones(2, dtype=torch.bfloat16)},
+        frozenset({"as", "key"}): "a frozenset key",
+    }
+    for got in (round_trip(value), round_trip(value, copy=True), codec.decode(bytes(codec.encode(value)))):
+        assert_same(got, expected(value))
+        assert type(got["set"]) is set and type(got["frozen"]) is frozenset
+        got["set"].add("mutable")  # a fresh set per decode
+    assert "mutable" not in round_trip(value)["set"]
+    header, leaves, lengths = codec.split(value)
+    assert_same(codec.decode_parts(header, codec.leaf_buffers(leaves, lengths)), expected(value))
+
+
+def test_slices_come_back_as_slices() -> None:
+    value = {
+        "s": slice(1, None, -2),
+        "t": (slice(None), slice("a", "b")),
+        "big": slice(-(2**63), 2**64 - 1, 1.5),
+    }
+    got = round_trip(value)
+    assert got == value and all(type(v) is slice for v in (got["s"], *got["t"], got["big"]))
+    assert [1, 2, 3, 4][got["s"]] == [2]
+
+
+def test_dataclasses_arrive_as_dicts_of_their_fields() -> None:
+    @dataclasses.dataclass
+    class Output:
+        text: str
+        tokens: torch.Tensor
+        extra: Any = None
+        scores: list = dataclasses.field(default_factory=list)
+        computed: int = dataclasses.field(init=False, default=7)
+
+    tokens = torch.arange(6).reshape(2, 3)[:, ::2]  # non-contiguous
+    value = [Output("hi", tokens, extra=Output("inner", torch.tensor(1.0)), scores=[Frozen(2)]), Pair(("t",))]
+    frame = codec.encode(value)
+    assert b"Output" not in frame and b"Pair" not in frame and b"Frozen" not in frame  # nothing names a class
+    got = codec.decode(frame)
+    want = [
+        {
+            "text": "hi",
+            "tokens": tokens.contiguous(),
+            "extra": {
+                "text": "inner",
+                "tokens": torch.tensor(1.0),
+                "extra": None,
+                "scores": [],
+                "computed": 7,
+            },
+            "scores": [{"x": 2}],
+            "computed": 7,
+        },
+        {"left": ("t",), "right": None},
+    ]
+    assert_same(got, want)
+    assert list(got[0]) == ["text", "tokens", "extra", "scores", "computed"]  # field order
+
+
+def test_dataclass_fields_are_not_deep_copied() -> None:
+    big = torch.zeros(1 << 20)
+    frame_plan = codec.plan(Pair(big))
+    assert frame_plan.leaves[-1] is big  # out of band from its own memory, as a bare tensor would be
+
+
+@pytest.mark.parametrize("mode", IMAGE_MODES)
+def test_pil_images_keep_mode_size_pixels_and_palette(mode: str) -> None:
+    image = make_image(mode)
+    value = {"image": image, "images": [make_image(mode, (1, 1), seed=1), make_image(mode, (0, 5))]}
+    frame = codec.encode(value)
+    frame_plan = codec.plan(value)
+    assert len(image.tobytes()) in frame_plan.lengths  # the pixels are a buffer of the frame...
+    assert image.tobytes() not in bytes(frame_plan.header)  # ...not bytes inside msgpack
+    for got in (codec.decode(frame), codec.decode(frame, copy=True), codec.decode(bytes(frame))):
+        assert_same(got, value)
+    header, leaves, lengths = codec.split(value)
+    assert_same(codec.decode_parts(header, codec.leaf_buffers(leaves, lengths)), value)
+
+
+@pytest.mark.parametrize("mode", sorted(MAPPED_MODES))
+def test_pil_image_pixels_are_views_over_the_frame(mode: str) -> None:
+    image = make_image(mode, (64, 64))
+    frame = codec.encode({"i": image})
+    got = codec.decode(frame)["i"]
+    at = frame.index(image.tobytes())
+    frame[at] ^= 0xFF  # the decoded image sees the frame's bytes: nothing was copied
+    assert got.tobytes()[0] == image.tobytes()[0] ^ 0xFF
+    copied = codec.decode(bytes(frame), copy=True)["i"]
+    frame[at] ^= 0xFF
+    assert copied.tobytes()[0] == image.tobytes()[0] ^ 0xFF  # copy=True owns its pixels
+
+
+_NO_PILLOW = r"""
+import sys
+sys.modules["PIL"] = None  # import PIL fails from here on, as where Pillow is not installed
+import torch
+from omni_mesh import codec
+value = {"t": torch.arange(3), "s": {1, 2}, "sl": slice(1, 2)}
+assert codec.decode(codec.encode(value))["s"] == {1, 2}
+try:
+    codec.decode(sys.stdin.buffer.read())
+except codec.FrameError as exc:
+    print(exc)
+"""
+
+
+def test_the_codec_works_without_pillow_and_an_image_frame_says_what_is_missing() -> None:
+    frame = bytes(codec.encode({"image": make_image("RGB")}))
+    result = subprocess.run([sys.executable, "-c", _NO_PILLOW], input=frame, capture_output=True, timeout=120)
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    assert "Pillow is not installed" in result.stdout.decode(), result.stdout
 
 
 # --------------------------------------------------------------------------- views and copies
@@ -522,6 +700,31 @@ def test_write_into_the_middle_of_a_buffer(value: Any, offset: int, tail: int) -
     assert bytes(buf[offset : offset + meta_end]) == bytes(codec.encode(value)[:meta_end])
 
 
+@settings(FAST, max_examples=100)
+@given(payloads)
+def test_pieces_scatter_the_same_frame(value: Any) -> None:
+    """The scatter form: the head and each leaf written at its offset make the frame write_into makes,
+    byte for byte outside the padding; pieces are in frame order, disjoint, and inside the frame."""
+    frame_plan = codec.plan(value)
+    pieces = frame_plan.pieces()
+    assert pieces[0].offset == 0 and pieces[0].index == -1 and bytes(pieces[0].source[:4]) == codec.MAGIC
+    assert [p.index for p in pieces[1:]] == sorted(p.index for p in pieces[1:])
+    for before, after in zip(pieces, pieces[1:], strict=False):
+        assert before.offset + before.length <= after.offset and after.offset % codec.ALIGN == 0
+    assert pieces[-1].offset + pieces[-1].length <= frame_plan.nbytes
+    whole = bytearray(frame_plan.nbytes)
+    frame_plan.write_into(whole)
+    scattered = bytearray(frame_plan.nbytes)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(scattered))
+    for piece in pieces:
+        piece.write_at(base + piece.offset)
+        span = slice(piece.offset, piece.offset + piece.length)
+        assert scattered[span] == whole[span]
+        if piece.address is not None:  # a contiguous CPU leaf a transport may send from its own memory
+            assert ctypes.string_at(piece.address, piece.length) == whole[span]
+    assert_same(codec.decode(scattered), expected(value))
+
+
 def test_write_into_refuses_small_or_read_only_destinations() -> None:
     frame_plan = codec.plan({"t": torch.ones(100)})
     with pytest.raises(ValueError, match="frame needs"):
@@ -567,7 +770,15 @@ def _quietly(make: Any) -> Any:
 @pytest.mark.parametrize(
     ("value", "type_name", "where"),
     [
-        ({"a": [1, {1, 2}]}, "set", "payload['a'][1]"),
+        ({"a": [1, {Frozen(1)}]}, "inside a set", "payload['a'][1] (member Frozen(x=1))"),
+        ({"a": frozenset({(1, Frozen(2))})}, "inside a set", "payload['a'] (member (1, Frozen(x=2)))[1]"),
+        ({"s": slice(0, 1j)}, "slice bound of type complex", "payload['s']"),
+        ({"s": (slice(0, torch.ones(1)),)}, "slice bound of type Tensor", "payload['s'][0]"),
+        ({"d": Pair(1, object())}, "object", "payload['d'].right"),
+        ({"cls": Pair}, "type", "payload['cls']"),
+        ({(torch.ones(1),): 1}, "Tensor in a dict key", "payload (key (tensor([1.]),))[0]"),
+        ({"k": {(1, b"x" * 600): 1}}, "bytes in a dict key", "payload['k'] (key (1, b'xxx"),
+        ({Frozen(1): 1}, "inside a dict key", "payload (key Frozen(x=1))"),
         ([object()], "object", "payload[0]"),
         ({"f": (1, _function)}, "function", "payload['f'][1]"),
         ({"big": 2**64}, "int", "payload['big']"),
@@ -589,7 +800,6 @@ def _quietly(make: Any) -> Any:
         ({"v": np.void(b"ab")}, "void", "payload['v']"),
         ({"rec": np.zeros(2, dtype=[("x", "i4")])}, "dtype", "payload['rec']"),
         ({"s": ["ok", "bad \ud800 surrogate"]}, "str", "payload['s'][1]"),
-        ({"k": {frozenset(): 1}}, "frozenset", "payload['k'] (key frozenset())"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
@@ -616,8 +826,11 @@ def test_unsupported_is_a_type_error_and_deep_payloads_are_refused() -> None:
         codec.encode(deep_tuple)
 
 
-def test_no_pickle_in_the_codec() -> None:
-    source = Path(inspect.getsourcefile(codec)).read_text()
+@pytest.mark.parametrize(
+    "module", sorted(path.name for path in Path(inspect.getsourcefile(codec)).parent.glob("*.py"))
+)
+def test_no_pickle_in_the_codec(module: str) -> None:
+    source = (Path(inspect.getsourcefile(codec)).parent / module).read_text()
     tree = ast.parse(source)
     imported = {
         alias.name.split(".")[0]
@@ -704,6 +917,10 @@ def array_ext(dtype: Any, shape: Any, index: Any) -> E:
     return E(codec.EXT_NDARRAY, packb([dtype, shape, index]))
 
 
+def image_ext(mode: Any = "L", size: Any = (4, 2), index: Any = 0, palette: Any = None) -> E:
+    return E(codec.EXT_IMAGE, packb([mode, list(size) if isinstance(size, tuple) else size, index, palette]))
+
+
 def raw_ext(code: int, data: bytes) -> bytes:
     """An ext object of any code (msgpack.ExtType refuses negative ones): ext8 header, code, data."""
     return bytes([0xC7, len(data), code & 0xFF]) + data
@@ -731,8 +948,9 @@ def nested_arrays(depth: int) -> bytes:
     return b"\x91" * depth + b"\xc0"
 
 
-def nested_tuples(depth: int, core: bytes = b"\xc0") -> bytes:
-    """`depth` tuples each holding the next, built in linear time: ext header + fixarray(1) + inner."""
+def nested_tuples(depth: int, core: bytes = b"\xc0", code: int = codec.EXT_TUPLE) -> bytes:
+    """`depth` tuples (or sets, by `code`) each holding the next, built in linear time: ext header +
+    fixarray(1) + inner."""
     sizes = []
     size = len(core)
     for _ in range(depth):
@@ -742,12 +960,16 @@ def nested_tuples(depth: int, core: bytes = b"\xc0") -> bytes:
     parts = []
     for size in reversed(sizes):
         if size < 256:
-            parts.append(bytes([0xC7, size, codec.EXT_TUPLE, 0x91]))
+            parts.append(bytes([0xC7, size, code, 0x91]))
         elif size < 65536:
-            parts.append(b"\xc8" + struct.pack(">H", size) + bytes([codec.EXT_TUPLE, 0x91]))
+            parts.append(b"\xc8" + struct.pack(">H", size) + bytes([code, 0x91]))
         else:
-            parts.append(b"\xc9" + struct.pack(">I", size) + bytes([codec.EXT_TUPLE, 0x91]))
+            parts.append(b"\xc9" + struct.pack(">I", size) + bytes([code, 0x91]))
     return b"".join(parts) + core
+
+
+def nested_sets(depth: int) -> bytes:
+    return nested_tuples(depth, code=codec.EXT_FROZENSET)
 
 
 def test_forging_helpers_match_the_encoder() -> None:
@@ -853,8 +1075,61 @@ HOSTILE = {
     "CUDA IPC event sync an int": forge(cuda_ipc_ext(event_sync_required=1)),
     "CUDA IPC view beyond storage": forge(cuda_ipc_ext(shape=[4], storage_size_bytes=12)),
     "CUDA IPC strided view beyond storage": forge(cuda_ipc_ext(shape=[2, 2], stride=[4, 1], storage_size_bytes=16)),
+    "set holds an int": forge(E(codec.EXT_SET, packb(1))),
+    "frozenset holds a dict": forge(E(codec.EXT_FROZENSET, packb({"a": 1}))),
+    "set holds garbage": forge(E(codec.EXT_SET, b"\xc1")),
+    "set member a list": forge(E(codec.EXT_SET, packb([[1, 2]]))),
+    "frozenset member a dict": forge(E(codec.EXT_FROZENSET, packb([{"a": 1}]))),
+    "set member a set": forge(E(codec.EXT_SET, packb([E(codec.EXT_SET, packb([1]))]))),
+    "set member an array": forge(E(codec.EXT_SET, packb([array_ext("|u1", [8], 0)])), [8]),
+    "set member an image": forge(E(codec.EXT_FROZENSET, packb([image_ext()])), [8]),
+    "set member a list in a tuple": forge(E(codec.EXT_SET, packb([E(codec.EXT_TUPLE, packb([[1]]))]))),
+    "set as a map key": forge({E(codec.EXT_SET, packb([1])): 1}),
+    "tensor as a map key": forge({tensor_ext("uint8", [1], 0): 1}, [1]),
+    "tuple of bytes out of band as a map key": forge(
+        {E(codec.EXT_TUPLE, packb([E(codec.EXT_BYTES, packb(0))])): 1}, [600]
+    ),
+    "image as a map key": forge({image_ext(): 1}, [8]),
+    "frozenset of tensors as a map key": forge(
+        {E(codec.EXT_FROZENSET, packb([tensor_ext("uint8", [1], 0)])): 1}, [1]
+    ),
+    "nested sets 65": forge(nested_sets(codec.MAX_TUPLE_DEPTH + 1)),
+    "nested sets 100k": forge(nested_sets(100_000)),
+    "slice fields too few": forge(E(codec.EXT_SLICE, packb([1, 2]))),
+    "slice fields a dict": forge(E(codec.EXT_SLICE, packb({"start": 1}))),
+    "slice bound a list": forge(E(codec.EXT_SLICE, packb([[1], None, None]))),
+    "slice bound bytes": forge(E(codec.EXT_SLICE, packb([b"x", None, None]))),
+    "slice bound a tensor": forge(E(codec.EXT_SLICE, packb([tensor_ext("uint8", [1], 0), None, None])), [1]),
+    "slice bound not msgpack": forge(E(codec.EXT_SLICE, b"\xc1")),
+    "image fields too few": forge(E(codec.EXT_IMAGE, packb(["L", [4, 2], 0])), [8]),
+    "image fields a dict": forge(E(codec.EXT_IMAGE, packb({"mode": "L"})), [8]),
+    "image unknown mode": forge(image_ext(mode="XYZ"), [8]),
+    "image mode not a str": forge(image_ext(mode=1), [8]),
+    "image mode bytes": forge(image_ext(mode=b"L"), [8]),
+    "image buffer smaller than the size": forge(image_ext(size=(4, 4)), [8]),
+    "image buffer larger than the size": forge(image_ext(mode="RGB", size=(2, 2)), [16]),
+    "image 1-bit rows unpadded": forge(image_ext(mode="1", size=(9, 2)), [3]),
+    "image claims a terabyte": forge(image_ext(mode="RGBA", size=(2**20, 2**18)), [64]),
+    "image claims a terabyte in its table": forge(
+        image_ext(mode="L", size=(2**20, 2**20)), [64], lengths=[2**40]
+    ),
+    "image side past Pillow's bound": forge(image_ext(size=(2**31, 1)), [8]),
+    "image huge side": forge(image_ext(size=(2**64 - 1, 0)), [0]),
+    "image negative size": forge(image_ext(size=(-4, -2)), [8]),
+    "image float size": forge(image_ext(size=(4.0, 2)), [8]),
+    "image bool size": forge(image_ext(size=(True, 8)), [8]),
+    "image three dims": forge(image_ext(size=(2, 2, 2)), [8]),
+    "image size a dict": forge(image_ext(size={"w": 4}), [8]),
+    "image index out of range": forge(image_ext(index=1), [8]),
+    "image index a str": forge(image_ext(index="0"), [8]),
+    "image palette on an L image": forge(image_ext(palette=["RGB", b"\x00" * 3]), [8]),
+    "image palette bad mode": forge(image_ext(mode="P", palette=["CMYK", b"\x00" * 4]), [8]),
+    "image palette not bytes": forge(image_ext(mode="P", palette=["RGB", [0, 0, 0]]), [8]),
+    "image palette ragged": forge(image_ext(mode="P", palette=["RGB", b"\x00" * 4]), [8]),
+    "image palette too long": forge(image_ext(mode="P", palette=["RGB", b"\x00" * 771]), [8]),
+    "image palette a str": forge(image_ext(mode="P", palette="RGB"), [8]),
     "unknown ext 0": forge(E(0, b"x")),
-    "unknown ext 8": forge(E(8, b"x")),
+    "unknown ext 12": forge(E(12, b"x")),
     "unknown ext 127": forge(E(127, b"")),
     "negative ext -2": forge(raw_ext(-2, b"x")),
     "negative ext -128": forge(raw_ext(-128, b"x")),
@@ -895,7 +1170,7 @@ def test_frame_error_is_a_value_error_with_a_clear_message() -> None:
     with pytest.raises(FrameError, match="truncated"):
         codec.decode(VALID_FRAME[:10])
     with pytest.raises(FrameError, match="unknown extension type"):
-        codec.decode(HOSTILE["unknown ext 8"])
+        codec.decode(HOSTILE["unknown ext 12"])
     with pytest.raises(FrameError, match="dtype"):
         codec.decode(HOSTILE["numpy object dtype"])
 
@@ -937,6 +1212,27 @@ def test_frame_length_checks_the_prefix() -> None:
         codec.frame_length(VALID_FRAME[:23])
     with pytest.raises(FrameError):
         codec.frame_length(b"X" + VALID_FRAME[1:])
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("set member a list", "a set cannot hold a list"),
+        ("tensor as a map key", "a dict key holds a buffer reference"),
+        ("set member an image", "a set cannot hold a PIL image"),
+        ("set member a list in a tuple", "not hashable"),
+        ("nested sets 65", "nest deeper"),
+        ("slice bound a list", "slice bounds"),
+        ("image unknown mode", "unknown mode 'XYZ'"),
+        ("image buffer smaller than the size", "buffer 0 holds 8 bytes, its leaf needs 16"),
+        ("image claims a terabyte", "its leaf needs 1099511627776"),
+        ("image side past Pillow's bound", "bad size"),
+        ("image palette on an L image", "bad palette for mode 'L'"),
+    ],
+)
+def test_hostile_new_types_say_what_is_wrong(name: str, message: str) -> None:
+    with pytest.raises(FrameError, match=re.escape(message)):
+        codec.decode(HOSTILE[name])
 
 
 def decode_or_frame_error(frame: bytes | bytearray) -> None:

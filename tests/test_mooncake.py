@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import device_leaves_on_host
 import pytest
 import torch
 from mooncake_fixtures import PAYLOADS, MiB, Peer, blackhole, mismatch, payload
@@ -325,15 +326,15 @@ def test_te_large_leaf_registrations_expire_with_ttl_and_close(te_consumer) -> N
         copying.close()
 
 
-def test_te_device_tensors_go_beside_the_frame_into_registered_receive_buffers(
-    logs: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_te_device_tensors_go_beside_the_frame_into_registered_receive_buffers(logs: Path) -> None:
     """The device-to-device path (CUDA wheel, GPUs) for real, with host memory standing in for GPU
-    memory through the test seam: the tensors leave the frame, the producer registers their memory,
-    the consumer registers receive buffers, one batch write fills frame and buffers."""
-    monkeypatch.setenv(_device_transfer.HOST_SEAM, "8")  # CPU tensors of 8 bytes or more take the path
-    producer = create_connector(TE, TE_CONFIG)
-    peer = Peer(TE, TE_CONFIG, log=logs / "te-device-peer.log")
+    memory through a subclass whose policy sends CPU tensors of 8 bytes or more that way: the tensors
+    leave the frame, the producer registers their memory, the consumer (another process, the same
+    subclass) registers receive buffers, one batch write fills frame and buffers."""
+    on_host = device_leaves_on_host.register()
+    assert device_leaves_on_host.HOST_MIN_BYTES == 8  # has_tensor_of_8_bytes below
+    producer = create_connector(on_host, TE_CONFIG)
+    peer = Peer(on_host, TE_CONFIG, log=logs / "te-device-peer.log")
     try:
         for name in PAYLOADS:
             ok, size, metadata = producer.put("thinker", "talker", f"dev/{name}", payload(name))
@@ -355,7 +356,7 @@ def test_te_device_tensors_go_beside_the_frame_into_registered_receive_buffers(
         reply = peer.ask(op="get", **{"from": "thinker", "to": "talker"}, key="dev/bad", metadata=bad, expect="mixed")
         assert "device buffers do not match" in reply["error"], reply
         producer.cleanup("dev/bad")
-        off = create_connector(TE, {**TE_CONFIG, "device_transfer": False})
+        off = create_connector(on_host, {**TE_CONFIG, "device_transfer": False})
         try:
             assert "device" not in off.put("thinker", "talker", "dev/off", mixed)[2]
         finally:
@@ -374,10 +375,11 @@ def has_tensor_of_8_bytes(value: Any) -> bool:
 
 
 def test_te_device_transfer_needs_the_cuda_wheel() -> None:
-    """Without the test seam, only Mooncake's CUDA wheel takes tensors off the frame; this machine has
-    the non-CUDA wheel, so its CUDA tensors (if it had any) would go through host memory."""
+    """In production only Mooncake's CUDA wheel takes tensors off the frame; this machine has the
+    non-CUDA wheel, so its CUDA tensors (if it had any) would go through host memory."""
     assert _device_transfer.engine_reaches_gpu_memory() is False
-    assert _device_transfer.policy(True) is None and _device_transfer.policy(False) is None
+    assert _device_transfer.default_policy(True).split() is None
+    assert _device_transfer.default_policy(False).split() is None
 
 
 def test_te_killed_producer_fails_within_the_connect_timeout(te_consumer, logs: Path) -> None:

@@ -9,6 +9,7 @@ reused by tests/test_yuanrong.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
@@ -23,6 +24,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from omni_mesh.connectors import ConnectorConfigError, ConnectorError, create_connector
 from omni_mesh.connectors.zmq import ZmqConnector
@@ -73,6 +75,38 @@ def make_payload() -> dict[Any, Any]:
         "tuple": (torch.zeros(3, dtype=torch.int32), ("nested", 1.5), ()),
         "nested": {"a": {"b": [torch.arange(3), {"c": (b"x" * 600,)}]}},
     }
+
+
+@dataclasses.dataclass
+class Chunk:
+    tokens: torch.Tensor
+    window: slice
+    inner: Any = None
+
+
+def omni_payload(as_received: bool = False) -> dict[str, Any]:
+    """The types vllm-omni's serializer carries; `as_received`: what a get returns (dataclasses as
+    dicts of their fields)."""
+    tokens = torch.arange(12).reshape(3, 4)
+    chunk = Chunk(tokens, slice(0, 8, 2), Chunk(tokens[0], slice(None)))
+    if as_received:
+        inner = {"tokens": tokens[0], "window": slice(None), "inner": None}
+        chunk = {"tokens": tokens, "window": slice(0, 8, 2), "inner": inner}
+    return {
+        "set": {1, "two", (3, None), b"s" * 600},
+        "frozenset": frozenset({2.5, frozenset({"x"})}),
+        "slice": slice(-1, None, -1),
+        "chunk": chunk,
+        "rgb": Image.frombytes("RGB", (64, 48), bytes(range(256)) * 36),
+        "palette": make_palette_image(),
+        "tuple": ((2, 3) if as_received else torch.Size([2, 3]), ()),  # torch.Size arrives as a tuple
+    }
+
+
+def make_palette_image() -> Image.Image:
+    image = Image.frombytes("P", (16, 16), bytes(range(256)))
+    image.putpalette(bytes(range(256)) * 3)
+    return image
 
 
 def assert_same(got: Any, want: Any, path: str = "payload") -> None:
@@ -170,6 +204,8 @@ def _peer_answer(connector: Any, request: dict) -> dict:
     if request["op"] == "put":
         nbytes = request.get("nbytes")
         data = torch.ones(nbytes, dtype=torch.uint8) if nbytes else make_payload()
+        if request.get("omni"):
+            data = omni_payload()
         ok, size, metadata = connector.put(*edge, request["key"], data)
         return {"ok": ok, "size": size, "metadata": metadata}
     if request["op"] == "get":
@@ -178,6 +214,8 @@ def _peer_answer(connector: Any, request: dict) -> dict:
         )
         if request.get("nbytes"):
             assert obj.numel() == request["nbytes"]
+        elif request.get("omni"):
+            assert_same(obj, omni_payload(as_received=True))
         else:
             assert_same(obj, make_payload())
         return {"ok": True, "size": size}
@@ -233,6 +271,24 @@ def test_every_payload_kind_reaches_a_consumer_process(producer):
         peer.close()
     health = producer.health()
     assert health["status"] == "healthy" and health["puts"] == 1 and health["held"] == 0
+
+
+def test_vllm_omni_payload_types_reach_a_consumer_process(producer, consumer):
+    """set, frozenset, slice, dataclass (as a dict) and PIL images, both ways across processes and in one."""
+    peer = Peer("ZmqConnector", LOCAL)
+    try:
+        ok, size, metadata = producer.put("thinker", "talker", "omni/0", omni_payload())
+        assert ok
+        reply = peer.get("omni/0", metadata, omni=True)
+        assert reply["ok"], reply["error"]
+        assert reply["size"] == size
+        metadata = peer.put("omni/1", omni=True)
+        data, _ = consumer.get("thinker", "talker", "omni/1", metadata)
+        assert_same(data, omni_payload(as_received=True))
+        assert type(data["set"]) is set and type(data["frozenset"]) is frozenset
+        assert type(data["chunk"]) is dict
+    finally:
+        peer.close()
 
 
 def test_across_two_network_namespaces():

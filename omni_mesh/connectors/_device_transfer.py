@@ -6,14 +6,15 @@ the producer registers the tensor's memory, the consumer allocates a buffer of t
 current CUDA device and registers it, and the producer's engine writes GPU to GPU beside the frame. The
 non-CUDA wheel cannot touch GPU memory, so there CUDA tensors go through host memory as before.
 
-Test seam: with OMNI_MESH_DEVICE_LEAVES_ON_HOST_MIN_BYTES=N, CPU tensors of at least N bytes take the
-same path with receive buffers in host memory, so the protocol runs for real on machines without GPUs.
+A connector decides which tensors take the path with a `DeviceLeavesPolicy`, from its
+`device_leaves_policy()` hook; a test subclass overrides the hook to send CPU tensors the same way
+(receive buffers in host memory), so the protocol runs for real on machines without GPUs.
 """
 
 from __future__ import annotations
 
 import functools
-import os
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
@@ -21,7 +22,6 @@ import torch
 
 from omni_mesh import codec
 
-HOST_SEAM = "OMNI_MESH_DEVICE_LEAVES_ON_HOST_MIN_BYTES"
 CUDA_WHEEL = "mooncake-transfer-engine"  # the non-CUDA wheel is mooncake-transfer-engine-non-cuda
 
 
@@ -35,33 +35,39 @@ def engine_reaches_gpu_memory() -> bool:
     return True
 
 
-def host_seam_bytes() -> int:
-    try:
-        return max(0, int(os.environ.get(HOST_SEAM, "0")))
-    except ValueError:
-        return 0
+@dataclass(frozen=True)
+class DeviceLeavesPolicy:
+    """Which tensors of a payload go device to device, and where a consumer receives them.
+
+    `enabled`: CUDA tensors leave the frame. `host_min_bytes` > 0: CPU tensors that large leave it
+    too, and receive buffers live in host memory (how tests run the protocol without a GPU).
+    """
+
+    enabled: bool
+    host_min_bytes: int = 0
+
+    def split(self) -> codec.DeviceLeaves | None:
+        """The split policy of one put: None sends every tensor through the frame (host memory)."""
+        return codec.DeviceLeaves(host_min_bytes=self.host_min_bytes) if self.enabled else None
+
+    def receive_buffers(self, sizes: list[int]) -> list[torch.Tensor]:
+        """One flat uint8 buffer per device tensor, on this process's current CUDA device (host
+        memory when CPU tensors take the path, or where this process has no CUDA)."""
+        on_gpu = torch.cuda.is_available() and not self.host_min_bytes
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        return [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
 
 
-def policy(enabled: bool) -> codec.DeviceLeaves | None:
-    """The split policy of one put: None sends every tensor through the frame (host memory)."""
-    seam = host_seam_bytes()
-    if not enabled or not (seam or engine_reaches_gpu_memory()):
-        return None
-    return codec.DeviceLeaves(host_min_bytes=seam)
+def default_policy(enabled: bool) -> DeviceLeavesPolicy:
+    """The production policy: CUDA tensors go device to device when the config allows it and the
+    installed engine reaches GPU memory."""
+    return DeviceLeavesPolicy(enabled and engine_reaches_gpu_memory())
 
 
 def settle(tensors: list[torch.Tensor]) -> None:
     """Wait for the kernels still writing these tensors: the engine reads memory, not CUDA streams."""
     for device in {t.device for t in tensors if t.is_cuda}:
         torch.cuda.current_stream(device).synchronize()
-
-
-def receive_buffers(sizes: list[int]) -> list[torch.Tensor]:
-    """One flat uint8 buffer per device tensor, on this process's current CUDA device (host memory
-    under the test seam, or where this process has no CUDA)."""
-    on_gpu = torch.cuda.is_available() and not host_seam_bytes()
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    return [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
 
 
 MAX_TENSORS = 4096  # device tensors of one payload

@@ -75,7 +75,7 @@ class Payloads:
             if large:
                 reserve = functools.partial(self._reserve, payload, what=what)
                 payload.offset, payload.pieces = _frame_pieces.lay_out(frame, large, reserve)
-                payload.sources = [frame.leaves[i] for i in large]
+                payload.sources = [piece.source for piece in large.values()]
             else:
                 self._reserve(payload, frame.nbytes, what)
                 frame.write_into(self._pool.array, payload.offset)

@@ -164,6 +164,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
         self._handles = itertools.count(1)
         self._payloads: Payloads | None = None
         self._quarantine = PendingReleases()  # regions of timed-out gets, until the late answer or ttl_s
+        self._device_leaves = self.device_leaves_policy()
         self._counters = Counters(
             "puts",
             "gets",
@@ -247,12 +248,17 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             lambda: self._counters.add("errors"),
         )
 
+    def device_leaves_policy(self) -> _device_transfer.DeviceLeavesPolicy:
+        """Which tensors go device to device beside the frame (asked once, at construction). Tests
+        override it to send CPU tensors that way on machines without GPUs."""
+        return _device_transfer.default_policy(self.config.device_transfer)
+
     # ------------------------------------------------------------------ producer side
 
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
         where = payload_name(from_stage, to_stage, put_key)
         pool = self._open_pool(f"put of {where}")
-        device = _device_transfer.policy(self.config.device_transfer)
+        device = self._device_leaves.split()
         try:
             frame = codec.plan(data, device=device)
         except codec.UnsupportedTypeError as exc:
@@ -340,7 +346,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
         if not sizes:
             return []
         try:
-            buffers = _device_transfer.receive_buffers(sizes)
+            buffers = self._device_leaves.receive_buffers(sizes)
         except RuntimeError as exc:  # out of device memory
             raise ConnectorError(
                 f"{OWNER}: get of {where}: no memory for {sum(sizes)} device bytes: {exc}"
