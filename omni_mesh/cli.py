@@ -364,7 +364,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             if args.start_worker:
                 if args.connector != "YuanrongConnector":
                     raise CliError("--start-worker starts a datasystem worker: it is for YuanrongConnector")
-                from omni_mesh.bench.datasystem_worker import running_worker
+                from omni_mesh.testing.datasystem_worker import running_worker
 
                 config = {**config, **stack.enter_context(running_worker()).config}
             result = connector.run(args.connector, config, sizes, raw=not args.no_raw, device=args.device)

@@ -26,7 +26,7 @@ import httpx
 import yaml
 
 from omni_mesh.connectors.shm_segments import list_segments, owner_of, process_start_time
-from omni_mesh.launcher import free_port
+from omni_mesh.ports import free_port
 
 HANDLERS = Path(__file__).with_name("mesh_handlers.py")
 OMNI_MESH = Path(sys.executable).with_name("omni-mesh")  # the console script next to this venv's python

@@ -34,7 +34,7 @@ from servicekit import (
     run_healthcheck,
 )
 
-from omni_mesh.launcher import free_port
+from omni_mesh.ports import free_port
 from omni_mesh.topology import load_topology
 
 COMPOSE_FILES = sorted(COMPOSE.glob("docker-compose*.yml"))

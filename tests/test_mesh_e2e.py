@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from meshkit import Mesh, running_mesh, up_command, wait_for, write_topology
 
-from omni_mesh.launcher import free_port
+from omni_mesh.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "compose" / "omni-demo.yaml"

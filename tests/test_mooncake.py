@@ -28,7 +28,9 @@ from omni_mesh.connectors import (
     connector_class,
     create_connector,
 )
-from omni_mesh.connectors._mooncake_common import MooncakeMaster, free_port, resolve_host
+from omni_mesh.connectors._mooncake_common import resolve_host
+from omni_mesh.ports import free_port
+from omni_mesh.testing.mooncake_master import MooncakeMaster
 
 TE = "MooncakeTransferEngineConnector"
 STORE = "MooncakeStoreConnector"

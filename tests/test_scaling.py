@@ -29,7 +29,7 @@ import yaml
 from meshkit import wait_for
 from servicekit import Api, Service, Services
 
-from omni_mesh.launcher import free_port
+from omni_mesh.ports import free_port
 
 HANDLERS = Path(__file__).with_name("scaling_handlers.py")
 SMALL_POOL = {"name": "SharedMemoryConnector", "extra": {"memory_pool_size": 32 * 1024 * 1024}}

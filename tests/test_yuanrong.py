@@ -1,6 +1,6 @@
 """YuanrongConnector against a real openYuanrong datasystem worker.
 
-A module-scoped fixture starts one worker with `dscli start` (omni_mesh/bench/datasystem_worker.py: built-in
+A module-scoped fixture starts one worker with `dscli start` (omni_mesh/testing/datasystem_worker.py: built-in
 metastore, free loopback ports, a temp dir; ~6 s) and stops it afterwards. Consumers are real separate
 processes (the peer script of tests/test_zmq_connector.py). Every datasystem key a test touches is
 checked to be gone at the end.
@@ -16,9 +16,10 @@ import pytest
 import torch
 from test_zmq_connector import Peer, assert_same, make_payload
 
-from omni_mesh.bench.datasystem_worker import free_ports, running_worker
 from omni_mesh.connectors import ConnectorConfigError, ConnectorError, create_connector
 from omni_mesh.connectors.yuanrong import YuanrongConnector, datasystem_key
+from omni_mesh.ports import free_port
+from omni_mesh.testing.datasystem_worker import running_worker
 
 USED_KEYS: set[str] = set()  # every datasystem key these tests wrote
 
@@ -105,7 +106,7 @@ def test_waiting_for_a_key_leaves_other_threads_running(producer):
 def test_an_unreachable_worker_is_reported_with_its_address():
     import yr.datasystem  # noqa: F401  (its one-time library load is not what is timed here)
 
-    (port,) = free_ports(1)
+    port = free_port()
     started = time.monotonic()
     with pytest.raises(ConnectorError, match=rf"datasystem worker at 127\.0\.0\.1:{port}.*dscli start"):
         create_connector("YuanrongConnector", {"port": port, "connect_timeout_ms": 1000})

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from omni_mesh.launcher import free_port
+from omni_mesh.ports import free_port
 
 ENV_INSECURE = "OMNI_MESH_INSECURE"  # = omni_mesh.security.ENV_INSECURE (the launcher passes it on)
 READY_TIMEOUT_S = 60.0
