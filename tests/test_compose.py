@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from meshkit import wait_for
-from servicekit import (
+from support.meshkit import wait_for
+from support.servicekit import (
     COMPOSE,
     OMNI_MESH,
     REPO,

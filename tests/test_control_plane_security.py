@@ -20,7 +20,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
-from meshkit import Mesh, descendants, running_mesh, wait_for
+from support.meshkit import Mesh, descendants, running_mesh, wait_for
 
 from omni_mesh import codec
 from omni_mesh.connectors.shm_segments import list_segments, owner_of, process_start_time

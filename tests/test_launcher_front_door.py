@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from meshkit import OMNI_MESH, Mesh, running_mesh, up_command, write_topology
+from support.meshkit import OMNI_MESH, Mesh, running_mesh, up_command, write_topology
 
 from omni_mesh import __version__
 from omni_mesh.launcher import Launcher

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from meshkit import OMNI_MESH, Mesh, running_mesh, start_mesh, wait_for
+from support.meshkit import OMNI_MESH, Mesh, running_mesh, start_mesh, wait_for
 
 from omni_mesh.connectors import edge_key
 from omni_mesh.connectors.shm_segments import owner_of

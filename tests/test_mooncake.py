@@ -1,6 +1,6 @@
 """MooncakeTransferEngineConnector and MooncakeStoreConnector against the real mooncake library over TCP.
 
-Consumers are real separate processes (tests/mooncake_fixtures.py); the two-host test runs producer
+Consumers are real separate processes (tests/support/mooncake_fixtures.py); the two-host test runs producer
 and consumer in two network namespaces. Every process and master started here is stopped here.
 """
 
@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 import torch
-from mooncake_fixtures import PAYLOADS, MiB, Peer, blackhole, mismatch, payload
-from netns import TwoHosts
+from support.mooncake_fixtures import PAYLOADS, MiB, Peer, blackhole, mismatch, payload
+from support.netns import TwoHosts
 
 from omni_mesh.connectors import (
     ConnectorConfigError,

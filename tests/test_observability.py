@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from meshkit import OMNI_MESH, Mesh, running_mesh, wait_for
+from support.meshkit import OMNI_MESH, Mesh, running_mesh, wait_for
 
 from omni_mesh.ports import free_port
 

@@ -1,6 +1,6 @@
 """The REST front door: bad input, slow clients, full queues, the API key and TLS.
 
-The mesh tests run real `omni-mesh up` meshes (tests/meshkit.py) over real HTTP: one plain mesh with
+The mesh tests run real `omni-mesh up` meshes (tests/support/meshkit.py) over real HTTP: one plain mesh with
 short read timeouts and a stage that queues at most 2 requests, and one that requires an API key and
 serves HTTPS. The rest are fast checks of the pieces: the body model and the msgpack check, the
 error envelope, the API key middleware and the read deadlines, each behind a real uvicorn socket.
@@ -29,8 +29,8 @@ import msgpack
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from meshkit import Mesh, descendants, running_mesh
 from pydantic import ValidationError
+from support.meshkit import Mesh, descendants, running_mesh
 
 from omni_mesh import cli
 from omni_mesh.coordinator import envelope
@@ -44,7 +44,7 @@ READ_TIMEOUT_S = 2.0  # the plain mesh's header and body timeouts
 
 
 def front_topology(**stage_a: object) -> dict:
-    """a -> d with the chain handlers of tests/mesh_handlers.py: x -> 2x+1 -> 2(2x+1)+4 = 4x+6."""
+    """a -> d with the chain handlers of tests/support/mesh_handlers.py: x -> 2x+1 -> 2(2x+1)+4 = 4x+6."""
     return {
         "name": "front-door",
         "connectors": {"shm": SMALL_POOL},

@@ -24,8 +24,8 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from mooncake_fixtures import Peer as MooncakePeer
-from mooncake_fixtures import mismatch, payload
+from support.mooncake_fixtures import Peer as MooncakePeer
+from support.mooncake_fixtures import mismatch, payload
 from test_zmq_connector import Peer as ZmqPeer
 from test_zmq_connector import assert_same, make_payload, wait_until
 from zmq.utils.monitor import recv_monitor_message

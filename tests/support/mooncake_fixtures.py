@@ -1,7 +1,7 @@
 """Helpers for tests/test_mooncake.py: a deterministic payload catalogue, a deep comparison, and a
 peer process that drives a real connector on commands from the test.
 
-The peer runs this file as a script (`python tests/mooncake_fixtures.py`), optionally inside a
+The peer runs this file as a script (`python tests/support/mooncake_fixtures.py`), optionally inside a
 network namespace. Commands and replies are JSON lines; replies carry a marker so the library's own
 output never gets mistaken for one.
 """

@@ -32,7 +32,6 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from meshkit import _parent_death_signal, descendants, wait_for
 
 from omni_mesh.connectors.shm_segments import (
     SHM_DIR,
@@ -42,8 +41,9 @@ from omni_mesh.connectors.shm_segments import (
     reap_orphaned_segments,
 )
 from omni_mesh.security import ENV_KEYS_DIR, MeshKeys
+from support.meshkit import _parent_death_signal, descendants, wait_for
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "compose"
 BIN = Path(sys.executable).parent
 OMNI_MESH = BIN / "omni-mesh"

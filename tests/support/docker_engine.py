@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from meshkit import _parent_death_signal, wait_for
+from support.meshkit import _parent_death_signal, wait_for
 
 CACHE = Path(os.environ.get("OMNI_MESH_TEST_CACHE", "/var/cache/omni-mesh-test"))
 SUITE = "bookworm"  # Debian 12: Python 3.11, the CPython of the CPU torch wheel (cp311)
