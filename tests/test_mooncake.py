@@ -1,11 +1,12 @@
 """MooncakeTransferEngineConnector and MooncakeStoreConnector against the real mooncake library over TCP.
 
-Consumers are real separate processes (tests/support/mooncake_fixtures.py); the two-host test runs producer
+Consumers are real separate processes (tests/support/peer.py); the two-host test runs producer
 and consumer in two network namespaces. Every process and master started here is stopped here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import socket
 import subprocess
@@ -18,8 +19,10 @@ from typing import Any
 
 import pytest
 import torch
-from support.mooncake_fixtures import PAYLOADS, MiB, Peer, blackhole, mismatch, payload
+from support.meshkit import wait_until
 from support.netns import TwoHosts
+from support.payloads import PAYLOADS, MiB, mismatch, payload
+from support.peer import Peer
 
 from omni_mesh.connectors import (
     ConnectorConfigError,
@@ -37,21 +40,33 @@ STORE = "MooncakeStoreConnector"
 TE_CONFIG = {"host": "127.0.0.1", "memory_pool_size": "64MiB", "prefault": False}
 
 
+@contextlib.contextmanager
+def blackhole() -> Iterator[str]:
+    """HOST:PORT on loopback whose listen queue is full: connects to it hang instead of failing."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    fillers = []
+    try:
+        for _ in range(3):
+            filler = socket.socket()
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(listener.getsockname())
+            fillers.append(filler)
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
+
+
 def port_open(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
     except OSError:
         return False
     return True
-
-
-def wait_until(predicate, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        threading.Event().wait(0.02)
-    return predicate()
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +170,7 @@ def test_te_cross_process_every_payload_kind(te_producer, te_peer: Peer) -> None
         assert reply["size"] == size
     health = te_producer.health()
     assert health["pending_payloads"] == 0 and health["pool_in_use"] == 0  # freed once written
-    assert te_peer.ask(op="health")["pool_in_use"] == 0  # the consumer dropped its views
+    assert te_peer.ask(op="health")["health"]["pool_in_use"] == 0  # the consumer dropped its views
 
 
 def test_te_views_hold_the_consumer_region_until_dropped(te_producer, te_consumer) -> None:
@@ -351,7 +366,7 @@ def test_te_device_tensors_go_beside_the_frame_into_registered_receive_buffers(
         assert mismatch(mixed, got) is None
         health = producer.health()
         assert health["device_tensors"] > 0 and health["registered_leaves"] == 0 and health["pending_payloads"] == 0
-        assert peer.ask(op="health")["device_tensors"] > 0
+        assert peer.ask(op="health")["health"]["device_tensors"] > 0
         _, _, metadata = producer.put("thinker", "talker", "dev/bad", mixed)
         bad = {**metadata, "device": [1] * 3}
         reply = peer.ask(op="get", **{"from": "thinker", "to": "talker"}, key="dev/bad", metadata=bad, expect="mixed")
@@ -507,7 +522,7 @@ def test_store_cross_process_every_payload_kind(store_producer, store_peer: Peer
     # Consumed keys are gone from the store.
     with pytest.raises(ConnectorError, match=r"'req-1/none' on edge thinker->talker.*did not appear"):
         store_producer.get("thinker", "talker", "req-1/none", None)
-    assert store_peer.ask(op="health")["localbuf_in_use"] == 0
+    assert store_peer.ask(op="health")["health"]["localbuf_in_use"] == 0
 
 
 def test_store_edges_never_collide_and_get_waits_for_the_put(store_producer, store_peer: Peer) -> None:

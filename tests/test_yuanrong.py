@@ -2,7 +2,7 @@
 
 A module-scoped fixture starts one worker with `dscli start` (omni_mesh/testing/datasystem_worker.py: built-in
 metastore, free loopback ports, a temp dir; ~6 s) and stops it afterwards. Consumers are real separate
-processes (the peer script of tests/test_zmq_connector.py). Every datasystem key a test touches is
+processes (tests/support/peer.py). Every datasystem key a test touches is
 checked to be gone at the end.
 """
 
@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from test_zmq_connector import Peer, assert_same, make_payload
+from support.payloads import assert_same, payload
+from support.peer import Peer
 
 from omni_mesh.connectors import ConnectorConfigError, ConnectorError, create_connector
 from omni_mesh.connectors.yuanrong import YuanrongConnector, datasystem_key
@@ -48,7 +49,7 @@ def used(*keys: str) -> list[str]:
 def test_every_payload_kind_reaches_a_consumer_process(worker, producer):
     peer = Peer("YuanrongConnector", worker.config, env=worker.env)
     try:
-        ok, size, metadata = producer.put("thinker", "talker", "req-1/chunk-0", make_payload())
+        ok, size, metadata = producer.put("thinker", "talker", "req-1/chunk-0", payload("every_kind"))
         assert ok and size > 4 << 20
         assert metadata == {
             "key": "omni;thinker-%3Etalker%2Freq-1%2Fchunk-0",
@@ -60,7 +61,7 @@ def test_every_payload_kind_reaches_a_consumer_process(worker, producer):
         assert reply["ok"], reply["error"]
         assert reply["size"] == size
         # The key is derived from the edge and put_key, so a consumer can also get without metadata.
-        _, _, second = producer.put("thinker", "talker", "req-2/chunk-0", make_payload())
+        _, _, second = producer.put("thinker", "talker", "req-2/chunk-0", payload("every_kind"))
         used(second["key"])
         reply = peer.get("req-2/chunk-0", None)
         assert reply["ok"], reply["error"]

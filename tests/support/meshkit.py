@@ -49,6 +49,17 @@ def wait_for(condition: Callable[[], T], timeout_s: float, what: str, interval_s
         time.sleep(interval_s)
 
 
+def wait_until(condition: Callable[[], object], timeout_s: float = 5.0) -> bool:
+    """Poll `condition` until it is truthy or `timeout_s` passes; whether it became truthy
+    (for `assert wait_until(...), message`; wait_for is the one that fails by itself)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return bool(condition())
+
+
 def _parent_death_signal() -> None:
     """In the launcher, before exec: if this test process dies, the launcher gets SIGTERM."""
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
