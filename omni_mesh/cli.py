@@ -194,6 +194,7 @@ def _add_coordinator(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     parser.add_argument("--timeout-s", type=float, default=float(_env("OMNI_MESH_TIMEOUT_S", "30")),
                         help="deadline of requests that set no timeout_s")
+    # = coordinator.registry.HEARTBEAT_TIMEOUT_S (not imported: parsing must stay light)
     parser.add_argument("--heartbeat-timeout-s", type=float, default=5.0, help="silence after which a replica is dead")
     parser.add_argument("--grace-s", type=float, default=10.0, help="time in-flight requests get on shutdown")
     _add_rest_flags(parser)
