@@ -130,6 +130,23 @@ def test_a_control_port_taken_before_the_coordinator_binds_it_is_picked_again(
     assert not any(child.running() for child in launcher.children)
 
 
+def test_a_rest_port_taken_between_its_pick_and_up_is_picked_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """support.meshkit picks the REST port before `omni-mesh up` binds it; a process that takes it in
+    between (a plain listener here, handed out as the first pick) costs one start, not the test."""
+    from support import meshkit
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        picks = iter([taken])
+        monkeypatch.setattr(meshkit, "free_port", lambda: next(picks, None) or free_port())
+        with running_mesh(tmp_path, TOPOLOGY) as mesh:
+            assert mesh.url != f"http://127.0.0.1:{taken}" and mesh.ready().status_code == 200
+
+
 def test_version_and_defaults_in_help() -> None:
     version = subprocess.run([str(OMNI_MESH), "--version"], capture_output=True, text=True, timeout=30)
     assert version.returncode == 0 and version.stdout.strip() == f"omni-mesh {__version__}"

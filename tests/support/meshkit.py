@@ -26,12 +26,13 @@ import httpx
 import yaml
 
 from omni_mesh.connectors.shm_segments import list_segments, owner_of, process_start_time
-from omni_mesh.ports import free_port
+from omni_mesh.ports import free_port, taken_since
 
 HANDLERS = Path(__file__).with_name("mesh_handlers.py")
 OMNI_MESH = Path(sys.executable).with_name("omni-mesh")  # the console script next to this venv's python
 READY_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 30.0
+PORT_ATTEMPTS = 3  # the REST port is picked before `up` binds it: another process may take it first
 
 T = TypeVar("T")
 
@@ -259,28 +260,32 @@ def start_mesh(
     `env` is added to this process's environment for `up`; `headers` and `verify` go to the mesh's
     HTTP client and `scheme` into its URL (an API key, a mesh serving HTTPS)."""
     path = write_topology(directory, topology)
-    port = free_port()
     log = directory / "mesh.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            up_command(path, port, *extra),
-            env={**os.environ, **env} if env else None,
-            cwd=directory,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            preexec_fn=_parent_death_signal,
-        )
-    mesh = Mesh(process, f"{scheme}://127.0.0.1:{port}", path, log, headers=headers, verify=verify)
-    try:
-        mesh.wait_ready()
-        mesh.remember_tree()
-        mesh.stages()
-    except BaseException:
-        mesh.remember_tree()
-        mesh.kill()
-        raise
-    return mesh
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        port = free_port()
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                up_command(path, port, *extra),
+                env={**os.environ, **env} if env else None,
+                cwd=directory,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_parent_death_signal,
+            )
+        mesh = Mesh(process, f"{scheme}://127.0.0.1:{port}", path, log, headers=headers, verify=verify)
+        try:
+            mesh.wait_ready()
+            mesh.remember_tree()
+            mesh.stages()
+            return mesh
+        except BaseException as exc:
+            mesh.remember_tree()
+            mesh.kill()
+            # The port was free when picked; if `up` refused it because someone took it since, pick again.
+            if not isinstance(exc, AssertionError) or attempt == PORT_ATTEMPTS or not taken_since("127.0.0.1", [port]):
+                raise
+    raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager
