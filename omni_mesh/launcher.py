@@ -42,8 +42,8 @@ CONTROL_PORT_ATTEMPTS = 3
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: if the launcher is killed outright, its children get SIGTERM."""
+def die_with_parent() -> None:
+    """Runs in a child before exec (`preexec_fn`): if its parent is killed outright, it gets SIGTERM."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -75,7 +75,7 @@ class Child:
     def start(self) -> None:
         # A new session: a terminal's Ctrl-C reaches only the launcher, which stops children in order.
         self.process = subprocess.Popen(
-            self.argv, env=self.env, start_new_session=True, preexec_fn=_die_with_parent
+            self.argv, env=self.env, start_new_session=True, preexec_fn=die_with_parent
         )
         self.pids.append(self.process.pid)
         self.started_at = time.monotonic()

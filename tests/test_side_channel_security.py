@@ -31,6 +31,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from omni_mesh.connectors import ConnectorError, create_connector
 from omni_mesh.security import ENV_PUBLIC, MeshKeys, reset_mesh_keys, secure_client, set_mesh_keys
+from omni_mesh.testing.processes import rss_bytes
 
 ZMQ = "ZmqConnector"
 TE = "MooncakeTransferEngineConnector"
@@ -98,13 +99,6 @@ def stranger_request(name: str, metadata: dict) -> list[bytes]:
         return [b"GET", metadata["key"].encode(), metadata["token"].encode()]
     request = {name: metadata[name] for name in ("session", "handle", "length", "segment", "addr")}
     return [b"PULL", metadata["key"].encode(), msgpack.packb({**request, "timeout_ms": 5000})]
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 def next_event(monitor: zmq.Socket, timeout_s: float) -> int | None:

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from omni_mesh.ports import free_port, taken_since
+from omni_mesh.testing.processes import children_of
 
 ENV_INSECURE = "OMNI_MESH_INSECURE"  # = omni_mesh.security.ENV_INSECURE (the launcher passes it on)
 READY_TIMEOUT_S = 60.0
@@ -48,33 +49,6 @@ class RunningMesh:
             if "coordinator control plane on" in line:
                 return "CURVE" if "(CURVE" in line else "insecure" if "NO authentication" in line else "unknown"
         return "unknown"
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    """Fields of /proc/PID/stat after the command name (which may hold spaces and parentheses)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()
-
-
-def children_of(parent: int) -> set[int]:
-    """Processes whose parent is `parent` now."""
-    found = set()
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and (fields := _stat_fields(int(entry.name))) and int(fields[1]) == parent:
-            found.add(int(entry.name))
-    return found
-
-
-def cpu_seconds(pids: set[int]) -> float:
-    """User + system CPU time the processes have used so far (those gone count 0)."""
-    ticks = 0
-    for pid in pids:
-        if fields := _stat_fields(pid):
-            ticks += int(fields[11]) + int(fields[12])  # utime, stime
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def launcher_environment(insecure: bool | None) -> dict[str, str]:

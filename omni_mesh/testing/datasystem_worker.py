@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from omni_mesh.ports import free_ports, taken_since
+from omni_mesh.testing.processes import stat_fields
 
 DSCLI = os.path.join(os.path.dirname(sys.executable), "dscli")
 START_ATTEMPTS = 3  # the ports are picked before the worker binds them: another process may take one
@@ -56,11 +57,8 @@ def _stop(pid: int) -> None:
         return
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().split(") ", 1)[1].startswith("Z"):
-                    return
-        except (FileNotFoundError, ProcessLookupError):
+        fields = stat_fields(pid)
+        if fields is None or fields[0] == "Z":
             return
         time.sleep(0.1)
     os.kill(pid, signal.SIGKILL)

@@ -10,7 +10,6 @@ Everything a mesh starts is killed on every path, also when a check fails.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -27,6 +26,7 @@ import yaml
 
 from omni_mesh.connectors.shm_segments import list_segments, owner_of, process_start_time
 from omni_mesh.ports import free_port, taken_since
+from omni_mesh.testing.processes import descendants, die_with_parent
 
 HANDLERS = Path(__file__).with_name("mesh_handlers.py")
 OMNI_MESH = Path(sys.executable).with_name("omni-mesh")  # the console script next to this venv's python
@@ -59,37 +59,6 @@ def wait_until(condition: Callable[[], object], timeout_s: float = 5.0) -> bool:
             return True
         time.sleep(0.02)
     return bool(condition())
-
-
-def _parent_death_signal() -> None:
-    """In the launcher, before exec: if this test process dies, the launcher gets SIGTERM."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _ppid(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[1])
-
-
-def descendants(root: int) -> set[int]:
-    """Every live process below `root` (children, their children, ...)."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            ppid = _ppid(int(entry))
-            if ppid is not None:
-                parents.setdefault(ppid, []).append(int(entry))
-    found: set[int] = set()
-    todo = [root]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
 
 
 class Mesh:
@@ -271,7 +240,7 @@ def start_mesh(
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_parent_death_signal,
+                preexec_fn=die_with_parent,
             )
         mesh = Mesh(process, f"{scheme}://127.0.0.1:{port}", path, log, headers=headers, verify=verify)
         try:
