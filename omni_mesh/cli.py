@@ -194,6 +194,7 @@ def _add_coordinator(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     parser.add_argument("--timeout-s", type=float, default=float(_env("OMNI_MESH_TIMEOUT_S", "30")),
                         help="deadline of requests that set no timeout_s")
+    # = coordinator.registry.HEARTBEAT_TIMEOUT_S (not imported: parsing must stay light)
     parser.add_argument("--heartbeat-timeout-s", type=float, default=5.0, help="silence after which a replica is dead")
     parser.add_argument("--grace-s", type=float, default=10.0, help="time in-flight requests get on shutdown")
     _add_rest_flags(parser)
@@ -364,7 +365,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             if args.start_worker:
                 if args.connector != "YuanrongConnector":
                     raise CliError("--start-worker starts a datasystem worker: it is for YuanrongConnector")
-                from omni_mesh.bench.datasystem_worker import running_worker
+                from omni_mesh.testing.datasystem_worker import running_worker
 
                 config = {**config, **stack.enter_context(running_worker()).config}
             result = connector.run(args.connector, config, sizes, raw=not args.no_raw, device=args.device)

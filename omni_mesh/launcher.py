@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from omni_mesh.connectors.shm_segments import reap_orphaned_segments
+from omni_mesh.ports import free_port, taken_since
 from omni_mesh.security import MeshKeys, insecure_requested, keys_from_environment
 from omni_mesh.topology import Topology
 
@@ -35,20 +36,16 @@ INSTANCE_ENV = "OMNI_MESH_INSTANCE"  # = omni_mesh.coordinator.service.INSTANCE_
 #: crash-looping: restarting it again only fills the log.
 QUICK_EXIT_S = 30.0
 MAX_QUICK_RESTARTS = 5
+#: Start-ups tried when the control port, picked before the coordinator binds it, is taken in between.
+CONTROL_PORT_ATTEMPTS = 3
 
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: if the launcher is killed outright, its children get SIGTERM."""
+def die_with_parent() -> None:
+    """Runs in a child before exec (`preexec_fn`): if its parent is killed outright, it gets SIGTERM."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def mesh_environment() -> dict[str, str]:
@@ -78,7 +75,7 @@ class Child:
     def start(self) -> None:
         # A new session: a terminal's Ctrl-C reaches only the launcher, which stops children in order.
         self.process = subprocess.Popen(
-            self.argv, env=self.env, start_new_session=True, preexec_fn=_die_with_parent
+            self.argv, env=self.env, start_new_session=True, preexec_fn=die_with_parent
         )
         self.pids.append(self.process.pid)
         self.started_at = time.monotonic()
@@ -170,9 +167,25 @@ class Launcher:
 
     def start(self) -> None:
         self.check_port()
+        for attempt in range(1, CONTROL_PORT_ATTEMPTS + 1):
+            for child in self.children:
+                child.start()
+            try:
+                self.wait_ready()
+                return
+            except RuntimeError:
+                port = int(self.control.rsplit(":", 1)[1])
+                if attempt == CONTROL_PORT_ATTEMPTS or self.coordinator.running() or not taken_since("127.0.0.1", [port]):
+                    raise
+            log.warning("control port %d was taken before the coordinator bound it; starting again on another", port)
+            self._terminate(self.replicas, 15.0)
+            self.use_control_port(free_port())
+
+    def use_control_port(self, port: int) -> None:
+        """Hand the children (not yet started, or stopped) the control plane on `port`."""
+        old, self.control = self.control, f"tcp://127.0.0.1:{port}"
         for child in self.children:
-            child.start()
-        self.wait_ready()
+            child.argv = [self.control if arg == old else arg for arg in child.argv]
 
     def check_port(self) -> None:
         """Refuse, before starting anything, a REST port another process already listens on."""

@@ -30,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from omni_mesh import aio, codec, control, ingress, logs
-from omni_mesh.connectors import OmniConnectorBase, create_connector
+from omni_mesh.connectors import OmniConnectorBase, create_connector, creation_rank
 from omni_mesh.control import (
     Abort,
     Chunk,
@@ -172,8 +172,7 @@ class StageReplica:
         self.connectors: dict[str, OmniConnectorBase] = {}
         self._ingress: OmniConnectorBase | None = None  # fetches request inputs too large to ride inline
         specs = {e.connector.ref: e.connector for e in [*self.in_edges.values(), *self.out_edges.values()]}
-        # Mooncake's native library must load before openYuanrong's in one process, or it crashes.
-        for spec in sorted(specs.values(), key=lambda s: not s.name.startswith("Mooncake")):
+        for spec in sorted(specs.values(), key=lambda s: creation_rank(s.name)):  # the registry's load order
             self.connectors[spec.ref] = create_connector(spec.name, spec.extra)
         self.executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{stage.name}-io")
         # Health has its own thread: heartbeats must not wait behind long transfers in the I/O pool.

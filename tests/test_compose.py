@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from meshkit import wait_for
-from servicekit import (
+from support.meshkit import wait_for
+from support.servicekit import (
     COMPOSE,
     OMNI_MESH,
     REPO,
@@ -34,7 +34,7 @@ from servicekit import (
     run_healthcheck,
 )
 
-from omni_mesh.launcher import free_port
+from omni_mesh.ports import free_port
 from omni_mesh.topology import load_topology
 
 COMPOSE_FILES = sorted(COMPOSE.glob("docker-compose*.yml"))

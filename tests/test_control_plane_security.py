@@ -20,12 +20,13 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
-from meshkit import Mesh, descendants, running_mesh, wait_for
+from support.meshkit import Mesh, running_mesh, wait_for
 
 from omni_mesh import codec
 from omni_mesh.connectors.shm_segments import list_segments, owner_of, process_start_time
 from omni_mesh.hostinfo import machine_id, namespace, shm_domain
 from omni_mesh.security import ENV_KEYS_DIR, MeshKeys, secure_client
+from omni_mesh.testing.processes import descendants, rss_bytes
 
 
 def _stage(stage_id: int, name: str, **more: object) -> dict:
@@ -284,16 +285,9 @@ def test_a_silent_replica_with_a_greedy_prefix_reaps_nothing(mesh: Mesh, keys: M
 # ------------------------------------------------------------------ limits
 
 
-def _rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 def test_an_oversized_frame_is_refused_not_buffered(mesh: Mesh, keys: MeshKeys) -> None:
     endpoint, coordinator_pid = control_endpoint(mesh)
-    rss_before = _rss_bytes(coordinator_pid)
+    rss_before = rss_bytes(coordinator_pid)
     attacker = Peer(endpoint, keys)
     try:
         huge = bytes(300 * 1024 * 1024)
@@ -303,7 +297,7 @@ def test_an_oversized_frame_is_refused_not_buffered(mesh: Mesh, keys: MeshKeys) 
         requests_succeed(mesh)
     finally:
         attacker.close()
-    grown = _rss_bytes(coordinator_pid) - rss_before
+    grown = rss_bytes(coordinator_pid) - rss_before
     assert grown < 100 * 1024 * 1024, f"the coordinator grew by {grown >> 20} MiB"
 
 

@@ -2,7 +2,10 @@
 
 The dispatcher is a state machine driven by control messages; these tests feed it typed messages
 (`omni_mesh.control`) as replicas would send them and read what it sends back through a recording
-`send`. The coordinator's identity rules (a replica is its connection) are checked the same way, with
+`send`. Covered here, with no process started: routing (chain, least loaded, queueing, several final
+stages, draining replicas), retry (a lost replica, once, not after output, a stream replayed), fan-in
+(plain and streamed inputs), streaming (relay, buffering), expiry (running and queued requests, late
+outputs), stage errors and their statuses, and draining (released only once no request needs it). The coordinator's identity rules (a replica is its connection) are checked the same way, with
 its socket replaced by the recorder.
 """
 
@@ -258,6 +261,149 @@ async def test_holds_says_whether_a_running_request_touched_a_replica() -> None:
     assert not mesh.dispatcher.holds("a-0")
 
 
+async def test_a_request_with_several_final_stages_answers_with_each_by_name() -> None:
+    mesh = Mesh(graph([(0, 1), (0, 2)], ["thinker", "text", "audio"]))
+    for name in ("thinker", "text", "audio"):
+        mesh.add(name, f"{name}-0")
+    state = mesh.dispatcher.submit({}, {}, 10.0, False)
+    mesh.output("thinker-0", mesh.work_for("thinker-0"), {"text": item("t"), "audio": item("a")})
+    mesh.output("audio-0", mesh.work_for("audio-0"), {}, final="wav")
+    assert not state.future.done(), "answered before every final stage finished"
+    mesh.output("text-0", mesh.work_for("text-0"), {}, final="hello")
+    assert await state.future == {"text": "hello", "audio": "wav"}
+
+
+async def test_a_draining_replica_gets_no_new_work_and_a_queue_waits_for_a_live_one() -> None:
+    mesh = Mesh(chain("a"))
+    a0, a1 = mesh.add("a", "a-0"), mesh.add("a", "a-1")
+    mesh.registry.heartbeat(a0, Heartbeat("a-0", 0, draining=True))
+    states = [mesh.dispatcher.submit({}, {}, 10.0, False) for _ in range(2)]
+    assert [w.rid for w in mesh.take(Work, "a-1")] == [states[0].rid]
+    assert not mesh.take(Work, "a-0") and [rid for rid, _ in mesh.dispatcher.queues["a"]] == [states[1].rid]
+    mesh.output("a-1", mesh.dispatcher.requests[states[0].rid].work["a"], {}, final=0)
+    assert mesh.work_for("a-1").rid == states[1].rid and not mesh.take(Work, "a-0")
+    assert a1.inflight == {states[1].rid} and not a0.inflight
+
+
+async def test_a_retried_stream_receives_every_chunk_the_lost_replica_had() -> None:
+    mesh = Mesh(chain("talker", "code2wav"))
+    mesh.add("talker", "talker-0")
+    c0, c1 = mesh.add("code2wav", "code2wav-0"), mesh.add("code2wav", "code2wav-1")
+    state = mesh.dispatcher.submit({}, {}, 10.0, True)
+    work = mesh.work_for("talker-0")
+    for seq in range(2):
+        mesh.output("talker-0", work, {"code2wav": item(f"c{seq}")}, seq=seq, last=False)
+    holder, other = (c0, c1) if state.rid in c0.inflight else (c1, c0)
+    assert [c.key for c in mesh.take(Chunk, holder.replica_id)] == ["c0", "c1"]
+    mesh.take(Work, holder.replica_id)
+    mesh.registry.remove(holder.replica_id)
+    mesh.dispatcher.replica_lost(holder, "died (pid 7)")
+    retried = mesh.work_for(other.replica_id)
+    assert retried.stream_from == "talker"
+    mesh.output("talker-0", work, {"code2wav": item("c2")}, seq=2, last=False)
+    mesh.output("talker-0", work, {}, seq=3, last=True, end=True)
+    chunks = mesh.take(Chunk, other.replica_id)
+    assert [(c.key, c.seq) for c in chunks] == [("c0", 0), ("c1", 1), ("c2", 2), ("", 3)] and chunks[-1].end
+    mesh.output(other.replica_id, retried, {}, final={"audio": 0}, seq=0, last=False)
+    mesh.output(other.replica_id, retried, {}, seq=1, last=True, end=True)
+    assert await state.future == [{"audio": 0}]
+
+
+async def test_fan_in_of_a_streamed_input_gets_its_chunks_as_one_list() -> None:
+    mesh = Mesh(graph([(0, 2), (1, 2)], ["talker", "vision", "mix"]))
+    for name in ("talker", "vision", "mix"):
+        mesh.add(name, f"{name}-0")
+    state = mesh.dispatcher.submit({}, {}, 10.0, False)
+    talker = mesh.work_for("talker-0")
+    for seq in range(2):
+        mesh.output("talker-0", talker, {"mix": item(f"t{seq}")}, seq=seq, last=False)
+    mesh.output("talker-0", talker, {}, seq=2, last=True, end=True)
+    assert not mesh.take(Work, "mix-0") and not mesh.take(Chunk), "a fan-in stage must not start on a partial stream"
+    mesh.output("vision-0", mesh.work_for("vision-0"), {"mix": item("v")})
+    mix = mesh.work_for("mix-0")
+    assert mix.sources == {"talker": [item("t0"), item("t1")], "vision": [item("v")]}
+    assert mix.streamed == ["talker"] and not mix.stream_from
+    mesh.output("mix-0", mix, {}, final="mixed")
+    assert await state.future == "mixed"
+
+
+async def test_a_queued_request_past_its_deadline_leaves_the_queue_naming_where_it_waited() -> None:
+    mesh = Mesh(chain("a"))
+    mesh.add("a", "a-0")
+    busy = mesh.dispatcher.submit({}, {}, 10.0, False)
+    waiting = mesh.dispatcher.submit({}, {}, 0.05, False)
+    await asyncio.sleep(0.08)
+    mesh.dispatcher.expire()
+    with pytest.raises(RequestFailed) as failed:
+        await waiting.future
+    assert failed.value.status == 504 and "waiting for a free replica" in failed.value.message
+    assert failed.value.stage == "a" and not mesh.dispatcher.queues["a"]
+    assert not mesh.take(Abort), "a request no replica saw needs no abort"
+    mesh.output("a-0", mesh.work_for("a-0"), {}, final="done")
+    assert await busy.future == "done" and not mesh.take(Work), "the expired request was dispatched after all"
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "says"),
+    [
+        (Error("", "a", "a-0", "too slow", timeout=True), 504, "deadline exceeded while at stage 'a'"),
+        (Error("", "a", "a-0", "prompt is empty", status=422), 422, "stage 'a': prompt is empty"),
+        (Error("", "a", "a-0", "bad frame", status=400), 502, "could not read its work"),
+    ],
+)
+async def test_a_stage_error_maps_to_the_status_the_client_sees(error: Error, status: int, says: str) -> None:
+    mesh = Mesh(chain("a"))
+    replica = mesh.add("a", "a-0")
+    state = mesh.dispatcher.submit({}, {}, 10.0, False)
+    error.rid = mesh.work_for("a-0").rid
+    mesh.dispatcher.on_error(replica, error)
+    with pytest.raises(RequestFailed) as failed:
+        await state.future
+    assert failed.value.status == status and says in failed.value.message and not replica.inflight
+
+
+async def test_output_for_a_request_that_already_ended_is_answered_with_an_abort() -> None:
+    mesh = Mesh(chain("a"))
+    mesh.add("a", "a-0")
+    state = mesh.dispatcher.submit({}, {}, 0.01, False)
+    work = mesh.work_for("a-0")
+    await asyncio.sleep(0.03)
+    mesh.dispatcher.expire()
+    mesh.take(Abort)
+    mesh.output("a-0", work, {}, final="late")
+    (abort,) = mesh.take(Abort, "a-0")
+    assert abort.rid == state.rid and mesh.dispatcher.completed == 0 and mesh.dispatcher.failed == 1
+
+
+@pytest.mark.parametrize("bad", ["chunk", "frame"])
+async def test_a_malformed_chunk_or_an_unreadable_output_fails_with_502_naming_the_stage(bad: str) -> None:
+    mesh = Mesh(chain("a", "b"))
+    a0 = mesh.add("a", "a-0")
+    mesh.add("b", "b-0")
+    state = mesh.dispatcher.submit({}, {}, 10.0, bad == "chunk")
+    work = mesh.work_for("a-0")
+    if bad == "chunk":
+        mesh.output("a-0", work, {"b": {"no": "key"}}, seq=0, last=False)
+    else:
+        message = Output(work.rid, "a", "a-0", {}, 0, True, final=True)
+        mesh.dispatcher.on_output(a0, message, b"not a frame")
+    with pytest.raises(RequestFailed) as failed:
+        await state.future
+    assert failed.value.status == 502 and failed.value.stage == "a" and "'a'" in failed.value.message
+    assert {m.rid for m in mesh.take(Abort, "a-0")} == {state.rid}
+
+
+async def test_a_full_queue_is_reported_for_new_requests_only() -> None:
+    topology = parse_topology({"name": "q", "stages": [{"stage_id": 0, "name": "a", "max_queued": 1}]})
+    mesh = Mesh(topology)
+    mesh.add("a", "a-0")
+    assert mesh.dispatcher.full_stage() is None
+    mesh.dispatcher.submit({}, {}, 10.0, False)  # takes the slot
+    assert mesh.dispatcher.full_stage() is None
+    mesh.dispatcher.submit({}, {}, 10.0, False)  # waits
+    assert mesh.dispatcher.full_stage() == ("a", 1)
+
+
 # ------------------------------------------------------------------ the coordinator's identity rules
 
 
@@ -318,3 +464,18 @@ async def test_messages_from_an_unknown_replica_ask_it_to_register_or_release() 
     assert isinstance(release, Abort) and release.rid == "rid"
     wire.receive(b"ghost", Drained("a-9"))  # only the coordinator sends this
     assert wire.coordinator.malformed == 1
+
+
+async def test_a_draining_replica_is_released_only_once_no_running_request_needs_it() -> None:
+    wire = Wire(chain("a", "b"))
+    wire.register(b"A", "a", "a-0")
+    wire.register(b"B", "b", "b-0")
+    state = wire.coordinator.dispatcher.submit({}, {}, 10.0, False)
+    wire.receive(b"A", Output(state.rid, "a", "a-0", {"b": item("x")}, 0, True))
+    wire.receive(b"A", Heartbeat("a-0", 0, draining=True))
+    assert not [m for m in wire.replies(b"A") if isinstance(m, Drained)], "released while b still needs a's output"
+    assert wire.coordinator.registry.pick("a") is None  # and it takes no new work meanwhile
+    wire.receive(b"B", Output(state.rid, "b", "b-0", {}, 0, True, final=True), bytes(codec.encode("ok")))
+    assert await state.future == "ok"
+    wire.receive(b"A", Heartbeat("a-0", 0, draining=True))
+    assert isinstance(wire.replies(b"A")[-1], Drained)

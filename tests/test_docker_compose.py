@@ -27,13 +27,20 @@ from pathlib import Path
 
 import httpx
 import pytest
-import servicekit
-from docker_engine import Engine, base_image, docker_engine, engine_unavailable, mounts_of, torch_index
-from meshkit import wait_for
-from servicekit import COMPOSE, OMNI_MESH, docker_compose
+from support import servicekit
+from support.docker_engine import (
+    Engine,
+    base_image,
+    docker_engine,
+    engine_unavailable,
+    mounts_of,
+    torch_index,
+)
+from support.meshkit import wait_for
+from support.servicekit import COMPOSE, OMNI_MESH, docker_compose
 
 from omni_mesh.connectors.shm_segments import list_segments, owner_of
-from omni_mesh.launcher import free_port
+from omni_mesh.ports import free_port
 
 pytestmark = pytest.mark.timeout(1800)  # a cold run builds everything: minutes, not the suite's 300 s
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from servicekit import COMPOSE, OMNI_MESH, REPO, compose_config
+from support.servicekit import COMPOSE, OMNI_MESH, REPO, compose_config
 
 from omni_mesh.export import ComposeOptions, ExportError, ImageSource, K8sOptions, export_compose, export_k8s
 from omni_mesh.security import MeshKeys

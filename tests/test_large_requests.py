@@ -8,7 +8,7 @@ import random
 from collections.abc import Iterator
 
 import pytest
-from meshkit import Mesh, running_mesh
+from support.meshkit import Mesh, running_mesh
 
 TOPOLOGY = {
     "name": "large-requests",

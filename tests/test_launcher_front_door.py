@@ -12,10 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from meshkit import OMNI_MESH, Mesh, running_mesh, up_command, write_topology
+from support.meshkit import OMNI_MESH, Mesh, running_mesh, up_command, write_topology
 
 from omni_mesh import __version__
-from omni_mesh.launcher import Launcher, free_port
+from omni_mesh.launcher import Launcher
+from omni_mesh.ports import free_port
 from omni_mesh.topology import load_topology
 
 TOPOLOGY = {
@@ -107,6 +108,43 @@ def test_another_meshs_ready_answer_is_not_taken_for_ours(mesh: Mesh, tmp_path: 
         for child in launcher.children:
             child.process.kill()
             child.process.wait()
+
+
+def test_a_control_port_taken_before_the_coordinator_binds_it_is_picked_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The launcher picks the control port for its children; another process that takes it first
+    (here: a plain listener) costs one start-up, not the mesh."""
+    launcher = Launcher(load_topology(write_topology(tmp_path, TOPOLOGY)), port=free_port())
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        launcher.use_control_port(squatter.getsockname()[1])
+        try:
+            launcher.start()
+            assert launcher.control != f"tcp://127.0.0.1:{squatter.getsockname()[1]}"
+            assert all(launcher.control in child.argv for child in launcher.children)
+        finally:
+            launcher.stop()
+    assert any("was taken before the coordinator bound it" in r.message for r in caplog.records)
+    assert not any(child.running() for child in launcher.children)
+
+
+def test_a_rest_port_taken_between_its_pick_and_up_is_picked_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """support.meshkit picks the REST port before `omni-mesh up` binds it; a process that takes it in
+    between (a plain listener here, handed out as the first pick) costs one start, not the test."""
+    from support import meshkit
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        picks = iter([taken])
+        monkeypatch.setattr(meshkit, "free_port", lambda: next(picks, None) or free_port())
+        with running_mesh(tmp_path, TOPOLOGY) as mesh:
+            assert mesh.url != f"http://127.0.0.1:{taken}" and mesh.ready().status_code == 200
 
 
 def test_version_and_defaults_in_help() -> None:

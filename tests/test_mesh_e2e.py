@@ -1,8 +1,8 @@
 """The mesh end to end: `omni-mesh up` as a subprocess, real stage processes, ZeroMQ and HTTP.
 
-Each test class runs one mesh (a class-scoped fixture, see tests/meshkit.py) and its tests share
+Each test class runs one mesh (a class-scoped fixture, see tests/support/meshkit.py) and its tests share
 it; the fixture stops the mesh with a signal and checks that no process and no shared-memory
-segment of it is left. Test handlers live in tests/mesh_handlers.py, copied next to each topology.
+segment of it is left. Test handlers live in tests/support/mesh_handlers.py, copied next to each topology.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from meshkit import Mesh, running_mesh, up_command, wait_for, write_topology
+from support.meshkit import Mesh, running_mesh, up_command, wait_for, write_topology
 
-from omni_mesh.launcher import free_port
+from omni_mesh.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "compose" / "omni-demo.yaml"

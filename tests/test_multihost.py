@@ -1,6 +1,6 @@
 """The demo split over two hosts, as compose/docker-compose.host-a.yml and .host-b.yml run it.
 
-Two network namespaces joined by a veth pair stand in for the hosts (tests/netns.py). Host A runs
+Two network namespaces joined by a veth pair stand in for the hosts (tests/support/netns.py). Host A runs
 the coordinator and the thinker, host B the talker and code2wav, each service with the `command` and
 `environment` its compose file gives it (resolved by `docker-compose config`, with
 OMNI_MESH_COORDINATOR_HOST set to host A's address). thinker -> talker crosses the link over
@@ -27,9 +27,9 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from meshkit import wait_for
-from netns import Host, TwoHosts
-from servicekit import COMPOSE, Api, Service, Services, compose_config, localize
+from support.meshkit import wait_for
+from support.netns import Host, TwoHosts
+from support.servicekit import COMPOSE, Api, Service, Services, compose_config, localize
 
 from omni_mesh.connectors.shm_segments import SHM_DIR
 

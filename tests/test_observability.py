@@ -19,9 +19,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from meshkit import OMNI_MESH, Mesh, running_mesh, wait_for
+from support.meshkit import OMNI_MESH, Mesh, running_mesh, wait_for
 
-from omni_mesh.launcher import free_port
+from omni_mesh.ports import free_port
 
 
 def _stage(stage_id: int, name: str, **more: object) -> dict:

@@ -22,7 +22,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from meshkit import Mesh, running_mesh
+from support.meshkit import Mesh, running_mesh
 
 from omni_mesh.coordinator.openai_audio import encode
 from omni_mesh.coordinator.openai_reply import Reply, ReplyError

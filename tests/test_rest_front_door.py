@@ -1,6 +1,6 @@
 """The REST front door: bad input, slow clients, full queues, the API key and TLS.
 
-The mesh tests run real `omni-mesh up` meshes (tests/meshkit.py) over real HTTP: one plain mesh with
+The mesh tests run real `omni-mesh up` meshes (tests/support/meshkit.py) over real HTTP: one plain mesh with
 short read timeouts and a stage that queues at most 2 requests, and one that requires an API key and
 serves HTTPS. The rest are fast checks of the pieces: the body model and the msgpack check, the
 error envelope, the API key middleware and the read deadlines, each behind a real uvicorn socket.
@@ -29,22 +29,23 @@ import msgpack
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from meshkit import Mesh, descendants, running_mesh
 from pydantic import ValidationError
+from support.meshkit import Mesh, running_mesh
 
 from omni_mesh import cli
 from omni_mesh.coordinator import envelope
 from omni_mesh.coordinator.auth import ApiKey
 from omni_mesh.coordinator.http_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, read_deadlines
 from omni_mesh.coordinator.request_body import RequestBody, unpackable
-from omni_mesh.launcher import free_port
+from omni_mesh.ports import free_port
+from omni_mesh.testing.processes import descendants
 
 SMALL_POOL = {"name": "SharedMemoryConnector", "extra": {"memory_pool_size": 8 * 1024 * 1024}}
 READ_TIMEOUT_S = 2.0  # the plain mesh's header and body timeouts
 
 
 def front_topology(**stage_a: object) -> dict:
-    """a -> d with the chain handlers of tests/mesh_handlers.py: x -> 2x+1 -> 2(2x+1)+4 = 4x+6."""
+    """a -> d with the chain handlers of tests/support/mesh_handlers.py: x -> 2x+1 -> 2(2x+1)+4 = 4x+6."""
     return {
         "name": "front-door",
         "connectors": {"shm": SMALL_POOL},

@@ -8,7 +8,7 @@ process, that join and leave a running mesh (as `docker compose up --scale` make
 - A replica stopped with SIGTERM under load drains: it finishes its work, deregisters and exits 0,
   and no request is lost.
 
-Handlers: tests/scaling_handlers.py, copied next to each topology.
+Handlers: tests/support/scaling_handlers.py, copied next to each topology.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from meshkit import wait_for
-from servicekit import Api, Service, Services
+from support.meshkit import wait_for
+from support.servicekit import Api, Service, Services
 
-from omni_mesh.launcher import free_port
+from omni_mesh.ports import free_port
 
-HANDLERS = Path(__file__).with_name("scaling_handlers.py")
+HANDLERS = Path(__file__).parent / "support" / "scaling_handlers.py"
 SMALL_POOL = {"name": "SharedMemoryConnector", "extra": {"memory_pool_size": 32 * 1024 * 1024}}
 ZMQ = {"name": "ZmqConnector", "extra": {"host": "127.0.0.1", "memory_pool_size": 32 * 1024 * 1024}}
 

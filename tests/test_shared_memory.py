@@ -1,7 +1,7 @@
 """SharedMemoryConnector: every payload kind through the inline, pool and fallback paths, in one process
 and across processes; slot release, stale/foreign/malformed metadata, /dev/shm hygiene and reaping.
 
-The consumer on the far side is tests/shm_consumer.py, a real separate process; metadata reaches it as
+The consumer on the far side is tests/support/shm_consumer.py, a real separate process; metadata reaches it as
 msgpack through a pipe, as it would over the control plane.
 """
 
@@ -51,7 +51,7 @@ from omni_mesh.connectors.shm_segments import (
     segment_name,
 )
 
-HELPER = Path(__file__).with_name("shm_consumer.py")
+HELPER = Path(__file__).parent / "support" / "shm_consumer.py"
 LENGTH = struct.Struct("<I")
 SPAWNED: set[int] = set()  # pids of the helper processes this module started
 
@@ -199,7 +199,7 @@ def no_segment_left() -> Iterator[None]:
 
 
 class Peer:
-    """A helper process running tests/shm_consumer.py, driven through its stdin and stdout."""
+    """A helper process running tests/support/shm_consumer.py, driven through its stdin and stdout."""
 
     def __init__(self, config: dict | None = None) -> None:
         self.proc = subprocess.Popen(

@@ -24,14 +24,14 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from mooncake_fixtures import Peer as MooncakePeer
-from mooncake_fixtures import mismatch, payload
-from test_zmq_connector import Peer as ZmqPeer
-from test_zmq_connector import assert_same, make_payload, wait_until
+from support.meshkit import wait_for
+from support.payloads import assert_same, payload
+from support.peer import Peer
 from zmq.utils.monitor import recv_monitor_message
 
 from omni_mesh.connectors import ConnectorError, create_connector
 from omni_mesh.security import ENV_PUBLIC, MeshKeys, reset_mesh_keys, secure_client, set_mesh_keys
+from omni_mesh.testing.processes import rss_bytes
 
 ZMQ = "ZmqConnector"
 TE = "MooncakeTransferEngineConnector"
@@ -46,7 +46,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
 }
 EDGE = ("thinker", "talker")
-TE_PAYLOAD = "mixed"  # from the mooncake fixtures' catalogue
+PAYLOAD_OF = {ZMQ: "every_kind", TE: "mixed"}  # names in support.payloads.PAYLOADS
 NO_ANSWER_S = 1.0
 MiB = 1 << 20
 
@@ -61,14 +61,11 @@ def keys() -> Iterator[MeshKeys]:
 
 
 def data_for(name: str) -> Any:
-    return make_payload() if name == ZMQ else payload(TE_PAYLOAD)
+    return payload(PAYLOAD_OF[name])
 
 
 def assert_intact(name: str, got: Any) -> None:
-    if name == ZMQ:
-        assert_same(got, make_payload())
-    else:
-        assert mismatch(payload(TE_PAYLOAD), got) is None
+    assert_same(got, data_for(name))
 
 
 def pending(name: str, health: dict) -> int:
@@ -80,29 +77,16 @@ class ProducerPeer:
 
     def __init__(self, name: str, keys: MeshKeys, log: Path) -> None:
         self.name = name
-        if name == ZMQ:
-            self._peer: Any = ZmqPeer(name, CONFIGS[name], env={**os.environ, **keys.to_env()})
-            self.pid = self._peer.proc.pid
-        else:
-            self._peer = MooncakePeer(name, CONFIGS[name], log=log, env=keys.to_env())
-            self.pid = self._peer.process.pid
+        self._peer = Peer(name, CONFIGS[name], log=log, env=keys.to_env())
+        self.pid = self._peer.pid
 
     def put(self, key: str) -> dict:
-        if self.name == ZMQ:
-            return self._peer.put(key)
-        reply = self._peer.ask(op="put", **{"from": EDGE[0], "to": EDGE[1]}, key=key, payload=TE_PAYLOAD)
-        assert reply.get("ok"), reply
-        return reply["metadata"]
+        return self._peer.put(key, payload=PAYLOAD_OF[self.name], **{"from": EDGE[0], "to": EDGE[1]})
 
     def get(self, key: str, metadata: dict) -> None:
         """The peer gets the payload and checks it is intact."""
-        if self.name == ZMQ:
-            reply = self._peer.get(key, metadata)
-            assert reply["ok"], reply["error"]
-        else:
-            edge = {"from": EDGE[0], "to": EDGE[1]}
-            reply = self._peer.ask(op="get", **edge, key=key, metadata=metadata, expect=TE_PAYLOAD)
-            assert reply.get("error") is None and reply["mismatch"] is None, reply
+        reply = self._peer.get(key, metadata, expect=PAYLOAD_OF[self.name], **{"from": EDGE[0], "to": EDGE[1]})
+        assert reply["ok"] and reply["mismatch"] is None, reply
 
     def close(self) -> None:
         self._peer.close()
@@ -115,13 +99,6 @@ def stranger_request(name: str, metadata: dict) -> list[bytes]:
         return [b"GET", metadata["key"].encode(), metadata["token"].encode()]
     request = {name: metadata[name] for name in ("session", "handle", "length", "segment", "addr")}
     return [b"PULL", metadata["key"].encode(), msgpack.packb({**request, "timeout_ms": 5000})]
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 def next_event(monitor: zmq.Socket, timeout_s: float) -> int | None:
@@ -153,7 +130,7 @@ def test_strangers_get_no_answer_and_the_mesh_still_gets_its_payload(
             sock.send_multipart(stranger_request(name, metadata))
             assert not sock.poll(int(NO_ANSWER_S * 1000)), f"the producer answered a stranger with {who}"
             sock.close()
-            assert wait_until(lambda seen=refused: producer.health()["refused_peers"] > seen, 5), who
+            wait_for(lambda seen=refused: producer.health()["refused_peers"] > seen, 5, f"a refusal of {who}")
         health = producer.health()
         assert pending(name, health) == 1, health  # nothing was served, nothing written
         consumer = ProducerPeer(name, keys, tmp_path / "consumer.log")  # a mesh member, another process
@@ -237,8 +214,8 @@ def test_a_flood_of_garbage_leaves_the_producer_serving_and_its_log_quiet(
                 raw.sendall(b"\xff" + os.urandom(63))
                 with contextlib.suppress(OSError):  # until libzmq drops us
                     raw.recv(64)
-        assert wait_until(lambda: producer.health()["malformed_requests"] >= count, 20), producer.health()
-        assert wait_until(lambda: producer.health()["refused_peers"] >= 1, 5), producer.health()
+        wait_for(lambda: producer.health()["malformed_requests"] >= count, 20, f"{count} malformed requests counted")
+        wait_for(lambda: producer.health()["refused_peers"] >= 1, 5, "the flooding peer refused")
         sock.close()
         data, _ = consumer.get(*EDGE, "flood/x", metadata)
         assert_intact(name, data)

@@ -21,7 +21,8 @@ from typing import Any
 import msgpack
 import pytest
 import torch
-from test_zmq_connector import assert_same, make_payload, wait_until
+from support.meshkit import wait_until
+from support.payloads import assert_same, payload
 
 from omni_mesh.connectors import ConnectorConfigError, ConnectorError, create_connector
 from omni_mesh.connectors.yuanrong_transfer_engine import ascend_runtime_missing
@@ -302,13 +303,13 @@ def test_mori_engine_setup_follows_the_published_api(fake_mori, monkeypatch):
 
 def test_mori_moves_every_payload_kind_and_frees_both_pools(fake_mori, mori_pair):
     producer, consumer = mori_pair
-    payload = make_payload()
-    ok, size, metadata = producer.put("thinker", "talker", "req-1/0", payload)
+    value = payload("every_kind")
+    ok, size, metadata = producer.put("thinker", "talker", "req-1/0", value)
     assert ok and set(metadata) == {"endpoint", "key", "token", "offset", "size", "engine", "mem"}
     metadata = msgpack.unpackb(msgpack.packb(metadata))  # it crosses the control plane as msgpack
     obj, got = consumer.get("thinker", "talker", "req-1/0", metadata)
     assert got == size
-    assert_same(obj, payload)
+    assert_same(obj, value)
     (read,) = calls(fake_mori, "read")
     assert read["remote_offset"] == metadata["offset"] and read["size"] == size
     assert wait_until(lambda: producer.health()["held"] == 0 and producer.health()["pool_used_bytes"] == 0)
@@ -354,7 +355,7 @@ def test_mori_cleanup_expiry_and_a_dead_producer(fake_mori):
         producer.cleanup("r1")
         with pytest.raises(ConnectorError, match="cleaned up"):
             consumer.get("a", "b", "r1/0", metas["r1/0"])
-        assert wait_until(lambda: producer.health()["held"] == 0, timeout=3)
+        assert wait_until(lambda: producer.health()["held"] == 0, timeout_s=3)
         assert producer.health()["expired"] == 1 and producer.health()["pool_used_bytes"] == 0
         with pytest.raises(ConnectorError, match="expired after ttl_s=0.3"):
             consumer.get("a", "b", "r2/0", metas["r2/0"])

@@ -1,8 +1,8 @@
 """YuanrongConnector against a real openYuanrong datasystem worker.
 
-A module-scoped fixture starts one worker with `dscli start` (omni_mesh/bench/datasystem_worker.py: built-in
+A module-scoped fixture starts one worker with `dscli start` (omni_mesh/testing/datasystem_worker.py: built-in
 metastore, free loopback ports, a temp dir; ~6 s) and stops it afterwards. Consumers are real separate
-processes (the peer script of tests/test_zmq_connector.py). Every datasystem key a test touches is
+processes (tests/support/peer.py). Every datasystem key a test touches is
 checked to be gone at the end.
 """
 
@@ -14,11 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from test_zmq_connector import Peer, assert_same, make_payload
+from support.payloads import assert_same, payload
+from support.peer import Peer
 
-from omni_mesh.bench.datasystem_worker import free_ports, running_worker
 from omni_mesh.connectors import ConnectorConfigError, ConnectorError, create_connector
 from omni_mesh.connectors.yuanrong import YuanrongConnector, datasystem_key
+from omni_mesh.ports import free_port
+from omni_mesh.testing.datasystem_worker import running_worker
 
 USED_KEYS: set[str] = set()  # every datasystem key these tests wrote
 
@@ -47,7 +49,7 @@ def used(*keys: str) -> list[str]:
 def test_every_payload_kind_reaches_a_consumer_process(worker, producer):
     peer = Peer("YuanrongConnector", worker.config, env=worker.env)
     try:
-        ok, size, metadata = producer.put("thinker", "talker", "req-1/chunk-0", make_payload())
+        ok, size, metadata = producer.put("thinker", "talker", "req-1/chunk-0", payload("every_kind"))
         assert ok and size > 4 << 20
         assert metadata == {
             "key": "omni;thinker-%3Etalker%2Freq-1%2Fchunk-0",
@@ -59,7 +61,7 @@ def test_every_payload_kind_reaches_a_consumer_process(worker, producer):
         assert reply["ok"], reply["error"]
         assert reply["size"] == size
         # The key is derived from the edge and put_key, so a consumer can also get without metadata.
-        _, _, second = producer.put("thinker", "talker", "req-2/chunk-0", make_payload())
+        _, _, second = producer.put("thinker", "talker", "req-2/chunk-0", payload("every_kind"))
         used(second["key"])
         reply = peer.get("req-2/chunk-0", None)
         assert reply["ok"], reply["error"]
@@ -105,7 +107,7 @@ def test_waiting_for_a_key_leaves_other_threads_running(producer):
 def test_an_unreachable_worker_is_reported_with_its_address():
     import yr.datasystem  # noqa: F401  (its one-time library load is not what is timed here)
 
-    (port,) = free_ports(1)
+    port = free_port()
     started = time.monotonic()
     with pytest.raises(ConnectorError, match=rf"datasystem worker at 127\.0\.0\.1:{port}.*dscli start"):
         create_connector("YuanrongConnector", {"port": port, "connect_timeout_ms": 1000})

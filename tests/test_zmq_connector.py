@@ -1,239 +1,29 @@
 """ZmqConnector: put/get across processes and across two network namespaces, a producer that dies,
 expiry of unconsumed payloads, cleanup by request, and the pool's fallback for oversized payloads.
 
-Peers are real separate processes running this file as a script (`python test_zmq_connector.py peer
-NAME CONFIG`): they build a connector and answer put/get requests read line by line from stdin. The
-payload and the checks on what arrives are defined here once (`make_payload`, `assert_same`) and
-reused by tests/test_yuanrong.py.
+Peers are real separate processes (tests/support/peer.py) that build a connector and answer put/get
+commands; the payload and the check on what arrives are tests/support/payloads.py's.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-import select
-import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import msgpack
-import numpy as np
 import pytest
 import torch
-from PIL import Image
+from support.meshkit import wait_until
+from support.payloads import assert_same, payload
+from support.peer import Peer
 
 from omni_mesh.connectors import ConnectorConfigError, ConnectorError, create_connector
 from omni_mesh.connectors.zmq import ZmqConnector
 
-HERE = os.path.abspath(__file__)
 LOCAL = {"host": "127.0.0.1"}
 
 
-# --------------------------------------------------------------------------- payload
-
-
-def make_payload() -> dict[Any, Any]:
-    """Every kind of value a stage hands a connector, built the same way in every process."""
-    gen = torch.Generator().manual_seed(7)
-    base = torch.randn(6, 8, generator=gen)
-    return {
-        "f32": base,
-        "bf16": base.to(torch.bfloat16),
-        "f16": base.to(torch.float16),
-        "f64": base.double(),
-        "i64": torch.arange(12, dtype=torch.int64).reshape(3, 4),
-        "i8": torch.arange(-5, 5, dtype=torch.int8),
-        "u8": torch.arange(256, dtype=torch.uint8),
-        "bool": base > 0,
-        "c64": torch.complex(base, -base),
-        "zero_d": torch.tensor(3.5),
-        "zero_d_bf16": torch.tensor(-1.25, dtype=torch.bfloat16),
-        "empty": torch.empty(0, 5),
-        "empty_i32": torch.empty(3, 0, dtype=torch.int32),
-        "transposed": base.t(),
-        "strided": base[:, ::3],
-        "big": torch.randn(1 << 20, generator=gen),  # 4 MiB
-        "np_f64": np.arange(10, dtype=np.float64).reshape(2, 5),
-        "np_i16": np.array([1, -2, 3], dtype=np.int16),
-        "np_fortran": np.asfortranarray(np.arange(12, dtype=np.float32).reshape(3, 4)),
-        "np_empty": np.zeros((0, 2), dtype=np.uint16),
-        "np_scalar": np.float32(1.5),
-        "bytes_small": b"\x00\x01hi",
-        "bytes_big": bytes(range(256)) * 40,
-        "str": "héllo wörld ✓",
-        "int": 2**62,
-        "neg": -7,
-        "float": 0.1,
-        "true": True,
-        "none": None,
-        1: "an int key",
-        "list": [1, "two", torch.ones(2, dtype=torch.float16), [None, 3.0]],
-        "tuple": (torch.zeros(3, dtype=torch.int32), ("nested", 1.5), ()),
-        "nested": {"a": {"b": [torch.arange(3), {"c": (b"x" * 600,)}]}},
-    }
-
-
-@dataclasses.dataclass
-class Chunk:
-    tokens: torch.Tensor
-    window: slice
-    inner: Any = None
-
-
-def omni_payload(as_received: bool = False) -> dict[str, Any]:
-    """The types vllm-omni's serializer carries; `as_received`: what a get returns (dataclasses as
-    dicts of their fields)."""
-    tokens = torch.arange(12).reshape(3, 4)
-    chunk = Chunk(tokens, slice(0, 8, 2), Chunk(tokens[0], slice(None)))
-    if as_received:
-        inner = {"tokens": tokens[0], "window": slice(None), "inner": None}
-        chunk = {"tokens": tokens, "window": slice(0, 8, 2), "inner": inner}
-    return {
-        "set": {1, "two", (3, None), b"s" * 600},
-        "frozenset": frozenset({2.5, frozenset({"x"})}),
-        "slice": slice(-1, None, -1),
-        "chunk": chunk,
-        "rgb": Image.frombytes("RGB", (64, 48), bytes(range(256)) * 36),
-        "palette": make_palette_image(),
-        "tuple": ((2, 3) if as_received else torch.Size([2, 3]), ()),  # torch.Size arrives as a tuple
-    }
-
-
-def make_palette_image() -> Image.Image:
-    image = Image.frombytes("P", (16, 16), bytes(range(256)))
-    image.putpalette(bytes(range(256)) * 3)
-    return image
-
-
-def assert_same(got: Any, want: Any, path: str = "payload") -> None:
-    """Exact equality of type, dtype, shape and values, recursively."""
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), f"{path}: {type(got)} is not a tensor"
-        assert (got.dtype, tuple(got.shape)) == (want.dtype, tuple(want.shape)), (
-            f"{path}: {got.dtype} {got.shape}"
-        )
-        assert torch.equal(got, want), f"{path}: values differ"
-    elif isinstance(want, np.ndarray):
-        assert type(got) is np.ndarray, f"{path}: {type(got)} is not an ndarray"
-        assert (got.dtype, got.shape) == (want.dtype, want.shape), f"{path}: {got.dtype} {got.shape}"
-        assert np.array_equal(got, want), f"{path}: values differ"
-    elif isinstance(want, dict):
-        assert type(got) is dict and list(got) == list(want), f"{path}: keys {list(got)}"
-        for key in want:
-            assert_same(got[key], want[key], f"{path}[{key!r}]")
-    elif isinstance(want, (list, tuple)):
-        assert type(got) is type(want) and len(got) == len(want), f"{path}: {type(got)} of {len(got)}"
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert_same(g, w, f"{path}[{i}]")
-    else:
-        assert type(got) is type(want) and got == want, f"{path}: {got!r} != {want!r}"
-
-
-# --------------------------------------------------------------------------- peer processes
-
-
-def pack(obj: Any) -> str:
-    return msgpack.packb(obj, use_bin_type=True).hex()
-
-
-def unpack(line: str) -> Any:
-    return msgpack.unpackb(bytes.fromhex(line.strip()), raw=False, strict_map_key=False)
-
-
-class Peer:
-    """A connector in another process, driven one request line at a time over its stdin/stdout."""
-
-    def __init__(self, name: str, config: dict, *, popen=subprocess.Popen, env: dict | None = None) -> None:
-        argv = [sys.executable, HERE, "peer", name, json.dumps(config)]
-        self.proc = popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-
-    def ask(self, timeout: float = 90.0, **request: Any) -> dict:
-        assert self.proc.stdin and self.proc.stdout
-        self.proc.stdin.write(pack(request) + "\n")
-        self.proc.stdin.flush()
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        assert ready, f"peer gave no answer to {request['op']} within {timeout}s"
-        line = self.proc.stdout.readline()
-        assert line, f"peer exited (code {self.proc.poll()}) while answering {request['op']}"
-        return unpack(line)
-
-    def put(self, key: str, **extra: Any) -> dict:
-        reply = self.ask(op="put", key=key, **extra)
-        assert reply["ok"], reply["error"]
-        return reply["metadata"]
-
-    def get(self, key: str, metadata: dict | None, **extra: Any) -> dict:
-        return self.ask(op="get", key=key, metadata=metadata, **extra)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def _peer_main(name: str, config: dict) -> None:
-    connector = create_connector(name, config)
-    for line in sys.stdin:
-        request = unpack(line)
-        started = time.monotonic()
-        try:
-            reply = _peer_answer(connector, request)
-        except Exception as exc:
-            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        reply["elapsed"] = time.monotonic() - started
-        print(pack(reply), flush=True)
-    connector.close()
-
-
-def _peer_answer(connector: Any, request: dict) -> dict:
-    edge = (request.get("from", "thinker"), request.get("to", "talker"))
-    if request["op"] == "put":
-        nbytes = request.get("nbytes")
-        data = torch.ones(nbytes, dtype=torch.uint8) if nbytes else make_payload()
-        if request.get("omni"):
-            data = omni_payload()
-        ok, size, metadata = connector.put(*edge, request["key"], data)
-        return {"ok": ok, "size": size, "metadata": metadata}
-    if request["op"] == "get":
-        obj, size = connector.get(
-            *edge, request["key"], request["metadata"], timeout_s=request.get("timeout_s")
-        )
-        if request.get("nbytes"):
-            assert obj.numel() == request["nbytes"]
-        elif request.get("omni"):
-            assert_same(obj, omni_payload(as_received=True))
-        else:
-            assert_same(obj, make_payload())
-        return {"ok": True, "size": size}
-    if request["op"] == "health":
-        return {"ok": True, "health": connector.health()}
-    raise ValueError(f"unknown op {request['op']!r}")
-
-
 # --------------------------------------------------------------------------- helpers
-
-
-def wait_until(condition, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 @pytest.fixture
@@ -256,7 +46,7 @@ def consumer():
 def test_every_payload_kind_reaches_a_consumer_process(producer):
     peer = Peer("ZmqConnector", LOCAL)
     try:
-        ok, size, metadata = producer.put("thinker", "talker", "req-1/chunk-0", make_payload())
+        ok, size, metadata = producer.put("thinker", "talker", "req-1/chunk-0", payload("every_kind"))
         assert ok and size > 4 << 20
         assert set(metadata) == {"endpoint", "key", "token", "size"}
         assert len(msgpack.packb(metadata)) < 200
@@ -274,29 +64,28 @@ def test_every_payload_kind_reaches_a_consumer_process(producer):
 
 
 def test_vllm_omni_payload_types_reach_a_consumer_process(producer, consumer):
-    """set, frozenset, slice, dataclass (as a dict) and PIL images, both ways across processes and in one."""
+    """set, frozenset, slice, dataclass (as a dict) and PIL images, both ways across processes."""
     peer = Peer("ZmqConnector", LOCAL)
     try:
-        ok, size, metadata = producer.put("thinker", "talker", "omni/0", omni_payload())
+        ok, size, metadata = producer.put("thinker", "talker", "omni/0", payload("vllm_omni_types"))
         assert ok
-        reply = peer.get("omni/0", metadata, omni=True)
+        reply = peer.get("omni/0", metadata, expect="vllm_omni_types_received")
         assert reply["ok"], reply["error"]
         assert reply["size"] == size
-        metadata = peer.put("omni/1", omni=True)
+        metadata = peer.put("omni/1", payload="vllm_omni_types")
         data, _ = consumer.get("thinker", "talker", "omni/1", metadata)
-        assert_same(data, omni_payload(as_received=True))
-        assert type(data["set"]) is set and type(data["frozenset"]) is frozenset
-        assert type(data["chunk"]) is dict
+        assert_same(data, payload("vllm_omni_types_received"))
+        assert type(data["set"]) is set and type(data["frozenset"]) is frozenset and type(data["chunk"]) is dict
     finally:
         peer.close()
 
 
 def test_across_two_network_namespaces():
-    from netns import TwoHosts
+    from support.netns import TwoHosts
 
     with TwoHosts() as hosts:
-        producer = Peer("ZmqConnector", {"host": "auto"}, popen=hosts.a.popen)
-        consumer = Peer("ZmqConnector", {"host": "auto"}, popen=hosts.b.popen)
+        producer = Peer("ZmqConnector", {"host": "auto"}, wrap=hosts.a.command([]))
+        consumer = Peer("ZmqConnector", {"host": "auto"}, wrap=hosts.b.command([]))
         try:
             metadata = producer.put("req-7/0")
             assert metadata["endpoint"].startswith(f"tcp://{hosts.a.ip}:")  # `auto` found the veth address
@@ -349,7 +138,7 @@ def test_unconsumed_payloads_are_freed_after_ttl(consumer):
         _, _, metadata = producer.put("a", "b", "r1/0", torch.ones(1 << 20))
         producer.put("a", "b", "r2/0", b"x" * 5000)
         assert producer.health()["held"] == 2 and producer.health()["pool_used_bytes"] > 0
-        assert wait_until(lambda: producer.health()["held"] == 0, timeout=3)
+        assert wait_until(lambda: producer.health()["held"] == 0, timeout_s=3)
         health = producer.health()
         assert health["pool_used_bytes"] == 0 and health["expired"] == 2
         with pytest.raises(ConnectorError, match="expired after ttl_s=0.3"):
@@ -450,5 +239,3 @@ def test_close_is_idempotent_and_final(producer):
     assert not producer._server.alive
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["peer"]:
-    _peer_main(sys.argv[2], json.loads(sys.argv[3]))

@@ -21,10 +21,12 @@ from pathlib import Path
 
 import httpx
 
-from omni_mesh.launcher import free_port
+from omni_mesh.ports import free_port, taken_since
+from omni_mesh.testing.processes import children_of
 
 ENV_INSECURE = "OMNI_MESH_INSECURE"  # = omni_mesh.security.ENV_INSECURE (the launcher passes it on)
 READY_TIMEOUT_S = 60.0
+PORT_ATTEMPTS = 3  # the REST port is picked before `up` binds it: another process may take it first
 
 
 @dataclass
@@ -49,33 +51,6 @@ class RunningMesh:
         return "unknown"
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    """Fields of /proc/PID/stat after the command name (which may hold spaces and parentheses)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()
-
-
-def children_of(parent: int) -> set[int]:
-    """Processes whose parent is `parent` now."""
-    found = set()
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and (fields := _stat_fields(int(entry.name))) and int(fields[1]) == parent:
-            found.add(int(entry.name))
-    return found
-
-
-def cpu_seconds(pids: set[int]) -> float:
-    """User + system CPU time the processes have used so far (those gone count 0)."""
-    ticks = 0
-    for pid in pids:
-        if fields := _stat_fields(pid):
-            ticks += int(fields[11]) + int(fields[12])  # utime, stime
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
 def launcher_environment(insecure: bool | None) -> dict[str, str]:
     """This environment with CURVE forced off (True), forced on (False), or as it is (None)."""
     env = dict(os.environ)
@@ -89,15 +64,24 @@ def launcher_environment(insecure: bool | None) -> dict[str, str]:
 @contextlib.contextmanager
 def running_mesh(topology: str | os.PathLike, *, insecure: bool | None = None) -> Iterator[RunningMesh]:
     """Run `omni-mesh up TOPOLOGY` for the block, ready; stop it with SIGINT (Ctrl-C) after."""
-    port = free_port()
-    with tempfile.NamedTemporaryFile("w+b", prefix="omni-mesh-up-", suffix=".log", delete=False) as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "omni_mesh", "up", str(topology), "--port", str(port)],
-            stdout=log_file, stderr=subprocess.STDOUT, env=launcher_environment(insecure),
-        )
-    mesh = RunningMesh(f"http://127.0.0.1:{port}", process, Path(log_file.name))
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        port = free_port()
+        with tempfile.NamedTemporaryFile("w+b", prefix="omni-mesh-up-", suffix=".log", delete=False) as log_file:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "omni_mesh", "up", str(topology), "--port", str(port)],
+                stdout=log_file, stderr=subprocess.STDOUT, env=launcher_environment(insecure),
+            )
+        mesh = RunningMesh(f"http://127.0.0.1:{port}", process, Path(log_file.name))
+        try:
+            _wait_ready(mesh, str(topology))
+            break
+        except BaseException as exc:
+            mesh.exit_status = stop(process)
+            # The port was free when picked; if `up` refused it because someone took it since, pick again.
+            if not isinstance(exc, RuntimeError) or attempt == PORT_ATTEMPTS or not taken_since("127.0.0.1", [port]):
+                raise
+            mesh.log_path.unlink(missing_ok=True)
     try:
-        _wait_ready(mesh, str(topology))
         yield mesh
     finally:
         mesh.exit_status = stop(process)

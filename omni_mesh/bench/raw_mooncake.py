@@ -22,7 +22,8 @@ import tempfile
 import time
 from typing import Any
 
-from omni_mesh.connectors._mooncake_common import MooncakeMaster, RegisteredPool, import_mooncake
+from omni_mesh.connectors._mooncake_common import RegisteredPool, import_mooncake
+from omni_mesh.testing.mooncake_master import MooncakeMaster
 
 _HOST = "127.0.0.1"
 _REPLY_TIMEOUT_S = 120.0

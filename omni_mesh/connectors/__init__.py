@@ -26,6 +26,7 @@ __all__ = [
     "available_connectors",
     "connector_class",
     "create_connector",
+    "creation_rank",
     "edge_key",
     "parse_size",
     "register_connector",
@@ -84,3 +85,20 @@ def connector_class(name: str) -> type[OmniConnectorBase]:
 
 def create_connector(name: str, config: dict[str, Any] | None = None) -> OmniConnectorBase:
     return connector_class(name)(config)
+
+
+# Backends whose native libraries must load before the others in one process. Mooncake's crashes the
+# process (a segfault, measured) when it loads after openYuanrong's yr.datasystem: their bundled libraries
+# clash (commit 4868d03; `_mooncake_common.import_mooncake` refuses that order with a clear error). So a
+# process that creates connectors of several backends, such as a stage with a Mooncake edge and a
+# Yuanrong edge, creates these first.
+_LOADS_FIRST = ("omni_mesh.connectors.mooncake_store", "omni_mesh.connectors.mooncake_transfer_engine")
+
+
+def creation_rank(name: str) -> int:
+    """Sort key for creating several connectors in one process: 0 for a backend that must load before
+    the others (_LOADS_FIRST), else 1. Unknown names rank 1 (create_connector reports them)."""
+    _load_entry_points()
+    target = _REGISTRY.get(name)
+    module = target.partition(":")[0] if isinstance(target, str) else getattr(target, "__module__", "")
+    return 0 if module in _LOADS_FIRST else 1

@@ -1,6 +1,6 @@
 """What the two Mooncake connectors share: the lazy backend import, the `host: auto` rule, the fast
-master/metadata-server probes, the registered memory pool that payload frames are laid into, and a
-`mooncake_master` launcher for tests, benchmarks and local runs.
+master/metadata-server probes and the registered memory pool that payload frames are laid into (the
+`mooncake_master` launcher for tests and benchmarks is omni_mesh.testing.mooncake_master).
 
 `resolve_host` is the `host: auto` rule every connector shares (omni_mesh.connectors._addresses):
 Mooncake binds and advertises the one address it returns.
@@ -16,7 +16,6 @@ import importlib.util
 import mmap
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -265,82 +264,3 @@ def pool_status(pool: RegisteredPool | None, *, up: bool, strained: bool = False
     if not up or pool is None:
         return "unhealthy", in_use, size
     return ("degraded" if strained or in_use > 0.9 * size else "healthy"), in_use, size
-
-
-def master_binary() -> str:
-    """Path of the `mooncake_master` executable shipped inside the mooncake wheel (found without importing it)."""
-    spec = importlib.util.find_spec("mooncake")
-    if spec is None or not spec.submodule_search_locations:
-        raise ConnectorError(f"mooncake_master: the mooncake library is not available; {INSTALL_HINT}")
-    path = os.path.join(next(iter(spec.submodule_search_locations)), "mooncake_master")
-    if not os.access(path, os.X_OK):
-        raise ConnectorError(f"mooncake_master: {path} is missing or not executable; reinstall mooncake")
-    return path
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-class MooncakeMaster:
-    """A `mooncake_master` on loopback free ports, for tests, benchmarks and local runs.
-
-    with MooncakeMaster() as master:
-        config = {"master": master.address, ...}
-    """
-
-    def __init__(
-        self, *, host: str = "127.0.0.1", extra_args: tuple[str, ...] = (), log_path: str | None = None
-    ):
-        self.host = host
-        self.extra_args = extra_args
-        self.log_path = log_path or os.devnull
-        self.process: subprocess.Popen | None = None
-        self.address = ""
-
-    def start(self, timeout_s: float = 10.0) -> MooncakeMaster:
-        binary = master_binary()
-        for _attempt in range(3):  # a free port can be taken between probing and binding it
-            rpc_port, metrics_port = free_port(self.host), free_port(self.host)
-            argv = [
-                binary,
-                f"--rpc_address={self.host}",
-                f"--rpc_port={rpc_port}",
-                f"--metrics_host={self.host}",
-                f"--metrics_port={metrics_port}",
-                *self.extra_args,
-            ]
-            with open(self.log_path, "ab") as log:
-                self.process = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-            if self._wait_ready(rpc_port, timeout_s):
-                self.address = f"{self.host}:{rpc_port}"
-                return self
-            self.stop()
-        raise ConnectorError(f"mooncake_master did not start on {self.host} (log: {self.log_path})")
-
-    def _wait_ready(self, port: int, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process is None or self.process.poll() is not None:
-                return False
-            with contextlib.suppress(OSError):
-                socket.create_connection((self.host, port), timeout=0.2).close()
-                return True
-            # Nothing to wait on but the port itself; the master is up in about 0.1 s.
-            threading.Event().wait(0.02)
-        return False
-
-    def stop(self) -> None:
-        process, self.process = self.process, None
-        if process is not None and process.poll() is None:
-            process.kill()  # holds no state worth a graceful exit, which takes it ~2 s
-        if process is not None:
-            process.wait()
-
-    def __enter__(self) -> MooncakeMaster:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

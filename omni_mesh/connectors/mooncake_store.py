@@ -63,7 +63,7 @@ _DEFAULT_LOCALBUF = 256 * 1024 * 1024
 
 @dataclass(frozen=True)
 class MooncakeStoreConfig:
-    #: Address this client advertises; "auto" picks the interface that routes outside (see _mooncake_common).
+    #: Address this client advertises; "auto" picks the interface that routes outside (see _addresses).
     host: str = "auto"
     #: "P2PHANDSHAKE" (nothing to deploy) or an "http://host:port/metadata" / etcd metadata server.
     metadata_server: str = "P2PHANDSHAKE"

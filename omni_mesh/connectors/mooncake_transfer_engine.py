@@ -95,7 +95,7 @@ _DEALER_IDLE_S = 60.0  # a side-channel socket unused this long is closed (its p
 
 @dataclass(frozen=True)
 class MooncakeTransferEngineConfig:
-    #: Address to advertise and bind; "auto" picks the interface that routes outside (see _mooncake_common).
+    #: Address to advertise and bind; "auto" picks the interface that routes outside (see _addresses).
     host: str = "auto"
     #: "tcp" or "rdma" (the engine falls back to TCP where no RDMA device is found).
     protocol: str = "tcp"

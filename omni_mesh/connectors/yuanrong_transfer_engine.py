@@ -24,7 +24,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +34,7 @@ from omni_mesh.connectors._checks import check_engine_pull, check_port
 from omni_mesh.connectors._engine_pull import EnginePullConnector
 from omni_mesh.connectors.base import ConnectorConfigError, ConnectorError
 from omni_mesh.connectors.yuanrong import INSTALL_HINT, client_log_dir
+from omni_mesh.ports import free_port
 
 ALTERNATIVES = (
     "on hosts without Ascend NPUs use ZmqConnector (cross-host over TCP, nothing to deploy) or "
@@ -65,15 +65,6 @@ def ascend_runtime_missing() -> str | None:
         f"cache, not under $ASCEND_HOME_PATH/lib64 or {_DEFAULT_ASCEND_HOME}/lib64; install CANN and run "
         "`source /usr/local/Ascend/ascend-toolkit/set_env.sh`"
     )
-
-
-def _free_port(host: str) -> int:
-    # The engine needs a concrete port up front; another process could take it before the engine
-    # binds it, in which case initialize() fails naming the address (set rpc_port to pin one).
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -133,7 +124,9 @@ class YuanrongTransferEngineConnector(EnginePullConnector):
         if device == "auto":  # one NPU per local rank, as torchrun and vLLM lay processes out
             device = f"npu:{int(os.environ.get('LOCAL_RANK', 0))}"
         pool_device = device if cfg.memory_pool_device in ("auto", "npu") else cfg.memory_pool_device
-        rpc_port = cfg.rpc_port or _free_port(self.host)
+        # The engine needs a concrete port up front; another process could take it before the engine
+        # binds it, in which case initialize() fails naming the address (set rpc_port to pin one).
+        rpc_port = cfg.rpc_port or free_port(self.host)
         address = f"{self.host}:{rpc_port}"
         engine = TransferEngine()
         _ok(

@@ -28,6 +28,7 @@ from omni_mesh.coordinator.http_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, 
 from omni_mesh.coordinator.jsonable import jsonable
 from omni_mesh.coordinator.metrics import CONTENT_TYPE_LATEST, Metrics, stats
 from omni_mesh.coordinator.openai_api import openai_router
+from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S
 from omni_mesh.coordinator.request_body import RequestBody, unpackable
 from omni_mesh.coordinator.service import Coordinator
 from omni_mesh.topology import Topology
@@ -236,7 +237,7 @@ async def serve(
     port: int = 8000,
     control: str = "tcp://0.0.0.0:5555",
     default_timeout_s: float = 30.0,
-    heartbeat_timeout_s: float = 5.0,
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
     grace_s: float = 10.0,
     api_key: str | None = None,
     ssl_keyfile: str | None = None,

@@ -19,7 +19,9 @@ from omni_mesh.control import Heartbeat, Register
 from omni_mesh.hostinfo import machine_id, namespace, shm_domain
 from omni_mesh.topology import Topology
 
-#: How long a replica may stay silent before it leaves the rotation and its requests fail.
+#: How long a replica may stay silent before it leaves the rotation and its requests fail: ten of the
+#: intervals the coordinator announces (service.HEARTBEAT_S), so a replica busy for a few is not lost.
+#: The one default: `serve` uses it, and `omni-mesh coordinator --heartbeat-timeout-s` repeats it.
 HEARTBEAT_TIMEOUT_S = 5.0
 
 

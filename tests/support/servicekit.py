@@ -32,7 +32,6 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from meshkit import _parent_death_signal, descendants, wait_for
 
 from omni_mesh.connectors.shm_segments import (
     SHM_DIR,
@@ -42,8 +41,10 @@ from omni_mesh.connectors.shm_segments import (
     reap_orphaned_segments,
 )
 from omni_mesh.security import ENV_KEYS_DIR, MeshKeys
+from omni_mesh.testing.processes import descendants, die_with_parent
+from support.meshkit import wait_for
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "compose"
 BIN = Path(sys.executable).parent
 OMNI_MESH = BIN / "omni-mesh"
@@ -131,7 +132,7 @@ class Services:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # signals reach it only from us
-                preexec_fn=_parent_death_signal,
+                preexec_fn=die_with_parent,
             )
         service = Service(name, process, log_path, process_start_time(process.pid), forks)
         self.services.append(service)

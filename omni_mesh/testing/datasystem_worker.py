@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,18 +24,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from omni_mesh.ports import free_ports, taken_since
+from omni_mesh.testing.processes import stat_fields
+
 DSCLI = os.path.join(os.path.dirname(sys.executable), "dscli")
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+START_ATTEMPTS = 3  # the ports are picked before the worker binds them: another process may take one
 
 
 @dataclass
@@ -65,11 +57,8 @@ def _stop(pid: int) -> None:
         return
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().split(") ", 1)[1].startswith("Z"):
-                    return
-        except (FileNotFoundError, ProcessLookupError):
+        fields = stat_fields(pid)
+        if fields is None or fields[0] == "Z":
             return
         time.sleep(0.1)
     os.kill(pid, signal.SIGKILL)
@@ -79,13 +68,38 @@ def _stop(pid: int) -> None:
 def running_worker(shared_memory_mb: int = 1024, extra_args: tuple[str, ...] = ()) -> Iterator[Worker]:
     """Start a worker, yield it, stop it (on every path). `extra_args` go to `dscli start` as they are."""
     home = tempfile.mkdtemp(prefix="omy-")  # short: the worker's unix socket path must stay under 80 chars
-    port, metastore = free_ports(2)
-    address = f"127.0.0.1:{port}"
     env = {**os.environ, "DATASYSTEM_CLIENT_LOG_DIR": os.path.join(home, "client-logs")}
     saved = os.environ.get("DATASYSTEM_CLIENT_LOG_DIR")
     os.environ["DATASYSTEM_CLIENT_LOG_DIR"] = env["DATASYSTEM_CLIENT_LOG_DIR"]
+    try:
+        for attempt in range(1, START_ATTEMPTS + 1):
+            ports = free_ports(2)
+            try:
+                pid = _start(home, ports, shared_memory_mb, extra_args, env)
+                break
+            except RuntimeError:
+                if attempt == START_ATTEMPTS or not taken_since("127.0.0.1", ports):
+                    raise
+        try:
+            yield Worker("127.0.0.1", ports[0], env)
+        finally:
+            _stop_worker(pid, f"127.0.0.1:{ports[0]}", env)
+    finally:
+        if saved is None:
+            os.environ.pop("DATASYSTEM_CLIENT_LOG_DIR", None)
+        else:
+            os.environ["DATASYSTEM_CLIENT_LOG_DIR"] = saved
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _start(
+    home: str, ports: list[int], shared_memory_mb: int, extra_args: tuple[str, ...], env: dict
+) -> int | None:
+    """`dscli start` a daemonized worker on `ports` (worker, metastore); its pid if dscli said it. On
+    failure nothing of it is left running and RuntimeError carries dscli's output."""
+    address = f"127.0.0.1:{ports[0]}"
     argv = [DSCLI, "start", "-t", "60", "-d", home, "-w", "--worker_address", address]
-    argv += ["--metastore_address", f"127.0.0.1:{metastore}", "--start_metastore_service", "true"]
+    argv += ["--metastore_address", f"127.0.0.1:{ports[1]}", "--start_metastore_service", "true"]
     argv += ["--shared_memory_size_mb", str(shared_memory_mb), *extra_args]
     pid = None
     try:
@@ -94,14 +108,14 @@ def running_worker(shared_memory_mb: int = 1024, extra_args: tuple[str, ...] = (
         pid = int(found.group(1)) if found else None
         if started.returncode != 0 or "success" not in started.stdout:
             raise RuntimeError(f"dscli did not start a worker on {address}: {started.stdout}{started.stderr}")
-        yield Worker("127.0.0.1", port, env)
-    finally:
-        if pid is not None:
-            _stop(pid)
-        else:  # started but not reported: dscli finds it by its address
-            subprocess.run([DSCLI, "stop", "-w", address], capture_output=True, timeout=60, env=env)
-        if saved is None:
-            os.environ.pop("DATASYSTEM_CLIENT_LOG_DIR", None)
-        else:
-            os.environ["DATASYSTEM_CLIENT_LOG_DIR"] = saved
-        shutil.rmtree(home, ignore_errors=True)
+        return pid
+    except BaseException:
+        _stop_worker(pid, address, env)
+        raise
+
+
+def _stop_worker(pid: int | None, address: str, env: dict) -> None:
+    if pid is not None:
+        _stop(pid)
+    else:  # started but not reported: dscli finds it by its address
+        subprocess.run([DSCLI, "stop", "-w", address], capture_output=True, timeout=60, env=env)

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from meshkit import _parent_death_signal, wait_for
+from omni_mesh.testing.processes import die_with_parent
+from support.meshkit import wait_for
 
 CACHE = Path(os.environ.get("OMNI_MESH_TEST_CACHE", "/var/cache/omni-mesh-test"))
 SUITE = "bookworm"  # Debian 12: Python 3.11, the CPython of the CPU torch wheel (cp311)
@@ -165,7 +166,7 @@ def _start_dockerd(log_dir: Path) -> Engine:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_parent_death_signal,  # the engine goes when this test process does
+            preexec_fn=die_with_parent,  # the engine goes when this test process does
         )
     (CACHE / "dockerd.pid").write_text(f"{process.pid}\n")
     engine = Engine(host, process)

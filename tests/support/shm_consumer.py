@@ -1,6 +1,6 @@
 """The far side of tests/test_shared_memory.py: a SharedMemoryConnector in a separate process.
 
-    python tests/shm_consumer.py CONFIG_HEX      # CONFIG_HEX: the connector's config, msgpack, hex
+    python tests/support/shm_consumer.py CONFIG_HEX      # CONFIG_HEX: the connector's config, msgpack, hex
 
 Commands arrive on stdin and answers leave on stdout, each a msgpack map behind a 4-byte little-endian
 length. Payloads travel back re-encoded with the codec, so the test compares what this process saw.

@@ -10,7 +10,6 @@ Everything a mesh starts is killed on every path, also when a check fails.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -26,12 +25,14 @@ import httpx
 import yaml
 
 from omni_mesh.connectors.shm_segments import list_segments, owner_of, process_start_time
-from omni_mesh.launcher import free_port
+from omni_mesh.ports import free_port, taken_since
+from omni_mesh.testing.processes import descendants, die_with_parent
 
 HANDLERS = Path(__file__).with_name("mesh_handlers.py")
 OMNI_MESH = Path(sys.executable).with_name("omni-mesh")  # the console script next to this venv's python
 READY_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 30.0
+PORT_ATTEMPTS = 3  # the REST port is picked before `up` binds it: another process may take it first
 
 T = TypeVar("T")
 
@@ -49,35 +50,15 @@ def wait_for(condition: Callable[[], T], timeout_s: float, what: str, interval_s
         time.sleep(interval_s)
 
 
-def _parent_death_signal() -> None:
-    """In the launcher, before exec: if this test process dies, the launcher gets SIGTERM."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _ppid(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[1])
-
-
-def descendants(root: int) -> set[int]:
-    """Every live process below `root` (children, their children, ...)."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            ppid = _ppid(int(entry))
-            if ppid is not None:
-                parents.setdefault(ppid, []).append(int(entry))
-    found: set[int] = set()
-    todo = [root]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
+def wait_until(condition: Callable[[], object], timeout_s: float = 5.0) -> bool:
+    """Poll `condition` until it is truthy or `timeout_s` passes; whether it became truthy
+    (for `assert wait_until(...), message`; wait_for is the one that fails by itself)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return bool(condition())
 
 
 class Mesh:
@@ -248,28 +229,32 @@ def start_mesh(
     `env` is added to this process's environment for `up`; `headers` and `verify` go to the mesh's
     HTTP client and `scheme` into its URL (an API key, a mesh serving HTTPS)."""
     path = write_topology(directory, topology)
-    port = free_port()
     log = directory / "mesh.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            up_command(path, port, *extra),
-            env={**os.environ, **env} if env else None,
-            cwd=directory,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            preexec_fn=_parent_death_signal,
-        )
-    mesh = Mesh(process, f"{scheme}://127.0.0.1:{port}", path, log, headers=headers, verify=verify)
-    try:
-        mesh.wait_ready()
-        mesh.remember_tree()
-        mesh.stages()
-    except BaseException:
-        mesh.remember_tree()
-        mesh.kill()
-        raise
-    return mesh
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        port = free_port()
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                up_command(path, port, *extra),
+                env={**os.environ, **env} if env else None,
+                cwd=directory,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent,
+            )
+        mesh = Mesh(process, f"{scheme}://127.0.0.1:{port}", path, log, headers=headers, verify=verify)
+        try:
+            mesh.wait_ready()
+            mesh.remember_tree()
+            mesh.stages()
+            return mesh
+        except BaseException as exc:
+            mesh.remember_tree()
+            mesh.kill()
+            # The port was free when picked; if `up` refused it because someone took it since, pick again.
+            if not isinstance(exc, AssertionError) or attempt == PORT_ATTEMPTS or not taken_since("127.0.0.1", [port]):
+                raise
+    raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager

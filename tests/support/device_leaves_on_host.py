@@ -2,8 +2,8 @@
 without GPUs: tensors of HOST_MIN_BYTES or more leave the frame and land in host receive buffers,
 so the whole protocol (registration, receive buffers, one batch write) runs for real.
 
-Register it under NAME (a lazy "module:Class" path, importable wherever tests/ is on sys.path, as
-in the processes `mooncake_fixtures.Peer` starts).
+Register it under NAME (a lazy "module:Class" path, importable wherever tests/support/ is on sys.path, as
+in the processes `support.peer.Peer` starts).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ class HostDeviceLeavesConnector(MooncakeTransferEngineConnector):
 
 
 def register() -> str:
-    """Make NAME usable with create_connector in this process; returns it."""
-    register_connector(NAME, NAME)
+    """Make NAME usable with create_connector in this process (the class itself: this module may be
+    imported as `support.device_leaves_on_host` here); returns it."""
+    register_connector(NAME, HostDeviceLeavesConnector)
     return NAME

@@ -1,0 +1,55 @@
+"""The helpers the tests and benchmarks lean on (omni_mesh.ports, omni_mesh.testing.processes), against
+real sockets and real processes: a helper that reads /proc wrongly would make other tests pass vacuously."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from omni_mesh.ports import free_port, free_ports, taken_since
+from omni_mesh.testing.processes import children_of, cpu_seconds, descendants, rss_bytes, stat_fields
+
+
+def test_free_ports_are_distinct_and_bindable_and_taken_since_sees_a_listener() -> None:
+    ports = free_ports(4)
+    assert len(set(ports)) == 4 and not taken_since("127.0.0.1", ports)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", free_port()))
+        listener.listen()
+        assert taken_since("127.0.0.1", [ports[0], listener.getsockname()[1]])
+    with socket.create_server(("127.0.0.1", 0)) as server:  # a connection left in TIME_WAIT is not "taken"
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()
+        client.close()
+    assert not taken_since("127.0.0.1", [port])
+
+
+def test_the_process_tree_cpu_time_and_memory_are_read_from_proc() -> None:
+    # A child that starts a grandchild burning CPU, then both wait on stdin.
+    code = (
+        "import subprocess, sys, time\n"
+        "g = subprocess.Popen([sys.executable, '-c', 'import sys, time\\nend = time.time() + 0.3\\n"
+        "while time.time() < end: pass\\nsys.stdin.read()'], stdin=sys.stdin)\n"
+        "print(g.pid, flush=True)\n"
+        "sys.stdin.read()\n"
+        "g.wait()\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        grandchild = int(child.stdout.readline())
+        time.sleep(0.5)
+        assert children_of(child.pid) == {grandchild}
+        assert descendants(os.getpid()) >= {child.pid, grandchild}
+        assert stat_fields(grandchild)[1] == str(child.pid)
+        assert cpu_seconds({grandchild}) >= 0.1
+        assert rss_bytes(child.pid) > 1 << 20
+    finally:
+        child.stdin.close()
+        child.wait(10)
+    assert stat_fields(grandchild) is None or stat_fields(grandchild)[0] == "Z"
+    assert cpu_seconds({child.pid}) == 0.0  # gone (reaped): counts 0
