@@ -259,7 +259,9 @@ class OmniConnectorBase(ABC):
         """The object `serialize_obj` made; bytes from another process are untrusted (no class is imported)."""
         from omni_mesh import codec
 
-        return codec.decode(data, copy=True)
+        # A read-only buffer (bytes) is copied once and decoded as views; a writable one the caller may
+        # reuse, so every leaf is copied out of it.
+        return codec.decode(data, copy=not memoryview(data).readonly)
 
     def warm_up(self) -> None:  # noqa: B027 - an optional hook: most connectors need no warm-up
         """Prepare the producer side (allocate and fault in pools) so the first put pays nothing extra."""
