@@ -36,12 +36,14 @@ from typing import Any
 import numpy as np
 
 from omni_mesh import codec, cuda_ipc
+from omni_mesh.connectors import shm_index
 from omni_mesh.connectors.allocator import PAGE, PoolAllocator, frame_alignment, round_up
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
 from omni_mesh.connectors.shm_segments import (
     SHM_DIR,
     ProcessIdentity,
     create_segment,
+    list_segments,
     new_token,
     open_segment,
     process_start_time,
@@ -55,6 +57,7 @@ __all__ = ["SharedMemoryConfig", "SharedMemoryConnector", "reap_orphaned_segment
 SLOT = struct.Struct("<B3xII4xQ16sQ")  # generation at byte 16
 SLOT_HEADER = 64
 POOL_HEADER = 64
+POOL_START = POOL_HEADER + shm_index.INDEX_BYTES  # the key index follows the pool header
 FREE, WRITTEN, TAKEN, RELEASED = 0, 1, 2, 3
 _TAKER = struct.Struct("<II")
 CLOSE_WAIT_S = 30.0
@@ -179,11 +182,20 @@ class SharedMemoryConnector(OmniConnectorBase):
             "stale_gets",
             "errors",
             "cuda_ipc_tensors",
+            "unindexed_puts",
         )
+        self._indexed: dict[int, tuple[_Slot, int]] = {}  # key index position -> (slot, its generation)
 
     # ------------------------------------------------------------------ producer side
 
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+        try:
+            return self._put(from_stage, to_stage, put_key, data)
+        except Exception as exc:  # vllm-omni's contract: a failed put answers (False, 0, None)
+            self._counters.add("errors")
+            return self._put_failed(from_stage, to_stage, put_key, exc)
+
+    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
         policy = codec.CudaIpcExports() if self.config.cuda_ipc else None
         frame = codec.plan(data, device=policy)
         if policy and policy.exports:
@@ -192,6 +204,10 @@ class SharedMemoryConnector(OmniConnectorBase):
         if size <= self.config.inline_max_bytes:
             # Tiny payloads skip the frame layout: the header and one buffer per leaf, in the metadata.
             metadata = {"inline": frame.header, "parts": frame.inline_parts(), "key": edge_key(from_stage, to_stage, put_key)}
+            # A copy in the pool, where a get by key alone finds it; the inline get releases it.
+            copy = self._put_frame(from_stage, to_stage, put_key, frame, pool_only=True)
+            if copy is not None:
+                metadata.update(copy[2])
             self._count_put(size, "inline_puts")
             return True, size, metadata
         return self._put_frame(from_stage, to_stage, put_key, frame)
@@ -217,22 +233,56 @@ class SharedMemoryConnector(OmniConnectorBase):
         put_key: str,
         frame: codec.FramePlan,
         exports: list[cuda_ipc.Exported] | None = None,
-    ) -> tuple[bool, int, dict]:
+        *,
+        pool_only: bool = False,
+    ) -> tuple[bool, int, dict] | None:
         size = frame.nbytes
-        slot = self._allocate(size, put_key, from_stage, to_stage)
+        slot = self._allocate(size, put_key, from_stage, to_stage, pool_only=pool_only)
+        if slot is None:
+            return None  # pool_only and no room in the pool
         segment, offset, generation = slot.segment, slot.offset, slot.generation
         try:
             frame.write_at(segment.address + offset + SLOT_HEADER)
             slot.exports = exports  # from here on the slot answers for them (a failure above: the caller)
             mm = segment.mm
             # The state byte goes last: a consumer never sees WRITTEN before the frame is complete.
-            SLOT.pack_into(mm, offset, FREE, 0, 0, generation, _digest(from_stage, to_stage, put_key), size)
+            digest = _digest(from_stage, to_stage, put_key)
+            SLOT.pack_into(mm, offset, FREE, 0, 0, generation, digest, size)
             mm[offset] = WRITTEN
+            self._index(slot, digest)
         finally:
             self._done_writing(slot)
+        if pool_only:
+            return True, size, {"segment": segment.name, "offset": offset, "generation": generation}
         self._count_put(size)
         metadata = {"segment": segment.name, "offset": offset, "generation": generation, "length": size}
         return True, size, metadata
+
+    def _index(self, slot: _Slot, digest: bytes) -> None:
+        """Enter a written payload in the pool's key index (shm_index), so a get by key finds it."""
+        segment = 0 if slot.segment.allocator is not None else int(slot.segment.name.rsplit("_x", 1)[1])
+        with self._lock:
+            pool = self._pool
+            if pool is None:
+                return
+            position = shm_index.place(
+                pool.mm, POOL_HEADER, digest, slot.generation, slot.offset, segment, self._indexed_live
+            )
+            if position is None:
+                self._counters.add("unindexed_puts")
+            else:
+                self._indexed[position] = (slot, slot.generation)
+
+    def _indexed_live(self, position: int) -> bool:
+        """Whether the index entry at `position` still names a payload a consumer may take (lock held)."""
+        occupant = self._indexed.get(position)
+        if occupant is None:
+            return False
+        slot, generation = occupant
+        if slot.generation != generation or self._slots.get((slot.segment.name, slot.offset)) is not slot:
+            del self._indexed[position]
+            return False
+        return slot.segment.mm[slot.offset] in (WRITTEN, TAKEN)
 
     def warm_up(self) -> None:
         with self._lock:
@@ -241,8 +291,11 @@ class SharedMemoryConnector(OmniConnectorBase):
     def _count_put(self, size: int, extra: str | None = None) -> None:
         self._counters.add_pair("puts", "bytes_put", size, extra)
 
-    def _allocate(self, size: int, put_key: str, from_stage: str, to_stage: str) -> _Slot:
-        """A slot for a `size`-byte frame, counted as being written until `_done_writing`."""
+    def _allocate(
+        self, size: int, put_key: str, from_stage: str, to_stage: str, *, pool_only: bool = False
+    ) -> _Slot | None:
+        """A slot for a `size`-byte frame, counted as being written until `_done_writing`; with
+        `pool_only`, None where the pool has no room (no one-off segment)."""
         # Large frames start on a page boundary, the slot header just before it: the codec's placing
         # of large leaves at fast page offsets relies on it.
         need = SLOT_HEADER + size
@@ -259,11 +312,13 @@ class SharedMemoryConnector(OmniConnectorBase):
                 reused = self._reclaim_locked(check_takers=False, reuse=(need, align))
                 if reused is not None:
                     return self._refill_locked(reused, put_key)
-            if need + align <= pool.allocator.size - POOL_HEADER:
+            if need + align <= pool.allocator.size - POOL_START:
                 offset = pool.allocator.allocate(need, align=align, skew=SLOT_HEADER)
                 if offset is None:
                     self._reclaim_locked(check_takers=True)
                     offset = pool.allocator.allocate(need, align=align, skew=SLOT_HEADER)
+            if offset is None and pool_only:
+                return None
             if offset is None:
                 # A one-off segment; the slot header sits just before its first page boundary.
                 skew = PAGE - SLOT_HEADER if align == PAGE else 0
@@ -304,7 +359,7 @@ class SharedMemoryConnector(OmniConnectorBase):
 
     def _pool_locked(self) -> _Segment:
         if self._pool is None:
-            size = round_up(max(self.config.memory_pool_size, POOL_HEADER + SLOT_HEADER))
+            size = round_up(shm_index.INDEX_BYTES + max(self.config.memory_pool_size, POOL_HEADER + SLOT_HEADER))
             name = segment_name(self._identity, self._token)
             try:
                 mm = create_segment(name, size, populate=self.config.prefault)
@@ -314,7 +369,7 @@ class SharedMemoryConnector(OmniConnectorBase):
                     f"SharedMemoryConnector: no shared memory for a {size}-byte pool: {exc}; free /dev/shm, "
                     f"raise the container's shm_size or lower memory_pool_size"
                 ) from exc
-            self._pool = _Segment(name, mm, PoolAllocator(size, start=POOL_HEADER))
+            self._pool = _Segment(name, mm, PoolAllocator(size, start=POOL_START))
             self._own[name] = self._pool
             self._mapped[name] = mm  # so that gets in this process find it at once
         return self._pool
@@ -400,11 +455,8 @@ class SharedMemoryConnector(OmniConnectorBase):
     def get(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None = None
     ) -> tuple[Any, int] | None:
-        if type(metadata) is not dict:
-            raise ConnectorError(
-                f"SharedMemoryConnector: get of {_where(from_stage, to_stage, get_key)} needs the metadata "
-                "that put() returned"
-            )
+        if type(metadata) is not dict or ("segment" not in metadata and "inline" not in metadata):
+            return self._get_by_key(from_stage, to_stage, get_key)  # no (or partial) metadata: the key alone
         inline = metadata.get("inline")
         if inline is not None:
             return self._get_inline(from_stage, to_stage, get_key, metadata, inline)
@@ -454,6 +506,46 @@ class SharedMemoryConnector(OmniConnectorBase):
         self._counters.add_pair("gets", "bytes_got", length)
         return data, length
 
+    def _wait_once(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None, deadline: float
+    ) -> tuple[Any, int] | None:
+        result = self.get(from_stage, to_stage, get_key, metadata)
+        if result is None and type(metadata) is dict and ("segment" in metadata or "inline" in metadata):
+            # What put() returned names one slot: once that is gone, waiting cannot bring it back.
+            raise ConnectorError(
+                f"SharedMemoryConnector: {_where(from_stage, to_stage, get_key)} is gone: stale, already "
+                "consumed, cleaned up, or its producer died"
+            )
+        return result
+
+    def _get_by_key(self, from_stage: str, to_stage: str, get_key: str) -> tuple[Any, int] | None:
+        """Find the payload in the key index of every pool on this host (shm_index); None if none has it."""
+        digest = _digest(from_stage, to_stage, get_key)
+        for name in self._pool_names():
+            try:
+                mm = self._mapped.get(name) or self._mapping(name, from_stage, to_stage, get_key)
+            except ConnectorError:
+                continue  # another user's segment, or one being torn down
+            if mm is None:
+                continue
+            for generation, offset, segment in shm_index.lookup(mm, POOL_HEADER, digest):
+                where = name if segment == 0 else f"{name}_x{segment}"
+                target = mm if segment == 0 else self._mapping(where, from_stage, to_stage, get_key)
+                if target is None or offset + SLOT_HEADER > len(target):
+                    continue
+                length = struct.unpack_from("<Q", target, offset + 40)[0]
+                metadata = {"segment": where, "offset": offset, "generation": generation, "length": length}
+                result = self.get(from_stage, to_stage, get_key, metadata)
+                if result is not None:
+                    return result
+        return None
+
+    def _pool_names(self) -> list[str]:
+        """This process's pool first, then every other producer's pool on the host (one-off segments
+        are found through their pool's index)."""
+        own = [self._pool.name] if self._pool is not None else []
+        return own + [name for name in list_segments() if "_x" not in name and name not in own]
+
     def _own_exports(self, name: str, offset: int) -> list[Any] | None:
         """The CUDA tensors of a payload this process put itself (its IPC handles cannot be opened here)."""
         if name not in self._own:
@@ -465,6 +557,8 @@ class SharedMemoryConnector(OmniConnectorBase):
         if metadata.get("key") != edge_key(from_stage, to_stage, get_key):
             return self._stale()  # metadata of another key or edge: never hand out its data
         parts = metadata.get("parts")
+        if "segment" in metadata and not self._take_copy(from_stage, to_stage, get_key, metadata):
+            return self._stale()  # its pool copy was taken by a get by key, or cleaned up
         try:
             data = codec.decode_parts(inline, parts)
         except codec.FrameError as exc:
@@ -474,6 +568,23 @@ class SharedMemoryConnector(OmniConnectorBase):
         size = len(inline) + sum(map(len, parts))
         self._counters.add_pair("gets", "bytes_got", size)
         return data, size
+
+    def _take_copy(self, from_stage: str, to_stage: str, get_key: str, metadata: dict) -> bool:
+        """Release the pool copy of an inline payload (put for gets by key); False if someone else
+        took it or it was freed. A producer that is gone took its copy along: the inline data stands."""
+        name, offset, generation = metadata.get("segment"), metadata.get("offset"), metadata.get("generation")
+        if type(name) is not str or type(offset) is not int or type(generation) is not int or offset < 0:
+            return False
+        mm = self._mapped.get(name) or self._mapping(name, from_stage, to_stage, get_key)
+        if mm is None:
+            return True
+        if offset + SLOT_HEADER > len(mm):
+            return False
+        state, _, _, slot_generation, digest, _ = SLOT.unpack_from(mm, offset)
+        if slot_generation != generation or digest != _digest(from_stage, to_stage, get_key) or state != WRITTEN:
+            return False
+        mm[offset] = RELEASED
+        return True
 
     def _stale(self) -> None:
         self._counters.add("stale_gets")
@@ -524,6 +635,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         return {
             "status": status,
             **counters,
+            **self._put_health(),
             "pool_size": pool_size,
             "pool_in_use": in_use,
             "live_payloads": live,

@@ -10,7 +10,8 @@ percent-escaped (`%XX`, injective), so `thinker->talker/req-1/0` becomes
 `omni;thinker-%3Etalker%2Freq-1%2F0`; keys longer than the 255-character limit end in `#<sha256>`.
 Unconsumed payloads are deleted by the worker after `ttl_s`, or by `cleanup(request_id)`.
 
-The datasystem client holds the GIL while it blocks, so every call is kept short: a `get` polls with
+The datasystem client holds the GIL while it blocks, so every call is kept short: `get` is one call
+that does not wait (None when the key is not there); `get_with_deadline` polls with
 `get_sub_timeout_ms` slices up to its deadline instead of one long wait.
 """
 
@@ -208,6 +209,13 @@ class YuanrongConnector(OmniConnectorBase):
     # ---------------------------------------------------------------- put
 
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+        try:
+            return self._put(from_stage, to_stage, put_key, data)
+        except Exception as exc:  # vllm-omni's contract: a failed put answers (False, 0, None)
+            self._error()
+            return self._put_failed(from_stage, to_stage, put_key, exc)
+
+    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
         where = f"YuanrongConnector: put {from_stage}->{to_stage} key {put_key!r}"
         if self._client is None:
             raise ConnectorError(f"{where}: the connector is closed")
@@ -223,7 +231,6 @@ class YuanrongConnector(OmniConnectorBase):
             frame.write_into(buffers[0].MutableData())  # straight into the worker's shared memory
             self._call(where, "mset_buffer", buffers)
         except _WorkerError as exc:
-            self._error()
             raise ConnectorError(f"{where} ({frame.nbytes} bytes) on worker {self.worker}: {exc}") from None
         finally:
             buffers = None
@@ -253,17 +260,30 @@ class YuanrongConnector(OmniConnectorBase):
         *,
         timeout_s: float | None = None,
     ) -> tuple[Any, int] | None:
-        """Works with metadata=None too (the key derives from edge and get_key); `timeout_s` overrides
-        get_timeout_s for this call."""
+        """A poll (one short call to the worker): None while the key is not there. Works with
+        metadata=None too (the key derives from edge and get_key). With `timeout_s` it waits that
+        long instead, then raises."""
+        if timeout_s is None:
+            return self._get(from_stage, to_stage, get_key, metadata, time.monotonic(), poll=True)
+        return self._get(from_stage, to_stage, get_key, metadata, time.monotonic() + timeout_s, poll=False)
+
+    def _wait_once(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None, deadline: float
+    ) -> tuple[Any, int] | None:
+        return self._get(from_stage, to_stage, get_key, metadata, deadline, poll=False)
+
+    def _get(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: Any, deadline: float, *, poll: bool
+    ) -> tuple[Any, int] | None:
         edge, ds_key = self._key(from_stage, to_stage, get_key)
         where = f"YuanrongConnector: get {from_stage}->{to_stage} key {get_key!r}"
         if isinstance(metadata, dict) and metadata.get("key", ds_key) != ds_key:
             raise ConnectorError(
                 f"{where}: the metadata is for datasystem key {metadata['key']!r}, not {ds_key!r}"
             )
-        timeout = self.config.get_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout
-        buffers = self._wait_for(ds_key, deadline, timeout, where)
+        buffers = self._wait_for(ds_key, deadline, where, poll=poll)
+        if buffers is None:
+            return None
         try:
             view = buffers[0].immutable_data()
             size = len(view)
@@ -284,8 +304,9 @@ class YuanrongConnector(OmniConnectorBase):
         self._counters.add("bytes_got", size)
         return obj, size
 
-    def _wait_for(self, ds_key: str, deadline: float, timeout: float, where: str) -> list:
+    def _wait_for(self, ds_key: str, deadline: float, where: str, *, poll: bool) -> list | None:
         sub_ms = self.config.get_sub_timeout_ms
+        started = time.monotonic()
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             try:
@@ -295,9 +316,12 @@ class YuanrongConnector(OmniConnectorBase):
                     self._error()
                     raise ConnectorError(f"{where} ({ds_key!r}) from worker {self.worker}: {exc}") from None
             if time.monotonic() >= deadline:
+                if poll:
+                    return None
                 self._error()
                 raise ConnectorError(
-                    f"{where}: datasystem key {ds_key!r} not on worker {self.worker} after {timeout:g}s; "
+                    f"{where}: datasystem key {ds_key!r} not on worker {self.worker} after "
+                    f"{time.monotonic() - started:.3g}s; "
                     "it was never put, another consumer took it, or it expired (ttl_s)"
                 )
             # The client held the GIL for that whole poll: give other threads as long before the next.
@@ -356,7 +380,9 @@ class YuanrongConnector(OmniConnectorBase):
         self._last_error = time.monotonic()
 
     def health(self) -> dict:
-        report: dict[str, Any] = {**self._counters.snapshot(), "worker": self.worker, "held": len(self._mine)}
+        report: dict[str, Any] = {
+            **self._counters.snapshot(), **self._put_health(), "worker": self.worker, "held": len(self._mine)
+        }
         try:
             status = self._call("YuanrongConnector: health", "health_check")
             reachable, detail = status.is_ok(), status.to_string()
