@@ -60,6 +60,7 @@ POOL_HEADER = 64
 POOL_START = POOL_HEADER + shm_index.INDEX_BYTES  # the key index follows the pool header
 FREE, WRITTEN, TAKEN, RELEASED = 0, 1, 2, 3
 _TAKER = struct.Struct("<II")
+_GENERATION = struct.Struct("<Q")
 CLOSE_WAIT_S = 30.0
 REUSE_SLACK = 2 * PAGE  # a released slot is refilled by a put this much smaller at most
 
@@ -580,8 +581,8 @@ class SharedMemoryConnector(OmniConnectorBase):
             return True
         if offset + SLOT_HEADER > len(mm):
             return False
-        state, _, _, slot_generation, digest, _ = SLOT.unpack_from(mm, offset)
-        if slot_generation != generation or digest != _digest(from_stage, to_stage, get_key) or state != WRITTEN:
+        # Generations are unique within a producer: with the segment they name this one put.
+        if mm[offset] != WRITTEN or _GENERATION.unpack_from(mm, offset + 16)[0] != generation:
             return False
         mm[offset] = RELEASED
         return True

@@ -24,6 +24,7 @@ ENTRY = struct.Struct("<16sQII")
 ENTRIES = 4096
 PROBE = 8
 INDEX_BYTES = ENTRY.size * ENTRIES  # 128 KiB
+_EMPTY = bytes(16)
 
 
 def _positions(digest: bytes) -> Iterator[int]:
@@ -36,6 +37,12 @@ def place(
 ) -> int | None:
     """Write the entry for one payload; its position, or None when every probe holds a live payload.
     `live(position)` says whether the entry there still names a payload that can be taken."""
+    first = int.from_bytes(digest[:4], "little") % ENTRIES
+    at = start + first * ENTRY.size
+    if mm[at : at + 16] == digest or not live(first):  # the usual case: one look
+        ENTRY.pack_into(mm, at, _EMPTY, generation, offset, segment)
+        mm[at : at + 16] = digest
+        return first
     chosen = None
     for position in _positions(digest):
         at = start + position * ENTRY.size
@@ -47,14 +54,14 @@ def place(
     if chosen is None:
         return None
     at = start + chosen * ENTRY.size
-    ENTRY.pack_into(mm, at, b"\0" * 16, generation, offset, segment)
+    ENTRY.pack_into(mm, at, _EMPTY, generation, offset, segment)
     mm[at : at + 16] = digest  # the digest last: a reader never matches a half-written entry
     return chosen
 
 
 def clear(mm: Any, start: int, position: int) -> None:
     at = start + position * ENTRY.size
-    mm[at : at + 16] = b"\0" * 16
+    mm[at : at + 16] = _EMPTY
 
 
 def lookup(mm: Any, start: int, digest: bytes) -> list[tuple[int, int, int]]:
