@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from omni_mesh import codec, cuda_ipc
-from omni_mesh.connectors import shm_index
+from omni_mesh.connectors import shm_cells, shm_index
 from omni_mesh.connectors.allocator import PAGE, PoolAllocator, frame_alignment, round_up
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
 from omni_mesh.connectors.shm_segments import (
@@ -57,7 +57,7 @@ __all__ = ["SharedMemoryConfig", "SharedMemoryConnector", "reap_orphaned_segment
 SLOT = struct.Struct("<B3xII4xQ16sQ")  # generation at byte 16
 SLOT_HEADER = 64
 POOL_HEADER = 64
-POOL_START = POOL_HEADER + shm_index.INDEX_BYTES  # the key index follows the pool header
+CELLS_START = POOL_HEADER + shm_index.INDEX_BYTES  # the pool: header, key index, tiny-payload cells, slots
 FREE, WRITTEN, TAKEN, RELEASED = 0, 1, 2, 3
 _TAKER = struct.Struct("<II")
 _GENERATION = struct.Struct("<Q")
@@ -185,7 +185,11 @@ class SharedMemoryConnector(OmniConnectorBase):
             "cuda_ipc_tensors",
             "unindexed_puts",
         )
-        self._indexed: dict[int, tuple[_Slot, int]] = {}  # key index position -> (slot, its generation)
+        # key index position -> (mapping, offset, generation, slot or None for a cell) of the payload there
+        self._indexed: dict[int, tuple[mmap.mmap, int, int, _Slot | None]] = {}
+        self._cell_size = shm_cells.cell_size(SLOT_HEADER, self.config.inline_max_bytes)
+        self._pool_start = CELLS_START + shm_cells.COUNT * self._cell_size
+        self._cells: shm_cells.Cells | None = None
 
     # ------------------------------------------------------------------ producer side
 
@@ -201,17 +205,30 @@ class SharedMemoryConnector(OmniConnectorBase):
         frame = codec.plan(data, device=policy)
         if policy and policy.exports:
             return self._put_with_exports(from_stage, to_stage, put_key, frame, policy.exports)
-        size = frame.payload_bytes
-        if size <= self.config.inline_max_bytes:
-            # Tiny payloads skip the frame layout: the header and one buffer per leaf, in the metadata.
-            metadata = {"inline": frame.header, "parts": frame.inline_parts(), "key": edge_key(from_stage, to_stage, put_key)}
-            # A copy in the pool, where a get by key alone finds it; the inline get releases it.
-            copy = self._put_frame(from_stage, to_stage, put_key, frame, pool_only=True)
-            if copy is not None:
-                metadata.update(copy[2])
-            self._count_put(size, "inline_puts")
-            return True, size, metadata
+        if frame.payload_bytes <= self.config.inline_max_bytes:
+            return self._put_inline(from_stage, to_stage, put_key, frame)
         return self._put_frame(from_stage, to_stage, put_key, frame)
+
+    def _put_inline(
+        self, from_stage: str, to_stage: str, put_key: str, frame: codec.FramePlan
+    ) -> tuple[bool, int, dict]:
+        """A tiny payload travels in the metadata. Its frame is laid into the pool like any other (where
+        a get by key alone finds it) and the metadata carries a copy of those bytes; the inline get
+        releases the slot. With the pool full it travels in the metadata only (header and leaves)."""
+        key = edge_key(from_stage, to_stage, put_key)
+        written = self._put_cell(from_stage, to_stage, put_key, frame)
+        if written is None:
+            written = self._put_frame(from_stage, to_stage, put_key, frame, pool_only=True)
+        if written is None:
+            metadata = {"inline": frame.header, "parts": frame.inline_parts(), "key": key}
+            size = frame.payload_bytes
+        else:
+            size, metadata = written[1], written[2]
+            start = metadata["offset"] + SLOT_HEADER
+            metadata["frame"] = self._pool.mm[start : start + size]
+            metadata["key"] = key
+        self._count_put(size, "inline_puts")
+        return True, size, metadata
 
     def _put_with_exports(
         self, from_stage: str, to_stage: str, put_key: str, frame: codec.FramePlan, exports: list[cuda_ipc.Exported]
@@ -250,7 +267,8 @@ class SharedMemoryConnector(OmniConnectorBase):
             digest = _digest(from_stage, to_stage, put_key)
             SLOT.pack_into(mm, offset, FREE, 0, 0, generation, digest, size)
             mm[offset] = WRITTEN
-            self._index(slot, digest)
+            segment_id = 0 if segment.allocator is not None else int(segment.name.rsplit("_x", 1)[1])
+            self._index(mm, offset, generation, digest, segment_id, slot)
         finally:
             self._done_writing(slot)
         if pool_only:
@@ -259,31 +277,62 @@ class SharedMemoryConnector(OmniConnectorBase):
         metadata = {"segment": segment.name, "offset": offset, "generation": generation, "length": size}
         return True, size, metadata
 
-    def _index(self, slot: _Slot, digest: bytes) -> None:
+    def _put_cell(
+        self, from_stage: str, to_stage: str, put_key: str, frame: codec.FramePlan
+    ) -> tuple[bool, int, dict] | None:
+        """Lay a tiny frame into a free cell of the pool (shm_cells); None when none is free."""
+        size = frame.nbytes
+        if size > self._cell_size - SLOT_HEADER:
+            return None
+        with self._lock:
+            if self._closed:
+                raise ConnectorError(f"SharedMemoryConnector is closed (put {put_key!r} on {from_stage}->{to_stage})")
+            pool = self._pool or self._pool_locked()
+            offset = self._cells.take(put_key)
+            generation = next(self._generations)
+        if offset is None:
+            return None
+        mm = pool.mm
+        try:
+            frame.write_at(pool.address + offset + SLOT_HEADER)
+        except BaseException:
+            with self._lock:
+                self._cells.give_back(offset, FREE)
+            raise
+        digest = _digest(from_stage, to_stage, put_key)
+        SLOT.pack_into(mm, offset, TAKEN, 0, 0, generation, digest, size)
+        mm[offset] = WRITTEN
+        self._index(pool.mm, offset, generation, digest, 0, None)
+        return True, size, {"segment": pool.name, "offset": offset, "generation": generation}
+
+    def _index(
+        self, mm: mmap.mmap, offset: int, generation: int, digest: bytes, segment: int, slot: _Slot | None
+    ) -> None:
         """Enter a written payload in the pool's key index (shm_index), so a get by key finds it."""
-        segment = 0 if slot.segment.allocator is not None else int(slot.segment.name.rsplit("_x", 1)[1])
         with self._lock:
             pool = self._pool
             if pool is None:
                 return
-            position = shm_index.place(
-                pool.mm, POOL_HEADER, digest, slot.generation, slot.offset, segment, self._indexed_live
-            )
+            position = shm_index.place(pool.mm, POOL_HEADER, digest, generation, offset, segment, self._indexed_live)
             if position is None:
                 self._counters.add("unindexed_puts")
             else:
-                self._indexed[position] = (slot, slot.generation)
+                self._indexed[position] = (mm, offset, generation, slot)
 
     def _indexed_live(self, position: int) -> bool:
         """Whether the index entry at `position` still names a payload a consumer may take (lock held)."""
         occupant = self._indexed.get(position)
         if occupant is None:
             return False
-        slot, generation = occupant
-        if slot.generation != generation or self._slots.get((slot.segment.name, slot.offset)) is not slot:
+        mm, offset, generation, slot = occupant
+        if (
+            (slot is not None and self._slots.get((slot.segment.name, slot.offset)) is not slot)
+            or mm.closed
+            or _GENERATION.unpack_from(mm, offset + 16)[0] != generation
+        ):
             del self._indexed[position]
             return False
-        return slot.segment.mm[slot.offset] in (WRITTEN, TAKEN)
+        return mm[offset] in (WRITTEN, TAKEN)
 
     def warm_up(self) -> None:
         with self._lock:
@@ -313,7 +362,7 @@ class SharedMemoryConnector(OmniConnectorBase):
                 reused = self._reclaim_locked(check_takers=False, reuse=(need, align))
                 if reused is not None:
                     return self._refill_locked(reused, put_key)
-            if need + align <= pool.allocator.size - POOL_START:
+            if need + align <= pool.allocator.size - self._pool_start:
                 offset = pool.allocator.allocate(need, align=align, skew=SLOT_HEADER)
                 if offset is None:
                     self._reclaim_locked(check_takers=True)
@@ -360,7 +409,8 @@ class SharedMemoryConnector(OmniConnectorBase):
 
     def _pool_locked(self) -> _Segment:
         if self._pool is None:
-            size = round_up(shm_index.INDEX_BYTES + max(self.config.memory_pool_size, POOL_HEADER + SLOT_HEADER))
+            reserved = self._pool_start - POOL_HEADER  # the key index and the cells
+            size = round_up(reserved + max(self.config.memory_pool_size, POOL_HEADER + SLOT_HEADER))
             name = segment_name(self._identity, self._token)
             try:
                 mm = create_segment(name, size, populate=self.config.prefault)
@@ -370,8 +420,9 @@ class SharedMemoryConnector(OmniConnectorBase):
                     f"SharedMemoryConnector: no shared memory for a {size}-byte pool: {exc}; free /dev/shm, "
                     f"raise the container's shm_size or lower memory_pool_size"
                 ) from exc
-            self._pool = _Segment(name, mm, PoolAllocator(size, start=POOL_START))
+            self._pool = _Segment(name, mm, PoolAllocator(size, start=self._pool_start))
             self._own[name] = self._pool
+            self._cells = shm_cells.Cells(mm, CELLS_START, self._cell_size, reusable=(RELEASED,), writing=TAKEN)
             self._mapped[name] = mm  # so that gets in this process find it at once
         return self._pool
 
@@ -450,6 +501,8 @@ class SharedMemoryConnector(OmniConnectorBase):
                 owned = slot.put_key == key or slot.put_key.startswith(prefix)
                 if owned and slot not in self._writing and slot.segment.mm[slot.offset] != TAKEN:
                     self._free_locked(slot)
+            if self._cells is not None:
+                self._cells.clean(key, waiting=WRITTEN, free=FREE)
 
     # ------------------------------------------------------------------ consumer side
 
@@ -458,6 +511,9 @@ class SharedMemoryConnector(OmniConnectorBase):
     ) -> tuple[Any, int] | None:
         if type(metadata) is not dict or ("segment" not in metadata and "inline" not in metadata):
             return self._get_by_key(from_stage, to_stage, get_key)  # no (or partial) metadata: the key alone
+        framed = metadata.get("frame")
+        if framed is not None:
+            return self._get_framed(from_stage, to_stage, get_key, metadata, framed)
         inline = metadata.get("inline")
         if inline is not None:
             return self._get_inline(from_stage, to_stage, get_key, metadata, inline)
@@ -558,8 +614,6 @@ class SharedMemoryConnector(OmniConnectorBase):
         if metadata.get("key") != edge_key(from_stage, to_stage, get_key):
             return self._stale()  # metadata of another key or edge: never hand out its data
         parts = metadata.get("parts")
-        if "segment" in metadata and not self._take_copy(from_stage, to_stage, get_key, metadata):
-            return self._stale()  # its pool copy was taken by a get by key, or cleaned up
         try:
             data = codec.decode_parts(inline, parts)
         except codec.FrameError as exc:
@@ -567,6 +621,23 @@ class SharedMemoryConnector(OmniConnectorBase):
             where = _where(from_stage, to_stage, get_key)
             raise ConnectorError(f"SharedMemoryConnector: bad inline payload for {where}: {exc}") from None
         size = len(inline) + sum(map(len, parts))
+        self._counters.add_pair("gets", "bytes_got", size)
+        return data, size
+
+    def _get_framed(self, from_stage: str, to_stage: str, get_key: str, metadata: dict, framed: Any) -> Any:
+        """A tiny payload's frame from the metadata; its slot in the pool is released (or, taken by a
+        get by key or cleaned up already, the payload is gone)."""
+        if metadata.get("key") != edge_key(from_stage, to_stage, get_key) or type(framed) is not bytes:
+            return self._stale()  # metadata of another key or edge: never hand out its data
+        if not self._take_copy(from_stage, to_stage, get_key, metadata):
+            return self._stale()
+        try:
+            data = codec.decode(framed)
+        except codec.FrameError as exc:
+            self._counters.add("errors")
+            where = _where(from_stage, to_stage, get_key)
+            raise ConnectorError(f"SharedMemoryConnector: bad inline payload for {where}: {exc}") from None
+        size = len(framed)
         self._counters.add_pair("gets", "bytes_got", size)
         return data, size
 
@@ -625,7 +696,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             pool = self._pool
             pool_size = pool.allocator.size if pool else 0
             in_use = pool.allocator.in_use if pool else 0
-            live = len(self._slots)
+            live = len(self._slots) + (len(self._cells) if self._cells is not None else 0)
         status = (
             "unhealthy"
             if self._closed
@@ -663,6 +734,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             self._own.clear()
             self._slots.clear()
             self._pool = None
+            self._cells = None
             self._mapped.clear()  # mappings with live views stay alive until those views die
 
     def __del__(self) -> None:
