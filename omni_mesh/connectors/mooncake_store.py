@@ -303,6 +303,18 @@ class MooncakeStoreConnector(OmniConnectorBase):
         if store is not None and keys:
             store.batch_remove(keys, True)  # not-found (consumed meanwhile) is fine
 
+    def reap_consumed(self) -> None:
+        """Forget the keys this process put that a consumer elsewhere has taken (removed from the store)."""
+        with self._lock:
+            keys, store = list(self._owned), self._store
+        if not keys or store is None or self._closed:
+            return
+        found = store.batch_is_exist(keys)  # 1 there, 0 gone, negative: unknown (kept)
+        with self._lock:
+            for key, there in zip(keys, found, strict=False):
+                if there == 0:
+                    self._owned.pop(key, None)
+
     def cleanup(self, key: str) -> None:
         """Remove the keys this process put under `key` or `key/...` that nobody consumed yet."""
         prefix = key + "/"

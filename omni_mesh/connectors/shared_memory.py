@@ -493,6 +493,13 @@ class SharedMemoryConnector(OmniConnectorBase):
                     exported.release_unmapped()
         slot.exports = None
 
+    def reap_consumed(self) -> None:
+        """Free the slots consumers have released (and those taken by consumers that died) now, rather
+        than at the next put that needs room."""
+        with self._lock:
+            if not self._closed and self._slots:
+                self._reclaim_locked(check_takers=True)
+
     def cleanup(self, key: str) -> None:
         """Free what this process put under `key` (or `key/...`) that no consumer holds."""
         prefix = key + "/"
@@ -509,6 +516,8 @@ class SharedMemoryConnector(OmniConnectorBase):
     def get(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None = None
     ) -> tuple[Any, int] | None:
+        if self._closed:
+            raise ConnectorError(f"SharedMemoryConnector is closed (get of {_where(from_stage, to_stage, get_key)})")
         if type(metadata) is not dict or ("segment" not in metadata and "inline" not in metadata):
             return self._get_by_key(from_stage, to_stage, get_key)  # no (or partial) metadata: the key alone
         framed = metadata.get("frame")

@@ -365,6 +365,21 @@ class YuanrongConnector(OmniConnectorBase):
 
     # ---------------------------------------------------------------- lifecycle
 
+    def reap_consumed(self) -> None:
+        """Forget the keys this process put that a consumer elsewhere has taken (gone from the worker)."""
+        with self._lock:
+            mine = list(self._mine.items())
+        if not mine or self._client is None:
+            return
+        try:
+            there = self._call("YuanrongConnector: reap_consumed", "exist", [ds_key for _, (ds_key, _, _) in mine])
+        except (_WorkerError, ConnectorError):
+            return  # the worker is unreachable or we are closing: nothing is forgotten
+        with self._lock:
+            for (edge, held), exists in zip(mine, there, strict=False):
+                if not exists and self._mine.get(edge) == held:
+                    del self._mine[edge]
+
     def cleanup(self, key: str) -> None:
         prefix = key + "/"
         with self._lock:
