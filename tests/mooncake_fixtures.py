@@ -8,6 +8,7 @@ output never gets mistaken for one.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import torch
 
@@ -210,6 +212,15 @@ def blackhole() -> Iterator[str]:
         listener.close()
 
 
+def pack(metadata: Any) -> str:
+    """Metadata as text for the peer's JSON lines: msgpack (what the control plane carries), base64."""
+    return base64.b64encode(msgpack.packb(metadata, use_bin_type=True)).decode()
+
+
+def unpack(text: str) -> Any:
+    return msgpack.unpackb(base64.b64decode(text), raw=False)
+
+
 def _serve(connector_name: str, config: dict[str, Any]) -> None:
     from omni_mesh.connectors import create_connector
 
@@ -228,11 +239,13 @@ def _serve(connector_name: str, config: dict[str, Any]) -> None:
                     ok, size, metadata = connector.put(
                         command["from"], command["to"], command["key"], payload(command["payload"])
                     )
-                    reply({"ok": ok, "size": size, "metadata": metadata})
+                    try:
+                        reply({"ok": ok, "size": size, "metadata": metadata})
+                    except TypeError:  # bytes in the metadata: it travels as msgpack, as on the control plane
+                        reply({"ok": ok, "size": size, "packed": pack(metadata)})
                 elif op == "get":
-                    result = connector.get(
-                        command["from"], command["to"], command["key"], command.get("metadata")
-                    )
+                    metadata = unpack(command["packed"]) if "packed" in command else command.get("metadata")
+                    result = connector.get(command["from"], command["to"], command["key"], metadata)
                     assert result is not None, "get returned None"
                     data, size = result
                     if command.get("hold"):

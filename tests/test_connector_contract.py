@@ -23,7 +23,7 @@ import msgpack
 import pytest
 import torch
 from contract_backends import BACKENDS, Backend, running
-from mooncake_fixtures import PAYLOADS, Peer, mismatch, payload
+from mooncake_fixtures import PAYLOADS, Peer, mismatch, pack, payload, unpack
 
 from omni_mesh import codec
 from omni_mesh.connectors import ConnectorConfigError, ConnectorError
@@ -290,7 +290,8 @@ def test_a_consumer_in_another_process_gets_what_this_one_put(pair, peer: Peer, 
     producer, _ = pair
     ok, size, metadata = producer.put("s0", "s1", f"xproc-{kind}/0", payload(kind))
     assert ok
-    reply = peer.ask(op="get", **{"from": "s0", "to": "s1"}, key=f"xproc-{kind}/0", metadata=wire(metadata), expect=kind)
+    edge = {"from": "s0", "to": "s1"}
+    reply = peer.ask(op="get", **edge, key=f"xproc-{kind}/0", packed=pack(metadata), expect=kind)
     assert reply.get("error") is None and reply["mismatch"] is None and reply["size"] == size, reply
 
 
@@ -298,11 +299,10 @@ def test_this_process_gets_by_key_what_another_one_put(peer: Peer, pair, backend
     _, consumer = pair
     put = peer.ask(op="put", **{"from": "s0", "to": "s1"}, key="xkey/0", payload="mixed")
     assert put.get("ok"), put
-    data, size = consumer.get_with_deadline(
-        "s0", "s1", "xkey/0", backend.partial(put["metadata"]), deadline=time.monotonic() + 10
-    )
+    partial = backend.partial(unpack(put["packed"]) if "packed" in put else put["metadata"])
+    data, size = consumer.get_with_deadline("s0", "s1", "xkey/0", partial, deadline=time.monotonic() + 10)
     assert size == put["size"] and mismatch(payload("mixed"), data) is None
-    assert consumer.get("s0", "s1", "xkey/0", backend.partial(put["metadata"])) is None
+    assert consumer.get("s0", "s1", "xkey/0", partial) is None
 
 
 def test_a_payload_outlives_nothing_it_should_not(pair, backend: Backend) -> None:
