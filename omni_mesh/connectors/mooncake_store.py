@@ -227,7 +227,9 @@ class MooncakeStoreConnector(OmniConnectorBase):
         where = payload_name(from_stage, to_stage, get_key)
         store, pool = self._open(f"get of {where}")
         key = self._store_key(from_stage, to_stage, get_key)
-        if metadata is not None and (not isinstance(metadata, dict) or metadata.get("key", key) != key):
+        if not isinstance(metadata, dict):
+            metadata = None  # none, or not put()'s: the key alone locates the payload
+        if metadata is not None and metadata.get("key", key) != key:
             raise ConnectorError(f"{OWNER}: metadata for {where} was made for another payload: {metadata!r}")
         hint = metadata.get("length") if isinstance(metadata, dict) else None
         fetched = self._fetch(store, pool, key, hint if type(hint) is int and hint > 0 else None, where)

@@ -150,6 +150,7 @@ class YuanrongConnector(OmniConnectorBase):
         # Consumed keys are deleted by a background thread, in batches: one delete RPC (about 1 ms
         # here) for many keys, and none on the get path.
         self._consumed: list[str] = []
+        self._taken: set[str] = set()  # consumed here, deletion pending: a second get must not see them
         self._consumed_ready = threading.Condition()
         self._deleter: threading.Thread | None = None
 
@@ -235,6 +236,8 @@ class YuanrongConnector(OmniConnectorBase):
         finally:
             buffers = None
         now = time.monotonic()
+        with self._consumed_ready:
+            self._taken.discard(ds_key)
         with self._lock:
             self._mine[edge] = (ds_key, put_key, now)
             self._forget_expired(now)
@@ -270,7 +273,8 @@ class YuanrongConnector(OmniConnectorBase):
     def _wait_once(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None, deadline: float
     ) -> tuple[Any, int] | None:
-        return self._get(from_stage, to_stage, get_key, metadata, deadline, poll=False)
+        # Waits in slices of a second at most, so abandon_get and the deadline are noticed in time.
+        return self._get(from_stage, to_stage, get_key, metadata, min(deadline, time.monotonic() + 1.0), poll=True)
 
     def _get(
         self, from_stage: str, to_stage: str, get_key: str, metadata: Any, deadline: float, *, poll: bool
@@ -281,6 +285,8 @@ class YuanrongConnector(OmniConnectorBase):
             raise ConnectorError(
                 f"{where}: the metadata is for datasystem key {metadata['key']!r}, not {ds_key!r}"
             )
+        if ds_key in self._taken:
+            return None  # consumed here; its deletion is still on the way
         buffers = self._wait_for(ds_key, deadline, where, poll=poll)
         if buffers is None:
             return None
@@ -329,6 +335,7 @@ class YuanrongConnector(OmniConnectorBase):
 
     def _delete_later(self, ds_key: str) -> None:
         with self._consumed_ready:
+            self._taken.add(ds_key)
             self._consumed.append(ds_key)
             if self._deleter is None:
                 self._deleter = threading.Thread(target=self._delete_consumed, name="yuanrong-delete", daemon=True)
@@ -362,6 +369,8 @@ class YuanrongConnector(OmniConnectorBase):
                 f"{where}: cannot delete {len(ds_keys)} key(s) on worker {self.worker}: {exc}"
             ) from None
         self._counters.add("deleted", len(ds_keys) - len(failed or []))
+        with self._consumed_ready:
+            self._taken.difference_update(ds_keys)
 
     # ---------------------------------------------------------------- lifecycle
 
