@@ -201,8 +201,8 @@ class OmniConnectorBase(ABC):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ConnectorError(
-                    f"{self._where_get(from_stage, to_stage, get_key)}: not there by the deadline: never put, "
-                    "already consumed, cleaned up or expired, or its producer died or is unreachable"
+                    f"{self._where_get(from_stage, to_stage, get_key)}: not there by the deadline{self._where_from()}: "
+                    "never put, already consumed, cleaned up or expired, or its producer died or is unreachable"
                 )
             time.sleep(min(pause, left))
             pause = min(pause * 2, POLL_MAX_S)
@@ -213,6 +213,10 @@ class OmniConnectorBase(ABC):
         """One try of `get_with_deadline`: `get` by default; may wait up to `deadline` where the
         backend can wait natively."""
         return self.get(from_stage, to_stage, get_key, metadata)
+
+    def _where_from(self) -> str:
+        """Where the payload was looked for, for the deadline's error (" on worker HOST:PORT")."""
+        return ""
 
     def _where_get(self, from_stage: str, to_stage: str, get_key: str) -> str:
         return f"{type(self).__name__}: get of key {get_key!r} on edge {from_stage}->{to_stage}"

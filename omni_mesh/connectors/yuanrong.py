@@ -276,6 +276,9 @@ class YuanrongConnector(OmniConnectorBase):
         # Waits in slices of a second at most, so abandon_get and the deadline are noticed in time.
         return self._get(from_stage, to_stage, get_key, metadata, min(deadline, time.monotonic() + 1.0), poll=True)
 
+    def _where_from(self) -> str:
+        return f" on datasystem worker {self.worker}"
+
     def _get(
         self, from_stage: str, to_stage: str, get_key: str, metadata: Any, deadline: float, *, poll: bool
     ) -> tuple[Any, int] | None:
