@@ -285,7 +285,7 @@ def test_puts_and_gets_from_many_threads(pair) -> None:
 # --------------------------------------------------------------------------- across processes
 
 
-@pytest.mark.parametrize("kind", ["mixed", "tensor", "tuple", "none", "8mib"])
+@pytest.mark.parametrize("kind", list(PAYLOADS))
 def test_a_consumer_in_another_process_gets_what_this_one_put(pair, peer: Peer, kind: str) -> None:
     producer, _ = pair
     ok, size, metadata = producer.put("s0", "s1", f"xproc-{kind}/0", payload(kind))
