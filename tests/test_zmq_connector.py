@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -262,7 +263,7 @@ def test_killed_producer_fails_the_get_before_its_deadline(consumer, producer):
 def test_get_from_an_address_nobody_serves_times_out_clearly(consumer):
     metadata = {"endpoint": "tcp://127.0.0.1:9", "key": "a->b/r/0", "token": "00", "size": 10}
     started = time.monotonic()
-    with pytest.raises(ConnectorError, match=r"tcp://127\.0\.0\.1:9.*no answer within 0\.5s"):
+    with pytest.raises(ConnectorError, match=r"tcp://127\.0\.0\.1:9.*no answer within 0\.\d+s"):
         consumer.get_with_deadline("a", "b", "r/0", metadata, deadline=started + 0.5)
     assert time.monotonic() - started < 1.5
     assert consumer.get("a", "b", "r/0", metadata) is None  # the poll: nobody answered within a second
@@ -330,8 +331,8 @@ def test_a_port_in_use_is_reported_with_the_address(producer):
     port = int(producer.endpoint.rsplit(":", 1)[1])
     other = ZmqConnector({**LOCAL, "port": port, "memory_pool_size": "256MiB"})
     try:
-        with pytest.raises(ConnectorError, match=rf"cannot serve on tcp://127\.0\.0\.1:{port}"):
-            other.put("a", "b", "r/0", 1)
+        assert other.put("a", "b", "r/0", 1) == (False, 0, None)
+        assert re.search(rf"cannot serve on tcp://127\.0\.0\.1:{port}", other.put_error("a", "b", "r/0"))
     finally:
         other.close()
 

@@ -120,7 +120,7 @@ class ZmqConnector(ServedConnector):
     ) -> tuple[Any, int]:
         """GET key token -> the frame, decoded as views over the received message."""
         late = (
-            f"no answer within {timeout_s:g}s; the producing process is gone, its host is unreachable, "
+            f"no answer within {timeout_s:.3g}s; the producing process is gone, its host is unreachable, "
             "or the payload is still in transit (raise get_timeout_s)"
         )
         token = str(metadata.get("token", ""))
