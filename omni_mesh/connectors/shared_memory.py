@@ -705,7 +705,9 @@ class SharedMemoryConnector(OmniConnectorBase):
             pool = self._pool
             pool_size = pool.allocator.size if pool else 0
             in_use = pool.allocator.in_use if pool else 0
-            live = len(self._slots) + (len(self._cells) if self._cells is not None else 0)
+            # Released slots wait for the next put to reclaim them: they hold no payload any more.
+            live = sum(1 for slot in self._slots.values() if slot.segment.mm[slot.offset] != RELEASED)
+            live += len(self._cells) if self._cells is not None else 0
         status = (
             "unhealthy"
             if self._closed
