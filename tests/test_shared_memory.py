@@ -346,7 +346,7 @@ def test_every_kind_across_processes(consumer: Peer, path: str) -> None:
         for name in kinds:
             consumer.call("drop", hold=name)
         conn.put("a", "b", "probe", b"p" * 5000)  # the next put reclaims every released slot
-        assert conn.health()["live_payloads"] == (0 if path == "inline" else 1)
+        assert conn.health()["live_payloads"] == 1  # the probe (a tiny one waits in a cell)
         conn.cleanup("probe")
         assert conn.health()["pool_in_use"] == 0
         assert [name for name in our_segments() if "_x" in name] == []
@@ -481,8 +481,8 @@ def test_cleanup_and_close_free_what_was_never_consumed() -> None:
     conn.close()  # idempotent
     assert our_segments() == {}
     assert conn.health()["status"] == "unhealthy"
-    with pytest.raises(ConnectorError, match="closed"):
-        conn.put("a", "b", "late", torch.ones(100_000))
+    assert conn.put("a", "b", "late", torch.ones(100_000)) == (False, 0, None)
+    assert "closed" in conn.put_error("a", "b", "late")
 
 
 def test_cleanup_matches_whole_key_segments() -> None:
@@ -701,15 +701,13 @@ def test_full_shm_is_a_clear_error_not_a_crash(monkeypatch: pytest.MonkeyPatch) 
     with connector({"inline_max_bytes": 0, "memory_pool_size": 64 * KiB}) as conn:
         conn.put("a", "b", "ok", torch.ones(10))
         monkeypatch.setattr(shm_segments.os, "posix_fallocate", no_space)
-        with pytest.raises(ConnectorError, match="shm"):
-            conn.put("a", "b", "big", torch.ones(100_000))
+        assert conn.put("a", "b", "big", torch.ones(100_000)) == (False, 0, None)
+        assert "shm" in conn.put_error("a", "b", "big")
         assert len(our_segments()) == 1  # no half-made segment left
         assert conn.health()["errors"] == 1
-    with (
-        connector({"inline_max_bytes": 0, "memory_pool_size": 64 * KiB}) as conn,
-        pytest.raises(ConnectorError, match="shm"),
-    ):
-        conn.put("a", "b", "first", torch.ones(10))  # the pool itself cannot be made
+    with connector({"inline_max_bytes": 0, "memory_pool_size": 64 * KiB}) as conn:
+        assert conn.put("a", "b", "first", torch.ones(10)) == (False, 0, None)  # the pool cannot be made
+        assert "shm" in conn.put_error("a", "b", "first")
 
 
 # --------------------------------------------------------------------------- config, registry, health
@@ -743,7 +741,7 @@ def test_health_counters() -> None:
         assert health["puts"] == 3 and health["bytes_put"] == s1 + s2 + s3
         assert health["inline_puts"] == 1 and health["fallbacks"] == 1
         assert health["pool_size"] == 64 * KiB and 0 < health["pool_in_use"] < 8 * KiB
-        assert health["live_payloads"] == 2
+        assert health["live_payloads"] == 3  # the tiny one waits in a cell (for a get by key) too
         for key, metadata in [("inline", m1), ("pool", m2), ("fallback", m3)]:
             assert conn.get("a", "b", key, metadata) is not None
         assert conn.get("a", "b", "pool", m2) is None
@@ -760,8 +758,8 @@ def test_health_counters() -> None:
 
 def test_unsupported_payload_allocates_nothing() -> None:
     with connector(PATHS["pool"]) as conn:
-        with pytest.raises(codec.UnsupportedTypeError, match=r"payload\['x'\]"):
-            conn.put("a", "b", "k", {"x": {1, 2}})
+        assert conn.put("a", "b", "k", {"x": {1, 2}}) == (False, 0, None)
+        assert "payload['x']" in conn.put_error("a", "b", "k")
         assert conn.health()["live_payloads"] == 0 and conn.health()["puts"] == 0
 
 
@@ -877,7 +875,8 @@ def test_a_released_slot_is_refilled_by_the_next_put_of_its_size() -> None:
         gc.collect()
         _, _, meta3 = conn.put("a", "b", "r3", other)  # another size: freed and allocated as usual
         assert_same(conn.get("a", "b", "r3", meta3)[0], other)
-        assert conn.health()["live_payloads"] == 1
+        gc.collect()
+        assert conn.health()["live_payloads"] == 0  # r3's views are gone: its slot waits released
 
 
 def test_close_waits_for_a_put_that_is_copying(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -904,8 +903,8 @@ def test_close_waits_for_a_put_that_is_copying(monkeypatch: pytest.MonkeyPatch) 
     writer.join(10)
     assert not closer.is_alive() and not writer.is_alive()
     assert results and results[0][0] is True
-    with pytest.raises(ConnectorError, match="closed"):
-        conn.put("a", "b", "k2", torch.arange(5000))
+    assert conn.put("a", "b", "k2", torch.arange(5000)) == (False, 0, None)
+    assert "closed" in conn.put_error("a", "b", "k2")
 
 
 class RecordingExport:

@@ -197,7 +197,6 @@ class SharedMemoryConnector(OmniConnectorBase):
         try:
             return self._put(from_stage, to_stage, put_key, data)
         except Exception as exc:  # vllm-omni's contract: a failed put answers (False, 0, None)
-            self._counters.add("errors")
             return self._put_failed(from_stage, to_stage, put_key, exc)
 
     def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
@@ -703,7 +702,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         counters = self._counters.snapshot()
         with self._lock:
             pool = self._pool
-            pool_size = pool.allocator.size if pool else 0
+            pool_size = pool.allocator.size - (self._pool_start - POOL_HEADER) if pool else 0  # less index, cells
             in_use = pool.allocator.in_use if pool else 0
             # Released slots wait for the next put to reclaim them: they hold no payload any more.
             live = sum(1 for slot in self._slots.values() if slot.segment.mm[slot.offset] != RELEASED)
