@@ -2,8 +2,10 @@
 
 A tiny payload travels in its metadata, but a get by key alone must find it in shared memory too
 (shm_index). Going through the pool's allocator for every tiny put would cost more than the put
-itself, so each pool keeps COUNT cells of one size after its key index, handed out round-robin: a
-cell is reusable once its consumer released it (or it was never used, or cleaned up). Every cell
+itself, so each pool keeps COUNT cells of one size after its key index: a
+cell is reusable once its consumer released it (or it was never used, or cleaned up). Cells are
+handed out first-fit from the start, so a steady stream keeps reusing the same few pages, already
+mapped and faulted in on both sides (round-robin over all cells cost a page fault per get). Every cell
 starts with the same 64-byte slot header as a pool slot, so consumers read cells and slots alike.
 Not thread-safe: the connector calls it under its lock.
 """
@@ -13,8 +15,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-COUNT = 512
-PROBE = 8  # cells looked at per put before giving up (the put then uses the allocator)
+COUNT = 64
 MAX_FRAME = 16 * 1024  # tiny payloads larger than this use the allocator
 _GENERATION = struct.Struct("<Q")
 
@@ -33,7 +34,6 @@ class Cells:
         self._reusable = reusable  # slot states in which a cell may be handed out again
         self._writing = writing  # the state a cell shows while a put fills it (no consumer takes it)
         self._keys: list[str | None] = [None] * (COUNT if size else 0)
-        self._next = 0
 
     @property
     def frame_bytes(self) -> int:
@@ -41,12 +41,10 @@ class Cells:
 
     def take(self, put_key: str) -> int | None:
         """The offset of a free cell, now owned by `put_key` and shown as being written; None if none."""
-        mm = self.mm
-        for _ in range(min(PROBE, len(self._keys))):
-            index = self._next
-            self._next = (index + 1) % len(self._keys)
+        mm, keys, reusable = self.mm, self._keys, self._reusable
+        for index in range(len(keys)):
             offset = self.start + index * self.size
-            if self._keys[index] is None or mm[offset] in self._reusable:
+            if keys[index] is None or mm[offset] in reusable:
                 _GENERATION.pack_into(mm, offset + 16, 0)  # stale metadata of the last payload never matches
                 mm[offset] = self._writing
                 self._keys[index] = put_key
