@@ -468,11 +468,22 @@ class StageReplica:
             self._ingress = ingress.consumer()
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(self.executor, self._ingress.get, ingress.SOURCE, self.stage.name, key, meta)
-        work.transfer_s += time.perf_counter() - started
-        if result is None:
-            raise StageInputError(f"stage {self.stage.name!r}: the request's inputs {key!r} are gone from the coordinator")
+        try:
+            result = await loop.run_in_executor(
+                self.executor, self._get_until, self._ingress, ingress.SOURCE, key, meta, work.ctx.remaining()
+            )
+        finally:
+            work.transfer_s += time.perf_counter() - started
         return result[0]
+
+    def _get_until(
+        self, connector: OmniConnectorBase, src: str, key: str, meta: Any, remaining_s: float
+    ) -> tuple[Any, int]:
+        """In the thread pool: the payload, waiting until the request's deadline (or the connector's own
+        get_timeout_s, when that comes first); ConnectorError naming edge and key past it."""
+        limit = getattr(connector.config, "get_timeout_s", None)
+        wait = remaining_s if limit is None else min(remaining_s, limit)
+        return connector.get_with_deadline(src, self.stage.name, key, meta, deadline=time.monotonic() + wait)
 
     async def _fetch(self, work: _Work, src: str, item: dict | Chunk) -> Any:
         edge = self.in_edges.get(src)
@@ -484,13 +495,12 @@ class StageReplica:
         connector = self.connectors[edge.connector.ref]
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(self.executor, connector.get, src, self.stage.name, key, meta)
-        work.transfer_s += time.perf_counter() - started
-        if result is None:
-            raise StageInputError(
-                f"stage {self.stage.name!r}: payload {key!r} on edge {edge.label} "
-                f"({edge.connector.name}) is gone: stale, already consumed, or its producer died"
+        try:
+            result = await loop.run_in_executor(
+                self.executor, self._get_until, connector, src, key, meta, work.ctx.remaining()
             )
+        finally:
+            work.transfer_s += time.perf_counter() - started
         return result[0]
 
     async def _emit(self, work: _Work, data: Any, seq: int, *, streaming: bool, end: bool = False) -> None:
@@ -533,7 +543,8 @@ class StageReplica:
         except Exception as exc:
             raise RuntimeError(f"put of {key!r} on edge {edge.label} ({edge.connector.name}) failed: {exc}") from exc
         if not ok:
-            raise RuntimeError(f"put of {key!r} on edge {edge.label} ({edge.connector.name}) failed")
+            reason = connector.put_error(self.stage.name, dst, key) or "the connector gave no reason"
+            raise RuntimeError(f"put of {key!r} on edge {edge.label} ({edge.connector.name}) failed: {reason}")
         return meta, size
 
     def _timings(self, work: _Work) -> dict[str, Any]:

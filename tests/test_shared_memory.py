@@ -153,7 +153,7 @@ def holds_views(value: Any) -> bool:
 def over_the_wire(metadata: dict | None) -> dict | None:
     """Metadata as the far side gets it: it must survive msgpack, and stay small."""
     packed = msgpack.packb(metadata, use_bin_type=True)
-    if metadata is not None and "inline" not in metadata:
+    if metadata is not None and "inline" not in metadata and "frame" not in metadata:
         assert len(packed) < 200
     return msgpack.unpackb(packed, raw=False)
 
@@ -165,8 +165,8 @@ def parts_size(value: Any) -> int:
 
 
 def assert_path(metadata: dict, path: str) -> None:
-    if path == "inline":
-        assert set(metadata) == {"inline", "parts", "key"}
+    if path == "inline":  # the frame in the metadata (and a pool copy for gets by key), or header and leaves
+        assert {"frame", "key", "segment"} <= set(metadata) or set(metadata) == {"inline", "parts", "key"}
     elif path == "pool":
         assert "_x" not in metadata["segment"], metadata
     else:
@@ -280,7 +280,8 @@ def test_every_kind_in_process(path: str) -> None:
     with connector(PATHS[path]) as conn:
         for name, value in payload_kinds().items():
             ok, size, metadata = conn.put("a", "b", f"req/{name}", value)
-            assert ok and size == (parts_size(value) if path == "inline" else codec.plan(value).nbytes)
+            inline_size = len(metadata["frame"]) if "frame" in metadata else parts_size(value)
+            assert ok and size == (inline_size if path == "inline" else codec.plan(value).nbytes)
             assert_path(metadata, path)
             data, got_size = conn.get("a", "b", f"req/{name}", over_the_wire(metadata))
             assert got_size == size
@@ -364,7 +365,7 @@ def test_every_kind_across_processes(consumer: Peer, path: str) -> None:
         for name in kinds:
             consumer.call("drop", hold=name)
         conn.put("a", "b", "probe", b"p" * 5000)  # the next put reclaims every released slot
-        assert conn.health()["live_payloads"] == (0 if path == "inline" else 1)
+        assert conn.health()["live_payloads"] == 1  # the probe (a tiny one waits in a cell)
         conn.cleanup("probe")
         assert conn.health()["pool_in_use"] == 0
         assert [name for name in our_segments() if "_x" in name] == []
@@ -499,8 +500,8 @@ def test_cleanup_and_close_free_what_was_never_consumed() -> None:
     conn.close()  # idempotent
     assert our_segments() == {}
     assert conn.health()["status"] == "unhealthy"
-    with pytest.raises(ConnectorError, match="closed"):
-        conn.put("a", "b", "late", torch.ones(100_000))
+    assert conn.put("a", "b", "late", torch.ones(100_000)) == (False, 0, None)
+    assert "closed" in conn.put_error("a", "b", "late")
 
 
 def test_cleanup_matches_whole_key_segments() -> None:
@@ -560,16 +561,6 @@ def test_forked_child_does_not_unlink_the_parents_segments() -> None:
 
 
 # --------------------------------------------------------------------------- metadata checks
-
-
-def test_get_without_metadata_is_a_clear_error() -> None:
-    with connector() as conn:
-        for metadata in (None, [], "segment"):
-            with pytest.raises(ConnectorError, match="metadata") as info:
-                conn.get("a", "b", "req-7", metadata)  # type: ignore[arg-type]
-            assert "req-7" in str(info.value) and "a->b" in str(info.value)
-        with pytest.raises(ConnectorError, match="lacks"):
-            conn.get("a", "b", "req-7", {"segment": "omnimesh_1_2_3_abcdefabcdef"})
 
 
 def test_stale_and_foreign_metadata_in_process() -> None:
@@ -729,15 +720,13 @@ def test_full_shm_is_a_clear_error_not_a_crash(monkeypatch: pytest.MonkeyPatch) 
     with connector({"inline_max_bytes": 0, "memory_pool_size": 64 * KiB}) as conn:
         conn.put("a", "b", "ok", torch.ones(10))
         monkeypatch.setattr(shm_segments.os, "posix_fallocate", no_space)
-        with pytest.raises(ConnectorError, match="shm"):
-            conn.put("a", "b", "big", torch.ones(100_000))
+        assert conn.put("a", "b", "big", torch.ones(100_000)) == (False, 0, None)
+        assert "shm" in conn.put_error("a", "b", "big")
         assert len(our_segments()) == 1  # no half-made segment left
         assert conn.health()["errors"] == 1
-    with (
-        connector({"inline_max_bytes": 0, "memory_pool_size": 64 * KiB}) as conn,
-        pytest.raises(ConnectorError, match="shm"),
-    ):
-        conn.put("a", "b", "first", torch.ones(10))  # the pool itself cannot be made
+    with connector({"inline_max_bytes": 0, "memory_pool_size": 64 * KiB}) as conn:
+        assert conn.put("a", "b", "first", torch.ones(10)) == (False, 0, None)  # the pool cannot be made
+        assert "shm" in conn.put_error("a", "b", "first")
 
 
 # --------------------------------------------------------------------------- config, registry, health
@@ -771,7 +760,7 @@ def test_health_counters() -> None:
         assert health["puts"] == 3 and health["bytes_put"] == s1 + s2 + s3
         assert health["inline_puts"] == 1 and health["fallbacks"] == 1
         assert health["pool_size"] == 64 * KiB and 0 < health["pool_in_use"] < 8 * KiB
-        assert health["live_payloads"] == 2
+        assert health["live_payloads"] == 3  # the tiny one waits in a cell (for a get by key) too
         for key, metadata in [("inline", m1), ("pool", m2), ("fallback", m3)]:
             assert conn.get("a", "b", key, metadata) is not None
         assert conn.get("a", "b", "pool", m2) is None
@@ -788,8 +777,8 @@ def test_health_counters() -> None:
 
 def test_unsupported_payload_allocates_nothing() -> None:
     with connector(PATHS["pool"]) as conn:
-        with pytest.raises(codec.UnsupportedTypeError, match=r"payload\['x'\]"):
-            conn.put("a", "b", "k", {"x": object()})  # sets are carried now
+        assert conn.put("a", "b", "k", {"x": object()}) == (False, 0, None)  # sets are carried now
+        assert "payload['x']" in conn.put_error("a", "b", "k")
         assert conn.health()["live_payloads"] == 0 and conn.health()["puts"] == 0
 
 
@@ -905,7 +894,8 @@ def test_a_released_slot_is_refilled_by_the_next_put_of_its_size() -> None:
         gc.collect()
         _, _, meta3 = conn.put("a", "b", "r3", other)  # another size: freed and allocated as usual
         assert_same(conn.get("a", "b", "r3", meta3)[0], other)
-        assert conn.health()["live_payloads"] == 1
+        gc.collect()
+        assert conn.health()["live_payloads"] == 0  # r3's views are gone: its slot waits released
 
 
 def test_close_waits_for_a_put_that_is_copying(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -932,8 +922,8 @@ def test_close_waits_for_a_put_that_is_copying(monkeypatch: pytest.MonkeyPatch) 
     writer.join(10)
     assert not closer.is_alive() and not writer.is_alive()
     assert results and results[0][0] is True
-    with pytest.raises(ConnectorError, match="closed"):
-        conn.put("a", "b", "k2", torch.arange(5000))
+    assert conn.put("a", "b", "k2", torch.arange(5000)) == (False, 0, None)
+    assert "closed" in conn.put_error("a", "b", "k2")
 
 
 class RecordingExport:

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from support.payloads import assert_same, payload
+from support.payloads import payload
 from support.peer import Peer
 
 from omni_mesh.connectors import ConnectorConfigError, ConnectorError, create_connector
@@ -75,10 +74,10 @@ def test_every_payload_kind_reaches_a_consumer_process(worker, producer):
 def test_get_past_its_deadline_names_key_and_worker(worker, producer):
     started = time.monotonic()
     with pytest.raises(ConnectorError) as caught:
-        producer.get("thinker", "talker", "never-put/0", None, timeout_s=0.5)
+        producer.get_with_deadline("thinker", "talker", "never-put/0", None, deadline=started + 0.5)
     assert time.monotonic() - started < 1.5
     message = str(caught.value)
-    assert "'never-put/0'" in message and f"127.0.0.1:{worker.port}" in message and "after 0.5s" in message
+    assert "'never-put/0'" in message and f"127.0.0.1:{worker.port}" in message and "thinker->talker" in message
 
 
 def test_waiting_for_a_key_leaves_other_threads_running(producer):
@@ -97,7 +96,7 @@ def test_waiting_for_a_key_leaves_other_threads_running(producer):
     spinner.start()
     try:
         with pytest.raises(ConnectorError):
-            producer.get("a", "b", "missing/0", None, timeout_s=1.0)
+            producer.get_with_deadline("a", "b", "missing/0", None, deadline=time.monotonic() + 1.0)
     finally:
         stop.set()
         spinner.join()
@@ -112,14 +111,6 @@ def test_an_unreachable_worker_is_reported_with_its_address():
     with pytest.raises(ConnectorError, match=rf"datasystem worker at 127\.0\.0\.1:{port}.*dscli start"):
         create_connector("YuanrongConnector", {"port": port, "connect_timeout_ms": 1000})
     assert time.monotonic() - started < 3
-
-
-def test_cleanup_deletes_a_request_and_its_chunks_only(worker, producer):
-    keys = {k: producer.put("a", "b", k, {"k": k})[2]["key"] for k in ("r1", "r1/0", "r1/1", "r10/0")}
-    used(*keys.values())
-    producer.cleanup("r1")
-    assert worker.exists(list(keys.values())) == [False, False, False, True]
-    assert producer.get("a", "b", "r10/0")[0] == {"k": "r10/0"}
 
 
 def test_odd_and_long_keys_roundtrip(worker, producer):
@@ -146,34 +137,6 @@ def test_unconsumed_payloads_expire_in_the_worker(worker):
         assert worker.exists([metadata["key"]]) == [False]
     finally:
         connector.close()
-
-
-def test_concurrent_puts_and_gets_from_many_threads(worker, producer):
-    def roundtrip(i: int) -> str:
-        data = {"i": i, "t": torch.full((1000 + i,), i, dtype=torch.int64)}
-        _, _, metadata = producer.put("a", "b", f"c{i}/0", data)
-        obj, _ = producer.get("a", "b", f"c{i}/0", metadata)
-        assert obj["i"] == i and torch.equal(obj["t"], data["t"])
-        return metadata["key"]
-
-    with ThreadPoolExecutor(4) as pool:
-        keys = used(*pool.map(roundtrip, range(24)))
-    assert not any(worker.exists(keys))
-
-
-def test_health_and_close(worker):
-    connector = YuanrongConnector(worker.config)
-    obj = {"t": torch.arange(3, dtype=torch.bfloat16)}
-    _, _, metadata = connector.put("a", "b", "h/0", obj)
-    used(metadata["key"])
-    assert_same(connector.get("a", "b", "h/0", metadata)[0], obj)
-    health = connector.health()
-    assert health["status"] == "healthy" and health["puts"] == 1 and health["bytes_got"] == metadata["size"]
-    connector.close()
-    connector.close()
-    assert connector.health()["status"] == "unhealthy"
-    with pytest.raises(ConnectorError, match="closed"):
-        connector.put("a", "b", "h/1", 1)
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from typing import Any
 
 from omni_mesh.codec import FrameError, FramePlan, plan
 from omni_mesh.connectors._held import PendingReleases
-from omni_mesh.connectors._served import ServedConnector
+from omni_mesh.connectors._served import GONE, ServedConnector
 from omni_mesh.connectors._zmq_channel import ERR, OK, Handler, Reply, frame_text
 from omni_mesh.connectors.base import ConnectorError, edge_key
 
@@ -28,6 +28,7 @@ class EnginePullConnector(ServedConnector):
 
     port_field = "zmq_port"
     metadata_fields = ("endpoint", "token", "offset", "size")
+    by_key = False  # a pull needs the slot's offset and size: only put()'s metadata has them
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         super().__init__(config)
@@ -71,7 +72,7 @@ class EnginePullConnector(ServedConnector):
     def _serving_handlers(self) -> dict[bytes, Handler]:
         return {b"CLAIM": self._on_claim, b"RELEASE": self._on_release}
 
-    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
         frame = plan(data)
         self._start_server()
         key = edge_key(from_stage, to_stage, put_key)
@@ -101,7 +102,7 @@ class EnginePullConnector(ServedConnector):
 
     def _on_claim(self, args: list[bytes]) -> Reply:
         held = self._held.claim(frame_text(args[0]), frame_text(args[1]))
-        return ([ERR, args[0], held.encode()] if isinstance(held, str) else [OK, args[0]]), None
+        return ([GONE, args[0], held.encode()] if isinstance(held, str) else [OK, args[0]]), None
 
     def _on_release(self, args: list[bytes]) -> Reply:
         held = self._held.take(frame_text(args[0]), frame_text(args[1]))

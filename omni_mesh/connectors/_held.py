@@ -52,6 +52,11 @@ class Held:
     claimed: bool = False  # a consumer is reading it (pull connectors): only its release frees it
 
 
+class Gone(str):
+    """Why a payload is not there (never put, consumed, cleaned up, expired, or stale metadata): a
+    consumer's get() answers None for it, not an error."""
+
+
 class HeldTable:
     """Payloads waiting for consumers, by edge key; expiry and request-prefix cleanup. Thread-safe.
 
@@ -68,10 +73,10 @@ class HeldTable:
         self._retired: dict[tuple[str, str], Held] = {}
         self._lock = threading.Lock()
 
-    def gone(self) -> str:
+    def gone(self) -> Gone:
         if self.ttl_s > 0:
-            return f"no payload under this key: already consumed, cleaned up, or expired after ttl_s={self.ttl_s:g}"
-        return "no payload under this key: already consumed or cleaned up"
+            return Gone(f"no payload under this key: already consumed, cleaned up, or expired after ttl_s={self.ttl_s:g}")
+        return Gone("no payload under this key: already consumed or cleaned up")
 
     def add(self, held: Held) -> Held | None:
         """Store `held`; returns the unclaimed payload it replaces (to be freed by the caller), if any."""
@@ -87,8 +92,8 @@ class HeldTable:
         held = self._items.get(key)
         if held is None:
             return self.gone()
-        if not secrets.compare_digest(held.token, token):
-            return "token mismatch: the metadata belongs to another put of this key"
+        if token and not secrets.compare_digest(held.token, token):  # no token: a get by key alone
+            return Gone("token mismatch: the metadata belongs to another put of this key")
         return held
 
     def take(self, key: str, token: str) -> Held | str:
@@ -126,6 +131,12 @@ class HeldTable:
                 held.claimed = False
                 held.touched = time.monotonic()
             return None
+
+    def newest(self, prefix: str) -> Held | None:
+        """The newest unclaimed payload whose key starts with `prefix` (a get by key alone)."""
+        with self._lock:
+            found = [h for k, h in self._items.items() if k.startswith(prefix) and not h.claimed]
+            return max(found, key=lambda held: held.touched, default=None)
 
     def pop_expired(self, now: float) -> list[Held]:
         if self.ttl_s <= 0:

@@ -28,6 +28,32 @@ from omni_mesh.connectors._zmq_channel import OK, Handler, RouterServer, frame_t
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
 
 _RECENT_ERROR_S = 60.0  # health() reports "degraded" this long after an error
+#: Longest a plain get() waits for the producer's answer (vllm-omni's polls expect about a second).
+POLL_S = 1.0
+#: A producer's answer: it holds no payload under that key (not yet, or not any more).
+GONE = b"GONE"
+
+
+class NotThere(ConnectorError):
+    """The producer holds no such payload (yet, or any more): get() returns None."""
+
+
+class NoAnswer(ConnectorError):
+    """The producer did not answer in time: get() returns None, a wait to its deadline raises this."""
+
+
+def producer_endpoint(fields: dict, cfg: Any) -> str | None:
+    """tcp://host:port of the producer named by partial metadata, else by the config's sender fields."""
+    host = fields.get("source_host", fields.get("host"))
+    port = fields.get("source_port", fields.get("port", fields.get("zmq_port")))
+    if host is None or port is None:
+        host, port = getattr(cfg, "sender_host", None), getattr(cfg, "sender_zmq_port", None)
+    if not host or port is None or str(host).lower() == "auto":
+        return None
+    try:
+        return tcp_endpoint(str(host), int(port))
+    except (TypeError, ValueError):
+        return None
 
 
 class ServedConnector(OmniConnectorBase):
@@ -102,6 +128,24 @@ class ServedConnector(OmniConnectorBase):
         self._counters.add_many(puts=1, bytes_put=size)
         return held
 
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+        try:
+            return self._put(from_stage, to_stage, put_key, data)
+        except Exception as exc:  # vllm-omni's contract: a failed put answers (False, 0, None)
+            self._error()
+            return self._put_failed(from_stage, to_stage, put_key, exc)
+
+    @abstractmethod
+    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+        """Store the payload; raise on failure (put() turns it into (False, 0, None) and a log line)."""
+
+    def reap_consumed(self) -> None:
+        """Free the slots of payloads whose consumers took them (their frames have left), and expire."""
+        server = self._server
+        if server is not None:
+            server.reap()
+        self._expire()
+
     def _release(self, held: Held) -> None:
         if held.offset is not None:
             self._slots.free(held.offset)
@@ -118,36 +162,63 @@ class ServedConnector(OmniConnectorBase):
 
     # ---- consumer side
 
+    #: Whether get() can find a payload by its key at an endpoint alone (partial or no metadata).
+    by_key: ClassVar[bool] = True
+
     def get(
-        self,
-        from_stage: str,
-        to_stage: str,
-        get_key: str,
-        metadata: dict | None = None,
-        *,
-        timeout_s: float | None = None,
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None = None
     ) -> tuple[Any, int] | None:
-        """Fetch and decode the payload; `timeout_s` overrides get_timeout_s for this call."""
+        """Ask the producer once, waiting at most POLL_S: None if it has no such payload (yet, or any
+        more) or does not answer in time."""
+        return self._get(from_stage, to_stage, get_key, metadata, min(POLL_S, self.config.get_timeout_s), poll=True)
+
+    def _wait_once(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None, deadline: float
+    ) -> tuple[Any, int] | None:
+        # The side-channel request itself waits for the answer (the whole transfer) until the deadline.
+        return self._get(from_stage, to_stage, get_key, metadata, max(0.001, deadline - time.monotonic()), poll=False)
+
+    def _get(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: Any, timeout: float, *, poll: bool
+    ) -> tuple[Any, int] | None:
         key = edge_key(from_stage, to_stage, get_key)
         where = f"{self._name}: get {from_stage}->{to_stage} key {get_key!r}"
-        needed = self.metadata_fields
-        if (
-            not isinstance(metadata, dict)
-            or any(name not in metadata for name in needed)
-            or not isinstance(metadata.get("endpoint"), str)
-        ):
-            raise ConnectorError(
-                f"{where}: needs the metadata put() returned ({', '.join(needed)}), got {metadata!r}"
-            )
-        if metadata.get("key", key) != key:
-            raise ConnectorError(f"{where}: the metadata is for {metadata['key']!r}, not this edge and key")
         if self._closed:
             raise ConnectorError(f"{where}: the connector is closed")
-        endpoint = metadata["endpoint"]
-        timeout = self.config.get_timeout_s if timeout_s is None else timeout_s
-        obj, size = self._fetch(endpoint, key, metadata, timeout, f"{where} from {endpoint}")
+        located = self._locate(metadata, key, where)
+        if located is None:
+            return None
+        endpoint, metadata = located
+        try:
+            obj, size = self._fetch(endpoint, key, metadata, timeout, f"{where} from {endpoint}")
+        except NotThere:
+            return None
+        except NoAnswer:
+            if poll:
+                return None
+            raise
         self._counters.add_many(gets=1, bytes_got=size)
         return obj, size
+
+    def _locate(self, metadata: Any, key: str, where: str) -> tuple[str, dict] | None:
+        """The producer's endpoint and the metadata to ask it with: what put() returned, or, by the key
+        alone, the producer named by partial metadata (vllm-omni's `source_host`/`source_port`, or
+        `host`/`port`, or `endpoint`) or by the config's `sender_host`/`sender_zmq_port`."""
+        if isinstance(metadata, dict) and metadata.get("key", key) != key:
+            raise ConnectorError(f"{where}: the metadata is for {metadata['key']!r}, not this edge and key")
+        fields = metadata if isinstance(metadata, dict) else {}
+        endpoint = fields.get("endpoint")
+        if isinstance(endpoint, str) and all(name in fields for name in self.metadata_fields):
+            return endpoint, fields
+        if not self.by_key:
+            raise ConnectorError(
+                f"{where}: needs the metadata put() returned ({', '.join(self.metadata_fields)}), got {metadata!r}"
+            )
+        if not isinstance(endpoint, str):
+            endpoint = producer_endpoint(fields, self.config)
+        if endpoint is None:
+            return None  # nobody to ask: not there as far as this connector can know
+        return endpoint, {"key": key}
 
     @abstractmethod
     def _fetch(
@@ -169,7 +240,7 @@ class ServedConnector(OmniConnectorBase):
             reply = self._dealers.request(endpoint, parts, timeout_s)
         except TimeoutError:
             self._error()
-            raise ConnectorError(f"{where}: {late}") from None
+            raise NoAnswer(f"{where}: {late}") from None
         except ChannelClosed:
             raise ConnectorError(f"{where}: the connector was closed") from None
         except zmq.ZMQError as exc:
@@ -178,6 +249,8 @@ class ServedConnector(OmniConnectorBase):
         if len(reply) < 2 or reply[1].bytes != parts[1]:
             self._error()
             raise ConnectorError(f"{where}: malformed reply")
+        if reply[0].bytes == GONE:
+            raise NotThere(f"{where}: {frame_text(reply[2]) if len(reply) > 2 else 'not there'}")
         if reply[0].bytes != OK:
             self._error()
             raise ConnectorError(f"{where}: {frame_text(reply[2]) if len(reply) > 2 else 'refused'}")
@@ -197,7 +270,7 @@ class ServedConnector(OmniConnectorBase):
             status = "degraded"
         else:
             status = "healthy"
-        report: dict[str, Any] = {"status": status, **self._counters.snapshot()}
+        report: dict[str, Any] = {"status": status, **self._counters.snapshot(), **self._put_health()}
         report.update(
             endpoint=self.endpoint,
             held=len(self._held),

@@ -113,6 +113,10 @@ class Payloads:
             return f"metadata does not match the payload put under handle {handle}"
         return payload
 
+    def find(self, key: str) -> Payload | None:
+        """The newest payload put under edge key `key` that nobody is reading (a get by key alone)."""
+        return self._held.newest(f"{key}#")
+
     def finish(self, payload: Payload, consumed: bool) -> None:
         """A reader is done: free the payload if it was consumed (or dropped meanwhile), else keep it."""
         done = (

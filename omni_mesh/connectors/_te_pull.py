@@ -22,10 +22,12 @@ import zmq
 from omni_mesh.connectors import _device_transfer
 from omni_mesh.connectors._dealers import ChannelClosed, DealerPool, LateReply, NotConnected
 from omni_mesh.connectors._held import PendingReleases
+from omni_mesh.connectors._served import GONE, NotThere
 from omni_mesh.connectors._zmq_channel import OK, frame_text
 from omni_mesh.connectors.base import ConnectorError
 
 PULL = b"PULL"
+LOOKUP = b"LOOKUP"  # [LOOKUP, key] -> [OK, key, msgpack {session, handle, length, device}] or [GONE, key, why]
 METADATA_KINDS = {
     "segment": str,
     "endpoint": str,
@@ -45,6 +47,11 @@ class PullTimedOut(ConnectorError):
 def untyped(fields: dict, kinds: dict[str, type]) -> str | None:
     """The first of `kinds` missing from `fields` or not exactly of its type."""
     return next((name for name, kind in kinds.items() if type(fields.get(name)) is not kind), None)
+
+
+def complete(metadata: Any) -> bool:
+    """Whether `metadata` is what put() returned (else the payload is located by its key)."""
+    return isinstance(metadata, dict) and all(name in metadata for name in ("session", "handle", "length"))
 
 
 def check_metadata(owner: str, metadata: Any, key: str, where: str) -> dict:
@@ -114,6 +121,8 @@ def pull(
         raise ConnectorError(f"{owner} is closed (get of {where})") from None
     except (TimeoutError, zmq.ZMQError) as exc:
         raise ConnectorError(f"{owner}: get of {where} from {endpoint}: {exc}") from None
+    if reply[0].bytes == GONE:
+        raise NotThere(f"{owner}: get of {where}: not at the producer {endpoint} (consumed, cleaned up or expired)")
     if reply[0].bytes != OK:
         reason = frame_text(reply[2]) if len(reply) > 2 else "refused"
         raise ConnectorError(f"{owner}: get of {where} failed at the producer {endpoint}: {reason}")

@@ -10,8 +10,10 @@ through `asyncio.to_thread` (or an executor) and never on the event loop.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import threading
+import time
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, TypeVar
 
@@ -19,6 +21,11 @@ from omni_mesh.connector_values import coerce_numbers, expand_env, numeric_field
 from omni_mesh.connectors import _vllm_omni_keys as vllm_omni_keys
 
 C = TypeVar("C")
+
+log = logging.getLogger("omni_mesh.connectors")
+
+#: Longest pause between two polls of `get_with_deadline` (the first ones come sooner).
+POLL_MAX_S = 0.05
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
@@ -175,15 +182,30 @@ class Counters:
 
 
 class OmniConnectorBase(ABC):
-    """One connector instance per process and config; safe to call from several threads."""
+    """One connector instance per process and config; safe to call from several threads.
+
+    The contract is vllm-omni's: `put` never raises for a payload it cannot store (it returns
+    `(False, 0, None)` and says why in a log line and the `put_failures` counter of `health()`);
+    `get` is a poll that returns None while the payload is not there (yet, or any more) and comes
+    back within about a second; `get_with_deadline` is the blocking form the stage runtime uses.
+    """
 
     #: The config dataclass for this connector's `extra:` mapping.
     config_class: ClassVar[type]
     #: Where this connector carries payloads, for `omni-mesh validate` and `/ready` ("host" or "network").
     scope: ClassVar[str] = "network"
+    #: The stage this connector serves (vllm-omni's adapter reads it); from config key `stage_id`.
+    stage_id: int | str | None = None
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         self.config = parse_config(self.config_class, config, owner=type(self).__name__)
+        # Not a config field: vllm-omni's orchestrator injects it and its adapter reads the attribute.
+        raw_stage_id = (config or {}).get("stage_id") if isinstance(config, dict) else None
+        self.stage_id = raw_stage_id if isinstance(raw_stage_id, (int, str)) else None
+        self._abandoned: dict[str, int] = {}  # get_key -> waits told to stop (abandon_get)
+        self._waits_lock = threading.Lock()
+        self._put_failures = 0
+        self._put_errors: dict[str, str] = {}
 
     @classmethod
     def validate_config(cls, config: dict[str, Any] | None) -> None:
@@ -193,13 +215,105 @@ class OmniConnectorBase(ABC):
 
     @abstractmethod
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
-        """Store data. Returns (success, serialized_size, metadata)."""
+        """Store data. Returns (success, serialized_size, metadata); (False, 0, None) on failure."""
 
     @abstractmethod
     def get(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None = None
     ) -> tuple[Any, int] | None:
-        """Retrieve data put under get_key, using the metadata put() returned. Returns (object, size)."""
+        """Non-blocking poll: (object, size), or None while the payload is not there (yet, or any more).
+
+        `metadata` is what put() returned; it may be missing or partial, then the key (and the
+        producer's host and port, where given) locate the payload. Real failures (a corrupt frame,
+        a producer that refuses, a closed connector) raise ConnectorError.
+        """
+
+    def get_with_deadline(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None = None, *, deadline: float
+    ) -> tuple[Any, int]:
+        """Block until the payload is there or `time.monotonic() >= deadline`; then a ConnectorError
+        naming connector, edge and key. Polls `get` with backoff; backends that can wait natively
+        override `_wait_once`."""
+        pause = 0.001
+        with self._waits_lock:
+            abandoned = self._abandoned.get(get_key, 0)
+        while True:
+            result = self._wait_once(from_stage, to_stage, get_key, metadata, deadline)
+            if result is not None:
+                return result
+            with self._waits_lock:
+                if self._abandoned.get(get_key, 0) != abandoned:
+                    raise ConnectorError(
+                        f"{self._where_get(from_stage, to_stage, get_key)}: abandoned (abandon_get) before it arrived"
+                    )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ConnectorError(
+                    f"{self._where_get(from_stage, to_stage, get_key)}: not there by the deadline{self._where_from()}: "
+                    "never put, already consumed, cleaned up or expired, or its producer died or is unreachable"
+                )
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, POLL_MAX_S)
+
+    def _wait_once(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None, deadline: float
+    ) -> tuple[Any, int] | None:
+        """One try of `get_with_deadline`: `get` by default; may wait up to `deadline` where the
+        backend can wait natively."""
+        return self.get(from_stage, to_stage, get_key, metadata)
+
+    def _where_from(self) -> str:
+        """Where the payload was looked for, for the deadline's error (" on worker HOST:PORT")."""
+        return ""
+
+    def _where_get(self, from_stage: str, to_stage: str, get_key: str) -> str:
+        return f"{type(self).__name__}: get of key {get_key!r} on edge {from_stage}->{to_stage}"
+
+    def abandon_get(self, key: str) -> None:
+        """Stop waiting for `key`: a `get_with_deadline` blocked on it raises now. A transfer already
+        under way is never cancelled (its memory is released when it ends)."""
+        with self._waits_lock:
+            self._abandoned[key] = self._abandoned.get(key, 0) + 1
+            if len(self._abandoned) > 4096:  # counts only matter while a wait runs: keep the newest
+                for old in list(self._abandoned)[:2048]:
+                    del self._abandoned[old]
+
+    def reap_consumed(self) -> None:  # noqa: B027 - optional: most connectors free consumed payloads at once
+        """Release producer bookkeeping for payloads consumed elsewhere (connectors that learn of it
+        late do it here; the others already have)."""
+
+    def _put_failed(self, from_stage: str, to_stage: str, put_key: str, cause: object) -> tuple[bool, int, None]:
+        """The `(False, 0, None)` of a failed put, its reason in one log line, `put_failures` and
+        `put_error()`."""
+        reason = f"{type(self).__name__}: put of key {put_key!r} on edge {from_stage}->{to_stage} failed: {cause}"
+        log.warning("%s", reason)
+        with self._waits_lock:
+            self._put_failures += 1
+            self._put_errors[edge_key(from_stage, to_stage, put_key)] = reason
+            if len(self._put_errors) > 256:  # reasons nobody asked for: keep the newest
+                del self._put_errors[next(iter(self._put_errors))]
+        return False, 0, None
+
+    def put_error(self, from_stage: str, to_stage: str, put_key: str) -> str | None:
+        """Why the last put of this key on this edge returned False (once; None if it did not)."""
+        with self._waits_lock:
+            return self._put_errors.pop(edge_key(from_stage, to_stage, put_key), None)
+
+    @staticmethod
+    def serialize_obj(obj: Any) -> bytes:
+        """`obj` as one self-contained frame (our codec: no pickle)."""
+        from omni_mesh import codec
+
+        return bytes(codec.encode(obj))
+
+    @staticmethod
+    def deserialize_obj(data: Any) -> Any:
+        """The object `serialize_obj` made; bytes from another process are untrusted (no class is imported)."""
+        from omni_mesh import codec
+
+        # A read-only buffer (bytes) is copied once and decoded as views; a writable one the caller may
+        # reuse, so every leaf is copied out of it.
+        return codec.decode(data, copy=not memoryview(data).readonly)
 
     def warm_up(self) -> None:  # noqa: B027 - an optional hook: most connectors need no warm-up
         """Prepare the producer side (allocate and fault in pools) so the first put pays nothing extra."""
@@ -211,6 +325,10 @@ class OmniConnectorBase(ABC):
     @abstractmethod
     def health(self) -> dict:
         """{"status": "healthy" | "degraded" | "unhealthy", ...counters}."""
+
+    def _put_health(self) -> dict[str, int]:
+        """The base's counters for `health()`: failed puts (each also logged)."""
+        return {"put_failures": self._put_failures}
 
     @abstractmethod
     def close(self) -> None:

@@ -6,7 +6,8 @@ owns one local buffer (`localbuf`) registered with the store for zero-copy trans
     put   plan the frame with the codec, lay it straight into a region of the local buffer and
           `upsert_from` it under the store key (the store copies it into a segment, so the region is
           free again when the call returns).
-    get   poll for the key up to `get_timeout_s`, `get_into` a region of the local buffer, remove
+    get   look the key up once (None if it is not there: get_with_deadline polls until its deadline,
+          the stage runtime's capped by `get_timeout_s`), `get_into` a region of the local buffer, remove
           the key, and decode tensors as views over the region; the region goes back when the last
           view is garbage-collected (or copy them out: `copy_on_get`).
 
@@ -80,7 +81,7 @@ class MooncakeStoreConfig:
     device_name: str = ""
     #: How long to wait for the master to accept a TCP connection before giving up.
     master_connect_timeout_s: float = 3.0
-    #: How long get() polls for a key that is not in the store yet.
+    #: How long the stage runtime waits (get_with_deadline) for a key that is not in the store yet.
     get_timeout_s: float = 10.0
     #: Keys nobody consumed are removed this long after their put.
     ttl_s: float = 300.0
@@ -174,13 +175,16 @@ class MooncakeStoreConnector(OmniConnectorBase):
     # ------------------------------------------------------------------ producer side
 
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+        try:
+            return self._put(from_stage, to_stage, put_key, data)
+        except Exception as exc:  # vllm-omni's contract: a failed put answers (False, 0, None)
+            self._counters.add("errors")
+            return self._put_failed(from_stage, to_stage, put_key, exc)
+
+    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
         where = payload_name(from_stage, to_stage, put_key)
         store, pool = self._open(f"put of {where}")
-        try:
-            frame = codec.plan(data)
-        except codec.UnsupportedTypeError as exc:
-            self._counters.add("errors")
-            raise ConnectorError(f"{OWNER}: cannot put {where}: {exc}") from None
+        frame = codec.plan(data)
         size = frame.nbytes
         key = self._store_key(from_stage, to_stage, put_key)
         offset = pool.reserve(size, self.config.pool_wait_s, f"put of {where}")
@@ -191,7 +195,6 @@ class MooncakeStoreConnector(OmniConnectorBase):
         finally:
             pool.free(offset)
         if rc != 0:
-            self._counters.add("errors")
             raise ConnectorError(
                 f"{OWNER}: put of {where} ({size} bytes) failed with rc={rc}; the store may be out of space "
                 "(raise `segment` on the storage processes or consume payloads sooner) or the master is down"
@@ -209,12 +212,15 @@ class MooncakeStoreConnector(OmniConnectorBase):
         where = payload_name(from_stage, to_stage, get_key)
         store, pool = self._open(f"get of {where}")
         key = self._store_key(from_stage, to_stage, get_key)
-        if metadata is not None and (not isinstance(metadata, dict) or metadata.get("key", key) != key):
+        if not isinstance(metadata, dict):
+            metadata = None  # none, or not put()'s: the key alone locates the payload
+        if metadata is not None and metadata.get("key", key) != key:
             raise ConnectorError(f"{OWNER}: metadata for {where} was made for another payload: {metadata!r}")
-        hint = metadata.get("length") if metadata else None
-        offset, length = self._fetch(
-            store, pool, key, hint if type(hint) is int and hint > 0 else None, where
-        )
+        hint = metadata.get("length") if isinstance(metadata, dict) else None
+        fetched = self._fetch(store, pool, key, hint if type(hint) is int and hint > 0 else None, where)
+        if fetched is None:
+            return None
+        offset, length = fetched
         store.remove(key, True)  # force: our own read holds a lease on it
         with self._lock:
             self._owned.pop(key, None)  # producer and consumer may be this instance
@@ -224,13 +230,13 @@ class MooncakeStoreConnector(OmniConnectorBase):
 
     def _fetch(
         self, store: Any, pool: RegisteredPool, key: str, length: int | None, where: str
-    ) -> tuple[int, int]:
-        """get_into a fresh region: (offset, length). With the length from the metadata the first try
-        skips asking the master for the size; a key not there yet falls back to polling for it."""
-        polled = length is None
+    ) -> tuple[int, int] | None:
+        """get_into a fresh region: (offset, length), or None when the key is not in the store. With
+        the length from the metadata the first try skips asking the master for the size."""
+        asked = length is None
         if length is None:
-            length = self._wait_for(store, key, where)
-        while True:
+            length = self._size_of(store, key, where)
+        while length is not None:
             offset = pool.reserve(length, self.config.pool_wait_s, f"get of {where}")
             try:
                 got = store.get_into(key, pool.address + offset, length)
@@ -240,37 +246,26 @@ class MooncakeStoreConnector(OmniConnectorBase):
             if got == length:
                 return offset, length
             pool.free(offset)
-            if got in (_OBJECT_NOT_FOUND, _BUFFER_TOO_SMALL) and not polled:
-                length, polled = self._wait_for(store, key, where), True
-                continue
-            self._counters.add("errors")
-            raise ConnectorError(
-                f"{OWNER}: get of {where} read {got} of {length} bytes (store key {key!r}); "
-                "the payload was removed or its holder died"
-            )
-
-    def _wait_for(self, store: Any, key: str, where: str) -> int:
-        """Poll for the key until get_timeout_s; its size once it is there."""
-        timeout = self.config.get_timeout_s
-        deadline = time.monotonic() + timeout
-        interval = 0.001
-        while True:
-            size = store.get_size(key)
-            if size > 0:
-                return size
-            if size not in (0, _OBJECT_NOT_FOUND):
-                self._counters.add("errors")
-                raise ConnectorError(f"{OWNER}: get of {where}: the store answered rc={size} for key {key!r}")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if got not in (_OBJECT_NOT_FOUND, _BUFFER_TOO_SMALL):
                 self._counters.add("errors")
                 raise ConnectorError(
-                    f"{OWNER}: get of {where}: store key {key!r} did not appear within get_timeout_s={timeout}s "
-                    "(never put, already consumed, expired after ttl_s, or cleaned up)"
+                    f"{OWNER}: get of {where} read {got} of {length} bytes (store key {key!r}); "
+                    "its holder died or the store failed"
                 )
-            if self._stop.wait(min(interval, remaining)):
-                raise ConnectorError(f"{OWNER} was closed during get of {where}")
-            interval = min(interval * 2, 0.05)
+            if asked:  # removed between the size and the read: consumed by another getter
+                return None
+            length, asked = self._size_of(store, key, where), True
+        return None
+
+    def _size_of(self, store: Any, key: str, where: str) -> int | None:
+        """The payload's size in the store, or None when the key is not there (yet, or any more)."""
+        size = store.get_size(key)
+        if size > 0:
+            return size
+        if size not in (0, _OBJECT_NOT_FOUND):
+            self._counters.add("errors")
+            raise ConnectorError(f"{OWNER}: get of {where}: the store answered rc={size} for key {key!r}")
+        return None
 
     # ------------------------------------------------------------------ reclaim and lifecycle
 
@@ -295,6 +290,18 @@ class MooncakeStoreConnector(OmniConnectorBase):
         if store is not None and keys:
             store.batch_remove(keys, True)  # not-found (consumed meanwhile) is fine
 
+    def reap_consumed(self) -> None:
+        """Forget the keys this process put that a consumer elsewhere has taken (removed from the store)."""
+        with self._lock:
+            keys, store = list(self._owned), self._store
+        if not keys or store is None or self._closed:
+            return
+        found = store.batch_is_exist(keys)  # 1 there, 0 gone, negative: unknown (kept)
+        with self._lock:
+            for key, there in zip(keys, found, strict=False):
+                if there == 0:
+                    self._owned.pop(key, None)
+
     def cleanup(self, key: str) -> None:
         """Remove the keys this process put under `key` or `key/...` that nobody consumed yet."""
         prefix = key + "/"
@@ -318,6 +325,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
         return {
             "status": status,
             **counters,
+            **self._put_health(),
             "tracked_keys": pending,
             "localbuf_size": size,
             "localbuf_in_use": in_use,

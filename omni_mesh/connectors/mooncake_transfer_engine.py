@@ -54,6 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import torch
 import zmq
 
@@ -62,8 +63,8 @@ from omni_mesh.connectors import _device_transfer, _frame_pieces, _te_pull
 from omni_mesh.connectors._addresses import tcp_endpoint
 from omni_mesh.connectors._channel_guard import MAX_REQUEST_BYTES, side_channel_keys
 from omni_mesh.connectors._checks import check_not_negative, check_port, check_positive
-from omni_mesh.connectors._dealers import DealerPool
-from omni_mesh.connectors._held import PendingReleases
+from omni_mesh.connectors._dealers import ChannelClosed, DealerPool, NotConnected
+from omni_mesh.connectors._held import Gone, PendingReleases
 from omni_mesh.connectors._mooncake_common import (
     PoolErrors,
     RegisteredPool,
@@ -76,8 +77,9 @@ from omni_mesh.connectors._mooncake_common import (
     resolve_host,
 )
 from omni_mesh.connectors._registrations import Registrations
+from omni_mesh.connectors._served import GONE, POLL_S, NotThere, producer_endpoint
 from omni_mesh.connectors._te_payloads import Payloads
-from omni_mesh.connectors._zmq_channel import ERR, OK, Answer, Deferred, RouterServer
+from omni_mesh.connectors._zmq_channel import ERR, OK, Answer, Deferred, Reply, RouterServer
 from omni_mesh.connectors.base import (
     ConnectorConfigError,
     ConnectorError,
@@ -191,7 +193,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
                 self._ctx,
                 self.host,
                 cfg.zmq_port,
-                {_te_pull.PULL: self._on_pull},
+                {_te_pull.PULL: self._on_pull, _te_pull.LOOKUP: self._on_lookup},
                 self._tick,
                 OWNER,
                 keys=self._keys,
@@ -256,13 +258,19 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
     # ------------------------------------------------------------------ producer side
 
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+        try:
+            return self._put(from_stage, to_stage, put_key, data)
+        except Exception as exc:  # vllm-omni's contract: a failed put answers (False, 0, None)
+            self._counters.add("errors")
+            return self._put_failed(from_stage, to_stage, put_key, exc)
+
+    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
         where = payload_name(from_stage, to_stage, put_key)
         pool = self._open_pool(f"put of {where}")
         device = self._device_leaves.split()
         try:
             frame = codec.plan(data, device=device)
         except codec.UnsupportedTypeError as exc:
-            self._counters.add("errors")
             raise ConnectorError(f"{OWNER}: cannot put {where}: {exc}") from None
         size = frame.nbytes
         pool.check_fits(size, f"put of {where}")
@@ -300,18 +308,88 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
                 error = self._payloads.write(request, closing=lambda: self._closed)
         except Exception as exc:  # the answer must always go back, whatever failed
             error = f"{type(exc).__name__}: {exc}"
-        answer([OK, key] if error is None else [ERR, key, error.encode()])
+        if error is None:
+            answer([OK, key])
+        else:  # a payload not (or no more) there: the consumer's get() answers None
+            answer([GONE if isinstance(error, Gone) else ERR, key, error.encode()])
+
+    def _on_lookup(self, args: list[bytes]) -> Reply:
+        """LOOKUP key (server thread): what a consumer holding only the key needs to pull it."""
+        if len(args) != 1:
+            raise ValueError("malformed lookup request")
+        payload = self._payloads.find(args[0].decode())
+        if payload is None:
+            return [GONE, args[0], b"no payload under this key"], None
+        handle = int(payload.key.rsplit("#", 1)[1])
+        found = {"session": self._session, "handle": handle, "length": payload.size}
+        if payload.device:
+            found["device"] = [t.nbytes for t in payload.device]
+        return [OK, args[0], msgpack.packb(found)], None
 
     # ------------------------------------------------------------------ consumer side
 
     def get(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None = None
     ) -> tuple[Any, int] | None:
+        """A poll: None when the producer has no such payload (any more) or, by key alone, cannot be
+        reached within a second. A transfer under way is waited for (transfer_timeout_s)."""
+        return self._get(from_stage, to_stage, get_key, metadata, poll=True)
+
+    def _wait_once(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None, deadline: float
+    ) -> tuple[Any, int] | None:
+        return self._get(from_stage, to_stage, get_key, metadata, poll=False)
+
+    def _get(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: Any, *, poll: bool
+    ) -> tuple[Any, int] | None:
         where = payload_name(from_stage, to_stage, get_key)
         pool = self._open_pool(f"get of {where}")
-        meta = _te_pull.check_metadata(OWNER, metadata, edge_key(from_stage, to_stage, get_key), where)
-        if meta["session"] == self._session:
-            return self._get_local(meta, where)
+        key = edge_key(from_stage, to_stage, get_key)
+        if not _te_pull.complete(metadata):
+            metadata = self._lookup(metadata, key, where, poll)
+            if metadata is None:
+                return None
+        meta = _te_pull.check_metadata(OWNER, metadata, key, where)
+        try:
+            if meta["session"] == self._session:
+                return self._get_local(meta, where)
+            return self._get_remote(pool, meta, where)
+        except NotThere:
+            return None
+
+    def _lookup(self, metadata: Any, key: str, where: str, poll: bool) -> dict | None:
+        """Full metadata for a get by key alone, from the producer named by partial metadata or the
+        config's sender fields; None when it has no such payload (or, polling, does not answer)."""
+        fields = metadata if isinstance(metadata, dict) else {}
+        if fields.get("key", key) != key:
+            raise ConnectorError(f"{OWNER}: metadata for {where} was made for {fields['key']!r}")
+        endpoint = fields.get("endpoint") if isinstance(fields.get("endpoint"), str) else None
+        endpoint = endpoint or producer_endpoint(fields, self.config)
+        if endpoint is None:
+            if self._payloads is not None and self._payloads.find(key) is not None:
+                endpoint = self.endpoint  # put here: this instance is the producer
+            else:
+                return None
+        wait = min(POLL_S, self.config.connect_timeout_s)
+        try:
+            reply = self._dealers.request(endpoint, [_te_pull.LOOKUP, key.encode()], wait, connect_timeout_s=wait)
+        except (TimeoutError, zmq.ZMQError, NotConnected) as exc:
+            if poll:
+                return None
+            raise ConnectorError(f"{OWNER}: get of {where}: the producer {endpoint} did not answer: {exc}") from None
+        except ChannelClosed:
+            raise ConnectorError(f"{OWNER} is closed (get of {where})") from None
+        if reply[0].bytes == GONE:
+            return None
+        if reply[0].bytes != OK or len(reply) != 3:
+            raise ConnectorError(f"{OWNER}: get of {where}: the producer {endpoint} refused the lookup")
+        found = msgpack.unpackb(reply[2].bytes, raw=False)
+        if not isinstance(found, dict):
+            raise ConnectorError(f"{OWNER}: get of {where}: malformed lookup answer from {endpoint}")
+        return {"segment": "", "endpoint": endpoint, "addr": 0, "key": key, **found}
+
+    def _get_remote(self, pool: RegisteredPool, meta: dict, where: str) -> tuple[Any, int]:
         length = meta["length"]
         offset = pool.reserve(length, self.config.pool_wait_s, f"get of {where}")
         device: list[torch.Tensor] = []
@@ -331,6 +409,9 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
         except _te_pull.PullTimedOut:
             self._counters.add("errors")
             raise  # `release` runs at the late answer or ttl_s
+        except NotThere:
+            release()
+            raise
         except BaseException:
             release()
             self._counters.add("errors")
@@ -363,6 +444,8 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
     def _get_local(self, meta: dict, where: str) -> tuple[Any, int]:
         """Producer and consumer are this instance: hand the producer's region over, no transfer."""
         payload = self._payloads.claim(meta["key"], meta["handle"], meta["length"])
+        if isinstance(payload, Gone):
+            raise NotThere(payload)
         if isinstance(payload, str):
             self._counters.add("errors")
             raise ConnectorError(f"{OWNER}: get of {where}: {payload}")
@@ -397,6 +480,11 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             raise ConnectorError(f"{OWNER} is closed ({what})")
         return pool
 
+    def reap_consumed(self) -> None:
+        """Expire payloads past ttl_s and end quarantines whose late answer came (the server thread
+        does this every tick; a caller may do it now)."""
+        self._tick()
+
     def cleanup(self, key: str) -> None:
         """Free the payloads this process put under `key` or `key/...` that nobody consumed yet (one
         being written is freed when its write ends)."""
@@ -412,6 +500,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
         return {
             "status": status,
             **counters,
+            **self._put_health(),
             "pending_payloads": len(self._payloads) if self._payloads is not None else 0,
             "quarantined_regions": quarantined,
             "pool_size": size,

@@ -36,12 +36,14 @@ from typing import Any
 import numpy as np
 
 from omni_mesh import codec, cuda_ipc
+from omni_mesh.connectors import shm_cells, shm_index
 from omni_mesh.connectors.allocator import PAGE, PoolAllocator, frame_alignment, round_up
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
 from omni_mesh.connectors.shm_segments import (
     SHM_DIR,
     ProcessIdentity,
     create_segment,
+    list_segments,
     new_token,
     open_segment,
     process_start_time,
@@ -55,8 +57,10 @@ __all__ = ["SharedMemoryConfig", "SharedMemoryConnector", "reap_orphaned_segment
 SLOT = struct.Struct("<B3xII4xQ16sQ")  # generation at byte 16
 SLOT_HEADER = 64
 POOL_HEADER = 64
+CELLS_START = POOL_HEADER + shm_index.INDEX_BYTES  # the pool: header, key index, tiny-payload cells, slots
 FREE, WRITTEN, TAKEN, RELEASED = 0, 1, 2, 3
 _TAKER = struct.Struct("<II")
+_GENERATION = struct.Struct("<Q")
 CLOSE_WAIT_S = 30.0
 REUSE_SLACK = 2 * PAGE  # a released slot is refilled by a put this much smaller at most
 
@@ -179,22 +183,51 @@ class SharedMemoryConnector(OmniConnectorBase):
             "stale_gets",
             "errors",
             "cuda_ipc_tensors",
+            "unindexed_puts",
         )
+        # key index position -> (mapping, offset, generation, slot or None for a cell) of the payload there
+        self._indexed: dict[int, tuple[mmap.mmap, int, int, _Slot | None]] = {}
+        self._cell_size = shm_cells.cell_size(SLOT_HEADER, self.config.inline_max_bytes)
+        self._pool_start = CELLS_START + shm_cells.COUNT * self._cell_size
+        self._cells: shm_cells.Cells | None = None
 
     # ------------------------------------------------------------------ producer side
 
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+        try:
+            return self._put(from_stage, to_stage, put_key, data)
+        except Exception as exc:  # vllm-omni's contract: a failed put answers (False, 0, None)
+            return self._put_failed(from_stage, to_stage, put_key, exc)
+
+    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
         policy = codec.CudaIpcExports() if self.config.cuda_ipc else None
         frame = codec.plan(data, device=policy)
         if policy and policy.exports:
             return self._put_with_exports(from_stage, to_stage, put_key, frame, policy.exports)
-        size = frame.payload_bytes
-        if size <= self.config.inline_max_bytes:
-            # Tiny payloads skip the frame layout: the header and one buffer per leaf, in the metadata.
-            metadata = {"inline": frame.header, "parts": frame.inline_parts(), "key": edge_key(from_stage, to_stage, put_key)}
-            self._count_put(size, "inline_puts")
-            return True, size, metadata
+        if frame.payload_bytes <= self.config.inline_max_bytes:
+            return self._put_inline(from_stage, to_stage, put_key, frame)
         return self._put_frame(from_stage, to_stage, put_key, frame)
+
+    def _put_inline(
+        self, from_stage: str, to_stage: str, put_key: str, frame: codec.FramePlan
+    ) -> tuple[bool, int, dict]:
+        """A tiny payload travels in the metadata. Its frame is laid into the pool like any other (where
+        a get by key alone finds it) and the metadata carries a copy of those bytes; the inline get
+        releases the slot. With the pool full it travels in the metadata only (header and leaves)."""
+        key = edge_key(from_stage, to_stage, put_key)
+        written = self._put_cell(from_stage, to_stage, put_key, frame)
+        if written is None:
+            written = self._put_frame(from_stage, to_stage, put_key, frame, pool_only=True)
+        if written is None:
+            metadata = {"inline": frame.header, "parts": frame.inline_parts(), "key": key}
+            size = frame.payload_bytes
+        else:
+            size, metadata = written[1], written[2]
+            start = metadata["offset"] + SLOT_HEADER
+            metadata["frame"] = self._pool.mm[start : start + size]
+            metadata["key"] = key
+        self._count_put(size, "inline_puts")
+        return True, size, metadata
 
     def _put_with_exports(
         self, from_stage: str, to_stage: str, put_key: str, frame: codec.FramePlan, exports: list[cuda_ipc.Exported]
@@ -217,22 +250,88 @@ class SharedMemoryConnector(OmniConnectorBase):
         put_key: str,
         frame: codec.FramePlan,
         exports: list[cuda_ipc.Exported] | None = None,
-    ) -> tuple[bool, int, dict]:
+        *,
+        pool_only: bool = False,
+    ) -> tuple[bool, int, dict] | None:
         size = frame.nbytes
-        slot = self._allocate(size, put_key, from_stage, to_stage)
+        slot = self._allocate(size, put_key, from_stage, to_stage, pool_only=pool_only)
+        if slot is None:
+            return None  # pool_only and no room in the pool
         segment, offset, generation = slot.segment, slot.offset, slot.generation
         try:
             frame.write_at(segment.address + offset + SLOT_HEADER)
             slot.exports = exports  # from here on the slot answers for them (a failure above: the caller)
             mm = segment.mm
             # The state byte goes last: a consumer never sees WRITTEN before the frame is complete.
-            SLOT.pack_into(mm, offset, FREE, 0, 0, generation, _digest(from_stage, to_stage, put_key), size)
+            digest = _digest(from_stage, to_stage, put_key)
+            SLOT.pack_into(mm, offset, FREE, 0, 0, generation, digest, size)
             mm[offset] = WRITTEN
+            segment_id = 0 if segment.allocator is not None else int(segment.name.rsplit("_x", 1)[1])
+            self._index(mm, offset, generation, digest, segment_id, slot)
         finally:
             self._done_writing(slot)
+        if pool_only:
+            return True, size, {"segment": segment.name, "offset": offset, "generation": generation}
         self._count_put(size)
         metadata = {"segment": segment.name, "offset": offset, "generation": generation, "length": size}
         return True, size, metadata
+
+    def _put_cell(
+        self, from_stage: str, to_stage: str, put_key: str, frame: codec.FramePlan
+    ) -> tuple[bool, int, dict] | None:
+        """Lay a tiny frame into a free cell of the pool (shm_cells); None when none is free."""
+        size = frame.nbytes
+        if size > self._cell_size - SLOT_HEADER:
+            return None
+        with self._lock:
+            if self._closed:
+                raise ConnectorError(f"SharedMemoryConnector is closed (put {put_key!r} on {from_stage}->{to_stage})")
+            pool = self._pool or self._pool_locked()
+            offset = self._cells.take(put_key)
+            generation = next(self._generations)
+        if offset is None:
+            return None
+        mm = pool.mm
+        try:
+            frame.write_at(pool.address + offset + SLOT_HEADER)
+        except BaseException:
+            with self._lock:
+                self._cells.give_back(offset, FREE)
+            raise
+        digest = _digest(from_stage, to_stage, put_key)
+        SLOT.pack_into(mm, offset, TAKEN, 0, 0, generation, digest, size)
+        mm[offset] = WRITTEN
+        self._index(pool.mm, offset, generation, digest, 0, None)
+        return True, size, {"segment": pool.name, "offset": offset, "generation": generation}
+
+    def _index(
+        self, mm: mmap.mmap, offset: int, generation: int, digest: bytes, segment: int, slot: _Slot | None
+    ) -> None:
+        """Enter a written payload in the pool's key index (shm_index), so a get by key finds it."""
+        with self._lock:
+            pool = self._pool
+            if pool is None:
+                return
+            position = shm_index.place(pool.mm, POOL_HEADER, digest, generation, offset, segment, self._indexed_live)
+            if position is None:
+                self._counters.add("unindexed_puts")
+            else:
+                self._indexed[position] = (mm, offset, generation, slot)
+
+    def _indexed_live(self, position: int) -> bool:
+        """Whether the index entry at `position` still names a payload a consumer may take (lock held)."""
+        occupant = self._indexed.get(position)
+        if occupant is None:
+            return False
+        mm, offset, generation, slot = occupant
+        if (
+            (slot is not None and self._slots.get((slot.segment.name, slot.offset)) is not slot)
+            or mm.closed
+            or _GENERATION.unpack_from(mm, offset + 16)[0] != generation
+        ):
+            del self._indexed[position]
+            return False
+        return mm[offset] in (WRITTEN, TAKEN)
 
     def warm_up(self) -> None:
         with self._lock:
@@ -241,8 +340,11 @@ class SharedMemoryConnector(OmniConnectorBase):
     def _count_put(self, size: int, extra: str | None = None) -> None:
         self._counters.add_pair("puts", "bytes_put", size, extra)
 
-    def _allocate(self, size: int, put_key: str, from_stage: str, to_stage: str) -> _Slot:
-        """A slot for a `size`-byte frame, counted as being written until `_done_writing`."""
+    def _allocate(
+        self, size: int, put_key: str, from_stage: str, to_stage: str, *, pool_only: bool = False
+    ) -> _Slot | None:
+        """A slot for a `size`-byte frame, counted as being written until `_done_writing`; with
+        `pool_only`, None where the pool has no room (no one-off segment)."""
         # Large frames start on a page boundary, the slot header just before it: the codec's placing
         # of large leaves at fast page offsets relies on it.
         need = SLOT_HEADER + size
@@ -259,11 +361,13 @@ class SharedMemoryConnector(OmniConnectorBase):
                 reused = self._reclaim_locked(check_takers=False, reuse=(need, align))
                 if reused is not None:
                     return self._refill_locked(reused, put_key)
-            if need + align <= pool.allocator.size - POOL_HEADER:
+            if need + align <= pool.allocator.size - self._pool_start:
                 offset = pool.allocator.allocate(need, align=align, skew=SLOT_HEADER)
                 if offset is None:
                     self._reclaim_locked(check_takers=True)
                     offset = pool.allocator.allocate(need, align=align, skew=SLOT_HEADER)
+            if offset is None and pool_only:
+                return None
             if offset is None:
                 # A one-off segment; the slot header sits just before its first page boundary.
                 skew = PAGE - SLOT_HEADER if align == PAGE else 0
@@ -304,7 +408,8 @@ class SharedMemoryConnector(OmniConnectorBase):
 
     def _pool_locked(self) -> _Segment:
         if self._pool is None:
-            size = round_up(max(self.config.memory_pool_size, POOL_HEADER + SLOT_HEADER))
+            reserved = self._pool_start - POOL_HEADER  # the key index and the cells
+            size = round_up(reserved + max(self.config.memory_pool_size, POOL_HEADER + SLOT_HEADER))
             name = segment_name(self._identity, self._token)
             try:
                 mm = create_segment(name, size, populate=self.config.prefault)
@@ -314,8 +419,9 @@ class SharedMemoryConnector(OmniConnectorBase):
                     f"SharedMemoryConnector: no shared memory for a {size}-byte pool: {exc}; free /dev/shm, "
                     f"raise the container's shm_size or lower memory_pool_size"
                 ) from exc
-            self._pool = _Segment(name, mm, PoolAllocator(size, start=POOL_HEADER))
+            self._pool = _Segment(name, mm, PoolAllocator(size, start=self._pool_start))
             self._own[name] = self._pool
+            self._cells = shm_cells.Cells(mm, CELLS_START, self._cell_size, reusable=(RELEASED,), writing=TAKEN)
             self._mapped[name] = mm  # so that gets in this process find it at once
         return self._pool
 
@@ -386,6 +492,13 @@ class SharedMemoryConnector(OmniConnectorBase):
                     exported.release_unmapped()
         slot.exports = None
 
+    def reap_consumed(self) -> None:
+        """Free the slots consumers have released (and those taken by consumers that died) now, rather
+        than at the next put that needs room."""
+        with self._lock:
+            if not self._closed and self._slots:
+                self._reclaim_locked(check_takers=True)
+
     def cleanup(self, key: str) -> None:
         """Free what this process put under `key` (or `key/...`) that no consumer holds."""
         prefix = key + "/"
@@ -394,17 +507,21 @@ class SharedMemoryConnector(OmniConnectorBase):
                 owned = slot.put_key == key or slot.put_key.startswith(prefix)
                 if owned and slot not in self._writing and slot.segment.mm[slot.offset] != TAKEN:
                     self._free_locked(slot)
+            if self._cells is not None:
+                self._cells.clean(key, waiting=WRITTEN, free=FREE)
 
     # ------------------------------------------------------------------ consumer side
 
     def get(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None = None
     ) -> tuple[Any, int] | None:
-        if type(metadata) is not dict:
-            raise ConnectorError(
-                f"SharedMemoryConnector: get of {_where(from_stage, to_stage, get_key)} needs the metadata "
-                "that put() returned"
-            )
+        if self._closed:
+            raise ConnectorError(f"SharedMemoryConnector is closed (get of {_where(from_stage, to_stage, get_key)})")
+        if type(metadata) is not dict or ("segment" not in metadata and "inline" not in metadata):
+            return self._get_by_key(from_stage, to_stage, get_key)  # no (or partial) metadata: the key alone
+        framed = metadata.get("frame")
+        if framed is not None:
+            return self._get_framed(from_stage, to_stage, get_key, metadata, framed)
         inline = metadata.get("inline")
         if inline is not None:
             return self._get_inline(from_stage, to_stage, get_key, metadata, inline)
@@ -454,6 +571,46 @@ class SharedMemoryConnector(OmniConnectorBase):
         self._counters.add_pair("gets", "bytes_got", length)
         return data, length
 
+    def _wait_once(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None, deadline: float
+    ) -> tuple[Any, int] | None:
+        result = self.get(from_stage, to_stage, get_key, metadata)
+        if result is None and type(metadata) is dict and ("segment" in metadata or "inline" in metadata):
+            # What put() returned names one slot: once that is gone, waiting cannot bring it back.
+            raise ConnectorError(
+                f"SharedMemoryConnector: {_where(from_stage, to_stage, get_key)} is gone: stale, already "
+                "consumed, cleaned up, or its producer died"
+            )
+        return result
+
+    def _get_by_key(self, from_stage: str, to_stage: str, get_key: str) -> tuple[Any, int] | None:
+        """Find the payload in the key index of every pool on this host (shm_index); None if none has it."""
+        digest = _digest(from_stage, to_stage, get_key)
+        for name in self._pool_names():
+            try:
+                mm = self._mapped.get(name) or self._mapping(name, from_stage, to_stage, get_key)
+            except ConnectorError:
+                continue  # another user's segment, or one being torn down
+            if mm is None:
+                continue
+            for generation, offset, segment in shm_index.lookup(mm, POOL_HEADER, digest):
+                where = name if segment == 0 else f"{name}_x{segment}"
+                target = mm if segment == 0 else self._mapping(where, from_stage, to_stage, get_key)
+                if target is None or offset + SLOT_HEADER > len(target):
+                    continue
+                length = struct.unpack_from("<Q", target, offset + 40)[0]
+                metadata = {"segment": where, "offset": offset, "generation": generation, "length": length}
+                result = self.get(from_stage, to_stage, get_key, metadata)
+                if result is not None:
+                    return result
+        return None
+
+    def _pool_names(self) -> list[str]:
+        """This process's pool first, then every other producer's pool on the host (one-off segments
+        are found through their pool's index)."""
+        own = [self._pool.name] if self._pool is not None else []
+        return own + [name for name in list_segments() if "_x" not in name and name not in own]
+
     def _own_exports(self, name: str, offset: int) -> list[Any] | None:
         """The CUDA tensors of a payload this process put itself (its IPC handles cannot be opened here)."""
         if name not in self._own:
@@ -474,6 +631,40 @@ class SharedMemoryConnector(OmniConnectorBase):
         size = len(inline) + sum(map(len, parts))
         self._counters.add_pair("gets", "bytes_got", size)
         return data, size
+
+    def _get_framed(self, from_stage: str, to_stage: str, get_key: str, metadata: dict, framed: Any) -> Any:
+        """A tiny payload's frame from the metadata; its slot in the pool is released (or, taken by a
+        get by key or cleaned up already, the payload is gone)."""
+        if metadata.get("key") != edge_key(from_stage, to_stage, get_key) or type(framed) is not bytes:
+            return self._stale()  # metadata of another key or edge: never hand out its data
+        if not self._take_copy(from_stage, to_stage, get_key, metadata):
+            return self._stale()
+        try:
+            data = codec.decode(framed)
+        except codec.FrameError as exc:
+            self._counters.add("errors")
+            where = _where(from_stage, to_stage, get_key)
+            raise ConnectorError(f"SharedMemoryConnector: bad inline payload for {where}: {exc}") from None
+        size = len(framed)
+        self._counters.add_pair("gets", "bytes_got", size)
+        return data, size
+
+    def _take_copy(self, from_stage: str, to_stage: str, get_key: str, metadata: dict) -> bool:
+        """Release the pool copy of an inline payload (put for gets by key); False if someone else
+        took it or it was freed. A producer that is gone took its copy along: the inline data stands."""
+        name, offset, generation = metadata.get("segment"), metadata.get("offset"), metadata.get("generation")
+        if type(name) is not str or type(offset) is not int or type(generation) is not int or offset < 0:
+            return False
+        mm = self._mapped.get(name) or self._mapping(name, from_stage, to_stage, get_key)
+        if mm is None:
+            return True
+        if offset + SLOT_HEADER > len(mm):
+            return False
+        # Generations are unique within a producer: with the segment they name this one put.
+        if mm[offset] != WRITTEN or _GENERATION.unpack_from(mm, offset + 16)[0] != generation:
+            return False
+        mm[offset] = RELEASED
+        return True
 
     def _stale(self) -> None:
         self._counters.add("stale_gets")
@@ -511,9 +702,11 @@ class SharedMemoryConnector(OmniConnectorBase):
         counters = self._counters.snapshot()
         with self._lock:
             pool = self._pool
-            pool_size = pool.allocator.size if pool else 0
+            pool_size = pool.allocator.size - (self._pool_start - POOL_HEADER) if pool else 0  # less index, cells
             in_use = pool.allocator.in_use if pool else 0
-            live = len(self._slots)
+            # Released slots wait for the next put to reclaim them: they hold no payload any more.
+            live = sum(1 for slot in self._slots.values() if slot.segment.mm[slot.offset] != RELEASED)
+            live += len(self._cells) if self._cells is not None else 0
         status = (
             "unhealthy"
             if self._closed
@@ -524,6 +717,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         return {
             "status": status,
             **counters,
+            **self._put_health(),
             "pool_size": pool_size,
             "pool_in_use": in_use,
             "live_payloads": live,
@@ -550,6 +744,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             self._own.clear()
             self._slots.clear()
             self._pool = None
+            self._cells = None
             self._mapped.clear()  # mappings with live views stay alive until those views die
 
     def __del__(self) -> None:

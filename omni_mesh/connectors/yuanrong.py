@@ -10,7 +10,8 @@ percent-escaped (`%XX`, injective), so `thinker->talker/req-1/0` becomes
 `omni;thinker-%3Etalker%2Freq-1%2F0`; keys longer than the 255-character limit end in `#<sha256>`.
 Unconsumed payloads are deleted by the worker after `ttl_s`, or by `cleanup(request_id)`.
 
-The datasystem client holds the GIL while it blocks, so every call is kept short: a `get` polls with
+The datasystem client holds the GIL while it blocks, so every call is kept short: `get` is one call
+that does not wait (None when the key is not there); `get_with_deadline` polls with
 `get_sub_timeout_ms` slices up to its deadline instead of one long wait.
 """
 
@@ -166,6 +167,7 @@ class YuanrongConnector(OmniConnectorBase):
         # Consumed keys are deleted by a background thread, in batches: one delete RPC (about 1 ms
         # here) for many keys, and none on the get path.
         self._consumed: list[str] = []
+        self._taken: set[str] = set()  # consumed here, deletion pending: a second get must not see them
         self._consumed_ready = threading.Condition()
         self._deleter: threading.Thread | None = None
 
@@ -200,6 +202,13 @@ class YuanrongConnector(OmniConnectorBase):
     # ---------------------------------------------------------------- put
 
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+        try:
+            return self._put(from_stage, to_stage, put_key, data)
+        except Exception as exc:  # vllm-omni's contract: a failed put answers (False, 0, None)
+            self._error()
+            return self._put_failed(from_stage, to_stage, put_key, exc)
+
+    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
         where = f"YuanrongConnector: put {from_stage}->{to_stage} key {put_key!r}"
         if self._client is None:
             raise ConnectorError(f"{where}: the connector is closed")
@@ -215,11 +224,12 @@ class YuanrongConnector(OmniConnectorBase):
             frame.write_into(buffers[0].MutableData())  # straight into the worker's shared memory
             self._call(where, "mset_buffer", buffers)
         except _WorkerError as exc:
-            self._error()
             raise ConnectorError(f"{where} ({frame.nbytes} bytes) on worker {self.worker}: {exc}") from None
         finally:
             buffers = None
         now = time.monotonic()
+        with self._consumed_ready:
+            self._taken.discard(ds_key)
         with self._lock:
             self._mine[edge] = (ds_key, put_key, now)
             self._forget_expired(now)
@@ -245,17 +255,36 @@ class YuanrongConnector(OmniConnectorBase):
         *,
         timeout_s: float | None = None,
     ) -> tuple[Any, int] | None:
-        """Works with metadata=None too (the key derives from edge and get_key); `timeout_s` overrides
-        get_timeout_s for this call."""
+        """A poll (one short call to the worker): None while the key is not there. Works with
+        metadata=None too (the key derives from edge and get_key). With `timeout_s` it waits that
+        long instead, then raises."""
+        if timeout_s is None:
+            return self._get(from_stage, to_stage, get_key, metadata, time.monotonic(), poll=True)
+        return self._get(from_stage, to_stage, get_key, metadata, time.monotonic() + timeout_s, poll=False)
+
+    def _wait_once(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None, deadline: float
+    ) -> tuple[Any, int] | None:
+        # Waits in slices of a second at most, so abandon_get and the deadline are noticed in time.
+        return self._get(from_stage, to_stage, get_key, metadata, min(deadline, time.monotonic() + 1.0), poll=True)
+
+    def _where_from(self) -> str:
+        return f" on datasystem worker {self.worker}"
+
+    def _get(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: Any, deadline: float, *, poll: bool
+    ) -> tuple[Any, int] | None:
         edge, ds_key = self._key(from_stage, to_stage, get_key)
         where = f"YuanrongConnector: get {from_stage}->{to_stage} key {get_key!r}"
         if isinstance(metadata, dict) and metadata.get("key", ds_key) != ds_key:
             raise ConnectorError(
                 f"{where}: the metadata is for datasystem key {metadata['key']!r}, not {ds_key!r}"
             )
-        timeout = self.config.get_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout
-        buffers = self._wait_for(ds_key, deadline, timeout, where)
+        if ds_key in self._taken:
+            return None  # consumed here; its deletion is still on the way
+        buffers = self._wait_for(ds_key, deadline, where, poll=poll)
+        if buffers is None:
+            return None
         try:
             view = buffers[0].immutable_data()
             size = len(view)
@@ -276,8 +305,9 @@ class YuanrongConnector(OmniConnectorBase):
         self._counters.add("bytes_got", size)
         return obj, size
 
-    def _wait_for(self, ds_key: str, deadline: float, timeout: float, where: str) -> list:
+    def _wait_for(self, ds_key: str, deadline: float, where: str, *, poll: bool) -> list | None:
         sub_ms = self.config.get_sub_timeout_ms
+        started = time.monotonic()
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             try:
@@ -287,9 +317,12 @@ class YuanrongConnector(OmniConnectorBase):
                     self._error()
                     raise ConnectorError(f"{where} ({ds_key!r}) from worker {self.worker}: {exc}") from None
             if time.monotonic() >= deadline:
+                if poll:
+                    return None
                 self._error()
                 raise ConnectorError(
-                    f"{where}: datasystem key {ds_key!r} not on worker {self.worker} after {timeout:g}s; "
+                    f"{where}: datasystem key {ds_key!r} not on worker {self.worker} after "
+                    f"{time.monotonic() - started:.3g}s; "
                     "it was never put, another consumer took it, or it expired (ttl_s)"
                 )
             # The client held the GIL for that whole poll: give other threads as long before the next.
@@ -297,6 +330,7 @@ class YuanrongConnector(OmniConnectorBase):
 
     def _delete_later(self, ds_key: str) -> None:
         with self._consumed_ready:
+            self._taken.add(ds_key)
             self._consumed.append(ds_key)
             if self._deleter is None:
                 self._deleter = threading.Thread(target=self._delete_consumed, name="yuanrong-delete", daemon=True)
@@ -330,8 +364,25 @@ class YuanrongConnector(OmniConnectorBase):
                 f"{where}: cannot delete {len(ds_keys)} key(s) on worker {self.worker}: {exc}"
             ) from None
         self._counters.add("deleted", len(ds_keys) - len(failed or []))
+        with self._consumed_ready:
+            self._taken.difference_update(ds_keys)
 
     # ---------------------------------------------------------------- lifecycle
+
+    def reap_consumed(self) -> None:
+        """Forget the keys this process put that a consumer elsewhere has taken (gone from the worker)."""
+        with self._lock:
+            mine = list(self._mine.items())
+        if not mine or self._client is None:
+            return
+        try:
+            there = self._call("YuanrongConnector: reap_consumed", "exist", [ds_key for _, (ds_key, _, _) in mine])
+        except (_WorkerError, ConnectorError):
+            return  # the worker is unreachable or we are closing: nothing is forgotten
+        with self._lock:
+            for (edge, held), exists in zip(mine, there, strict=False):
+                if not exists and self._mine.get(edge) == held:
+                    del self._mine[edge]
 
     def cleanup(self, key: str) -> None:
         prefix = key + "/"
@@ -348,7 +399,9 @@ class YuanrongConnector(OmniConnectorBase):
         self._last_error = time.monotonic()
 
     def health(self) -> dict:
-        report: dict[str, Any] = {**self._counters.snapshot(), "worker": self.worker, "held": len(self._mine)}
+        report: dict[str, Any] = {
+            **self._counters.snapshot(), **self._put_health(), "worker": self.worker, "held": len(self._mine)
+        }
         try:
             status = self._call("YuanrongConnector: health", "health_check")
             reachable, detail = status.is_ok(), status.to_string()

@@ -27,8 +27,8 @@ from typing import Any
 
 from omni_mesh.codec import FrameError, decode, plan
 from omni_mesh.connectors._checks import check_served
-from omni_mesh.connectors._served import ServedConnector
-from omni_mesh.connectors._zmq_channel import ERR, OK, Handler, Reply, frame_text
+from omni_mesh.connectors._served import GONE, ServedConnector
+from omni_mesh.connectors._zmq_channel import OK, Handler, Reply, frame_text
 from omni_mesh.connectors.base import ConnectorError, edge_key
 
 
@@ -72,7 +72,7 @@ class ZmqConnector(ServedConnector):
             self._pool = _anonymous_map(self._slots.size)
         return {b"GET": self._serve}
 
-    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
         frame = plan(data)
         self._start_server()
         key = edge_key(from_stage, to_stage, put_key)
@@ -101,8 +101,8 @@ class ZmqConnector(ServedConnector):
         """GET key token -> OK key frame (runs on the server thread)."""
         key, token = args[0], frame_text(args[1])
         held = self._held.take(frame_text(key), token)
-        if isinstance(held, str):
-            return [ERR, key, held.encode()], None
+        if isinstance(held, str):  # not (or no more) there: the consumer's get() answers None
+            return [GONE, key, held.encode()], None
         if held.offset is None:
             payload = memoryview(held.buffer)[: held.size]
         else:
@@ -124,7 +124,7 @@ class ZmqConnector(ServedConnector):
     ) -> tuple[Any, int]:
         """GET key token -> the frame, decoded as views over the received message."""
         late = (
-            f"no answer within {timeout_s:g}s; the producing process is gone, its host is unreachable, "
+            f"no answer within {timeout_s:.3g}s; the producing process is gone, its host is unreachable, "
             "or the payload is still in transit (raise get_timeout_s)"
         )
         token = str(metadata.get("token", ""))

@@ -144,8 +144,10 @@ def _answer(connector: Any, command: dict[str, Any], held: list[Any]) -> dict[st
         ok, size, metadata = connector.put(*edge, command["key"], data)
         return {"ok": ok, "size": size, "metadata": metadata}
     if op == "get":
-        timeout = {"timeout_s": command["timeout_s"]} if command.get("timeout_s") is not None else {}
-        result = connector.get(*edge, command["key"], command.get("metadata"), **timeout)
+        wait = command.get("timeout_s") or getattr(connector.config, "get_timeout_s", 30.0)
+        result = connector.get_with_deadline(
+            *edge, command["key"], command.get("metadata"), deadline=time.monotonic() + wait
+        )
         if result is None:
             return {"ok": False, "error": "get returned None"}
         data, size = result

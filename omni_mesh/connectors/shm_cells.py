@@ -1,0 +1,80 @@
+"""Fixed cells for tiny payloads in a SharedMemoryConnector pool.
+
+A tiny payload travels in its metadata, but a get by key alone must find it in shared memory too
+(shm_index). Going through the pool's allocator for every tiny put would cost more than the put
+itself, so each pool keeps COUNT cells of one size after its key index: a
+cell is reusable once its consumer released it (or it was never used, or cleaned up). Cells are
+handed out round-robin; there are few of them, so a steady stream cycles through pages already mapped
+and faulted in on both sides (512 cost a page fault per get, measured; first-fit from cell 0 measured
+slower still). With every cell waiting for its consumer, a tiny put takes a pool slot instead. Every cell
+starts with the same 64-byte slot header as a pool slot, so consumers read cells and slots alike.
+Not thread-safe: the connector calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+COUNT = 16  # few, so a steady stream cycles through pages already faulted in on both sides
+MAX_FRAME = 16 * 1024  # tiny payloads larger than this use the allocator
+_GENERATION = struct.Struct("<Q")
+
+
+def cell_size(slot_header: int, inline_max_bytes: int) -> int:
+    """Bytes per cell (a multiple of 64), 0 when tiny payloads are too large for cells."""
+    frame = min(inline_max_bytes, MAX_FRAME)
+    return 0 if frame <= 0 else slot_header + (frame + 63) // 64 * 64
+
+
+class Cells:
+    """COUNT cells of `size` bytes at `start` of `mm` (module docstring)."""
+
+    def __init__(self, mm: Any, start: int, size: int, *, reusable: tuple[int, ...], writing: int) -> None:
+        self.mm, self.start, self.size = mm, start, size
+        self._reusable = reusable  # slot states in which a cell may be handed out again
+        self._writing = writing  # the state a cell shows while a put fills it (no consumer takes it)
+        self._keys: list[str | None] = [None] * (COUNT if size else 0)
+        self._next = 0
+
+    @property
+    def frame_bytes(self) -> int:
+        return self.size - 64 if self.size else 0
+
+    def take(self, put_key: str) -> int | None:
+        """The offset of a free cell, now owned by `put_key` and shown as being written; None if none."""
+        mm, keys, reusable = self.mm, self._keys, self._reusable
+        for _ in range(len(keys)):
+            index = self._next
+            self._next = (index + 1) % len(keys)
+            offset = self.start + index * self.size
+            if keys[index] is None or mm[offset] in reusable:
+                _GENERATION.pack_into(mm, offset + 16, 0)  # stale metadata of the last payload never matches
+                mm[offset] = self._writing
+                self._keys[index] = put_key
+                return offset
+        return None
+
+    def give_back(self, offset: int, free: int) -> None:
+        """A put that failed to fill the cell: it is free again."""
+        index = (offset - self.start) // self.size
+        self._keys[index] = None
+        self.mm[offset] = free
+
+    def owns(self, offset: int) -> bool:
+        return self.size > 0 and self.start <= offset < self.start + len(self._keys) * self.size
+
+    def clean(self, key: str, *, waiting: int, free: int) -> None:
+        """Free the cells of `key` (or `key/...`) that still wait for their consumer."""
+        prefix = key + "/"
+        for index, owner in enumerate(self._keys):
+            if owner is not None and (owner == key or owner.startswith(prefix)):
+                offset = self.start + index * self.size
+                if self.mm[offset] == waiting:
+                    _GENERATION.pack_into(self.mm, offset + 16, 0)
+                    self.mm[offset] = free
+                    self._keys[index] = None
+
+    def __len__(self) -> int:
+        """Cells holding a payload nobody has released yet."""
+        return sum(1 for i, k in enumerate(self._keys) if k is not None and self.mm[self.start + i * self.size] not in self._reusable)

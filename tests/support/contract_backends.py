@@ -1,0 +1,133 @@
+"""The connectors the contract suite (tests/test_connector_contract.py) runs against, with real backends.
+
+Each backend knows how to build producer and consumer connectors here, which partial metadata names its
+producer (vllm-omni's `source_host`/`source_port`, for the connectors that ask the producer), and
+which `health()` figure counts what a producer still holds. A backend whose library or service is
+missing is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from omni_mesh.connectors import OmniConnectorBase, create_connector
+
+BACKENDS = [
+    "SharedMemoryConnector",
+    "ZmqConnector",
+    "MooncakeTransferEngineConnector",
+    "MooncakeStoreConnector",
+    "YuanrongConnector",
+]
+#: The health() figure that counts payloads a producer still holds for consumers, per connector.
+HELD = {
+    "SharedMemoryConnector": "live_payloads",
+    "ZmqConnector": "held",
+    "MooncakeTransferEngineConnector": "pending_payloads",
+    "MooncakeStoreConnector": "tracked_keys",
+    "YuanrongConnector": "held",
+}
+#: Connectors whose producer serves gets itself: partial metadata names it by host and port.
+ASKS_PRODUCER = {"ZmqConnector", "MooncakeTransferEngineConnector"}
+
+
+@dataclass
+class Backend:
+    name: str
+    config: dict[str, Any]
+    env: dict[str, str] = field(default_factory=dict)
+    made: list[OmniConnectorBase] = field(default_factory=list)
+
+    def make(self, **overrides: Any) -> OmniConnectorBase:
+        """A connector of this backend (closed at the end of the module)."""
+        connector = create_connector(self.name, {**self.config, **overrides})
+        self.made.append(connector)
+        return connector
+
+    def partial(self, metadata: dict) -> dict | None:
+        """What vllm-omni's heterogeneous-TP path passes instead of put()'s metadata: the producer's
+        host and port where the connector asks its producer, nothing otherwise (the key locates it)."""
+        if self.name not in ASKS_PRODUCER:
+            return None
+        host, port = metadata["endpoint"].removeprefix("tcp://").rsplit(":", 1)
+        return {"source_host": host.strip("[]"), "source_port": int(port)}
+
+    def held(self, connector: OmniConnectorBase) -> int:
+        return connector.health()[HELD[self.name]]
+
+    def close(self) -> None:
+        for connector in self.made:
+            with contextlib.suppress(Exception):
+                connector.close()
+
+
+def _missing(module: str) -> bool:
+    return importlib.util.find_spec(module) is None
+
+
+@contextlib.contextmanager
+def running(name: str, logs: Any) -> Iterator[Backend]:
+    """Start what `name` needs (a mooncake_master, a datasystem worker) and yield its Backend."""
+    if name == "SharedMemoryConnector":
+        backend = Backend(name, {})
+        yield backend
+        backend.close()
+    elif name == "ZmqConnector":
+        backend = Backend(name, {"host": "127.0.0.1", "memory_pool_size": "64MiB"})
+        yield backend
+        backend.close()
+    elif name == "MooncakeTransferEngineConnector":
+        if _missing("mooncake"):
+            pytest.skip("mooncake is not installed: pip install mooncake-transfer-engine")
+        backend = Backend(
+            name, {"host": "127.0.0.1", "memory_pool_size": "64MiB", "prefault": False, "connect_timeout_s": 2.0}
+        )
+        yield backend
+        backend.close()
+    elif name == "MooncakeStoreConnector":
+        from omni_mesh.connectors import ConnectorError
+        from omni_mesh.testing.mooncake_master import MooncakeMaster, master_binary
+
+        try:
+            master_binary()
+        except ConnectorError as exc:
+            pytest.skip(f"no mooncake_master here: {exc}")
+
+        with MooncakeMaster(log_path=str(logs / "master.log")) as master:
+            config = {
+                "host": "127.0.0.1",
+                "master": master.address,
+                "segment": "128MiB",
+                "localbuf": "64MiB",
+                "prefault": False,
+            }
+            backend = Backend(name, config)
+            yield backend
+            backend.close()
+    elif name == "YuanrongConnector":
+        if _missing("yr.datasystem"):
+            pytest.skip("openyuanrong-datasystem is not installed")
+        from omni_mesh.testing.datasystem_worker import running_worker
+
+        try:
+            context = running_worker()
+            worker = context.__enter__()
+        except (RuntimeError, FileNotFoundError, OSError) as exc:
+            pytest.skip(f"no datasystem worker could be started here: {exc}")
+        try:
+            # Only what the worker set up differs from this process's environment (its client log dir).
+            env = {k: v for k, v in worker.env.items() if os.environ.get(k) != v}
+            backend = Backend(name, worker.config, env=env)
+            yield backend
+            backend.close()
+        finally:
+            context.__exit__(None, None, None)
+    else:
+        raise ValueError(name)
