@@ -213,9 +213,22 @@ class OmniConnectorBase(ABC):
         effect itself)."""
         parse_config(cls.config_class, config, owner=cls.__name__, warn=False)
 
-    @abstractmethod
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
-        """Store data. Returns (success, serialized_size, metadata); (False, 0, None) on failure."""
+        """Store data. Returns (success, serialized_size, metadata); (False, 0, None) on failure, its
+        reason logged and kept for `put_error()` (vllm-omni's contract: a failed put never raises).
+
+        Connectors implement `_put`, which raises on failure; or override `put` itself."""
+        try:
+            return self._put(from_stage, to_stage, put_key, data)
+        except Exception as exc:
+            self._count_put_error()
+            return self._put_failed(from_stage, to_stage, put_key, exc)
+
+    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+        raise NotImplementedError(f"{type(self).__name__} implements neither put() nor _put()")
+
+    def _count_put_error(self) -> None:  # noqa: B027 - optional: connectors with an error counter count it
+        """Count a failed put in this connector's own health counters."""
 
     @abstractmethod
     def get(

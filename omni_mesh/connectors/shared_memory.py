@@ -193,12 +193,6 @@ class SharedMemoryConnector(OmniConnectorBase):
 
     # ------------------------------------------------------------------ producer side
 
-    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
-        try:
-            return self._put(from_stage, to_stage, put_key, data)
-        except Exception as exc:  # vllm-omni's contract: a failed put answers (False, 0, None)
-            return self._put_failed(from_stage, to_stage, put_key, exc)
-
     def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
         policy = codec.CudaIpcExports() if self.config.cuda_ipc else None
         frame = codec.plan(data, device=policy)

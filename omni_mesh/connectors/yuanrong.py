@@ -201,12 +201,8 @@ class YuanrongConnector(OmniConnectorBase):
 
     # ---------------------------------------------------------------- put
 
-    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
-        try:
-            return self._put(from_stage, to_stage, put_key, data)
-        except Exception as exc:  # vllm-omni's contract: a failed put answers (False, 0, None)
-            self._error()
-            return self._put_failed(from_stage, to_stage, put_key, exc)
+    def _count_put_error(self) -> None:
+        self._error()
 
     def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
         where = f"YuanrongConnector: put {from_stage}->{to_stage} key {put_key!r}"
