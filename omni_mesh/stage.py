@@ -30,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from omni_mesh import aio, codec, control, ingress, logs
-from omni_mesh.connectors import OmniConnectorBase, create_connector, creation_rank
+from omni_mesh.connectors import ConnectorError, OmniConnectorBase, create_connector, creation_rank
 from omni_mesh.control import (
     Abort,
     Chunk,
@@ -499,6 +499,10 @@ class StageReplica:
             result = await loop.run_in_executor(
                 self.executor, self._get_until, connector, src, key, meta, work.ctx.remaining()
             )
+        except ConnectorError as exc:  # the connector names stage names and key; add the edge as the graph has it
+            raise StageInputError(
+                f"stage {self.stage.name!r}: payload {key!r} on edge {edge.label} ({edge.connector.name}): {exc}"
+            ) from None
         finally:
             work.transfer_s += time.perf_counter() - started
         return result[0]

@@ -123,7 +123,9 @@ def test_get_returns_none_once_consumed(pair) -> None:
 def test_get_returns_none_after_cleanup_and_cleanup_frees_only_that_request(pair, backend: Backend) -> None:
     producer, consumer = pair
     before = backend.held(producer)
-    metas = {key: producer.put("s0", "s1", key, torch.ones(3000))[2] for key in ("req-a/0", "req-a/1", "req-ab/0")}
+    # 20 KB: over SharedMemoryConnector's inline limit (an inline payload rides whole in its metadata,
+    # which a get with that metadata always reads, as vllm-omni's does).
+    metas = {key: producer.put("s0", "s1", key, torch.ones(5000))[2] for key in ("req-a/0", "req-a/1", "req-ab/0")}
     assert backend.held(producer) == before + 3
     producer.cleanup("req-a")
     assert backend.held(producer) == before + 1
@@ -131,7 +133,7 @@ def test_get_returns_none_after_cleanup_and_cleanup_frees_only_that_request(pair
         got, took = timed(consumer.get, "s0", "s1", key, wire(metas[key]))
         assert got is None and took < POLL_LIMIT_S
     data, _ = consumer.get("s0", "s1", "req-ab/0", wire(metas["req-ab/0"]))
-    assert torch.equal(data, torch.ones(3000))
+    assert torch.equal(data, torch.ones(5000))
 
 
 def test_get_without_or_with_partial_metadata_finds_the_payload_by_key(pair, backend: Backend) -> None:

@@ -96,11 +96,11 @@ def test_shm_threshold_bytes_is_inline_max_bytes_for_real_puts() -> None:
     with create_connector("SharedMemoryConnector", {"shm_threshold_bytes": 65536}) as inline:
         assert inline.config.inline_max_bytes == 65536
         ok, _, metadata = inline.put("0", "1", "r1", small)
-        assert ok and "inline" in metadata
+        assert ok and "frame" in metadata  # the payload rides in its metadata
     with create_connector("SharedMemoryConnector", {"shm_threshold_bytes": "0"}) as pooled:
         assert pooled.config.inline_max_bytes == 0
         ok, _, metadata = pooled.put("0", "1", "r1", small)
-        assert ok and "inline" not in metadata
+        assert ok and "frame" not in metadata
         pooled.cleanup("r1")
 
 

@@ -627,12 +627,13 @@ class SharedMemoryConnector(OmniConnectorBase):
         return data, size
 
     def _get_framed(self, from_stage: str, to_stage: str, get_key: str, metadata: dict, framed: Any) -> Any:
-        """A tiny payload's frame from the metadata; its slot in the pool is released (or, taken by a
-        get by key or cleaned up already, the payload is gone)."""
+        """A tiny payload's frame from the metadata; its copy in the pool (there for gets by key) is
+        released. The metadata holds the whole payload, so a get with it always succeeds, as vllm-omni's
+        inline payloads do: the coordinator retries a stage whose replica died after its get, with the
+        same metadata, and the retry must find its input."""
         if metadata.get("key") != edge_key(from_stage, to_stage, get_key) or type(framed) is not bytes:
             return self._stale()  # metadata of another key or edge: never hand out its data
-        if not self._take_copy(from_stage, to_stage, get_key, metadata):
-            return self._stale()
+        self._take_copy(from_stage, to_stage, get_key, metadata)
         try:
             data = codec.decode(framed)
         except codec.FrameError as exc:
