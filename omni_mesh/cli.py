@@ -316,6 +316,11 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         action="store_true",
         help="YuanrongConnector: start a throwaway datasystem worker on loopback for the run (dscli)",
     )
+    connector.add_argument(
+        "--zero-copy",
+        action="store_true",
+        help="allocate each payload with connector.empty() (its memory), so the put copies nothing",
+    )
     connector.add_argument("--json", action="store_true", help="print the results as JSON")
     pipeline = kinds.add_parser("pipeline", help="drive a mesh over HTTP with concurrent clients")
     pipeline.add_argument("--url", default=None, help="coordinator URL of a running mesh")
@@ -368,7 +373,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                 from omni_mesh.testing.datasystem_worker import running_worker
 
                 config = {**config, **stack.enter_context(running_worker()).config}
-            result = connector.run(args.connector, config, sizes, raw=not args.no_raw, device=args.device)
+            result = connector.run(
+                args.connector, config, sizes, raw=not args.no_raw, device=args.device, zero_copy=args.zero_copy
+            )
         print(json.dumps(result, indent=2) if args.json else connector.report(result))
         return EXIT_OK
     if args.bench == "chaos":

@@ -69,9 +69,22 @@ class StageContext:
     replica: str
     deadline: float  # event-loop time
     stream: bool = False  # the client reads the final output as a stream
+    #: Allocates output tensors where the outgoing edge keeps memory (`empty`); None: ordinary tensors.
+    allocate: Callable[[tuple[int, ...], Any], Any] | None = field(default=None, repr=False)
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - asyncio.get_running_loop().time())
+
+    def empty(self, shape: tuple[int, ...] | list[int], dtype: Any) -> Any:
+        """An uninitialized output tensor already in the memory of this stage's FIRST outgoing edge (in
+        topology order): returned in the output, its put there copies nothing; other edges get a copy,
+        as for any tensor. Do not write into it after returning it. Synchronous (the pool may grow):
+        call it where the output is computed, e.g. in the handler's worker thread."""
+        if self.allocate is None:
+            import torch  # handlers that never ask for an output tensor do not need it here
+
+            return torch.empty(tuple(shape), dtype=dtype)
+        return self.allocate(tuple(shape), dtype)
 
 
 class StageInputError(RuntimeError):
@@ -354,11 +367,23 @@ class StageReplica:
             self._registered.clear()
             asyncio.get_running_loop().create_task(self._register())
 
+    def _output_allocator(self) -> Callable[[tuple[int, ...], Any], Any] | None:
+        """ctx.empty's allocator: the connector of the first outgoing edge (a final stage has none)."""
+        for edge in self.out_edges.values():
+            return self.connectors[edge.connector.ref].empty
+        return None
+
     def _accept(self, message: Work) -> None:
         rid = message.rid
         loop = asyncio.get_running_loop()
         ctx = StageContext(
-            rid, message.params, self.stage.name, self.replica_id, loop.time() + message.remaining_s, message.stream
+            rid,
+            message.params,
+            self.stage.name,
+            self.replica_id,
+            loop.time() + message.remaining_s,
+            message.stream,
+            allocate=self._output_allocator(),
         )
         work = _Work(rid, ctx)
         if message.stream_from:

@@ -38,7 +38,8 @@ from omni_mesh.testing.mooncake_master import MooncakeMaster
 
 TE = "MooncakeTransferEngineConnector"
 STORE = "MooncakeStoreConnector"
-TE_CONFIG = {"host": "127.0.0.1", "memory_pool_size": "64MiB", "prefault": False}
+# max_pool_size = memory_pool_size: these tests need a pool that does not grow (test_pool_growth.py grows it).
+TE_CONFIG = {"host": "127.0.0.1", "memory_pool_size": "64MiB", "max_pool_size": "64MiB", "prefault": False}
 
 
 @contextlib.contextmanager
@@ -174,11 +175,11 @@ def test_te_foreign_metadata_fails_clearly(te_producer, te_consumer) -> None:
 
 def test_te_payload_larger_than_the_pool_says_what_to_raise(te_producer, te_consumer) -> None:
     assert te_producer.put("a", "b", "big/x", torch.ones(64 * MiB + 1, dtype=torch.uint8)) == (False, 0, None)
-    assert re.search(r"memory_pool_size.*at least '65MiB'", te_producer.put_error("a", "b", "big/x"))
-    small = create_connector(TE, {**TE_CONFIG, "memory_pool_size": "8MiB", "copy_on_get": True})
+    assert re.search(r"max_pool_size.*at least '65MiB'", te_producer.put_error("a", "b", "big/x"))
+    small = create_connector(TE, {**TE_CONFIG, "memory_pool_size": "8MiB", "max_pool_size": "8MiB", "copy_on_get": True})
     try:
         _, _, metadata = te_producer.put("a", "b", "big/y", payload("16mib"))
-        with pytest.raises(ConnectorError, match=r"'big/y' on edge a->b.*memory_pool_size is 8388608"):
+        with pytest.raises(ConnectorError, match=r"'big/y' on edge a->b.*max_pool_size is 8388608"):
             small.get("a", "b", "big/y", metadata)
         _, _, metadata = te_producer.put("a", "b", "big/z", payload("bytes"))
         data, _ = small.get("a", "b", "big/z", metadata)

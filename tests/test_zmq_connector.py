@@ -131,7 +131,7 @@ def test_unconsumed_payloads_are_freed_after_ttl(consumer):
 
 
 def test_a_payload_larger_than_the_pool_uses_a_one_off_buffer(consumer):
-    producer = ZmqConnector({**LOCAL, "memory_pool_size": "1MiB"})
+    producer = ZmqConnector({**LOCAL, "memory_pool_size": "1MiB", "max_pool_size": "1MiB"})  # no growth
     try:
         data = torch.arange(1 << 20, dtype=torch.int32)  # 4 MiB
         _, size, metadata = producer.put("a", "b", "big/0", data)

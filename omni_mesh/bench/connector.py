@@ -14,6 +14,14 @@ print medians of:
   library between two processes in the same run, and the ratio connector / raw.
 
 The first transfer of each size is verified byte for byte (outside the timings).
+
+The connector runs with its default config unless --config says otherwise (the bench does not size
+its pool for the workload: users do not either). Each size also reports the producer pool's growth
+and its fallbacks (one-off buffers), in all and after the first put of that size.
+
+`--zero-copy` allocates each payload with `connector.empty()` (where the connector keeps memory) and
+fills it outside the timings, as a handler computing its output into it would: the put of such a
+tensor copies nothing. Connectors without a pool of their own give plain tensors there.
 """
 
 from __future__ import annotations
@@ -65,6 +73,10 @@ class SizeResult:
     ratio_memcpy: float
     raw_gbps: float | None = None
     ratio_raw: float | None = None
+    put_ratio_memcpy: float | None = None  # median put time / median memcpy time
+    pool_grown: int = 0  # segments the producer's pool grew by during this size
+    fallbacks: int = 0  # one-off buffers taken during this size
+    fallbacks_after_first: int = 0  # ... after the first put of this size
 
 
 def repeats_for(size: int) -> int:
@@ -204,25 +216,60 @@ def _consume(connector: Any, message: dict) -> dict:
     return reply
 
 
+# Health counters of one-off buffers, by connector: a payload that fit no pool space.
+FALLBACK_COUNTERS = ("fallbacks", "oneoff")
+
+
+def pool_counters(connector: Any) -> tuple[int, int]:
+    """(segments the pool grew by, one-off fallbacks) so far, from the connector's health()."""
+    health = connector.health()
+    return int(health.get("pool_grown", 0)), sum(int(health.get(name, 0)) for name in FALLBACK_COUNTERS)
+
+
+def make_payload(connector: Any, source: dict[str, torch.Tensor], zero_copy: bool) -> dict[str, torch.Tensor]:
+    """The payload to put: `source` itself, or (zero copy) a copy of it in `connector.empty()` memory."""
+    if not zero_copy:
+        return source
+    tensor = source["hidden_states"]
+    output = connector.empty(tuple(tensor.shape), tensor.dtype)
+    # The handler's own computation, outside the timings. A memmove, not copy_: torch's intra-op
+    # threads spin-wait after a parallel copy and would slow the timed put that follows.
+    if tensor.is_cuda:
+        output.copy_(tensor)
+    else:
+        ctypes.memmove(output.data_ptr(), tensor.data_ptr(), tensor.nbytes)
+    return {"hidden_states": output}
+
+
 def measure(
-    connector: Any, consumer: ConsumerProcess, size: int, repeats: int, device: str = "cpu", round_: int = 0
+    connector: Any,
+    consumer: ConsumerProcess,
+    size: int,
+    repeats: int,
+    device: str = "cpu",
+    round_: int = 0,
+    *,
+    zero_copy: bool = False,
+    warm_ups: int = 2,
 ) -> tuple[list[float], list[float], list[float]]:
-    """Producer put, consumer get and end-to-end times of `repeats` transfers (after two warm-up ones)."""
+    """Producer put, consumer get and end-to-end times of `repeats` transfers (after `warm_ups`)."""
     name = type(connector).__name__
-    data = payload(size, device)
-    expected = digest(data["hidden_states"])
+    source = payload(size, device)
+    expected = digest(source["hidden_states"])
     put_s, get_s, e2e_s = [], [], []
-    for i in range(repeats + 2):
+    for i in range(repeats + warm_ups):
         key = f"bench-{size}/{round_}/{i}"  # never reused: a consumed key may still be being deleted
+        data = make_payload(connector, source, zero_copy)
         started = time.perf_counter()
         ok, _, meta = connector.put(*EDGE, key, data)
         put_done = time.perf_counter()
         if not ok:
             raise RuntimeError(f"put of {key} failed")
+        del data  # a zero-copy payload's memory goes back once the consumer is done with it too
         reply = consumer.ask({"key": key, "meta": meta, "verify": i == 0})
         if i == 0 and reply["digest"] != expected:
             raise RuntimeError(f"{name}: the consumer received different bytes at {size} bytes")
-        if i >= 2:  # two warm-up rounds
+        if i >= warm_ups:
             put_s.append(put_done - started)
             get_s.append(reply["get_s"])
             e2e_s.append(reply["done"] - started)  # perf_counter is CLOCK_MONOTONIC: one clock per host
@@ -240,6 +287,7 @@ def summarize(
     put_get = statistics.median([p + g for p, g in zip(put_s, get_s, strict=True)])
     memcpy = statistics.median(memcpy_s)
     result = SizeResult(
+        put_ratio_memcpy=statistics.median(put_s) / memcpy,
         size=size,
         repeats=len(put_s),
         put_get_s=put_get,
@@ -272,7 +320,14 @@ def raw_seconds(name: str, size: int, repeats: int, config: dict) -> list[float]
 
 
 def measure_size(
-    name: str, config: dict, consumer: ConsumerProcess, size: int, *, raw: bool, device: str = "cpu"
+    name: str,
+    config: dict,
+    consumer: ConsumerProcess,
+    size: int,
+    *,
+    raw: bool,
+    device: str = "cpu",
+    zero_copy: bool = False,
 ) -> SizeResult:
     """The connector, the memcpy reference and, where there is one, the raw library, in alternating
     rounds.
@@ -296,28 +351,46 @@ def measure_size(
     # pay its client's first-touch costs (mappings, connections) inside the timings.
     connector = create_connector(name, config)
     try:
+        grown_before, fallbacks_before = pool_counters(connector)
+        measure(connector, consumer, size, 0, device, -1, zero_copy=zero_copy, warm_ups=1)  # the first put
+        _, fallbacks_first = pool_counters(connector)
         for round_ in range(rounds):
-            puts, gets, e2es = measure(connector, consumer, size, max(3, repeats // rounds), device, round_)
+            puts, gets, e2es = measure(
+                connector, consumer, size, max(3, repeats // rounds), device, round_, zero_copy=zero_copy
+            )
             put_s += puts
             get_s += gets
             e2e_s += e2es
             memcpy_s += memcpy_seconds(size, len(puts), device)
             if has_raw:
                 raw_s += raw_seconds(name, size, max(3, repeats // rounds), config) or []
+        grown_after, fallbacks_after = pool_counters(connector)
     finally:
         connector.close()
-    return summarize(size, put_s, get_s, e2e_s, raw_s, memcpy_s)
+    result = summarize(size, put_s, get_s, e2e_s, raw_s, memcpy_s)
+    result.pool_grown = grown_after - grown_before
+    result.fallbacks = fallbacks_after - fallbacks_before
+    result.fallbacks_after_first = fallbacks_after - fallbacks_first
+    return result
 
 
-def run(name: str, config: dict, sizes: list[int], *, raw: bool = True, device: str = "cpu") -> dict[str, Any]:
-    if name == "SharedMemoryConnector" and "memory_pool_size" not in config:
-        # Size the pool for the workload, as a deployment would: two payloads in flight at once.
-        config = {**config, "memory_pool_size": max(256 << 20, 2 * max(sizes) + (4 << 20))}
+def run(
+    name: str,
+    config: dict,
+    sizes: list[int],
+    *,
+    raw: bool = True,
+    device: str = "cpu",
+    zero_copy: bool = False,
+) -> dict[str, Any]:
+    """Measure `sizes` with the connector built from `config` as given (its defaults for what it omits)."""
     results = []
     consumer = ConsumerProcess(name, config)
     try:
         for size in sizes:
-            results.append(measure_size(name, config, consumer, size, raw=raw, device=device))
+            results.append(
+                measure_size(name, config, consumer, size, raw=raw, device=device, zero_copy=zero_copy)
+            )
     finally:
         consumer.close()
     small = statistics.median(in_process_seconds(name, config, 4096, 2000))
@@ -325,6 +398,7 @@ def run(name: str, config: dict, sizes: list[int], *, raw: bool = True, device: 
         "connector": name,
         "config": config,
         "device": device,
+        "zero_copy": zero_copy,
         # Side channels (ZmqConnector, the transfer engines) run CURVE when the environment holds
         # mesh keys (OMNI_MESH_CURVE_PUBLIC_KEY/_SECRET_KEY or OMNI_MESH_KEYS_DIR; the consumer
         # process inherits them): the same command measures both, the header says which ran.
@@ -349,15 +423,20 @@ def report(result: dict[str, Any]) -> str:
     lines = [
         f"connector {result['connector']}  config {json.dumps(result['config'])}  payload on {result['device']}"
         f"  mesh keys {'set (CURVE side channels)' if result.get('mesh_keys') else 'none'}",
-        "medians; put->get = producer put + consumer get; e2e adds the metadata hop between the processes",
+        "medians; put->get = producer put + consumer get; e2e adds the metadata hop between the processes"
+        + ("; payloads allocated by connector.empty() (--zero-copy)" if result.get("zero_copy") else ""),
+        "put/memcpy: the put alone against a memcpy of the same bytes; grown: segments the producer's pool "
+        "grew by; fallbacks: one-off buffers (all / after the first put of the size)",
         f"{'size':>9} {'reps':>5} {'put->get':>10} {'GB/s':>7} {'memcpy GB/s':>12} {'x memcpy':>9} {'e2e':>10}"
-        f" {'raw GB/s':>9} {'x raw':>6}",
+        f" {'raw GB/s':>9} {'x raw':>6} {'put/memcpy':>10} {'grown':>5} {'fallbacks':>9}",
     ]
     for r in result["sizes"]:
         raw = f"{r['raw_gbps']:9.2f} {r['ratio_raw']:6.2f}" if r["raw_gbps"] else f"{'-':>9} {'-':>6}"
+        fallbacks = f"{r['fallbacks']}/{r['fallbacks_after_first']}"
         lines.append(
             f"{_fmt_size(r['size']):>9} {r['repeats']:5d} {_fmt_time(r['put_get_s']):>10} {r['gbps']:7.2f}"
             f" {r['memcpy_gbps']:12.2f} {r['ratio_memcpy']:9.2f} {_fmt_time(r['e2e_s']):>10} {raw}"
+            f" {r['put_ratio_memcpy']:10.3f} {r['pool_grown']:5d} {fallbacks:>9}"
         )
     lines.append(f"in-process 4 KiB put + get: {_fmt_time(result['inproc_4k_s'])} (median)")
     return "\n".join(lines)

@@ -6,6 +6,13 @@ closed (LINGER 0), never reused: a late reply cannot be read as the answer to th
 the most recently used endpoints keep idle sockets, and (with `idle_s`) `reap_idle()` closes those
 unused for that long, so producers that come and go (restarted replicas, new ports) do not leave
 sockets reconnecting forever.
+
+Dead peers are noticed in about a second, not at the request's deadline: a monitor reports each
+socket's connection events (a dead process's kernel closes its connections at once), and every socket
+sends ZeroMQ heartbeats (a peer silent for HEARTBEAT_TIMEOUT_MS is disconnected: a cut network or a
+frozen host, which close nothing). A request whose connection breaks after it was sent
+can never be answered (the producer's ROUTER drops replies to a lost peer), so it fails at once with
+PeerLost; one whose peer refuses connections (its process is gone) fails after PEER_REFUSED_S.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import time
 from collections import OrderedDict
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from omni_mesh.security import MeshKeys, secure_client
 
@@ -28,21 +36,78 @@ class NotConnected(TimeoutError):
     """No connection to the endpoint within the connect timeout; nothing was sent."""
 
 
+HEARTBEAT_IVL_MS = 1000  # a PING this often on every connection...
+# ...and a peer silent this long is disconnected (a cut network, a frozen host). Not shorter: with 2 s a
+# 256 MiB reply on this project's loaded 2-vCPU VM lost its connection mid-transfer (2026-12-01). A
+# process that dies is noticed at once anyway: its kernel closes the connection.
+HEARTBEAT_TIMEOUT_MS = 10_000
+PEER_REFUSED_S = 1.5  # a request whose peer refuses connections this long fails (its process is gone)
+_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+
+
+class _Link:
+    """A DEALER socket and its monitor: whether the connection to the peer stands."""
+
+    __slots__ = ("sock", "monitor", "poller", "up", "broke", "refused_since")
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self.monitor = sock.get_monitor_socket(_EVENTS)
+        self.poller = zmq.Poller()  # made once: requests are latency-bound
+        self.poller.register(sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        self.up = False
+        self.broke = False  # the connection went down since `arm()`
+        self.refused_since: float | None = None  # connect attempts failing since then, while not up
+
+    def arm(self) -> None:
+        """Read the events so far; from here on a broken connection counts against the request."""
+        self.watch()
+        self.broke = False
+        self.refused_since = None
+
+    def watch(self) -> None:
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.up, self.refused_since = True, None
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.up, self.broke = False, True
+            elif event == zmq.EVENT_CONNECT_RETRIED and not self.up and self.refused_since is None:
+                self.refused_since = time.monotonic()
+
+    def lost(self) -> str | None:
+        """Why the request in flight will not be answered, or None while it may be."""
+        if self.broke:
+            return "the connection to the producer broke (its process died, or it stopped answering heartbeats)"
+        if self.refused_since is not None and time.monotonic() - self.refused_since >= PEER_REFUSED_S:
+            return f"the producer refuses connections (for {PEER_REFUSED_S:g}s): its process is gone"
+        return None
+
+    def close(self) -> None:
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+
+
 class LateReply(TimeoutError):
     """A request was sent but not answered in time. The caller owns the socket its answer may still
     arrive on: `arrived()` says whether it has, `close()` discards the socket."""
 
-    def __init__(self, message: str, sock: zmq.Socket) -> None:
+    def __init__(self, message: str, link: _Link) -> None:
         super().__init__(message)
-        self._sock = sock
+        self._link = link
 
     def arrived(self) -> bool:
-        return bool(
-            self._sock.poll(0, zmq.POLLIN)
-        )  # the socket carried one request: any message is its answer
+        # The socket carried one request: any message is its answer.
+        return bool(self._link.sock.poll(0, zmq.POLLIN))
 
     def close(self) -> None:
-        self._sock.close(linger=0)
+        self._link.close()
+
+
+class PeerLost(LateReply):
+    """The producer went away while the request waited (see the module docstring): no answer will come.
+    With `keep_late` the caller still owns the socket (a producer cut off by the network may yet write)."""
 
 
 class DealerPool:
@@ -67,9 +132,16 @@ class DealerPool:
     ) -> None:
         self._ctx = ctx
         self._keys = keys
-        self._options = {zmq.LINGER: 0, zmq.IMMEDIATE: int(immediate), zmq.MAXMSGSIZE: max_reply_bytes}
+        self._options = {
+            zmq.LINGER: 0,
+            zmq.IMMEDIATE: int(immediate),
+            zmq.MAXMSGSIZE: max_reply_bytes,
+            zmq.HEARTBEAT_IVL: HEARTBEAT_IVL_MS,
+            zmq.HEARTBEAT_TIMEOUT: HEARTBEAT_TIMEOUT_MS,
+            zmq.HEARTBEAT_TTL: HEARTBEAT_TIMEOUT_MS,
+        }
         self._idle_s = idle_s
-        self._idle: OrderedDict[str, list[zmq.Socket]] = OrderedDict()
+        self._idle: OrderedDict[str, list[_Link]] = OrderedDict()
         self._used: dict[str, float] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -86,31 +158,54 @@ class DealerPool:
         """Send `parts` and return the reply frames (zero-copy).
 
         TimeoutError past `timeout_s`; NotConnected when `connect_timeout_s` passes before the endpoint
-        accepts a connection; with `keep_late`, LateReply (holding the socket) when the reply is late.
+        accepts a connection; PeerLost as soon as the producer is known to be gone; with `keep_late`,
+        LateReply or PeerLost (holding the socket) when the reply is late or will not come.
         """
-        sock = self._checkout(endpoint)
+        link = self._checkout(endpoint)
+        sock = link.sock
         try:
             if connect_timeout_s is not None and not sock.poll(int(connect_timeout_s * 1000), zmq.POLLOUT):
                 raise NotConnected(f"no connection within {connect_timeout_s:g}s")
+            link.arm()
             sock.send_multipart(parts, zmq.NOBLOCK)
-            if not sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
-                if keep_late:
-                    raise LateReply(f"no reply within {timeout_s:g}s", sock)
-                raise TimeoutError(f"no reply within {timeout_s:g}s")
+            self._wait_reply(link, time.monotonic() + timeout_s, timeout_s, keep_late)
             reply = sock.recv_multipart(copy=False)
-        except LateReply:
+        except LateReply as exc:
+            if not keep_late:
+                link.close()
+                if isinstance(exc, PeerLost):
+                    raise
+                raise TimeoutError(str(exc)) from None
             raise
         except BaseException as exc:
-            sock.close(linger=0)
+            link.close()
             if isinstance(exc, zmq.ZMQError) and exc.errno in (errno.ENOTSOCK, zmq.ETERM):
                 raise ChannelClosed() from None
             if isinstance(exc, zmq.Again):
                 raise TimeoutError("the send queue is full") from None
             raise
-        self._checkin(endpoint, sock)
+        self._checkin(endpoint, link)
         return reply
 
-    def _checkout(self, endpoint: str) -> zmq.Socket:
+    @staticmethod
+    def _wait_reply(link: _Link, deadline: float, timeout_s: float, keep_late: bool) -> None:
+        """Return once the reply is there; LateReply at the deadline, PeerLost when it cannot come."""
+        poller = link.poller
+        started = time.monotonic()
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise LateReply(f"no reply within {timeout_s:g}s", link)
+            # Wake up now and then even without events, to tell refused connections from slow ones.
+            ready = dict(poller.poll(max(1, int(min(remaining, PEER_REFUSED_S / 3) * 1000))))
+            if link.sock in ready:
+                return
+            link.watch()
+            reason = link.lost()
+            if reason is not None:
+                raise PeerLost(f"{reason}; noticed {time.monotonic() - started:.1f}s after the request", link)
+
+    def _checkout(self, endpoint: str) -> _Link:
         with self._lock:
             if self._closed:
                 raise ChannelClosed()
@@ -127,13 +222,18 @@ class DealerPool:
             secure_client(sock, self._keys)
             if endpoint.startswith("tcp://["):
                 sock.setsockopt(zmq.IPV6, 1)
-            sock.connect(endpoint)  # raises for a malformed endpoint
+            link = _Link(sock)  # monitored before it connects: no connection event is missed
         except BaseException:
             sock.close(linger=0)
             raise
-        return sock
+        try:
+            sock.connect(endpoint)  # raises for a malformed endpoint
+        except BaseException:
+            link.close()
+            raise
+        return link
 
-    def _checkin(self, endpoint: str, sock: zmq.Socket) -> None:
+    def _checkin(self, endpoint: str, sock: _Link) -> None:
         evicted = [sock]
         with self._lock:
             if not self._closed:
@@ -146,9 +246,9 @@ class DealerPool:
                 while len(self._idle) > self.MAX_ENDPOINTS:
                     evicted += self._pop_locked(next(iter(self._idle)))
         for old in evicted:
-            old.close(linger=0)
+            old.close()
 
-    def _pop_locked(self, endpoint: str) -> list[zmq.Socket]:
+    def _pop_locked(self, endpoint: str) -> list[_Link]:
         self._used.pop(endpoint, None)
         return self._idle.pop(endpoint, [])
 
@@ -161,7 +261,7 @@ class DealerPool:
             stale = [endpoint for endpoint, used in self._used.items() if used < stale_before]
             sockets = [sock for endpoint in stale for sock in self._pop_locked(endpoint)]
         for sock in sockets:  # idle: no other thread holds them
-            sock.close(linger=0)
+            sock.close()
 
     def close(self) -> None:
         with self._lock:
@@ -170,4 +270,4 @@ class DealerPool:
             self._idle.clear()
             self._used.clear()
         for sock in sockets:
-            sock.close(linger=0)
+            sock.close()

@@ -12,30 +12,90 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_mesh.connectors.allocator import PoolAllocator, frame_alignment
+from omni_mesh.connectors.allocator import PAGE, PoolAllocator, frame_alignment
 
 
 class SlotPool:
-    """Thread-safe first-fit offsets (64-byte aligned) into a pool of `size` bytes; never touches memory."""
+    """Thread-safe first-fit offsets (64-byte aligned) into a pool of `size` bytes; never touches memory.
+
+    The pool may grow by regions (`add_region`), each at a page-aligned base in one offset space
+    after the others; `region_of(offset)` says which region an offset lies in. Regions added that way
+    go back with `release_idle` once they held nothing for a while; the first one stays.
+    """
 
     def __init__(self, size: int) -> None:
-        self.size = size
-        self._allocator = PoolAllocator(size)
+        self._regions: list[tuple[int, PoolAllocator]] = [(0, PoolAllocator(size))]  # (base, allocator)
+        self._last_used: dict[int, float] = {}  # base of a grown region -> when it last held something
+        self._next_base = _page_up(size)
         self._lock = threading.Lock()
 
     def allocate(self, nbytes: int) -> int | None:
         """Large frames start on a page boundary (see PoolAllocator.allocate)."""
+        align = frame_alignment(nbytes)
         with self._lock:
-            return self._allocator.allocate(nbytes, align=frame_alignment(nbytes))
+            for base, allocator in self._regions:
+                offset = allocator.allocate(nbytes, align=align)
+                if offset is not None:
+                    if base:
+                        self._last_used[base] = time.monotonic()
+                    return base + offset
+            return None
+
+    def add_region(self, size: int) -> int:
+        """A new region of `size` bytes; returns its base (the owner maps memory for it there)."""
+        with self._lock:
+            base = self._next_base
+            self._next_base += _page_up(size)
+            self._regions.append((base, PoolAllocator(size)))
+            self._last_used[base] = time.monotonic()
+            return base
+
+    def region_of(self, offset: int) -> tuple[int, int]:
+        """(base of the region holding `offset`, offset within that region)."""
+        with self._lock:
+            for base, _allocator in reversed(self._regions):
+                if offset >= base:
+                    return base, offset - base
+        raise KeyError(offset)
 
     def free(self, offset: int) -> None:
         with self._lock:
-            self._allocator.free(offset)
+            for base, allocator in reversed(self._regions):
+                if offset >= base:
+                    allocator.free(offset - base)
+                    if base:
+                        self._last_used[base] = time.monotonic()
+                    return
+
+    def release_idle(self, idle_s: float) -> list[int]:
+        """Drop grown regions that held nothing for `idle_s`; returns their bases."""
+        cutoff = time.monotonic() - idle_s
+        with self._lock:
+            idle = [b for b, a in self._regions[1:] if a.in_use == 0 and self._last_used[b] <= cutoff]
+            self._regions = [(b, a) for b, a in self._regions if b not in idle]
+            for base in idle:
+                del self._last_used[base]
+            return idle
+
+    @property
+    def size(self) -> int:
+        """Bytes in all regions."""
+        with self._lock:
+            return sum(allocator.size for _, allocator in self._regions)
+
+    @property
+    def regions(self) -> int:
+        with self._lock:
+            return len(self._regions)
 
     @property
     def in_use(self) -> int:
         with self._lock:
-            return self._allocator.in_use
+            return sum(allocator.in_use for _, allocator in self._regions)
+
+
+def _page_up(n: int) -> int:
+    return -(-n // PAGE) * PAGE
 
 
 @dataclass(eq=False)
@@ -50,6 +110,7 @@ class Held:
     buffer: Any = None
     touched: float = field(default_factory=time.monotonic)
     claimed: bool = False  # a consumer is reading it (pull connectors): only its release frees it
+    regions: list[Any] = field(default_factory=list)  # empty() regions it is sent from (ZmqConnector)
 
 
 class Gone(str):

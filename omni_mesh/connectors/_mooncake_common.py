@@ -145,49 +145,160 @@ def _uncounted() -> None:
     """A pool without an owner's counters."""
 
 
-class RegisteredPool:
-    """One anonymous mapping carved into 64-byte aligned regions by a first-fit allocator.
+GROW_STEP = 16 << 20  # regions a growing RegisteredPool adds are sized in these steps
 
-    The owner registers `address`/`size` with the transfer backend once. `view(offset, length)` hands a
-    region out as a numpy array whose garbage collection gives the region back, so tensors decoded as
-    views over it keep it reserved exactly as long as they live. Finalizers never take the lock (they
-    may run inside a locked section of the same thread during GC); they queue the offset instead.
-    `reserve`, `check_fits` and `decode` raise ConnectorErrors worded by `errors`.
+
+def auto_ceiling(first: int, ceiling: int) -> int:
+    """A growing pool's ceiling: `ceiling`, or 0 for min(half of RAM, 8 GiB); never below `first`."""
+    if not ceiling:
+        try:
+            ceiling = min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2, 8 << 30)
+        except (ValueError, OSError):
+            ceiling = 8 << 30
+    return max(ceiling, first)
+
+
+class _Region:
+    """One anonymous mapping of a pool, at `base` in the pool's offset space."""
+
+    __slots__ = ("base", "mm", "array", "address", "allocator", "last_used")
+
+    def __init__(self, base: int, size: int, prefault: bool) -> None:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if prefault else 0)
+        self.base = base
+        self.mm: mmap.mmap | None = mmap.mmap(-1, size, flags=flags)
+        self.array = np.frombuffer(self.mm, dtype=np.uint8)
+        self.address = self.array.ctypes.data
+        self.allocator = PoolAllocator(size)
+        self.last_used = time.monotonic()
+
+
+class RegisteredPool:
+    """Anonymous mappings carved into 64-byte aligned regions by first-fit allocators.
+
+    The owner registers `address`/`size` (the first mapping) with the transfer backend once. With
+    `register` (and a `ceiling` above `size`) the pool grows: a request that fits no free space adds a
+    pre-faulted mapping sized for it (rounded up to GROW_STEP), registered through `register(address,
+    size) -> bool`, instead of waiting; mappings added that way that held nothing for `idle_s` are
+    unregistered and dropped. Offsets are one space across mappings: `address_of(offset)` is where the
+    bytes lie, `buffer(offset, n)` a writable array over them.
+
+    `view(offset, length)` hands a region out as a numpy array whose garbage collection gives the
+    region back, so tensors decoded as views over it keep it reserved exactly as long as they live.
+    Finalizers never take the lock (they may run inside a locked section of the same thread during
+    GC); they queue the offset instead. `reserve`, `check_fits` and `decode` raise ConnectorErrors
+    worded by `errors`.
     """
 
-    def __init__(self, size: int, *, prefault: bool, errors: PoolErrors | None = None) -> None:
+    def __init__(
+        self,
+        size: int,
+        *,
+        prefault: bool,
+        errors: PoolErrors | None = None,
+        ceiling: int = 0,
+        register: Callable[[int, int], bool] | None = None,
+        unregister: Callable[[int], None] | None = None,
+        idle_s: float = 30.0,
+    ) -> None:
         self.errors = errors or PoolErrors("RegisteredPool", "its size", "its users", "free regions sooner", _uncounted)
         self.size = round_up(size, mmap.PAGESIZE)
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if prefault else 0)
-        self._mm: mmap.mmap | None = mmap.mmap(-1, self.size, flags=flags)
-        self.array = np.frombuffer(self._mm, dtype=np.uint8)
-        self.address = self.array.ctypes.data
-        self._allocator = PoolAllocator(self.size)
+        first = _Region(0, self.size, prefault)
+        self._regions = [first]
+        self.array = first.array
+        self.address = first.address
+        self._prefault = prefault
+        self._register, self._unregister, self._idle_s = register, unregister, idle_s
+        self.ceiling = max(ceiling, self.size) if register is not None else self.size
+        self._next_base = self.size
+        self.grown = self.released = 0
         self._cond = threading.Condition(threading.Lock())
         self._released: collections.deque[int] = collections.deque()
 
     def allocate(self, nbytes: int, timeout_s: float) -> int | None:
-        """Offset of a region of `nbytes`, waiting up to `timeout_s` for space; None if none came free."""
+        """Offset of a region of `nbytes`, growing the pool or waiting up to `timeout_s` for space;
+        None if none came free."""
         deadline = time.monotonic() + timeout_s
+        align = frame_alignment(nbytes)
         with self._cond:
             while True:
                 self._drain_locked()
-                offset = self._allocator.allocate(nbytes, align=frame_alignment(nbytes))
-                if offset is not None:
-                    return offset
+                self._release_idle_locked()
+                for region in self._regions:
+                    offset = region.allocator.allocate(nbytes, align=align)
+                    if offset is not None:
+                        region.last_used = time.monotonic()
+                        return region.base + offset
+                grown = self._grow_locked(nbytes)
+                if grown is not None:
+                    return grown.base + grown.allocator.allocate(nbytes, align=align)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
                 # Frees through finalizers cannot notify; a short wait slice picks them up.
                 self._cond.wait(min(remaining, 0.02))
 
+    def _grow_locked(self, nbytes: int) -> _Region | None:
+        size = round_up(nbytes + mmap.PAGESIZE, GROW_STEP)
+        if self._register is None or self.capacity_locked() + size > self.ceiling:
+            return None
+        try:
+            region = _Region(self._next_base, size, self._prefault)
+        except OSError:
+            return None
+        if not self._register(region.address, size):
+            region.array, region.mm = np.empty(0, dtype=np.uint8), None
+            return None
+        self._next_base += size
+        self._regions.append(region)
+        self.grown += 1
+        return region
+
+    def _release_idle_locked(self) -> None:
+        cutoff = time.monotonic() - self._idle_s
+        for region in self._regions[1:]:
+            if region.allocator.in_use == 0 and region.last_used <= cutoff:
+                self._regions.remove(region)
+                self._drop(region)
+                self.released += 1
+
+    def _drop(self, region: _Region) -> None:
+        if self._unregister is not None:
+            with contextlib.suppress(Exception):  # the engine may be going away
+                self._unregister(region.address)
+        region.array, region.mm = np.empty(0, dtype=np.uint8), None  # views still alive keep it mapped
+
+    def _region_locked(self, offset: int) -> _Region:
+        for region in reversed(self._regions):
+            if offset >= region.base:
+                return region
+        raise KeyError(offset)
+
+    def address_of(self, offset: int) -> int:
+        with self._cond:
+            region = self._region_locked(offset)
+            return region.address + offset - region.base
+
+    def buffer(self, offset: int, length: int) -> np.ndarray:
+        """A writable array over [offset, offset + length) (to lay a frame into)."""
+        with self._cond:
+            region = self._region_locked(offset)
+            return region.array[offset - region.base : offset - region.base + length]
+
+    def contains(self, address: int, length: int) -> bool:
+        """Whether [address, address + length) lies in one mapping of the pool (registered already)."""
+        with self._cond:
+            return any(
+                r.address <= address and address + length <= r.address + r.allocator.size for r in self._regions
+            )
+
     def check_fits(self, nbytes: int, what: str) -> None:
-        """A frame larger than the pool can never be received (consumers size their pool alike)."""
-        if nbytes > self.size:
+        """A frame larger than the pool can ever be is never received (consumers size their pool alike)."""
+        if nbytes > self.ceiling:
             e = self.errors
             e.count()
             raise ConnectorError(
-                f"{e.owner}: {what} needs {nbytes} bytes but {e.knob} is {self.size} bytes; raise {e.knob} in "
+                f"{e.owner}: {what} needs {nbytes} bytes but {e.knob} is {self.ceiling} bytes; raise {e.knob} in "
                 f"the connector's extra to at least '{-(-nbytes // (1 << 20))}MiB' on both producer and consumer"
             )
 
@@ -200,7 +311,7 @@ class RegisteredPool:
             e.count()
             raise ConnectorError(
                 f"{e.owner}: {what} waited {timeout_s}s for {nbytes} free bytes of {e.knob} "
-                f"({self.in_use} of {self.size} bytes held by {e.held_by}); {e.advice}"
+                f"({self.in_use} of {self.capacity} bytes held by {e.held_by}); {e.advice}"
             )
         return offset
 
@@ -218,14 +329,21 @@ class RegisteredPool:
 
     def free(self, offset: int) -> None:
         with self._cond:
-            self._allocator.free(offset)
+            self._free_locked(offset)
             self._cond.notify_all()
+
+    def _free_locked(self, offset: int) -> None:
+        region = self._region_locked(offset)
+        region.allocator.free(offset - region.base)
+        region.last_used = time.monotonic()
 
     def view(self, offset: int, length: int) -> np.ndarray:
         """A fresh array over one region; the region is freed when it and every view of it are gone."""
+        with self._cond:
+            mapping = self._region_locked(offset)
         # Made from the mapping itself, not sliced from `array`: numpy collapses a slice's base to
         # `array`, and decoded tensors would then keep `array` alive instead of this region.
-        region = np.frombuffer(self._mm, dtype=np.uint8, count=length, offset=offset)
+        region = np.frombuffer(mapping.mm, dtype=np.uint8, count=length, offset=offset - mapping.base)
         weakref.finalize(region, self._release, offset)
         return region
 
@@ -241,26 +359,45 @@ class RegisteredPool:
     def _drain_locked(self) -> None:
         while self._released:
             offset = self._released.popleft()
-            if offset in self._allocator:
-                self._allocator.free(offset)
+            try:
+                region = self._region_locked(offset)
+            except KeyError:  # the pool is closed: nothing left to give back to
+                continue
+            if offset - region.base in region.allocator:
+                self._free_locked(offset)
 
     @property
     def in_use(self) -> int:
         with self._cond:
             self._drain_locked()
-            return self._allocator.in_use
+            return sum(region.allocator.in_use for region in self._regions)
+
+    def capacity_locked(self) -> int:
+        return sum(region.allocator.size for region in self._regions)
+
+    @property
+    def capacity(self) -> int:
+        """Bytes in all mappings (`size` is the first one's)."""
+        with self._cond:
+            return self.capacity_locked()
 
     def close(self) -> None:
-        """Drop this object's hold on the memory; arrays still viewing it keep it mapped until they die."""
+        """Drop this object's hold on the memory (grown mappings are unregistered first); arrays still
+        viewing it keep it mapped until they die."""
+        with self._cond:
+            regions, self._regions = self._regions, []
+        for region in regions[1:]:
+            self._drop(region)
         self.array = np.empty(0, dtype=np.uint8)
-        self._mm = None
+        for region in regions[:1]:
+            region.array, region.mm = np.empty(0, dtype=np.uint8), None
 
 
 def pool_status(pool: RegisteredPool | None, *, up: bool, strained: bool = False) -> tuple[str, int, int]:
     """(health status, bytes in use, size) of a connector around one pool: "unhealthy" when it is not
     `up`, "degraded" when `strained` or the pool is over 90% full."""
     in_use = pool.in_use if pool is not None else 0
-    size = pool.size if pool is not None else 0
+    size = pool.capacity if pool is not None else 0
     if not up or pool is None:
         return "unhealthy", in_use, size
     return ("degraded" if strained or in_use > 0.9 * size else "healthy"), in_use, size

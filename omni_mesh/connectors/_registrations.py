@@ -9,6 +9,7 @@ A consumer registers receive buffers for one get. Memory inside the pool is regi
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,9 +19,9 @@ class Registrations:
     """The engine's registrations beyond `pool` (address, size); thread-safe. After `close()` nothing
     more is registered, and registrations still listed are dropped (the engine is going away)."""
 
-    def __init__(self, engine: Any, pool_address: int, pool_size: int) -> None:
+    def __init__(self, engine: Any, in_pool: Callable[[int, int], bool]) -> None:
         self._engine = engine
-        self._pool = (pool_address, pool_address + pool_size)
+        self._in_pool = in_pool  # (address, length) -> whether the pool's own registrations cover it
         self._shared: dict[int, list[int]] = {}  # address -> [length, payloads sending from it]
         self._lock = threading.Lock()
 
@@ -28,7 +29,7 @@ class Registrations:
         """Make [address, address + length) readable by the engine for one more payload, noting the
         address in `registered`. False if the engine refused it or it overlaps registered memory of
         another length (then the caller copies it into the pool instead)."""
-        if self._pool[0] <= address and address + length <= self._pool[1]:
+        if self._in_pool(address, length):
             return True  # a view over the pool (a get() result put again)
         with self._lock:
             if self._engine is None:

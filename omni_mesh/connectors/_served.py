@@ -22,7 +22,7 @@ import zmq
 
 from omni_mesh.connectors._addresses import bind_and_advertise, tcp_endpoint
 from omni_mesh.connectors._channel_guard import side_channel_keys
-from omni_mesh.connectors._dealers import ChannelClosed, DealerPool
+from omni_mesh.connectors._dealers import ChannelClosed, DealerPool, PeerLost
 from omni_mesh.connectors._held import Held, HeldTable, SlotPool
 from omni_mesh.connectors._zmq_channel import OK, Handler, RouterServer, frame_text
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
@@ -119,9 +119,11 @@ class ServedConnector(OmniConnectorBase):
             self._server = server
             self.endpoint = tcp_endpoint(self.host, port)
 
-    def _hold(self, key: str, put_key: str, size: int, offset: int | None, buffer: Any = None) -> Held:
+    def _hold(
+        self, key: str, put_key: str, size: int, offset: int | None, buffer: Any = None, regions: list | None = None
+    ) -> Held:
         """Keep a payload for its consumer (replacing an earlier put of the key) and count the put."""
-        held = Held(key, put_key, secrets.token_hex(8), size, offset, buffer)
+        held = Held(key, put_key, secrets.token_hex(8), size, offset, buffer, regions=regions or [])
         replaced = self._held.add(held)
         if replaced is not None:
             self._release(replaced)
@@ -234,6 +236,9 @@ class ServedConnector(OmniConnectorBase):
         """
         try:
             reply = self._dealers.request(endpoint, parts, timeout_s)
+        except PeerLost as exc:  # before the deadline: heartbeats and connection events said so
+            self._error()
+            raise ConnectorError(f"{where}: no answer will come: {exc}") from None
         except TimeoutError:
             self._error()
             raise NoAnswer(f"{where}: {late}") from None

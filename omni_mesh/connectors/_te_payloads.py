@@ -69,8 +69,14 @@ class Payloads:
                 self._register_device(payload, what)
             large = {}
             min_bytes = self._cfg.zero_copy_min_bytes
-            if self._cfg.protocol == "tcp" and min_bytes and frame.nbytes >= min_bytes:
-                share = functools.partial(self._registrations.share, registered=payload.registered)
+            if min_bytes and frame.nbytes >= min_bytes:
+                # Leaves in the pool (connector.empty() outputs) are registered already; with RDMA
+                # only those are sent from where they lie (registering other memory per put costs).
+                share = (
+                    functools.partial(self._registrations.share, registered=payload.registered)
+                    if self._cfg.protocol == "tcp"
+                    else self._pool.contains
+                )
                 large = _frame_pieces.large_leaves(frame, min_bytes, share)
             if large:
                 reserve = functools.partial(self._reserve, payload, what=what)
@@ -78,7 +84,7 @@ class Payloads:
                 payload.sources = [piece.source for piece in large.values()]
             else:
                 self._reserve(payload, frame.nbytes, what)
-                frame.write_into(self._pool.array, payload.offset)
+                frame.write_into(self._pool.buffer(payload.offset, frame.nbytes))
         except BaseException:
             self.release(payload)
             raise
@@ -88,7 +94,7 @@ class Payloads:
 
     def _reserve(self, payload: Payload, nbytes: int, what: str) -> tuple[int, int]:
         payload.offset = self._pool.reserve(nbytes, self._cfg.pool_wait_s, what)
-        return payload.offset, self._pool.address + payload.offset
+        return payload.offset, self._pool.address_of(payload.offset)
 
     def _register_device(self, payload: Payload, what: str) -> None:
         """Register the memory of the tensors sent device to device (after their kernels are done)."""
@@ -150,7 +156,7 @@ class Payloads:
             if not _device_transfer.addresses_match(targets, payload.device):
                 return f"the consumer's device buffers do not match the {len(payload.device)} device tensors"
             if time.monotonic() < deadline:  # the consumer has not given up on it yet
-                pieces = payload.pieces or [(self._pool.address + payload.offset, 0, payload.size)]
+                pieces = payload.pieces or [(self._pool.address_of(payload.offset), 0, payload.size)]
                 sources, dests, sizes = _frame_pieces.moves(pieces, request["addr"], payload.device, targets)
                 if single:
                     rc = self._engine.transfer_sync_write(request["segment"], sources[0], dests[0], sizes[0])

@@ -20,7 +20,7 @@ import msgpack
 import zmq
 
 from omni_mesh.connectors import _device_transfer
-from omni_mesh.connectors._dealers import ChannelClosed, DealerPool, LateReply, NotConnected
+from omni_mesh.connectors._dealers import ChannelClosed, DealerPool, LateReply, NotConnected, PeerLost
 from omni_mesh.connectors._held import PendingReleases
 from omni_mesh.connectors._served import GONE, NotThere
 from omni_mesh.connectors._zmq_channel import OK, frame_text
@@ -113,9 +113,9 @@ def pull(
     except LateReply as exc:
         late, until = exc, time.monotonic() + cfg.ttl_s  # `exc` is unbound when the block ends
         quarantine.add(lambda: late.arrived() or time.monotonic() >= until, lambda: (late.close(), release()))
+        why = str(exc) if isinstance(exc, PeerLost) else f"within transfer_timeout_s={cfg.transfer_timeout_s}s"
         raise PullTimedOut(
-            f"{owner}: get of {where}: the producer at {endpoint} did not deliver "
-            f"{meta['length']} bytes within transfer_timeout_s={cfg.transfer_timeout_s}s"
+            f"{owner}: get of {where}: the producer at {endpoint} did not deliver {meta['length']} bytes: {why}"
         ) from None
     except ChannelClosed:
         raise ConnectorError(f"{owner} is closed (get of {where})") from None

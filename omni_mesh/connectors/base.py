@@ -328,6 +328,14 @@ class OmniConnectorBase(ABC):
         # reuse, so every leaf is copied out of it.
         return codec.decode(data, copy=not memoryview(data).readonly)
 
+    def empty(self, shape: tuple[int, ...] | list[int], dtype: Any) -> Any:
+        """An uninitialized CPU torch.Tensor for an output to put. Connectors that keep memory of their
+        own return one in it (a put of it then copies nothing); the rest, an ordinary tensor. The
+        caller must not write into it after handing it to put()."""
+        import torch  # not at import time: connector modules without tensors stay light
+
+        return torch.empty(tuple(shape), dtype=dtype)
+
     def warm_up(self) -> None:  # noqa: B027 - an optional hook: most connectors need no warm-up
         """Prepare the producer side (allocate and fault in pools) so the first put pays nothing extra."""
 

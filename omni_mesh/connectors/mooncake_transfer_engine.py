@@ -59,7 +59,7 @@ import torch
 import zmq
 
 from omni_mesh import codec
-from omni_mesh.connectors import _device_transfer, _frame_pieces, _te_pull
+from omni_mesh.connectors import _device_transfer, _frame_pieces, _pool_outputs, _te_pull
 from omni_mesh.connectors._addresses import tcp_endpoint
 from omni_mesh.connectors._channel_guard import MAX_REQUEST_BYTES, side_channel_keys
 from omni_mesh.connectors._checks import check_not_negative, check_port, check_positive
@@ -68,6 +68,7 @@ from omni_mesh.connectors._held import Gone, PendingReleases
 from omni_mesh.connectors._mooncake_common import (
     PoolErrors,
     RegisteredPool,
+    auto_ceiling,
     check_protocol,
     close_at_exit,
     import_mooncake,
@@ -105,8 +106,14 @@ class MooncakeTransferEngineConfig:
     device_name: str = ""
     #: "P2PHANDSHAKE" (nothing to deploy) or an "http://host:port/metadata" / etcd metadata server.
     metadata_server: str = P2P
-    #: The registered pool of this process; the largest payload (frame) must fit in it.
+    #: The registered pool of this process, created at start. Send and receive pools alike grow by
+    #: registered, pre-faulted regions for payloads that fit no free space, up to max_pool_size.
     memory_pool_size: int = 512 * 1024 * 1024
+    #: Ceiling of the pool (the largest payload must fit under it, on both sides); 0: min(half of
+    #: RAM, 8 GiB), never less than memory_pool_size.
+    max_pool_size: int = 0
+    #: Regions the pool grew by are unregistered and dropped once unused this long (seconds).
+    pool_idle_release_s: float = 30.0
     #: Fault the pool's pages in at start, so no transfer pays for first-touch page faults.
     prefault: bool = True
     #: Unconsumed payloads are freed this long after their put.
@@ -141,7 +148,13 @@ class MooncakeTransferEngineConfig:
             transfer_timeout_s=self.transfer_timeout_s,
             transfer_threads=self.transfer_threads,
         )
-        check_not_negative(owner, zero_copy_min_bytes=self.zero_copy_min_bytes, pool_wait_s=self.pool_wait_s)
+        check_not_negative(
+            owner,
+            zero_copy_min_bytes=self.zero_copy_min_bytes,
+            pool_wait_s=self.pool_wait_s,
+            max_pool_size=self.max_pool_size,
+            pool_idle_release_s=self.pool_idle_release_s,
+        )
         check_port(owner, "zmq_port", self.zmq_port)
         if not self.host.strip():
             raise ConnectorConfigError(f"{owner}: host must be an address or 'auto'")
@@ -203,7 +216,13 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             self.endpoint = tcp_endpoint(self.host, self._zmq_port)
             self._engine, self.segment = self._start_engine(engine_module)
             self._pool = RegisteredPool(
-                cfg.memory_pool_size, prefault=cfg.prefault, errors=self._pool_errors()
+                cfg.memory_pool_size,
+                prefault=cfg.prefault,
+                errors=self._pool_errors(),
+                ceiling=auto_ceiling(cfg.memory_pool_size, cfg.max_pool_size),
+                register=lambda address, size: self._engine.register_memory(address, size) == 0,
+                unregister=lambda address: self._engine.unregister_memory(address),
+                idle_s=cfg.pool_idle_release_s,
             )
             rc = self._engine.register_memory(self._pool.address, self._pool.size)
             if rc != 0:
@@ -211,7 +230,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
                     f"{OWNER}: registering the {self._pool.size}-byte pool with the engine failed (rc={rc}); "
                     "lower memory_pool_size or check the RDMA device's memory-lock limit (ulimit -l)"
                 )
-            self._registrations = Registrations(self._engine, self._pool.address, self._pool.size)
+            self._registrations = Registrations(self._engine, self._pool.contains)
             self._payloads = Payloads(
                 OWNER, self._engine, self._pool, self._registrations, self._session, cfg
             )
@@ -244,9 +263,9 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
     def _pool_errors(self) -> PoolErrors:
         return PoolErrors(
             OWNER,
-            "memory_pool_size",
+            "max_pool_size",  # the ceiling the pool grows to
             "unconsumed payloads or live views",
-            "raise memory_pool_size, consume payloads sooner, or drop tensors returned by get()",
+            "raise max_pool_size, consume payloads sooner, or drop tensors returned by get()",
             lambda: self._counters.add("errors"),
         )
 
@@ -256,6 +275,20 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
         return _device_transfer.default_policy(self.config.device_transfer)
 
     # ------------------------------------------------------------------ producer side
+
+    def empty(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized tensor over a region of the registered pool: returned in a put's payload,
+        the engine sends it from there (nothing is copied at put). The region goes back when the
+        tensor and the payload holding it are gone. Do not write into it after the put."""
+        shape = tuple(int(n) for n in shape)
+        nbytes = _pool_outputs.nbytes_of(shape, dtype)
+        if nbytes < max(_pool_outputs.MIN_BYTES, self.config.zero_copy_min_bytes or 0):
+            return torch.empty(shape, dtype=dtype)
+        pool = self._open_pool("empty()")
+        offset = pool.allocate(nbytes, 0.0)
+        if offset is None:  # the pool is full: an ordinary tensor, copied at put as any other
+            return torch.empty(shape, dtype=dtype)
+        return _pool_outputs.tensor_over(pool.view(offset, nbytes), 0, shape, dtype)[0]
 
     def _count_put_error(self) -> None:
         self._counters.add("errors")
@@ -282,7 +315,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             "endpoint": self.endpoint,
             "session": self._session,
             "handle": handle,
-            "addr": pool.address + payload.offset,
+            "addr": pool.address_of(payload.offset),
             "length": size,
             "key": key,
         }
@@ -398,7 +431,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
 
         try:
             device += self._receive_buffers(meta, where, receiving)
-            request = {"segment": self.segment, "addr": pool.address + offset}
+            request = {"segment": self.segment, "addr": pool.address_of(offset)}
             if device:
                 request["device_addrs"] = [buffer.data_ptr() for buffer in device]
             _te_pull.pull(OWNER, self.config, self._dealers, self._quarantine, meta, request, where, release)
@@ -451,7 +484,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
         if payload.pieces is not None:  # assemble the frame from its pieces in a fresh region
             try:
                 offset = pool.reserve(length, self.config.pool_wait_s, f"get of {where}")
-                _frame_pieces.assemble(payload.pieces, pool.address + offset)
+                _frame_pieces.assemble(payload.pieces, pool.address_of(offset))
             finally:
                 self._payloads.finish(payload, consumed=True)
         else:
@@ -501,6 +534,8 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             "quarantined_regions": quarantined,
             "pool_size": size,
             "pool_in_use": in_use,
+            "pool_grown": self._pool.grown if self._pool is not None else 0,
+            "pool_released": self._pool.released if self._pool is not None else 0,
             "registered_leaves": len(registrations) if registrations is not None else 0,
             "segment": getattr(self, "segment", ""),
             "endpoint": getattr(self, "endpoint", ""),

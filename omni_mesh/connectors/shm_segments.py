@@ -1,6 +1,7 @@
 """Named shared-memory segments in /dev/shm that can be traced back to the process that made them.
 
-A segment is named `omnimesh_<pidns>_<pid>_<start>_<token>[_x<n>]`: the PID namespace inode, the
+A segment is named `omnimesh_<pidns>_<pid>_<start>_<token>[_x<n> | _p<n>]` (`_p<n>`: a segment a
+pool grew by, `_x<n>`: a one-off fallback): the PID namespace inode, the
 creator's pid and its start time (clock ticks since boot, from /proc) tell a reaper whether the creator
 still runs, even after pid reuse; containers that share /dev/shm but not PIDs never reap each
 other's segments because their PID namespaces differ. Segments are created with mode 0600.
@@ -18,7 +19,7 @@ from pathlib import Path
 
 SHM_DIR = Path(os.environ.get("OMNI_MESH_SHM_DIR", "/dev/shm"))
 PREFIX = "omnimesh_"
-NAME_PATTERN = re.compile(r"^omnimesh_(\d+)_(\d+)_(\d+)_[0-9a-f]{8,32}(?:_x\d+)?$")
+NAME_PATTERN = re.compile(r"^omnimesh_(\d+)_(\d+)_(\d+)_[0-9a-f]{8,32}(?:_[xp]\d+)?$")
 
 
 def _pid_namespace() -> int:
@@ -58,6 +59,15 @@ class ProcessIdentity:
 
 def segment_name(identity: ProcessIdentity, token: str, suffix: str = "") -> str:
     return f"{PREFIX}{identity.pidns}_{identity.pid}_{identity.start}_{token}{suffix}"
+
+
+def shm_capacity() -> int:
+    """Size of the shared-memory filesystem in bytes (0 when it cannot be read)."""
+    try:
+        stats = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return stats.f_blocks * stats.f_frsize
 
 
 def new_token() -> str:

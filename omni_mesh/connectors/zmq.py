@@ -7,6 +7,11 @@ Data path of one payload:
     get   DEALER ["GET", key, token] -> the producer's ROUTER thread answers ["OK", key, frame], sending
           the pool slot zero-copy; the consumer decodes views over the received message (no copy)
 
+Outputs allocated in the pool: `empty(shape, dtype)` hands out a tensor over a pool slot. A put whose
+payload holds such tensors sends them from where they lie: the reply is the parts form (`OK key P
+header part...`, one part per leaf; other leaves are copied), and the put itself copies nothing of
+them. A slot of empty() goes back once it was sent (or dropped) and the producer's tensor is gone.
+
 Serving a payload consumes it: the slot is freed as soon as libzmq lets go of the sent message, with no
 acknowledgement round trip. Payloads nobody asks for are freed after `ttl_s` or by `cleanup()`. A
 payload larger than the free pool goes into a one-off buffer instead. A consumer whose producer died
@@ -20,13 +25,22 @@ The side channel, the held-payload table and health() are ServedConnector's (omn
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import mmap
+import os
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from omni_mesh.codec import FrameError, decode, plan
-from omni_mesh.connectors._checks import check_served
+import torch
+
+from omni_mesh.codec import FrameError, FramePlan, decode, decode_parts, plan
+from omni_mesh.connectors import _pool_outputs
+from omni_mesh.connectors._checks import check_not_negative, check_served
+from omni_mesh.connectors._held import Held
 from omni_mesh.connectors._served import GONE, ServedConnector
 from omni_mesh.connectors._zmq_channel import OK, Handler, Reply, frame_text
 from omni_mesh.connectors.base import ConnectorError, edge_key
@@ -37,16 +51,53 @@ class ZmqConfig:
     host: str = "auto"  # address to bind and advertise ("auto": rule in omni_mesh.connectors._addresses)
     port: int = 0  # 0: any free port
     memory_pool_size: int = 1 << 30  # virtual until used; reused slots stay faulted in
+    #: The pool grows by pre-faulted regions for payloads that fit no free space, up to this many bytes
+    #: in all; past it a payload takes a one-off buffer (counted). 0: min(half of RAM, 8 GiB), never
+    #: less than memory_pool_size.
+    max_pool_size: int = 0
+    pool_idle_release_s: float = 30.0  # regions the pool grew by go back once unused this long
     ttl_s: float = 300.0  # unconsumed payloads are freed after this; 0 keeps them until cleanup()
     get_timeout_s: float = 30.0  # deadline of get() when the caller gives none
 
     def check(self, owner: str) -> None:
         check_served(owner, "port", self.port, get_timeout_s=self.get_timeout_s, ttl_s=self.ttl_s)
+        check_not_negative(owner, max_pool_size=self.max_pool_size, pool_idle_release_s=self.pool_idle_release_s)
 
 
-def _anonymous_map(size: int) -> mmap.mmap:
+PARTS = b"P"  # the reply's third frame when the payload follows in the parts form
+
+
+class _Region:
+    """A pool slot empty() handed out: freed once it is no longer sent from and its tensor is gone."""
+
+    __slots__ = ("offset", "address", "state", "dead")
+
+    def __init__(self, offset: int, address: int) -> None:
+        self.offset = offset
+        self.address = address  # of its tensor: the key of ZmqConnector._unsent
+        self.state = "unsent"  # -> "held" (put) -> "done" (sent, expired or cleaned up)
+        self.dead = False  # the producer's tensor (and every view of it) was garbage-collected
+
+
+def _queue_dead(queue: collections.deque, region: _Region, ref: weakref.ref) -> None:
+    queue.append((id(ref), region))  # GC may run this anywhere: no lock here
+
+
+GROW_STEP = 16 << 20  # regions the pool grows by are sized in these steps
+AUTO_CEILING_MAX = 8 << 30
+
+
+def _auto_ceiling() -> int:
+    """Half of physical memory, at most AUTO_CEILING_MAX (anonymous memory, not /dev/shm)."""
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        return min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2, AUTO_CEILING_MAX)
+    return AUTO_CEILING_MAX
+
+
+def _anonymous_map(size: int, *, populate: bool = False) -> mmap.mmap:
     """Page-aligned memory (so 64-byte aligned slots); huge pages make its first touch ~5x cheaper."""
-    region = mmap.mmap(-1, size)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if populate else 0)
+    region = mmap.mmap(-1, size, flags=flags)
     with contextlib.suppress(AttributeError, OSError):  # no THP support: plain pages
         region.madvise(mmap.MADV_HUGEPAGE)
     return region
@@ -58,34 +109,82 @@ class ZmqConnector(ServedConnector):
     config_class = ZmqConfig
     scope = "network"
     port_field = "port"
-    counter_names = (*ServedConnector.counter_names, "oneoff")
+    counter_names = (*ServedConnector.counter_names, "oneoff", "pool_grown", "pool_released")
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         super().__init__(config)
         self._pool: mmap.mmap | None = None  # created with the server, on the first put
+        self._maps: dict[int, mmap.mmap] = {}  # every region of the pool by its base (the first: 0)
+        cfg = self.config
+        self._ceiling = max(cfg.max_pool_size or _auto_ceiling(), cfg.memory_pool_size)
         self._in_flight = 0
+        # empty() slots: those not put yet by tensor address, weak references to their tensors' arrays
+        # (so the callbacks run) and the regions whose tensors died (queued by those callbacks).
+        self._regions_lock = threading.Lock()
+        self._unsent: dict[int, tuple[_Region, int]] = {}
+        self._pins: dict[int, weakref.ref] = {}
+        self._dead: collections.deque[tuple[int, _Region]] = collections.deque()
 
     # ---------------------------------------------------------------- producer side
 
     def _serving_handlers(self) -> dict[bytes, Handler]:
         if self._slots.size:
-            self._pool = _anonymous_map(self._slots.size)
+            self._pool = self._maps[0] = _anonymous_map(self._slots.size)
         return {b"GET": self._serve}
+
+    def _region(self, offset: int, length: int) -> memoryview:
+        """The pool's bytes [offset, offset + length), in whichever region holds them."""
+        base, local = self._slots.region_of(offset)
+        return memoryview(self._maps[base])[local : local + length]
+
+    def _release_idle(self) -> None:
+        for base in self._slots.release_idle(self.config.pool_idle_release_s):
+            del self._maps[base]  # frames still being sent from it keep it mapped until they are done
+            self._counters.add("pool_released")
+
+    def _allocate(self, nbytes: int) -> int | None:
+        """A pool offset for `nbytes`, growing the pool by a pre-faulted region if none is free and the
+        ceiling allows; None past it."""
+        self._release_idle()
+        offset = self._slots.allocate(nbytes)
+        if offset is not None or not self._slots.size:
+            return offset
+        size = -(-(nbytes + 4096) // GROW_STEP) * GROW_STEP
+        with self._lock:  # one growth at a time: concurrent puts must not each add a region
+            offset = self._slots.allocate(nbytes)
+            if offset is not None or self._slots.size + size > self._ceiling:
+                return offset
+            try:
+                region = _anonymous_map(size, populate=True)
+            except OSError:
+                return None  # no memory for it: the one-off path says so
+            self._maps[self._slots.add_region(size)] = region
+            self._counters.add("pool_grown")
+        return self._slots.allocate(nbytes)
 
     def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
         frame = plan(data)
         self._start_server()
         key = edge_key(from_stage, to_stage, put_key)
         self._server.reap()  # slots whose frames went out since the last poll: reuse them, still warm
-        offset = self._slots.allocate(frame.nbytes)
+        if self._unsent or self._dead:
+            self._drain_dead()
+            with self._regions_lock:
+                resident = _pool_outputs.resident_leaves(frame, self._unsent)
+                for region in resident.values():
+                    del self._unsent[region.address]
+                    region.state = "held"
+            if resident:
+                return self._put_parts(key, put_key, frame, resident)
+        offset = self._allocate(frame.nbytes)
         buffer = None
         try:
-            if offset is None:  # larger than the free pool: a one-off buffer, freed like a slot
+            if offset is None:  # past the pool's ceiling: a one-off buffer, freed like a slot
                 buffer = _anonymous_map(frame.nbytes)
                 frame.write_into(buffer)
                 self._counters.add("oneoff")
             else:
-                frame.write_into(self._pool, offset)
+                frame.write_into(self._region(offset, frame.nbytes))
         except BaseException:
             if offset is not None:
                 self._slots.free(offset)
@@ -97,16 +196,75 @@ class ZmqConnector(ServedConnector):
             {"endpoint": self.endpoint, "key": key, "token": held.token, "size": frame.nbytes},
         )
 
+    def empty(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized tensor in a pool slot: returned in a put's payload, it is sent from there
+        (module docstring). Do not write into it after the put."""
+        shape = tuple(int(n) for n in shape)
+        nbytes = _pool_outputs.nbytes_of(shape, dtype)
+        if nbytes < _pool_outputs.MIN_BYTES:
+            return torch.empty(shape, dtype=dtype)
+        self._start_server()  # the pool comes with it
+        self._drain_dead()
+        offset = self._allocate(nbytes)
+        if offset is None:  # past the ceiling: an ordinary tensor, copied at put as any other
+            return torch.empty(shape, dtype=dtype)
+        tensor, base = _pool_outputs.tensor_over(self._region(offset, nbytes), 0, shape, dtype)
+        region = _Region(offset, tensor.data_ptr())
+        with self._regions_lock:
+            self._unsent[region.address] = (region, nbytes)
+            ref = weakref.ref(base, functools.partial(_queue_dead, self._dead, region))
+            self._pins[id(ref)] = ref
+        return tensor
+
+    def _put_parts(self, key: str, put_key: str, frame: FramePlan, resident: dict[int, _Region]) -> tuple:
+        parts: list[Any] = []
+        for index, (leaf, length) in enumerate(zip(frame.leaves, frame.lengths, strict=True)):
+            region = resident.get(index)
+            if region is not None:
+                parts.append(self._region(region.offset, length))
+            elif _pool_outputs.is_padding(leaf):
+                parts.append(b"")
+            else:
+                parts.append(_pool_outputs.leaf_bytes(leaf, length))  # not in the pool: copied
+        size = len(frame.header) + sum(memoryview(part).nbytes for part in parts)
+        held = self._hold(key, put_key, size, None, [frame.header, *parts], regions=list(resident.values()))
+        return True, size, {"endpoint": self.endpoint, "key": key, "token": held.token, "size": size}
+
+    def _drain_dead(self) -> None:
+        """Regions whose tensor died: free those not sent from (any more)."""
+        while self._dead:
+            ref_id, region = self._dead.popleft()
+            with self._regions_lock:
+                self._pins.pop(ref_id, None)
+                region.dead = True
+                if region.state == "unsent":
+                    del self._unsent[region.address]
+                free = region.state != "held"
+            if free:
+                self._slots.free(region.offset)
+
+    def _release(self, held: Held) -> None:
+        super()._release(held)
+        for region in held.regions:
+            with self._regions_lock:
+                region.state = "done"
+                free = region.dead
+            if free:
+                self._slots.free(region.offset)
+        held.regions = []
+
     def _serve(self, args: list[bytes]) -> Reply:
         """GET key token -> OK key frame (runs on the server thread)."""
         key, token = args[0], frame_text(args[1])
         held = self._held.take(frame_text(key), token)
         if isinstance(held, str):  # not (or no more) there: the consumer's get() answers None
             return [GONE, key, held.encode()], None
-        if held.offset is None:
-            payload = memoryview(held.buffer)[: held.size]
+        if type(held.buffer) is list:
+            frames = [PARTS, *held.buffer]  # the parts form: header, then each leaf from where it lies
+        elif held.offset is None:
+            frames = [memoryview(held.buffer)[: held.size]]
         else:
-            payload = memoryview(self._pool)[held.offset : held.offset + held.size]
+            frames = [self._region(held.offset, held.size)]
         with self._lock:
             self._in_flight += 1
 
@@ -115,7 +273,7 @@ class ZmqConnector(ServedConnector):
                 self._in_flight -= 1
             self._release(held)
 
-        return [OK, key, payload], sent
+        return [OK, key, *frames], sent
 
     # ---------------------------------------------------------------- consumer side
 
@@ -129,11 +287,16 @@ class ZmqConnector(ServedConnector):
         )
         token = str(metadata.get("token", ""))
         reply = self._ask(endpoint, [b"GET", key.encode(), token.encode()], timeout_s, where, late)
-        if len(reply) != 3:
+        parts_form = len(reply) >= 4 and reply[2].bytes == PARTS
+        if len(reply) != 3 and not parts_form:
             self._error()
             raise ConnectorError(f"{where}: malformed reply")
-        frame = reply[2]
         try:
+            if parts_form:  # views over the received messages, each alive as long as its views
+                buffers = [frame.buffer for frame in reply[4:]]
+                obj = decode_parts(reply[3].bytes, buffers)
+                return obj, len(reply[3].buffer) + sum(buffer.nbytes for buffer in buffers)
+            frame = reply[2]
             obj = decode(frame.buffer)  # views over the received message; it lives as long as they do
         except FrameError as exc:
             self._error()
@@ -143,9 +306,11 @@ class ZmqConnector(ServedConnector):
     # ---------------------------------------------------------------- lifecycle
 
     def health(self) -> dict:
+        self._release_idle()
         report = super().health()
-        report["in_flight"] = self._in_flight
+        report.update(in_flight=self._in_flight, pool_regions=self._slots.regions, max_pool_size=self._ceiling)
         return report
 
     def _close_backend(self) -> None:
         self._pool = None  # unmapped once every frame sent from it is released
+        self._maps.clear()

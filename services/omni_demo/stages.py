@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterable, AsyncIterator, Coroutine, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,21 +78,34 @@ def _prompt(inputs: Any) -> str:
     return prompt
 
 
-def _run_thinker(prompt: str, max_tokens: int) -> tuple[str, torch.Tensor, dict]:
-    """Reply text, the bfloat16 hidden states of its tokens (conditioned on the prompt), token counts."""
+def _run_thinker(prompt: str, max_tokens: int, empty: Callable[..., torch.Tensor]) -> tuple[str, torch.Tensor, dict]:
+    """Reply text, the bfloat16 hidden states of its tokens (conditioned on the prompt), token counts.
+
+    The hidden states are converted straight into `empty(shape, dtype)`: with the runtime's
+    `ctx.empty` that is the outgoing edge's memory, so sending them copies nothing more.
+    """
     text, reply_tokens = reply_text(prompt, max_tokens)
     context = encode_text(prompt)[-CONTEXT_TOKENS:]
     hidden = get_model().hidden_states(context + reply_tokens)[len(context) :]
     usage = {"prompt_tokens": len(context), "completion_tokens": len(reply_tokens)}
-    return text, hidden.to(torch.bfloat16), usage
+    output = empty(tuple(hidden.shape), torch.bfloat16)
+    output.copy_(hidden)  # the float32 -> bfloat16 conversion writes into it; nothing writes after
+    return text, output, usage
+
+
+def _output_allocator(ctx: Any) -> Callable[..., torch.Tensor]:
+    """`ctx.empty` where the runtime offers it (omni-mesh does), else ordinary tensors."""
+    empty = getattr(ctx, "empty", None)
+    return empty if callable(empty) else lambda shape, dtype: torch.empty(shape, dtype=dtype)
 
 
 async def thinker(inputs: dict, ctx: Any) -> dict:
     """``{"prompt": str}`` -> ``{"text", "hidden_states": bf16 [tokens, 3584], "prompt", "usage"}``."""
     prompt = _prompt(inputs)
     max_tokens = _param_int(ctx, "max_tokens", DEFAULT_MAX_TOKENS)
-    # A worker thread keeps the event loop free for the replica's other in-flight requests.
-    text, hidden, usage = await asyncio.to_thread(_run_thinker, prompt, max_tokens)
+    # A worker thread keeps the event loop free for the replica's other in-flight requests; ctx.empty
+    # runs there too (the pool may grow, which takes a moment).
+    text, hidden, usage = await asyncio.to_thread(_run_thinker, prompt, max_tokens, _output_allocator(ctx))
     return {"text": text, "hidden_states": hidden, "prompt": prompt, "usage": usage}
 
 

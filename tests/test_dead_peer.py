@@ -1,0 +1,122 @@
+"""Dead peers are noticed in about a second: a ZmqConnector get whose producer was SIGKILLed fails with
+the clear error long before its 30 s deadline, whether the producer dies while the get waits on a live
+connection or before the get connects. Real producer processes, real sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from omni_mesh.connectors import create_connector
+from omni_mesh.connectors.base import ConnectorError
+
+DEADLINE_S = 30.0
+FAST_S = 3.0
+
+PRODUCER = r"""
+import json, sys, time, torch
+from omni_mesh.connectors import create_connector
+connector = create_connector("ZmqConnector", {"host": "127.0.0.1"})
+metadata = [connector.put("a", "b", f"r/{i}", {"x": torch.full((1 << 18,), float(i))})[2] for i in range(2)]
+print(json.dumps(metadata), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def producer():
+    proc = subprocess.Popen([sys.executable, "-c", PRODUCER], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line, f"the producer exited ({proc.poll()}) before putting"
+        yield proc, json.loads(line)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+
+
+@pytest.fixture
+def consumer():
+    connector = create_connector("ZmqConnector", {"host": "127.0.0.1", "get_timeout_s": DEADLINE_S})
+    yield connector
+    connector.close()
+
+
+def _get(consumer, key: str, metadata: dict) -> tuple:
+    """The stage runtime's get: blocking, with a DEADLINE_S deadline."""
+    return consumer.get_with_deadline("a", "b", key, metadata, deadline=time.monotonic() + DEADLINE_S)
+
+
+def _failing_get(consumer, key: str, metadata: dict) -> tuple[float, str]:
+    started = time.monotonic()
+    with pytest.raises(ConnectorError) as caught:
+        _get(consumer, key, metadata)
+    return time.monotonic() - started, str(caught.value)
+
+
+def test_get_fails_fast_when_the_producer_is_killed_mid_wait(producer, consumer) -> None:
+    proc, metadata = producer
+    obj, _ = _get(consumer, "r/0", metadata[0])  # the consumer's socket is connected and idle now
+    assert torch.equal(obj["x"], torch.zeros(1 << 18))
+    os.kill(proc.pid, signal.SIGSTOP)  # it can no longer answer: the next get waits on a live connection
+    outcome: dict = {}
+
+    def get() -> None:
+        try:
+            _get(consumer, "r/1", metadata[1])
+            outcome["error"] = None
+        except ConnectorError as exc:
+            outcome["error"] = str(exc)
+        outcome["at"] = time.monotonic()
+
+    waiter = threading.Thread(target=get)
+    waiter.start()
+    time.sleep(0.5)
+    assert waiter.is_alive(), f"the get ended before the producer was killed: {outcome}"
+    killed = time.monotonic()
+    proc.kill()
+    waiter.join(DEADLINE_S + 5)
+    assert not waiter.is_alive()
+    assert outcome["error"] is not None, "a get from a killed producer succeeded"
+    print(f"killed mid-wait: the get failed {outcome['at'] - killed:.2f}s after the kill")
+    assert outcome["at"] - killed < FAST_S, f"noticed {outcome['at'] - killed:.1f}s after the kill"
+    message = outcome["error"]
+    assert metadata[1]["endpoint"] in message and "'r/1'" in message and "a->b" in message, message
+    assert "broke" in message or "gone" in message, message
+    assert consumer.health()["errors"] == 1
+
+
+def test_get_fails_fast_when_the_producer_was_killed_before_it(producer, consumer) -> None:
+    proc, metadata = producer
+    proc.kill()
+    proc.wait(10)
+    elapsed, message = _failing_get(consumer, "r/0", metadata[0])
+    print(f"killed before the get: it failed after {elapsed:.2f}s")
+    assert elapsed < FAST_S, f"took {elapsed:.1f}s with a {DEADLINE_S:g}s deadline: {message}"
+    assert metadata[0]["endpoint"] in message and "refuses connections" in message, message
+
+
+def test_a_live_slow_reply_is_still_waited_for(consumer) -> None:
+    """Heartbeats and connection events keep a connection whose peer is alive: a get of 64 MiB after
+    the connection sat idle for a while still works."""
+    producer = create_connector("ZmqConnector", {"host": "127.0.0.1"})
+    try:
+        _, _, first = producer.put("a", "b", "s/0", {"x": torch.ones(16)})
+        _get(consumer, "s/0", first)
+        time.sleep(2.5)  # idle for several heartbeats: the connection must stay up
+        _, _, big = producer.put("a", "b", "s/1", {"x": torch.ones(16 << 20)})
+        obj, _ = _get(consumer, "s/1", big)
+        assert torch.equal(obj["x"], torch.ones(16 << 20))
+        assert consumer.health()["errors"] == 0
+    finally:
+        producer.close()

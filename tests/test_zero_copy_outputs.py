@@ -1,0 +1,250 @@
+"""Outputs allocated where they will be sent from: `connector.empty(shape, dtype)` on
+SharedMemoryConnector, ZmqConnector and MooncakeTransferEngineConnector, and `ctx.empty` in a stage.
+
+A put of such a tensor copies none of its bytes: shown by writing into the tensor after the put
+(what the rule forbids a handler to do) and seeing the consumer receive the new bytes. Everything
+else in the payload still travels as before. Real processes, sockets and engines; nothing left in
+/dev/shm.
+"""
+
+from __future__ import annotations
+
+import gc
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from meshkit import running_mesh, wait_for
+from test_shared_memory import Peer, connector, our_segments
+
+MiB = 1 << 20
+DEMO = Path(__file__).resolve().parents[1] / "compose" / "omni-demo.yaml"
+LOCAL_ZMQ = {"host": "127.0.0.1"}
+TE_CONFIG = {"host": "127.0.0.1", "memory_pool_size": "64MiB", "prefault": False, "connect_timeout_s": 2.0}
+
+
+@pytest.fixture(autouse=True)
+def no_segment_left() -> Iterator[None]:
+    yield
+    gc.collect()
+    assert our_segments() == {}, "a test left shared-memory segments behind"
+
+
+@pytest.fixture(scope="module")
+def shm_consumer() -> Iterator[Peer]:
+    peer = Peer()
+    yield peer
+    peer.stop()
+
+
+def mixed(hidden: torch.Tensor) -> dict:
+    """An output as a handler returns it: the empty() tensor beside ordinary leaves of every size."""
+    return {
+        "hidden_states": hidden,
+        "text": "hello",
+        "usage": {"tokens": 3},
+        "small": torch.arange(5),
+        "large": torch.full((300_000,), 2.5),  # 1.2 MB, not from empty(): copied as today
+        "strided": torch.arange(200_000, dtype=torch.float32).view(400, 500).t(),
+    }
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(torch.as_tensor(got[key]), value), key
+        else:
+            assert got[key] == value, key
+
+
+def filled(conn, shape=(512, 3584), seed: int = 0) -> torch.Tensor:
+    tensor = conn.empty(shape, torch.bfloat16)
+    tensor.copy_(torch.randn(shape, generator=torch.Generator().manual_seed(seed)))
+    return tensor
+
+
+# ------------------------------------------------------------------ SharedMemoryConnector
+
+
+def test_shm_empty_output_crosses_processes_without_a_copy(shm_consumer: Peer) -> None:
+    with connector() as conn:
+        hidden = filled(conn)
+        want = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in mixed(hidden).items()}
+        ok, size, metadata = conn.put("a", "b", "r/0", mixed(hidden))
+        assert ok and "refs" in metadata and len(metadata["refs"]) >= 3
+        assert size > hidden.nbytes
+        hidden[0, 0] = 42.0  # after the put: breaks the rule on purpose, to show nothing was copied
+        want["hidden_states"][0, 0] = 42.0
+        assert_same(shm_consumer.get("r/0", metadata), want)
+        assert shm_consumer.get("r/0", metadata) is None  # consumed
+        health = conn.health()
+        assert health["zero_copy_leaves"] == 1 and health["fallbacks"] == 0 and health["errors"] == 0
+
+
+def test_shm_in_one_process_the_consumer_views_the_producers_tensor() -> None:
+    with connector() as conn:
+        hidden = filled(conn)
+        _, _, metadata = conn.put("a", "b", "r/0", {"hidden_states": hidden})
+        got, _ = conn.get("a", "b", "r/0", metadata)
+        assert got["hidden_states"].data_ptr() == hidden.data_ptr()
+        del got
+
+
+def test_shm_slot_stays_pinned_while_the_producer_holds_its_tensor(shm_consumer: Peer) -> None:
+    with connector() as conn:
+        hidden = filled(conn, seed=1)
+        keep = hidden.clone()
+        _, _, metadata = conn.put("a", "b", "r/0", {"hidden_states": hidden})
+        assert_same(shm_consumer.get("r/0", metadata), {"hidden_states": keep})  # consumed and released
+        for i in range(3):  # same-sized puts would refill a released slot: never this one
+            _, _, other = conn.put("a", "b", f"r/{i + 1}", {"hidden_states": torch.zeros_like(keep)})
+            assert other.get("offset") != metadata["refs"][1][1]
+            shm_consumer.get(f"r/{i + 1}", other)
+        assert torch.equal(hidden, keep)
+        in_use = conn.health()["pool_in_use"]
+        del hidden
+        gc.collect()
+        assert conn.health()["pool_in_use"] < in_use  # the slot goes back once the tensor is gone
+
+
+def test_shm_unsent_outputs_and_aborted_puts_give_their_memory_back() -> None:
+    with connector() as conn:
+        baseline = conn.health()["pool_in_use"]
+        unused = conn.empty((4 * MiB,), torch.uint8)
+        assert conn.health()["pool_in_use"] >= baseline + 4 * MiB
+        del unused
+        gc.collect()
+        assert conn.health()["pool_in_use"] == baseline
+        hidden = filled(conn)
+        _, _, metadata = conn.put("a", "b", "req-7/0", {"hidden_states": hidden})
+        conn.cleanup("req-7")  # aborted before anyone consumed it
+        assert conn.get("a", "b", "req-7/0", metadata) is None
+        del hidden
+        gc.collect()
+        assert conn.health()["pool_in_use"] == baseline
+
+
+def test_shm_an_output_sent_over_two_edges_is_copied_for_the_second(shm_consumer: Peer) -> None:
+    with connector() as conn:
+        hidden = filled(conn, seed=2)
+        keep = hidden.clone()
+        _, _, first = conn.put("a", "b", "r/0", {"hidden_states": hidden})
+        _, _, second = conn.put("a", "c", "r/0", {"hidden_states": hidden})
+        assert "refs" in first and "refs" not in second  # the second is an ordinary frame
+        assert_same(shm_consumer.get("r/0", first), {"hidden_states": keep})
+        assert_same(shm_consumer.get("r/0", second, edge=("a", "c")), {"hidden_states": keep})
+        assert conn.health()["zero_copy_leaves"] == 1
+
+
+def test_shm_small_and_bad_requests() -> None:
+    with connector() as conn:
+        small = conn.empty((4, 4), torch.float32)  # not worth a slot: an ordinary tensor
+        assert small.shape == (4, 4) and conn.health()["live_payloads"] == 0
+        with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
+            conn.empty((1 << 20,), "float32")
+        hidden = filled(conn)
+        _, _, metadata = conn.put("a", "b", "r/0", {"hidden_states": hidden})
+        assert conn.get("a", "b", "r/1", metadata) is None  # another key's metadata: never its data
+        with pytest.raises(Exception, match="bad part"):
+            conn.get("a", "b", "r/0", {**metadata, "refs": [["x", -1, 0, 0]]})
+
+
+def test_shm_close_with_live_outputs_leaves_nothing(shm_consumer: Peer) -> None:
+    conn = connector()
+    hidden = filled(conn)
+    _, _, metadata = conn.put("a", "b", "r/0", {"hidden_states": hidden})
+    also = conn.empty((2 * MiB,), torch.uint8)
+    conn.close()
+    assert our_segments() == {}
+    del hidden, also
+
+
+# ------------------------------------------------------------------ ZmqConnector
+
+
+@pytest.fixture
+def zmq_pair() -> Iterator[tuple]:
+    from omni_mesh.connectors import create_connector
+
+    producer, consumer = create_connector("ZmqConnector", LOCAL_ZMQ), create_connector("ZmqConnector", LOCAL_ZMQ)
+    yield producer, consumer
+    producer.close()
+    consumer.close()
+
+
+def test_zmq_empty_output_is_served_from_the_pool_without_a_copy(zmq_pair) -> None:
+    producer, consumer = zmq_pair
+    hidden = filled(producer)
+    want = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in mixed(hidden).items()}
+    _, size, metadata = producer.put("a", "b", "r/0", mixed(hidden))
+    assert size == metadata["size"] and size > hidden.nbytes
+    hidden[0, 0] = 42.0  # after the put: the consumer still gets it, so the put copied nothing
+    want["hidden_states"][0, 0] = 42.0
+    got, got_size = consumer.get("a", "b", "r/0", metadata)
+    assert_same(got, want)
+    assert got_size == size
+    assert consumer.health()["errors"] == 0
+
+
+def test_zmq_output_slots_go_back_once_sent_and_dropped(zmq_pair) -> None:
+    producer, consumer = zmq_pair
+    producer.put("a", "b", "warm", b"x")
+    baseline = producer.health()["pool_used_bytes"]
+    hidden = filled(producer)
+    _, _, metadata = producer.put("a", "b", "r/0", {"hidden_states": hidden})
+    got, _ = consumer.get("a", "b", "r/0", metadata)
+    del got
+    producer.put("a", "b", "tick", b"x")  # lets the producer reap what it sent
+    assert producer.health()["pool_used_bytes"] >= baseline + hidden.nbytes  # still pinned by `hidden`
+    unsent = producer.empty((2 * MiB,), torch.uint8)
+    del hidden, unsent
+    gc.collect()
+    producer.put("a", "b", "tock", b"x")
+    assert producer.health()["pool_used_bytes"] <= baseline + 256  # only the small puts remain
+
+
+# ------------------------------------------------------------------ MooncakeTransferEngineConnector
+
+
+@pytest.fixture(scope="module")
+def te_pair() -> Iterator[tuple]:
+    from omni_mesh.connectors import create_connector
+
+    producer = create_connector("MooncakeTransferEngineConnector", TE_CONFIG)
+    consumer = create_connector("MooncakeTransferEngineConnector", {**TE_CONFIG, "transfer_timeout_s": 10.0})
+    yield producer, consumer
+    producer.close()
+    consumer.close()
+
+
+def test_te_empty_output_is_written_by_the_engine_from_the_pool(te_pair) -> None:
+    producer, consumer = te_pair
+    hidden = filled(producer)
+    assert producer.health()["pool_in_use"] >= hidden.nbytes  # it lives in the registered pool
+    want = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in mixed(hidden).items()}
+    _, _, metadata = producer.put("a", "b", "r/0", mixed(hidden))
+    hidden[0, 0] = 42.0  # after the put: the engine still sends it from there
+    want["hidden_states"][0, 0] = 42.0
+    got, _ = consumer.get("a", "b", "r/0", metadata)
+    assert_same(got, want)
+    del got, hidden
+    gc.collect()
+
+
+# ------------------------------------------------------------------ ctx.empty in a stage
+
+
+def test_demo_thinker_sends_its_hidden_states_without_a_copy(tmp_path: Path) -> None:
+    with running_mesh(tmp_path, DEMO, sig=signal.SIGINT) as mesh:
+        body = mesh.ok({"prompt": "Hello, zero copy!"}, params={"max_tokens": 32})
+        assert "Hello, zero copy!" in body["outputs"]["text"] and body["outputs"]["duration_s"] > 0
+        # The replica reports its connectors' health with its heartbeats: wait for one after the request.
+        sent = wait_for(
+            lambda: max(h.get("zero_copy_leaves", 0) for h in mesh.connector_health("thinker").values()) or None,
+            timeout_s=15,
+            what="the thinker's connector health to count a zero-copy leaf",
+        )
+        assert sent >= 1
