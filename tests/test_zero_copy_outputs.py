@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from meshkit import running_mesh, wait_for
+from support.meshkit import running_mesh, wait_for
 from test_shared_memory import Peer, connector, our_segments
 
 MiB = 1 << 20

@@ -11,58 +11,97 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from omni_mesh import codec
+from omni_mesh.codec.frame import PagePad, contiguous_address
 
 Piece = tuple[int, int, int]  # (source address, offset in the frame, bytes)
 
 
-def large_leaves(
-    frame: codec.FramePlan, min_bytes: int, share: Callable[[int, int], bool]
-) -> dict[int, codec.Piece]:
-    """{leaf index: piece} of the leaves of at least `min_bytes` to send from their own memory;
-    `share(address, length)` registers one with the engine (False: it is copied into the pool)."""
-    large: dict[int, codec.Piece] = {}
-    for piece in frame.pieces():
-        if piece.index >= 0 and piece.length >= min_bytes:
-            address = piece.address
-            if address is not None and share(address, piece.length):
-                large[piece.index] = piece
-    return large
+def scatter(
+    frame: codec.FramePlan,
+    min_bytes: int,
+    share: Callable[[int, int], bool],
+    reserve: Callable[[int], tuple[int, int]],
+) -> tuple[int, list[Piece], list[Any]] | None:
+    """Send the frame's contiguous leaves of at least `min_bytes` from their own memory, where
+    `share(address, length)` lets the engine read them (False: that leaf is copied), and lay the rest
+    (head, small leaves) into a region from `reserve(bytes) -> (offset, address)`, packed.
 
-
-def lay_out(
-    frame: codec.FramePlan, large: dict[int, codec.Piece], reserve: Callable[[int], tuple[int, int]]
-) -> tuple[int, list[Piece]]:
-    """Lay the frame minus its large leaves into a region from `reserve(bytes) -> (offset, address)`;
-    returns the region's offset and the frame's pieces. `reserve` frees nothing on failure: the
-    caller frees the region if this raises after it."""
-    small = [piece for piece in frame.pieces() if piece.index not in large]
-    runs, packed = _pack_runs(small)
+    Returns (the region's offset, the frame's pieces, the leaves sent from their own memory), or
+    None when no leaf is (the caller lays the whole frame). `reserve` frees nothing on failure: the
+    caller frees the region if this raises after it. The packing of a frame's small part is cached,
+    so the put of an `empty()` output costs a lookup, not a layout.
+    """
+    leaves, offsets, lengths = frame.leaves, frame.offsets, frame.lengths
+    large: list[tuple[int, int]] = []  # (leaf index, address)
+    for index, length in enumerate(lengths):
+        if length >= min_bytes and type(leaves[index]) is not PagePad:
+            address = contiguous_address(leaves[index])
+            if address is not None and share(address, length):
+                large.append((index, address))
+    if not large:
+        return None
+    key = (frame.head, tuple(index for index, _ in large))
+    layout = _SMALL_PARTS.get(key)
+    if layout is None:
+        layout = _small_part(frame, {index for index, _ in large})
+        if len(_SMALL_PARTS) >= 256:
+            _SMALL_PARTS.clear()
+        _SMALL_PARTS[key] = layout
+    writes, packed, runs = layout
     offset, base = reserve(packed)
-    for piece, at in zip(small, runs, strict=True):
-        piece.write_at(base + at)
-    pieces = _merge([(base + at, piece.offset, piece.length) for piece, at in zip(small, runs, strict=True)])
-    pieces += [(piece.address, piece.offset, piece.length) for piece in large.values()]
-    pieces.sort(key=lambda piece: piece[1])
-    return offset, pieces
+    for index, at, length in writes:
+        if index < 0:
+            ctypes.memmove(base + at, frame.head, length)  # the head: one memmove, no buffer export
+        else:
+            codec.Piece(offsets[index], length, leaves[index], index).write_at(base + at)
+    pieces = [(base + at, frame_offset, size) for at, frame_offset, size in runs]
+    pieces += [(address, offsets[index], lengths[index]) for index, address in large]
+    pieces.sort(key=_frame_offset)
+    return offset, pieces, [leaves[index] for index, _ in large]
 
 
-def _pack_runs(pieces: list[codec.Piece]) -> tuple[list[int], int]:
-    """Where each piece goes in the packed region, and the region's size. Pieces that lie back to
-    back in the frame (at most alignment padding between them) keep their spacing, so the engine
-    moves them as one run; every piece keeps its frame offset modulo ALIGN, so leaves stay aligned."""
+# (frame head, indices of the leaves sent from their own memory) -> the small part's packing.
+_SMALL_PARTS: dict[tuple[bytes, tuple[int, ...]], tuple[list[tuple[int, int, int]], int, list[Piece]]] = {}
+
+
+def _frame_offset(piece: Piece) -> int:
+    return piece[1]
+
+
+def _small_part(frame: codec.FramePlan, large: set[int]) -> tuple[list[tuple[int, int, int]], int, list[Piece]]:
+    """How the head and the small leaves pack into one region: the writes (leaf index or -1 for the
+    head, place in the region, bytes), the region's size, and its runs as pieces relative to the
+    region's start (merged: pieces spaced as in the frame move as one)."""
+    small = [(-1, 0, len(frame.head))]
+    placed = zip(frame.leaves, frame.offsets, frame.lengths, strict=True)
+    for index, (leaf, offset, length) in enumerate(placed):
+        if length and type(leaf) is not PagePad and index not in large:
+            small.append((index, offset, length))
+    places, packed = _pack_runs([(offset, length) for _, offset, length in small])
+    writes = [(index, at, length) for (index, _, length), at in zip(small, places, strict=True)]
+    runs = _merge([(at, offset, length) for (_, offset, length), at in zip(small, places, strict=True)])
+    return writes, packed, runs
+
+
+def _pack_runs(spans: list[tuple[int, int]]) -> tuple[list[int], int]:
+    """Where each (frame offset, bytes) span goes in the packed region, and the region's size. Spans
+    that lie back to back in the frame (at most alignment padding between them) keep their spacing,
+    so the engine moves them as one run; every span keeps its frame offset modulo ALIGN, so leaves
+    stay aligned."""
     places: list[int] = []
     pos = end = 0
-    for piece in pieces:
-        if places and piece.offset - end < codec.ALIGN:  # spaced as in the frame, after the one before
-            at = pos + piece.offset - end
+    for offset, length in spans:
+        if places and offset - end < codec.ALIGN:  # spaced as in the frame, after the one before
+            at = pos + offset - end
         else:
-            at = codec.align(pos) + piece.offset % codec.ALIGN
+            at = codec.align(pos) + offset % codec.ALIGN
         places.append(at)
-        pos, end = at + piece.length, piece.offset + piece.length
+        pos, end = at + length, offset + length
     return places, pos
 
 

@@ -218,20 +218,27 @@ class RegisteredPool:
     def allocate(self, nbytes: int, timeout_s: float) -> int | None:
         """Offset of a region of `nbytes`, growing the pool or waiting up to `timeout_s` for space;
         None if none came free."""
+        placed = self.place(nbytes, timeout_s)
+        return None if placed is None else placed[0]
+
+    def place(self, nbytes: int, timeout_s: float) -> tuple[int, int] | None:
+        """`allocate`, with the address the region lies at: (offset, address), in one lock round trip."""
         deadline = time.monotonic() + timeout_s
         align = frame_alignment(nbytes)
         with self._cond:
             while True:
                 self._drain_locked()
-                self._release_idle_locked()
+                if len(self._regions) > 1:
+                    self._release_idle_locked()
                 for region in self._regions:
                     offset = region.allocator.allocate(nbytes, align=align)
                     if offset is not None:
                         region.last_used = time.monotonic()
-                        return region.base + offset
+                        return region.base + offset, region.address + offset
                 grown = self._grow_locked(nbytes)
                 if grown is not None:
-                    return grown.base + grown.allocator.allocate(nbytes, align=align)
+                    offset = grown.allocator.allocate(nbytes, align=align)
+                    return grown.base + offset, grown.address + offset
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
@@ -288,9 +295,10 @@ class RegisteredPool:
     def contains(self, address: int, length: int) -> bool:
         """Whether [address, address + length) lies in one mapping of the pool (registered already)."""
         with self._cond:
-            return any(
-                r.address <= address and address + length <= r.address + r.allocator.size for r in self._regions
-            )
+            for region in self._regions:
+                if region.address <= address and address + length <= region.address + region.allocator.size:
+                    return True
+            return False
 
     def check_fits(self, nbytes: int, what: str) -> None:
         """A frame larger than the pool can ever be is never received (consumers size their pool alike)."""
@@ -304,16 +312,20 @@ class RegisteredPool:
 
     def reserve(self, nbytes: int, timeout_s: float, what: str) -> int:
         """`allocate`, or a ConnectorError saying what holds the pool and what to do."""
+        return self.reserve_placed(nbytes, timeout_s, what)[0]
+
+    def reserve_placed(self, nbytes: int, timeout_s: float, what: str) -> tuple[int, int]:
+        """`reserve`, with the region's address: (offset, address)."""
         self.check_fits(nbytes, what)
-        offset = self.allocate(nbytes, timeout_s)
-        if offset is None:
+        placed = self.place(nbytes, timeout_s)
+        if placed is None:
             e = self.errors
             e.count()
             raise ConnectorError(
                 f"{e.owner}: {what} waited {timeout_s}s for {nbytes} free bytes of {e.knob} "
                 f"({self.in_use} of {self.capacity} bytes held by {e.held_by}); {e.advice}"
             )
-        return offset
+        return placed
 
     def decode(self, offset: int, length: int, what: str, *, copy: bool, device: list | None = None) -> Any:
         """Decode the frame of `length` bytes at `offset`: views over the region (which stays reserved

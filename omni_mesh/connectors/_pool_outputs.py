@@ -38,16 +38,66 @@ def tensor_over(buffer: Any, offset: int, shape: tuple[int, ...], dtype: torch.d
     return torch.from_numpy(base).view(dtype).view(shape), base
 
 
-def resident_leaves(frame: codec.FramePlan, unsent: dict[int, tuple[Any, int]]) -> dict[int, Any]:
-    """{leaf index: region} of the frame's leaves that are whole empty() tensors, by `unsent`
-    ({tensor address: (region, bytes)}). Views, slices and copies of them are ordinary leaves."""
+def take_resident(frame: codec.FramePlan, unsent: dict[int, tuple[Any, torch.dtype, torch.Size]]) -> dict[int, Any]:
+    """{leaf index: region} of the frame's leaves that are whole empty() tensors, taken out of `unsent`
+    ({tensor address: (region, dtype, shape)}; the caller holds its lock). Views, slices and copies
+    of them, and a second leaf of the same tensor, are ordinary leaves (copied)."""
     resident = {}
-    for index, (leaf, length) in enumerate(zip(frame.leaves, frame.lengths, strict=True)):
-        if type(leaf) is torch.Tensor and leaf.is_cpu:
-            found = unsent.get(leaf.data_ptr())
-            if found is not None and found[1] == length and leaf.is_contiguous():
+    for index, leaf in enumerate(frame.leaves):
+        if type(leaf) is torch.Tensor:
+            address = leaf.data_ptr()
+            found = unsent.get(address)
+            if (
+                found is not None
+                and leaf.dtype is found[1]
+                and leaf.shape == found[2]
+                and leaf.is_contiguous()
+            ):
+                del unsent[address]
                 resident[index] = found[0]
     return resident
+
+
+# (key, dtype, shape, ...) of a dict of empty() tensors -> its parts-form header, and what each leaf of
+# that form is: the index of a tensor among the dict's values, or -1 for padding.
+_HEADERS: dict[tuple, tuple[bytes, list[int]]] = {}
+
+
+def take_outputs(data: dict, unsent: dict[int, tuple[Any, torch.dtype, torch.Size]]) -> tuple[bytes, list[int], list[Any]] | None:
+    """A dict whose values are all whole empty() tensors (the usual stage output, a dict of tensors):
+    its parts-form header, leaf layout and the tensors' regions, taken out of `unsent` ({address:
+    (region, dtype, shape)}; the caller holds its lock). None for anything else.
+
+    The put of such a payload reads a few fields of each tensor and nothing of its bytes: no frame
+    plan, no layout, no copy (it runs right after the handler filled the tensor, with caches cold).
+    """
+    signature: list[Any] = []
+    addresses = []
+    for key, value in data.items():
+        if type(value) is not torch.Tensor:
+            return None
+        address = value.data_ptr()
+        entry = unsent.get(address)
+        if entry is None:
+            return None
+        dtype, shape = value.dtype, value.shape
+        # The same dtype, shape and contiguity as empty() made: exactly the region's bytes.
+        if dtype is not entry[1] or shape != entry[2] or not value.is_contiguous():
+            return None
+        signature += (key, dtype, shape)
+        addresses.append(address)
+    if not addresses:
+        return None
+    key = tuple(signature)
+    layout = _HEADERS.get(key)
+    if layout is None:
+        header, leaves, _ = codec.split(data)
+        index = {id(value): i for i, value in enumerate(data.values())}
+        layout = (header, [index.get(id(leaf), -1) for leaf in leaves])
+        if len(_HEADERS) >= 256:
+            _HEADERS.clear()
+        _HEADERS[key] = layout
+    return layout[0], layout[1], [unsent.pop(address)[0] for address in addresses]
 
 
 def is_padding(leaf: Any) -> bool:

@@ -12,6 +12,7 @@ ttl_s, get_timeout_s; each config's `check()` checks them with `_checks.check_se
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import threading
 import time
@@ -83,6 +84,10 @@ class ServedConnector(OmniConnectorBase):
         self._lock = threading.Lock()
         self._last_error = -1e9
         self._counters = Counters(*self.counter_names)
+        # Tokens tell puts apart (a stale get of a key put again finds nothing); not a secret: a get by
+        # key alone needs none. A random prefix per instance and a counter: no syscall per put.
+        self._token_prefix = secrets.token_hex(6)
+        self._token_ids = itertools.count(1)
 
     # ---- hooks
 
@@ -123,11 +128,11 @@ class ServedConnector(OmniConnectorBase):
         self, key: str, put_key: str, size: int, offset: int | None, buffer: Any = None, regions: list | None = None
     ) -> Held:
         """Keep a payload for its consumer (replacing an earlier put of the key) and count the put."""
-        held = Held(key, put_key, secrets.token_hex(8), size, offset, buffer, regions=regions or [])
+        held = Held(key, put_key, f"{self._token_prefix}{next(self._token_ids):x}", size, offset, buffer, regions=regions or [])
         replaced = self._held.add(held)
         if replaced is not None:
             self._release(replaced)
-        self._counters.add_many(puts=1, bytes_put=size)
+        self._counters.add_pair("puts", "bytes_put", size)
         return held
 
     def _count_put_error(self) -> None:

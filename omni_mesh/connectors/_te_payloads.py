@@ -31,6 +31,8 @@ class Payload(Held):
     """One payload: its pool region (`offset`, None until reserved) and what else it is sent from."""
 
     pieces: list[_frame_pieces.Piece] | None = None  # None: the frame lies whole at `offset`
+    address: int = 0  # where the pool region at `offset` lies (or the head, in an output's headroom)
+    headroom: Any = None  # the _te_outputs.Output whose headroom holds the head, free again at release
     sources: list[Any] = field(default_factory=list)  # large leaves, kept alive and unchanged
     registered: list[int] = field(default_factory=list)  # their engine registrations (addresses)
     #: Device tensors sent beside the frame (DeviceLeaves), in frame order: contiguous, registered.
@@ -67,7 +69,7 @@ class Payloads:
         try:
             if device:
                 self._register_device(payload, what)
-            large = {}
+            scattered = None
             min_bytes = self._cfg.zero_copy_min_bytes
             if min_bytes and frame.nbytes >= min_bytes:
                 # Leaves in the pool (connector.empty() outputs) are registered already; with RDMA
@@ -77,14 +79,13 @@ class Payloads:
                     if self._cfg.protocol == "tcp"
                     else self._pool.contains
                 )
-                large = _frame_pieces.large_leaves(frame, min_bytes, share)
-            if large:
                 reserve = functools.partial(self._reserve, payload, what=what)
-                payload.offset, payload.pieces = _frame_pieces.lay_out(frame, large, reserve)
-                payload.sources = [piece.source for piece in large.values()]
+                scattered = _frame_pieces.scatter(frame, min_bytes, share, reserve)
+            if scattered is not None:
+                payload.offset, payload.pieces, payload.sources = scattered
             else:
                 self._reserve(payload, frame.nbytes, what)
-                frame.write_into(self._pool.buffer(payload.offset, frame.nbytes))
+                frame.write_at(payload.address)  # the region holds frame.nbytes mapped bytes
         except BaseException:
             self.release(payload)
             raise
@@ -92,9 +93,18 @@ class Payloads:
         self._held.add(payload)
         return payload
 
+    def put_planned(self, planned: Any, ref: tuple[str, str, int]) -> Payload:
+        """Hold a payload laid out in place (`_te_outputs.Planned`: nothing to reserve or copy)."""
+        key, put_key, handle = ref
+        payload = Payload(f"{key}#{handle}", put_key, self._session, planned.nbytes, None)
+        payload.pieces, payload.sources, payload.headroom = planned.pieces, planned.sources, planned.headroom
+        payload.address = planned.pieces[0][0]
+        self._held.add(payload)
+        return payload
+
     def _reserve(self, payload: Payload, nbytes: int, what: str) -> tuple[int, int]:
-        payload.offset = self._pool.reserve(nbytes, self._cfg.pool_wait_s, what)
-        return payload.offset, self._pool.address_of(payload.offset)
+        payload.offset, payload.address = self._pool.reserve_placed(nbytes, self._cfg.pool_wait_s, what)
+        return payload.offset, payload.address
 
     def _register_device(self, payload: Payload, what: str) -> None:
         """Register the memory of the tensors sent device to device (after their kernels are done)."""
@@ -156,7 +166,7 @@ class Payloads:
             if not _device_transfer.addresses_match(targets, payload.device):
                 return f"the consumer's device buffers do not match the {len(payload.device)} device tensors"
             if time.monotonic() < deadline:  # the consumer has not given up on it yet
-                pieces = payload.pieces or [(self._pool.address_of(payload.offset), 0, payload.size)]
+                pieces = payload.pieces or [(payload.address, 0, payload.size)]
                 sources, dests, sizes = _frame_pieces.moves(pieces, request["addr"], payload.device, targets)
                 if single:
                     rc = self._engine.transfer_sync_write(request["segment"], sources[0], dests[0], sizes[0])
@@ -175,6 +185,9 @@ class Payloads:
             self._pool.free(payload.offset)
             payload.offset = None
         self._registrations.drop(payload.registered)
+        if payload.headroom is not None:  # its head is no longer sent: the headroom may take another
+            payload.headroom.give_back()
+            payload.headroom = None
         payload.sources.clear()
         payload.device.clear()
 

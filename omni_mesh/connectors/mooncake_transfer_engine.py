@@ -59,7 +59,7 @@ import torch
 import zmq
 
 from omni_mesh import codec
-from omni_mesh.connectors import _device_transfer, _frame_pieces, _pool_outputs, _te_pull
+from omni_mesh.connectors import _device_transfer, _frame_pieces, _pool_outputs, _te_outputs, _te_pull
 from omni_mesh.connectors._addresses import tcp_endpoint
 from omni_mesh.connectors._channel_guard import MAX_REQUEST_BYTES, side_channel_keys
 from omni_mesh.connectors._checks import check_not_negative, check_port, check_positive
@@ -201,6 +201,8 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
         self._engine: Any = None
         self._pool: RegisteredPool | None = None
         self._registrations: Registrations | None = None
+        self._outputs: _te_outputs.Outputs | None = None
+        self._live_outputs: dict = {}  # the outputs' table where a put of them may skip planning
         try:
             self._server = RouterServer(
                 self._ctx,
@@ -231,6 +233,9 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
                     "lower memory_pool_size or check the RDMA device's memory-lock limit (ulimit -l)"
                 )
             self._registrations = Registrations(self._engine, self._pool.contains)
+            self._outputs = _te_outputs.Outputs(self._pool)
+            if not self._device_leaves.host_min_bytes:  # CPU tensors never take the device path
+                self._live_outputs = self._outputs.live
             self._payloads = Payloads(
                 OWNER, self._engine, self._pool, self._registrations, self._session, cfg
             )
@@ -278,22 +283,26 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
 
     def empty(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized tensor over a region of the registered pool: returned in a put's payload,
-        the engine sends it from there (nothing is copied at put). The region goes back when the
-        tensor and the payload holding it are gone. Do not write into it after the put."""
+        the engine sends it from there (nothing is copied at put; `_te_outputs`). The region goes back
+        when the tensor and the payloads holding it are gone. Do not write into it after the put."""
         shape = tuple(int(n) for n in shape)
         nbytes = _pool_outputs.nbytes_of(shape, dtype)
-        if nbytes < max(_pool_outputs.MIN_BYTES, self.config.zero_copy_min_bytes or 0):
+        self._open_pool("empty()")
+        min_bytes = self.config.zero_copy_min_bytes  # 0: nothing is sent from its own memory
+        if not min_bytes or nbytes < max(_pool_outputs.MIN_BYTES, min_bytes):
             return torch.empty(shape, dtype=dtype)
-        pool = self._open_pool("empty()")
-        offset = pool.allocate(nbytes, 0.0)
-        if offset is None:  # the pool is full: an ordinary tensor, copied at put as any other
-            return torch.empty(shape, dtype=dtype)
-        return _pool_outputs.tensor_over(pool.view(offset, nbytes), 0, shape, dtype)[0]
+        tensor = self._outputs.empty(shape, dtype)
+        # The pool is full: an ordinary tensor, copied at put as any other.
+        return tensor if tensor is not None else torch.empty(shape, dtype=dtype)
 
     def _count_put_error(self) -> None:
         self._counters.add("errors")
 
     def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+        if self._live_outputs and type(data) is dict:
+            planned = self._outputs.plan(data)  # a dict of empty() outputs alone: laid out in place
+            if planned is not None:
+                return self._put_planned(from_stage, to_stage, put_key, planned)
         where = payload_name(from_stage, to_stage, put_key)
         pool = self._open_pool(f"put of {where}")
         device = self._device_leaves.split()
@@ -315,12 +324,38 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             "endpoint": self.endpoint,
             "session": self._session,
             "handle": handle,
-            "addr": pool.address_of(payload.offset),
+            "addr": payload.address,
             "length": size,
             "key": key,
         }
         if device_tensors:
             metadata["device"] = [t.nbytes for t in device_tensors]
+        return True, size, metadata
+
+    def _put_planned(self, from_stage: str, to_stage: str, put_key: str, planned: _te_outputs.Planned) -> tuple:
+        size = planned.nbytes
+        handle, key = next(self._handles), edge_key(from_stage, to_stage, put_key)
+        try:
+            pool = self._open_pool("put")
+            if size > pool.ceiling:  # the consumer could never receive it (its pool grows alike)
+                pool.check_fits(size, f"put of {payload_name(from_stage, to_stage, put_key)}")
+            payload = self._payloads.put_planned(planned, (key, put_key, handle))
+        except BaseException:
+            planned.headroom.give_back()
+            raise
+        if self._closed:  # close() may have emptied the table before this payload went in
+            self._payloads.finish(payload, consumed=True)
+            raise ConnectorError(f"{OWNER} is closed (put of {payload_name(from_stage, to_stage, put_key)})")
+        self._counters.add_pair("puts", "bytes_put", size)
+        metadata = {
+            "segment": self.segment,
+            "endpoint": self.endpoint,
+            "session": self._session,
+            "handle": handle,
+            "addr": payload.address,
+            "length": size,
+            "key": key,
+        }
         return True, size, metadata
 
     def _on_pull(self, args: list[bytes]) -> Deferred:

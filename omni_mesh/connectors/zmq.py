@@ -70,11 +70,13 @@ PARTS = b"P"  # the reply's third frame when the payload follows in the parts fo
 class _Region:
     """A pool slot empty() handed out: freed once it is no longer sent from and its tensor is gone."""
 
-    __slots__ = ("offset", "address", "state", "dead")
+    __slots__ = ("offset", "view", "address", "dtype", "shape", "state", "dead")
 
-    def __init__(self, offset: int, address: int) -> None:
+    def __init__(self, offset: int, view: memoryview, tensor: torch.Tensor) -> None:
         self.offset = offset
-        self.address = address  # of its tensor: the key of ZmqConnector._unsent
+        self.view = view  # its bytes, as a put sends them
+        self.address = tensor.data_ptr()  # the key of ZmqConnector._unsent
+        self.dtype, self.shape = tensor.dtype, tensor.shape  # as empty() made it
         self.state = "unsent"  # -> "held" (put) -> "done" (sent, expired or cleaned up)
         self.dead = False  # the producer's tensor (and every view of it) was garbage-collected
 
@@ -121,7 +123,7 @@ class ZmqConnector(ServedConnector):
         # empty() slots: those not put yet by tensor address, weak references to their tensors' arrays
         # (so the callbacks run) and the regions whose tensors died (queued by those callbacks).
         self._regions_lock = threading.Lock()
-        self._unsent: dict[int, tuple[_Region, int]] = {}
+        self._unsent: dict[int, tuple[_Region, torch.dtype, torch.Size]] = {}  # tensor address -> its region
         self._pins: dict[int, weakref.ref] = {}
         self._dead: collections.deque[tuple[int, _Region]] = collections.deque()
 
@@ -145,6 +147,8 @@ class ZmqConnector(ServedConnector):
     def _allocate(self, nbytes: int) -> int | None:
         """A pool offset for `nbytes`, growing the pool by a pre-faulted region if none is free and the
         ceiling allows; None past it."""
+        self._server.reap()  # slots whose frames went out since the last poll: reuse them, still warm
+        self._drain_dead()
         self._release_idle()
         offset = self._slots.allocate(nbytes)
         if offset is not None or not self._slots.size:
@@ -163,16 +167,18 @@ class ZmqConnector(ServedConnector):
         return self._slots.allocate(nbytes)
 
     def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+        if self._server is None or self._closed:
+            self._start_server()
+        if self._unsent and type(data) is dict:
+            sent = self._put_outputs(edge_key(from_stage, to_stage, put_key), put_key, data)
+            if sent is not None:
+                return sent
         frame = plan(data)
-        self._start_server()
         key = edge_key(from_stage, to_stage, put_key)
-        self._server.reap()  # slots whose frames went out since the last poll: reuse them, still warm
-        if self._unsent or self._dead:
-            self._drain_dead()
+        if self._unsent:
             with self._regions_lock:
-                resident = _pool_outputs.resident_leaves(frame, self._unsent)
+                resident = _pool_outputs.take_resident(frame, self._unsent)
                 for region in resident.values():
-                    del self._unsent[region.address]
                     region.state = "held"
             if resident:
                 return self._put_parts(key, put_key, frame, resident)
@@ -204,30 +210,65 @@ class ZmqConnector(ServedConnector):
         if nbytes < _pool_outputs.MIN_BYTES:
             return torch.empty(shape, dtype=dtype)
         self._start_server()  # the pool comes with it
-        self._drain_dead()
         offset = self._allocate(nbytes)
         if offset is None:  # past the ceiling: an ordinary tensor, copied at put as any other
             return torch.empty(shape, dtype=dtype)
-        tensor, base = _pool_outputs.tensor_over(self._region(offset, nbytes), 0, shape, dtype)
-        region = _Region(offset, tensor.data_ptr())
+        view = self._region(offset, nbytes)
+        tensor, base = _pool_outputs.tensor_over(view, 0, shape, dtype)
+        region = _Region(offset, view, tensor)
         with self._regions_lock:
-            self._unsent[region.address] = (region, nbytes)
+            self._unsent[region.address] = (region, region.dtype, region.shape)
             ref = weakref.ref(base, functools.partial(_queue_dead, self._dead, region))
             self._pins[id(ref)] = ref
         return tensor
 
     def _put_parts(self, key: str, put_key: str, frame: FramePlan, resident: dict[int, _Region]) -> tuple:
-        parts: list[Any] = []
-        for index, (leaf, length) in enumerate(zip(frame.leaves, frame.lengths, strict=True)):
-            region = resident.get(index)
-            if region is not None:
-                parts.append(self._region(region.offset, length))
-            elif _pool_outputs.is_padding(leaf):
-                parts.append(b"")
+        """The parts form: the header, then each leaf; empty() tensors sent from where they lie (the
+        put touches none of their bytes), padding as empty frames, other leaves copied."""
+        parts: list[Any] = [frame.header]
+        size = len(frame.header)
+        lengths = frame.lengths
+        try:
+            for index, leaf in enumerate(frame.leaves):
+                region = resident.get(index)
+                if region is not None:
+                    parts.append(region.view)
+                    size += lengths[index]
+                elif _pool_outputs.is_padding(leaf):
+                    parts.append(b"")
+                else:
+                    part = _pool_outputs.leaf_bytes(leaf, lengths[index])  # not in the pool: copied
+                    parts.append(part)
+                    size += len(part)
+            held = self._hold(key, put_key, size, None, parts, regions=list(resident.values()))
+        except BaseException:
+            with self._regions_lock:  # not put after all: the tensors may still be
+                for region in resident.values():
+                    region.state = "unsent"
+                    self._unsent[region.address] = (region, region.dtype, region.shape)
+            raise
+        return True, size, {"endpoint": self.endpoint, "key": key, "token": held.token, "size": size}
+
+    def _put_outputs(self, key: str, put_key: str, data: dict) -> tuple | None:
+        """A dict of empty() tensors alone: the parts form from a cached header, nothing planned or
+        copied (see _pool_outputs.take_outputs); None for any other payload."""
+        with self._regions_lock:
+            taken = _pool_outputs.take_outputs(data, self._unsent)
+            if taken is None:
+                return None
+            header, layout, regions = taken
+            for region in regions:
+                region.state = "held"
+        parts: list[Any] = [header]
+        size = len(header)
+        for slot in layout:
+            if slot < 0:
+                parts.append(b"")  # padding: no leaf references it
             else:
-                parts.append(_pool_outputs.leaf_bytes(leaf, length))  # not in the pool: copied
-        size = len(frame.header) + sum(memoryview(part).nbytes for part in parts)
-        held = self._hold(key, put_key, size, None, [frame.header, *parts], regions=list(resident.values()))
+                view = regions[slot].view
+                parts.append(view)
+                size += view.nbytes
+        held = self._hold(key, put_key, size, None, parts, regions=regions)
         return True, size, {"endpoint": self.endpoint, "key": key, "token": held.token, "size": size}
 
     def _drain_dead(self) -> None:
