@@ -1044,3 +1044,28 @@ def test_a_planted_symlink_is_never_followed(tmp_path: Path) -> None:
                 conn.get("a", "b", "k", metadata)
     finally:
         (SHM_DIR / name).unlink()
+
+
+def test_tiny_payloads_past_the_cells_are_found_by_key_alone_and_free_their_memory() -> None:
+    # 40 waiting tiny payloads: the first 16 take the pool's cells (found by scanning them), the rest
+    # pool slots (found through the key index); every one is found by key alone, once.
+    with connector({"memory_pool_size": MiB}) as producer, connector({}) as consumer:
+        values = {f"tiny/{i}": {"t": torch.full((64,), float(i))} for i in range(40)}
+        for key, value in values.items():
+            ok, _, metadata = producer.put("a", "b", key, value)
+            assert ok and "frame" in metadata
+        assert producer.health()["live_payloads"] == 40
+        for key in reversed(values):  # not in put order: no cell is found by its position
+            data, _ = consumer.get("a", "b", key)
+            assert torch.equal(data["t"], values[key]["t"])
+            assert consumer.get("a", "b", key) is None
+        del data  # its views hold the last slot; gone, it is released
+        producer.reap_consumed()
+        assert producer.health()["live_payloads"] == 0 and producer.health()["pool_in_use"] == 0
+        # the cells are reused: another round takes them again, and the metadata alone still works
+        for key, value in values.items():
+            _, _, metadata = producer.put("a", "b", key + "/again", value)
+            data, _ = consumer.get("a", "b", key + "/again", over_the_wire(metadata))
+            assert torch.equal(data["t"], value["t"])
+        producer.reap_consumed()
+        assert producer.health()["live_payloads"] == 0

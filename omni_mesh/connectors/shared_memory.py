@@ -61,6 +61,7 @@ CELLS_START = POOL_HEADER + shm_index.INDEX_BYTES  # the pool: header, key index
 FREE, WRITTEN, TAKEN, RELEASED = 0, 1, 2, 3
 _TAKER = struct.Struct("<II")
 _GENERATION = struct.Struct("<Q")
+_STATE_AND_GENERATION = struct.Struct("<B15xQ")  # the first 24 bytes of a slot header
 CLOSE_WAIT_S = 30.0
 REUSE_SLACK = 2 * PAGE  # a released slot is refilled by a put this much smaller at most
 
@@ -107,7 +108,12 @@ class _Slot:
 
 
 def _digest(from_stage: str, to_stage: str, key: str) -> bytes:
-    return hashlib.blake2b(edge_key(from_stage, to_stage, key).encode(), digest_size=16).digest()
+    return _digest_of(edge_key(from_stage, to_stage, key))
+
+
+def _digest_of(name: str) -> bytes:
+    """The 16-byte digest of `from->to/key` that slot headers and the key index carry."""
+    return hashlib.blake2b(name.encode(), digest_size=16).digest()
 
 
 def _where(from_stage: str, to_stage: str, key: str) -> str:
@@ -188,6 +194,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         # key index position -> (mapping, offset, generation, slot or None for a cell) of the payload there
         self._indexed: dict[int, tuple[mmap.mmap, int, int, _Slot | None]] = {}
         self._cell_size = shm_cells.cell_size(SLOT_HEADER, self.config.inline_max_bytes)
+        self._cell_frame_bytes = self._cell_size - SLOT_HEADER if self._cell_size else -1
         self._pool_start = CELLS_START + shm_cells.COUNT * self._cell_size
         self._cells: shm_cells.Cells | None = None
 
@@ -205,21 +212,23 @@ class SharedMemoryConnector(OmniConnectorBase):
     def _put_inline(
         self, from_stage: str, to_stage: str, put_key: str, frame: codec.FramePlan
     ) -> tuple[bool, int, dict]:
-        """A tiny payload travels in the metadata. Its frame is laid into the pool like any other (where
-        a get by key alone finds it) and the metadata carries a copy of those bytes; the inline get
-        releases the slot. With the pool full it travels in the metadata only (header and leaves)."""
+        """A tiny payload travels in the metadata as its whole frame. A copy goes into a cell of the
+        pool (or, with every cell waiting, a pool slot), where a get by key alone finds it; the get
+        with the metadata releases that copy. With the pool full it travels in the metadata only."""
         key = edge_key(from_stage, to_stage, put_key)
-        written = self._put_cell(from_stage, to_stage, put_key, frame)
-        if written is None:
+        metadata = self._put_cell(from_stage, to_stage, put_key, key, frame)
+        if metadata is None:
             written = self._put_frame(from_stage, to_stage, put_key, frame, pool_only=True)
-        if written is None:
-            metadata = {"inline": frame.header, "parts": frame.inline_parts(), "key": key}
+            if written is not None:
+                metadata = written[2]
+                start = metadata["offset"] + SLOT_HEADER
+                metadata["frame"] = self._pool.mm[start : start + frame.nbytes]
+        if metadata is None:
+            metadata = {"inline": frame.header, "parts": frame.inline_parts()}
             size = frame.payload_bytes
         else:
-            size, metadata = written[1], written[2]
-            start = metadata["offset"] + SLOT_HEADER
-            metadata["frame"] = self._pool.mm[start : start + size]
-            metadata["key"] = key
+            size = frame.nbytes
+        metadata["key"] = key
         self._count_put(size, "inline_puts")
         return True, size, metadata
 
@@ -271,32 +280,35 @@ class SharedMemoryConnector(OmniConnectorBase):
         return True, size, metadata
 
     def _put_cell(
-        self, from_stage: str, to_stage: str, put_key: str, frame: codec.FramePlan
-    ) -> tuple[bool, int, dict] | None:
-        """Lay a tiny frame into a free cell of the pool (shm_cells); None when none is free."""
+        self, from_stage: str, to_stage: str, put_key: str, key: str, frame: codec.FramePlan
+    ) -> dict | None:
+        """Lay a tiny frame into a free cell of the pool (shm_cells); its metadata (the frame included),
+        None when no cell is free. Cells are not entered in the key index: a get by key scans them
+        (there are few), which keeps this, the path of every tiny put, to one lock and two copies."""
         size = frame.nbytes
-        if size > self._cell_size - SLOT_HEADER:
+        if size > self._cell_frame_bytes:
             return None
         with self._lock:
             if self._closed:
                 raise ConnectorError(f"SharedMemoryConnector is closed (put {put_key!r} on {from_stage}->{to_stage})")
             pool = self._pool or self._pool_locked()
             offset = self._cells.take(put_key)
+            if offset is None:
+                return None
             generation = next(self._generations)
-        if offset is None:
-            return None
         mm = pool.mm
+        start = offset + SLOT_HEADER
         try:
-            frame.write_at(pool.address + offset + SLOT_HEADER)
+            frame.write_at(pool.address + start)
         except BaseException:
             with self._lock:
                 self._cells.give_back(offset, FREE)
             raise
-        digest = _digest(from_stage, to_stage, put_key)
-        SLOT.pack_into(mm, offset, TAKEN, 0, 0, generation, digest, size)
+        framed = mm[start : start + size]
+        # The state byte goes last: a consumer never sees WRITTEN before the frame is complete.
+        SLOT.pack_into(mm, offset, TAKEN, 0, 0, generation, _digest_of(key), size)
         mm[offset] = WRITTEN
-        self._index(pool.mm, offset, generation, digest, 0, None)
-        return True, size, {"segment": pool.name, "offset": offset, "generation": generation}
+        return {"segment": pool.name, "offset": offset, "generation": generation, "frame": framed}
 
     def _index(
         self, mm: mmap.mmap, offset: int, generation: int, digest: bytes, segment: int, slot: _Slot | None
@@ -416,6 +428,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             self._pool = _Segment(name, mm, PoolAllocator(size, start=self._pool_start))
             self._own[name] = self._pool
             self._cells = shm_cells.Cells(mm, CELLS_START, self._cell_size, reusable=(RELEASED,), writing=TAKEN)
+            shm_cells.describe(mm, CELLS_START, self._cell_size)  # for consumers' gets by key
             self._mapped[name] = mm  # so that gets in this process find it at once
         return self._pool
 
@@ -446,7 +459,8 @@ class SharedMemoryConnector(OmniConnectorBase):
             state = slot.segment.mm[slot.offset]
             if state == RELEASED or (check_takers and state == TAKEN and self._taker_died(slot)):
                 if (
-                    kept is None
+                    reuse is not None
+                    and kept is None
                     and need <= slot.capacity <= need + REUSE_SLACK
                     and (slot.offset + SLOT_HEADER) % align == 0
                     and slot.segment.allocator is not None
@@ -578,7 +592,8 @@ class SharedMemoryConnector(OmniConnectorBase):
         return result
 
     def _get_by_key(self, from_stage: str, to_stage: str, get_key: str) -> tuple[Any, int] | None:
-        """Find the payload in the key index of every pool on this host (shm_index); None if none has it."""
+        """Find the payload in the cells and the key index of every pool on this host (shm_cells,
+        shm_index); None if none has it."""
         digest = _digest(from_stage, to_stage, get_key)
         for name in self._pool_names():
             try:
@@ -587,12 +602,18 @@ class SharedMemoryConnector(OmniConnectorBase):
                 continue  # another user's segment, or one being torn down
             if mm is None:
                 continue
+            found = [(name, mm, offset, None) for offset in shm_cells.find(mm, digest)]
             for generation, offset, segment in shm_index.lookup(mm, POOL_HEADER, digest):
                 where = name if segment == 0 else f"{name}_x{segment}"
                 target = mm if segment == 0 else self._mapping(where, from_stage, to_stage, get_key)
-                if target is None or offset + SLOT_HEADER > len(target):
+                if target is not None:
+                    found.append((where, target, offset, generation))
+            for where, target, offset, generation in found:
+                if offset + SLOT_HEADER > len(target):
                     continue
-                length = struct.unpack_from("<Q", target, offset + 40)[0]
+                if generation is None:  # a cell: its header holds the generation
+                    generation = _GENERATION.unpack_from(target, offset + 16)[0]
+                length = _GENERATION.unpack_from(target, offset + 40)[0]
                 metadata = {"segment": where, "offset": offset, "generation": generation, "length": length}
                 result = self.get(from_stage, to_stage, get_key, metadata)
                 if result is not None:
@@ -656,7 +677,8 @@ class SharedMemoryConnector(OmniConnectorBase):
         if offset + SLOT_HEADER > len(mm):
             return False
         # Generations are unique within a producer: with the segment they name this one put.
-        if mm[offset] != WRITTEN or _GENERATION.unpack_from(mm, offset + 16)[0] != generation:
+        state, slot_generation = _STATE_AND_GENERATION.unpack_from(mm, offset)
+        if state != WRITTEN or slot_generation != generation:
             return False
         mm[offset] = RELEASED
         return True

@@ -1,8 +1,9 @@
 """Fixed cells for tiny payloads in a SharedMemoryConnector pool.
 
 A tiny payload travels in its metadata, but a get by key alone must find it in shared memory too
-(shm_index). Going through the pool's allocator for every tiny put would cost more than the put
-itself, so each pool keeps COUNT cells of one size after its key index: a
+(shm_index). Going through the pool's allocator and the key index for every tiny put would cost more
+than the put itself, so each pool keeps COUNT cells of one size after its key index, described in the
+pool's header (GEOMETRY at byte 0) so that a consumer's get by key scans them (`find`). A
 cell is reusable once its consumer released it (or it was never used, or cleaned up). Cells are
 handed out round-robin; there are few of them, so a steady stream cycles through pages already mapped
 and faulted in on both sides (512 cost a page fault per get, measured; first-fit from cell 0 measured
@@ -19,12 +20,31 @@ from typing import Any
 COUNT = 16  # few, so a steady stream cycles through pages already faulted in on both sides
 MAX_FRAME = 16 * 1024  # tiny payloads larger than this use the allocator
 _GENERATION = struct.Struct("<Q")
+GEOMETRY = struct.Struct("<8sIII")  # magic, first cell's offset, cell size, cell count
+_MAGIC = b"omcells1"
+_DIGEST_AT = 24  # where the slot header keeps the key digest
 
 
 def cell_size(slot_header: int, inline_max_bytes: int) -> int:
     """Bytes per cell (a multiple of 64), 0 when tiny payloads are too large for cells."""
     frame = min(inline_max_bytes, MAX_FRAME)
     return 0 if frame <= 0 else slot_header + (frame + 63) // 64 * 64
+
+
+def describe(mm: Any, start: int, size: int) -> None:
+    """Record the cells' place in the pool header, for consumers in other processes."""
+    GEOMETRY.pack_into(mm, 0, _MAGIC, start, size, COUNT if size else 0)
+
+
+def find(mm: Any, digest: bytes) -> list[int]:
+    """Offsets of the cells of a pool whose slot header names `digest` (their state unchecked)."""
+    if len(mm) < GEOMETRY.size:
+        return []
+    magic, start, size, count = GEOMETRY.unpack_from(mm, 0)
+    if magic != _MAGIC or not size or len(mm) < start + count * size:
+        return []
+    at = start + _DIGEST_AT
+    return [start + i * size for i in range(count) if mm[at + i * size : at + i * size + 16] == digest]
 
 
 class Cells:
