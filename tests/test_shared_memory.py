@@ -57,9 +57,9 @@ SPAWNED: set[int] = set()  # pids of the helper processes this module started
 
 KiB, MiB = 1024, 1024 * 1024
 PATHS = {
-    "inline": {"inline_max_bytes": 8 * MiB, "memory_pool_size": MiB},
-    "pool": {"inline_max_bytes": 0, "memory_pool_size": 4 * MiB},
-    "fallback": {"inline_max_bytes": 0, "memory_pool_size": 0},
+    "inline": {"inline_max_bytes": 8 * MiB, "max_pool_size": 1, "memory_pool_size": MiB},
+    "pool": {"inline_max_bytes": 0, "max_pool_size": 1, "memory_pool_size": 4 * MiB},
+    "fallback": {"inline_max_bytes": 0, "max_pool_size": 1, "memory_pool_size": 0},
 }
 
 # --------------------------------------------------------------------------- helpers
@@ -425,7 +425,7 @@ def test_no_shm_growth_after_1000_pairs_across_processes(consumer: Peer) -> None
         torch.arange(80_000, dtype=torch.float32),  # 320 KB: larger than the pool, so a fallback segment
         {"mixed": [np.arange(100), (torch.ones(3, 3), "s")]},
     ]
-    with connector({"inline_max_bytes": 1024, "memory_pool_size": pool}) as conn:
+    with connector({"inline_max_bytes": 1024, "max_pool_size": 1, "memory_pool_size": pool}) as conn:
 
         def rounds(start: int, count: int) -> None:
             for i in range(start, start + count):
@@ -450,7 +450,7 @@ def test_no_shm_growth_after_1000_pairs_across_processes(consumer: Peer) -> None
 
 
 def test_no_shm_growth_after_1000_pairs_in_process() -> None:
-    with connector({"inline_max_bytes": 1024, "memory_pool_size": 256 * KiB}) as conn:
+    with connector({"inline_max_bytes": 1024, "max_pool_size": 1, "memory_pool_size": 256 * KiB}) as conn:
         payloads = [b"tiny", torch.ones(4000), torch.ones(80_000), np.arange(3000)]
 
         def rounds(start: int, count: int) -> None:
@@ -487,7 +487,7 @@ def test_fallback_only_producer_unlinks_consumed_segments() -> None:
 
 
 def test_cleanup_and_close_free_what_was_never_consumed() -> None:
-    conn = connector({"inline_max_bytes": 64, "memory_pool_size": 256 * KiB})
+    conn = connector({"inline_max_bytes": 64, "max_pool_size": 1, "memory_pool_size": 256 * KiB})
     for i in range(5):
         conn.put("a", "b", f"req/{i}", torch.ones(1000))  # pool
         conn.put("a", "b", f"req/{i}/big", torch.ones(100_000))  # fallback
@@ -505,7 +505,7 @@ def test_cleanup_and_close_free_what_was_never_consumed() -> None:
 
 
 def test_cleanup_matches_whole_key_segments() -> None:
-    with connector({"inline_max_bytes": 0, "memory_pool_size": 64 * KiB}) as conn:
+    with connector({"inline_max_bytes": 0, "max_pool_size": 1, "memory_pool_size": 64 * KiB}) as conn:
         metas = {}
         for key in ["req1", "req1/0", "req1/1", "req1/0/x", "req10/0", "req1x", "req"]:
             metas[key] = conn.put("a", "b", key, {"key": key, "t": torch.ones(5000)})[2]  # some fall back
@@ -656,7 +656,7 @@ def test_malformed_metadata_across_processes(consumer: Peer) -> None:
 
 
 def test_segments_are_private_to_their_user() -> None:
-    with connector({"inline_max_bytes": 0, "memory_pool_size": 64 * KiB}) as conn:
+    with connector({"inline_max_bytes": 0, "max_pool_size": 1, "memory_pool_size": 64 * KiB}) as conn:
         conn.put("a", "b", "pool", torch.ones(10))
         conn.put("a", "b", "fallback", torch.ones(100_000))
         names = list(our_segments())
@@ -667,7 +667,7 @@ def test_segments_are_private_to_their_user() -> None:
 
 
 def test_killed_producer_is_reaped_and_live_ones_are_not() -> None:
-    producer = Peer({"inline_max_bytes": 0, "memory_pool_size": 256 * KiB})
+    producer = Peer({"inline_max_bytes": 0, "max_pool_size": 1, "memory_pool_size": 256 * KiB})
     try:
         value = torch.arange(1000, dtype=torch.int64)
         pool_put = producer.call(
@@ -717,14 +717,14 @@ def test_full_shm_is_a_clear_error_not_a_crash(monkeypatch: pytest.MonkeyPatch) 
     def no_space(fd: int, offset: int, length: int) -> None:
         raise OSError(28, "No space left on device")
 
-    with connector({"inline_max_bytes": 0, "memory_pool_size": 64 * KiB}) as conn:
+    with connector({"inline_max_bytes": 0, "max_pool_size": 1, "memory_pool_size": 64 * KiB}) as conn:
         conn.put("a", "b", "ok", torch.ones(10))
         monkeypatch.setattr(shm_segments.os, "posix_fallocate", no_space)
         assert conn.put("a", "b", "big", torch.ones(100_000)) == (False, 0, None)
         assert "shm" in conn.put_error("a", "b", "big")
         assert len(our_segments()) == 1  # no half-made segment left
         assert conn.health()["errors"] == 1
-    with connector({"inline_max_bytes": 0, "memory_pool_size": 64 * KiB}) as conn:
+    with connector({"inline_max_bytes": 0, "max_pool_size": 1, "memory_pool_size": 64 * KiB}) as conn:
         assert conn.put("a", "b", "first", torch.ones(10)) == (False, 0, None)  # the pool cannot be made
         assert "shm" in conn.put_error("a", "b", "first")
 
@@ -738,8 +738,8 @@ def test_config_errors_name_the_key() -> None:
     with pytest.raises(ConnectorConfigError, match="copy_on_get"):
         create_connector("SharedMemoryConnector", {"copy_on_get": "yes"})
     with pytest.raises(ConnectorConfigError, match="memory_pool_size"):
-        create_connector("SharedMemoryConnector", {"memory_pool_size": "lots"})
-    with connector({"memory_pool_size": "1MiB", "inline_max_bytes": "2 KiB"}) as conn:
+        create_connector("SharedMemoryConnector", {"max_pool_size": 1, "memory_pool_size": "lots"})
+    with connector({"max_pool_size": 1, "memory_pool_size": "1MiB", "inline_max_bytes": "2 KiB"}) as conn:
         assert conn.config.memory_pool_size == MiB and conn.config.inline_max_bytes == 2048
 
 
@@ -751,7 +751,7 @@ def test_unknown_connector_lists_the_available_ones() -> None:
 
 
 def test_health_counters() -> None:
-    with connector({"inline_max_bytes": 256, "memory_pool_size": 64 * KiB}) as conn:
+    with connector({"inline_max_bytes": 256, "max_pool_size": 1, "memory_pool_size": 64 * KiB}) as conn:
         assert conn.health()["status"] == "healthy" and conn.health()["puts"] == 0
         _, s1, m1 = conn.put("a", "b", "inline", "tiny")
         _, s2, m2 = conn.put("a", "b", "pool", torch.ones(1000))
@@ -817,7 +817,7 @@ def test_pool_allocator_never_overlaps_and_coalesces(ops: list[tuple[bool, int, 
 
 def test_threads_put_and_get_concurrently() -> None:
     errors: list[BaseException] = []
-    with connector({"inline_max_bytes": 512, "memory_pool_size": 512 * KiB}) as conn:
+    with connector({"inline_max_bytes": 512, "max_pool_size": 1, "memory_pool_size": 512 * KiB}) as conn:
 
         def worker(tid: int) -> None:
             try:
@@ -851,7 +851,7 @@ def test_threads_put_and_get_concurrently() -> None:
 def test_a_put_in_progress_is_never_reclaimed(monkeypatch: pytest.MonkeyPatch) -> None:
     # Another thread's put may run while this one copies its frame (memcpy releases the GIL). Freshly
     # allocated pool space holds stale bytes of older frames; none of them may pass for a slot state.
-    with connector({"inline_max_bytes": 0, "memory_pool_size": MiB}) as conn:
+    with connector({"inline_max_bytes": 0, "max_pool_size": 1, "memory_pool_size": MiB}) as conn:
         released_byte = 3  # the state byte value of a released slot
         filler = torch.full((MiB - 16 * KiB,), released_byte, dtype=torch.uint8)
         conn.put("a", "b", "filler", filler)

@@ -1,18 +1,17 @@
 """SharedMemoryConnector: payloads between processes on one host, through a pre-faulted pool.
 
-Producer side: one pool segment per process, created on the first large put and pre-faulted, so the
-steady state creates no segment and takes no page fault. The codec lays each frame straight into a
-pool slot. Payloads larger than the free pool space get a one-off segment (the fallback path); tiny
-ones ride inline in the metadata.
+Producer side: a pool of pre-faulted segments per process (`shm_pool`: created on the first put,
+grown for payloads that fit no free space up to `max_pool_size`, grown segments returned once idle),
+so the steady state creates no segment and takes no page fault. The codec lays each frame straight
+into a pool slot. Only past the ceiling does a payload get a one-off segment (counted as a fallback).
+Tiny payloads ride in the metadata as their whole frame, with a copy in one of the pool's cells.
+`empty()` hands out output tensors already in a slot, which a put then sends where they lie
+(`shm_outputs`).
 
 Consumer side: `get` maps the producer's segment once (cached) and decodes tensors and arrays as
 views over the slot: no copy at all. When the last view is garbage-collected, the consumer marks the
-slot released in the slot header, and the producer reuses the space on its next put. So ownership
-needs no message back: the slot header in shared memory is the protocol.
-
-    slot header (64 bytes, little-endian): state u8, pad, taker pid u32, taker pidns u32,
-                                           generation u64, key digest 16 bytes, frame length u64
-    state: FREE -> WRITTEN (producer) -> TAKEN (consumer) -> RELEASED (consumer) -> FREE (producer)
+slot released in the slot header (`shm_slots`, the protocol), and the producer reuses the space on
+its next put. A get without metadata finds the payload by its key (`shm_lookup`).
 
 The generation and the digest of `from->to/key` make stale or foreign metadata detectable: `get`
 then returns None instead of another request's data. A slot taken by a consumer that has died is
@@ -22,48 +21,52 @@ reclaimed when the pool runs short.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import hashlib
-import itertools
 import mmap
-import os
-import struct
-import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+import torch
 
 from omni_mesh import codec, cuda_ipc
-from omni_mesh.connectors import shm_cells, shm_index
-from omni_mesh.connectors.allocator import PAGE, PoolAllocator, frame_alignment, round_up
+from omni_mesh.connectors import shm_cells, shm_index, shm_lookup
+from omni_mesh.connectors._checks import check_not_negative
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
+from omni_mesh.connectors.shm_outputs import PoolOutputs, get_parts
+from omni_mesh.connectors.shm_pool import AUTO_CEILING_MAX, GROW_STEP, ShmPool
 from omni_mesh.connectors.shm_segments import (
     SHM_DIR,
     ProcessIdentity,
-    create_segment,
-    list_segments,
     new_token,
     open_segment,
-    process_start_time,
     reap_orphaned_segments,
-    segment_name,
-    unlink_segment,
+)
+from omni_mesh.connectors.shm_slots import (
+    FREE,
+    POOL_HEADER,
+    RELEASED,
+    SLOT,
+    SLOT_HEADER,
+    STATE_AND_GENERATION,
+    TAKEN,
+    WRITTEN,
+    Segment,
+    Slot,
+    digest,
+    digest_of,
+    hold_until_dead,
+    ready,
+    take,
 )
 
-__all__ = ["SharedMemoryConfig", "SharedMemoryConnector", "reap_orphaned_segments"]
+__all__ = [
+    "AUTO_CEILING_MAX",
+    "GROW_STEP",
+    "SharedMemoryConfig",
+    "SharedMemoryConnector",
+    "reap_orphaned_segments",
+]
 
-SLOT = struct.Struct("<B3xII4xQ16sQ")  # generation at byte 16
-SLOT_HEADER = 64
-POOL_HEADER = 64
-CELLS_START = POOL_HEADER + shm_index.INDEX_BYTES  # the pool: header, key index, tiny-payload cells, slots
-FREE, WRITTEN, TAKEN, RELEASED = 0, 1, 2, 3
-_TAKER = struct.Struct("<II")
-_GENERATION = struct.Struct("<Q")
-_STATE_AND_GENERATION = struct.Struct("<B15xQ")  # the first 24 bytes of a slot header
-CLOSE_WAIT_S = 30.0
-REUSE_SLACK = 2 * PAGE  # a released slot is refilled by a put this much smaller at most
+POOL_RESERVED = shm_index.INDEX_BYTES  # the first segment: header, key index, tiny-payload cells, slots
 
 
 @dataclass(frozen=True)
@@ -78,42 +81,15 @@ class SharedMemoryConfig:
     #: Pass CUDA tensors by CUDA IPC handle (the consumer maps them on the same device: no copy through
     #: host memory). False copies them to host memory at put, like every other connector.
     cuda_ipc: bool = True
+    #: Ceiling of the pool in bytes: it grows by segments sized for payloads that fit no free space, up
+    #: to this much in all; past it, payloads take one-off segments (counted as fallbacks).
+    #: 0: min(half of /dev/shm, 8 GiB), and never less than memory_pool_size.
+    max_pool_size: int = 0
+    #: Segments the pool grew by are returned to the system once unused for this long (seconds).
+    pool_idle_release_s: float = 30.0
 
-
-class _Segment:
-    __slots__ = ("name", "mm", "allocator", "address")
-
-    def __init__(self, name: str, mm: mmap.mmap, allocator: PoolAllocator | None) -> None:
-        self.name = name
-        self.mm = mm
-        self.allocator = allocator  # None for a one-off fallback segment
-        self.address = _address_of(mm)  # valid while mm is open; puts write through it
-
-
-def _address_of(mm: mmap.mmap) -> int:
-    anchor = ctypes.c_char.from_buffer(mm)
-    address = ctypes.addressof(anchor)
-    del anchor  # the buffer export must not outlive this call, or mm.close() would fail
-    return address
-
-
-@dataclass(slots=True, eq=False)  # hashed by identity: sets of slots being written
-class _Slot:
-    segment: _Segment
-    offset: int  # of the slot header; the frame follows it
-    generation: int
-    put_key: str
-    capacity: int  # bytes from offset to the end of its allocation: a later put that fits may reuse it
-    exports: list[cuda_ipc.Exported] | None = None  # CUDA tensors the frame passes by IPC handle
-
-
-def _digest(from_stage: str, to_stage: str, key: str) -> bytes:
-    return _digest_of(edge_key(from_stage, to_stage, key))
-
-
-def _digest_of(name: str) -> bytes:
-    """The 16-byte digest of `from->to/key` that slot headers and the key index carry."""
-    return hashlib.blake2b(name.encode(), digest_size=16).digest()
+    def check(self, owner: str) -> None:
+        check_not_negative(owner, max_pool_size=self.max_pool_size, pool_idle_release_s=self.pool_idle_release_s)
 
 
 def _where(from_stage: str, to_stage: str, key: str) -> str:
@@ -130,36 +106,6 @@ def _metadata_problem(metadata: dict) -> str:
     return f"is malformed: {metadata!r}"
 
 
-def _taker_died(mm: mmap.mmap, offset: int) -> bool:
-    """Whether the consumer that took this slot is gone (only decidable in our own PID namespace)."""
-    pid, pidns = _TAKER.unpack_from(mm, offset + 4)
-    return pidns == ProcessIdentity.current().pidns and pid != 0 and process_start_time(pid) is None
-
-
-def _release(mm: mmap.mmap, offset: int, generation: int) -> None:
-    """Hand a consumed payload's slot back to its producer."""
-    with contextlib.suppress(ValueError):  # the mapping was closed: nothing left to release
-        if struct.unpack_from("<Q", mm, offset + 16)[0] == generation:
-            mm[offset] = RELEASED
-
-
-# Consumed payloads whose views are alive, by id of the weak reference to the buffer they share. A
-# weakref callback costs a fraction of weakref.finalize on the get path; the table keeps each
-# reference (and so its callback) alive until it fires.
-_HELD: dict[int, tuple[weakref.ref, mmap.mmap, int, int]] = {}
-
-
-def _hold_until_dead(base: np.ndarray, mm: mmap.mmap, offset: int, generation: int) -> None:
-    ref = weakref.ref(base, _views_dead)
-    _HELD[id(ref)] = (ref, mm, offset, generation)
-
-
-def _views_dead(ref: weakref.ref) -> None:
-    held = _HELD.pop(id(ref), None)
-    if held is not None:
-        _release(*held[1:])
-
-
 class SharedMemoryConnector(OmniConnectorBase):
     config_class = SharedMemoryConfig
     scope = "host"
@@ -167,18 +113,6 @@ class SharedMemoryConnector(OmniConnectorBase):
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         super().__init__(config)
         self._identity = ProcessIdentity.current()
-        self._token = new_token()
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        # Slots that puts are copying into right now: cleanup() leaves them alone, close() waits.
-        self._writing: set[_Slot] = set()
-        self._pool: _Segment | None = None
-        self._fallback_ids = itertools.count(1)
-        self._generations = itertools.count(1)
-        self._slots: dict[tuple[str, int], _Slot] = {}
-        self._own: dict[str, _Segment] = {}
-        self._mapped: dict[str, mmap.mmap] = {}
-        self._closed = False
         self._counters = Counters(
             "puts",
             "gets",
@@ -190,24 +124,71 @@ class SharedMemoryConnector(OmniConnectorBase):
             "errors",
             "cuda_ipc_tensors",
             "unindexed_puts",
+            "pool_grown",
+            "pool_released",
+            "zero_copy_leaves",
         )
-        # key index position -> (mapping, offset, generation, slot or None for a cell) of the payload there
-        self._indexed: dict[int, tuple[mmap.mmap, int, int, _Slot | None]] = {}
         self._cell_size = shm_cells.cell_size(SLOT_HEADER, self.config.inline_max_bytes)
         self._cell_frame_bytes = self._cell_size - SLOT_HEADER if self._cell_size else -1
-        self._pool_start = CELLS_START + shm_cells.COUNT * self._cell_size
         self._cells: shm_cells.Cells | None = None
+        self._pool = ShmPool(
+            self.config,
+            self._identity,
+            new_token(),
+            self._counters,
+            reserved=POOL_RESERVED + shm_cells.COUNT * self._cell_size,
+            on_first=self._lay_out_first,
+            on_released=self._forget_segment,
+            before_reclaim=self._drain_outputs,
+        )
+        self._lock = self._pool.lock  # one lock: slots, segments, key index, cells
+        self._index = shm_lookup.KeyIndex(self._counters, self._pool.slots)
+        self._outputs = PoolOutputs(self._pool, self._counters)
+        self._mapped: dict[str, mmap.mmap] = {}
+
+    @property
+    def _closed(self) -> bool:
+        return self._pool.closed
+
+    def _lay_out_first(self, segment: Segment) -> None:
+        """The first segment's start: the key index (zeroed by creation), then the cells (lock held)."""
+        start = POOL_HEADER + POOL_RESERVED
+        self._cells = shm_cells.Cells(segment.mm, start, self._cell_size, reusable=(RELEASED,), writing=TAKEN)
+        shm_cells.describe(segment.mm, start, self._cell_size)  # for consumers' gets by key
+        self._mapped[segment.name] = segment.mm  # so that gets in this process find it at once
+
+    def _forget_segment(self, segment: Segment) -> None:
+        """A grown segment goes back (lock held): no index entry may point into it any more."""
+        self._index.forget_locked(self._pool.first, segment)
+        self._mapped.pop(segment.name, None)
+
+    def _drain_outputs(self) -> None:
+        self._outputs.drain_locked()
 
     # ------------------------------------------------------------------ producer side
 
     def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+        outputs = self._outputs
+        if outputs.unsent and type(data) is dict:  # a dict of empty() tensors: no frame to plan
+            sent = outputs.put(from_stage, to_stage, put_key, data, None)
+            if sent is not None:
+                return sent
         policy = codec.CudaIpcExports() if self.config.cuda_ipc else None
         frame = codec.plan(data, device=policy)
         if policy and policy.exports:
             return self._put_with_exports(from_stage, to_stage, put_key, frame, policy.exports)
+        if outputs.unsent:
+            sent = outputs.put(from_stage, to_stage, put_key, data, frame)
+            if sent is not None:
+                return sent
         if frame.payload_bytes <= self.config.inline_max_bytes:
             return self._put_inline(from_stage, to_stage, put_key, frame)
         return self._put_frame(from_stage, to_stage, put_key, frame)
+
+    def empty(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized tensor in a pool slot of its own: returned in a put's payload, it is sent
+        where it lies (shm_outputs). Do not write into it after the put."""
+        return self._outputs.empty(tuple(int(n) for n in shape), dtype)
 
     def _put_inline(
         self, from_stage: str, to_stage: str, put_key: str, frame: codec.FramePlan
@@ -218,11 +199,12 @@ class SharedMemoryConnector(OmniConnectorBase):
         key = edge_key(from_stage, to_stage, put_key)
         metadata = self._put_cell(from_stage, to_stage, put_key, key, frame)
         if metadata is None:
-            written = self._put_frame(from_stage, to_stage, put_key, frame, pool_only=True)
+            written = self._write_frame(from_stage, to_stage, put_key, frame, pool_only=True)
             if written is not None:
-                metadata = written[2]
-                start = metadata["offset"] + SLOT_HEADER
-                metadata["frame"] = self._pool.mm[start : start + frame.nbytes]
+                slot, metadata = written
+                start = slot.offset + SLOT_HEADER
+                metadata = {k: metadata[k] for k in ("segment", "offset", "generation")}
+                metadata["frame"] = slot.segment.mm[start : start + frame.nbytes]
         if metadata is None:
             metadata = {"inline": frame.header, "parts": frame.inline_parts()}
             size = frame.payload_bytes
@@ -253,31 +235,44 @@ class SharedMemoryConnector(OmniConnectorBase):
         put_key: str,
         frame: codec.FramePlan,
         exports: list[cuda_ipc.Exported] | None = None,
+    ) -> tuple[bool, int, dict]:
+        _, metadata = self._write_frame(from_stage, to_stage, put_key, frame, exports)
+        self._count_put(frame.nbytes)
+        return True, frame.nbytes, metadata
+
+    def _write_frame(
+        self,
+        from_stage: str,
+        to_stage: str,
+        put_key: str,
+        frame: codec.FramePlan,
+        exports: list[cuda_ipc.Exported] | None = None,
         *,
         pool_only: bool = False,
-    ) -> tuple[bool, int, dict] | None:
+    ) -> tuple[Slot, dict] | None:
+        """Lay the frame into a slot, WRITTEN and in the key index: (the slot, its metadata); with
+        `pool_only`, None where the pool's segments have no room."""
         size = frame.nbytes
-        slot = self._allocate(size, put_key, from_stage, to_stage, pool_only=pool_only)
+        where = f"put {put_key!r} on {from_stage}->{to_stage}"
+        slot = self._pool.allocate(size, put_key, where, pool_only=pool_only)
         if slot is None:
-            return None  # pool_only and no room in the pool
+            return None
         segment, offset, generation = slot.segment, slot.offset, slot.generation
         try:
             frame.write_at(segment.address + offset + SLOT_HEADER)
             slot.exports = exports  # from here on the slot answers for them (a failure above: the caller)
             mm = segment.mm
             # The state byte goes last: a consumer never sees WRITTEN before the frame is complete.
-            digest = _digest(from_stage, to_stage, put_key)
-            SLOT.pack_into(mm, offset, FREE, 0, 0, generation, digest, size)
+            key_digest = digest(from_stage, to_stage, put_key)
+            SLOT.pack_into(mm, offset, FREE, 0, 0, generation, key_digest, size)
             mm[offset] = WRITTEN
-            segment_id = 0 if segment.allocator is not None else int(segment.name.rsplit("_x", 1)[1])
-            self._index(mm, offset, generation, digest, segment_id, slot)
+            with self._lock:
+                first = self._pool.first
+                if first is not None:
+                    self._index.enter_locked(first, slot, key_digest)
         finally:
-            self._done_writing(slot)
-        if pool_only:
-            return True, size, {"segment": segment.name, "offset": offset, "generation": generation}
-        self._count_put(size)
-        metadata = {"segment": segment.name, "offset": offset, "generation": generation, "length": size}
-        return True, size, metadata
+            self._pool.done_writing(slot)
+        return slot, {"segment": segment.name, "offset": offset, "generation": generation, "length": size}
 
     def _put_cell(
         self, from_stage: str, to_stage: str, put_key: str, key: str, frame: codec.FramePlan
@@ -291,11 +286,11 @@ class SharedMemoryConnector(OmniConnectorBase):
         with self._lock:
             if self._closed:
                 raise ConnectorError(f"SharedMemoryConnector is closed (put {put_key!r} on {from_stage}->{to_stage})")
-            pool = self._pool or self._pool_locked()
+            pool = self._pool.first_locked()
             offset = self._cells.take(put_key)
             if offset is None:
                 return None
-            generation = next(self._generations)
+            generation = self._pool.next_generation()
         mm = pool.mm
         start = offset + SLOT_HEADER
         try:
@@ -306,215 +301,28 @@ class SharedMemoryConnector(OmniConnectorBase):
             raise
         framed = mm[start : start + size]
         # The state byte goes last: a consumer never sees WRITTEN before the frame is complete.
-        SLOT.pack_into(mm, offset, TAKEN, 0, 0, generation, _digest_of(key), size)
+        SLOT.pack_into(mm, offset, TAKEN, 0, 0, generation, digest_of(key), size)
         mm[offset] = WRITTEN
         return {"segment": pool.name, "offset": offset, "generation": generation, "frame": framed}
 
-    def _index(
-        self, mm: mmap.mmap, offset: int, generation: int, digest: bytes, segment: int, slot: _Slot | None
-    ) -> None:
-        """Enter a written payload in the pool's key index (shm_index), so a get by key finds it."""
-        with self._lock:
-            pool = self._pool
-            if pool is None:
-                return
-            position = shm_index.place(pool.mm, POOL_HEADER, digest, generation, offset, segment, self._indexed_live)
-            if position is None:
-                self._counters.add("unindexed_puts")
-            else:
-                self._indexed[position] = (mm, offset, generation, slot)
-
-    def _indexed_live(self, position: int) -> bool:
-        """Whether the index entry at `position` still names a payload a consumer may take (lock held)."""
-        occupant = self._indexed.get(position)
-        if occupant is None:
-            return False
-        mm, offset, generation, slot = occupant
-        if (
-            (slot is not None and self._slots.get((slot.segment.name, slot.offset)) is not slot)
-            or mm.closed
-            or _GENERATION.unpack_from(mm, offset + 16)[0] != generation
-        ):
-            del self._indexed[position]
-            return False
-        return mm[offset] in (WRITTEN, TAKEN)
-
     def warm_up(self) -> None:
         with self._lock:
-            self._pool_locked()
+            self._pool.first_locked()
 
     def _count_put(self, size: int, extra: str | None = None) -> None:
         self._counters.add_pair("puts", "bytes_put", size, extra)
-
-    def _allocate(
-        self, size: int, put_key: str, from_stage: str, to_stage: str, *, pool_only: bool = False
-    ) -> _Slot | None:
-        """A slot for a `size`-byte frame, counted as being written until `_done_writing`; with
-        `pool_only`, None where the pool has no room (no one-off segment)."""
-        # Large frames start on a page boundary, the slot header just before it: the codec's placing
-        # of large leaves at fast page offsets relies on it.
-        need = SLOT_HEADER + size
-        align = frame_alignment(size)
-        with self._lock:
-            if self._closed:
-                raise ConnectorError(
-                    f"SharedMemoryConnector is closed (put {put_key!r} on {from_stage}->{to_stage})"
-                )
-            pool = self._pool or self._pool_locked()
-            offset = None
-            # Always, not only when the pool is the target: released fallback segments are unlinked here.
-            if self._slots:
-                reused = self._reclaim_locked(check_takers=False, reuse=(need, align))
-                if reused is not None:
-                    return self._refill_locked(reused, put_key)
-            if need + align <= pool.allocator.size - self._pool_start:
-                offset = pool.allocator.allocate(need, align=align, skew=SLOT_HEADER)
-                if offset is None:
-                    self._reclaim_locked(check_takers=True)
-                    offset = pool.allocator.allocate(need, align=align, skew=SLOT_HEADER)
-            if offset is None and pool_only:
-                return None
-            if offset is None:
-                # A one-off segment; the slot header sits just before its first page boundary.
-                skew = PAGE - SLOT_HEADER if align == PAGE else 0
-                segment, offset = self._fallback_locked(need + skew, from_stage, to_stage, put_key), skew
-            else:
-                segment = pool
-            # Reused pool space holds bytes of older frames: until this put writes its header, the
-            # state byte must not read as RELEASED or TAKEN, or a reclaim would free the slot mid-write.
-            segment.mm[offset] = FREE
-            capacity = segment.allocator.extent_end(offset) - offset if segment.allocator else need
-            slot = _Slot(segment, offset, next(self._generations), put_key, capacity)
-            self._slots[(segment.name, offset)] = slot
-            self._writing.add(slot)
-            return slot
-
-    def _refill_locked(self, slot: _Slot, put_key: str) -> _Slot:
-        """A released pool slot that fits the next put, handed to it as it stands.
-
-        Steady streams put payloads of one size: this skips a free and an allocation, and the frame
-        lands in memory the last one warmed. The old generation is invalidated first, as in a free.
-        """
-        mm, offset = slot.segment.mm, slot.offset
-        if slot.exports:
-            self._drop_exports_locked(slot)
-        struct.pack_into("<Q", mm, offset + 16, 0)
-        mm[offset] = FREE
-        slot.generation = next(self._generations)
-        slot.put_key = put_key
-        self._writing.add(slot)
-        return slot
-
-    def _done_writing(self, slot: _Slot) -> None:
-        self._writing.discard(slot)  # atomic; close() sets _closed before it waits, under the lock
-        if self._closed:
-            with self._lock:
-                if not self._writing:
-                    self._idle.notify_all()
-
-    def _pool_locked(self) -> _Segment:
-        if self._pool is None:
-            reserved = self._pool_start - POOL_HEADER  # the key index and the cells
-            size = round_up(reserved + max(self.config.memory_pool_size, POOL_HEADER + SLOT_HEADER))
-            name = segment_name(self._identity, self._token)
-            try:
-                mm = create_segment(name, size, populate=self.config.prefault)
-            except OSError as exc:
-                self._counters.add("errors")
-                raise ConnectorError(
-                    f"SharedMemoryConnector: no shared memory for a {size}-byte pool: {exc}; free /dev/shm, "
-                    f"raise the container's shm_size or lower memory_pool_size"
-                ) from exc
-            self._pool = _Segment(name, mm, PoolAllocator(size, start=self._pool_start))
-            self._own[name] = self._pool
-            self._cells = shm_cells.Cells(mm, CELLS_START, self._cell_size, reusable=(RELEASED,), writing=TAKEN)
-            shm_cells.describe(mm, CELLS_START, self._cell_size)  # for consumers' gets by key
-            self._mapped[name] = mm  # so that gets in this process find it at once
-        return self._pool
-
-    def _fallback_locked(self, need: int, from_stage: str, to_stage: str, put_key: str) -> _Segment:
-        name = segment_name(self._identity, self._token, f"_x{next(self._fallback_ids)}")
-        try:
-            mm = create_segment(name, need, populate=False)
-        except OSError as exc:
-            self._counters.add("errors")
-            raise ConnectorError(
-                f"SharedMemoryConnector: no shared memory for {need} bytes (put {put_key!r} on "
-                f"{from_stage}->{to_stage}): {exc}; free /dev/shm or raise the container's shm_size"
-            ) from exc
-        self._counters.add("fallbacks")
-        segment = _Segment(name, mm, None)
-        self._own[name] = segment
-        return segment
-
-    def _reclaim_locked(self, *, check_takers: bool, reuse: tuple[int, int] | None = None) -> _Slot | None:
-        """Free slots their consumers released; with check_takers, also those held by dead consumers.
-
-        With `reuse` (bytes needed, alignment), the first released pool slot that fits them without
-        wasting more than REUSE_SLACK is kept, not freed, and returned for the caller to refill.
-        """
-        need, align = reuse or (0, 0)
-        kept = None
-        for slot in list(self._slots.values()):
-            state = slot.segment.mm[slot.offset]
-            if state == RELEASED or (check_takers and state == TAKEN and self._taker_died(slot)):
-                if (
-                    reuse is not None
-                    and kept is None
-                    and need <= slot.capacity <= need + REUSE_SLACK
-                    and (slot.offset + SLOT_HEADER) % align == 0
-                    and slot.segment.allocator is not None
-                ):
-                    kept = slot
-                else:
-                    self._free_locked(slot)
-        return kept
-
-    @staticmethod
-    def _taker_died(slot: _Slot) -> bool:
-        return _taker_died(slot.segment.mm, slot.offset)
-
-    def _free_locked(self, slot: _Slot) -> None:
-        segment = slot.segment
-        if slot.exports:
-            self._drop_exports_locked(slot)
-        del self._slots[(segment.name, slot.offset)]
-        if segment.allocator is None:
-            del self._own[segment.name]
-            unlink_segment(segment.name)
-            with contextlib.suppress(BufferError):  # views of this process keep it mapped until GC
-                segment.mm.close()
-            return
-        # Invalidate the generation first, so a racing consumer's release or take no longer matches.
-        struct.pack_into("<Q", segment.mm, slot.offset + 16, 0)
-        segment.mm[slot.offset] = FREE
-        segment.allocator.free(slot.offset)
-
-    @staticmethod
-    def _drop_exports_locked(slot: _Slot) -> None:
-        """Let go of a slot's exported CUDA tensors. A consumer that released the slot mapped them and
-        gives their references back itself; any other state means no live consumer will."""
-        if slot.segment.mm[slot.offset] != RELEASED:
-            for exported in slot.exports:
-                with contextlib.suppress(Exception):  # a CUDA error must not stop the reclaim
-                    exported.release_unmapped()
-        slot.exports = None
 
     def reap_consumed(self) -> None:
         """Free the slots consumers have released (and those taken by consumers that died) now, rather
         than at the next put that needs room."""
         with self._lock:
-            if not self._closed and self._slots:
-                self._reclaim_locked(check_takers=True)
+            if not self._closed and self._pool.slots:
+                self._pool.reclaim_locked(check_takers=True)
 
     def cleanup(self, key: str) -> None:
         """Free what this process put under `key` (or `key/...`) that no consumer holds."""
-        prefix = key + "/"
         with self._lock:
-            for slot in list(self._slots.values()):
-                owned = slot.put_key == key or slot.put_key.startswith(prefix)
-                if owned and slot not in self._writing and slot.segment.mm[slot.offset] != TAKEN:
-                    self._free_locked(slot)
+            self._pool.clean_locked(key)
             if self._cells is not None:
                 self._cells.clean(key, waiting=WRITTEN, free=FREE)
 
@@ -525,7 +333,7 @@ class SharedMemoryConnector(OmniConnectorBase):
     ) -> tuple[Any, int] | None:
         if self._closed:
             raise ConnectorError(f"SharedMemoryConnector is closed (get of {_where(from_stage, to_stage, get_key)})")
-        if type(metadata) is not dict or ("segment" not in metadata and "inline" not in metadata):
+        if not _names_a_payload(metadata):
             return self._get_by_key(from_stage, to_stage, get_key)  # no (or partial) metadata: the key alone
         framed = metadata.get("frame")
         if framed is not None:
@@ -533,6 +341,8 @@ class SharedMemoryConnector(OmniConnectorBase):
         inline = metadata.get("inline")
         if inline is not None:
             return self._get_inline(from_stage, to_stage, get_key, metadata, inline)
+        if "refs" in metadata:
+            return self._get_parts(from_stage, to_stage, get_key, metadata)
         name, offset = metadata.get("segment"), metadata.get("offset")
         generation, length = metadata.get("generation"), metadata.get("length")
         if (
@@ -548,20 +358,9 @@ class SharedMemoryConnector(OmniConnectorBase):
         mm = self._mapped.get(name)
         if mm is None:
             mm = self._mapping(name, from_stage, to_stage, get_key)
-        if mm is None or offset + SLOT_HEADER + length > len(mm):
+        if mm is None or not ready(mm, offset, generation, length, digest(from_stage, to_stage, get_key)):
             return self._stale()
-        state, _, _, slot_generation, digest, slot_length = SLOT.unpack_from(mm, offset)
-        if slot_generation != generation or slot_length != length:
-            return self._stale()
-        # A slot taken by a consumer that died may be taken again: the coordinator retries work
-        # whose replica died before producing output, and the retry needs the same input.
-        if state != WRITTEN and not (state == TAKEN and _taker_died(mm, offset)):
-            return self._stale()
-        if digest != _digest(from_stage, to_stage, get_key):
-            return self._stale()
-        _TAKER.pack_into(mm, offset + 4, self._identity.pid, self._identity.pidns)
-        mm[offset] = TAKEN
-        base = np.frombuffer(mm, dtype=np.uint8, count=length, offset=offset + SLOT_HEADER)
+        base = take(mm, offset, length, self._identity)
         try:
             data = codec.decode(base, copy=self.config.copy_on_get, cuda_local=self._own_exports(name, offset))
         except codec.FrameError as exc:
@@ -574,7 +373,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             raise ConnectorError(f"SharedMemoryConnector: cannot map the CUDA tensors of {where}: {exc}") from None
         finally:
             # With views alive, the slot goes back when they die; otherwise right now.
-            _hold_until_dead(base, mm, offset, generation)
+            hold_until_dead(base, mm, offset, generation)
             del base
         self._counters.add_pair("gets", "bytes_got", length)
         return data, length
@@ -583,54 +382,56 @@ class SharedMemoryConnector(OmniConnectorBase):
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None, deadline: float
     ) -> tuple[Any, int] | None:
         result = self.get(from_stage, to_stage, get_key, metadata)
-        if result is None and type(metadata) is dict and ("segment" in metadata or "inline" in metadata):
-            # What put() returned names one slot: once that is gone, waiting cannot bring it back.
+        if result is None and _names_a_payload(metadata):
+            # What put() returned names its slots: once they are gone, waiting cannot bring them back.
             raise ConnectorError(
                 f"SharedMemoryConnector: {_where(from_stage, to_stage, get_key)} is gone: stale, already "
                 "consumed, cleaned up, or its producer died"
             )
         return result
 
-    def _get_by_key(self, from_stage: str, to_stage: str, get_key: str) -> tuple[Any, int] | None:
-        """Find the payload in the cells and the key index of every pool on this host (shm_cells,
-        shm_index); None if none has it."""
-        digest = _digest(from_stage, to_stage, get_key)
-        for name in self._pool_names():
-            try:
-                mm = self._mapped.get(name) or self._mapping(name, from_stage, to_stage, get_key)
-            except ConnectorError:
-                continue  # another user's segment, or one being torn down
-            if mm is None:
-                continue
-            found = [(name, mm, offset, None) for offset in shm_cells.find(mm, digest)]
-            for generation, offset, segment in shm_index.lookup(mm, POOL_HEADER, digest):
-                where = name if segment == 0 else f"{name}_x{segment}"
-                target = mm if segment == 0 else self._mapping(where, from_stage, to_stage, get_key)
-                if target is not None:
-                    found.append((where, target, offset, generation))
-            for where, target, offset, generation in found:
-                if offset + SLOT_HEADER > len(target):
-                    continue
-                if generation is None:  # a cell: its header holds the generation
-                    generation = _GENERATION.unpack_from(target, offset + 16)[0]
-                length = _GENERATION.unpack_from(target, offset + 40)[0]
-                metadata = {"segment": where, "offset": offset, "generation": generation, "length": length}
-                result = self.get(from_stage, to_stage, get_key, metadata)
-                if result is not None:
-                    return result
-        return None
+    def _get_parts(self, from_stage: str, to_stage: str, get_key: str, metadata: dict) -> tuple[Any, int] | None:
+        """A payload holding empty() outputs (shm_outputs): views over each of its slots."""
+        if metadata.get("key") != edge_key(from_stage, to_stage, get_key):
+            return self._stale()  # metadata of another key or edge: never hand out its data
+        where = _where(from_stage, to_stage, get_key)
 
-    def _pool_names(self) -> list[str]:
-        """This process's pool first, then every other producer's pool on the host (one-off segments
-        are found through their pool's index)."""
-        own = [self._pool.name] if self._pool is not None else []
-        return own + [name for name in list_segments() if "_x" not in name and name not in own]
+        def mapping(name: str) -> mmap.mmap | None:
+            return self._mapped.get(name) or self._mapping(name, from_stage, to_stage, get_key)
+
+        try:
+            got = get_parts(metadata, where, digest(from_stage, to_stage, get_key), mapping, self._identity, self.config.copy_on_get)
+        except ConnectorError:
+            self._counters.add("errors")
+            raise
+        if got is None:
+            return self._stale()
+        self._counters.add_pair("gets", "bytes_got", got[1])
+        return got
+
+    def _get_by_key(self, from_stage: str, to_stage: str, get_key: str) -> tuple[Any, int] | None:
+        """Find the payload in the cells and the key index of every pool on this host (shm_lookup);
+        None if none has it."""
+
+        def mapping(name: str) -> mmap.mmap | None:
+            try:
+                return self._mapped.get(name) or self._mapping(name, from_stage, to_stage, get_key)
+            except ConnectorError:
+                return None  # another user's segment, or one being torn down
+
+        first = self._pool.first
+        names = shm_lookup.pool_names(first.name if first is not None else None)
+        for metadata in shm_lookup.candidates(names, mapping, digest(from_stage, to_stage, get_key)):
+            result = self.get(from_stage, to_stage, get_key, metadata)
+            if result is not None:
+                return result
+        return None
 
     def _own_exports(self, name: str, offset: int) -> list[Any] | None:
         """The CUDA tensors of a payload this process put itself (its IPC handles cannot be opened here)."""
-        if name not in self._own:
+        if name not in self._pool.own:
             return None
-        slot = self._slots.get((name, offset))
+        slot = self._pool.slots.get((name, offset))
         return [exported.tensor for exported in slot.exports] if slot is not None and slot.exports else None
 
     def _get_inline(self, from_stage: str, to_stage: str, get_key: str, metadata: dict, inline: Any) -> Any:
@@ -677,7 +478,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         if offset + SLOT_HEADER > len(mm):
             return False
         # Generations are unique within a producer: with the segment they name this one put.
-        state, slot_generation = _STATE_AND_GENERATION.unpack_from(mm, offset)
+        state, slot_generation = STATE_AND_GENERATION.unpack_from(mm, offset)
         if state != WRITTEN or slot_generation != generation:
             return False
         mm[offset] = RELEASED
@@ -688,7 +489,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         return None
 
     def _mapping(self, name: str, from_stage: str, to_stage: str, get_key: str) -> mmap.mmap | None:
-        own = self._own.get(name)
+        own = self._pool.own.get(name)
         if own is not None:
             return own.mm
         mm = self._mapped.get(name)
@@ -700,70 +501,66 @@ class SharedMemoryConnector(OmniConnectorBase):
             except (ValueError, OSError) as exc:
                 where = _where(from_stage, to_stage, get_key)
                 raise ConnectorError(f"SharedMemoryConnector: cannot map segment for {where}: {exc}") from None
-            if "_x" not in name:  # a producer's pool: map it once. Fallback names end in _x<n>.
+            if "_x" not in name:  # a producer's pool segment (first or grown): map it once
                 with self._lock:
                     self._forget_unlinked_locked()
                     self._mapped[name] = mm
-            # A one-off fallback segment is not kept: the views' release finalizer holds the mapping,
-            # so it is unmapped (and its memory returned) once they die and the producer unlinks it.
+            # A one-off segment is not kept: the views' release finalizer holds the mapping, so it is
+            # unmapped (and its memory returned) once they die and the producer unlinks it.
         return mm
 
     def _forget_unlinked_locked(self) -> None:
-        """Drop cached pools whose producer has closed or been reaped (checked when a new pool appears)."""
+        """Drop cached pool segments whose producer has unlinked them (closed, reaped, or given back
+        after idling); checked when a new one is mapped and at health()."""
         for name in [name for name in self._mapped if not (SHM_DIR / name).exists()]:
             del self._mapped[name]  # live views keep their mapping through their finalizer
 
     # ------------------------------------------------------------------ lifecycle
 
     def health(self) -> dict:
-        counters = self._counters.snapshot()
+        pool = self._pool
         with self._lock:
-            pool = self._pool
-            pool_size = pool.allocator.size - (self._pool_start - POOL_HEADER) if pool else 0  # less index, cells
-            in_use = pool.allocator.in_use if pool else 0
+            if not self._closed:
+                self._outputs.drain_locked()
+                pool.release_idle_locked()
+                self._forget_unlinked_locked()  # a consumer lets go of segments their producer gave back
+            reserved = pool.first.allocator.start if pool.first is not None else 0
+            pool_size = pool.pool_bytes - reserved  # less the header, key index and cells
+            in_use = pool.in_use
+            segments = len(pool.segments)
             # Released slots wait for the next put to reclaim them: they hold no payload any more.
-            live = sum(1 for slot in self._slots.values() if slot.segment.mm[slot.offset] != RELEASED)
+            live = sum(1 for slot in pool.slots.values() if slot.segment.mm[slot.offset] != RELEASED)
             live += len(self._cells) if self._cells is not None else 0
         status = (
             "unhealthy"
             if self._closed
             else "degraded"
-            if pool_size and in_use > 0.9 * pool_size
+            if pool_size and in_use > 0.9 * max(pool_size, pool.ceiling - reserved)  # near the ceiling
             else "healthy"
         )
         return {
             "status": status,
-            **counters,
+            **self._counters.snapshot(),  # after the release above, which it counts
             **self._put_health(),
             "pool_size": pool_size,
             "pool_in_use": in_use,
+            "pool_segments": segments,
+            "max_pool_size": pool.ceiling,
             "live_payloads": live,
         }
 
     def close(self) -> None:
+        if not self._pool.close():
+            return  # a put is stuck mid-copy: leave the mappings to process exit rather than crash
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            # Puts write through raw addresses: unmapping under one of them would crash the process.
-            if not self._idle.wait_for(lambda: not self._writing, timeout=CLOSE_WAIT_S):
-                return  # a put is stuck mid-copy: leave the mappings to process exit rather than crash
-            # A forked child closes its inherited copy, but the segments belong to its parent.
-            owner = os.getpid() == self._identity.pid
-            for slot in self._slots.values():
-                if slot.exports and owner and not slot.segment.mm.closed:
-                    self._drop_exports_locked(slot)
-            for segment in self._own.values():
-                if owner:
-                    unlink_segment(segment.name)
-                with contextlib.suppress(BufferError):
-                    segment.mm.close()
-            self._own.clear()
-            self._slots.clear()
-            self._pool = None
             self._cells = None
             self._mapped.clear()  # mappings with live views stay alive until those views die
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+def _names_a_payload(metadata: Any) -> bool:
+    """Whether `metadata` is what a put returned (else the payload is looked for by its key)."""
+    return type(metadata) is dict and ("segment" in metadata or "inline" in metadata or "refs" in metadata)

@@ -1,0 +1,355 @@
+"""A SharedMemoryConnector producer's pool: its segments, the slots in them, growth and idle release.
+
+The first segment (`memory_pool_size`, plus the key index and the tiny-payload cells that live at its
+start) is created on the first put. A payload that fits no free space, once released slots are
+reclaimed, adds a segment sized for it (`_p<n>`, rounded up to GROW_STEP, pre-faulted), kept for the
+next payloads, up to `max_pool_size` in all; a grown segment that held nothing for
+`pool_idle_release_s` is unlinked (checked at allocations and at `health()`). Only past the ceiling
+does a payload take a one-off segment (`_x<n>`, counted as a fallback), unlinked once it is freed.
+So the steady state creates no segment and takes no page fault at any size below the ceiling.
+
+One lock (`lock`) guards the segments and the slot table; the connector holds it for its key index
+and cells too. Slots being written are listed in `writing`: cleanup leaves them alone, close waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from omni_mesh.connectors.allocator import PAGE, PoolAllocator, frame_alignment, round_up
+from omni_mesh.connectors.base import ConnectorError, Counters
+from omni_mesh.connectors.shm_segments import (
+    ProcessIdentity,
+    create_segment,
+    segment_name,
+    shm_capacity,
+    unlink_segment,
+)
+from omni_mesh.connectors.shm_slots import (
+    FREE,
+    GENERATION,
+    POOL_HEADER,
+    RELEASED,
+    SLOT_HEADER,
+    TAKEN,
+    Segment,
+    Slot,
+    taker_died,
+)
+
+GROW_STEP = 16 << 20  # segments the pool grows by are sized in these steps
+# The automatic ceiling: half of /dev/shm leaves the rest to the host's other stage processes (each has
+# a pool of its own) and to one-off segments; 8 GiB holds several of the largest payloads seen in
+# practice (~1-2 GiB of hidden states) without one process taking a big host's /dev/shm.
+AUTO_CEILING_SHARE = 0.5
+AUTO_CEILING_MAX = 8 << 30
+REUSE_SLACK = 2 * PAGE  # a released slot is refilled by a put this much smaller at most
+CLOSE_WAIT_S = 30.0
+
+
+def ceiling(memory_pool_size: int, max_pool_size: int) -> int:
+    """The pool's ceiling: `max_pool_size`, or 0 for min(half of /dev/shm, 8 GiB); never below the
+    first segment."""
+    chosen = max_pool_size or min(int(shm_capacity() * AUTO_CEILING_SHARE), AUTO_CEILING_MAX)
+    return max(chosen, round_up(memory_pool_size, PAGE))
+
+
+class ShmPool:
+    """The producer side's memory (module docstring). `reserved` bytes after the first segment's
+    header belong to the connector (key index, cells); `on_first(segment)` lays them out,
+    `on_released(segment)` hears of a grown segment going back, `before_reclaim()` runs under the
+    lock before released slots are looked for."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        identity: ProcessIdentity,
+        token: str,
+        counters: Counters,
+        *,
+        reserved: int,
+        on_first: Callable[[Segment], None],
+        on_released: Callable[[Segment], None],
+        before_reclaim: Callable[[], None],
+    ) -> None:
+        self.cfg = cfg
+        self._identity, self._token, self._counters = identity, token, counters
+        self._start = POOL_HEADER + reserved
+        self._on_first, self._on_released, self._before_reclaim = on_first, on_released, before_reclaim
+        self.lock = threading.Lock()
+        self._idle = threading.Condition(self.lock)
+        self.ceiling = ceiling(cfg.memory_pool_size, cfg.max_pool_size)
+        self.segments: list[Segment] = []  # the first, then those the pool grew by
+        self.slots: dict[tuple[str, int], Slot] = {}
+        self.own: dict[str, Segment] = {}  # every segment this process made, one-offs included
+        self.writing: set[Slot] = set()
+        self.closed = False
+        self._grow_ids = itertools.count(1)
+        self._oneoff_ids = itertools.count(1)
+        self._generations = itertools.count(1)
+
+    # ---- segments
+
+    @property
+    def first(self) -> Segment | None:
+        return self.segments[0] if self.segments else None
+
+    def first_locked(self) -> Segment:
+        """The first segment, created (pre-faulted) on first use."""
+        if not self.segments:
+            size = round_up(self._start + max(self.cfg.memory_pool_size, SLOT_HEADER))
+            name = segment_name(self._identity, self._token)
+            try:
+                mm = create_segment(name, size, populate=self.cfg.prefault)
+            except OSError as exc:
+                self._counters.add("errors")
+                raise ConnectorError(
+                    f"SharedMemoryConnector: no shared memory for a {size}-byte pool: {exc}; free /dev/shm, "
+                    f"raise the container's shm_size or lower memory_pool_size"
+                ) from exc
+            segment = self._add_locked(name, mm, PoolAllocator(size, start=self._start), 0)
+            self._on_first(segment)
+        return self.segments[0]
+
+    def _add_locked(self, name: str, mm: Any, allocator: PoolAllocator, number: int) -> Segment:
+        segment = Segment(name, mm, allocator, number)
+        self.segments.append(segment)
+        self.own[name] = segment
+        return segment
+
+    def _grow_locked(self, need: int, align: int) -> Segment | None:
+        """A new pre-faulted segment with room for a slot of `need` bytes; None past the ceiling, or
+        when /dev/shm has no room for it (the one-off path then says so)."""
+        size = round_up(need + align, GROW_STEP)
+        if self.pool_bytes + size > self.ceiling:
+            return None
+        number = next(self._grow_ids)
+        name = segment_name(self._identity, self._token, f"_p{number}")
+        try:
+            mm = create_segment(name, size, populate=self.cfg.prefault)
+        except OSError:
+            return None
+        self._counters.add("pool_grown")
+        return self._add_locked(name, mm, PoolAllocator(size), number)
+
+    def _oneoff_locked(self, need: int, where: str) -> Segment:
+        number = next(self._oneoff_ids)
+        name = segment_name(self._identity, self._token, f"_x{number}")
+        try:
+            mm = create_segment(name, need, populate=False)
+        except OSError as exc:
+            self._counters.add("errors")
+            raise ConnectorError(
+                f"SharedMemoryConnector: no shared memory for {need} bytes ({where}): {exc}; free /dev/shm "
+                "or raise the container's shm_size"
+            ) from exc
+        self._counters.add("fallbacks")
+        segment = Segment(name, mm, None, number)
+        self.own[name] = segment
+        return segment
+
+    def release_idle_locked(self, keep: Segment | None = None) -> None:
+        """Unlink grown segments that held nothing for pool_idle_release_s (never the first)."""
+        if len(self.segments) < 2:
+            return
+        cutoff = time.monotonic() - self.cfg.pool_idle_release_s
+        for segment in self.segments[1:]:
+            if segment is not keep and segment.allocator.in_use == 0 and segment.last_used <= cutoff:
+                self.segments.remove(segment)
+                del self.own[segment.name]
+                self._on_released(segment)  # index entries into it go first
+                unlink_segment(segment.name)
+                with contextlib.suppress(BufferError):  # views of this process keep it mapped until GC
+                    segment.mm.close()
+                self._counters.add("pool_released")
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes in the pool's segments (one-offs not counted)."""
+        return sum(segment.allocator.size for segment in self.segments)
+
+    @property
+    def in_use(self) -> int:
+        return sum(segment.allocator.in_use for segment in self.segments)
+
+    # ---- slots
+
+    def allocate(self, size: int, put_key: str, where: str, *, pool_only: bool = False) -> Slot | None:
+        """A slot for a `size`-byte frame, counted as being written until `done_writing`; with
+        `pool_only`, None where the pool's segments have no room (no growth, no one-off)."""
+        # Large frames start on a page boundary, the slot header just before it: the codec's placing
+        # of large leaves at fast page offsets relies on it.
+        need = SLOT_HEADER + size
+        align = frame_alignment(size)
+        with self.lock:
+            if self.closed:
+                raise ConnectorError(f"SharedMemoryConnector is closed ({where})")
+            self.first_locked()
+            # Always, not only when the pool is the target: released one-off segments are unlinked here.
+            if self.slots:
+                reused = self.reclaim_locked(check_takers=False, reuse=(need, align))
+                if reused is not None:
+                    return self._refill_locked(reused, put_key)
+            segment, offset = self._fit_locked(need, align)
+            if offset is None and self.slots:
+                self.reclaim_locked(check_takers=True)
+                segment, offset = self._fit_locked(need, align)
+            if offset is None and pool_only:
+                return None
+            if offset is None:
+                segment = self._grow_locked(need, align)
+                if segment is not None:
+                    offset = segment.allocator.allocate(need, align=align, skew=SLOT_HEADER)
+            if offset is None:
+                # Past the ceiling: a one-off segment, the slot header just before its first page boundary.
+                skew = PAGE - SLOT_HEADER if align == PAGE else 0
+                segment, offset = self._oneoff_locked(need + skew, where), skew
+            self.release_idle_locked(keep=segment)
+            # Reused pool space holds bytes of older frames: until this put writes its header, the
+            # state byte must not read as RELEASED or TAKEN, or a reclaim would free the slot mid-write.
+            segment.mm[offset] = FREE
+            capacity = segment.allocator.extent_end(offset) - offset if segment.allocator else need
+            slot = Slot(segment, offset, next(self._generations), put_key, capacity)
+            self.slots[(segment.name, offset)] = slot
+            self.writing.add(slot)
+            return slot
+
+    def next_generation(self) -> int:
+        return next(self._generations)
+
+    def _fit_locked(self, need: int, align: int) -> tuple[Segment | None, int | None]:
+        """The first pool segment with room for the slot, and the slot's offset in it."""
+        for segment in self.segments:
+            allocator = segment.allocator
+            if need + align <= allocator.size - allocator.start:
+                offset = allocator.allocate(need, align=align, skew=SLOT_HEADER)
+                if offset is not None:
+                    segment.last_used = time.monotonic()
+                    return segment, offset
+        return None, None
+
+    def _refill_locked(self, slot: Slot, put_key: str) -> Slot:
+        """A released pool slot that fits the next put, handed to it as it stands.
+
+        Steady streams put payloads of one size: this skips a free and an allocation, and the frame
+        lands in memory the last one warmed. The old generation is invalidated first, as in a free.
+        """
+        mm, offset = slot.segment.mm, slot.offset
+        if slot.exports:
+            self._drop_exports_locked(slot)
+        GENERATION.pack_into(mm, offset + 16, 0)
+        mm[offset] = FREE
+        slot.generation = next(self._generations)
+        slot.put_key = put_key
+        slot.segment.last_used = time.monotonic()
+        self.writing.add(slot)
+        return slot
+
+    def done_writing(self, slot: Slot) -> None:
+        self.writing.discard(slot)  # atomic; close() sets `closed` before it waits, under the lock
+        if self.closed:
+            with self.lock:
+                if not self.writing:
+                    self._idle.notify_all()
+
+    def reclaim_locked(self, *, check_takers: bool, reuse: tuple[int, int] | None = None) -> Slot | None:
+        """Free slots their consumers released; with check_takers, also those held by dead consumers.
+
+        With `reuse` (bytes needed, alignment), the first released pool slot that fits them without
+        wasting more than REUSE_SLACK is kept, not freed, and returned for the caller to refill.
+        """
+        self._before_reclaim()
+        need, align = reuse or (0, 0)
+        kept = None
+        for slot in list(self.slots.values()):
+            if slot.pinned:
+                continue  # freed once its producer-side tensor dies (shm_outputs)
+            state = slot.segment.mm[slot.offset]
+            if state == RELEASED or (check_takers and state == TAKEN and taker_died(slot.segment.mm, slot.offset)):
+                if (
+                    reuse is not None
+                    and kept is None
+                    and need <= slot.capacity <= need + REUSE_SLACK
+                    and (slot.offset + SLOT_HEADER) % align == 0
+                    and slot.segment.allocator is not None
+                ):
+                    kept = slot
+                else:
+                    self.free_locked(slot)
+        return kept
+
+    def free_locked(self, slot: Slot) -> None:
+        segment = slot.segment
+        if slot.exports:
+            self._drop_exports_locked(slot)
+        del self.slots[(segment.name, slot.offset)]
+        if segment.allocator is None:
+            del self.own[segment.name]
+            unlink_segment(segment.name)
+            with contextlib.suppress(BufferError):  # views of this process keep it mapped until GC
+                segment.mm.close()
+            return
+        # Invalidate the generation first, so a racing consumer's release or take no longer matches.
+        GENERATION.pack_into(segment.mm, slot.offset + 16, 0)
+        segment.mm[slot.offset] = FREE
+        segment.allocator.free(slot.offset)
+        segment.last_used = time.monotonic()
+
+    def withdraw_locked(self, slot: Slot) -> None:
+        """No consumer may take the slot any more; its memory stays (a pinned slot: shm_outputs)."""
+        GENERATION.pack_into(slot.segment.mm, slot.offset + 16, 0)
+        slot.segment.mm[slot.offset] = FREE
+
+    @staticmethod
+    def _drop_exports_locked(slot: Slot) -> None:
+        """Let go of a slot's exported CUDA tensors. A consumer that released the slot mapped them and
+        gives their references back itself; any other state means no live consumer will."""
+        if slot.segment.mm[slot.offset] != RELEASED:
+            for exported in slot.exports:
+                with contextlib.suppress(Exception):  # a CUDA error must not stop the reclaim
+                    exported.release_unmapped()
+        slot.exports = None
+
+    def clean_locked(self, key: str) -> None:
+        """Free what was put under `key` (or `key/...`) that no consumer holds."""
+        prefix = key + "/"
+        for slot in list(self.slots.values()):
+            owned = slot.put_key == key or slot.put_key.startswith(prefix)
+            if owned and slot not in self.writing and slot.segment.mm[slot.offset] != TAKEN:
+                if slot.pinned:
+                    self.withdraw_locked(slot)  # freed when its empty() tensor dies
+                else:
+                    self.free_locked(slot)
+
+    # ---- lifecycle
+
+    def close(self) -> bool:
+        """Unlink and unmap every segment of this process (a forked child only unmaps its copies);
+        False when a put stuck mid-copy keeps the mappings (left to process exit rather than crash).
+        Mappings with live views stay alive until those views die."""
+        with self.lock:
+            if self.closed:
+                return True
+            self.closed = True
+            # Puts write through raw addresses: unmapping under one of them would crash the process.
+            if not self._idle.wait_for(lambda: not self.writing, timeout=CLOSE_WAIT_S):
+                return False
+            owner = os.getpid() == self._identity.pid
+            for slot in self.slots.values():
+                if slot.exports and owner and not slot.segment.mm.closed:
+                    self._drop_exports_locked(slot)
+            for segment in self.own.values():
+                if owner:
+                    unlink_segment(segment.name)
+                with contextlib.suppress(BufferError):
+                    segment.mm.close()
+            self.own.clear()
+            self.slots.clear()
+            self.segments.clear()
+            return True
