@@ -31,14 +31,18 @@ def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
-def tensor_over(buffer: Any, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray]:
+def tensor_over(
+    buffer: Any, offset: int, shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[torch.Tensor, np.ndarray]:
     """A tensor over `nbytes_of(shape, dtype)` bytes of `buffer` at `offset`, and the array it views
     (its garbage collection says the tensor and all its views are gone)."""
     base = np.frombuffer(buffer, dtype=np.uint8, count=nbytes_of(shape, dtype), offset=offset)
     return torch.from_numpy(base).view(dtype).view(shape), base
 
 
-def take_resident(frame: codec.FramePlan, unsent: dict[int, tuple[Any, torch.dtype, torch.Size]]) -> dict[int, Any]:
+def take_resident(
+    frame: codec.FramePlan, unsent: dict[int, tuple[Any, torch.dtype, torch.Size]]
+) -> dict[int, Any]:
     """{leaf index: region} of the frame's leaves that are whole empty() tensors, taken out of `unsent`
     ({tensor address: (region, dtype, shape)}; the caller holds its lock). Views, slices and copies
     of them, and a second leaf of the same tensor, are ordinary leaves (copied)."""
@@ -63,7 +67,9 @@ def take_resident(frame: codec.FramePlan, unsent: dict[int, tuple[Any, torch.dty
 _HEADERS: dict[tuple, tuple[bytes, list[int]]] = {}
 
 
-def take_outputs(data: dict, unsent: dict[int, tuple[Any, torch.dtype, torch.Size]]) -> tuple[bytes, list[int], list[Any]] | None:
+def take_outputs(
+    data: dict, unsent: dict[int, tuple[Any, torch.dtype, torch.Size]]
+) -> tuple[bytes, list[int], list[Any]] | None:
     """A dict whose values are all whole empty() tensors (the usual stage output, a dict of tensors):
     its parts-form header, leaf layout and the tensors' regions, taken out of `unsent` ({address:
     (region, dtype, shape)}; the caller holds its lock). None for anything else.

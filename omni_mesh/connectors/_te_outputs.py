@@ -57,7 +57,9 @@ class Planned:
 
     __slots__ = ("nbytes", "pieces", "sources", "headroom")
 
-    def __init__(self, nbytes: int, pieces: list[tuple[int, int, int]], sources: list[Any], headroom: Output) -> None:
+    def __init__(
+        self, nbytes: int, pieces: list[tuple[int, int, int]], sources: list[Any], headroom: Output
+    ) -> None:
         self.nbytes = nbytes
         self.pieces = pieces  # (source address, offset in the frame, bytes), in frame order
         self.sources = sources  # the tensors: kept alive (and unchanged) while the payload is held
@@ -136,4 +138,3 @@ class Outputs:
         placed = zip(frame.leaves, frame.offsets, frame.lengths, strict=True)
         leaves = [(index[id(leaf)], offset, length) for leaf, offset, length in placed if id(leaf) in index]
         return frame.head, leaves, frame.nbytes
-

@@ -28,16 +28,15 @@ from typing import Any
 import torch
 
 from omni_mesh import codec, cuda_ipc
-from omni_mesh.connectors import shm_cells, shm_index, shm_lookup
+from omni_mesh.connectors import shm_cells, shm_index, shm_lookup, shm_tiny
 from omni_mesh.connectors._checks import check_not_negative
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
+from omni_mesh.connectors.shm_maps import Mappings
 from omni_mesh.connectors.shm_outputs import PoolOutputs, get_parts
 from omni_mesh.connectors.shm_pool import AUTO_CEILING_MAX, GROW_STEP, ShmPool
 from omni_mesh.connectors.shm_segments import (
-    SHM_DIR,
     ProcessIdentity,
     new_token,
-    open_segment,
     reap_orphaned_segments,
 )
 from omni_mesh.connectors.shm_slots import (
@@ -46,17 +45,15 @@ from omni_mesh.connectors.shm_slots import (
     RELEASED,
     SLOT,
     SLOT_HEADER,
-    STATE_AND_GENERATION,
-    TAKEN,
     WRITTEN,
     Segment,
     Slot,
     digest,
-    digest_of,
     hold_until_dead,
     ready,
     take,
 )
+from omni_mesh.connectors.shm_tiny import TinyPayloads
 
 __all__ = [
     "AUTO_CEILING_MAX",
@@ -66,6 +63,9 @@ __all__ = [
     "reap_orphaned_segments",
 ]
 
+# health() counters (the pool counts fallbacks, growth and errors; shm_outputs zero_copy_leaves).
+_COUNTERS = ("puts", "gets", "bytes_put", "bytes_got", "inline_puts", "fallbacks", "stale_gets", "errors")
+_COUNTERS += ("cuda_ipc_tensors", "unindexed_puts", "pool_grown", "pool_released", "zero_copy_leaves")
 POOL_RESERVED = shm_index.INDEX_BYTES  # the first segment: header, key index, tiny-payload cells, slots
 
 
@@ -89,7 +89,9 @@ class SharedMemoryConfig:
     pool_idle_release_s: float = 30.0
 
     def check(self, owner: str) -> None:
-        check_not_negative(owner, max_pool_size=self.max_pool_size, pool_idle_release_s=self.pool_idle_release_s)
+        check_not_negative(
+            owner, max_pool_size=self.max_pool_size, pool_idle_release_s=self.pool_idle_release_s
+        )
 
 
 def _where(from_stage: str, to_stage: str, key: str) -> str:
@@ -113,30 +115,14 @@ class SharedMemoryConnector(OmniConnectorBase):
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         super().__init__(config)
         self._identity = ProcessIdentity.current()
-        self._counters = Counters(
-            "puts",
-            "gets",
-            "bytes_put",
-            "bytes_got",
-            "inline_puts",
-            "fallbacks",
-            "stale_gets",
-            "errors",
-            "cuda_ipc_tensors",
-            "unindexed_puts",
-            "pool_grown",
-            "pool_released",
-            "zero_copy_leaves",
-        )
-        self._cell_size = shm_cells.cell_size(SLOT_HEADER, self.config.inline_max_bytes)
-        self._cell_frame_bytes = self._cell_size - SLOT_HEADER if self._cell_size else -1
-        self._cells: shm_cells.Cells | None = None
+        self._counters = Counters(*_COUNTERS)
         self._pool = ShmPool(
             self.config,
             self._identity,
             new_token(),
             self._counters,
-            reserved=POOL_RESERVED + shm_cells.COUNT * self._cell_size,
+            reserved=POOL_RESERVED
+            + shm_cells.COUNT * shm_cells.cell_size(SLOT_HEADER, self.config.inline_max_bytes),
             on_first=self._lay_out_first,
             on_released=self._forget_segment,
             before_reclaim=self._drain_outputs,
@@ -144,7 +130,8 @@ class SharedMemoryConnector(OmniConnectorBase):
         self._lock = self._pool.lock  # one lock: slots, segments, key index, cells
         self._index = shm_lookup.KeyIndex(self._counters, self._pool.slots)
         self._outputs = PoolOutputs(self._pool, self._counters)
-        self._mapped: dict[str, mmap.mmap] = {}
+        self._tiny = TinyPayloads(self._pool, self._counters, self.config.inline_max_bytes)
+        self._maps = Mappings(self._pool.own, self._lock)
 
     @property
     def _closed(self) -> bool:
@@ -152,15 +139,13 @@ class SharedMemoryConnector(OmniConnectorBase):
 
     def _lay_out_first(self, segment: Segment) -> None:
         """The first segment's start: the key index (zeroed by creation), then the cells (lock held)."""
-        start = POOL_HEADER + POOL_RESERVED
-        self._cells = shm_cells.Cells(segment.mm, start, self._cell_size, reusable=(RELEASED,), writing=TAKEN)
-        shm_cells.describe(segment.mm, start, self._cell_size)  # for consumers' gets by key
-        self._mapped[segment.name] = segment.mm  # so that gets in this process find it at once
+        self._tiny.lay_out_locked(segment, POOL_HEADER + POOL_RESERVED)
+        self._maps.add_locked(segment.name, segment.mm)  # so that gets in this process find it at once
 
     def _forget_segment(self, segment: Segment) -> None:
         """A grown segment goes back (lock held): no index entry may point into it any more."""
         self._index.forget_locked(self._pool.first, segment)
-        self._mapped.pop(segment.name, None)
+        self._maps.drop_locked(segment.name)
 
     def _drain_outputs(self) -> None:
         self._outputs.drain_locked()
@@ -193,29 +178,22 @@ class SharedMemoryConnector(OmniConnectorBase):
     def _put_inline(
         self, from_stage: str, to_stage: str, put_key: str, frame: codec.FramePlan
     ) -> tuple[bool, int, dict]:
-        """A tiny payload travels in the metadata as its whole frame. A copy goes into a cell of the
-        pool (or, with every cell waiting, a pool slot), where a get by key alone finds it; the get
-        with the metadata releases that copy. With the pool full it travels in the metadata only."""
-        key = edge_key(from_stage, to_stage, put_key)
-        metadata = self._put_cell(from_stage, to_stage, put_key, key, frame)
-        if metadata is None:
-            written = self._write_frame(from_stage, to_stage, put_key, frame, pool_only=True)
-            if written is not None:
-                slot, metadata = written
-                start = slot.offset + SLOT_HEADER
-                metadata = {k: metadata[k] for k in ("segment", "offset", "generation")}
-                metadata["frame"] = slot.segment.mm[start : start + frame.nbytes]
-        if metadata is None:
-            metadata = {"inline": frame.header, "parts": frame.inline_parts()}
-            size = frame.payload_bytes
-        else:
-            size = frame.nbytes
-        metadata["key"] = key
+        """A tiny payload: in the metadata, with a copy in the pool for gets by key (shm_tiny)."""
+
+        def write_frame(frame: codec.FramePlan) -> tuple[Slot, dict] | None:
+            return self._write_frame(from_stage, to_stage, put_key, frame, pool_only=True)
+
+        size, metadata = self._tiny.put(edge_key(from_stage, to_stage, put_key), put_key, frame, write_frame)
         self._count_put(size, "inline_puts")
         return True, size, metadata
 
     def _put_with_exports(
-        self, from_stage: str, to_stage: str, put_key: str, frame: codec.FramePlan, exports: list[cuda_ipc.Exported]
+        self,
+        from_stage: str,
+        to_stage: str,
+        put_key: str,
+        frame: codec.FramePlan,
+        exports: list[cuda_ipc.Exported],
     ) -> tuple[bool, int, dict]:
         """A payload with CUDA tensors always takes a slot: the slot holds the exported tensors until the
         consumer has mapped them (or the payload is freed unconsumed, which gives their references back)."""
@@ -274,37 +252,6 @@ class SharedMemoryConnector(OmniConnectorBase):
             self._pool.done_writing(slot)
         return slot, {"segment": segment.name, "offset": offset, "generation": generation, "length": size}
 
-    def _put_cell(
-        self, from_stage: str, to_stage: str, put_key: str, key: str, frame: codec.FramePlan
-    ) -> dict | None:
-        """Lay a tiny frame into a free cell of the pool (shm_cells); its metadata (the frame included),
-        None when no cell is free. Cells are not entered in the key index: a get by key scans them
-        (there are few), which keeps this, the path of every tiny put, to one lock and two copies."""
-        size = frame.nbytes
-        if size > self._cell_frame_bytes:
-            return None
-        with self._lock:
-            if self._closed:
-                raise ConnectorError(f"SharedMemoryConnector is closed (put {put_key!r} on {from_stage}->{to_stage})")
-            pool = self._pool.first_locked()
-            offset = self._cells.take(put_key)
-            if offset is None:
-                return None
-            generation = self._pool.next_generation()
-        mm = pool.mm
-        start = offset + SLOT_HEADER
-        try:
-            frame.write_at(pool.address + start)
-        except BaseException:
-            with self._lock:
-                self._cells.give_back(offset, FREE)
-            raise
-        framed = mm[start : start + size]
-        # The state byte goes last: a consumer never sees WRITTEN before the frame is complete.
-        SLOT.pack_into(mm, offset, TAKEN, 0, 0, generation, digest_of(key), size)
-        mm[offset] = WRITTEN
-        return {"segment": pool.name, "offset": offset, "generation": generation, "frame": framed}
-
     def warm_up(self) -> None:
         with self._lock:
             self._pool.first_locked()
@@ -323,8 +270,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         """Free what this process put under `key` (or `key/...`) that no consumer holds."""
         with self._lock:
             self._pool.clean_locked(key)
-            if self._cells is not None:
-                self._cells.clean(key, waiting=WRITTEN, free=FREE)
+            self._tiny.clean_locked(key)
 
     # ------------------------------------------------------------------ consumer side
 
@@ -332,15 +278,21 @@ class SharedMemoryConnector(OmniConnectorBase):
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None = None
     ) -> tuple[Any, int] | None:
         if self._closed:
-            raise ConnectorError(f"SharedMemoryConnector is closed (get of {_where(from_stage, to_stage, get_key)})")
+            raise ConnectorError(
+                f"SharedMemoryConnector is closed (get of {_where(from_stage, to_stage, get_key)})"
+            )
         if not _names_a_payload(metadata):
             return self._get_by_key(from_stage, to_stage, get_key)  # no (or partial) metadata: the key alone
-        framed = metadata.get("frame")
-        if framed is not None:
-            return self._get_framed(from_stage, to_stage, get_key, metadata, framed)
-        inline = metadata.get("inline")
-        if inline is not None:
-            return self._get_inline(from_stage, to_stage, get_key, metadata, inline)
+        if metadata.get("frame") is not None or metadata.get("inline") is not None:
+            got = shm_tiny.get(
+                from_stage,
+                to_stage,
+                get_key,
+                metadata,
+                self._maps.mapper(_where(from_stage, to_stage, get_key)),
+                self._counters,
+            )
+            return got if got is not None else self._stale()
         if "refs" in metadata:
             return self._get_parts(from_stage, to_stage, get_key, metadata)
         name, offset = metadata.get("segment"), metadata.get("offset")
@@ -355,14 +307,14 @@ class SharedMemoryConnector(OmniConnectorBase):
         ):
             where = _where(from_stage, to_stage, get_key)
             raise ConnectorError(f"SharedMemoryConnector: metadata for {where} {_metadata_problem(metadata)}")
-        mm = self._mapped.get(name)
-        if mm is None:
-            mm = self._mapping(name, from_stage, to_stage, get_key)
+        mm = self._maps.get(name) or self._maps.map(name, _where(from_stage, to_stage, get_key))
         if mm is None or not ready(mm, offset, generation, length, digest(from_stage, to_stage, get_key)):
             return self._stale()
         base = take(mm, offset, length, self._identity)
         try:
-            data = codec.decode(base, copy=self.config.copy_on_get, cuda_local=self._own_exports(name, offset))
+            data = codec.decode(
+                base, copy=self.config.copy_on_get, cuda_local=self._own_exports(name, offset)
+            )
         except codec.FrameError as exc:
             self._counters.add("errors")
             where = _where(from_stage, to_stage, get_key)
@@ -370,7 +322,9 @@ class SharedMemoryConnector(OmniConnectorBase):
         except cuda_ipc.CudaIpcUnavailable as exc:
             self._counters.add("errors")
             where = _where(from_stage, to_stage, get_key)
-            raise ConnectorError(f"SharedMemoryConnector: cannot map the CUDA tensors of {where}: {exc}") from None
+            raise ConnectorError(
+                f"SharedMemoryConnector: cannot map the CUDA tensors of {where}: {exc}"
+            ) from None
         finally:
             # With views alive, the slot goes back when they die; otherwise right now.
             hold_until_dead(base, mm, offset, generation)
@@ -390,17 +344,23 @@ class SharedMemoryConnector(OmniConnectorBase):
             )
         return result
 
-    def _get_parts(self, from_stage: str, to_stage: str, get_key: str, metadata: dict) -> tuple[Any, int] | None:
+    def _get_parts(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict
+    ) -> tuple[Any, int] | None:
         """A payload holding empty() outputs (shm_outputs): views over each of its slots."""
         if metadata.get("key") != edge_key(from_stage, to_stage, get_key):
             return self._stale()  # metadata of another key or edge: never hand out its data
         where = _where(from_stage, to_stage, get_key)
-
-        def mapping(name: str) -> mmap.mmap | None:
-            return self._mapped.get(name) or self._mapping(name, from_stage, to_stage, get_key)
-
+        mapping = self._maps.mapper(where)
         try:
-            got = get_parts(metadata, where, digest(from_stage, to_stage, get_key), mapping, self._identity, self.config.copy_on_get)
+            got = get_parts(
+                metadata,
+                where,
+                digest(from_stage, to_stage, get_key),
+                mapping,
+                self._identity,
+                self.config.copy_on_get,
+            )
         except ConnectorError:
             self._counters.add("errors")
             raise
@@ -413,9 +373,11 @@ class SharedMemoryConnector(OmniConnectorBase):
         """Find the payload in the cells and the key index of every pool on this host (shm_lookup);
         None if none has it."""
 
+        where = _where(from_stage, to_stage, get_key)
+
         def mapping(name: str) -> mmap.mmap | None:
             try:
-                return self._mapped.get(name) or self._mapping(name, from_stage, to_stage, get_key)
+                return self._maps.get(name) or self._maps.map(name, where)
             except ConnectorError:
                 return None  # another user's segment, or one being torn down
 
@@ -434,86 +396,9 @@ class SharedMemoryConnector(OmniConnectorBase):
         slot = self._pool.slots.get((name, offset))
         return [exported.tensor for exported in slot.exports] if slot is not None and slot.exports else None
 
-    def _get_inline(self, from_stage: str, to_stage: str, get_key: str, metadata: dict, inline: Any) -> Any:
-        if metadata.get("key") != edge_key(from_stage, to_stage, get_key):
-            return self._stale()  # metadata of another key or edge: never hand out its data
-        parts = metadata.get("parts")
-        try:
-            data = codec.decode_parts(inline, parts)
-        except codec.FrameError as exc:
-            self._counters.add("errors")
-            where = _where(from_stage, to_stage, get_key)
-            raise ConnectorError(f"SharedMemoryConnector: bad inline payload for {where}: {exc}") from None
-        size = len(inline) + sum(map(len, parts))
-        self._counters.add_pair("gets", "bytes_got", size)
-        return data, size
-
-    def _get_framed(self, from_stage: str, to_stage: str, get_key: str, metadata: dict, framed: Any) -> Any:
-        """A tiny payload's frame from the metadata; its copy in the pool (there for gets by key) is
-        released. The metadata holds the whole payload, so a get with it always succeeds, as vllm-omni's
-        inline payloads do: the coordinator retries a stage whose replica died after its get, with the
-        same metadata, and the retry must find its input."""
-        if metadata.get("key") != edge_key(from_stage, to_stage, get_key) or type(framed) is not bytes:
-            return self._stale()  # metadata of another key or edge: never hand out its data
-        self._take_copy(from_stage, to_stage, get_key, metadata)
-        try:
-            data = codec.decode(framed)
-        except codec.FrameError as exc:
-            self._counters.add("errors")
-            where = _where(from_stage, to_stage, get_key)
-            raise ConnectorError(f"SharedMemoryConnector: bad inline payload for {where}: {exc}") from None
-        size = len(framed)
-        self._counters.add_pair("gets", "bytes_got", size)
-        return data, size
-
-    def _take_copy(self, from_stage: str, to_stage: str, get_key: str, metadata: dict) -> bool:
-        """Release the pool copy of an inline payload (put for gets by key); False if someone else
-        took it or it was freed. A producer that is gone took its copy along: the inline data stands."""
-        name, offset, generation = metadata.get("segment"), metadata.get("offset"), metadata.get("generation")
-        if type(name) is not str or type(offset) is not int or type(generation) is not int or offset < 0:
-            return False
-        mm = self._mapped.get(name) or self._mapping(name, from_stage, to_stage, get_key)
-        if mm is None:
-            return True
-        if offset + SLOT_HEADER > len(mm):
-            return False
-        # Generations are unique within a producer: with the segment they name this one put.
-        state, slot_generation = STATE_AND_GENERATION.unpack_from(mm, offset)
-        if state != WRITTEN or slot_generation != generation:
-            return False
-        mm[offset] = RELEASED
-        return True
-
     def _stale(self) -> None:
         self._counters.add("stale_gets")
         return None
-
-    def _mapping(self, name: str, from_stage: str, to_stage: str, get_key: str) -> mmap.mmap | None:
-        own = self._pool.own.get(name)
-        if own is not None:
-            return own.mm
-        mm = self._mapped.get(name)
-        if mm is None:
-            try:
-                mm = open_segment(name)
-            except FileNotFoundError:
-                return None  # the producer is gone or the payload was reclaimed
-            except (ValueError, OSError) as exc:
-                where = _where(from_stage, to_stage, get_key)
-                raise ConnectorError(f"SharedMemoryConnector: cannot map segment for {where}: {exc}") from None
-            if "_x" not in name:  # a producer's pool segment (first or grown): map it once
-                with self._lock:
-                    self._forget_unlinked_locked()
-                    self._mapped[name] = mm
-            # A one-off segment is not kept: the views' release finalizer holds the mapping, so it is
-            # unmapped (and its memory returned) once they die and the producer unlinks it.
-        return mm
-
-    def _forget_unlinked_locked(self) -> None:
-        """Drop cached pool segments whose producer has unlinked them (closed, reaped, or given back
-        after idling); checked when a new one is mapped and at health()."""
-        for name in [name for name in self._mapped if not (SHM_DIR / name).exists()]:
-            del self._mapped[name]  # live views keep their mapping through their finalizer
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -523,14 +408,14 @@ class SharedMemoryConnector(OmniConnectorBase):
             if not self._closed:
                 self._outputs.drain_locked()
                 pool.release_idle_locked()
-                self._forget_unlinked_locked()  # a consumer lets go of segments their producer gave back
+                self._maps.forget_unlinked_locked()  # a consumer lets go of segments their producer gave back
             reserved = pool.first.allocator.start if pool.first is not None else 0
             pool_size = pool.pool_bytes - reserved  # less the header, key index and cells
             in_use = pool.in_use
             segments = len(pool.segments)
             # Released slots wait for the next put to reclaim them: they hold no payload any more.
             live = sum(1 for slot in pool.slots.values() if slot.segment.mm[slot.offset] != RELEASED)
-            live += len(self._cells) if self._cells is not None else 0
+            live += self._tiny.waiting_locked()
         status = (
             "unhealthy"
             if self._closed
@@ -553,8 +438,8 @@ class SharedMemoryConnector(OmniConnectorBase):
         if not self._pool.close():
             return  # a put is stuck mid-copy: leave the mappings to process exit rather than crash
         with self._lock:
-            self._cells = None
-            self._mapped.clear()  # mappings with live views stay alive until those views die
+            self._tiny.cells = None
+            self._maps.clear_locked()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

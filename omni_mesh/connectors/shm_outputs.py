@@ -97,7 +97,9 @@ class PoolOutputs:
 
     # ---- puts
 
-    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any, frame: codec.FramePlan | None) -> tuple | None:
+    def put(
+        self, from_stage: str, to_stage: str, put_key: str, data: Any, frame: codec.FramePlan | None
+    ) -> tuple | None:
         """The put of a payload holding empty() tensors, in the parts form; None when it holds none.
         A dict of them alone needs no frame (`frame` None: a cached header); otherwise `frame` is its plan."""
         with self._pool.lock:
@@ -202,8 +204,11 @@ def get_parts(
     for ref in refs:
         if type(ref) is bytes:
             continue
-        if type(ref) is not list or len(ref) != 4 or type(ref[0]) is not str or any(
-            type(n) is not int or n < 0 for n in ref[1:]
+        if (
+            type(ref) is not list
+            or len(ref) != 4
+            or type(ref[0]) is not str
+            or any(type(n) is not int or n < 0 for n in ref[1:])
         ):
             raise ConnectorError(f"SharedMemoryConnector: metadata for {where} has a bad part {ref!r}"[:300])
         mm = mapping(ref[0])

@@ -271,7 +271,9 @@ class ShmPool:
             if slot.pinned:
                 continue  # freed once its producer-side tensor dies (shm_outputs)
             state = slot.segment.mm[slot.offset]
-            if state == RELEASED or (check_takers and state == TAKEN and taker_died(slot.segment.mm, slot.offset)):
+            if state == RELEASED or (
+                check_takers and state == TAKEN and taker_died(slot.segment.mm, slot.offset)
+            ):
                 if (
                     reuse is not None
                     and kept is None

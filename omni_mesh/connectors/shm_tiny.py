@@ -1,0 +1,161 @@
+"""SharedMemoryConnector's tiny payloads (frames up to `inline_max_bytes`): in the metadata, and in the pool.
+
+A tiny payload travels in its metadata as its whole frame (`frame`). A copy goes into one of the
+first segment's cells (shm_cells) or, with every cell waiting, a pool slot, where a get by key alone
+finds it; the get with the metadata releases that copy. With the pool full it travels in the
+metadata only, in the parts form (`inline`, `parts`). The metadata holds the whole payload, so a get
+with it always succeeds, as vllm-omni's inline payloads do: the coordinator retries a stage whose
+replica died after its get, with the same metadata, and the retry must find its input.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Callable
+from typing import Any
+
+from omni_mesh import codec
+from omni_mesh.connectors import shm_cells
+from omni_mesh.connectors.base import ConnectorError, Counters, edge_key
+from omni_mesh.connectors.shm_pool import ShmPool
+from omni_mesh.connectors.shm_slots import (
+    FREE,
+    RELEASED,
+    SLOT,
+    SLOT_HEADER,
+    STATE_AND_GENERATION,
+    TAKEN,
+    WRITTEN,
+    Segment,
+    Slot,
+    digest_of,
+)
+
+#: Lays a frame into a pool slot (no growth, no one-off): (the slot, its metadata), or None.
+WriteFrame = Callable[[codec.FramePlan], "tuple[Slot, dict] | None"]
+#: Maps a segment by name, or None when it is gone.
+Mapping = Callable[[str], "mmap.mmap | None"]
+
+
+class TinyPayloads:
+    """The producer side of tiny payloads over one pool (module docstring)."""
+
+    def __init__(self, pool: ShmPool, counters: Counters, inline_max_bytes: int) -> None:
+        self._pool = pool
+        self._counters = counters
+        self.cell_size = shm_cells.cell_size(SLOT_HEADER, inline_max_bytes)
+        self._cell_frame_bytes = self.cell_size - SLOT_HEADER if self.cell_size else -1
+        self.cells: shm_cells.Cells | None = None
+
+    @property
+    def reserved(self) -> int:
+        """Bytes the cells take in the first segment."""
+        return shm_cells.COUNT * self.cell_size
+
+    def lay_out_locked(self, segment: Segment, start: int) -> None:
+        """The cells at `start` of the first segment, described in its header for consumers."""
+        self.cells = shm_cells.Cells(segment.mm, start, self.cell_size, reusable=(RELEASED,), writing=TAKEN)
+        shm_cells.describe(segment.mm, start, self.cell_size)
+
+    def put(
+        self, key: str, put_key: str, frame: codec.FramePlan, write_frame: WriteFrame
+    ) -> tuple[int, dict]:
+        """(size, metadata) of a tiny put; `key` is its edge key."""
+        metadata = self._put_cell(key, put_key, frame)
+        if metadata is None:
+            written = write_frame(frame)
+            if written is not None:
+                slot, laid = written
+                start = slot.offset + SLOT_HEADER
+                metadata = {name: laid[name] for name in ("segment", "offset", "generation")}
+                metadata["frame"] = slot.segment.mm[start : start + frame.nbytes]
+        if metadata is None:
+            metadata = {"inline": frame.header, "parts": frame.inline_parts()}
+            size = frame.payload_bytes
+        else:
+            size = frame.nbytes
+        metadata["key"] = key
+        return size, metadata
+
+    def _put_cell(self, key: str, put_key: str, frame: codec.FramePlan) -> dict | None:
+        """Lay a tiny frame into a free cell; its metadata (the frame included), None when no cell is
+        free. Cells are not entered in the key index: a get by key scans them (there are few), which
+        keeps this, the path of every tiny put, to one lock and two copies."""
+        size = frame.nbytes
+        if size > self._cell_frame_bytes:
+            return None
+        pool = self._pool
+        with pool.lock:
+            if pool.closed:
+                raise ConnectorError(f"SharedMemoryConnector is closed (put of {key!r})")
+            first = pool.first_locked()
+            offset = self.cells.take(put_key)
+            if offset is None:
+                return None
+            generation = pool.next_generation()
+        mm = first.mm
+        start = offset + SLOT_HEADER
+        try:
+            frame.write_at(first.address + start)
+        except BaseException:
+            with pool.lock:
+                self.cells.give_back(offset, FREE)
+            raise
+        framed = mm[start : start + size]
+        # The state byte goes last: a consumer never sees WRITTEN before the frame is complete.
+        SLOT.pack_into(mm, offset, TAKEN, 0, 0, generation, digest_of(key), size)
+        mm[offset] = WRITTEN
+        return {"segment": first.name, "offset": offset, "generation": generation, "frame": framed}
+
+    def clean_locked(self, key: str) -> None:
+        if self.cells is not None:
+            self.cells.clean(key, waiting=WRITTEN, free=FREE)
+
+    def waiting_locked(self) -> int:
+        """Cells holding a payload nobody has released yet."""
+        return len(self.cells) if self.cells is not None else 0
+
+
+def get(
+    from_stage: str, to_stage: str, get_key: str, metadata: dict, mapping: Mapping, counters: Counters
+) -> tuple[Any, int] | None:
+    """A tiny payload from its metadata (`frame`, or `inline` and `parts`); None for metadata of
+    another edge or key. The pool copy a `frame` names is released."""
+    if metadata.get("key") != edge_key(from_stage, to_stage, get_key):
+        return None  # metadata of another key or edge: never hand out its data
+    framed = metadata.get("frame")
+    try:
+        if framed is not None:
+            if type(framed) is not bytes:
+                return None
+            _release_copy(metadata, mapping)
+            data, size = codec.decode(framed), len(framed)
+        else:
+            inline, parts = metadata.get("inline"), metadata.get("parts")
+            data = codec.decode_parts(inline, parts)
+            size = len(inline) + sum(map(len, parts))
+    except codec.FrameError as exc:
+        counters.add("errors")
+        where = f"key {get_key!r} on edge {from_stage}->{to_stage}"
+        raise ConnectorError(f"SharedMemoryConnector: bad inline payload for {where}: {exc}") from None
+    counters.add_pair("gets", "bytes_got", size)
+    return data, size
+
+
+def _release_copy(metadata: dict, mapping: Mapping) -> bool:
+    """Release the pool copy of a tiny payload (put for gets by key); False if someone else took it or
+    it was freed. A producer that is gone took its copy along: the inline data stands."""
+    name, offset, generation = metadata.get("segment"), metadata.get("offset"), metadata.get("generation")
+    if type(name) is not str or type(offset) is not int or type(generation) is not int or offset < 0:
+        return False
+    mm = mapping(name)
+    if mm is None:
+        return True
+    if offset + SLOT_HEADER > len(mm):
+        return False
+    # Generations are unique within a producer: with the segment they name this one put.
+    state, slot_generation = STATE_AND_GENERATION.unpack_from(mm, offset)
+    if state != WRITTEN or slot_generation != generation:
+        return False
+    mm[offset] = RELEASED
+    return True
