@@ -40,6 +40,19 @@ def test_the_connector_bench_reports_every_figure(name: str) -> None:
     assert 0 < result["inproc_4k_s"] < 0.01
 
 
+@pytest.mark.parametrize("name", ["SharedMemoryConnector", "ZmqConnector"])
+def test_the_zero_copy_bench_puts_connector_empty_outputs(name: str) -> None:
+    """--zero-copy puts tensors from connector.empty(): the put is the bookkeeping alone, reported
+    against a memcpy of the same bytes, with the pool's growth and fallbacks (none here)."""
+    done = run_bench("--connector", name, "--sizes", "1MiB", "--zero-copy", "--no-raw", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["zero_copy"] is True and result["config"] == {}  # the connector's default config
+    (row,) = result["sizes"]
+    assert 0 < row["put_ratio_memcpy"] < 1, row  # a copy of the payload would take about one memcpy
+    assert row["pool_grown"] == 0 and row["fallbacks"] == 0 and row["fallbacks_after_first"] == 0, row
+
+
 def test_the_connector_bench_prints_a_table() -> None:
     done = run_bench("--sizes", "4KiB", "--no-raw")
     assert done.returncode == 0, done.stderr

@@ -15,6 +15,7 @@ import torch
 from test_shared_memory import Peer, connector, our_segments  # the same helper process and checks
 
 from omni_mesh import codec
+from omni_mesh.connectors import shm_index, shm_slots
 from omni_mesh.connectors.shared_memory import AUTO_CEILING_MAX, GROW_STEP
 from omni_mesh.connectors.shm_segments import owner_of, reap_orphaned_segments, shm_capacity
 
@@ -103,6 +104,37 @@ def test_idle_grown_segments_go_back_and_the_consumer_lets_go_of_them(consumer: 
         _, _, metadata = conn.put("a", "b", "r/1", value)
         assert metadata["segment"].endswith("_p2") and conn.health()["pool_grown"] == 2
         assert same(consumer.get("r/1", metadata), value)
+
+
+def test_get_by_key_alone_finds_payloads_in_grown_and_one_off_segments(consumer: Peer) -> None:
+    """The key index lives in the pool's first segment and names the segment each payload lies in: a
+    consumer holding only the key finds payloads in a grown segment and in a one-off alike."""
+    with connector({**SMALL_POOL, "max_pool_size": 20 * MiB}) as conn:
+        values = {f"k/{i}": payload(6, float(i)) for i in range(3)}
+        paths = [conn.put("a", "b", key, value)[2]["segment"][-3:] for key, value in values.items()]
+        assert paths == ["_p1", "_p1", "_x1"]
+        for key in reversed(values):  # no metadata at all: the key alone
+            assert same(consumer.get(key, None), values[key]), key
+            assert consumer.get(key, None) is None  # taken once
+        assert conn.health()["unindexed_puts"] == 0
+
+
+def test_a_grown_segment_goes_back_with_its_index_entries(consumer: Peer) -> None:
+    """A grown segment is released only once it holds no slot, and the index entries that pointed into
+    it are cleared first: a get by key then finds nothing, and no mapping of the segment is made."""
+    with connector({**SMALL_POOL, "pool_idle_release_s": 0.2}) as conn:
+        value = payload(6)
+        _, _, metadata = conn.put("a", "b", "gone/0", value)
+        grown = metadata["segment"]
+        conn.cleanup("gone")  # never consumed: freed, the segment now holds nothing
+        time.sleep(0.3)
+        assert conn.health()["pool_released"] == 1 and grown not in our_segments()
+        assert consumer.get("gone/0", None) is None
+        assert not any(grown in path for path in consumer.call("maps")["maps"])
+        # The first segment's index no longer names the grown segment anywhere.
+        first = conn._pool.first
+        digest = shm_slots.digest("a", "b", "gone/0")
+        assert shm_index.lookup(first.mm, shm_slots.POOL_HEADER, digest) == []
 
 
 def test_close_and_a_killed_producer_leave_no_grown_segment() -> None:

@@ -189,6 +189,24 @@ def test_zmq_empty_output_is_served_from_the_pool_without_a_copy(zmq_pair) -> No
     assert consumer.health()["errors"] == 0
 
 
+def test_zmq_a_dict_of_outputs_alone_is_sent_from_the_pool(zmq_pair) -> None:
+    """The usual stage output, a dict of empty() tensors and nothing else, takes the put's shortest path
+    (a cached header, no frame plan): still nothing is copied, and a second put of the same tensor
+    (another edge) is an ordinary one."""
+    producer, consumer = zmq_pair
+    hidden, other = filled(producer, seed=3), filled(producer, shape=(64, 3584), seed=4)
+    _, size, metadata = producer.put("a", "b", "d/0", {"hidden_states": hidden, "other": other})
+    assert size >= hidden.nbytes + other.nbytes
+    _, _, again = producer.put("a", "c", "d/0", {"hidden_states": hidden})  # copied: the put above sends it
+    hidden[0, 0], other[0, 0] = 42.0, 43.0  # after the puts: only the first one sees it
+    got, _ = consumer.get("a", "b", "d/0", metadata)
+    assert got["hidden_states"][0, 0] == 42.0 and got["other"][0, 0] == 43.0
+    assert torch.equal(got["hidden_states"][1:], hidden[1:]) and torch.equal(got["other"], other)
+    copied, _ = consumer.get("a", "c", "d/0", again)
+    assert copied["hidden_states"][0, 0] != 42.0 and torch.equal(copied["hidden_states"][1:], hidden[1:])
+    assert consumer.health()["errors"] == 0
+
+
 def test_zmq_output_slots_go_back_once_sent_and_dropped(zmq_pair) -> None:
     producer, consumer = zmq_pair
     producer.put("a", "b", "warm", b"x")
@@ -232,6 +250,31 @@ def test_te_empty_output_is_written_by_the_engine_from_the_pool(te_pair) -> None
     assert_same(got, want)
     del got, hidden
     gc.collect()
+
+
+def test_te_a_dict_of_outputs_alone_is_laid_out_in_place(te_pair) -> None:
+    """A dict of empty() tensors alone: its frame head goes into an output's headroom, the engine sends
+    head and tensors from the pool (nothing copied at put). A second put of the same output while the
+    first is held takes the general path, and both arrive; the regions go back once all is dropped."""
+    producer, consumer = te_pair
+    baseline = producer.health()["pool_in_use"]
+    hidden = filled(producer, seed=5)
+    keep = hidden.clone()
+    _, _, first = producer.put("a", "b", "d/0", {"hidden_states": hidden})
+    _, _, second = producer.put("a", "c", "d/0", {"hidden_states": hidden})  # the headroom is taken
+    assert first["addr"] != second["addr"]
+    hidden[0, 0] = 42.0  # after the puts: both are sent from the tensor itself
+    keep[0, 0] = 42.0
+    for edge, metadata in ((("a", "b"), first), (("a", "c"), second)):
+        got, _ = consumer.get(*edge, "d/0", metadata)
+        assert torch.equal(got["hidden_states"], keep), edge
+        del got
+    _, _, third = producer.put("a", "b", "d/1", {"hidden_states": hidden})  # headroom free again
+    assert third["addr"] == first["addr"]
+    producer.cleanup("d")
+    del hidden
+    gc.collect()
+    assert producer.health()["pool_in_use"] == baseline
 
 
 # ------------------------------------------------------------------ ctx.empty in a stage

@@ -203,7 +203,8 @@ def consumer_main(name: str, config_json: str, port: int) -> int:
 
 def _consume(connector: Any, message: dict) -> dict:
     received = time.perf_counter()
-    result = connector.get(*EDGE, message["key"], message["meta"])
+    # The stage runtime's blocking get: a plain get() is a poll that gives up after about a second.
+    result = connector.get_with_deadline(*EDGE, message["key"], message["meta"], deadline=time.monotonic() + 120)
     if result is not None and result[0]["hidden_states"].is_cuda:
         torch.cuda.synchronize()  # the mapping waits on the producer's event asynchronously
     got = time.perf_counter()
