@@ -10,8 +10,7 @@ import difflib
 from omni_mesh.connector_values import unset_variables
 from omni_mesh.connectors import ConnectorConfigError, available_connectors, connector_class
 from omni_mesh.connectors import _vllm_omni_keys as vllm_omni_keys
-from omni_mesh.topology.graph import Edges
-from omni_mesh.topology.model import ConnectorSpec, StageSpec, TopologyError, describe_edge
+from omni_mesh.topology.model import ConnectorSpec, Edges, StageSpec, TopologyError, describe_edge
 
 
 def check_connectors(

@@ -6,10 +6,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable
 
-from omni_mesh.topology.model import EdgeSpec, StageSpec, TopologyError, describe_stage
-
-#: The edges of a graph by (src, dst), as the parser merges them.
-Edges = dict[tuple[int, int], EdgeSpec]
+from omni_mesh.topology.model import Edges, StageSpec, TopologyError, describe_stage
 
 
 def check_graph(stages: dict[int, StageSpec], edges: Edges) -> list[int]:

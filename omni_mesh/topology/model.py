@@ -157,6 +157,10 @@ class Topology:
         }
 
 
+#: The edges of a graph by (src, dst), as the parser merges them.
+Edges = dict[tuple[int, int], EdgeSpec]
+
+
 def describe_stage(stage: StageSpec) -> str:
     """How error messages name a stage: `stage 1 'talker'`."""
     return f"stage {stage.stage_id} {stage.name!r}"

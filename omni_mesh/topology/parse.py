@@ -17,10 +17,11 @@ from omni_mesh import vllm_omni_deploy
 from omni_mesh.openai_section import OpenAISectionError, parse_openai_section
 from omni_mesh.topology.connector_checks import check_connectors
 from omni_mesh.topology.entries import CONNECTOR_KEYS, parse_connector_entry, parse_stage, positive_int
-from omni_mesh.topology.graph import Edges, check_graph, unconnected_warning
+from omni_mesh.topology.graph import check_graph, unconnected_warning
 from omni_mesh.topology.model import (
     AUTO_CONNECTOR,
     ConnectorSpec,
+    Edges,
     EdgeSpec,
     StageSpec,
     Topology,
