@@ -1,0 +1,139 @@
+"""`omni-mesh bench connector|pipeline|chaos`: the benchmarks, as a user runs them."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+
+from omni_mesh.cli.common import EXIT_OK, CliError, Command, Declare
+
+
+def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("bench", help="benchmarks: a connector, or a running pipeline")
+    kinds = parser.add_subparsers(dest="bench", metavar="KIND", required=True)
+    connector = kinds.add_parser("connector", help="cross-process put->get through one connector vs memcpy and raw")
+    connector.add_argument("--connector", default="SharedMemoryConnector", help="connector name")
+    connector.add_argument("--config", default="{}", help="the connector's extra: mapping, as JSON")
+    connector.add_argument("--sizes", default=None, help="comma-separated sizes (default 4KiB,1MiB,16MiB,256MiB)")
+    connector.add_argument("--no-raw", action="store_true", help="skip the raw-library baseline")
+    connector.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"], help="where the payload tensor lives (cuda: vs device copy_)"
+    )
+    connector.add_argument(
+        "--start-worker",
+        action="store_true",
+        help="YuanrongConnector: start a throwaway datasystem worker on loopback for the run (dscli)",
+    )
+    connector.add_argument(
+        "--zero-copy",
+        action="store_true",
+        help="allocate each payload with connector.empty() (its memory), so the put copies nothing",
+    )
+    connector.add_argument("--json", action="store_true", help="print the results as JSON")
+    pipeline = kinds.add_parser("pipeline", help="drive a mesh over HTTP with concurrent clients")
+    pipeline.add_argument("--url", default=None, help="coordinator URL of a running mesh")
+    pipeline.add_argument("--topology", default=None, help="start this topology with `up` for the run instead")
+    pipeline.add_argument("--concurrency", type=int, default=32)
+    pipeline.add_argument("--duration", type=float, default=10.0, help="seconds of load")
+    pipeline.add_argument("--inputs", default='{"prompt": "Hello"}', help="request inputs, as JSON")
+    pipeline.add_argument("--params", default="{}", help="request params, as JSON")
+    pipeline.add_argument("--timeout-s", type=float, default=30.0)
+    pipeline.add_argument(
+        "--security", choices=["both", "on", "off"], default=None,
+        help="with --topology: measure the control plane with CURVE on, off (OMNI_MESH_INSECURE=1), or both "
+        "in alternating rounds, each on a fresh mesh (default: both). --url measures the mesh as it runs",
+    )
+    pipeline.add_argument("--rounds", type=int, default=3, help="with --topology: rounds per security mode")
+    pipeline.add_argument(
+        "--stream", action="store_true",
+        help="send stream: true and read the events: time to the first chunk and to the first audio chunk",
+    )
+    pipeline.add_argument("--json", action="store_true", help="print the results as JSON")
+    chaos = kinds.add_parser(
+        "chaos", help="soak: checked load while replicas are SIGKILLed; non-zero exit if an invariant breaks"
+    )
+    chaos.add_argument(
+        "--topology", default=None,
+        help="a chain of omni_mesh.bench.chaos_handlers:step stages (default: 3 stages x --replicas, shared memory)",
+    )
+    chaos.add_argument("--replicas", type=int, default=2, help="replicas per stage of the default topology")
+    chaos.add_argument("--duration", type=float, default=180.0, help="seconds of load and kills")
+    chaos.add_argument("--concurrency", type=int, default=8, help="concurrent clients")
+    chaos.add_argument("--kill-every", type=float, default=4.0, help="mean seconds between SIGKILLs")
+    chaos.add_argument("--timeout-s", type=float, default=10.0, help="each request's deadline")
+    chaos.add_argument("--seed", type=int, default=None, help="seed of the kill schedule (default: random, printed)")
+    chaos.add_argument("--json", action="store_true", help="print the results as JSON")
+    return parser
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench == "connector":
+        from omni_mesh.bench import connector
+
+        config = _json_arg(args.config, "--config")
+        if args.device == "cuda" and not connector.torch.cuda.is_available():
+            raise CliError("--device cuda: this machine has no CUDA device")
+        sizes = connector.parse_sizes(args.sizes)
+        with contextlib.ExitStack() as stack:
+            if args.start_worker:
+                if args.connector != "YuanrongConnector":
+                    raise CliError("--start-worker starts a datasystem worker: it is for YuanrongConnector")
+                from omni_mesh.testing.datasystem_worker import running_worker
+
+                config = {**config, **stack.enter_context(running_worker()).config}
+            result = connector.run(
+                args.connector, config, sizes, raw=not args.no_raw, device=args.device, zero_copy=args.zero_copy
+            )
+        print(json.dumps(result, indent=2) if args.json else connector.report(result))
+        return EXIT_OK
+    if args.bench == "chaos":
+        from omni_mesh.bench import chaos
+
+        for flag in ("replicas", "duration", "concurrency", "kill_every", "timeout_s"):
+            if not getattr(args, flag) > 0:
+                raise CliError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+        try:
+            result = chaos.run(
+                topology=args.topology, duration_s=args.duration, concurrency=args.concurrency,
+                kill_every_s=args.kill_every, timeout_s=args.timeout_s, seed=args.seed, replicas=args.replicas,
+            )
+        except ValueError as exc:  # not a chain of the chaos handler, or not a topology at all
+            raise CliError(str(exc)) from None
+        print(json.dumps(result, indent=2) if args.json else chaos.report(result))
+        return 1 if chaos.broken(result) else EXIT_OK  # 1: an invariant broke (the report says which)
+    from omni_mesh.bench import pipeline
+
+    if bool(args.url) == bool(args.topology):
+        raise CliError("pass exactly one of --url (a running mesh) or --topology (start one for the run)")
+    if args.url and args.security:
+        raise CliError("--security picks how the bench starts the mesh: it needs --topology, not --url")
+    if args.rounds < 1:
+        raise CliError(f"--rounds must be >= 1, got {args.rounds}")
+    result = pipeline.run(
+        url=args.url,
+        topology=args.topology,
+        concurrency=args.concurrency,
+        duration_s=args.duration,
+        inputs=_json_arg(args.inputs, "--inputs"),
+        params=_json_arg(args.params, "--params"),
+        timeout_s=args.timeout_s,
+        security=args.security or "both",
+        rounds=args.rounds,
+        stream=args.stream,
+    )
+    print(json.dumps(result, indent=2) if args.json else pipeline.report(result))
+    return EXIT_OK
+
+
+def _json_arg(text: str, flag: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CliError(f"{flag}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise CliError(f"{flag}: expected a JSON object, got {text!r}")
+    return value
+
+
+COMMANDS: dict[str, tuple[Declare, Command]] = {"bench": (_add_bench, _cmd_bench)}

@@ -1,0 +1,196 @@
+"""The commands that run services: `coordinator`, `stage`, and `up` (the coordinator and every
+replica as local processes), with the REST front door's flags `coordinator` and `up` share."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from omni_mesh.cli.common import EXIT_OK, CliError, Command, Declare, HelpWithDefaults
+from omni_mesh.topology import load_topology
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+# The REST front door, shared by `coordinator` and `up` (which hands them to its coordinator).
+ENV_API_KEY = "OMNI_MESH_API_KEY"
+HEADER_TIMEOUT_S = 5.0  # = omni_mesh.coordinator.http_limits' defaults (not imported: it loads uvicorn)
+BODY_TIMEOUT_S = 10.0
+
+
+def _add_rest_flags(parser: argparse.ArgumentParser) -> None:
+    rest = parser.add_argument_group("REST front door")
+    rest.add_argument(
+        "--api-key", metavar="KEY", default=None,
+        help=f"clients must send 'Authorization: Bearer KEY' on every route but /health (default: ${ENV_API_KEY}; "
+        "unset: no key). Prefer the variable: a flag's value shows in ps",
+    )
+    rest.add_argument(
+        "--ssl-certfile", metavar="PEM", default=os.environ.get("OMNI_MESH_SSL_CERTFILE"),
+        help="serve HTTPS with this certificate (chain); needs --ssl-keyfile ($OMNI_MESH_SSL_CERTFILE)",
+    )
+    rest.add_argument(
+        "--ssl-keyfile", metavar="PEM", default=os.environ.get("OMNI_MESH_SSL_KEYFILE"),
+        help="the certificate's private key ($OMNI_MESH_SSL_KEYFILE)",
+    )
+    rest.add_argument(
+        "--header-timeout-s", type=float, default=HEADER_TIMEOUT_S,
+        help="a client that has not sent a request's headers by then is answered 408 and closed",
+    )
+    rest.add_argument(
+        "--body-timeout-s", type=float, default=BODY_TIMEOUT_S,
+        help="the same for the body, counted from the end of the headers (16 MiB in 10 s: 1.7 MB/s)",
+    )
+
+
+def _rest_settings(args: argparse.Namespace) -> dict:
+    """The REST flags, checked, as serve()'s keyword arguments."""
+    key = args.api_key if args.api_key is not None else os.environ.get(ENV_API_KEY)
+    tls = {"ssl_certfile": args.ssl_certfile or None, "ssl_keyfile": args.ssl_keyfile or None}
+    if bool(tls["ssl_certfile"]) != bool(tls["ssl_keyfile"]):
+        raise CliError("HTTPS needs both --ssl-certfile and --ssl-keyfile (PEM files); pass both, or neither")
+    for name, path in tls.items():
+        if path and not os.access(path, os.R_OK):
+            raise CliError(f"--{name.replace('_', '-')} {path}: no such readable file")
+    for name in ("header_timeout_s", "body_timeout_s"):
+        if not getattr(args, name) > 0:
+            raise CliError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}")
+    return {"api_key": key or None, **tls, "header_timeout_s": args.header_timeout_s,
+            "body_timeout_s": args.body_timeout_s}
+
+
+def _add_coordinator(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "coordinator",
+        help="run the coordinator (REST API, replica registry, dispatch) alone",
+        description="Run the coordinator service. Stage replicas connect to its control endpoint.",
+        formatter_class=HelpWithDefaults,
+    )
+    parser.add_argument("topology", metavar="TOPOLOGY", nargs="?", default=os.environ.get("OMNI_MESH_TOPOLOGY"))
+    # Loopback unless told otherwise; a container sets OMNI_MESH_HOST=0.0.0.0 to publish the port.
+    parser.add_argument("--host", default=_env("OMNI_MESH_HOST", "127.0.0.1"), help="REST bind address ($OMNI_MESH_HOST)")
+    parser.add_argument("--port", type=int, default=int(_env("OMNI_MESH_PORT", "8000")), help="REST port")
+    parser.add_argument(
+        "--control", default=_env("OMNI_MESH_CONTROL_BIND", "tcp://0.0.0.0:5555"), help="ZeroMQ control endpoint to bind"
+    )
+    parser.add_argument("--timeout-s", type=float, default=float(_env("OMNI_MESH_TIMEOUT_S", "30")),
+                        help="deadline of requests that set no timeout_s")
+    # = coordinator.registry.HEARTBEAT_TIMEOUT_S (not imported: parsing must stay light)
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=5.0, help="silence after which a replica is dead")
+    parser.add_argument("--grace-s", type=float, default=10.0, help="time in-flight requests get on shutdown")
+    _add_rest_flags(parser)
+    return parser
+
+
+def _cmd_coordinator(args: argparse.Namespace) -> int:
+    import logging
+
+    from omni_mesh import aio
+    from omni_mesh.coordinator import serve
+
+    topology = load_topology(_topology_arg(args))
+    rest = _rest_settings(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
+    aio.run(
+        serve(
+            topology,
+            host=args.host,
+            port=args.port,
+            control=args.control,
+            default_timeout_s=args.timeout_s,
+            heartbeat_timeout_s=args.heartbeat_timeout_s,
+            grace_s=args.grace_s,
+            **rest,
+        )
+    )
+    return EXIT_OK
+
+
+def _add_stage(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "stage",
+        help="run one replica of one stage",
+        description="Run one stage replica; it registers with the coordinator at --coordinator.",
+    )
+    parser.add_argument("topology", metavar="TOPOLOGY", nargs="?", default=os.environ.get("OMNI_MESH_TOPOLOGY"))
+    parser.add_argument("--stage", default=os.environ.get("OMNI_MESH_STAGE"), help="stage name or id")
+    parser.add_argument(
+        "--coordinator", default=_env("OMNI_MESH_COORDINATOR", "tcp://127.0.0.1:5555"), help="coordinator control endpoint"
+    )
+    parser.add_argument("--replica", default=os.environ.get("OMNI_MESH_REPLICA"), help="replica id (default: stage-host-pid)")
+    parser.add_argument("--host", default=os.environ.get("OMNI_MESH_ADVERTISE_HOST"), help="host name to report")
+    parser.add_argument(
+        "--health-file",
+        default=os.environ.get("OMNI_MESH_HEALTH_FILE"),
+        help="touched at every heartbeat while registered (for container health checks)",
+    )
+    return parser
+
+
+def _cmd_stage(args: argparse.Namespace) -> int:
+    from omni_mesh.stage import main_stage
+
+    topology = load_topology(_topology_arg(args))
+    if not args.stage:
+        raise CliError("which stage? pass --stage NAME (or set OMNI_MESH_STAGE)")
+    stage = topology.stage(int(args.stage) if args.stage.isdigit() else args.stage)
+    if not stage.handler:
+        raise CliError(f"stage {stage.name!r} ({stage.stage_id}) has no handler: set `handler: module:function`")
+    return main_stage(
+        topology, stage.name, args.coordinator, replica_id=args.replica, host=args.host, health_file=args.health_file
+    )
+
+
+def _add_up(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "up",
+        help="run the coordinator and every stage replica locally",
+        description="Start the coordinator and every replica as local processes; Ctrl-C stops them all.",
+        formatter_class=HelpWithDefaults,
+    )
+    parser.add_argument("topology", metavar="TOPOLOGY")
+    parser.add_argument("--host", default="127.0.0.1", help="REST bind address")
+    parser.add_argument("--port", type=int, default=8000, help="REST port")
+    parser.add_argument("--timeout-s", type=float, default=30.0, help="deadline of requests that set no timeout_s")
+    _add_rest_flags(parser)
+    return parser
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from omni_mesh.launcher import run_up
+
+    topology = load_topology(args.topology)
+    rest = _rest_settings(args)
+    # The coordinator reads the key from its environment, which it inherits: never from its argv,
+    # which ps shows to every user of the machine.
+    if rest["api_key"]:
+        os.environ[ENV_API_KEY] = rest["api_key"]
+    else:
+        os.environ.pop(ENV_API_KEY, None)
+    coordinator_args = [
+        "--timeout-s", str(args.timeout_s),
+        "--header-timeout-s", str(rest["header_timeout_s"]),
+        "--body-timeout-s", str(rest["body_timeout_s"]),
+    ]
+    try:
+        return run_up(
+            topology, host=args.host, port=args.port, coordinator_args=coordinator_args,
+            api_key=rest["api_key"], ssl_certfile=rest["ssl_certfile"], ssl_keyfile=rest["ssl_keyfile"],
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _topology_arg(args: argparse.Namespace) -> str:
+    if not args.topology:
+        raise CliError("which topology? pass TOPOLOGY (or set OMNI_MESH_TOPOLOGY)")
+    return args.topology
+
+
+COMMANDS: dict[str, tuple[Declare, Command]] = {
+    "up": (_add_up, _cmd_up),
+    "coordinator": (_add_coordinator, _cmd_coordinator),
+    "stage": (_add_stage, _cmd_stage),
+}

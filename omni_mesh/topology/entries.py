@@ -1,0 +1,117 @@
+"""One stage or connector entry of a topology file, read and checked on its own."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from omni_mesh.connector_values import read_extra
+from omni_mesh.connectors import available_connectors, connector_class
+from omni_mesh.topology.model import AUTO_CONNECTOR, ConnectorSpec, StageSpec, TopologyError
+
+# Stage keys the topology interprets (the edge keys in `parse`); any other key is kept verbatim in StageSpec.options.
+_STAGE_KEYS = frozenset(
+    {
+        "stage_id",
+        "name",
+        "handler",
+        "replicas",
+        "max_inflight",
+        "max_queued",
+        "final_output",
+        "engine_input_source",
+        "input_connectors",
+        "output_connectors",
+    }
+)
+#: The keys of a connector entry.
+CONNECTOR_KEYS = frozenset({"name", "extra"})
+# Stage names become compose service names, shared-memory name parts and keys of `outputs`.
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_HANDLER = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def parse_stage(entry: Any, index: int, defaults: dict[str, int]) -> StageSpec:
+    if not isinstance(entry, dict):
+        raise TopologyError(f"stage #{index}: a stage is a mapping with a stage_id, got {entry!r}")
+    if "stage_id" not in entry:
+        raise TopologyError(f"stage #{index} has no stage_id; give every stage an integer stage_id")
+    sid = entry["stage_id"]
+    if isinstance(sid, str) and sid.isdigit():  # vllm-omni compares stage ids as strings: "1" is 1
+        sid = int(sid)
+    if not isinstance(sid, int) or isinstance(sid, bool) or sid < 0:
+        raise TopologyError(f"stage #{index}: stage_id must be a non-negative integer, got {sid!r}")
+    name = entry.get("name", f"stage_{sid}")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise TopologyError(
+            f"stage {sid}: name must be letters, digits, '_', '.' or '-' (starting with a letter or digit), "
+            f"got {name!r}"
+        )
+    who = f"stage {sid} {name!r}"
+    handler = entry.get("handler")
+    if handler is not None and (not isinstance(handler, str) or not _HANDLER.match(handler)):
+        raise TopologyError(f"{who}: handler must look like 'package.module:function', got {handler!r}")
+    final_output = entry.get("final_output", False)
+    if not isinstance(final_output, bool):
+        raise TopologyError(f"{who}: final_output must be true or false, got {final_output!r}")
+    return StageSpec(
+        stage_id=sid,
+        name=name,
+        handler=handler,
+        replicas=positive_int(entry.get("replicas", defaults.get("replicas", 1)), f"{who}: replicas"),
+        max_inflight=positive_int(
+            entry.get("max_inflight", defaults.get("max_inflight", 8)), f"{who}: max_inflight"
+        ),
+        max_queued=_optional_count(entry.get("max_queued"), f"{who}: max_queued"),
+        final_output=final_output,
+        options={key: value for key, value in entry.items() if key not in _STAGE_KEYS},
+    )
+
+
+def parse_connector_entry(entry: Any, ref: str, who: str, *, unknown_keys_ok: bool = False) -> ConnectorSpec:
+    """One connector; `extra` with variables expanded and numeric strings read as vllm-omni reads them."""
+    if not isinstance(entry, dict):
+        raise TopologyError(
+            f"{who}: a connector is a mapping {{name: <type>, extra: {{...}}}}, got {entry!r}"
+        )
+    if "name" not in entry:
+        raise TopologyError(
+            f"{who} has no name: key; set it to a connector type ({', '.join(available_connectors())})"
+        )
+    name = entry["name"]
+    if not isinstance(name, str) or not name:
+        raise TopologyError(f"{who}: name must be a connector type such as {AUTO_CONNECTOR!r}, got {name!r}")
+    unknown = sorted(set(entry) - CONNECTOR_KEYS, key=str)
+    if unknown and not unknown_keys_ok:
+        raise TopologyError(f"{who}: unknown key {unknown[0]!r} (a connector has name: and extra:)")
+    extra = entry.get("extra") or {}
+    if not isinstance(extra, dict):
+        raise TopologyError(f"{who}: extra must be a mapping, got {extra!r}")
+    extra = read_extra(extra, _config_class_of(name))
+    return ConnectorSpec(ref=ref, name=name, extra=extra, auto=False)
+
+
+def _config_class_of(connector_name: str) -> Any:
+    """The config dataclass of a connector type (None for a type that does not load)."""
+    try:
+        cls = connector_class(connector_name)
+    except (ValueError, ImportError):
+        return None  # reported with the edges that use it
+    return getattr(cls, "config_class", None)
+
+
+def positive_int(value: Any, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise TopologyError(f"{what} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _optional_count(value: Any, what: str) -> int | None:
+    """An optional integer >= 0 (null or absent: the default applies)."""
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise TopologyError(
+            f"{what} must be an integer >= 0 (0: never queue), got {value!r}; or leave it out"
+        )
+    return value

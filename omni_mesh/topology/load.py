@@ -1,0 +1,56 @@
+"""Reading a topology file: its YAML, with errors that name the line, and its directory on sys.path."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import yaml
+
+from omni_mesh.topology.model import Topology, TopologyError
+from omni_mesh.topology.parse import parse_topology
+
+
+def load_topology(path: str | Path) -> Topology:
+    """Read and validate a topology file; its directory becomes the topology's `base_dir`."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise TopologyError(f"{path}: topology file not found; check the path") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TopologyError(f"{path}: cannot read topology file: {exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise TopologyError(_yaml_error_message(path, exc)) from None
+    if data is None:
+        raise TopologyError(f"{path}: the file is empty; a topology needs at least a stages: list")
+    base_dir = path.resolve().parent
+    topology = parse_topology(data, source=str(path), base_dir=base_dir, default_name=path.stem)
+    topology.path = path.resolve()
+    return topology
+
+
+def _yaml_error_message(path: Path, exc: yaml.YAMLError) -> str:
+    problem_mark = getattr(exc, "problem_mark", None)
+    context_mark = getattr(exc, "context_mark", None)
+    mark = problem_mark or context_mark
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    detail = getattr(exc, "problem", None) or str(exc)
+    context = getattr(exc, "context", None)
+    if context and context_mark is not None and context_mark is not mark:
+        detail += f" ({context} that starts at line {context_mark.line + 1})"
+    elif context:
+        detail += f" ({context})"
+    return f"{where}: invalid YAML: {detail}; fix the syntax there"
+
+
+def add_to_sys_path(topology: Topology) -> None:
+    """Put the topology's directory first on sys.path, so handlers next to the file import."""
+    if topology.base_dir is None:
+        return
+    entry = str(topology.base_dir)
+    while entry in sys.path:
+        sys.path.remove(entry)
+    sys.path.insert(0, entry)

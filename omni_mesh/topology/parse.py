@@ -1,0 +1,352 @@
+"""The parser: a topology mapping (either layout) -> stages, connectors and the edges between them.
+
+An edge may be declared in several places (`engine_input_source`, `input_connectors`,
+`output_connectors`, `edges:`); the declarations are collected, merged into one edge per (src, dst)
+and given their connector, then `graph` checks the graph and `connector_checks` the connectors.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omni_mesh import vllm_omni_deploy
+from omni_mesh.openai_section import OpenAISectionError, parse_openai_section
+from omni_mesh.topology.connector_checks import check_connectors
+from omni_mesh.topology.entries import CONNECTOR_KEYS, parse_connector_entry, parse_stage, positive_int
+from omni_mesh.topology.graph import check_graph, unconnected_warning
+from omni_mesh.topology.model import (
+    AUTO_CONNECTOR,
+    ConnectorSpec,
+    Edges,
+    EdgeSpec,
+    StageSpec,
+    Topology,
+    TopologyError,
+    describe_edge,
+    describe_stage,
+    stage_list,
+)
+from omni_mesh.topology.sections import Sections
+
+_EDGE_KEYS = frozenset({"from", "to", "connector"})
+# Edge keys vllm-omni files carry for its own scheduler; accepted and ignored here.
+_IGNORED_EDGE_KEYS = frozenset({"window_size"})
+_DEFAULT_KEYS = ("replicas", "max_inflight")
+
+_FROM_KEY = re.compile(r"^from_stage_(\d+)$")
+_TO_KEY = re.compile(r"^to_stage_(\d+)$")
+
+
+def parse_topology(
+    data: Any,
+    *,
+    source: str = "<topology>",
+    base_dir: Path | None = None,
+    default_name: str = "topology",
+) -> Topology:
+    """Validate an already-parsed topology mapping. Errors are prefixed with `source`."""
+    try:
+        prepared = vllm_omni_deploy.prepare(data, name=default_name, base_dir=base_dir)
+        parser = _Parser(prepared.data, default_name, prepared)
+        topology = parser.build(base_dir)
+    except (TopologyError, vllm_omni_deploy.DeployFileError) as exc:
+        raise TopologyError(f"{source}: {exc}") from None
+    topology.graph_from = prepared.graph_from
+    topology.warnings = [*prepared.warnings, *parser.warnings]
+    return topology
+
+
+@dataclass
+class _EdgeDecl:
+    """One place in the file that declares an edge, and the connector it names there (if any)."""
+
+    src: int
+    dst: int
+    connector: ConnectorSpec | None
+    where: str
+
+
+class _Parser:
+    def __init__(
+        self, data: Any, default_name: str, prepared: vllm_omni_deploy.PreparedFile | None = None
+    ) -> None:
+        if not isinstance(data, dict):
+            raise TopologyError(
+                f"a topology must be a mapping with a stages: list, got {type(data).__name__}"
+            )
+        self.data = data
+        self.default_name = default_name
+        self.sections = Sections(data)
+        self.stages: dict[int, StageSpec] = {}  # by id, in file order
+        self.raw_stages: dict[int, dict] = {}
+        self.connectors: dict[str, ConnectorSpec] = {}
+        # Connector entries that failed to parse: an error only once an edge names them.
+        self.broken_connectors: dict[str, str] = {}
+        self.warnings: list[str] = []
+        self.prepared = prepared or vllm_omni_deploy.PreparedFile(data)
+        # vllm-omni's files (stage_args:, deploy files) get its loader's leniency where it ignores
+        # something; omni-mesh's own layout is checked strictly.
+        self.lenient = "stage_args" in data or self.prepared.is_deploy
+
+    # -- build -------------------------------------------------------------------------------------
+
+    def build(self, base_dir: Path | None) -> Topology:
+        name = self.data.get("name", self.default_name)
+        if not isinstance(name, str) or not name:
+            raise TopologyError(f"name: must be a non-empty string, got {name!r}")
+        defaults = self._defaults()
+        self._parse_stages(defaults)
+        self._parse_connectors()
+        decls = self._edge_decls()
+        edges = self._merge_edges(decls)
+        order = check_graph(self.stages, edges)
+        self._note_unconnected(edges)
+        self.warnings.extend(check_connectors(self.connectors, self.broken_connectors, self.stages, edges))
+        position = {sid: index for index, sid in enumerate(order)}
+        edge_list = sorted(edges.values(), key=lambda e: (position[e.src], position[e.dst]))
+        topology = Topology(
+            name=name,
+            stages=[self.stages[sid] for sid in order],
+            edges=edge_list,
+            connectors=self.connectors,
+            path=None,
+            base_dir=base_dir,
+        )
+        try:
+            topology.openai = parse_openai_section(self.data.get("openai"), topology)
+        except OpenAISectionError as exc:
+            raise TopologyError(str(exc)) from None
+        return topology
+
+    def _defaults(self) -> dict[str, int]:
+        """`defaults: {replicas, max_inflight}` (also under runtime:, as vllm-omni writes them)."""
+        merged = self.sections.mapping("defaults", "default")
+        return {key: positive_int(merged[key], f"defaults.{key}") for key in _DEFAULT_KEYS if key in merged}
+
+    # -- stages ------------------------------------------------------------------------------------
+
+    def _parse_stages(self, defaults: dict[str, int]) -> None:
+        raw = self._stage_list()
+        names: dict[str, int] = {}
+        for index, entry in enumerate(raw):
+            stage = parse_stage(entry, index, defaults)
+            if stage.stage_id in self.stages:
+                other = self.stages[stage.stage_id]
+                raise TopologyError(
+                    f"duplicate stage id {stage.stage_id}: stages {other.name!r} and {stage.name!r} both use it; "
+                    "give each stage its own stage_id"
+                )
+            if stage.name in names:
+                raise TopologyError(
+                    f"duplicate stage name {stage.name!r}: stages {names[stage.name]} and {stage.stage_id} both "
+                    "use it; give each stage its own name"
+                )
+            names[stage.name] = stage.stage_id
+            self.stages[stage.stage_id] = stage
+            self.raw_stages[stage.stage_id] = entry
+        if self.prepared.missing_graph:
+            raise TopologyError(self.prepared.missing_graph)
+
+    def _stage_list(self) -> list:
+        if "stages" in self.data and "stage_args" in self.data:
+            raise TopologyError(
+                "both stages: and stage_args: are set; list the stages under only one of them"
+            )
+        key = "stage_args" if "stage_args" in self.data else "stages"
+        raw = self.data.get(key)
+        if raw is None:
+            raise TopologyError("no stages: add a stages: list (stage_args: in vllm-omni files)")
+        if not isinstance(raw, list) or not raw:
+            raise TopologyError(f"{key}: must be a non-empty list of stages")
+        return raw
+
+    def describe(self, stage_id: int) -> str:
+        return describe_stage(self.stages[stage_id])
+
+    def describe_edge(self, src: int, dst: int) -> str:
+        return describe_edge(self.stages, src, dst)
+
+    # -- connectors --------------------------------------------------------------------------------
+
+    def _parse_connectors(self) -> None:
+        for ref, entry in self.sections.mapping("connectors", "connector").items():
+            if not isinstance(ref, str):
+                raise TopologyError(f"connector key {ref!r} must be a string")
+            try:
+                self.connectors[ref] = self._connector_entry(entry, ref, f"connector {ref!r}")
+            except TopologyError as exc:  # vllm-omni reads a connector only when an edge names it
+                self.broken_connectors[ref] = str(exc)
+
+    def _connector_entry(self, entry: Any, ref: str, who: str) -> ConnectorSpec:
+        spec = parse_connector_entry(entry, ref, who, unknown_keys_ok=self.lenient)
+        unknown = sorted(set(entry) - CONNECTOR_KEYS, key=str)
+        if unknown:  # only reached when lenient: vllm-omni reads name and extra, nothing else
+            self.warnings.append(
+                f"{who}: key(s) {', '.join(map(repr, unknown))} ignored (a connector has name: and extra:)"
+            )
+        return spec
+
+    def _resolve_connector(self, value: Any, src: int, dst: int, where: str) -> ConnectorSpec | None:
+        """A connector named at `where`: a ref into `connectors:`, an inline {name, extra}, or null."""
+        if value is None:
+            return None
+        if isinstance(value, str):
+            spec = self.connectors.get(value)
+            if spec is None and value in self.broken_connectors:
+                raise TopologyError(
+                    f"{self.describe_edge(src, dst)}: {where} names connector {value!r}, which is invalid: "
+                    f"{self.broken_connectors[value]}"
+                )
+            if spec is None:
+                defined = ", ".join(sorted(self.connectors)) or "none"
+                raise TopologyError(
+                    f"{self.describe_edge(src, dst)}: {where} names connector {value!r}, which is not defined "
+                    f"under connectors: (defined: {defined}); define it there or fix the name"
+                )
+            return spec
+        if isinstance(value, dict):
+            # vllm-omni also allows the connector inline: {name: ..., extra: {...}}.
+            return self._connector_entry(
+                value, f"inline_{src}_{dst}", f"{self.describe_edge(src, dst)}: {where}"
+            )
+        raise TopologyError(
+            f"{self.describe_edge(src, dst)}: {where}: a connector is a name defined under connectors: "
+            f"or a {{name: ..., extra: {{...}}}} mapping, got {value!r}"
+        )
+
+    # -- edges -------------------------------------------------------------------------------------
+
+    def _stage_ref(self, value: Any, where: str) -> int:
+        """A stage named by id (or by name, in edges:) that must exist."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value in self.stages:
+                return value
+        elif isinstance(value, str):
+            for stage in self.stages.values():
+                if stage.name == value:
+                    return stage.stage_id
+            if value.isdigit() and int(value) in self.stages:  # vllm-omni compares ids as strings
+                return int(value)
+        raise TopologyError(
+            f"{where} names stage {value!r}, which is not defined (stages: {stage_list(self.stages.values())}); "
+            "fix the reference or add the stage"
+        )
+
+    def _edge_decls(self) -> list[_EdgeDecl]:
+        decls: list[_EdgeDecl] = []
+        for sid, raw in self.raw_stages.items():
+            decls.extend(self._stage_edge_decls(sid, raw))
+        for where, entry in self.sections.edge_entries():
+            decl = self._edge_entry_decl(entry, where)
+            if decl is not None:
+                decls.append(decl)
+        return decls
+
+    def _stage_edge_decls(self, sid: int, raw: dict) -> Iterable[_EdgeDecl]:
+        who = self.describe(sid)
+        sources = raw.get("engine_input_source")
+        if sources is not None:
+            if not isinstance(sources, list):
+                raise TopologyError(f"{who}: engine_input_source must be a list of stage ids, e.g. [0]")
+            for src_value in sources:
+                src = self._stage_ref(src_value, f"{who}: engine_input_source")
+                yield _EdgeDecl(src, sid, None, f"{who} engine_input_source")
+        for key, (pattern, example) in (
+            ("input_connectors", (_FROM_KEY, "from_stage_0")),
+            ("output_connectors", (_TO_KEY, "to_stage_1")),
+        ):
+            mapping = raw.get(key)
+            if mapping is None:
+                continue
+            if not isinstance(mapping, dict):
+                raise TopologyError(f"{who}: {key} must be a mapping such as {{{example}: <connector>}}")
+            for item, value in mapping.items():
+                match = pattern.match(str(item))
+                if not match:
+                    raise TopologyError(
+                        f"{who}: {key} key {item!r} is malformed; write {example.rsplit('_', 1)[0]}_<stage id>, "
+                        f"e.g. {example}"
+                    )
+                other = self._stage_ref(int(match.group(1)), f"{who}: {key}.{item}")
+                src, dst = (other, sid) if key == "input_connectors" else (sid, other)
+                where = f"{who} {key}.{item}"
+                yield _EdgeDecl(src, dst, self._resolve_connector(value, src, dst, where), where)
+
+    def _edge_entry_decl(self, entry: Any, where: str) -> _EdgeDecl | None:
+        """One edges: entry. In vllm-omni's files such an entry only picks the connector of an edge
+        (engine_input_source carries the data), and its loader skips what it cannot use: so do we,
+        with a warning."""
+        if not isinstance(entry, dict) or entry.get("from") is None or entry.get("to") is None:
+            message = f"{where}: an edge is a mapping {{from: <stage>, to: <stage>}}, got {entry!r}"
+            return self._skip_edge(message, "skipped")
+        unknown = sorted(set(entry) - _EDGE_KEYS - _IGNORED_EDGE_KEYS, key=str)
+        if unknown:
+            message = f"{where}: unknown key(s) {', '.join(map(repr, unknown))} in edge entry (allowed: connector, from, to)"
+            self._skip_edge(message, "ignored")
+        try:
+            src = self._stage_ref(entry["from"], f"{where}: from")
+            dst = self._stage_ref(entry["to"], f"{where}: to")
+        except TopologyError as exc:
+            return self._skip_edge(str(exc), "skipped: vllm-omni builds no stage for it")
+        return _EdgeDecl(src, dst, self._resolve_connector(entry.get("connector"), src, dst, where), where)
+
+    def _skip_edge(self, message: str, what: str) -> None:
+        """Raise `message`, or in a vllm-omni file record it as a warning (`what` happened instead)."""
+        if not self.lenient:
+            raise TopologyError(message)
+        self.warnings.append(f"{message}; {what}")
+
+    def _merge_edges(self, decls: list[_EdgeDecl]) -> Edges:
+        """One edge per (src, dst); every declaration that names a connector must name the same one."""
+        chosen: dict[tuple[int, int], _EdgeDecl] = {}
+        for decl in decls:
+            key = (decl.src, decl.dst)
+            first = chosen.get(key)
+            if first is None or (first.connector is None and decl.connector is not None):
+                chosen[key] = decl
+                continue
+            if decl.connector is not None and decl.connector != first.connector:
+                raise TopologyError(
+                    f"{self.describe_edge(*key)}: {first.where} names connector {first.connector.ref!r} "
+                    f"({first.connector.name}) but {decl.where} names {decl.connector.ref!r} "
+                    f"({decl.connector.name}); name the same connector on both sides, or on one side only"
+                )
+        auto_shm = self.sections.flag("auto_shm", True)
+        edges: Edges = {}
+        for key, decl in sorted(chosen.items()):
+            connector = decl.connector
+            if connector is None:
+                connector = self._auto_connector(*key, auto_shm)
+            elif self.connectors.setdefault(connector.ref, connector) != connector:  # registers inline ones
+                raise TopologyError(
+                    f"{self.describe_edge(*key)}: {decl.where} defines an inline connector whose ref "
+                    f"{connector.ref!r} is also a key under connectors:; rename that connector"
+                )
+            edges[key] = EdgeSpec(key[0], key[1], connector)
+        return edges
+
+    def _auto_connector(self, src: int, dst: int, auto_shm: bool) -> ConnectorSpec:
+        if not auto_shm:
+            raise TopologyError(
+                f"{self.describe_edge(src, dst)} names no connector and auto_shm is false; name one with "
+                f"input_connectors: {{from_stage_{src}: <ref>}} on {self.describe(dst)} (or "
+                f"output_connectors: {{to_stage_{dst}: <ref>}} on {self.describe(src)}), or set auto_shm: true"
+            )
+        ref = f"auto_shm_{src}_{dst}"
+        while ref in self.connectors:  # never shadow a user-defined connector of the same name
+            ref += "_auto"
+        spec = ConnectorSpec(ref=ref, name=AUTO_CONNECTOR, extra={}, auto=True)
+        self.connectors[ref] = spec
+        return spec
+
+    def _note_unconnected(self, edges: Edges) -> None:
+        """Stages without any edge each run alone; vllm-omni files mean that only with `modes:`."""
+        if not self.lenient or "modes" in self.data:
+            return
+        warning = unconnected_warning(self.stages, edges)
+        if warning is not None:
+            self.warnings.append(warning)
