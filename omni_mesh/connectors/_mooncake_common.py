@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from omni_mesh import codec
+from omni_mesh.connectors import _growth
 from omni_mesh.connectors._addresses import resolve_host as resolve_host  # the shared rule, re-exported
 from omni_mesh.connectors.allocator import PoolAllocator, frame_alignment, round_up
 from omni_mesh.connectors.base import ConnectorConfigError, ConnectorError
@@ -145,19 +146,6 @@ def _uncounted() -> None:
     """A pool without an owner's counters."""
 
 
-GROW_STEP = 16 << 20  # regions a growing RegisteredPool adds are sized in these steps
-
-
-def auto_ceiling(first: int, ceiling: int) -> int:
-    """A growing pool's ceiling: `ceiling`, or 0 for min(half of RAM, 8 GiB); never below `first`."""
-    if not ceiling:
-        try:
-            ceiling = min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2, 8 << 30)
-        except (ValueError, OSError):
-            ceiling = 8 << 30
-    return max(ceiling, first)
-
-
 class _Region:
     """One anonymous mapping of a pool, at `base` in the pool's offset space."""
 
@@ -178,7 +166,7 @@ class RegisteredPool:
 
     The owner registers `address`/`size` (the first mapping) with the transfer backend once. With
     `register` (and a `ceiling` above `size`) the pool grows: a request that fits no free space adds a
-    pre-faulted mapping sized for it (rounded up to GROW_STEP), registered through `register(address,
+    pre-faulted mapping sized for it (rounded up to _growth.GROW_STEP), registered through `register(address,
     size) -> bool`, instead of waiting; mappings added that way that held nothing for `idle_s` are
     unregistered and dropped. Offsets are one space across mappings: `address_of(offset)` is where the
     bytes lie, `buffer(offset, n)` a writable array over them.
@@ -246,7 +234,7 @@ class RegisteredPool:
                 self._cond.wait(min(remaining, 0.02))
 
     def _grow_locked(self, nbytes: int) -> _Region | None:
-        size = round_up(nbytes + mmap.PAGESIZE, GROW_STEP)
+        size = _growth.grown_size(nbytes + mmap.PAGESIZE)
         if self._register is None or self.capacity_locked() + size > self.ceiling:
             return None
         try:

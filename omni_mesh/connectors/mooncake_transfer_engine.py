@@ -59,7 +59,14 @@ import torch
 import zmq
 
 from omni_mesh import codec
-from omni_mesh.connectors import _device_transfer, _frame_pieces, _pool_outputs, _te_outputs, _te_pull
+from omni_mesh.connectors import (
+    _device_transfer,
+    _frame_pieces,
+    _growth,
+    _pool_outputs,
+    _te_outputs,
+    _te_pull,
+)
 from omni_mesh.connectors._addresses import tcp_endpoint
 from omni_mesh.connectors._channel_guard import MAX_REQUEST_BYTES, side_channel_keys
 from omni_mesh.connectors._checks import check_not_negative, check_port, check_positive
@@ -68,7 +75,6 @@ from omni_mesh.connectors._held import Gone, PendingReleases
 from omni_mesh.connectors._mooncake_common import (
     PoolErrors,
     RegisteredPool,
-    auto_ceiling,
     check_protocol,
     close_at_exit,
     import_mooncake,
@@ -221,7 +227,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
                 cfg.memory_pool_size,
                 prefault=cfg.prefault,
                 errors=self._pool_errors(),
-                ceiling=auto_ceiling(cfg.memory_pool_size, cfg.max_pool_size),
+                ceiling=_growth.ceiling(cfg.memory_pool_size, cfg.max_pool_size, _growth.ram()),
                 register=lambda address, size: self._engine.register_memory(address, size) == 0,
                 unregister=lambda address: self._engine.unregister_memory(address),
                 idle_s=cfg.pool_idle_release_s,

@@ -2,7 +2,7 @@
 
 The first segment (`memory_pool_size`, plus the key index and the tiny-payload cells that live at its
 start) is created on the first put. A payload that fits no free space, once released slots are
-reclaimed, adds a segment sized for it (`_p<n>`, rounded up to GROW_STEP, pre-faulted), kept for the
+reclaimed, adds a segment sized for it (`_p<n>`, rounded up to _growth.GROW_STEP, pre-faulted), kept for the
 next payloads, up to `max_pool_size` in all; a grown segment that held nothing for
 `pool_idle_release_s` is unlinked (checked at allocations and at `health()`). Only past the ceiling
 does a payload take a one-off segment (`_x<n>`, counted as a fallback), unlinked once it is freed.
@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from omni_mesh.connectors import _growth
 from omni_mesh.connectors.allocator import PAGE, PoolAllocator, frame_alignment, round_up
 from omni_mesh.connectors.base import ConnectorError, Counters
 from omni_mesh.connectors.shm_segments import (
@@ -43,21 +44,8 @@ from omni_mesh.connectors.shm_slots import (
     taker_died,
 )
 
-GROW_STEP = 16 << 20  # segments the pool grows by are sized in these steps
-# The automatic ceiling: half of /dev/shm leaves the rest to the host's other stage processes (each has
-# a pool of its own) and to one-off segments; 8 GiB holds several of the largest payloads seen in
-# practice (~1-2 GiB of hidden states) without one process taking a big host's /dev/shm.
-AUTO_CEILING_SHARE = 0.5
-AUTO_CEILING_MAX = 8 << 30
 REUSE_SLACK = 2 * PAGE  # a released slot is refilled by a put this much smaller at most
 CLOSE_WAIT_S = 30.0
-
-
-def ceiling(memory_pool_size: int, max_pool_size: int) -> int:
-    """The pool's ceiling: `max_pool_size`, or 0 for min(half of /dev/shm, 8 GiB); never below the
-    first segment."""
-    chosen = max_pool_size or min(int(shm_capacity() * AUTO_CEILING_SHARE), AUTO_CEILING_MAX)
-    return max(chosen, round_up(memory_pool_size, PAGE))
 
 
 class ShmPool:
@@ -84,7 +72,7 @@ class ShmPool:
         self._on_first, self._on_released, self._before_reclaim = on_first, on_released, before_reclaim
         self.lock = threading.Lock()
         self._idle = threading.Condition(self.lock)
-        self.ceiling = ceiling(cfg.memory_pool_size, cfg.max_pool_size)
+        self.ceiling = _growth.ceiling(cfg.memory_pool_size, cfg.max_pool_size, shm_capacity())
         self.segments: list[Segment] = []  # the first, then those the pool grew by
         self.slots: dict[tuple[str, int], Slot] = {}
         self.own: dict[str, Segment] = {}  # every segment this process made, one-offs included
@@ -126,7 +114,7 @@ class ShmPool:
     def _grow_locked(self, need: int, align: int) -> Segment | None:
         """A new pre-faulted segment with room for a slot of `need` bytes; None past the ceiling, or
         when /dev/shm has no room for it (the one-off path then says so)."""
-        size = round_up(need + align, GROW_STEP)
+        size = _growth.grown_size(need + align)
         if self.pool_bytes + size > self.ceiling:
             return None
         number = next(self._grow_ids)

@@ -29,7 +29,6 @@ import collections
 import contextlib
 import functools
 import mmap
-import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from typing import Any
 import torch
 
 from omni_mesh.codec import FrameError, FramePlan, decode, decode_parts, plan
-from omni_mesh.connectors import _pool_outputs
+from omni_mesh.connectors import _growth, _pool_outputs
 from omni_mesh.connectors._checks import check_not_negative, check_served
 from omni_mesh.connectors._held import Held
 from omni_mesh.connectors._served import GONE, ServedConnector
@@ -85,17 +84,6 @@ def _queue_dead(queue: collections.deque, region: _Region, ref: weakref.ref) -> 
     queue.append((id(ref), region))  # GC may run this anywhere: no lock here
 
 
-GROW_STEP = 16 << 20  # regions the pool grows by are sized in these steps
-AUTO_CEILING_MAX = 8 << 30
-
-
-def _auto_ceiling() -> int:
-    """Half of physical memory, at most AUTO_CEILING_MAX (anonymous memory, not /dev/shm)."""
-    with contextlib.suppress(ValueError, OSError, AttributeError):
-        return min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2, AUTO_CEILING_MAX)
-    return AUTO_CEILING_MAX
-
-
 def _anonymous_map(size: int, *, populate: bool = False) -> mmap.mmap:
     """Page-aligned memory (so 64-byte aligned slots); huge pages make its first touch ~5x cheaper."""
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if populate else 0)
@@ -118,7 +106,7 @@ class ZmqConnector(ServedConnector):
         self._pool: mmap.mmap | None = None  # created with the server, on the first put
         self._maps: dict[int, mmap.mmap] = {}  # every region of the pool by its base (the first: 0)
         cfg = self.config
-        self._ceiling = max(cfg.max_pool_size or _auto_ceiling(), cfg.memory_pool_size)
+        self._ceiling = _growth.ceiling(cfg.memory_pool_size, cfg.max_pool_size, _growth.ram())
         self._in_flight = 0
         # empty() slots: those not put yet by tensor address, weak references to their tensors' arrays
         # (so the callbacks run) and the regions whose tensors died (queued by those callbacks).
@@ -153,7 +141,7 @@ class ZmqConnector(ServedConnector):
         offset = self._slots.allocate(nbytes)
         if offset is not None or not self._slots.size:
             return offset
-        size = -(-(nbytes + 4096) // GROW_STEP) * GROW_STEP
+        size = _growth.grown_size(nbytes + mmap.PAGESIZE)
         with self._lock:  # one growth at a time: concurrent puts must not each add a region
             offset = self._slots.allocate(nbytes)
             if offset is not None or self._slots.size + size > self._ceiling:
