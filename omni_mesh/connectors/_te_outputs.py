@@ -33,11 +33,14 @@ class Output:
     """One live output: where its headroom lies, what empty() made, whether a held payload's head is
     in the headroom."""
 
-    __slots__ = ("head", "dtype", "shape", "free")
+    __slots__ = ("head", "dtype", "shape", "kind", "free", "written", "pieces")
 
-    def __init__(self, head: int, tensor: torch.Tensor) -> None:
+    def __init__(self, head: int, tensor: torch.Tensor, kind: int) -> None:
         self.head = head
         self.dtype, self.shape = tensor.dtype, tensor.shape
+        self.kind = kind  # the same for every output of this dtype, shape and page offset
+        self.written: bytes | None = None  # the frame head its headroom holds (only puts write there)
+        self.pieces: tuple[Any, list] | None = None  # (layout, its pieces) of a put of this output alone
         # [True] while the headroom is free. Taken with pop() and given back with append(): each is
         # atomic, so two puts of one output never both take it, with no lock on the put's path.
         self.free = [True]
@@ -52,18 +55,10 @@ class Output:
         self.free.append(True)
 
 
-class Planned:
-    """A dict of outputs laid out for the engine: the head in an output's headroom, every tensor a piece."""
-
-    __slots__ = ("nbytes", "pieces", "sources", "headroom")
-
-    def __init__(
-        self, nbytes: int, pieces: list[tuple[int, int, int]], sources: list[Any], headroom: Output
-    ) -> None:
-        self.nbytes = nbytes
-        self.pieces = pieces  # (source address, offset in the frame, bytes), in frame order
-        self.sources = sources  # the tensors: kept alive (and unchanged) while the payload is held
-        self.headroom = headroom  # whose headroom holds the head: free again when the payload goes
+#: A dict of outputs laid out for the engine: (frame size, pieces (source address, offset in the frame,
+#: bytes) in frame order, the tensors to keep alive and unchanged while the payload is held, the
+#: output whose headroom holds the head: free again when the payload goes).
+Planned = tuple[int, list[tuple[int, int, int]], list[Any], Output]
 
 
 class Outputs:
@@ -72,7 +67,14 @@ class Outputs:
     def __init__(self, pool: RegisteredPool) -> None:
         self._pool = pool
         self.live: dict[int, Output] = {}  # tensor address -> its output (empty: no put looks further)
+        # (dtype, shape, page offset) -> a small number naming it: layouts are looked up by these
+        # numbers, so a put hashes a few ints instead of torch sizes and dtypes.
+        self._kinds: dict[tuple, int] = {}
         self._layouts: dict[tuple, tuple[bytes, list[tuple[int, int, int]], int]] = {}
+        # kind -> the frame head the last put of one output of that kind alone used: a new output of
+        # the kind gets it in its headroom at empty() (outside the put), where the next put likely
+        # needs it; a put writes its head only when the headroom holds another.
+        self._last_head: dict[int, bytes] = {}
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """A tensor over a fresh region (with its headroom), or None when the pool has no room now."""
@@ -83,7 +85,15 @@ class Outputs:
         region = self._pool.view(offset, HEADROOM + nbytes)  # freed when it and every view are gone
         tensor, base = _pool_outputs.tensor_over(region, HEADROOM, shape, dtype)
         address = tensor.data_ptr()
-        self.live[address] = Output(region.ctypes.data, tensor)  # one dict store: atomic
+        kind = self._kinds.setdefault(
+            (tensor.dtype, tensor.shape, address & (codec.PAGE - 1)), len(self._kinds)
+        )
+        output = Output(region.ctypes.data, tensor, kind)
+        head = self._last_head.get(kind)
+        if head is not None:
+            ctypes.memmove(output.head, head, len(head))
+            output.written = head
+        self.live[address] = output  # one dict store: atomic
         # Runs at the same collection that frees the region: the address is never reused before.
         weakref.finalize(base, self.live.pop, address, None)
         return tensor
@@ -95,7 +105,6 @@ class Outputs:
         addresses = []
         outputs = []
         live = self.live
-        page_mask = codec.PAGE - 1
         for key, value in data.items():
             if type(value) is not torch.Tensor:
                 return None
@@ -107,7 +116,7 @@ class Outputs:
             # The dtype, shape and contiguity empty() made: exactly the region's bytes.
             if dtype is not output.dtype or shape != output.shape or not value.is_contiguous():
                 return None
-            signature += (key, dtype, shape, address & page_mask)  # page offsets place the leaves
+            signature += (key, output.kind)  # dtype, shape and page offset (which places the leaf)
             addresses.append(address)
             outputs.append(output)
         if not outputs:
@@ -115,7 +124,7 @@ class Outputs:
         layout = self._layouts.get(key := tuple(signature))
         if layout is None:
             layout = self._layouts[key] = self._layout(data)
-            if len(self._layouts) > _CACHE_SIZE:
+            if len(self._layouts) > _CACHE_SIZE:  # kinds stay: live outputs hold theirs
                 self._layouts.clear()
         head, leaves, nbytes = layout
         if len(head) > HEADROOM:
@@ -125,10 +134,24 @@ class Outputs:
                 break
         else:  # every headroom holds the head of a payload still held
             return None
-        ctypes.memmove(headroom.head, head, len(head))
+        if headroom.written is not head:
+            ctypes.memmove(headroom.head, head, len(head))
+            headroom.written = head
+        if len(outputs) == 1:  # one output alone, the usual case: its pieces are the same every time
+            self._last_head[headroom.kind] = head
+            cached = headroom.pieces
+            if cached is None or cached[0] is not layout:
+                cached = headroom.pieces = (layout, self._pieces(headroom, head, leaves, addresses))
+            return nbytes, cached[1], list(data.values()), headroom
+        return nbytes, self._pieces(headroom, head, leaves, addresses), list(data.values()), headroom
+
+    @staticmethod
+    def _pieces(
+        headroom: Output, head: bytes, leaves: list[tuple[int, int, int]], addresses: list[int]
+    ) -> list:
         pieces = [(headroom.head, 0, len(head))]
         pieces += [(addresses[i], offset, length) for i, offset, length in leaves]
-        return Planned(nbytes, pieces, list(data.values()), headroom)
+        return pieces
 
     @staticmethod
     def _layout(data: dict) -> tuple[bytes, list[tuple[int, int, int]], int]:

@@ -96,9 +96,9 @@ class Payloads:
     def put_planned(self, planned: Any, ref: tuple[str, str, int]) -> Payload:
         """Hold a payload laid out in place (`_te_outputs.Planned`: nothing to reserve or copy)."""
         key, put_key, handle = ref
-        payload = Payload(f"{key}#{handle}", put_key, self._session, planned.nbytes, None)
-        payload.pieces, payload.sources, payload.headroom = planned.pieces, planned.sources, planned.headroom
-        payload.address = planned.pieces[0][0]
+        nbytes, pieces, sources, headroom = planned
+        payload = Payload(f"{key}#{handle}", put_key, self._session, nbytes, None, pieces=pieces, sources=sources)
+        payload.address, payload.headroom = pieces[0][0], headroom
         self._held.add(payload)
         return payload
 

@@ -240,6 +240,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
                 )
             self._registrations = Registrations(self._engine, self._pool.contains)
             self._outputs = _te_outputs.Outputs(self._pool)
+            self._put_fields = {"segment": self.segment, "endpoint": self.endpoint, "session": self._session}
             if not self._device_leaves.host_min_bytes:  # CPU tensors never take the device path
                 self._live_outputs = self._outputs.live
             self._payloads = Payloads(
@@ -339,7 +340,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
         return True, size, metadata
 
     def _put_planned(self, from_stage: str, to_stage: str, put_key: str, planned: _te_outputs.Planned) -> tuple:
-        size = planned.nbytes
+        size, headroom = planned[0], planned[3]
         handle, key = next(self._handles), edge_key(from_stage, to_stage, put_key)
         try:
             pool = self._open_pool("put")
@@ -347,22 +348,13 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
                 pool.check_fits(size, f"put of {payload_name(from_stage, to_stage, put_key)}")
             payload = self._payloads.put_planned(planned, (key, put_key, handle))
         except BaseException:
-            planned.headroom.give_back()
+            headroom.give_back()
             raise
         if self._closed:  # close() may have emptied the table before this payload went in
             self._payloads.finish(payload, consumed=True)
             raise ConnectorError(f"{OWNER} is closed (put of {payload_name(from_stage, to_stage, put_key)})")
         self._counters.add_pair("puts", "bytes_put", size)
-        metadata = {
-            "segment": self.segment,
-            "endpoint": self.endpoint,
-            "session": self._session,
-            "handle": handle,
-            "addr": payload.address,
-            "length": size,
-            "key": key,
-        }
-        return True, size, metadata
+        return True, size, {**self._put_fields, "handle": handle, "addr": payload.address, "length": size, "key": key}
 
     def _on_pull(self, args: list[bytes]) -> Deferred:
         """PULL key request (server thread): checked here, written and answered by a transfer thread."""
