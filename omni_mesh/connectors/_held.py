@@ -5,6 +5,7 @@ out may still write there. Thread-safe bookkeeping only; the memory itself belon
 
 from __future__ import annotations
 
+import collections
 import secrets
 import threading
 import time
@@ -127,12 +128,38 @@ class HeldTable:
     a deadline of its own, which must finish before the memory goes.
     """
 
-    def __init__(self, ttl_s: float, *, expire_claimed: bool = True) -> None:
+    def __init__(
+        self, ttl_s: float, *, expire_claimed: bool = True, on_replaced: Callable[[Held], None] | None = None
+    ) -> None:
         self.ttl_s = ttl_s
         self._expire_claimed = expire_claimed
         self._items: dict[str, Held] = {}
         self._retired: dict[tuple[str, str], Held] = {}
         self._lock = threading.Lock()
+        # Payloads stored later (`defer`), and what frees one that a deferred payload replaces.
+        self._pending: collections.deque[tuple[type, tuple, dict]] = collections.deque()
+        self._on_replaced = on_replaced
+
+    def defer(self, cls: type, *args: Any, **fields: Any) -> None:
+        """Store `cls(*args, **fields)` later, as `add` would: the next call that reads the table makes
+        and adds it (a consumer asks only once the put returned its metadata, so it always finds
+        it). This keeps the payload's bookkeeping off the put's path; one it replaces goes to
+        `on_replaced`. The append is atomic: no lock here."""
+        self._pending.append((cls, args, fields))
+
+    def _drain(self) -> None:
+        """Add the deferred payloads, in the order they were put."""
+        if not self._pending:
+            return
+        replaced = []
+        with self._lock:
+            while self._pending:
+                cls, args, fields = self._pending.popleft()
+                old = self._add_locked(cls(*args, **fields))
+                if old is not None:
+                    replaced.append(old)
+        for old in replaced:
+            self._on_replaced(old)
 
     def gone(self) -> Gone:
         if self.ttl_s > 0:
@@ -141,13 +168,17 @@ class HeldTable:
 
     def add(self, held: Held) -> Held | None:
         """Store `held`; returns the unclaimed payload it replaces (to be freed by the caller), if any."""
+        self._drain()
         with self._lock:
-            old = self._items.pop(held.key, None)
-            self._items[held.key] = held
-            if old is not None and old.claimed:
-                self._retired[(old.key, old.token)] = old
-                return None
-            return old
+            return self._add_locked(held)
+
+    def _add_locked(self, held: Held) -> Held | None:
+        old = self._items.pop(held.key, None)
+        self._items[held.key] = held
+        if old is not None and old.claimed:
+            self._retired[(old.key, old.token)] = old
+            return None
+        return old
 
     def _find(self, key: str, token: str) -> Held | str:
         held = self._items.get(key)
@@ -159,6 +190,7 @@ class HeldTable:
 
     def take(self, key: str, token: str) -> Held | str:
         """Remove and return the payload, or the reason it is not there."""
+        self._drain()
         with self._lock:
             retired = self._retired.pop((key, token), None)
             if retired is not None:
@@ -171,6 +203,7 @@ class HeldTable:
     def claim(self, key: str, token: str, *, exclusive: bool = False) -> Held | str:
         """Mark the payload as being read: it stays until released (or expired). `exclusive`: refuse
         a payload another reader has claimed."""
+        self._drain()
         with self._lock:
             found = self._find(key, token)
             if isinstance(found, Held):
@@ -183,6 +216,7 @@ class HeldTable:
     def unclaim(self, key: str, token: str) -> Held | None:
         """The reader gave up: the payload waits again, or, if it was retired meanwhile, is returned
         to be freed by the caller."""
+        self._drain()
         with self._lock:
             retired = self._retired.pop((key, token), None)
             if retired is not None:
@@ -195,6 +229,7 @@ class HeldTable:
 
     def newest(self, prefix: str) -> Held | None:
         """The newest unclaimed payload whose key starts with `prefix` (a get by key alone)."""
+        self._drain()
         with self._lock:
             found = [h for k, h in self._items.items() if k.startswith(prefix) and not h.claimed]
             return max(found, key=lambda held: held.touched, default=None)
@@ -202,6 +237,7 @@ class HeldTable:
     def pop_expired(self, now: float) -> list[Held]:
         if self.ttl_s <= 0:
             return []
+        self._drain()
         with self._lock:
             stale = [key for key, held in self._items.items() if self._stale(held, now)]
             expired = [self._items.pop(key) for key in stale]
@@ -214,6 +250,7 @@ class HeldTable:
 
     def pop_matching(self, key: str) -> list[Held]:
         """Unclaimed payloads whose put_key is `key` or starts with `key/` (claimed ones are retired)."""
+        self._drain()
         prefix = key + "/"
         with self._lock:
             matching = [k for k, h in self._items.items() if h.put_key == key or h.put_key.startswith(prefix)]
@@ -227,6 +264,7 @@ class HeldTable:
             return freed
 
     def pop_all(self) -> list[Held]:
+        self._drain()
         with self._lock:
             items = [*self._items.values(), *self._retired.values()]
             self._items.clear()
@@ -234,6 +272,7 @@ class HeldTable:
             return items
 
     def __len__(self) -> int:
+        self._drain()
         with self._lock:
             return len(self._items) + len(self._retired)
 

@@ -76,7 +76,7 @@ class ServedConnector(OmniConnectorBase):
         self._open_backend()  # raises ConnectorError naming what is missing
         self._closed = False
         self._slots = SlotPool(cfg.memory_pool_size)
-        self._held = HeldTable(cfg.ttl_s)
+        self._held = HeldTable(cfg.ttl_s, on_replaced=self._release)
         self._ctx = zmq.Context()
         self._dealers = DealerPool(self._ctx, self._keys)
         self._server: RouterServer | None = None
@@ -134,6 +134,18 @@ class ServedConnector(OmniConnectorBase):
             self._release(replaced)
         self._counters.add_pair("puts", "bytes_put", size)
         return held
+
+    def _hold_later(self, key: str, put_key: str, size: int, buffer: Any, regions: list) -> str:
+        """`_hold` with the payload's bookkeeping deferred to the table's next reader (HeldTable.defer):
+        the put of empty() outputs costs its metadata alone. Returns the token its metadata carries."""
+        token = f"{self._token_prefix}{next(self._token_ids):x}"
+        self._held.defer(Held, key, put_key, token, size, None, buffer, regions=regions)
+        self._counters.add_pair("puts", "bytes_put", size)
+        if self._closed:  # close() may have emptied the table before this went in
+            for held in self._held.pop_all():
+                self._release(held)
+            raise ConnectorError(f"{self._name}: the connector is closed")
+        return token
 
     def _count_put_error(self) -> None:
         self._error()

@@ -57,7 +57,7 @@ class Payloads:
         self._registrations = registrations
         self._session = session  # every payload's token: metadata from another instance never matches
         self._cfg = cfg  # ttl_s, pool_wait_s, protocol, zero_copy_min_bytes
-        self._held = HeldTable(cfg.ttl_s, expire_claimed=False)
+        self._held = HeldTable(cfg.ttl_s, expire_claimed=False, on_replaced=self.release)
 
     def put(
         self, frame: codec.FramePlan, device: list[torch.Tensor], ref: tuple[str, str, int], what: str
@@ -93,14 +93,15 @@ class Payloads:
         self._held.add(payload)
         return payload
 
-    def put_planned(self, planned: Any, ref: tuple[str, str, int]) -> Payload:
-        """Hold a payload laid out in place (`_te_outputs.Planned`: nothing to reserve or copy)."""
+    def put_planned(self, planned: Any, ref: tuple[str, str, int]) -> int:
+        """Hold a payload laid out in place (`_te_outputs.Planned`: nothing to reserve or copy), its
+        bookkeeping deferred to the table's next reader (HeldTable.defer); returns where its head lies."""
         key, put_key, handle = ref
         nbytes, pieces, sources, headroom = planned
-        payload = Payload(f"{key}#{handle}", put_key, self._session, nbytes, None, pieces=pieces, sources=sources)
-        payload.address, payload.headroom = pieces[0][0], headroom
-        self._held.add(payload)
-        return payload
+        address = pieces[0][0]
+        fields = {"pieces": pieces, "sources": sources, "address": address, "headroom": headroom}
+        self._held.defer(Payload, f"{key}#{handle}", put_key, self._session, nbytes, None, **fields)
+        return address
 
     def _reserve(self, payload: Payload, nbytes: int, what: str) -> tuple[int, int]:
         payload.offset, payload.address = self._pool.reserve_placed(nbytes, self._cfg.pool_wait_s, what)

@@ -346,15 +346,15 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             pool = self._open_pool("put")
             if size > pool.ceiling:  # the consumer could never receive it (its pool grows alike)
                 pool.check_fits(size, f"put of {payload_name(from_stage, to_stage, put_key)}")
-            payload = self._payloads.put_planned(planned, (key, put_key, handle))
+            address = self._payloads.put_planned(planned, (key, put_key, handle))
         except BaseException:
             headroom.give_back()
             raise
         if self._closed:  # close() may have emptied the table before this payload went in
-            self._payloads.finish(payload, consumed=True)
+            self._payloads.close()
             raise ConnectorError(f"{OWNER} is closed (put of {payload_name(from_stage, to_stage, put_key)})")
         self._counters.add_pair("puts", "bytes_put", size)
-        return True, size, {**self._put_fields, "handle": handle, "addr": payload.address, "length": size, "key": key}
+        return True, size, {**self._put_fields, "handle": handle, "addr": address, "length": size, "key": key}
 
     def _on_pull(self, args: list[bytes]) -> Deferred:
         """PULL key request (server thread): checked here, written and answered by a transfer thread."""

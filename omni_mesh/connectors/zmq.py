@@ -256,8 +256,8 @@ class ZmqConnector(ServedConnector):
                 view = regions[slot].view
                 parts.append(view)
                 size += view.nbytes
-        held = self._hold(key, put_key, size, None, parts, regions=regions)
-        return True, size, {"endpoint": self.endpoint, "key": key, "token": held.token, "size": size}
+        token = self._hold_later(key, put_key, size, parts, regions)
+        return True, size, {"endpoint": self.endpoint, "key": key, "token": token, "size": size}
 
     def _drain_dead(self) -> None:
         """Regions whose tensor died: free those not sent from (any more)."""
