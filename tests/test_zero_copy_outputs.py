@@ -207,6 +207,28 @@ def test_zmq_a_dict_of_outputs_alone_is_sent_from_the_pool(zmq_pair) -> None:
     assert consumer.health()["errors"] == 0
 
 
+def test_zmq_deferred_bookkeeping_keeps_put_order_cleanup_and_replacement(zmq_pair) -> None:
+    """A put of empty() outputs leaves its bookkeeping to the table's next reader: a second put of the
+    key still replaces the first (whose metadata then finds nothing), and a cleanup before any get
+    frees what was never asked for."""
+    producer, consumer = zmq_pair
+    producer.put("a", "b", "warm", b"x")
+    baseline = producer.health()["pool_used_bytes"]
+    first, second = filled(producer, seed=6), filled(producer, seed=7)
+    _, _, old = producer.put("a", "b", "q/0", {"hidden_states": first})
+    _, _, new = producer.put("a", "b", "q/0", {"hidden_states": second})
+    assert consumer.get("a", "b", "q/0", old) is None  # replaced: its token no longer matches
+    got, _ = consumer.get("a", "b", "q/0", new)
+    assert torch.equal(got["hidden_states"], second)
+    _, _, dropped = producer.put("a", "b", "q/1", {"hidden_states": first})
+    producer.cleanup("q")  # before anyone asked
+    assert consumer.get("a", "b", "q/1", dropped) is None
+    del got, first, second
+    gc.collect()
+    producer.put("a", "b", "tick", b"x")
+    assert producer.health()["pool_used_bytes"] <= baseline + 256
+
+
 def test_zmq_output_slots_go_back_once_sent_and_dropped(zmq_pair) -> None:
     producer, consumer = zmq_pair
     producer.put("a", "b", "warm", b"x")
