@@ -15,6 +15,7 @@ same output while the first is held (fan-out) takes the general path.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import weakref
 from typing import Any
 
@@ -70,6 +71,7 @@ class Outputs:
         # (dtype, shape, page offset) -> a small number naming it: layouts are looked up by these
         # numbers, so a put hashes a few ints instead of torch sizes and dtypes.
         self._kinds: dict[tuple, int] = {}
+        self._kind_ids = itertools.count()
         self._layouts: dict[tuple, tuple[bytes, list[tuple[int, int, int]], int]] = {}
         # kind -> the frame head the last put of one output of that kind alone used: a new output of
         # the kind gets it in its headroom at empty() (outside the put), where the next put likely
@@ -85,9 +87,7 @@ class Outputs:
         region = self._pool.view(offset, HEADROOM + nbytes)  # freed when it and every view are gone
         tensor, base = _pool_outputs.tensor_over(region, HEADROOM, shape, dtype)
         address = tensor.data_ptr()
-        kind = self._kinds.setdefault(
-            (tensor.dtype, tensor.shape, address & (codec.PAGE - 1)), len(self._kinds)
-        )
+        kind = self._kind_of((tensor.dtype, tensor.shape, address & (codec.PAGE - 1)))
         output = Output(region.ctypes.data, tensor, kind)
         head = self._last_head.get(kind)
         if head is not None:
@@ -97,6 +97,15 @@ class Outputs:
         # Runs at the same collection that frees the region: the address is never reused before.
         weakref.finalize(base, self.live.pop, address, None)
         return tensor
+
+    def _kind_of(self, signature: tuple) -> int:
+        kind = self._kinds.get(signature)
+        if kind is None:
+            if len(self._kinds) >= _CACHE_SIZE:  # shapes vary with every request's length: keep it small
+                self._kinds.clear()
+                self._last_head.clear()
+            kind = self._kinds[signature] = next(self._kind_ids)  # never reused: live outputs keep theirs
+        return kind
 
     def plan(self, data: dict) -> Planned | None:
         """The layout of a dict whose values are all whole outputs, its head written into a free
