@@ -180,11 +180,11 @@ class SharedMemoryConnector(OmniConnectorBase):
         self, from_stage: str, to_stage: str, put_key: str, frame: codec.FramePlan
     ) -> tuple[bool, int, dict]:
         """A tiny payload: in the metadata, with a copy in the pool for gets by key (shm_tiny)."""
-
-        def write_frame(frame: codec.FramePlan) -> tuple[Slot, dict] | None:
-            return self._write_frame(from_stage, to_stage, put_key, frame, pool_only=True)
-
-        size, metadata = self._tiny.put(edge_key(from_stage, to_stage, put_key), put_key, frame, write_frame)
+        key = edge_key(from_stage, to_stage, put_key)
+        put = self._tiny.put(key, put_key, frame)
+        if put is None:
+            put = self._tiny.spill(key, frame, self._write_frame(from_stage, to_stage, put_key, frame, pool_only=True))
+        size, metadata = put
         self._count_put(size, "inline_puts")
         return True, size, metadata
 
@@ -285,14 +285,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         if not _names_a_payload(metadata):
             return self._get_by_key(from_stage, to_stage, get_key)  # no (or partial) metadata: the key alone
         if metadata.get("frame") is not None or metadata.get("inline") is not None:
-            got = shm_tiny.get(
-                from_stage,
-                to_stage,
-                get_key,
-                metadata,
-                self._maps.mapper(_where(from_stage, to_stage, get_key)),
-                self._counters,
-            )
+            got = shm_tiny.get(from_stage, to_stage, get_key, metadata, self._maps, self._counters)
             return got if got is not None else self._stale()
         if "refs" in metadata:
             return self._get_parts(from_stage, to_stage, get_key, metadata)

@@ -10,13 +10,12 @@ replica died after its get, with the same metadata, and the retry must find its 
 
 from __future__ import annotations
 
-import mmap
-from collections.abc import Callable
 from typing import Any
 
 from omni_mesh import codec
 from omni_mesh.connectors import shm_cells
 from omni_mesh.connectors.base import ConnectorError, Counters, edge_key
+from omni_mesh.connectors.shm_maps import Mappings
 from omni_mesh.connectors.shm_pool import ShmPool
 from omni_mesh.connectors.shm_slots import (
     FREE,
@@ -30,11 +29,6 @@ from omni_mesh.connectors.shm_slots import (
     Slot,
     digest_of,
 )
-
-#: Lays a frame into a pool slot (no growth, no one-off): (the slot, its metadata), or None.
-WriteFrame = Callable[[codec.FramePlan], "tuple[Slot, dict] | None"]
-#: Maps a segment by name, or None when it is gone.
-Mapping = Callable[[str], "mmap.mmap | None"]
 
 
 class TinyPayloads:
@@ -57,25 +51,27 @@ class TinyPayloads:
         self.cells = shm_cells.Cells(segment.mm, start, self.cell_size, reusable=(RELEASED,), writing=TAKEN)
         shm_cells.describe(segment.mm, start, self.cell_size)
 
-    def put(
-        self, key: str, put_key: str, frame: codec.FramePlan, write_frame: WriteFrame
-    ) -> tuple[int, dict]:
-        """(size, metadata) of a tiny put; `key` is its edge key."""
+    def put(self, key: str, put_key: str, frame: codec.FramePlan) -> tuple[int, dict] | None:
+        """(size, metadata) of a tiny put in a free cell; `key` is its edge key. None when every cell
+        waits for its consumer: then `spill` it."""
         metadata = self._put_cell(key, put_key, frame)
         if metadata is None:
-            written = write_frame(frame)
-            if written is not None:
-                slot, laid = written
-                start = slot.offset + SLOT_HEADER
-                metadata = {name: laid[name] for name in ("segment", "offset", "generation")}
-                metadata["frame"] = slot.segment.mm[start : start + frame.nbytes]
-        if metadata is None:
-            metadata = {"inline": frame.header, "parts": frame.inline_parts()}
-            size = frame.payload_bytes
-        else:
-            size = frame.nbytes
+            return None
         metadata["key"] = key
-        return size, metadata
+        return frame.nbytes, metadata
+
+    @staticmethod
+    def spill(key: str, frame: codec.FramePlan, written: tuple[Slot, dict] | None) -> tuple[int, dict]:
+        """(size, metadata) of a tiny put the cells had no room for: its copy `written` into a pool
+        slot, or, with the pool full too (None), in the metadata alone in the parts form."""
+        if written is None:
+            return frame.payload_bytes, {"inline": frame.header, "parts": frame.inline_parts(), "key": key}
+        slot, laid = written
+        start = slot.offset + SLOT_HEADER
+        metadata = {name: laid[name] for name in ("segment", "offset", "generation")}
+        metadata["frame"] = slot.segment.mm[start : start + frame.nbytes]
+        metadata["key"] = key
+        return frame.nbytes, metadata
 
     def _put_cell(self, key: str, put_key: str, frame: codec.FramePlan) -> dict | None:
         """Lay a tiny frame into a free cell; its metadata (the frame included), None when no cell is
@@ -117,7 +113,7 @@ class TinyPayloads:
 
 
 def get(
-    from_stage: str, to_stage: str, get_key: str, metadata: dict, mapping: Mapping, counters: Counters
+    from_stage: str, to_stage: str, get_key: str, metadata: dict, maps: Mappings, counters: Counters
 ) -> tuple[Any, int] | None:
     """A tiny payload from its metadata (`frame`, or `inline` and `parts`); None for metadata of
     another edge or key. The pool copy a `frame` names is released."""
@@ -128,7 +124,7 @@ def get(
         if framed is not None:
             if type(framed) is not bytes:
                 return None
-            _release_copy(metadata, mapping)
+            _release_copy(metadata, maps, from_stage, to_stage, get_key)
             data, size = codec.decode(framed), len(framed)
         else:
             inline, parts = metadata.get("inline"), metadata.get("parts")
@@ -142,13 +138,14 @@ def get(
     return data, size
 
 
-def _release_copy(metadata: dict, mapping: Mapping) -> bool:
+def _release_copy(metadata: dict, maps: Mappings, from_stage: str, to_stage: str, get_key: str) -> bool:
     """Release the pool copy of a tiny payload (put for gets by key); False if someone else took it or
     it was freed. A producer that is gone took its copy along: the inline data stands."""
     name, offset, generation = metadata.get("segment"), metadata.get("offset"), metadata.get("generation")
     if type(name) is not str or type(offset) is not int or type(generation) is not int or offset < 0:
         return False
-    mm = mapping(name)
+    # The cached mapping first: the message naming the get is only built when one must be made.
+    mm = maps.get(name) or maps.map(name, f"key {get_key!r} on edge {from_stage}->{to_stage}")
     if mm is None:
         return True
     if offset + SLOT_HEADER > len(mm):
