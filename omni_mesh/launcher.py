@@ -38,6 +38,10 @@ QUICK_EXIT_S = 30.0
 MAX_QUICK_RESTARTS = 5
 #: Start-ups tried when the control port, picked before the coordinator binds it, is taken in between.
 CONTROL_PORT_ATTEMPTS = 3
+#: How long the replicas of a start-up that never became ready get after SIGTERM before SIGKILL. They
+#: hold no request (the mesh never served one), so there is nothing to drain; a replica still waiting to
+#: register would only sit out the whole wait.
+ABANDONED_START_GRACE_S = 1.0
 
 _PR_SET_PDEATHSIG = 1
 
@@ -178,8 +182,16 @@ class Launcher:
                 if attempt == CONTROL_PORT_ATTEMPTS or self.coordinator.running() or not taken_since("127.0.0.1", [port]):
                     raise
             log.warning("control port %d was taken before the coordinator bound it; starting again on another", port)
-            self._terminate(self.replicas, 15.0)
+            self._abandon_start()
             self.use_control_port(free_port())
+
+    def _abandon_start(self) -> None:
+        """Stop the replicas of a start-up that never became ready: at once, as they hold no request
+        (SIGTERM, a short wait, SIGKILL), and reap what the killed ones left in /dev/shm now rather than
+        when the mesh that replaces them stops."""
+        self._terminate(self.replicas, ABANDONED_START_GRACE_S)
+        for child in self.replicas:
+            reap_orphaned_segments(pid=child.process.pid)
 
     def use_control_port(self, port: int) -> None:
         """Hand the children (not yet started, or stopped) the control plane on `port`."""

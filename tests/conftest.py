@@ -7,6 +7,9 @@ bundled libraries clash; `omni_mesh.connectors._mooncake_common` refuses that or
 and the connector registry creates Mooncake connectors first for the same reason). The suite exercises
 both in one pytest process, so the moment something is about to import yr.datasystem, mooncake is loaded
 first. Tests that never touch openYuanrong do not load mooncake because of this file.
+
+The modules that need a datasystem worker share one (`datasystem_worker`, tests/support/shared_worker.py):
+they run one after another, and the worker stops after the last test that names the fixture.
 """
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ import contextlib
 import importlib
 import importlib.abc
 import sys
+from collections.abc import Iterator
+
+import pytest
+from support.shared_worker import SharedWorker
 
 
 class _MooncakeBeforeYuanrong(importlib.abc.MetaPathFinder):
@@ -30,3 +37,45 @@ class _MooncakeBeforeYuanrong(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, _MooncakeBeforeYuanrong())
+
+
+# ---------------------------------------------------------------------- one datasystem worker
+
+WORKER_FIXTURE = "datasystem_worker"
+_SHARED_WORKER = SharedWorker()
+_LAST_WORKER_USER: list[pytest.Item] = []  # the last test of the last module that uses the worker
+
+
+@pytest.fixture(scope="session")
+def datasystem_worker() -> Iterator[SharedWorker]:
+    """The session's shared worker: `datasystem_worker.get()` starts it on first use."""
+    yield _SHARED_WORKER
+    _SHARED_WORKER.stop()
+
+
+def _uses_worker(item: pytest.Item) -> bool:
+    return WORKER_FIXTURE in getattr(item, "fixturenames", ())
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected what will not run
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the modules that use the worker one after another, from where the first of them stands,
+    so it idles through no other module; remember their last test (after its teardown, every module
+    fixture built on the worker is gone too)."""
+    modules = {item.path for item in items if _uses_worker(item)}
+    if not modules:
+        return
+    first = next(i for i, item in enumerate(items) if item.path in modules)
+    users = [item for item in items if item.path in modules]
+    others = [item for item in items if item.path not in modules]
+    items[:] = others[:first] + users + others[first:]
+    _LAST_WORKER_USER[:] = users[-1:]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    try:
+        return (yield)  # the item's fixtures, and its module's when it is the module's last, are gone
+    finally:
+        if _LAST_WORKER_USER and item is _LAST_WORKER_USER[0]:
+            _SHARED_WORKER.stop()

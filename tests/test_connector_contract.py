@@ -34,8 +34,8 @@ IN_PROCESS = [name for name in SENT if name not in ("8mib", "16mib")]
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def backend(request, tmp_path_factory) -> Iterator[Backend]:
-    with running(request.param, tmp_path_factory.mktemp("contract")) as started:
+def backend(request, tmp_path_factory, datasystem_worker) -> Iterator[Backend]:
+    with running(request.param, tmp_path_factory.mktemp("contract"), datasystem_worker) as started:
         yield started
 
 

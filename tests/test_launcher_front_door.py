@@ -3,6 +3,7 @@ offline API docs, --version and defaults in --help. Real processes and sockets."
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 from support.meshkit import OMNI_MESH, Mesh, running_mesh, up_command, write_topology
 
 from omni_mesh import __version__
+from omni_mesh.connectors.shm_segments import list_segments, owner_of
 from omni_mesh.launcher import Launcher
 from omni_mesh.ports import free_port
 from omni_mesh.topology import load_topology
@@ -128,6 +130,42 @@ def test_a_control_port_taken_before_the_coordinator_binds_it_is_picked_again(
             launcher.stop()
     assert any("was taken before the coordinator bound it" in r.message for r in caplog.records)
     assert not any(child.running() for child in launcher.children)
+
+
+#: A replica stand-in that makes a shared-memory segment of its own, says so, and ignores SIGTERM (as a
+#: replica still waiting to register does).
+STUBBORN_REPLICA = """
+import signal, sys, time
+from omni_mesh.connectors.shm_segments import ProcessIdentity, create_segment, new_token, segment_name
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+create_segment(segment_name(ProcessIdentity.current(), new_token()), 4096, populate=False)
+print("made", flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_replicas_of_an_abandoned_start_are_killed_at_once_and_their_segments_reaped(tmp_path: Path) -> None:
+    """A start-up that never became ready holds no request: its replicas get a moment after SIGTERM,
+    not a drain grace, and what they leave in /dev/shm is reaped before the next start-up."""
+    launcher = Launcher(load_topology(write_topology(tmp_path, TOPOLOGY)), port=free_port())
+    (replica,) = launcher.replicas
+    replica.argv = [sys.executable, "-c", STUBBORN_REPLICA]
+    process = subprocess.Popen(replica.argv, stdout=subprocess.PIPE, text=True)
+    replica.process = process
+    try:
+        assert process.stdout.readline() == "made\n"
+        pid = process.pid
+        assert [n for n in list_segments() if (o := owner_of(n)) and o.pid == pid], "the stand-in made no segment"
+        started = time.monotonic()
+        launcher._abandon_start()
+        assert time.monotonic() - started < 5
+        assert process.returncode == -signal.SIGKILL
+        assert not [n for n in list_segments() if (o := owner_of(n)) and o.pid == pid]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stdout.close()
 
 
 def test_a_rest_port_taken_between_its_pick_and_up_is_picked_again(

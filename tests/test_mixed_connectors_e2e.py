@@ -1,8 +1,8 @@
 """A mesh whose two edges use two different network connectors, under `omni-mesh up` (issue 6).
 
 Edge 0->1 uses ZmqConnector (served from stage 0's own memory over ZeroMQ) and edge 1->2 uses
-YuanrongConnector (through a real openYuanrong datasystem worker, started once for this module by
-omni_mesh/testing/datasystem_worker.py). The stage handlers (HANDLERS, written next to the topology) carry a 1 MiB
+YuanrongConnector (through a real openYuanrong datasystem worker: the session's shared one,
+tests/support/shared_worker.py; this module's keys carry their own prefix). The stage handlers (HANDLERS, written next to the topology) carry a 1 MiB
 float32 tensor plus small metadata and transform it at every stage, so each answer tells whether every
 stage ran once, in order, on its own request's data. Afterwards the worker must hold none of the keys
 the mesh wrote and nothing the mesh made may be left in /dev/shm. The user-facing topology
@@ -22,11 +22,12 @@ from pathlib import Path
 import pytest
 import yaml
 from support.meshkit import OMNI_MESH, Mesh, running_mesh, start_mesh, wait_for
+from support.shared_worker import SharedWorker
 
 from omni_mesh.connectors import edge_key
 from omni_mesh.connectors.shm_segments import owner_of
 from omni_mesh.connectors.yuanrong import datasystem_key
-from omni_mesh.testing.datasystem_worker import Worker, running_worker
+from omni_mesh.testing.datasystem_worker import Worker
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "compose" / "omni-demo-zmq-yuanrong.yaml"
@@ -144,9 +145,8 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def worker() -> Iterator[Worker]:
-    with running_worker() as started:
-        yield started
+def worker(datasystem_worker: SharedWorker) -> Worker:
+    return datasystem_worker.get()
 
 
 @pytest.fixture(scope="class")

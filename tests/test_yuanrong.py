@@ -1,9 +1,10 @@
 """YuanrongConnector against a real openYuanrong datasystem worker.
 
-A module-scoped fixture starts one worker with `dscli start` (omni_mesh/testing/datasystem_worker.py: built-in
-metastore, free loopback ports, a temp dir; ~6 s) and stops it afterwards. Consumers are real separate
-processes (tests/support/peer.py). Every datasystem key a test touches is
-checked to be gone at the end.
+The worker is the session's shared one (tests/support/shared_worker.py: `dscli start` through
+omni_mesh/testing/datasystem_worker.py, built-in metastore, free loopback ports, a temp dir). These tests
+use the connector's default key prefix; the other modules sharing the worker use their own. Consumers
+are real separate processes (tests/support/peer.py). Every datasystem key a test touches is checked to be
+gone at the end.
 """
 
 from __future__ import annotations
@@ -19,15 +20,13 @@ from support.peer import Peer
 from omni_mesh.connectors import ConnectorConfigError, ConnectorError, create_connector
 from omni_mesh.connectors.yuanrong import YuanrongConnector, datasystem_key
 from omni_mesh.ports import free_port
-from omni_mesh.testing.datasystem_worker import running_worker
 
 USED_KEYS: set[str] = set()  # every datasystem key these tests wrote
 
 
 @pytest.fixture(scope="module")
-def worker():
-    with running_worker() as started:
-        yield started
+def worker(datasystem_worker):
+    return datasystem_worker.get()
 
 
 @pytest.fixture(scope="module")

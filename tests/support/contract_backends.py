@@ -3,7 +3,8 @@
 Each backend knows how to build producer and consumer connectors here, which partial metadata names its
 producer (vllm-omni's `source_host`/`source_port`, for the connectors that ask the producer), and
 which `health()` figure counts what a producer still holds. A backend whose library or service is
-missing is skipped with the reason.
+missing is skipped with the reason. YuanrongConnector uses the session's shared datasystem worker
+(tests/support/shared_worker.py) under its own key prefix.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 
 from omni_mesh.connectors import OmniConnectorBase, create_connector
+from support.shared_worker import SharedWorker
 
 BACKENDS = [
     "SharedMemoryConnector",
@@ -34,6 +36,8 @@ HELD = {
     "MooncakeStoreConnector": "tracked_keys",
     "YuanrongConnector": "held",
 }
+#: The contract's namespace in the datasystem worker it shares with other modules.
+KEY_PREFIX = "omnicontract"
 #: Connectors whose producer serves gets itself: partial metadata names it by host and port.
 ASKS_PRODUCER = {"ZmqConnector", "MooncakeTransferEngineConnector"}
 
@@ -81,8 +85,9 @@ def _missing(module: str) -> bool:
 
 
 @contextlib.contextmanager
-def running(name: str, logs: Any) -> Iterator[Backend]:
-    """Start what `name` needs (a mooncake_master, a datasystem worker) and yield its Backend."""
+def running(name: str, logs: Any, datasystem: SharedWorker) -> Iterator[Backend]:
+    """Start what `name` needs (a mooncake_master; the session's datasystem worker, `datasystem`, is
+    started on first use) and yield its Backend."""
     if name == "SharedMemoryConnector":
         backend = Backend(name, {})
         yield backend
@@ -122,20 +127,14 @@ def running(name: str, logs: Any) -> Iterator[Backend]:
     elif name == "YuanrongConnector":
         if _missing("yr.datasystem"):
             _absent("openyuanrong-datasystem is not installed")
-        from omni_mesh.testing.datasystem_worker import running_worker
-
         try:
-            context = running_worker()
-            worker = context.__enter__()
+            worker = datasystem.get()
         except (RuntimeError, FileNotFoundError, OSError) as exc:
             _absent(f"no datasystem worker could be started here: {exc}")
-        try:
-            # Only what the worker set up differs from this process's environment (its client log dir).
-            env = {k: v for k, v in worker.env.items() if os.environ.get(k) != v}
-            backend = Backend(name, worker.config, env=env)
-            yield backend
-            backend.close()
-        finally:
-            context.__exit__(None, None, None)
+        # Only what the worker set up differs from this process's environment (its client log dir).
+        env = {k: v for k, v in worker.env.items() if os.environ.get(k) != v}
+        backend = Backend(name, {**worker.config, "key_prefix": KEY_PREFIX}, env=env)
+        yield backend
+        backend.close()
     else:
         raise ValueError(name)

@@ -123,8 +123,10 @@ class Mesh:
         def ready() -> bool:
             if self.process.poll() is not None:
                 raise AssertionError(f"omni-mesh up exited with {self.process.returncode}:\n{self.log()}")
+            # A short timeout per poll: a listener that is not our coordinator (another process took
+            # the port) accepts and never answers, and `up`'s exit must be seen before the next try.
             with contextlib.suppress(httpx.HTTPError):
-                return self.ready().status_code == 200
+                return self.client.get("/ready", timeout=1.0).status_code == 200
             return False
 
         wait_for(ready, timeout_s, f"{self.url}/ready", interval_s=0.1)
