@@ -96,7 +96,7 @@ class TinyPayloads:
         mm = first.mm
         start = offset + SLOT_HEADER
         try:
-            frame.write_at(first.address + start)
+            frame.write_into_map(mm, start, first.address + start)
         except BaseException:
             with pool.lock:
                 self.cells.give_back(offset, FREE)
