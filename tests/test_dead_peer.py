@@ -52,6 +52,17 @@ def consumer():
     connector.close()
 
 
+def _wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Until the process shows as stopped (state T in /proc/PID/stat)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as stat:
+            if stat.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {timeout_s:g}s of SIGSTOP")
+
+
 def _get(consumer, key: str, metadata: dict) -> tuple:
     """The stage runtime's get: blocking, with a DEADLINE_S deadline."""
     return consumer.get_with_deadline("a", "b", key, metadata, deadline=time.monotonic() + DEADLINE_S)
@@ -69,6 +80,7 @@ def test_get_fails_fast_when_the_producer_is_killed_mid_wait(producer, consumer)
     obj, _ = _get(consumer, "r/0", metadata[0])  # the consumer's socket is connected and idle now
     assert torch.equal(obj["x"], torch.zeros(1 << 18))
     os.kill(proc.pid, signal.SIGSTOP)  # it can no longer answer: the next get waits on a live connection
+    _wait_stopped(proc.pid)  # the signal takes effect asynchronously: a loaded VM may let it answer first
     outcome: dict = {}
 
     def get() -> None:
