@@ -132,3 +132,26 @@ def test_a_live_slow_reply_is_still_waited_for(consumer) -> None:
         assert consumer.health()["errors"] == 0
     finally:
         producer.close()
+
+
+def test_a_poll_that_gives_up_before_the_answer_does_not_lose_the_payload(producer, consumer) -> None:
+    # vllm-omni polls `get` (about a second each). A producer that answers later than that (stopped for
+    # 2 s here; a large payload on a slow link alike) hands the payload over when it does answer: the
+    # poll's request stays waiting and a later poll receives it, instead of asking again and hearing it
+    # was handed over already.
+    proc, metadata = producer
+    obj, _ = consumer.get("a", "b", "r/0", metadata[0])
+    assert torch.equal(obj["x"], torch.zeros(1 << 18))
+    os.kill(proc.pid, signal.SIGSTOP)
+    _wait_stopped(proc.pid)
+    started = time.monotonic()
+    assert consumer.get("a", "b", "r/1", metadata[1]) is None
+    assert time.monotonic() - started < 2.5  # a poll: about a second, not the 30 s deadline
+    time.sleep(1.0)
+    os.kill(proc.pid, signal.SIGCONT)
+    got, deadline = None, time.monotonic() + 10
+    while got is None and time.monotonic() < deadline:
+        got = consumer.get("a", "b", "r/1", metadata[1])
+    assert got is not None, "the payload was lost with the poll that gave up"
+    assert torch.equal(got[0]["x"], torch.full((1 << 18,), 1.0))
+    assert consumer.get("a", "b", "r/1", metadata[1]) is None  # handed over once

@@ -97,6 +97,10 @@ class LateReply(TimeoutError):
         super().__init__(message)
         self._link = link
 
+    @property
+    def link(self) -> _Link:
+        return self._link
+
     def arrived(self) -> bool:
         # The socket carried one request: any message is its answer.
         return bool(self._link.sock.poll(0, zmq.POLLIN))
@@ -183,6 +187,23 @@ class DealerPool:
                 raise ChannelClosed() from None
             if isinstance(exc, zmq.Again):
                 raise TimeoutError("the send queue is full") from None
+            raise
+        self._checkin(endpoint, link)
+        return reply
+
+    def resume(self, endpoint: str, late: LateReply, timeout_s: float) -> list[zmq.Frame]:
+        """Wait again, up to `timeout_s`, for the answer to a request that was late (`keep_late`):
+        its reply frames; LateReply or PeerLost (the caller still owns the socket) as in `request`."""
+        link = late.link
+        try:
+            self._wait_reply(link, time.monotonic() + timeout_s, timeout_s, True)
+            reply = link.sock.recv_multipart(copy=False)
+        except LateReply:
+            raise
+        except BaseException as exc:
+            link.close()
+            if isinstance(exc, zmq.ZMQError) and exc.errno in (errno.ENOTSOCK, zmq.ETERM):
+                raise ChannelClosed() from None
             raise
         self._checkin(endpoint, link)
         return reply

@@ -114,9 +114,10 @@ class EnginePullConnector(ServedConnector):
     # ---- consumer side
 
     def _fetch(
-        self, endpoint: str, key: str, metadata: dict, timeout_s: float, where: str
+        self, endpoint: str, key: str, metadata: dict, timeout_s: float, where: str, *, poll: bool = False
     ) -> tuple[Any, int]:
-        """Claim, pull, release and decode the payload."""
+        """Claim, pull, release and decode the payload (`poll` changes nothing: a claimed payload is
+        pulled to the end, up to `timeout_s`)."""
         size = int(metadata["size"])
         deadline = time.monotonic() + timeout_s
         request = [key.encode(), str(metadata["token"]).encode()]

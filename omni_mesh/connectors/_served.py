@@ -23,8 +23,9 @@ import zmq
 
 from omni_mesh.connectors._addresses import bind_and_advertise, tcp_endpoint
 from omni_mesh.connectors._channel_guard import side_channel_keys
-from omni_mesh.connectors._dealers import ChannelClosed, DealerPool, PeerLost
+from omni_mesh.connectors._dealers import ChannelClosed, DealerPool, LateReply, PeerLost
 from omni_mesh.connectors._held import Held, HeldTable, SlotPool
+from omni_mesh.connectors._late_gets import LateGets
 from omni_mesh.connectors._zmq_channel import OK, Handler, RouterServer, frame_text
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
 
@@ -79,6 +80,7 @@ class ServedConnector(OmniConnectorBase):
         self._held = HeldTable(cfg.ttl_s, on_replaced=self._release)
         self._ctx = zmq.Context()
         self._dealers = DealerPool(self._ctx, self._keys)
+        self._late = LateGets()  # polls whose answer is still on its way
         self._server: RouterServer | None = None
         self.endpoint: str | None = None
         self._lock = threading.Lock()
@@ -205,7 +207,7 @@ class ServedConnector(OmniConnectorBase):
             return None
         endpoint, metadata = located
         try:
-            obj, size = self._fetch(endpoint, key, metadata, timeout, f"{where} from {endpoint}")
+            obj, size = self._fetch(endpoint, key, metadata, timeout, f"{where} from {endpoint}", poll=poll)
         except NotThere:
             return None
         except NoAnswer:
@@ -237,25 +239,49 @@ class ServedConnector(OmniConnectorBase):
 
     @abstractmethod
     def _fetch(
-        self, endpoint: str, key: str, metadata: dict, timeout_s: float, where: str
+        self, endpoint: str, key: str, metadata: dict, timeout_s: float, where: str, *, poll: bool = False
     ) -> tuple[Any, int]:
-        """Bring the payload from the producer at `endpoint` and decode it: (object, size).
+        """Bring the payload from the producer at `endpoint` and decode it: (object, size). `poll`:
+        a `get` that gives up after `timeout_s` (and may be tried again), not a deadline wait.
 
         Failures are ConnectorErrors starting with `where` (connector, edge, key and endpoint).
         """
 
     def _ask(
-        self, endpoint: str, parts: list[bytes], timeout_s: float, where: str, late: str
+        self,
+        endpoint: str,
+        parts: list[bytes],
+        timeout_s: float,
+        where: str,
+        late: str,
+        *,
+        late_key: str | None = None,
+        keep_late: bool = False,
     ) -> list[zmq.Frame]:
         """One side-channel request `[op, key, *args]`; the reply frames if the producer answered OK.
 
         Anything else is a ConnectorError starting with `where`; `late` says what no answer means.
+        With `late_key` (a request whose answer carries the payload), a late request of that key
+        kept earlier is waited on instead of a new one, and with `keep_late` one that is late now is
+        kept (_late_gets).
         """
+        waiting = self._late.take(late_key, endpoint) if late_key is not None else None
         try:
-            reply = self._dealers.request(endpoint, parts, timeout_s)
+            if waiting is not None:  # a poll's request still waiting for its answer: wait on it again
+                reply = self._dealers.resume(endpoint, waiting, timeout_s)
+            else:
+                reply = self._dealers.request(endpoint, parts, timeout_s, keep_late=keep_late)
         except PeerLost as exc:  # before the deadline: heartbeats and connection events said so
+            exc.close()
             self._error()
             raise ConnectorError(f"{where}: no answer will come: {exc}") from None
+        except LateReply as exc:  # the answer may still come: the next get of the key waits for it
+            if keep_late and late_key is not None:
+                self._late.keep(late_key, endpoint, exc)
+            else:
+                exc.close()
+                self._error()
+            raise NoAnswer(f"{where}: {late}") from None
         except TimeoutError:
             self._error()
             raise NoAnswer(f"{where}: {late}") from None
@@ -273,6 +299,10 @@ class ServedConnector(OmniConnectorBase):
             self._error()
             raise ConnectorError(f"{where}: {frame_text(reply[2]) if len(reply) > 2 else 'refused'}")
         return reply
+
+    def abandon_get(self, key: str) -> None:
+        super().abandon_get(key)
+        self._late.drop(key)  # an answer still on its way is no longer waited for
 
     def _error(self) -> None:
         self._counters.add("errors")
@@ -309,6 +339,7 @@ class ServedConnector(OmniConnectorBase):
             self._closed = True
         if self._server is not None:
             self._server.stop()
+        self._late.drop_all()
         self._dealers.close()
         self._held.pop_all()
         self._ctx.term()  # blocks until in-flight get()s (woken with ETERM) have closed their sockets

@@ -307,7 +307,7 @@ class ZmqConnector(ServedConnector):
     # ---------------------------------------------------------------- consumer side
 
     def _fetch(
-        self, endpoint: str, key: str, metadata: dict, timeout_s: float, where: str
+        self, endpoint: str, key: str, metadata: dict, timeout_s: float, where: str, *, poll: bool = False
     ) -> tuple[Any, int]:
         """GET key token -> the frame, decoded as views over the received message."""
         late = (
@@ -315,7 +315,9 @@ class ZmqConnector(ServedConnector):
             "or the payload is still in transit (raise get_timeout_s)"
         )
         token = str(metadata.get("token", ""))
-        reply = self._ask(endpoint, [b"GET", key.encode(), token.encode()], timeout_s, where, late)
+        parts = [b"GET", key.encode(), token.encode()]
+        # The answer carries the payload: a poll that gives up keeps waiting for it in the background.
+        reply = self._ask(endpoint, parts, timeout_s, where, late, late_key=key, keep_late=poll)
         parts_form = len(reply) >= 4 and reply[2].bytes == PARTS
         if len(reply) != 3 and not parts_form:
             self._error()
