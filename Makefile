@@ -9,7 +9,7 @@ PORT   ?= 8000
 # CPU build of torch (a local wheel on this project's machines); an unpinned torch may pull a
 # multi-GB CUDA build. GPU users install their own torch before `pip install omni-mesh`.
 TORCH  ?= torch==2.13.0
-SYSTEM_PACKAGES := libibverbs1 iproute2 docker-compose prometheus chromium openssl docker.io debootstrap
+SYSTEM_PACKAGES := libibverbs1 iproute2 docker-compose prometheus chromium openssl docker.io mmdebstrap
 
 .PHONY: install system-deps run test bench lint clean
 
@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # libibverbs1: Mooncake's wheels link it; iproute2: multi-host tests (ip netns);
-# docker-compose: validates the compose files and runs them; docker.io and debootstrap: the engine and the
+# docker-compose: validates the compose files and runs them; docker.io and mmdebstrap: the engine and the
 # base image of tests/test_docker_compose.py (no registry needed); prometheus and chromium: the
 # observability tests scrape /metrics with a real Prometheus and render /dashboard in headless Chromium.
 system-deps:

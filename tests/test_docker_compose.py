@@ -8,7 +8,7 @@ the host's network, listening on 127.0.0.1, each on its own port. The engine doc
 has no bridge network at all. Compose is v2 (`docker compose`) where present, else v1 (`docker-compose`).
 
 Skipped, with the reason, only where no engine can run at all (not root, no cgroups). Cold (no cache:
-debootstrap, base image, torch and the dependencies) it takes about four minutes; warm, about one.
+the base image by mmdebstrap, torch and the dependencies) it takes about four minutes; warm, about one.
 """
 
 from __future__ import annotations
