@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from test_shared_memory import Peer, connector, our_segments  # the same helper process and checks
+from support.shm_kit import ShmPeer as Peer
+from support.shm_kit import connector, our_segments
 
 from omni_mesh import codec
 from omni_mesh.connectors import shm_index, shm_slots

@@ -7,17 +7,12 @@ msgpack through a pipe, as it would over the control plane.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import math
 import os
-import select
-import signal
 import stat
 import struct
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,6 +26,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
+from support.shm_kit import ShmPeer as Peer
+from support.shm_kit import connector, our_segments
 
 from omni_mesh import codec
 from omni_mesh.connectors import (
@@ -50,10 +47,6 @@ from omni_mesh.connectors.shm_segments import (
     reap_orphaned_segments,
     segment_name,
 )
-
-HELPER = Path(__file__).parent / "support" / "shm_consumer.py"
-LENGTH = struct.Struct("<I")
-SPAWNED: set[int] = set()  # pids of the helper processes this module started
 
 KiB, MiB = 1024, 1024 * 1024
 PATHS = {
@@ -173,96 +166,11 @@ def assert_path(metadata: dict, path: str) -> None:
         assert "_x" in metadata["segment"], metadata
 
 
-def our_segments() -> dict[str, int]:
-    """Segments made by this process or the helpers it started, with their sizes in bytes."""
-    pids = {os.getpid()} | SPAWNED
-    sizes = {}
-    for name in list_segments():
-        owner = owner_of(name)
-        if owner is not None and owner.pid in pids:
-            with contextlib.suppress(FileNotFoundError):
-                sizes[name] = (SHM_DIR / name).stat().st_size
-    return sizes
-
-
-def connector(config: dict | None = None) -> SharedMemoryConnector:
-    made = create_connector("SharedMemoryConnector", config)
-    assert isinstance(made, SharedMemoryConnector)
-    return made
-
-
 @pytest.fixture(autouse=True)
 def no_segment_left() -> Iterator[None]:
     yield
     gc.collect()
     assert our_segments() == {}, "a test left shared-memory segments behind"
-
-
-class Peer:
-    """A helper process running tests/support/shm_consumer.py, driven through its stdin and stdout."""
-
-    def __init__(self, config: dict | None = None) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HELPER), msgpack.packb(config or {}).hex()],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-        )
-        SPAWNED.add(self.proc.pid)
-        self.pid = self._receive(timeout=120)["pid"]
-        assert self.pid == self.proc.pid
-
-    def call(self, op: str, **kwargs: Any) -> dict:
-        data = msgpack.packb({"op": op, **kwargs}, use_bin_type=True)
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(LENGTH.pack(len(data)) + data)
-        self.proc.stdin.flush()
-        return self._receive()
-
-    def get(
-        self, key: str, metadata: dict | None, *, edge: tuple[str, str] = ("a", "b"), **kwargs: Any
-    ) -> Any:
-        """The payload the helper got (decoded from its re-encoding), or None; raises on its errors."""
-        reply = self.call(
-            "get", from_stage=edge[0], to_stage=edge[1], get_key=key, metadata=metadata, **kwargs
-        )
-        if "error" in reply:
-            raise RuntimeError(f"{reply['error']}: {reply['message']}")
-        return None if reply.get("none") else codec.decode(reply["frame"])
-
-    def _receive(self, timeout: float = 60) -> dict:
-        deadline = time.monotonic() + timeout
-        head = self._read(LENGTH.size, deadline)
-        return msgpack.unpackb(self._read(LENGTH.unpack(head)[0], deadline), raw=False, strict_map_key=False)
-
-    def _read(self, count: int, deadline: float) -> bytes:
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        chunks = []
-        while count:
-            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise TimeoutError("the helper process did not answer")
-            chunk = os.read(fd, count)
-            if not chunk:
-                raise EOFError(f"the helper process exited ({self.proc.poll()})")
-            chunks.append(chunk)
-            count -= len(chunk)
-        return b"".join(chunks)
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None and not pipe.closed:
-                pipe.close()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            self.proc.wait(timeout=30)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from support.meshkit import running_mesh, wait_for
-from test_shared_memory import Peer, connector, our_segments
+from support.shm_kit import ShmPeer as Peer
+from support.shm_kit import connector, our_segments
 
 MiB = 1 << 20
 DEMO = Path(__file__).resolve().parents[1] / "compose" / "omni-demo.yaml"
