@@ -106,7 +106,7 @@ class FramePlan:
 
     def _write_leaves(self, address: int) -> None:
         # zip without strict: leaves, offsets and lengths are built together (the check costs per put)
-        for leaf, off, length in zip(self.leaves, self.offsets, self.lengths):
+        for leaf, off, length in zip(self.leaves, self.offsets, self.lengths, strict=False):
             if not length or type(leaf) is PagePad:
                 continue
             if type(leaf) is torch.Tensor and leaf.is_contiguous():
