@@ -42,16 +42,19 @@ Metadata (msgpack-able): {"segment": engine segment name (`host:rpc_port` with P
 "endpoint": "tcp://host:port", "session": producer instance id, "handle": int, "addr": producer pool
 address, "length": frame bytes, "key": "from->to/put_key"[, "device": [bytes of each device tensor]]}.
 The producer checks session, handle, key, length and the device buffers before it writes anything.
+
+This module is the producer side (put, and the side channel's answers) and the lifecycle; its parts:
+`_te_config` (the config), `_te_engine` (the engine and its registered pool), `_te_payloads` (what a
+producer holds and writes), `_te_outputs` (`empty()`), `_te_receive` (the consumer side: one get),
+`_te_pull` (the side channel's protocol), `_frame_pieces`, `_registrations`, `_device_transfer`.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -59,23 +62,14 @@ import torch
 import zmq
 
 from omni_mesh import codec
-from omni_mesh.connectors import (
-    _device_transfer,
-    _frame_pieces,
-    _growth,
-    _pool_outputs,
-    _te_outputs,
-    _te_pull,
-)
+from omni_mesh.connectors import _device_transfer, _pool_outputs, _te_engine, _te_outputs, _te_pull
 from omni_mesh.connectors._addresses import tcp_endpoint
 from omni_mesh.connectors._channel_guard import MAX_REQUEST_BYTES, side_channel_keys
-from omni_mesh.connectors._checks import check_not_negative, check_port, check_positive
-from omni_mesh.connectors._dealers import ChannelClosed, DealerPool, NotConnected
+from omni_mesh.connectors._dealers import DealerPool
 from omni_mesh.connectors._held import Gone, PendingReleases
 from omni_mesh.connectors._mooncake_common import (
     PoolErrors,
     RegisteredPool,
-    check_protocol,
     close_at_exit,
     import_mooncake,
     payload_name,
@@ -84,86 +78,17 @@ from omni_mesh.connectors._mooncake_common import (
     resolve_host,
 )
 from omni_mesh.connectors._registrations import Registrations
-from omni_mesh.connectors._served import GONE, POLL_S, NotThere, producer_endpoint
+from omni_mesh.connectors._served import GONE
+from omni_mesh.connectors._te_config import MooncakeTransferEngineConfig
 from omni_mesh.connectors._te_payloads import Payloads
+from omni_mesh.connectors._te_receive import Receiver
 from omni_mesh.connectors._zmq_channel import ERR, OK, Answer, Deferred, Reply, RouterServer
-from omni_mesh.connectors.base import (
-    ConnectorConfigError,
-    ConnectorError,
-    Counters,
-    OmniConnectorBase,
-    edge_key,
-)
+from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
 
-__all__ = ["MooncakeTransferEngineConfig", "MooncakeTransferEngineConnector"]
+__all__ = ["MooncakeTransferEngineConfig", "MooncakeTransferEngineConnector"]  # the config lives in _te_config
 
 OWNER = "MooncakeTransferEngineConnector"
-P2P = "P2PHANDSHAKE"
 _DEALER_IDLE_S = 60.0  # a side-channel socket unused this long is closed (its producer may be gone)
-
-
-@dataclass(frozen=True)
-class MooncakeTransferEngineConfig:
-    #: Address to advertise and bind; "auto" picks the interface that routes outside (see _addresses).
-    host: str = "auto"
-    #: "tcp" or "rdma" (the engine falls back to TCP where no RDMA device is found).
-    protocol: str = "tcp"
-    #: RDMA device(s), e.g. "mlx5_0" or "mlx5_0,mlx5_1"; "" lets the engine choose.
-    device_name: str = ""
-    #: "P2PHANDSHAKE" (nothing to deploy) or an "http://host:port/metadata" / etcd metadata server.
-    metadata_server: str = P2P
-    #: The registered pool of this process, created at start. Send and receive pools alike grow by
-    #: registered, pre-faulted regions for payloads that fit no free space, up to max_pool_size.
-    memory_pool_size: int = 512 * 1024 * 1024
-    #: Ceiling of the pool (the largest payload must fit under it, on both sides); 0: min(half of
-    #: RAM, 8 GiB), never less than memory_pool_size.
-    max_pool_size: int = 0
-    #: Regions the pool grew by are unregistered and dropped once unused this long (seconds).
-    pool_idle_release_s: float = 30.0
-    #: Fault the pool's pages in at start, so no transfer pays for first-touch page faults.
-    prefault: bool = True
-    #: Unconsumed payloads are freed this long after their put.
-    ttl_s: float = 300.0
-    #: TCP port of the ZeroMQ side channel consumers ask for payloads on; 0 picks a free one.
-    zmq_port: int = 0
-    #: How long get() waits for the producer's side channel to accept a connection.
-    connect_timeout_s: float = 5.0
-    #: How long get() waits for the producer to write a payload into this process's pool.
-    transfer_timeout_s: float = 60.0
-    #: How long put()/get() wait for pool space held by unconsumed payloads or live views.
-    pool_wait_s: float = 10.0
-    #: Copy tensors out of the pool on get (region freed at once) instead of returning views over it.
-    copy_on_get: bool = False
-    #: Concurrent outgoing transfers of this process.
-    transfer_threads: int = 4
-    #: Contiguous CPU tensors/arrays at least this large are sent from their own memory instead of
-    #: being copied into the pool at put (protocol "tcp" only); they must not be mutated until consumed.
-    #: 0 turns this off.
-    zero_copy_min_bytes: int = 1024 * 1024
-    #: CUDA tensors go GPU to GPU, outside the frame, when the installed Mooncake wheel is the CUDA
-    #: build (extra `mooncake-cuda`); false, or the non-CUDA wheel, sends them through host memory.
-    device_transfer: bool = True
-
-    def check(self, owner: str) -> None:
-        check_protocol(owner, self.protocol)
-        check_positive(
-            owner,
-            memory_pool_size=self.memory_pool_size,
-            ttl_s=self.ttl_s,
-            connect_timeout_s=self.connect_timeout_s,
-            transfer_timeout_s=self.transfer_timeout_s,
-            transfer_threads=self.transfer_threads,
-        )
-        check_not_negative(
-            owner,
-            zero_copy_min_bytes=self.zero_copy_min_bytes,
-            pool_wait_s=self.pool_wait_s,
-            max_pool_size=self.max_pool_size,
-            pool_idle_release_s=self.pool_idle_release_s,
-        )
-        check_port(owner, "zmq_port", self.zmq_port)
-        if not self.host.strip():
-            raise ConnectorConfigError(f"{owner}: host must be an address or 'auto'")
 
 
 class MooncakeTransferEngineConnector(OmniConnectorBase):
@@ -222,22 +147,8 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             )
             self._zmq_port = self._server.start()
             self.endpoint = tcp_endpoint(self.host, self._zmq_port)
-            self._engine, self.segment = self._start_engine(engine_module)
-            self._pool = RegisteredPool(
-                cfg.memory_pool_size,
-                prefault=cfg.prefault,
-                errors=self._pool_errors(),
-                ceiling=_growth.ceiling(cfg.memory_pool_size, cfg.max_pool_size, _growth.ram()),
-                register=lambda address, size: self._engine.register_memory(address, size) == 0,
-                unregister=lambda address: self._engine.unregister_memory(address),
-                idle_s=cfg.pool_idle_release_s,
-            )
-            rc = self._engine.register_memory(self._pool.address, self._pool.size)
-            if rc != 0:
-                raise ConnectorError(
-                    f"{OWNER}: registering the {self._pool.size}-byte pool with the engine failed (rc={rc}); "
-                    "lower memory_pool_size or check the RDMA device's memory-lock limit (ulimit -l)"
-                )
+            self._engine, self.segment = _te_engine.start_engine(engine_module, OWNER, self.host, self._zmq_port, cfg)
+            self._pool = _te_engine.registered_pool(lambda: self._engine, OWNER, cfg, self._pool_errors())
             self._registrations = Registrations(self._engine, self._pool.contains)
             self._outputs = _te_outputs.Outputs(self._pool)
             self._put_fields = {"segment": self.segment, "endpoint": self.endpoint, "session": self._session}
@@ -246,31 +157,22 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             self._payloads = Payloads(
                 OWNER, self._engine, self._pool, self._registrations, self._session, cfg
             )
+            self._receiver = Receiver(
+                OWNER,
+                cfg,
+                pool=self._pool,
+                payloads=self._payloads,
+                registrations=self._registrations,
+                device_leaves=self._device_leaves,
+                dealers=self._dealers,
+                quarantine=self._quarantine,
+                counters=self._counters,
+                **self._put_fields,
+            )
         except BaseException:
             self._teardown()
             raise
         close_at_exit(self)
-
-    def _start_engine(self, engine_module: Any) -> tuple[Any, str]:
-        cfg: MooncakeTransferEngineConfig = self.config
-        engine = engine_module.TransferEngine()
-        if cfg.metadata_server == P2P:
-            local_name = self.host
-        else:
-            # With a metadata server the segment name is taken verbatim and must be unique; the side
-            # channel's port is unique on this host for our lifetime. The engine advertises
-            # MC_TCP_BIND_ADDRESS, else its first non-loopback address: make it ours.
-            local_name = f"{self.host}:{self._zmq_port}"
-            os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.host)
-        rc = engine.initialize(local_name, cfg.metadata_server, cfg.protocol, cfg.device_name)
-        if rc != 0:
-            raise ConnectorError(
-                f"{OWNER}: the transfer engine did not start on {self.host} (rc={rc}, metadata_server="
-                f"{cfg.metadata_server!r}, protocol={cfg.protocol!r}, device_name={cfg.device_name!r}); "
-                "check that the metadata server is reachable and the device exists"
-            )
-        segment = f"{self.host}:{engine.get_rpc_port()}" if cfg.metadata_server == P2P else local_name
-        return engine, segment
 
     def _pool_errors(self) -> PoolErrors:
         return PoolErrors(
@@ -406,125 +308,8 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
         self, from_stage: str, to_stage: str, get_key: str, metadata: Any, *, poll: bool
     ) -> tuple[Any, int] | None:
         where = payload_name(from_stage, to_stage, get_key)
-        pool = self._open_pool(f"get of {where}")
-        key = edge_key(from_stage, to_stage, get_key)
-        if not _te_pull.complete(metadata):
-            metadata = self._lookup(metadata, key, where, poll)
-            if metadata is None:
-                return None
-        meta = _te_pull.check_metadata(OWNER, metadata, key, where)
-        try:
-            if meta["session"] == self._session:
-                return self._get_local(meta, where)
-            return self._get_remote(pool, meta, where)
-        except NotThere:
-            return None
-
-    def _lookup(self, metadata: Any, key: str, where: str, poll: bool) -> dict | None:
-        """Full metadata for a get by key alone, from the producer named by partial metadata or the
-        config's sender fields; None when it has no such payload (or, polling, does not answer)."""
-        fields = metadata if isinstance(metadata, dict) else {}
-        if fields.get("key", key) != key:
-            raise ConnectorError(f"{OWNER}: metadata for {where} was made for {fields['key']!r}")
-        endpoint = fields.get("endpoint") if isinstance(fields.get("endpoint"), str) else None
-        endpoint = endpoint or producer_endpoint(fields, self.config)
-        if endpoint is None:
-            if self._payloads is not None and self._payloads.find(key) is not None:
-                endpoint = self.endpoint  # put here: this instance is the producer
-            else:
-                return None
-        wait = min(POLL_S, self.config.connect_timeout_s)
-        try:
-            reply = self._dealers.request(endpoint, [_te_pull.LOOKUP, key.encode()], wait, connect_timeout_s=wait)
-        except (TimeoutError, zmq.ZMQError, NotConnected) as exc:
-            if poll:
-                return None
-            raise ConnectorError(f"{OWNER}: get of {where}: the producer {endpoint} did not answer: {exc}") from None
-        except ChannelClosed:
-            raise ConnectorError(f"{OWNER} is closed (get of {where})") from None
-        if reply[0].bytes == GONE:
-            return None
-        if reply[0].bytes != OK or len(reply) != 3:
-            raise ConnectorError(f"{OWNER}: get of {where}: the producer {endpoint} refused the lookup")
-        found = msgpack.unpackb(reply[2].bytes, raw=False)
-        if not isinstance(found, dict):
-            raise ConnectorError(f"{OWNER}: get of {where}: malformed lookup answer from {endpoint}")
-        return {"segment": "", "endpoint": endpoint, "addr": 0, "key": key, **found}
-
-    def _get_remote(self, pool: RegisteredPool, meta: dict, where: str) -> tuple[Any, int]:
-        length = meta["length"]
-        offset = pool.reserve(length, self.config.pool_wait_s, f"get of {where}")
-        device: list[torch.Tensor] = []
-        receiving: list[int] = []
-
-        def release() -> None:  # nothing can land in the region and buffers any more
-            pool.free(offset)
-            self._registrations.release(receiving)
-            device.clear()
-
-        try:
-            device += self._receive_buffers(meta, where, receiving)
-            request = {"segment": self.segment, "addr": pool.address_of(offset)}
-            if device:
-                request["device_addrs"] = [buffer.data_ptr() for buffer in device]
-            _te_pull.pull(OWNER, self.config, self._dealers, self._quarantine, meta, request, where, release)
-        except _te_pull.PullTimedOut:
-            self._counters.add("errors")
-            raise  # `release` runs at the late answer or ttl_s
-        except NotThere:
-            release()
-            raise
-        except BaseException:
-            release()
-            self._counters.add("errors")
-            raise
-        self._registrations.release(receiving)
-        data = pool.decode(offset, length, where, copy=self.config.copy_on_get, device=device)
-        self._counters.add_many(gets=1, bytes_got=length, device_tensors=len(device))
-        return data, length
-
-    def _receive_buffers(self, meta: dict, where: str, registered: list[int]) -> list[torch.Tensor]:
-        """Buffers for the payload's device tensors, if it has any, registered into `registered`."""
-        sizes = meta.get("device", [])
-        if not sizes:
-            return []
-        try:
-            buffers = self._device_leaves.receive_buffers(sizes)
-        except RuntimeError as exc:  # out of device memory
-            raise ConnectorError(
-                f"{OWNER}: get of {where}: no memory for {sum(sizes)} device bytes: {exc}"
-            ) from None
-        addresses = self._registrations.receive(buffers)
-        if addresses is None:
-            raise ConnectorError(
-                f"{OWNER}: get of {where}: the engine refused to register a receive buffer on "
-                f"{buffers[0].device}"
-            )
-        registered += addresses
-        return buffers
-
-    def _get_local(self, meta: dict, where: str) -> tuple[Any, int]:
-        """Producer and consumer are this instance: hand the producer's region over, no transfer."""
-        payload = self._payloads.claim(meta["key"], meta["handle"], meta["length"])
-        if isinstance(payload, Gone):
-            raise NotThere(payload)
-        if isinstance(payload, str):
-            self._counters.add("errors")
-            raise ConnectorError(f"{OWNER}: get of {where}: {payload}")
-        length, offset, pool = payload.size, payload.offset, self._pool
-        # The producer's own device tensors are handed over as they are (copy_on_get clones them).
-        device = [t.reshape(-1).view(torch.uint8) for t in payload.device]
-        if payload.pieces is not None:  # assemble the frame from its pieces in a fresh region
-            try:
-                offset = pool.reserve(length, self.config.pool_wait_s, f"get of {where}")
-                _frame_pieces.assemble(payload.pieces, pool.address_of(offset))
-            finally:
-                self._payloads.finish(payload, consumed=True)
-        else:
-            self._payloads.hand_over(payload)
-        data = pool.decode(offset, length, where, copy=self.config.copy_on_get, device=device)
-        self._counters.add_many(gets=1, bytes_got=length, local_gets=1, device_tensors=len(device))
-        return data, length
+        self._open_pool(f"get of {where}")
+        return self._receiver.get(edge_key(from_stage, to_stage, get_key), where, metadata, poll=poll)
 
     # ------------------------------------------------------------------ housekeeping and lifecycle
 

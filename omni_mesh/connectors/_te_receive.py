@@ -1,0 +1,192 @@
+"""The Mooncake TE connector's consumer side: one get, from metadata to the decoded payload.
+
+    by key alone   metadata missing or partial: the producer it names (or the config's sender
+                   fields) is asked, over the side channel, for the rest (`_te_pull.LOOKUP`)
+    remote         a region of the payload's length is reserved in this process's pool, and receive
+                   buffers registered for its device tensors; the producer is asked to write into
+                   them (`_te_pull.pull`); the frame is decoded as views over the region
+    local          producer and consumer are the same instance: the producer's region is handed
+                   over (or, for a frame in pieces, assembled into a fresh one), no transfer
+
+A pull that timed out leaves its region and buffers quarantined (`_te_pull`); every other failure
+frees them at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import torch
+import zmq
+
+from omni_mesh.connectors import _device_transfer, _frame_pieces, _te_pull
+from omni_mesh.connectors._dealers import ChannelClosed, DealerPool, NotConnected
+from omni_mesh.connectors._held import Gone, PendingReleases
+from omni_mesh.connectors._mooncake_common import RegisteredPool
+from omni_mesh.connectors._registrations import Registrations
+from omni_mesh.connectors._served import GONE, POLL_S, NotThere, producer_endpoint
+from omni_mesh.connectors._te_config import MooncakeTransferEngineConfig
+from omni_mesh.connectors._te_payloads import Payloads
+from omni_mesh.connectors._zmq_channel import OK
+from omni_mesh.connectors.base import ConnectorError, Counters
+
+
+class Receiver:
+    """The gets of one connector instance, into its `pool` (module docstring); thread-safe."""
+
+    def __init__(
+        self,
+        owner: str,
+        cfg: MooncakeTransferEngineConfig,
+        *,
+        pool: RegisteredPool,
+        payloads: Payloads,
+        registrations: Registrations,
+        device_leaves: _device_transfer.DeviceLeavesPolicy,
+        dealers: DealerPool,
+        quarantine: PendingReleases,
+        counters: Counters,
+        segment: str,
+        endpoint: str,
+        session: str,
+    ) -> None:
+        self._owner = owner
+        self._cfg = cfg
+        self._pool = pool
+        self._payloads = payloads  # this instance's own puts: a get of one is handed over locally
+        self._registrations = registrations
+        self._device_leaves = device_leaves
+        self._dealers = dealers
+        self._quarantine = quarantine
+        self._counters = counters
+        # This instance as its peers know it: where producers write, and whose puts are its own.
+        self._segment, self._endpoint, self._session = segment, endpoint, session
+
+    def get(self, key: str, where: str, metadata: Any, *, poll: bool) -> tuple[Any, int] | None:
+        """The payload under edge `key`, or None when the producer has no such payload (any more) or,
+        by key alone and polling, does not answer within a second."""
+        if not _te_pull.complete(metadata):
+            metadata = self._lookup(metadata, key, where, poll)
+            if metadata is None:
+                return None
+        meta = _te_pull.check_metadata(self._owner, metadata, key, where)
+        try:
+            if meta["session"] == self._session:
+                return self._get_local(meta, where)
+            return self._get_remote(meta, where)
+        except NotThere:
+            return None
+
+    def _lookup(self, metadata: Any, key: str, where: str, poll: bool) -> dict | None:
+        """Full metadata for a get by key alone, from the producer named by partial metadata or the
+        config's sender fields; None when it has no such payload (or, polling, does not answer)."""
+        owner = self._owner
+        fields = metadata if isinstance(metadata, dict) else {}
+        if fields.get("key", key) != key:
+            raise ConnectorError(f"{owner}: metadata for {where} was made for {fields['key']!r}")
+        endpoint = fields.get("endpoint") if isinstance(fields.get("endpoint"), str) else None
+        endpoint = endpoint or producer_endpoint(fields, self._cfg)
+        if endpoint is None:
+            if self._payloads.find(key) is not None:
+                endpoint = self._endpoint  # put here: this instance is the producer
+            else:
+                return None
+        wait = min(POLL_S, self._cfg.connect_timeout_s)
+        try:
+            reply = self._dealers.request(
+                endpoint, [_te_pull.LOOKUP, key.encode()], wait, connect_timeout_s=wait
+            )
+        except (TimeoutError, zmq.ZMQError, NotConnected) as exc:
+            if poll:
+                return None
+            raise ConnectorError(
+                f"{owner}: get of {where}: the producer {endpoint} did not answer: {exc}"
+            ) from None
+        except ChannelClosed:
+            raise ConnectorError(f"{owner} is closed (get of {where})") from None
+        if reply[0].bytes == GONE:
+            return None
+        if reply[0].bytes != OK or len(reply) != 3:
+            raise ConnectorError(f"{owner}: get of {where}: the producer {endpoint} refused the lookup")
+        found = msgpack.unpackb(reply[2].bytes, raw=False)
+        if not isinstance(found, dict):
+            raise ConnectorError(f"{owner}: get of {where}: malformed lookup answer from {endpoint}")
+        return {"segment": "", "endpoint": endpoint, "addr": 0, "key": key, **found}
+
+    def _get_remote(self, meta: dict, where: str) -> tuple[Any, int]:
+        pool, length = self._pool, meta["length"]
+        offset = pool.reserve(length, self._cfg.pool_wait_s, f"get of {where}")
+        device: list[torch.Tensor] = []
+        receiving: list[int] = []
+
+        def release() -> None:  # nothing can land in the region and buffers any more
+            pool.free(offset)
+            self._registrations.release(receiving)
+            device.clear()
+
+        try:
+            device += self._receive_buffers(meta, where, receiving)
+            request = {"segment": self._segment, "addr": pool.address_of(offset)}
+            if device:
+                request["device_addrs"] = [buffer.data_ptr() for buffer in device]
+            _te_pull.pull(
+                self._owner, self._cfg, self._dealers, self._quarantine, meta, request, where, release
+            )
+        except _te_pull.PullTimedOut:
+            self._counters.add("errors")
+            raise  # `release` runs at the late answer or ttl_s
+        except NotThere:
+            release()
+            raise
+        except BaseException:
+            release()
+            self._counters.add("errors")
+            raise
+        self._registrations.release(receiving)
+        data = pool.decode(offset, length, where, copy=self._cfg.copy_on_get, device=device)
+        self._counters.add_many(gets=1, bytes_got=length, device_tensors=len(device))
+        return data, length
+
+    def _receive_buffers(self, meta: dict, where: str, registered: list[int]) -> list[torch.Tensor]:
+        """Buffers for the payload's device tensors, if it has any, registered into `registered`."""
+        sizes = meta.get("device", [])
+        if not sizes:
+            return []
+        try:
+            buffers = self._device_leaves.receive_buffers(sizes)
+        except RuntimeError as exc:  # out of device memory
+            raise ConnectorError(
+                f"{self._owner}: get of {where}: no memory for {sum(sizes)} device bytes: {exc}"
+            ) from None
+        addresses = self._registrations.receive(buffers)
+        if addresses is None:
+            raise ConnectorError(
+                f"{self._owner}: get of {where}: the engine refused to register a receive buffer on "
+                f"{buffers[0].device}"
+            )
+        registered += addresses
+        return buffers
+
+    def _get_local(self, meta: dict, where: str) -> tuple[Any, int]:
+        """Producer and consumer are this instance: hand the producer's region over, no transfer."""
+        payload = self._payloads.claim(meta["key"], meta["handle"], meta["length"])
+        if isinstance(payload, Gone):
+            raise NotThere(payload)
+        if isinstance(payload, str):
+            self._counters.add("errors")
+            raise ConnectorError(f"{self._owner}: get of {where}: {payload}")
+        length, offset, pool = payload.size, payload.offset, self._pool
+        # The producer's own device tensors are handed over as they are (copy_on_get clones them).
+        device = [t.reshape(-1).view(torch.uint8) for t in payload.device]
+        if payload.pieces is not None:  # assemble the frame from its pieces in a fresh region
+            try:
+                offset = pool.reserve(length, self._cfg.pool_wait_s, f"get of {where}")
+                _frame_pieces.assemble(payload.pieces, pool.address_of(offset))
+            finally:
+                self._payloads.finish(payload, consumed=True)
+        else:
+            self._payloads.hand_over(payload)
+        data = pool.decode(offset, length, where, copy=self._cfg.copy_on_get, device=device)
+        self._counters.add_many(gets=1, bytes_got=length, local_gets=1, device_tensors=len(device))
+        return data, length
