@@ -7,6 +7,8 @@ process, that join and leave a running mesh (as `docker compose up --scale` make
   with an error naming the stage; the mesh then serves every request.
 - A replica stopped with SIGTERM under load drains: it finishes its work, deregisters and exits 0,
   and no request is lost.
+- A replica stopped with SIGTERM while no coordinator answers its registration (`docker compose
+  down` stopped the coordinator first) exits 0 within seconds.
 
 Handlers: tests/support/scaling_handlers.py, copied next to each topology.
 """
@@ -371,3 +373,24 @@ def test_sigterm_on_a_replica_under_load_loses_no_request(mesh_factory, connecto
         "a draining replica should finish its own work"
     )
     mesh.stop()
+
+
+# ====================================================================== no coordinator
+
+
+def test_sigterm_while_no_coordinator_answers_exits_at_once(tmp_path: Path) -> None:
+    directory = tmp_path / "mesh"
+    directory.mkdir()
+    shutil.copyfile(HANDLERS, directory / HANDLERS.name)
+    topology = directory / "topology.yaml"
+    topology.write_text(yaml.safe_dump(PIPELINE, sort_keys=False))  # mid: a connector on each side
+    nowhere = f"tcp://127.0.0.1:{free_port()}"  # nothing binds it: registration is never answered
+    with Services(directory / "logs") as services:
+        replica = services.stage(topology, "mid", coordinator=nowhere, name="mid-1", replica="mid-1")
+        wait_for(lambda: "waiting for the coordinator" in replica.log(), 60, "the replica to be registering")
+        signalled = time.monotonic()
+        code = services.stop(replica, signal.SIGTERM, timeout_s=20)
+        stopped_s = time.monotonic() - signalled
+        assert code == 0, replica.log()[-3000:]
+        assert stopped_s < 5, f"exited {stopped_s:.1f} s after SIGTERM:\n{replica.log()[-3000:]}"
+        services.assert_no_segments()

@@ -1,0 +1,130 @@
+"""A replica's link to the coordinator: the control-plane socket, registering, the heartbeat clock,
+and the connector health the heartbeats carry.
+
+Registration repeats every second until the coordinator answers, or until the replica is told to
+stop: a replica whose coordinator is gone (`docker compose down` stops it first) exits on SIGTERM at
+once instead of waiting for an answer that never comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from omni_mesh import control
+from omni_mesh.connectors import OmniConnectorBase
+from omni_mesh.control import Message, Register, Registered
+from omni_mesh.security import mesh_keys, secure_client
+
+log = logging.getLogger("omni_mesh.stage")
+
+HEARTBEAT_S = 0.5  # until the coordinator announces its interval at registration
+HEALTH_WAIT_S = 0.25  # longest a heartbeat waits for connector health (a backend RPC) before sending
+
+
+class CoordinatorLink:
+    """The replica's DEALER socket to the coordinator's control endpoint (CURVE with the mesh's keys)."""
+
+    def __init__(self, coordinator: str, replica_id: str) -> None:
+        self.coordinator = coordinator
+        self.replica_id = replica_id
+        self.heartbeat_s = HEARTBEAT_S
+        self.registered = asyncio.Event()
+        self._ctx = zmq.asyncio.Context()
+        self._socket = self._ctx.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(
+            zmq.MAXMSGSIZE, control.MAX_MESSAGE_BYTES
+        )  # the coordinator sends metadata only
+        secure_client(self._socket, mesh_keys())
+        self._socket.connect(coordinator)
+
+    async def send(self, message: Message, *extra: Any) -> None:
+        await self._socket.send_multipart([control.pack(message), *extra], copy=False)
+
+    async def receive(self) -> list[Any]:
+        return await self._socket.recv_multipart()
+
+    def accepted(self, message: Registered) -> None:
+        """The coordinator registered us, and says how often to heartbeat."""
+        self.heartbeat_s = min(max(float(message.heartbeat_s), 0.05), 5.0)
+        self.registered.set()
+
+    async def register(self, message: Register, stopped: asyncio.Event) -> bool:
+        """Send `message` every second until the coordinator answers or `stopped` is set; whether it
+        answered."""
+        while not self.registered.is_set() and not stopped.is_set():
+            await self.send(message)
+            await _first_set(self.registered, stopped, timeout_s=1.0)
+            if not self.registered.is_set() and not stopped.is_set():
+                log.info("replica %s waiting for the coordinator at %s", self.replica_id, self.coordinator)
+        return self.registered.is_set()
+
+    async def heartbeats(self, beat: Callable[[], Awaitable[None]]) -> None:
+        """Run `beat` every heartbeat interval while registered (until cancelled)."""
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            if self.registered.is_set():
+                await beat()
+
+    def close(self) -> None:
+        self._socket.close(0)
+        self._ctx.term()
+
+
+async def _first_set(*events: asyncio.Event, timeout_s: float) -> None:
+    """Wait until one of `events` is set, or `timeout_s` passes."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+
+
+class ConnectorHealth:
+    """The connectors' health for registration and heartbeats, read on a thread of its own:
+    heartbeats must not wait behind long transfers in the I/O pool."""
+
+    def __init__(self, connectors: dict[str, OmniConnectorBase], replica_id: str, thread_prefix: str) -> None:
+        self._connectors = connectors
+        self._replica_id = replica_id
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_prefix)
+        # The latest reading, refreshed beside the heartbeats: a heartbeat never waits for it (a
+        # backend RPC can stall behind busy transfers, and a late heartbeat reads as a dead replica).
+        self._latest: dict[str, dict] = {}
+        self._refresh: asyncio.Task | None = None
+
+    async def read(self) -> dict[str, dict]:
+        """In the thread pool: some connectors ask their backend (a datasystem worker RPC)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._executor, lambda: {ref: c.health() for ref, c in self._connectors.items()}
+        )
+
+    async def latest(self) -> dict[str, dict]:
+        """Fresh connector health, or the last one read if the read stalls: a heartbeat waits for it
+        HEALTH_WAIT_S at most (the read goes on, and the next heartbeat does not start another)."""
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.ensure_future(self._refresh_latest())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._refresh), timeout=HEALTH_WAIT_S)
+        return self._latest
+
+    async def _refresh_latest(self) -> None:
+        try:
+            self._latest = await self.read()
+        except Exception as exc:  # a connector's health() failing must not take the heartbeats along
+            log.warning("replica %s: reading connector health failed: %s", self._replica_id, exc)
+
+    def close(self) -> None:
+        if self._refresh is not None:
+            self._refresh.cancel()
+        self._executor.shutdown(wait=False, cancel_futures=True)

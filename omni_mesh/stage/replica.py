@@ -1,0 +1,204 @@
+"""`StageReplica`: one replica's lifecycle (start, drain on SIGTERM/SIGINT, close) and the dispatch
+of the coordinator's messages to the parts that handle them (`link`, `runner`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from omni_mesh import control
+from omni_mesh.connectors import OmniConnectorBase, create_connector, creation_rank
+from omni_mesh.control import (
+    Abort,
+    Chunk,
+    Deregister,
+    Drained,
+    Error,
+    Heartbeat,
+    Register,
+    Registered,
+    Rejected,
+    Work,
+)
+from omni_mesh.hostinfo import process_info
+from omni_mesh.stage.link import ConnectorHealth, CoordinatorLink
+from omni_mesh.stage.loading import default_replica_id, load_handler
+from omni_mesh.stage.runner import Runner
+from omni_mesh.topology import StageSpec, Topology
+
+log = logging.getLogger("omni_mesh.stage")
+
+
+class StageReplica:
+    def __init__(
+        self,
+        topology: Topology,
+        stage: StageSpec,
+        coordinator: str,
+        replica_id: str | None = None,
+        *,
+        host: str | None = None,
+        drain_grace_s: float = 30.0,
+        health_file: str | None = None,
+    ) -> None:
+        self.topology = topology
+        self.stage = stage
+        self.coordinator = coordinator
+        self.host = host or socket.gethostname()
+        self.replica_id = replica_id or default_replica_id(stage.name, self.host)
+        self.drain_grace_s = drain_grace_s
+        self.health_file = Path(health_file) if health_file else None
+        self.handler = load_handler(topology, stage)
+        self.in_edges = {topology.stage(e.src).name: e for e in topology.inputs_of(stage.stage_id)}
+        self.out_edges = {topology.stage(e.dst).name: e for e in topology.outputs_of(stage.stage_id)}
+        self.is_final = any(s.stage_id == stage.stage_id for s in topology.final_stages)
+        self.connectors: dict[str, OmniConnectorBase] = {}
+        specs = {e.connector.ref: e.connector for e in [*self.in_edges.values(), *self.out_edges.values()]}
+        for spec in sorted(specs.values(), key=lambda s: creation_rank(s.name)):  # the registry's load order
+            self.connectors[spec.ref] = create_connector(spec.name, spec.extra)
+        self.executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{stage.name}-io")
+        self.health = ConnectorHealth(self.connectors, self.replica_id, f"{stage.name}-health")
+        self.malformed = 0
+        self.draining = False
+        self._drained = asyncio.Event()  # the coordinator says no running request needs us any more
+        self._stopped = asyncio.Event()
+        self.link = CoordinatorLink(coordinator, self.replica_id)
+        self.runner = Runner(
+            stage.name,
+            self.replica_id,
+            self.handler,
+            self.connectors,
+            (self.in_edges, self.out_edges),
+            is_final=self.is_final,
+            executor=self.executor,
+            send=self.link.send,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_drain)
+        receiver = asyncio.create_task(self._receive_loop())
+        heartbeat = asyncio.create_task(self.link.heartbeats(self._heartbeat))
+        sweeper = asyncio.create_task(self.runner.sweep_loop())
+        try:
+            producers = {self.connectors[e.connector.ref] for e in self.out_edges.values()}
+            for connector in producers:
+                await loop.run_in_executor(self.executor, connector.warm_up)
+            if await self._register():  # False: told to stop before the coordinator answered
+                log.info("replica %s of stage %s ready", self.replica_id, self.stage.name)
+            await self._stopped.wait()
+        finally:
+            for task in (receiver, heartbeat, sweeper):
+                task.cancel()
+            with contextlib.suppress(Exception):
+                await self.link.send(Deregister(self.replica_id))
+            self.close()
+
+    def request_drain(self) -> None:
+        if not self.draining:
+            self.draining = True
+            log.info(
+                "replica %s draining: finishing %d in-flight request(s)",
+                self.replica_id,
+                len(self.runner.work),
+            )
+            asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        await self._heartbeat()  # tell the coordinator at once so no new work arrives
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_grace_s
+        # Finishing our own work is not enough: what we put may still wait for a downstream replica
+        # to fetch it, and exiting takes it along. The coordinator answers our (draining) heartbeats
+        # with `drained` once every request we took part in has ended (and tells every replica so
+        # when it shuts down). Unregistered, we hold nothing anybody waits for.
+        while loop.time() < deadline and (
+            self.runner.work or (self.link.registered.is_set() and not self._drained.is_set())
+        ):
+            await asyncio.sleep(0.05)
+        self._stopped.set()
+
+    def close(self) -> None:
+        ingress = [self.runner.ingress] if self.runner.ingress else []
+        for connector in [*self.connectors.values(), *ingress]:
+            with contextlib.suppress(Exception):
+                connector.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.health.close()
+        self.link.close()
+
+    async def _register(self) -> bool:
+        """Register (again) with the coordinator; whether it answered before we were told to stop."""
+        message = Register(
+            **{**process_info(), "host": self.host},
+            stage=self.stage.name,
+            replica=self.replica_id,
+            max_inflight=self.stage.max_inflight,
+            edges={e.label: e.connector.name for e in [*self.in_edges.values(), *self.out_edges.values()]},
+            connectors=await self.health.read(),  # the first read may take long: it is waited for
+        )
+        return await self.link.register(message, self._stopped)
+
+    async def _heartbeat(self) -> None:
+        await self.link.send(
+            Heartbeat(
+                self.replica_id,
+                len(self.runner.work),
+                processed=self.runner.processed,
+                errors=self.runner.errors,
+                malformed=self.malformed,
+                draining=self.draining,
+                connectors=await self.health.latest(),
+            )
+        )
+        if self.health_file is not None and not self.draining:
+            self.health_file.touch()  # container health checks look at its age
+
+    # ------------------------------------------------------------------ messages
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frames = await self.link.receive()
+            try:
+                message = control.unpack(frames[0])
+            except control.MalformedMessage as exc:
+                self.malformed += 1
+                log.warning("replica %s dropped a control message: %s", self.replica_id, exc)
+                if exc.rid is not None:  # say so, or that request would wait for its deadline
+                    await self.link.send(
+                        Error(exc.rid, self.stage.name, self.replica_id, str(exc), status=400)
+                    )
+                continue
+            if isinstance(message, Registered):
+                self.link.accepted(message)
+            elif isinstance(message, Rejected):
+                self._rejected(message)
+            elif isinstance(message, Work):
+                self.runner.start(message)
+                self._drained.clear()  # a new request may need what we put for it
+            elif isinstance(message, Chunk):
+                self.runner.feed(message)
+            elif isinstance(message, Drained):
+                self._drained.set()
+            elif isinstance(message, Abort):
+                self.runner.abort(message.rid)
+            else:
+                self.malformed += 1
+
+    def _rejected(self, message: Rejected) -> None:
+        if not message.reregister:
+            log.error("coordinator rejected replica %s: %s", self.replica_id, message.error)
+            self._stopped.set()
+            return
+        log.warning("coordinator asks replica %s to register again: %s", self.replica_id, message.error)
+        if self.link.registered.is_set():
+            self.link.registered.clear()
+            asyncio.get_running_loop().create_task(self._register())
