@@ -10,11 +10,15 @@ first. Tests that never touch openYuanrong do not load mooncake because of this 
 
 The modules that need a datasystem worker share one (`datasystem_worker`, tests/support/shared_worker.py):
 they run one after another, and the worker stops after the last test that names the fixture.
+
+`no_segment_left` fails a test that leaves this run's shared-memory segments behind; the modules
+that make segments opt into it (`pytestmark = pytest.mark.usefixtures("no_segment_left")`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import importlib.abc
 import sys
@@ -79,3 +83,15 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     finally:
         if _LAST_WORKER_USER and item is _LAST_WORKER_USER[0]:
             _SHARED_WORKER.stop()
+
+
+# ---------------------------------------------------------------------- shared memory left behind
+
+
+@pytest.fixture
+def no_segment_left() -> Iterator[None]:
+    yield
+    from support.shm_kit import our_segments  # here, not at the top: it imports torch and the connectors
+
+    gc.collect()
+    assert our_segments() == {}, "a test left shared-memory segments behind"

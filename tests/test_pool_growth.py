@@ -6,7 +6,6 @@ cover every segment of a process. Real processes (tests/shm_consumer.py), real /
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Iterator
 
@@ -24,11 +23,7 @@ MiB = 1 << 20
 SMALL_POOL = {"memory_pool_size": 2 * MiB, "inline_max_bytes": 0}
 
 
-@pytest.fixture(autouse=True)
-def no_segment_left() -> Iterator[None]:
-    yield
-    gc.collect()
-    assert our_segments() == {}, "a test left shared-memory segments behind"
+pytestmark = pytest.mark.usefixtures("no_segment_left")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -166,11 +166,7 @@ def assert_path(metadata: dict, path: str) -> None:
         assert "_x" in metadata["segment"], metadata
 
 
-@pytest.fixture(autouse=True)
-def no_segment_left() -> Iterator[None]:
-    yield
-    gc.collect()
-    assert our_segments() == {}, "a test left shared-memory segments behind"
+pytestmark = pytest.mark.usefixtures("no_segment_left")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -26,11 +26,7 @@ LOCAL_ZMQ = {"host": "127.0.0.1"}
 TE_CONFIG = {"host": "127.0.0.1", "memory_pool_size": "64MiB", "prefault": False, "connect_timeout_s": 2.0}
 
 
-@pytest.fixture(autouse=True)
-def no_segment_left() -> Iterator[None]:
-    yield
-    gc.collect()
-    assert our_segments() == {}, "a test left shared-memory segments behind"
+pytestmark = pytest.mark.usefixtures("no_segment_left")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
