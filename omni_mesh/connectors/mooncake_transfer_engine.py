@@ -85,7 +85,7 @@ from omni_mesh.connectors._te_receive import Receiver
 from omni_mesh.connectors._zmq_channel import ERR, OK, Answer, Deferred, Reply, RouterServer
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
 
-__all__ = ["MooncakeTransferEngineConfig", "MooncakeTransferEngineConnector"]  # the config lives in _te_config
+__all__ = ["MooncakeTransferEngineConfig", "MooncakeTransferEngineConnector"]
 
 OWNER = "MooncakeTransferEngineConnector"
 _DEALER_IDLE_S = 60.0  # a side-channel socket unused this long is closed (its producer may be gone)
@@ -147,7 +147,9 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             )
             self._zmq_port = self._server.start()
             self.endpoint = tcp_endpoint(self.host, self._zmq_port)
-            self._engine, self.segment = _te_engine.start_engine(engine_module, OWNER, self.host, self._zmq_port, cfg)
+            self._engine, self.segment = _te_engine.start_engine(
+                engine_module, OWNER, self.host, self._zmq_port, cfg
+            )
             self._pool = _te_engine.registered_pool(lambda: self._engine, OWNER, cfg, self._pool_errors())
             self._registrations = Registrations(self._engine, self._pool.contains)
             self._outputs = _te_outputs.Outputs(self._pool)
@@ -241,7 +243,9 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             metadata["device"] = [t.nbytes for t in device_tensors]
         return True, size, metadata
 
-    def _put_planned(self, from_stage: str, to_stage: str, put_key: str, planned: _te_outputs.Planned) -> tuple:
+    def _put_planned(
+        self, from_stage: str, to_stage: str, put_key: str, planned: _te_outputs.Planned
+    ) -> tuple:
         size, headroom = planned[0], planned[3]
         handle, key = next(self._handles), edge_key(from_stage, to_stage, put_key)
         try:
