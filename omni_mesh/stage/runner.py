@@ -55,8 +55,9 @@ class Runner:
         replica_id: str,
         handler: Callable[..., Any],
         connectors: dict[str, OmniConnectorBase],
-        edges: tuple[dict[str, EdgeSpec], dict[str, EdgeSpec]],
         *,
+        in_edges: dict[str, EdgeSpec],
+        out_edges: dict[str, EdgeSpec],
         is_final: bool,
         executor: ThreadPoolExecutor,
         send: Callable[..., Awaitable[None]],
@@ -65,7 +66,7 @@ class Runner:
         self.replica_id = replica_id
         self.handler = handler
         self.connectors = connectors  # by connector ref
-        self.in_edges, self.out_edges = edges  # by the other stage's name
+        self.in_edges, self.out_edges = in_edges, out_edges  # by the other stage's name
         self.is_final = is_final
         self.executor = executor
         self._send = send  # a control message (and frames) to the coordinator
