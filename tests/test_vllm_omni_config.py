@@ -161,7 +161,7 @@ def test_stage_id_and_role_are_accepted_silently_by_a_real_connector(caplog: pyt
 
 
 def test_a_role_vllm_omni_refuses_is_refused() -> None:
-    with pytest.raises(ConnectorConfigError, match=r"ZmqConnector: config key 'role' must be one of 'sender', 'receiver', 'dual', got 'boss'"):
+    with pytest.raises(ConnectorConfigError, match=r"ZmqConnector: config key 'role' must be one of 'sender', 'receiver', 'dual', 'auto', got 'boss'"):
         connector_class("ZmqConnector").validate_config({"role": "boss"})
 
 
@@ -327,7 +327,8 @@ def test_docs_show_every_row_of_the_table() -> None:
             part = section.split(f"### {name}", 1)[1].split("\n### ", 1)[0]
             for key in table:
                 assert f"| `{key}` |" in part, f"docs/connectors.md: {name} lacks {key}"
-    for key in {**_vllm_omni_keys._EVERY_CONNECTOR, **_vllm_omni_keys._CHUNK_ADAPTER}:
+    every_connector = (_vllm_omni_keys._EVERY_CONNECTOR, _vllm_omni_keys._CHUNK_ADAPTER, _vllm_omni_keys._MODEL_CODE)
+    for key in {name: entry for table in every_connector for name, entry in table.items()}:
         assert f"| `{key}` |" in section, key
 
 
