@@ -112,9 +112,9 @@ def _without_graph(data: dict, name: str) -> PreparedFile:
     if any(stage.get("input_connectors") or stage.get("output_connectors") for stage in stages):
         return PreparedFile(data, is_deploy=True, warnings=[
             f"no built-in graph of a vllm-omni pipeline matches {name!r} (built in: {', '.join(PIPELINES)}), so "
-            "the edges are only those input_connectors/output_connectors declare, and no stage is final "
-            "unless marked; vllm-omni takes the graph from the pipeline's code: check the edges, or set "
-            "pipeline:"
+            "the edges are only those input_connectors/output_connectors declare, and the final stages those "
+            "marked final_output: true (where none is, those with no outgoing edge); vllm-omni takes the graph "
+            "and the final stages from the pipeline's code: check them, or set pipeline:"
         ])
     if len(stages) == 1:
         return PreparedFile(data, is_deploy=True)
