@@ -137,7 +137,7 @@ def test_model_settings_in_a_connectors_extra_are_accepted_with_one_warning() ->
     topo = parse(two_stages_linked_by(f"{{name: SharedMemoryConnector, extra: {settings}}}"))
     assert edges_of(topo) == [("0->1", "link")]
     named = {key: [w for w in topo.warnings if repr(key) in w] for key in keys}
-    assert all(len(found) == 1 and "no effect in omni-mesh" in found[0] for found in named.values()), topo.warnings
+    assert all(len(found) == 1 and "no effect in omni-mesh" in found[0] for found in named.values())
     assert "read by vllm-omni's GLM-TTS DiT code" in named["crossfade_sec"][0]
     message = error_of(two_stages_linked_by("{name: SharedMemoryConnector, extra: {crossfade_secs: 0.1}}"))
     assert "unknown config key 'crossfade_secs'" in message and "did you mean 'crossfade_sec'?" in message
@@ -352,6 +352,32 @@ def test_deploy_file_of_an_unknown_pipeline_is_refused_with_what_to_add() -> Non
 def test_unknown_pipeline_key_is_refused() -> None:
     with pytest.raises(TopologyError, match="pipeline: 'some_image_pipeline' names a vllm-omni pipeline whose graph"):
         load_topology(DEPLOY / "unknown_pipeline.yaml")
+
+
+def test_deploy_file_of_an_unknown_pipeline_with_its_own_edges_takes_them_with_a_warning() -> None:
+    """A deploy file may list edges: (connector choice) and still name its pipeline: it is vllm-omni's."""
+    topo = parse("""
+        pipeline: some_image_pipeline
+        stages:
+          - {stage_id: 0, final_output: true, devices: "0"}
+          - {stage_id: 1, devices: "1"}
+        edges: [{from: 0, to: 1, window_size: -1, max_inflight: 1}]
+    """)
+    assert edges_of(topo) == [("0->1", "auto_shm_0_1")]
+    declared, stranded = topo.warnings  # stage 1 reaches no marked final stage: vllm-omni does not check that
+    assert declared.startswith("pipeline: 'some_image_pipeline' names a vllm-omni pipeline whose graph")
+    assert "the edges are only those the file declares (edges:" in declared
+    assert stranded.startswith("stage 1 'stage_1' reaches no final stage")
+
+
+def test_deploy_file_edge_entries_must_be_the_pipelines() -> None:
+    message = error_of("""
+        pipeline: qwen3_tts
+        stages: [{stage_id: 0}, {stage_id: 1}]
+        edges: [{from: 1, to: 0}]
+    """)
+    assert "edges: declares edge 1->0, which vllm-omni's pipeline 'qwen3_tts' does not have" in message
+    assert "(its edges: 0->1)" in message
 
 
 def test_a_single_stage_deploy_file_needs_no_graph() -> None:
