@@ -102,7 +102,7 @@ _MODEL_CODE: dict[str, VllmKey] = {
             ("enable_hift_graph", "enable_cfm_graph", "cfm_max_graphs", "token2wav_n_timesteps"),
         ),
         ("MiniCPM-o 4.5 token2wav (NPU)", ("npu_dit_*", "npu_cfm_*", "npu_single_request_cache_passthrough")),
-        ("Audio8-TTS", ("audio8_tts_*",)),
+        ("Audio8-TTS codec decoder", ("audio8_tts_codec_dtype",)),
     )
     for name in names
 }
