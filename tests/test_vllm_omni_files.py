@@ -167,6 +167,25 @@ def test_a_top_level_connectors_list_in_a_stage_config_is_ignored_with_a_warning
     assert warning.startswith("connectors: is a list, not a mapping") and "runtime.connectors only" in warning
 
 
+def test_both_sides_naming_connectors_of_one_type_is_a_warning_in_a_stage_config() -> None:
+    """vllm-omni's loader compares only the connector types of an edge's two declarations."""
+    text = """
+        stage_args:
+          - {stage_id: 0, output_connectors: {to_stage_1: near}}
+          - {stage_id: 1, final_output: true, input_connectors: {from_stage_0: far}}
+        runtime:
+          connectors:
+            near: {name: SharedMemoryConnector, extra: {shm_threshold_bytes: 1024}}
+            far: {name: SharedMemoryConnector, extra: {}}
+    """
+    topo = parse(text)
+    assert edges_of(topo) == [("0->1", "near")]
+    (warning,) = [w for w in topo.warnings if "names connector" in w]
+    assert warning.endswith("'near' is used, as vllm-omni's loader does")
+    other_type = text.replace("far: {name: SharedMemoryConnector", "far: {name: ZmqConnector")
+    assert "names connector 'near' (SharedMemoryConnector) but" in error_of(other_type)
+
+
 def test_an_unset_variable_in_an_unknown_key_is_still_an_unknown_key() -> None:
     message = error_of(two_stages_linked_by("{name: ZmqConnector, extra: {prot: $SURELY_UNSET_OMNI_MESH_VAR}}"))
     assert "connector 'link' (used by edge 0->1" in message and "'prot'" in message

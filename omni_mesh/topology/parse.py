@@ -326,11 +326,15 @@ class _Parser:
                 chosen[key] = decl
                 continue
             if decl.connector is not None and decl.connector != first.connector:
-                raise TopologyError(
+                message = (
                     f"{self.describe_edge(*key)}: {first.where} names connector {first.connector.ref!r} "
                     f"({first.connector.name}) but {decl.where} names {decl.connector.ref!r} "
                     f"({decl.connector.name}); name the same connector on both sides, or on one side only"
                 )
+                # vllm-omni compares only the connector types: it keeps the first (older versions the last).
+                if not self.lenient or decl.connector.name != first.connector.name:
+                    raise TopologyError(message)
+                self.warnings.append(f"{message}; {first.connector.ref!r} is used, as vllm-omni's loader does")
         auto_shm = self.sections.flag("auto_shm", True)
         edges: Edges = {}
         for key, decl in sorted(chosen.items()):
