@@ -334,7 +334,9 @@ class _Parser:
                 # vllm-omni compares only the connector types: it keeps the first (older versions the last).
                 if not self.lenient or decl.connector.name != first.connector.name:
                     raise TopologyError(message)
-                self.warnings.append(f"{message}; {first.connector.ref!r} is used, as vllm-omni's loader does")
+                self.warnings.append(
+                    f"{message}; {first.connector.ref!r} is used, as vllm-omni's loader does"
+                )
         auto_shm = self.sections.flag("auto_shm", True)
         edges: Edges = {}
         for key, decl in sorted(chosen.items()):
