@@ -43,7 +43,8 @@ class PreparedFile:
 
 
 def is_deploy_file(data: dict) -> bool:
-    """Top-level `stages:` whose entries declare no handler, no engine_input_source and no edges:."""
+    """Top-level `stages:` whose entries declare no handler and no engine_input_source, and either a
+    `pipeline:` key (vllm-omni's, whatever else the file has) or no edges:."""
     stages = data.get("stages")
     if "stage_args" in data or not isinstance(stages, list) or not stages:
         return False
@@ -51,8 +52,14 @@ def is_deploy_file(data: dict) -> bool:
         return False
     if any("handler" in stage or "engine_input_source" in stage for stage in stages):
         return False
+    return data.get("pipeline") is not None or not _edge_entries(data)
+
+
+def _edge_entries(data: dict) -> list:
+    """The `edges:` entries, top level and under `runtime:` (vllm-omni reads both in a deploy file)."""
     runtime = data.get("runtime")
-    return not data.get("edges") and not (isinstance(runtime, dict) and runtime.get("edges"))
+    found = [data.get("edges"), runtime.get("edges") if isinstance(runtime, dict) else None]
+    return [entry for entries in found if isinstance(entries, list) for entry in entries]
 
 
 def prepare(data: Any, *, name: str, base_dir: Path | None) -> PreparedFile:
@@ -66,10 +73,14 @@ def prepare(data: Any, *, name: str, base_dir: Path | None) -> PreparedFile:
         return PreparedFile(data)
     if not _ids_well_formed(data["stages"]):
         return PreparedFile(data, is_deploy=True)  # the topology's own checks say what is wrong
+    key = data.get("pipeline")
+    if isinstance(key, str) and key not in PIPELINES and _declares_edges(data):
+        why = f"pipeline: {key!r} names a vllm-omni pipeline whose graph omni-mesh does not know"
+        return _declared_graph_only(data, why)
     graph, how = _choose_graph(data, name, base_name)
     if graph is None:
         return _without_graph(data, name)
-    stages, warnings = _stages_of(graph, data["stages"])
+    stages, warnings = _stages_of(graph, data)
     graph_from = f"vllm-omni pipeline {graph.key!r} ({graph.title}), chosen by {how}"
     if how != "its pipeline: key":
         graph_from += "; vllm-omni picks the pipeline from the model's config: set pipeline: to choose it"
@@ -109,13 +120,8 @@ _HOW_TO_DECLARE = (
 
 def _without_graph(data: dict, name: str) -> PreparedFile:
     stages = data["stages"]
-    if any(stage.get("input_connectors") or stage.get("output_connectors") for stage in stages):
-        return PreparedFile(data, is_deploy=True, warnings=[
-            f"no built-in graph of a vllm-omni pipeline matches {name!r} (built in: {', '.join(PIPELINES)}), so "
-            "the edges are only those input_connectors/output_connectors declare, and no stage is final "
-            "unless marked; vllm-omni takes the graph from the pipeline's code: check the edges, or set "
-            "pipeline:"
-        ])
+    if _declares_edges(data):
+        return _declared_graph_only(data, f"no built-in graph of a vllm-omni pipeline matches {name!r}")
     if len(stages) == 1:
         return PreparedFile(data, is_deploy=True)
     ids = ", ".join(str(stage.get("stage_id")) for stage in stages)
@@ -126,10 +132,29 @@ def _without_graph(data: dict, name: str) -> PreparedFile:
     ))
 
 
+def _declares_edges(data: dict) -> bool:
+    stages = data["stages"]
+    return bool(_edge_entries(data)) or any(
+        stage.get("input_connectors") or stage.get("output_connectors") for stage in stages
+    )
+
+
+def _declared_graph_only(data: dict, why: str) -> PreparedFile:
+    """The file's own edges, with a warning: vllm-omni takes the graph from code omni-mesh lacks."""
+    warning = (
+        f"{why} (built in: {', '.join(PIPELINES)}), so the edges are only those the file declares (edges:, "
+        "input_connectors/output_connectors), and the final stages those marked final_output: true (where "
+        "none is, those with no outgoing edge); vllm-omni takes the graph and the final stages from the "
+        "pipeline's code: check them, or set pipeline:"
+    )
+    return PreparedFile(data, is_deploy=True, warnings=[warning])
+
+
 # -- writing the graph into the stages -------------------------------------------------------------
 
 
-def _stages_of(graph: PipelineGraph, entries: list[dict]) -> tuple[list[dict], list[str]]:
+def _stages_of(graph: PipelineGraph, data: dict) -> tuple[list[dict], list[str]]:
+    entries = data["stages"]
     by_id = {_stage_id(entry.get("stage_id")): entry for entry in entries}
     known = {stage.stage_id: stage for stage in graph.stages}
     for sid in by_id:
@@ -139,6 +164,14 @@ def _stages_of(graph: PipelineGraph, entries: list[dict]) -> tuple[list[dict], l
                 f"{graph.describe_stages()}); remove it, or set pipeline: to the pipeline this file is for"
             )
     edges = set(graph.edges)
+    for entry in _edge_entries(data):
+        edge = (_stage_id(entry.get("from")), _stage_id(entry.get("to"))) if isinstance(entry, dict) else None
+        if edge is not None and edge not in edges:
+            raise DeployFileError(
+                f"edges: declares edge {edge[0]}->{edge[1]}, which vllm-omni's pipeline {graph.key!r} does not "
+                f"have (its edges: {graph.describe_edges()}); fix the entry, or set pipeline: to the pipeline "
+                "this file is for"
+            )
     for sid, entry in by_id.items():
         for edge, where in _connector_edges(entry):
             if edge not in edges:

@@ -484,7 +484,7 @@ def test_connector_entry_with_unknown_key() -> None:
     # vllm-omni's loader reads name and extra and nothing else: in its files, a warning.
     topo = parse(text.replace("stages:", "stage_args:").replace("handler: 'm:f', ", "").replace(", handler: 'm:f'", ""))
     assert [edge.connector.ref for edge in topo.edges] == ["shm"]
-    assert topo.warnings == ["connector 'shm': key(s) 'extras' ignored (a connector has name: and extra:)"]
+    assert topo.warnings[0] == "connector 'shm': key(s) 'extras' ignored (a connector has name: and extra:)"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -161,7 +161,8 @@ def test_stage_id_and_role_are_accepted_silently_by_a_real_connector(caplog: pyt
 
 
 def test_a_role_vllm_omni_refuses_is_refused() -> None:
-    with pytest.raises(ConnectorConfigError, match=r"ZmqConnector: config key 'role' must be one of 'sender', 'receiver', 'dual', got 'boss'"):
+    message = r"ZmqConnector: config key 'role' must be one of 'sender', 'receiver', 'dual', 'auto', got 'b"
+    with pytest.raises(ConnectorConfigError, match=message):
         connector_class("ZmqConnector").validate_config({"role": "boss"})
 
 
@@ -302,6 +303,14 @@ def stage_config(extra_of_used: dict, extra_of_unused: dict) -> str:
     )
 
 
+def test_mori_post_batch_size_is_a_count_not_a_size() -> None:
+    """vllm-omni's MORI stage configs write post_batch_size: -1 (MORI's default): a count, despite its name."""
+    assert parsed("MoriTransferEngineConnector", {"post_batch_size": -1}).post_batch_size == -1
+    assert parsed("MoriTransferEngineConnector", {"post_batch_size": "8"}).post_batch_size == 8
+    with pytest.raises(ConnectorConfigError, match="post_batch_size must be -1"):
+        parsed("MoriTransferEngineConnector", {"post_batch_size": 0})
+
+
 def test_unused_connectors_warn_and_used_ones_fail() -> None:
     topo = parse_topology(yaml.safe_load(stage_config({"shm_threshold_bytes": 65536}, {"zmq_prot": 1})), source="t.yaml")
     (warning,) = topo.warnings
@@ -327,7 +336,8 @@ def test_docs_show_every_row_of_the_table() -> None:
             part = section.split(f"### {name}", 1)[1].split("\n### ", 1)[0]
             for key in table:
                 assert f"| `{key}` |" in part, f"docs/connectors.md: {name} lacks {key}"
-    for key in {**_vllm_omni_keys._EVERY_CONNECTOR, **_vllm_omni_keys._CHUNK_ADAPTER}:
+    every_connector = (_vllm_omni_keys._EVERY_CONNECTOR, _vllm_omni_keys._CHUNK_ADAPTER)
+    for key in [name for table in (*every_connector, _vllm_omni_keys._MODEL_CODE) for name in table]:
         assert f"| `{key}` |" in section, key
 
 

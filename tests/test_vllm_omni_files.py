@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from omni_mesh.cli import format_summary, main
+from omni_mesh.connectors import connector_class
 from omni_mesh.topology import Topology, TopologyError, load_topology, parse_topology
 from omni_mesh.vllm_omni_graphs import PIPELINES, match_pipeline
 
@@ -129,6 +130,62 @@ def two_stages_linked_by(connector: str) -> str:
     """
 
 
+def test_model_settings_in_a_connectors_extra_are_accepted_with_one_warning() -> None:
+    """vllm-omni keeps the edge connector's whole extra and its model code reads settings from it."""
+    keys = ("crossfade_sec", "fish_speech_dac_dtype", "npu_dit_mlp_graph", "raw_tensor_shm")
+    settings = "{" + ", ".join(f"{key}: 1" for key in keys) + "}"
+    topo = parse(two_stages_linked_by(f"{{name: SharedMemoryConnector, extra: {settings}}}"))
+    assert edges_of(topo) == [("0->1", "link")]
+    named = {key: [w for w in topo.warnings if repr(key) in w] for key in keys}
+    assert all(len(found) == 1 and "no effect in omni-mesh" in found[0] for found in named.values())
+    assert "read by vllm-omni's GLM-TTS DiT code" in named["crossfade_sec"][0]
+    message = error_of(two_stages_linked_by("{name: SharedMemoryConnector, extra: {crossfade_secs: 0.1}}"))
+    assert "unknown config key 'crossfade_secs'" in message and "did you mean 'crossfade_sec'?" in message
+
+
+def test_mooncake_rdma_connector_is_the_transfer_engine_connector() -> None:
+    """MooncakeRDMAConnector: vllm-omni's transfer-engine connector before it was merged under its new name."""
+    extra = "{role: auto, zmq_port: 50051, sender_host: auto, protocol: rdma, memory_pool_device: cpu}"
+    topo = parse(two_stages_linked_by(f"{{name: MooncakeRDMAConnector, extra: {extra}}}"))
+    assert edges_of(topo) == [("0->1", "link")]
+    assert connector_class("MooncakeRDMAConnector") is connector_class("MooncakeTransferEngineConnector")
+    assert any("sender_host" in w for w in topo.warnings) and not any("unknown" in w for w in topo.warnings)
+
+
+def test_a_top_level_connectors_list_in_a_stage_config_is_ignored_with_a_warning() -> None:
+    topo = parse("""
+        stage_args:
+          - {stage_id: 0}
+          - {stage_id: 1, engine_input_source: [0], final_output: true}
+        runtime:
+          edges: [{from: 0, to: 1}]
+        connectors:
+          - {type: tensor_transfer, source_stage: 0, target_stage: 1}
+    """)
+    assert edges_of(topo) == [("0->1", "auto_shm_0_1")]
+    (warning,) = topo.warnings
+    assert warning.startswith("connectors: is a list, not a mapping") and "runtime.connectors only" in warning
+
+
+def test_both_sides_naming_connectors_of_one_type_is_a_warning_in_a_stage_config() -> None:
+    """vllm-omni's loader compares only the connector types of an edge's two declarations."""
+    text = """
+        stage_args:
+          - {stage_id: 0, output_connectors: {to_stage_1: near}}
+          - {stage_id: 1, final_output: true, input_connectors: {from_stage_0: far}}
+        runtime:
+          connectors:
+            near: {name: SharedMemoryConnector, extra: {shm_threshold_bytes: 1024}}
+            far: {name: SharedMemoryConnector, extra: {}}
+    """
+    topo = parse(text)
+    assert edges_of(topo) == [("0->1", "near")]
+    (warning,) = [w for w in topo.warnings if "names connector" in w]
+    assert warning.endswith("'near' is used, as vllm-omni's loader does")
+    other_type = text.replace("far: {name: SharedMemoryConnector", "far: {name: ZmqConnector")
+    assert "names connector 'near' (SharedMemoryConnector) but" in error_of(other_type)
+
+
 def test_an_unset_variable_in_an_unknown_key_is_still_an_unknown_key() -> None:
     message = error_of(two_stages_linked_by("{name: ZmqConnector, extra: {prot: $SURELY_UNSET_OMNI_MESH_VAR}}"))
     assert "connector 'link' (used by edge 0->1" in message and "'prot'" in message
@@ -162,9 +219,9 @@ def test_edge_entry_keys_vllm_omni_ignores_are_ignored() -> None:
     topo = parse("""
         stage_args:
           - {stage_id: 0}
-          - {stage_id: 1}
+          - {stage_id: 1, final_output: true}
         runtime:
-          edges: [{from: 0, to: 1, window_size: -1, trigger: full}]
+          edges: [{from: 0, to: 1, window_size: -1, max_inflight: 1, trigger: full}]
     """)
     assert edges_of(topo) == [("0->1", "auto_shm_0_1")]
     assert topo.warnings == ["runtime.edges[0]: unknown key(s) 'trigger' in edge entry (allowed: connector, from, to); ignored"]
@@ -182,12 +239,44 @@ def test_our_own_layout_stays_strict() -> None:
 
 def test_stages_with_modes_and_no_edges() -> None:
     topo = load_topology(FILES / "modes.yaml")
-    assert topo.edges == [] and topo.warnings == []
-    assert [s.stage_id for s in topo.final_stages] == [0, 1]
+    assert topo.edges == [] and [s.stage_id for s in topo.final_stages] == [0, 1]
+    (warning,) = topo.warnings  # modes: is said, not dropped
+    assert warning.startswith("modes: (text-to-image: stage 1 'stage_1'; image-to-text: stage 0 'stage_0')")
+    assert "by default ('text-to-image') only stage 1 'stage_1'" in warning and "runs all 2 stages" in warning
+
+
+def test_modes_without_the_default_mode_or_with_stages_the_file_lacks() -> None:
+    topo = parse("""
+        modes: [{mode: image-to-text, stages: [0, 7]}, {mode: broken}]
+        stage_args: [{stage_id: 0, final_output: true}, {stage_id: 1, final_output: true}]
+    """)
+    (warning,) = topo.warnings
+    assert "image-to-text: stage 0 'stage_0', stage 7 (not in the file)" in warning
+    assert "broken" not in warning
+    assert "by default every stage" in warning
+
+
+def test_a_stage_whose_output_reaches_no_final_stage_is_a_warning_in_a_stage_config() -> None:
+    """vllm-omni's loader checks no reachability: a stage config whose stage 1 lost its engine_input_source
+    still loads there."""
+    topo = parse("stage_args: [{stage_id: 0}, {stage_id: 1, final_output: true}]")
+    assert topo.edges == [] and [s.stage_id for s in topo.final_stages] == [1]
+    stranded, unconnected = topo.warnings
+    assert stranded.startswith("stage 0 'stage_0' reaches no final stage (final: stage 1 'stage_1')")
+    assert stranded.endswith("so here it is a warning") and "no edge connects the stages" in unconnected
+    own = "stages: [{stage_id: 0, handler: 'm:f'}, {stage_id: 1, handler: 'm:f', final_output: true}]"
+    assert "stage 0 'stage_0' reaches no final stage" in error_of(own)  # our own layout: an error
+
+
+def test_a_stage_config_that_marks_no_stage_final_gets_a_warning() -> None:
+    topo = parse("stage_args: [{stage_id: 0}, {stage_id: 1, engine_input_source: [0]}]")
+    assert [s.stage_id for s in topo.final_stages] == [1]
+    (warning,) = topo.warnings
+    assert warning.startswith("no stage is marked final_output: true") and "would return nothing" in warning
 
 
 def test_unconnected_stages_without_modes_get_a_warning() -> None:
-    topo = parse("stage_args: [{stage_id: 0}, {stage_id: 1}]")
+    topo = parse("stage_args: [{stage_id: 0, final_output: true}, {stage_id: 1, final_output: true}]")
     (warning,) = topo.warnings
     assert "no edge connects the stages (stage 0 'stage_0', stage 1 'stage_1')" in warning
     assert "engine_input_source" in warning
@@ -282,6 +371,32 @@ def test_deploy_file_of_an_unknown_pipeline_is_refused_with_what_to_add() -> Non
 def test_unknown_pipeline_key_is_refused() -> None:
     with pytest.raises(TopologyError, match="pipeline: 'some_image_pipeline' names a vllm-omni pipeline whose graph"):
         load_topology(DEPLOY / "unknown_pipeline.yaml")
+
+
+def test_deploy_file_of_an_unknown_pipeline_with_its_own_edges_takes_them_with_a_warning() -> None:
+    """A deploy file may list edges: (connector choice) and still name its pipeline: it is vllm-omni's."""
+    topo = parse("""
+        pipeline: some_image_pipeline
+        stages:
+          - {stage_id: 0, final_output: true, devices: "0"}
+          - {stage_id: 1, devices: "1"}
+        edges: [{from: 0, to: 1, window_size: -1, max_inflight: 1}]
+    """)
+    assert edges_of(topo) == [("0->1", "auto_shm_0_1")]
+    declared, stranded = topo.warnings  # stage 1 reaches no marked final stage: vllm-omni does not check that
+    assert declared.startswith("pipeline: 'some_image_pipeline' names a vllm-omni pipeline whose graph")
+    assert "the edges are only those the file declares (edges:" in declared
+    assert stranded.startswith("stage 1 'stage_1' reaches no final stage")
+
+
+def test_deploy_file_edge_entries_must_be_the_pipelines() -> None:
+    message = error_of("""
+        pipeline: qwen3_tts
+        stages: [{stage_id: 0}, {stage_id: 1}]
+        edges: [{from: 1, to: 0}]
+    """)
+    assert "edges: declares edge 1->0, which vllm-omni's pipeline 'qwen3_tts' does not have" in message
+    assert "(its edges: 0->1)" in message
 
 
 def test_a_single_stage_deploy_file_needs_no_graph() -> None:

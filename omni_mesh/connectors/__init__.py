@@ -41,6 +41,8 @@ _REGISTRY: dict[str, str | type[OmniConnectorBase]] = {
     # vllm-omni's name for the store connector, in every version of its stage configs.
     "MooncakeConnector": "omni_mesh.connectors.mooncake_store:MooncakeStoreConnector",
     "MooncakeTransferEngineConnector": "omni_mesh.connectors.mooncake_transfer_engine:MooncakeTransferEngineConnector",
+    # The same connector under the name it had before vllm-omni merged it (PR #1019, Feb 2026).
+    "MooncakeRDMAConnector": "omni_mesh.connectors.mooncake_transfer_engine:MooncakeTransferEngineConnector",
     "ZmqConnector": "omni_mesh.connectors.zmq:ZmqConnector",
     "YuanrongConnector": "omni_mesh.connectors.yuanrong:YuanrongConnector",
     "YuanrongTransferEngineConnector": "omni_mesh.connectors.yuanrong_transfer_engine:YuanrongTransferEngineConnector",

@@ -8,9 +8,10 @@ every connector's config) is accepted here under that name:
     honoured  a meaning we have without a field of that name (the note says how), accepted silently
     no effect accepted, with one warning per key and process that names it and says it does nothing
 
-Sources: vllm_omni/distributed/omni_connectors/connectors/*.py (Dec 2025 - Jul 2026), the chunk
+Sources: vllm_omni/distributed/omni_connectors/connectors/*.py (Dec 2025 - Aug 2026), the chunk
 adapter and stage input processors (they read the `codec_*`/`connector_get_*` keys out of the
-connector's extra), and the stage-config YAMLs. docs/connectors.md shows these tables to users.
+connector's extra), the model code that reads its settings from there (`_MODEL_CODE`), and the
+stage-config and deploy YAMLs. docs/connectors.md shows these tables to users.
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ _EVERY_CONNECTOR: dict[str, VllmKey] = {
     "recv_rank_mapping": _no_effect("vllm-omni's heterogeneous-TP rank mapping for KV transfer"),
     "send_rank_mapping": _no_effect("vllm-omni's heterogeneous-TP rank mapping for KV transfer"),
     "role": _honoured(
-        "sender / receiver / dual: every omni-mesh connector instance both puts and gets (vllm-omni's "
-        "dual), whatever the role",
-        ("sender", "receiver", "dual"),
+        "sender / receiver / dual / auto (its RDMA connector's): every omni-mesh connector instance both "
+        "puts and gets (vllm-omni's dual), whatever the role",
+        ("sender", "receiver", "dual", "auto"),
     ),
 }
 # Read out of the connector's extra by vllm-omni's chunk adapter and stage input processors, not by the
@@ -82,6 +83,29 @@ _CHUNK_ADAPTER: dict[str, VllmKey] = {
         "connector_get_*",
     )
 }
+# Model settings vllm-omni's files put into the edge connector's extra: vllm-omni keeps the whole
+# dict, and its model code and stage input processors read them from there (source in the note).
+# omni-mesh's stage handlers take their settings from their own code, so they change nothing here.
+_MODEL_CODE: dict[str, VllmKey] = {
+    name: _no_effect(f"a model setting read by vllm-omni's {model} code, not by the connector")
+    for model, names in (
+        ("GLM-TTS DiT", ("crossfade_sec",)),
+        (
+            "Qwen3-TTS code predictor and stage input processor",
+            ("code_predictor_*", "ref_code_context_frames"),
+        ),
+        ("Audex code2wav", ("decoder_emit_chunk_frames", "audiocodec_token_offset", "audiocodec_vocab_size")),
+        ("Fish Speech decoder", ("fish_speech_*",)),
+        ("Ming-TTS", ("latent_chunk_size", "initial_latent_chunk_size", "latent_left_context")),
+        (
+            "MiniCPM-o 4.5 token2wav",
+            ("enable_hift_graph", "enable_cfm_graph", "cfm_max_graphs", "token2wav_n_timesteps"),
+        ),
+        ("MiniCPM-o 4.5 token2wav (NPU)", ("npu_dit_*", "npu_cfm_*", "npu_single_request_cache_passthrough")),
+        ("Audio8-TTS codec decoder", ("audio8_tts_codec_dtype",)),
+    )
+    for name in names
+}
 _SENDER = {
     "sender_host": _no_effect("the producer a receiver asks when get() has no metadata; put()'s metadata names it"),
     "sender_zmq_port": _no_effect("the producer's side-channel port for a get() without metadata; see sender_host"),
@@ -97,6 +121,16 @@ _MOONCAKE_STORE: dict[str, VllmKey] = {
 KEYS: dict[str, dict[str, VllmKey]] = {
     "SharedMemoryConnector": {
         "shm_threshold_bytes": _alias("inline_max_bytes", "payloads up to this size travel inline in the metadata"),
+        "raw_tensor_shm": _no_effect(
+            "vllm-omni's raw-tensor segments; our codec lays every tensor out raw already"
+        ),
+        "shm_event_notifications": _no_effect(
+            "vllm-omni's event notification of a put; our consumers learn of a put from its metadata on the "
+            "control plane"
+        ),
+        "shm_notification_namespace": _no_effect(
+            "the namespace of vllm-omni's put notifications; see shm_event_notifications"
+        ),
     },
     "MooncakeStoreConnector": _MOONCAKE_STORE,
     "MooncakeConnector": _MOONCAKE_STORE,
@@ -129,7 +163,7 @@ VLLM_OMNI_ONLY: dict[str, str] = {
 
 
 def _table(owner: str) -> dict[str, VllmKey]:
-    return {**_EVERY_CONNECTOR, **_CHUNK_ADAPTER, **KEYS.get(owner, {})}
+    return {**_EVERY_CONNECTOR, **_CHUNK_ADAPTER, **_MODEL_CODE, **KEYS.get(owner, {})}
 
 
 def lookup(owner: str, key: str) -> VllmKey | None:

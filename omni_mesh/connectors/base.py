@@ -71,7 +71,8 @@ def parse_config(cls: type[C], raw: dict[str, Any] | None, *, owner: str, warn: 
     values = coerce_numbers(_ours(owner, expand_env(dict(raw or {})), fields, warn), numeric_fields(cls))
     for name, value in values.items():
         field = fields[name]
-        if name.endswith(("_size", "_bytes")) or field.metadata.get("size"):
+        # A size by its name unless the field says otherwise (MORI's post_batch_size is a count).
+        if field.metadata.get("size", name.endswith(("_size", "_bytes"))):
             values[name] = parse_size(value, what=f"{owner}: {name}")
             continue
         default = field.default if field.default is not dataclasses.MISSING else None

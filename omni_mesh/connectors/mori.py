@@ -29,7 +29,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -63,7 +63,7 @@ class MoriConfig:
     memory_pool_size: int = 1 << 30
     memory_pool_device: str = "cpu"  # cpu | cuda | cuda:N (ROCm GPUs are "cuda" in torch)
     qp_per_transfer: int = 1
-    post_batch_size: int = -1  # -1: MORI's default
+    post_batch_size: int = field(default=-1, metadata={"size": False})  # work requests per post; -1: MORI's
     num_worker_threads: int = 1
     poll_cq_mode: str = "polling"  # polling | event
     xgmi_num_streams: int = 64

@@ -9,8 +9,11 @@ from collections.abc import Iterable
 from omni_mesh.topology.model import Edges, StageSpec, TopologyError, describe_stage
 
 
-def check_graph(stages: dict[int, StageSpec], edges: Edges) -> list[int]:
-    """Topological order (ties by stage id); a cycle or a stage that reaches no final stage is an error."""
+def check_graph(
+    stages: dict[int, StageSpec], edges: Edges, *, stranded: list[str] | None = None
+) -> list[int]:
+    """Topological order (ties by stage id); a cycle or a stage that reaches no final stage is an error.
+    With `stranded` (vllm-omni's files: its loader checks no reachability) the latter is appended there instead."""
     successors: dict[int, list[int]] = {sid: [] for sid in stages}
     indegree = dict.fromkeys(stages, 0)
     for src, dst in edges:
@@ -28,7 +31,13 @@ def check_graph(stages: dict[int, StageSpec], edges: Edges) -> list[int]:
                 heapq.heappush(ready, dst)
     if len(order) < len(stages):
         _raise_cycle(stages, successors, entries=[sid for sid in stages if not _has_input(sid, edges)])
-    _check_finals(stages, edges)
+    problem = _stranded_message(stages, edges)
+    if problem is not None and stranded is None:
+        raise TopologyError(problem)
+    if problem is not None and stranded is not None:
+        stranded.append(
+            f"{problem}; vllm-omni's loader checks no such thing and accepts the file, so here it is a warning"
+        )
     return order
 
 
@@ -55,10 +64,11 @@ def _raise_cycle(stages: dict[int, StageSpec], successors: dict[int, list[int]],
     raise TopologyError(message + "; the stage graph must be acyclic: remove one of these edges")
 
 
-def _check_finals(stages: dict[int, StageSpec], edges: Edges) -> None:
+def _stranded_message(stages: dict[int, StageSpec], edges: Edges) -> str | None:
+    """What is wrong when a stage reaches no final stage (its output would be lost), else None."""
     finals = [sid for sid, stage in stages.items() if stage.final_output]
     if not finals:
-        return  # every stage then reaches a sink, and sinks are the final stages
+        return None  # every stage then reaches a sink, and sinks are the final stages
     predecessors: dict[int, list[int]] = {sid: [] for sid in stages}
     for src, dst in edges:
         predecessors[dst].append(src)
@@ -66,12 +76,13 @@ def _check_finals(stages: dict[int, StageSpec], edges: Edges) -> None:
     if stranded:
         who = ", ".join(describe_stage(stages[sid]) for sid in stranded)
         final_list = ", ".join(describe_stage(stages[sid]) for sid in finals)
-        raise TopologyError(
+        return (
             f"{who} {'reaches' if len(stranded) == 1 else 'reach'} no final stage (final: {final_list}), "
             f"so {'its' if len(stranded) == 1 else 'their'} output would be lost; connect "
             f"{'it' if len(stranded) == 1 else 'each'} to a stage that leads to a final one, or mark "
             f"{'it' if len(stranded) == 1 else 'each'} final_output: true"
         )
+    return None
 
 
 def _has_input(sid: int, edges: Edges) -> bool:

@@ -30,11 +30,13 @@ from omni_mesh.topology.model import (
     describe_stage,
     stage_list,
 )
+from omni_mesh.topology.modes import modes_warning
 from omni_mesh.topology.sections import Sections
 
 _EDGE_KEYS = frozenset({"from", "to", "connector"})
-# Edge keys vllm-omni files carry for its own scheduler; accepted and ignored here.
-_IGNORED_EDGE_KEYS = frozenset({"window_size"})
+# Edge keys vllm-omni files carry for its own scheduler (its loader reads only from and to);
+# accepted and ignored here.
+_IGNORED_EDGE_KEYS = frozenset({"window_size", "max_inflight"})
 _DEFAULT_KEYS = ("replicas", "max_inflight")
 
 _FROM_KEY = re.compile(r"^from_stage_(\d+)$")
@@ -78,19 +80,32 @@ class _Parser:
             raise TopologyError(
                 f"a topology must be a mapping with a stages: list, got {type(data).__name__}"
             )
+        self.warnings: list[str] = []
         self.data = data
         self.default_name = default_name
-        self.sections = Sections(data)
+        self.sections = Sections(self._without_ignored_sections(data))
         self.stages: dict[int, StageSpec] = {}  # by id, in file order
         self.raw_stages: dict[int, dict] = {}
         self.connectors: dict[str, ConnectorSpec] = {}
         # Connector entries that failed to parse: an error only once an edge names them.
         self.broken_connectors: dict[str, str] = {}
-        self.warnings: list[str] = []
         self.prepared = prepared or vllm_omni_deploy.PreparedFile(data)
         # vllm-omni's files (stage_args:, deploy files) get its loader's leniency where it ignores
         # something; omni-mesh's own layout is checked strictly.
         self.lenient = "stage_args" in data or self.prepared.is_deploy
+
+    def _without_ignored_sections(self, data: dict) -> dict:
+        """`data` less a top-level `connectors:` that is no mapping in a stage config: vllm-omni reads a
+        stage config's connectors from `runtime.connectors` only, so such a section changes nothing there."""
+        connectors = data.get("connectors")
+        if "stage_args" not in data or connectors is None or isinstance(connectors, dict):
+            return data
+        self.warnings.append(
+            f"connectors: is a {type(connectors).__name__}, not a mapping of connector names to "
+            "{name: ..., extra: {...}}; vllm-omni reads a stage config's connectors from runtime.connectors "
+            "only, so it ignores this section, and so does omni-mesh"
+        )
+        return {key: value for key, value in data.items() if key != "connectors"}
 
     # -- build -------------------------------------------------------------------------------------
 
@@ -103,8 +118,9 @@ class _Parser:
         self._parse_connectors()
         decls = self._edge_decls()
         edges = self._merge_edges(decls)
-        order = check_graph(self.stages, edges)
+        order = check_graph(self.stages, edges, stranded=self.warnings if self.lenient else None)
         self._note_unconnected(edges)
+        self._note_modes_and_finals()
         self.warnings.extend(check_connectors(self.connectors, self.broken_connectors, self.stages, edges))
         position = {sid: index for index, sid in enumerate(order)}
         edge_list = sorted(edges.values(), key=lambda e: (position[e.src], position[e.dst]))
@@ -310,10 +326,16 @@ class _Parser:
                 chosen[key] = decl
                 continue
             if decl.connector is not None and decl.connector != first.connector:
-                raise TopologyError(
+                message = (
                     f"{self.describe_edge(*key)}: {first.where} names connector {first.connector.ref!r} "
                     f"({first.connector.name}) but {decl.where} names {decl.connector.ref!r} "
                     f"({decl.connector.name}); name the same connector on both sides, or on one side only"
+                )
+                # vllm-omni compares only the connector types: it keeps the first (older versions the last).
+                if not self.lenient or decl.connector.name != first.connector.name:
+                    raise TopologyError(message)
+                self.warnings.append(
+                    f"{message}; {first.connector.ref!r} is used, as vllm-omni's loader does"
                 )
         auto_shm = self.sections.flag("auto_shm", True)
         edges: Edges = {}
@@ -350,3 +372,22 @@ class _Parser:
         warning = unconnected_warning(self.stages, edges)
         if warning is not None:
             self.warnings.append(warning)
+
+    def _note_modes_and_finals(self) -> None:
+        """vllm-omni's `modes:` (one mode's stages per deployment) and a stage config that marks no stage
+        final (vllm-omni then returns nothing) are said, never silently taken another way."""
+        if not self.lenient:
+            return
+        warning = modes_warning(self.data.get("modes"), self.stages)
+        if warning is not None:
+            self.warnings.append(warning)
+        if (
+            "stage_args" in self.data
+            and len(self.stages) > 1
+            and not any(s.final_output for s in self.stages.values())
+        ):
+            self.warnings.append(
+                "no stage is marked final_output: true: vllm-omni returns the output of marked stages only, so it "
+                "would return nothing; omni-mesh takes the stages with no outgoing edge as final: mark the stages "
+                "whose output the client gets"
+            )
