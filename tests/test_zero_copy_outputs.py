@@ -9,6 +9,7 @@ else in the payload still travels as before. Real processes, sockets and engines
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import signal
 from collections.abc import Iterator
@@ -294,6 +295,30 @@ def test_te_a_dict_of_outputs_alone_is_laid_out_in_place(te_pair) -> None:
     del hidden
     gc.collect()
     assert producer.health()["pool_in_use"] == baseline
+
+
+@pytest.mark.parametrize("pair", ["zmq_pair", "te_pair"])
+def test_puts_of_outputs_are_counted_exactly_from_every_thread(pair: str, request: pytest.FixtureRequest) -> None:
+    """A put of a dict of empty() outputs leaves its counting to the next health(): the counts are
+    still exact, from several threads at once."""
+    producer, _ = request.getfixturevalue(pair)
+    before = producer.health()
+
+    def put_some(thread: int) -> int:
+        sent = 0
+        for i in range(5):
+            hidden = producer.empty((64, 1024), torch.float32)
+            _, size, _ = producer.put("a", "b", f"count/{thread}/{i}", {"hidden_states": hidden})
+            sent += size
+        return sent
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        sent = sum(pool.map(put_some, range(4)))
+    after = producer.health()
+    assert after["puts"] - before["puts"] == 20
+    assert after["bytes_put"] - before["bytes_put"] == sent
+    producer.cleanup("count")
+    gc.collect()
 
 
 # ------------------------------------------------------------------ ctx.empty in a stage

@@ -24,7 +24,7 @@ The package, one concept a module:
 
 from omni_mesh.codec.decode import decode, decode_parts, frame_length
 from omni_mesh.codec.device import CudaIpcExports, DeviceLeaves
-from omni_mesh.codec.encode import encode, plan, split
+from omni_mesh.codec.encode import encode, plan, plan_flat, split
 from omni_mesh.codec.format import (
     ALIGN,
     EXT_BYTES,
@@ -88,5 +88,6 @@ __all__ = [
     "frame_length",
     "leaf_buffers",
     "plan",
+    "plan_flat",
     "split",
 ]

@@ -46,9 +46,37 @@ def decode(
     (CUDA cannot map a process's own handle), in order.
     """
     try:
+        if type(buffer) is bytes and not offset and not copy and device_buffers is None:
+            flat = _known_flat(buffer)
+            if flat is not None:  # a whole tiny frame from a message, with a head seen before
+                return _flat_views(bytearray(buffer), 0, flat)  # views must be writable: copy it once
         return _decode(buffer, offset, copy, device_buffers, cuda_local)
     except Exception as exc:
         raise _frame_error(exc) from None
+
+
+def _known_flat(frame: bytes) -> tuple | None:
+    """The flat layout of a whole frame whose head was read (and checked) before, else None: the
+    cheapest decode of the usual tiny payload, a dict of tensors carried in its metadata."""
+    if len(frame) < PREFIX.size:
+        return None
+    _magic, _version, _flags, count, header_len, nbytes = PREFIX.unpack_from(frame)
+    if nbytes != len(frame):
+        return None
+    layout = _HEADS.get(frame[: PREFIX.size + 8 * count + header_len])  # a cached head was checked whole
+    return None if layout is None else layout[3]
+
+
+def _flat_views(buffer: Any, offset: int, flat: tuple) -> dict:
+    """A dict of tensors as views straight off `buffer`, its layout already checked against its head."""
+    out = {}
+    for key, dtype, count, at, shape in flat:
+        if count:
+            tensor = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset + at)
+            out[key] = tensor if shape is None else tensor.view(shape)  # view() costs as much again
+        else:
+            out[key] = torch.empty(shape or (0,), dtype=dtype)
+    return out
 
 
 def _frame_error(exc: Exception) -> Exception:
@@ -91,15 +119,7 @@ def _decode(
     if readonly and not copy:  # views must be writable tensors: copy the frame once
         buffer, offset = bytearray(memoryview(buffer)[offset : offset + nbytes]), 0
     if flat is not None and not copy:  # (flat frames have no device entries)
-        # A dict of tensors, already checked against this very head: views straight off the buffer.
-        out = {}
-        for key, dtype, count, at, shape in flat:
-            if count:
-                tensor = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset + at)
-                out[key] = tensor if shape is None else tensor.view(shape)  # view() costs as much again
-            else:
-                out[key] = torch.empty(shape or (0,), dtype=dtype)
-        return out
+        return _flat_views(buffer, offset, flat)  # a dict of tensors, already checked against this head
     buffers = Buffers(buffer, offset, offsets, lengths, copy)
     buffers.device = device_buffers
     buffers.cuda_local = None if cuda_local is None else iter(cuda_local)

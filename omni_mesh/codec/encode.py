@@ -81,6 +81,12 @@ def plan(obj: Any, *, device: CudaIpcExports | DeviceLeaves | None = None) -> Fr
 _FLAT_PLANS: dict[tuple, tuple[FramePlan, tuple[PagePad | None, ...]]] = {}
 
 
+def plan_flat(obj: Any) -> FramePlan | None:
+    """The plan of a dict of contiguous CPU tensors with str keys (the usual stage payload), from the
+    cache; None for anything else, which `plan` takes. No device policy is needed: it holds none."""
+    return _flat_plan(obj) if type(obj) is dict else None
+
+
 def _flat_plan(obj: dict) -> FramePlan | None:
     """The plan of a dict of contiguous CPU tensors with str keys, from the cache; None for anything else."""
     signature: list[Any] = []

@@ -9,6 +9,7 @@ leaves inline, padding as empty buffers.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -40,12 +41,63 @@ def tensor_over(
     return torch.from_numpy(base).view(dtype).view(shape), base
 
 
-def take_resident(
-    frame: codec.FramePlan, unsent: dict[int, tuple[Any, torch.dtype, torch.Size]]
-) -> dict[int, Any]:
-    """{leaf index: region} of the frame's leaves that are whole empty() tensors, taken out of `unsent`
-    ({tensor address: (region, dtype, shape)}; the caller holds its lock). Views, slices and copies
-    of them, and a second leaf of the same tensor, are ordinary leaves (copied)."""
+class Kinds:
+    """Small numbers naming what empty() made (dtype, shape, and whatever else places a leaf): put
+    layouts are cached by these, so a put hashes a few ints instead of torch sizes and dtypes. Never
+    reused: an entry that outlives a clear keeps a number no new signature gets."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self._kinds: dict[tuple, int] = {}
+        self._ids = itertools.count()
+        self._limit = limit
+
+    def of(self, signature: tuple) -> tuple[int, bool]:
+        """(the kind of `signature`, whether the table was cleared to make room: shapes vary with every
+        request's length, so it is kept small)."""
+        kind = self._kinds.get(signature)
+        if kind is not None:
+            return kind, False
+        cleared = len(self._kinds) >= self._limit
+        if cleared:
+            self._kinds.clear()
+        kind = self._kinds[signature] = next(self._ids)
+        return kind, cleared
+
+
+#: What a connector keeps for each empty() tensor not put yet, by the tensor's address: (its owner
+#: (region, slot, ...), dtype and shape as empty() made them, kind).
+Entry = tuple[Any, torch.dtype, torch.Size, int]
+
+
+def match_whole(data: dict, live: dict[int, Entry]) -> tuple[tuple, list[int], list[Entry]] | None:
+    """For a dict whose values are all whole empty() tensors found in `live`: (signature (key, kind,
+    ...) naming its layout, their addresses, their entries); None for anything else.
+
+    It reads a few fields of each tensor and nothing of its bytes: the put of empty() outputs runs
+    right after the handler filled them, with caches cold."""
+    signature: list[Any] = []
+    addresses = []
+    entries = []
+    for key, value in data.items():
+        if type(value) is not torch.Tensor:
+            return None
+        address = value.data_ptr()
+        entry = live.get(address)
+        if entry is None:
+            return None
+        # The dtype, shape and contiguity empty() made: exactly the region's bytes.
+        if value.dtype is not entry[1] or value.shape != entry[2] or not value.is_contiguous():
+            return None
+        signature += (key, entry[3])
+        addresses.append(address)
+        entries.append(entry)
+    return (tuple(signature), addresses, entries) if entries else None
+
+
+def take_resident(frame: codec.FramePlan, unsent: dict[int, Entry]) -> dict[int, Any]:
+    """{leaf index: owner} of the frame's leaves that are whole empty() tensors, taken out of `unsent`
+    (the caller holds its lock). Views, slices and copies of them, and a second leaf of the same
+    tensor, are ordinary leaves (copied)."""
     resident = {}
     for index, leaf in enumerate(frame.leaves):
         if type(leaf) is torch.Tensor:
@@ -62,48 +114,31 @@ def take_resident(
     return resident
 
 
-# (key, dtype, shape, ...) of a dict of empty() tensors -> its parts-form header, and what each leaf of
-# that form is: the index of a tensor among the dict's values, or -1 for padding.
-_HEADERS: dict[tuple, tuple[bytes, list[int]]] = {}
+# The signature of a dict of empty() tensors (match_whole) -> its parts-form header, what each leaf of
+# that form is (the index of a tensor among the dict's values, or -1 for padding), and its size.
+_HEADERS: dict[tuple, tuple[bytes, list[int], int]] = {}
 
 
-def take_outputs(
-    data: dict, unsent: dict[int, tuple[Any, torch.dtype, torch.Size]]
-) -> tuple[bytes, list[int], list[Any]] | None:
-    """A dict whose values are all whole empty() tensors (the usual stage output, a dict of tensors):
-    its parts-form header, leaf layout and the tensors' regions, taken out of `unsent` ({address:
-    (region, dtype, shape)}; the caller holds its lock). None for anything else.
-
-    The put of such a payload reads a few fields of each tensor and nothing of its bytes: no frame
-    plan, no layout, no copy (it runs right after the handler filled the tensor, with caches cold).
-    """
-    signature: list[Any] = []
-    addresses = []
-    for key, value in data.items():
-        if type(value) is not torch.Tensor:
-            return None
-        address = value.data_ptr()
-        entry = unsent.get(address)
-        if entry is None:
-            return None
-        dtype, shape = value.dtype, value.shape
-        # The same dtype, shape and contiguity as empty() made: exactly the region's bytes.
-        if dtype is not entry[1] or shape != entry[2] or not value.is_contiguous():
-            return None
-        signature += (key, dtype, shape)
-        addresses.append(address)
-    if not addresses:
+def take_outputs(data: dict, unsent: dict[int, Entry]) -> tuple[bytes, list[int], list[Any], int] | None:
+    """A dict whose values are all whole empty() tensors (the usual stage output): its parts-form
+    header, leaf layout, the tensors' owners, taken out of `unsent` (the caller holds its lock), and
+    the payload's size. None for anything else. No frame plan, no layout, no copy."""
+    matched = match_whole(data, unsent)
+    if matched is None:
         return None
-    key = tuple(signature)
-    layout = _HEADERS.get(key)
+    signature, addresses, entries = matched
+    layout = _HEADERS.get(signature)
     if layout is None:
         header, leaves, _ = codec.split(data)
         index = {id(value): i for i, value in enumerate(data.values())}
-        layout = (header, [index.get(id(leaf), -1) for leaf in leaves])
+        size = len(header) + sum(value.nbytes for value in data.values())
+        layout = (header, [index.get(id(leaf), -1) for leaf in leaves], size)
         if len(_HEADERS) >= 256:
             _HEADERS.clear()
-        _HEADERS[key] = layout
-    return layout[0], layout[1], [unsent.pop(address)[0] for address in addresses]
+        _HEADERS[signature] = layout
+    for address in addresses:
+        del unsent[address]
+    return layout[0], layout[1], [entry[0] for entry in entries], layout[2]
 
 
 def is_padding(leaf: Any) -> bool:

@@ -142,7 +142,7 @@ class ServedConnector(OmniConnectorBase):
         the put of empty() outputs costs its metadata alone. Returns the token its metadata carries."""
         token = f"{self._token_prefix}{next(self._token_ids):x}"
         self._held.defer(Held, key, put_key, token, size, None, buffer, regions=regions)
-        self._counters.add_pair("puts", "bytes_put", size)
+        self._counters.add_pair_later("puts", "bytes_put", size)
         if self._closed:  # close() may have emptied the table before this went in
             for held in self._held.pop_all():
                 self._release(held)

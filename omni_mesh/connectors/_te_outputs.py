@@ -15,7 +15,6 @@ same output while the first is held (fan-out) takes the general path.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import weakref
 from typing import Any
 
@@ -67,11 +66,9 @@ class Outputs:
 
     def __init__(self, pool: RegisteredPool) -> None:
         self._pool = pool
-        self.live: dict[int, Output] = {}  # tensor address -> its output (empty: no put looks further)
-        # (dtype, shape, page offset) -> a small number naming it: layouts are looked up by these
-        # numbers, so a put hashes a few ints instead of torch sizes and dtypes.
-        self._kinds: dict[tuple, int] = {}
-        self._kind_ids = itertools.count()
+        # tensor address -> (its output, dtype, shape, kind) (empty: no put looks further)
+        self.live: dict[int, _pool_outputs.Entry] = {}
+        self._kinds = _pool_outputs.Kinds(_CACHE_SIZE)  # of (dtype, shape, page offset): it places the leaf
         self._layouts: dict[tuple, tuple[bytes, list[tuple[int, int, int]], int]] = {}
         # kind -> the frame head the last put of one output of that kind alone used: a new output of
         # the kind gets it in its headroom at empty() (outside the put), where the next put likely
@@ -87,52 +84,30 @@ class Outputs:
         region = self._pool.view(offset, HEADROOM + nbytes)  # freed when it and every view are gone
         tensor, base = _pool_outputs.tensor_over(region, HEADROOM, shape, dtype)
         address = tensor.data_ptr()
-        kind = self._kind_of((tensor.dtype, tensor.shape, address & (codec.PAGE - 1)))
+        kind, cleared = self._kinds.of((tensor.dtype, tensor.shape, address & (codec.PAGE - 1)))
+        if cleared:
+            self._last_head.clear()
         output = Output(region.ctypes.data, tensor, kind)
         head = self._last_head.get(kind)
         if head is not None:
             ctypes.memmove(output.head, head, len(head))
             output.written = head
-        self.live[address] = output  # one dict store: atomic
+        self.live[address] = (output, output.dtype, output.shape, kind)  # one dict store: atomic
         # Runs at the same collection that frees the region: the address is never reused before.
         weakref.finalize(base, self.live.pop, address, None)
         return tensor
 
-    def _kind_of(self, signature: tuple) -> int:
-        kind = self._kinds.get(signature)
-        if kind is None:
-            if len(self._kinds) >= _CACHE_SIZE:  # shapes vary with every request's length: keep it small
-                self._kinds.clear()
-                self._last_head.clear()
-            kind = self._kinds[signature] = next(self._kind_ids)  # never reused: live outputs keep theirs
-        return kind
-
     def plan(self, data: dict) -> Planned | None:
         """The layout of a dict whose values are all whole outputs, its head written into a free
         headroom; None for anything else (the general path sends outputs from the pool all the same)."""
-        signature: list[Any] = []
-        addresses = []
-        outputs = []
-        live = self.live
-        for key, value in data.items():
-            if type(value) is not torch.Tensor:
-                return None
-            address = value.data_ptr()
-            output = live.get(address)
-            if output is None:
-                return None
-            dtype, shape = value.dtype, value.shape
-            # The dtype, shape and contiguity empty() made: exactly the region's bytes.
-            if dtype is not output.dtype or shape != output.shape or not value.is_contiguous():
-                return None
-            signature += (key, output.kind)  # dtype, shape and page offset (which places the leaf)
-            addresses.append(address)
-            outputs.append(output)
-        if not outputs:
+        matched = _pool_outputs.match_whole(data, self.live)
+        if matched is None:
             return None
-        layout = self._layouts.get(key := tuple(signature))
+        signature, addresses, entries = matched
+        outputs = [entry[0] for entry in entries]
+        layout = self._layouts.get(signature)
         if layout is None:
-            layout = self._layouts[key] = self._layout(data)
+            layout = self._layouts[signature] = self._layout(data)
             if len(self._layouts) > _CACHE_SIZE:  # kinds stay: live outputs hold theirs
                 self._layouts.clear()
         head, leaves, nbytes = layout

@@ -9,6 +9,7 @@ through `asyncio.to_thread` (or an executor) and never on the event loop.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import re
@@ -144,6 +145,7 @@ class Counters:
         self._lock = threading.Lock()
         self._shards: list[dict[str, int]] = []
         self._local = threading.local()
+        self._later: collections.deque[tuple[str, str, int]] = collections.deque()  # add_pair_later
 
     def _shard(self) -> dict[str, int]:
         try:
@@ -172,7 +174,18 @@ class Counters:
         if also is not None:
             shard[also] += 1
 
+    def add_pair_later(self, first: str, second: str, amount: int) -> None:
+        """`add_pair`, counted at the next snapshot: one atomic append, for a put whose whole cost is
+        its bookkeeping (empty() outputs, run with caches cold)."""
+        self._later.append((first, second, amount))
+
     def snapshot(self) -> dict[str, int]:
+        while True:
+            try:
+                first, second, amount = self._later.popleft()  # another snapshot may empty it first
+            except IndexError:
+                break
+            self.add_pair(first, second, amount)
         totals = dict.fromkeys(self._names, 0)
         with self._lock:
             shards = list(self._shards)

@@ -259,7 +259,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
         if self._closed:  # close() may have emptied the table before this payload went in
             self._payloads.close()
             raise ConnectorError(f"{OWNER} is closed (put of {payload_name(from_stage, to_stage, put_key)})")
-        self._counters.add_pair("puts", "bytes_put", size)
+        self._counters.add_pair_later("puts", "bytes_put", size)
         return True, size, {**self._put_fields, "handle": handle, "addr": address, "length": size, "key": key}
 
     def _on_pull(self, args: list[bytes]) -> Deferred:

@@ -159,10 +159,12 @@ class SharedMemoryConnector(OmniConnectorBase):
             sent = outputs.put(from_stage, to_stage, put_key, data, None)
             if sent is not None:
                 return sent
-        policy = codec.CudaIpcExports() if self.config.cuda_ipc else None
-        frame = codec.plan(data, device=policy)
-        if policy and policy.exports:
-            return self._put_with_exports(from_stage, to_stage, put_key, frame, policy.exports)
+        frame = codec.plan_flat(data)  # the usual payload: no device policy to make per put
+        if frame is None:
+            policy = codec.CudaIpcExports() if self.config.cuda_ipc else None
+            frame = codec.plan(data, device=policy)
+            if policy and policy.exports:
+                return self._put_with_exports(from_stage, to_stage, put_key, frame, policy.exports)
         if outputs.unsent:
             sent = outputs.put(from_stage, to_stage, put_key, data, frame)
             if sent is not None:
@@ -282,9 +284,12 @@ class SharedMemoryConnector(OmniConnectorBase):
             raise ConnectorError(
                 f"SharedMemoryConnector is closed (get of {_where(from_stage, to_stage, get_key)})"
             )
+        if type(metadata) is dict and metadata.get("frame") is not None:  # a tiny payload: the usual get
+            got = shm_tiny.get(from_stage, to_stage, get_key, metadata, self._maps, self._counters)
+            return got if got is not None else self._stale()
         if not _names_a_payload(metadata):
             return self._get_by_key(from_stage, to_stage, get_key)  # no (or partial) metadata: the key alone
-        if metadata.get("frame") is not None or metadata.get("inline") is not None:
+        if metadata.get("inline") is not None:
             got = shm_tiny.get(from_stage, to_stage, get_key, metadata, self._maps, self._counters)
             return got if got is not None else self._stale()
         if "refs" in metadata:

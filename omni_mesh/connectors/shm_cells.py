@@ -50,10 +50,9 @@ def find(mm: Any, digest: bytes) -> list[int]:
 class Cells:
     """COUNT cells of `size` bytes at `start` of `mm` (module docstring)."""
 
-    def __init__(self, mm: Any, start: int, size: int, *, reusable: tuple[int, ...], writing: int) -> None:
+    def __init__(self, mm: Any, start: int, size: int, *, reusable: tuple[int, ...]) -> None:
         self.mm, self.start, self.size = mm, start, size
         self._reusable = reusable  # slot states in which a cell may be handed out again
-        self._writing = writing  # the state a cell shows while a put fills it (no consumer takes it)
         self._keys: list[str | None] = [None] * (COUNT if size else 0)
         self._next = 0
 
@@ -62,16 +61,16 @@ class Cells:
         return self.size - 64 if self.size else 0
 
     def take(self, put_key: str) -> int | None:
-        """The offset of a free cell, now owned by `put_key` and shown as being written; None if none."""
+        """The offset of a free cell, now owned by `put_key`; None if none. Its header is left as it is:
+        a reusable cell never shows WRITTEN, so no consumer takes it before the put writes its header."""
         mm, keys, reusable = self.mm, self._keys, self._reusable
-        for _ in range(len(keys)):
+        count = len(keys)
+        for _ in range(count):
             index = self._next
-            self._next = (index + 1) % len(keys)
+            self._next = index + 1 if index + 1 < count else 0
             offset = self.start + index * self.size
             if keys[index] is None or mm[offset] in reusable:
-                _GENERATION.pack_into(mm, offset + 16, 0)  # stale metadata of the last payload never matches
-                mm[offset] = self._writing
-                self._keys[index] = put_key
+                keys[index] = put_key
                 return offset
         return None
 

@@ -30,8 +30,13 @@ class Mappings:
         self._mapped: dict[str, mmap.mmap] = {}
 
     def get(self, name: str) -> mmap.mmap | None:
-        """The cached mapping of `name`, if any (the fast path of every get)."""
-        return self._mapped.get(name)
+        """The cached mapping of `name` or our own segment of that name, if any (the fast path of
+        every get: nothing is mapped and no message is built)."""
+        mm = self._mapped.get(name)
+        if mm is None:
+            own = self._own.get(name)
+            return None if own is None else own.mm
+        return mm
 
     def add_locked(self, name: str, mm: mmap.mmap) -> None:
         self._mapped[name] = mm

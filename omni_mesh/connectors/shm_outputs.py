@@ -57,8 +57,10 @@ class PoolOutputs:
     def __init__(self, pool: ShmPool, counters: Counters) -> None:
         self._pool = pool
         self._counters = counters
-        # Slots handed out by empty() and not put yet, by their tensor's address: ((slot, bytes), dtype, shape).
-        self.unsent: dict[int, tuple[tuple[Slot, int], torch.dtype, torch.Size]] = {}
+        # Slots handed out by empty() and not put yet, by their tensor's address: ((slot, bytes), dtype,
+        # shape, kind).
+        self.unsent: dict[int, _pool_outputs.Entry] = {}  # owner: (slot, bytes)
+        self._kinds = _pool_outputs.Kinds()
         # Weak references to empty() tensors' buffers (kept so their callbacks run), and the slots whose
         # tensors died, queued by those callbacks.
         self._pins: dict[int, weakref.ref] = {}
@@ -73,7 +75,8 @@ class PoolOutputs:
             tensor, base = _pool_outputs.tensor_over(slot.segment.mm, slot.offset + SLOT_HEADER, shape, dtype)
             with self._pool.lock:
                 slot.pinned = True
-                self.unsent[tensor.data_ptr()] = ((slot, nbytes), tensor.dtype, tensor.shape)
+                kind = self._kinds.of((tensor.dtype, tensor.shape))[0]
+                self.unsent[tensor.data_ptr()] = ((slot, nbytes), tensor.dtype, tensor.shape, kind)
                 ref = weakref.ref(base, functools.partial(_queue_dead, self._dead, slot))
                 self._pins[id(ref)] = ref
         finally:
@@ -107,7 +110,7 @@ class PoolOutputs:
                 taken = _pool_outputs.take_outputs(data, self.unsent) if type(data) is dict else None
                 if taken is None:
                     return None
-                header, layout, slots = taken
+                header, layout, slots, _ = taken
                 resident = {index: slots[slot] for index, slot in enumerate(layout) if slot >= 0}
                 leaves = [None] * len(layout)
                 lengths = [0] * len(layout)

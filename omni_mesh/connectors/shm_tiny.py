@@ -48,17 +48,8 @@ class TinyPayloads:
 
     def lay_out_locked(self, segment: Segment, start: int) -> None:
         """The cells at `start` of the first segment, described in its header for consumers."""
-        self.cells = shm_cells.Cells(segment.mm, start, self.cell_size, reusable=(RELEASED,), writing=TAKEN)
+        self.cells = shm_cells.Cells(segment.mm, start, self.cell_size, reusable=(RELEASED,))
         shm_cells.describe(segment.mm, start, self.cell_size)
-
-    def put(self, key: str, put_key: str, frame: codec.FramePlan) -> tuple[int, dict] | None:
-        """(size, metadata) of a tiny put in a free cell; `key` is its edge key. None when every cell
-        waits for its consumer: then `spill` it."""
-        metadata = self._put_cell(key, put_key, frame)
-        if metadata is None:
-            return None
-        metadata["key"] = key
-        return frame.nbytes, metadata
 
     @staticmethod
     def spill(key: str, frame: codec.FramePlan, written: tuple[Slot, dict] | None) -> tuple[int, dict]:
@@ -73,10 +64,12 @@ class TinyPayloads:
         metadata["key"] = key
         return frame.nbytes, metadata
 
-    def _put_cell(self, key: str, put_key: str, frame: codec.FramePlan) -> dict | None:
-        """Lay a tiny frame into a free cell; its metadata (the frame included), None when no cell is
-        free. Cells are not entered in the key index: a get by key scans them (there are few), which
-        keeps this, the path of every tiny put, to one lock and two copies."""
+    def put(self, key: str, put_key: str, frame: codec.FramePlan) -> tuple[int, dict] | None:
+        """(size, metadata) of a tiny put laid into a free cell, the frame in the metadata too; `key` is
+        its edge key. None when every cell waits for its consumer: then `spill` it.
+
+        Cells are not entered in the key index: a get by key scans them (there are few), which keeps
+        this, the path of every tiny put, to one lock and two copies."""
         size = frame.nbytes
         if size > self._cell_frame_bytes:
             return None
@@ -101,7 +94,7 @@ class TinyPayloads:
         # The state byte goes last: a consumer never sees WRITTEN before the frame is complete.
         SLOT.pack_into(mm, offset, TAKEN, 0, 0, generation, digest_of(key), size)
         mm[offset] = WRITTEN
-        return {"segment": first.name, "offset": offset, "generation": generation, "frame": framed}
+        return size, {"segment": first.name, "offset": offset, "generation": generation, "frame": framed, "key": key}
 
     def clean_locked(self, key: str) -> None:
         if self.cells is not None:
@@ -142,17 +135,16 @@ def _release_copy(metadata: dict, maps: Mappings, from_stage: str, to_stage: str
     """Release the pool copy of a tiny payload (put for gets by key); False if someone else took it or
     it was freed. A producer that is gone took its copy along: the inline data stands."""
     name, offset, generation = metadata.get("segment"), metadata.get("offset"), metadata.get("generation")
-    if type(name) is not str or type(offset) is not int or type(generation) is not int or offset < 0:
+    if type(name) is not str or type(offset) is not int or type(generation) is not int:
         return False
     # The cached mapping first: the message naming the get is only built when one must be made.
     mm = maps.get(name) or maps.map(name, f"key {get_key!r} on edge {from_stage}->{to_stage}")
     if mm is None:
         return True
-    if offset + SLOT_HEADER > len(mm):
+    if not 0 <= offset <= len(mm) - SLOT_HEADER:
         return False
     # Generations are unique within a producer: with the segment they name this one put.
-    state, slot_generation = STATE_AND_GENERATION.unpack_from(mm, offset)
-    if state != WRITTEN or slot_generation != generation:
+    if STATE_AND_GENERATION.unpack_from(mm, offset) != (WRITTEN, generation):
         return False
     mm[offset] = RELEASED
     return True

@@ -69,13 +69,14 @@ PARTS = b"P"  # the reply's third frame when the payload follows in the parts fo
 class _Region:
     """A pool slot empty() handed out: freed once it is no longer sent from and its tensor is gone."""
 
-    __slots__ = ("offset", "view", "address", "dtype", "shape", "state", "dead")
+    __slots__ = ("offset", "view", "address", "dtype", "shape", "kind", "state", "dead")
 
     def __init__(self, offset: int, view: memoryview, tensor: torch.Tensor) -> None:
         self.offset = offset
         self.view = view  # its bytes, as a put sends them
         self.address = tensor.data_ptr()  # the key of ZmqConnector._unsent
         self.dtype, self.shape = tensor.dtype, tensor.shape  # as empty() made it
+        self.kind = -1  # names dtype and shape in the connector's layout cache (_pool_outputs.Kinds)
         self.state = "unsent"  # -> "held" (put) -> "done" (sent, expired or cleaned up)
         self.dead = False  # the producer's tensor (and every view of it) was garbage-collected
 
@@ -111,7 +112,8 @@ class ZmqConnector(ServedConnector):
         # empty() slots: those not put yet by tensor address, weak references to their tensors' arrays
         # (so the callbacks run) and the regions whose tensors died (queued by those callbacks).
         self._regions_lock = threading.Lock()
-        self._unsent: dict[int, tuple[_Region, torch.dtype, torch.Size]] = {}  # tensor address -> its region
+        self._unsent: dict[int, _pool_outputs.Entry] = {}  # tensor address -> (its region, dtype, shape, kind)
+        self._kinds = _pool_outputs.Kinds()
         self._pins: dict[int, weakref.ref] = {}
         self._dead: collections.deque[tuple[int, _Region]] = collections.deque()
 
@@ -205,7 +207,8 @@ class ZmqConnector(ServedConnector):
         tensor, base = _pool_outputs.tensor_over(view, 0, shape, dtype)
         region = _Region(offset, view, tensor)
         with self._regions_lock:
-            self._unsent[region.address] = (region, region.dtype, region.shape)
+            region.kind = self._kinds.of((region.dtype, region.shape))[0]
+            self._unsent[region.address] = (region, region.dtype, region.shape, region.kind)
             ref = weakref.ref(base, functools.partial(_queue_dead, self._dead, region))
             self._pins[id(ref)] = ref
         return tensor
@@ -233,7 +236,7 @@ class ZmqConnector(ServedConnector):
             with self._regions_lock:  # not put after all: the tensors may still be
                 for region in resident.values():
                     region.state = "unsent"
-                    self._unsent[region.address] = (region, region.dtype, region.shape)
+                    self._unsent[region.address] = (region, region.dtype, region.shape, region.kind)
             raise
         return True, size, {"endpoint": self.endpoint, "key": key, "token": held.token, "size": size}
 
@@ -244,18 +247,12 @@ class ZmqConnector(ServedConnector):
             taken = _pool_outputs.take_outputs(data, self._unsent)
             if taken is None:
                 return None
-            header, layout, regions = taken
+            header, layout, regions, size = taken
             for region in regions:
                 region.state = "held"
         parts: list[Any] = [header]
-        size = len(header)
         for slot in layout:
-            if slot < 0:
-                parts.append(b"")  # padding: no leaf references it
-            else:
-                view = regions[slot].view
-                parts.append(view)
-                size += view.nbytes
+            parts.append(b"" if slot < 0 else regions[slot].view)  # b"": padding, no leaf references it
         token = self._hold_later(key, put_key, size, parts, regions)
         return True, size, {"endpoint": self.endpoint, "key": key, "token": token, "size": size}
 
