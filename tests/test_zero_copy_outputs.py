@@ -297,6 +297,30 @@ def test_te_a_dict_of_outputs_alone_is_laid_out_in_place(te_pair) -> None:
     assert producer.health()["pool_in_use"] == baseline
 
 
+@pytest.mark.parametrize(("name", "config"), [("ZmqConnector", LOCAL_ZMQ), ("SharedMemoryConnector", {})])
+def test_two_producers_outputs_of_other_shapes_keep_their_own_layout(name: str, config: dict) -> None:
+    """Layouts of empty() outputs are cached per process: the first output of a second connector, of
+    another shape and dtype under the same key, must not reuse the first connector's layout."""
+    from omni_mesh.connectors import create_connector
+
+    first, second, consumer = (create_connector(name, config) for _ in range(3))
+    try:
+        wide = first.empty((64, 1024), torch.float32)
+        wide.fill_(1.0)
+        first.put("a", "b", "shape/0", {"hidden_states": wide})
+        narrow = second.empty((128, 512), torch.float16)
+        narrow.fill_(2.0)
+        _, _, metadata = second.put("a", "b", "shape/1", {"hidden_states": narrow})
+        got, _ = consumer.get("a", "b", "shape/1", metadata)
+        assert got["hidden_states"].dtype == torch.float16 and got["hidden_states"].shape == (128, 512)
+        assert torch.equal(got["hidden_states"], narrow)
+        del got, wide, narrow
+    finally:
+        for connector in (first, second, consumer):
+            connector.close()
+        gc.collect()
+
+
 @pytest.mark.parametrize("pair", ["zmq_pair", "te_pair"])
 def test_puts_of_outputs_are_counted_exactly_from_every_thread(pair: str, request: pytest.FixtureRequest) -> None:
     """A put of a dict of empty() outputs leaves its counting to the next health(): the counts are

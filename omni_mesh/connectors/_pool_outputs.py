@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -50,18 +51,25 @@ class Kinds:
         self._kinds: dict[tuple, int] = {}
         self._ids = itertools.count()
         self._limit = limit
+        self._lock = threading.Lock()  # empty() of several connectors may share one table (KINDS)
 
     def of(self, signature: tuple) -> tuple[int, bool]:
         """(the kind of `signature`, whether the table was cleared to make room: shapes vary with every
         request's length, so it is kept small)."""
-        kind = self._kinds.get(signature)
-        if kind is not None:
-            return kind, False
-        cleared = len(self._kinds) >= self._limit
-        if cleared:
-            self._kinds.clear()
-        kind = self._kinds[signature] = next(self._ids)
-        return kind, cleared
+        with self._lock:
+            kind = self._kinds.get(signature)
+            if kind is not None:
+                return kind, False
+            cleared = len(self._kinds) >= self._limit
+            if cleared:
+                self._kinds.clear()
+            kind = self._kinds[signature] = next(self._ids)
+            return kind, cleared
+
+
+#: The kinds of (dtype, shape) behind the process-wide layout cache of `take_outputs`: one table for
+#: every connector that uses it, so a kind number means the same thing in all of them.
+KINDS = Kinds()
 
 
 #: What a connector keeps for each empty() tensor not put yet, by the tensor's address: (its owner
@@ -114,7 +122,7 @@ def take_resident(frame: codec.FramePlan, unsent: dict[int, Entry]) -> dict[int,
     return resident
 
 
-# The signature of a dict of empty() tensors (match_whole) -> its parts-form header, what each leaf of
+# The signature of a dict of empty() tensors (match_whole, kinds from KINDS) -> its parts-form header, what each leaf of
 # that form is (the index of a tensor among the dict's values, or -1 for padding), and its size.
 _HEADERS: dict[tuple, tuple[bytes, list[int], int]] = {}
 

@@ -60,7 +60,6 @@ class PoolOutputs:
         # Slots handed out by empty() and not put yet, by their tensor's address: ((slot, bytes), dtype,
         # shape, kind).
         self.unsent: dict[int, _pool_outputs.Entry] = {}  # owner: (slot, bytes)
-        self._kinds = _pool_outputs.Kinds()
         # Weak references to empty() tensors' buffers (kept so their callbacks run), and the slots whose
         # tensors died, queued by those callbacks.
         self._pins: dict[int, weakref.ref] = {}
@@ -75,7 +74,7 @@ class PoolOutputs:
             tensor, base = _pool_outputs.tensor_over(slot.segment.mm, slot.offset + SLOT_HEADER, shape, dtype)
             with self._pool.lock:
                 slot.pinned = True
-                kind = self._kinds.of((tensor.dtype, tensor.shape))[0]
+                kind = _pool_outputs.KINDS.of((tensor.dtype, tensor.shape))[0]
                 self.unsent[tensor.data_ptr()] = ((slot, nbytes), tensor.dtype, tensor.shape, kind)
                 ref = weakref.ref(base, functools.partial(_queue_dead, self._dead, slot))
                 self._pins[id(ref)] = ref

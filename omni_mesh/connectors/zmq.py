@@ -113,7 +113,6 @@ class ZmqConnector(ServedConnector):
         # (so the callbacks run) and the regions whose tensors died (queued by those callbacks).
         self._regions_lock = threading.Lock()
         self._unsent: dict[int, _pool_outputs.Entry] = {}  # tensor address -> (its region, dtype, shape, kind)
-        self._kinds = _pool_outputs.Kinds()
         self._pins: dict[int, weakref.ref] = {}
         self._dead: collections.deque[tuple[int, _Region]] = collections.deque()
 
@@ -207,7 +206,7 @@ class ZmqConnector(ServedConnector):
         tensor, base = _pool_outputs.tensor_over(view, 0, shape, dtype)
         region = _Region(offset, view, tensor)
         with self._regions_lock:
-            region.kind = self._kinds.of((region.dtype, region.shape))[0]
+            region.kind = _pool_outputs.KINDS.of((region.dtype, region.shape))[0]
             self._unsent[region.address] = (region, region.dtype, region.shape, region.kind)
             ref = weakref.ref(base, functools.partial(_queue_dead, self._dead, region))
             self._pins[id(ref)] = ref
