@@ -134,6 +134,10 @@ def _same_kind(default: Any, value: Any) -> bool:
     return isinstance(value, type(default))
 
 
+#: Counts `add_pair_later` keeps before it adds them itself.
+LATER_MAX = 1024
+
+
 class Counters:
     """Counters for `health()`, exact under concurrency and lock-free on the hot path.
 
@@ -178,14 +182,19 @@ class Counters:
         """`add_pair`, counted at the next snapshot: one atomic append, for a put whose whole cost is
         its bookkeeping (empty() outputs, run with caches cold)."""
         self._later.append((first, second, amount))
+        if len(self._later) > LATER_MAX:  # nobody asks for health (a connector used standalone)
+            self._count_later()
 
-    def snapshot(self) -> dict[str, int]:
+    def _count_later(self) -> None:
         while True:
             try:
-                first, second, amount = self._later.popleft()  # another snapshot may empty it first
+                first, second, amount = self._later.popleft()  # another thread may empty it first
             except IndexError:
-                break
+                return
             self.add_pair(first, second, amount)
+
+    def snapshot(self) -> dict[str, int]:
+        self._count_later()
         totals = dict.fromkeys(self._names, 0)
         with self._lock:
             shards = list(self._shards)
