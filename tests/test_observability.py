@@ -91,8 +91,12 @@ def test_prometheus_scrapes_the_request_counter_and_histogram(mesh: Mesh, tmp_pa
     api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5)
 
     def query(expression: str) -> float | None:
+        # Until its storage is ready, Prometheus answers 503 with a plain-text body: not an answer yet.
         with contextlib.suppress(httpx.HTTPError):
-            result = api.get("/api/v1/query", params={"query": expression}).json()["data"]["result"]
+            response = api.get("/api/v1/query", params={"query": expression})
+            if response.status_code != 200:
+                return None
+            result = response.json()["data"]["result"]
             return float(result[0]["value"][1]) if result else 0.0
         return None
 
