@@ -104,9 +104,34 @@ class FramePlan:
         self._write_leaves(address)
         return self.nbytes
 
+    def to_bytes(self) -> bytes:
+        """The whole frame as one bytes object, for a frame small enough to travel in a message: the
+        head and each leaf's bytes, zeros between them. No mapping and no ctypes buffer export: for
+        tiny frames those cost more than the copies."""
+        out = [self.head]
+        at = len(self.head)
+        leaves, offsets, lengths = self.leaves, self.offsets, self.lengths
+        for index in range(len(leaves)):  # not zip(): its strict= keyword alone costs more than a tiny leaf
+            leaf, offset, length = leaves[index], offsets[index], lengths[index]
+            if not length or type(leaf) is PagePad:
+                continue
+            if offset > at:
+                out.append(bytes(offset - at))
+            if type(leaf) is torch.Tensor and leaf.is_contiguous():
+                out.append(ctypes.string_at(leaf.data_ptr(), length))  # the common case, one copy
+            else:
+                out.append(leaf_buffers([leaf], [length])[0])
+            at = offset + length
+        if self.nbytes > at:
+            out.append(bytes(self.nbytes - at))
+        return b"".join(out)
+
     def _write_leaves(self, address: int) -> None:
-        # zip without strict: leaves, offsets and lengths are built together (the check costs per put)
-        for leaf, off, length in zip(self.leaves, self.offsets, self.lengths, strict=False):
+        # Not zip(): its strict= keyword alone costs more than copying a tiny leaf (leaves, offsets and
+        # lengths are built together).
+        leaves, offsets, lengths = self.leaves, self.offsets, self.lengths
+        for index in range(len(leaves)):
+            leaf, off, length = leaves[index], offsets[index], lengths[index]
             if not length or type(leaf) is PagePad:
                 continue
             if type(leaf) is torch.Tensor and leaf.is_contiguous():
