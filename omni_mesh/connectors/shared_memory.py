@@ -4,7 +4,8 @@ Producer side: a pool of pre-faulted segments per process (`shm_pool`: created o
 grown for payloads that fit no free space up to `max_pool_size`, grown segments returned once idle),
 so the steady state creates no segment and takes no page fault. The codec lays each frame straight
 into a pool slot. Only past the ceiling does a payload get a one-off segment (counted as a fallback).
-Tiny payloads ride in the metadata as their whole frame, with a copy in one of the pool's cells.
+Tiny payloads ride in the metadata as their whole frame, with a copy in one of the pool's cells once
+some process on the host gets by key alone (shm_tiny).
 `empty()` hands out output tensors already in a slot, which a put then sends where they lie
 (`shm_outputs`).
 
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from omni_mesh import codec, cuda_ipc
-from omni_mesh.connectors import shm_cells, shm_index, shm_lookup, shm_tiny
+from omni_mesh.connectors import shm_cells, shm_index, shm_lookup, shm_tiny, shm_wanted
 from omni_mesh.connectors._checks import check_not_negative
 from omni_mesh.connectors._growth import AUTO_CEILING_MAX, GROW_STEP
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
@@ -54,7 +55,7 @@ from omni_mesh.connectors.shm_slots import (
     ready,
     take,
 )
-from omni_mesh.connectors.shm_tiny import TinyPayloads
+from omni_mesh.connectors.shm_tiny import FrameBytes, TinyPayloads
 
 __all__ = [
     "AUTO_CEILING_MAX",
@@ -131,7 +132,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         self._lock = self._pool.lock  # one lock: slots, segments, key index, cells
         self._index = shm_lookup.KeyIndex(self._counters, self._pool.slots)
         self._outputs = PoolOutputs(self._pool, self._counters)
-        self._tiny = TinyPayloads(self._pool, self._counters, self.config.inline_max_bytes)
+        self._tiny = TinyPayloads(self._pool, self._counters, self.config.inline_max_bytes, self._copy_to_slot)
         self._maps = Mappings(self._pool.own, self._lock)
 
     @property
@@ -183,7 +184,7 @@ class SharedMemoryConnector(OmniConnectorBase):
     ) -> tuple[bool, int, dict]:
         """A tiny payload: in the metadata, with a copy in the pool for gets by key (shm_tiny)."""
         key = edge_key(from_stage, to_stage, put_key)
-        put = self._tiny.put(key, put_key, frame)
+        put = self._tiny.put(from_stage, to_stage, put_key, key, frame)
         if put is None:
             put = self._tiny.spill(key, frame, self._write_frame(from_stage, to_stage, put_key, frame, pool_only=True))
         size, metadata = put
@@ -221,12 +222,18 @@ class SharedMemoryConnector(OmniConnectorBase):
         self._count_put(frame.nbytes)
         return True, frame.nbytes, metadata
 
+    def _copy_to_slot(
+        self, from_stage: str, to_stage: str, put_key: str, frame: FrameBytes
+    ) -> tuple[Slot, dict] | None:
+        """A tiny payload put before gets by key were wanted, copied into a slot (shm_tiny)."""
+        return self._write_frame(from_stage, to_stage, put_key, frame, pool_only=True)
+
     def _write_frame(
         self,
         from_stage: str,
         to_stage: str,
         put_key: str,
-        frame: codec.FramePlan,
+        frame: codec.FramePlan | FrameBytes,
         exports: list[cuda_ipc.Exported] | None = None,
         *,
         pool_only: bool = False,
@@ -382,6 +389,11 @@ class SharedMemoryConnector(OmniConnectorBase):
 
         first = self._pool.first
         names = shm_lookup.pool_names(first.name if first is not None else None)
+        for name in names:  # from now on their tiny puts keep a copy for gets by key (shm_wanted)
+            mm = mapping(name)
+            if mm is not None:
+                shm_wanted.mark(mm)
+        shm_wanted.tick()  # producers in this process copy their recent tiny payloads in now
         for metadata in shm_lookup.candidates(names, mapping, digest(from_stage, to_stage, get_key)):
             result = self.get(from_stage, to_stage, get_key, metadata)
             if result is not None:
@@ -437,7 +449,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         if not self._pool.close():
             return  # a put is stuck mid-copy: leave the mappings to process exit rather than crash
         with self._lock:
-            self._tiny.cells = None
+            self._tiny.close_locked()
             self._maps.clear_locked()
 
     def __del__(self) -> None:
@@ -447,4 +459,4 @@ class SharedMemoryConnector(OmniConnectorBase):
 
 def _names_a_payload(metadata: Any) -> bool:
     """Whether `metadata` is what a put returned (else the payload is looked for by its key)."""
-    return type(metadata) is dict and ("segment" in metadata or "inline" in metadata or "refs" in metadata)
+    return type(metadata) is dict and any(name in metadata for name in ("segment", "frame", "inline", "refs"))

@@ -50,9 +50,10 @@ def find(mm: Any, digest: bytes) -> list[int]:
 class Cells:
     """COUNT cells of `size` bytes at `start` of `mm` (module docstring)."""
 
-    def __init__(self, mm: Any, start: int, size: int, *, reusable: tuple[int, ...]) -> None:
+    def __init__(self, mm: Any, start: int, size: int, *, reusable: tuple[int, ...], writing: int) -> None:
         self.mm, self.start, self.size = mm, start, size
         self._reusable = reusable  # slot states in which a cell may be handed out again
+        self._writing = writing  # the state of a cell taken by a put that has not sealed it yet
         self._keys: list[str | None] = [None] * (COUNT if size else 0)
         self._next = 0
 
@@ -61,8 +62,8 @@ class Cells:
         return self.size - 64 if self.size else 0
 
     def take(self, put_key: str) -> int | None:
-        """The offset of a free cell, now owned by `put_key`; None if none. Its header is left as it is:
-        a reusable cell never shows WRITTEN, so no consumer takes it before the put writes its header."""
+        """The offset of a free cell, now owned by `put_key`; None if none. It shows `writing` until its
+        put seals it: neither a consumer nor another put (in another thread) takes it meanwhile."""
         mm, keys, reusable = self.mm, self._keys, self._reusable
         count = len(keys)
         for _ in range(count):
@@ -71,6 +72,7 @@ class Cells:
             offset = self.start + index * self.size
             if keys[index] is None or mm[offset] in reusable:
                 keys[index] = put_key
+                mm[offset] = self._writing
                 return offset
         return None
 
@@ -90,9 +92,13 @@ class Cells:
             if owner is not None and (owner == key or owner.startswith(prefix)):
                 offset = self.start + index * self.size
                 if self.mm[offset] == waiting:
-                    _GENERATION.pack_into(self.mm, offset + 16, 0)
-                    self.mm[offset] = free
-                    self._keys[index] = None
+                    self.free(offset, free)
+
+    def free(self, offset: int, free: int) -> None:
+        """Free a cell nobody holds: its generation is cleared first, so stale metadata never matches."""
+        _GENERATION.pack_into(self.mm, offset + 16, 0)
+        self.mm[offset] = free
+        self._keys[(offset - self.start) // self.size] = None
 
     def __len__(self) -> int:
         """Cells holding a payload nobody has released yet."""

@@ -1,22 +1,29 @@
 """SharedMemoryConnector's tiny payloads (frames up to `inline_max_bytes`): in the metadata, and in the pool.
 
-A tiny payload travels in its metadata as its whole frame (`frame`). A copy goes into one of the
-first segment's cells (shm_cells) or, with every cell waiting, a pool slot, where a get by key alone
-finds it; the get with the metadata releases that copy. With the pool full it travels in the
-metadata only, in the parts form (`inline`, `parts`). The metadata holds the whole payload, so a get
-with it always succeeds, as vllm-omni's inline payloads do: the coordinator retries a stage whose
-replica died after its get, with the same metadata, and the retry must find its input.
+A tiny payload travels in its metadata as its whole frame (`frame`). Once some process on the host
+has got a payload by key alone (shm_wanted), a copy goes into one of the first segment's cells
+(shm_cells) or, with every cell waiting, a pool slot, where a get by key finds it; the get with the
+metadata releases that copy. Before then no copy is made (it would cost a third of a tiny put + get),
+and the payloads put shortly before a get by key is first seen are copied in then (shm_recent). With
+the pool full a tiny payload travels in the metadata only, in the parts form (`inline`, `parts`). The
+metadata holds the whole payload, so a get with it always succeeds, as vllm-omni's inline payloads
+do: the coordinator retries a stage whose replica died after its get, with the same metadata, and the
+retry must find its input.
 """
 
 from __future__ import annotations
 
+import ctypes
+import time
+from collections.abc import Callable
 from typing import Any
 
 from omni_mesh import codec
-from omni_mesh.connectors import shm_cells
+from omni_mesh.connectors import shm_cells, shm_recent, shm_wanted
 from omni_mesh.connectors.base import ConnectorError, Counters, edge_key
 from omni_mesh.connectors.shm_maps import Mappings
 from omni_mesh.connectors.shm_pool import ShmPool
+from omni_mesh.connectors.shm_recent import RecentTiny
 from omni_mesh.connectors.shm_slots import (
     FREE,
     RELEASED,
@@ -31,15 +38,38 @@ from omni_mesh.connectors.shm_slots import (
 )
 
 
+class FrameBytes:
+    """A whole frame already in bytes, laid where a FramePlan would be (`nbytes`, `write_at`)."""
+
+    __slots__ = ("data", "nbytes")
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.nbytes = data, len(data)
+
+    def write_at(self, address: int) -> int:
+        ctypes.memmove(address, self.data, self.nbytes)
+        return self.nbytes
+
+
+# Lays a frame into a pool slot for gets by key: (the slot, its metadata), None with the pool full.
+CopyToSlot = Callable[[str, str, str, FrameBytes], "tuple[Slot, dict] | None"]
+
+
 class TinyPayloads:
     """The producer side of tiny payloads over one pool (module docstring)."""
 
-    def __init__(self, pool: ShmPool, counters: Counters, inline_max_bytes: int) -> None:
+    def __init__(self, pool: ShmPool, counters: Counters, inline_max_bytes: int, copy_to_slot: CopyToSlot) -> None:
         self._pool = pool
         self._counters = counters
+        self._copy_to_slot = copy_to_slot
         self.cell_size = shm_cells.cell_size(SLOT_HEADER, inline_max_bytes)
         self._cell_frame_bytes = self.cell_size - SLOT_HEADER if self.cell_size else -1
         self.cells: shm_cells.Cells | None = None
+        self.wanted = False  # a get by key was seen on the host: copies go into the pool
+        self._recent = RecentTiny()
+        self._watched = False
+        self._copied: list[tuple[Slot | None, int, int]] = []  # (slot, or None: a cell; offset; generation)
+        self._copied_until = 0.0
 
     @property
     def reserved(self) -> int:
@@ -48,7 +78,7 @@ class TinyPayloads:
 
     def lay_out_locked(self, segment: Segment, start: int) -> None:
         """The cells at `start` of the first segment, described in its header for consumers."""
-        self.cells = shm_cells.Cells(segment.mm, start, self.cell_size, reusable=(RELEASED,))
+        self.cells = shm_cells.Cells(segment.mm, start, self.cell_size, reusable=(RELEASED,), writing=FREE)
         shm_cells.describe(segment.mm, start, self.cell_size)
 
     @staticmethod
@@ -64,20 +94,33 @@ class TinyPayloads:
         metadata["key"] = key
         return frame.nbytes, metadata
 
-    def put(self, key: str, put_key: str, frame: codec.FramePlan) -> tuple[int, dict] | None:
-        """(size, metadata) of a tiny put laid into a free cell, the frame in the metadata too; `key` is
-        its edge key. None when every cell waits for its consumer: then `spill` it.
+    def put(
+        self, from_stage: str, to_stage: str, put_key: str, key: str, frame: codec.FramePlan
+    ) -> tuple[int, dict] | None:
+        """(size, metadata) of a tiny put, the frame in the metadata; `key` is its edge key. Unwanted
+        by key, that is all (remembered for a later copy-in); wanted, a copy goes into a free cell too,
+        and None says every cell waits for its consumer: then `spill` it.
 
         Cells are not entered in the key index: a get by key scans them (there are few), which keeps
         this, the path of every tiny put, to one lock and two copies."""
         size = frame.nbytes
-        if size > self._cell_frame_bytes:
-            return None
         pool = self._pool
+        framed = None if self.wanted else frame.to_bytes()  # outside the lock; wanted never turns back
         with pool.lock:
             if pool.closed:
                 raise ConnectorError(f"SharedMemoryConnector is closed (put of {key!r})")
-            first = pool.first_locked()
+            first = pool.first_locked()  # the pool a get by key flags (shm_wanted)
+            if not self.wanted:
+                if not self._watched and shm_wanted.marked(first.mm):
+                    self.wanted = True  # flagged before our first tiny put: nothing to copy in
+                else:
+                    self._recent.remember(from_stage, to_stage, put_key, framed)
+                    if not self._watched:
+                        self._watched = True
+                        shm_wanted.watch(self)
+                    return size, {"frame": framed, "key": key}
+            if size > self._cell_frame_bytes:
+                return None
             offset = self.cells.take(put_key)
             if offset is None:
                 return None
@@ -91,18 +134,89 @@ class TinyPayloads:
                 self.cells.give_back(offset, FREE)
             raise
         framed = mm[start : start + size]
-        # The state byte goes last: a consumer never sees WRITTEN before the frame is complete.
-        SLOT.pack_into(mm, offset, TAKEN, 0, 0, generation, digest_of(key), size)
-        mm[offset] = WRITTEN
+        _seal(mm, offset, generation, key, size)
         return size, {"segment": first.name, "offset": offset, "generation": generation, "frame": framed, "key": key}
 
+    def notice_wanted(self) -> bool:
+        """For the watcher (shm_wanted): once the pool is flagged, copy in the recent tiny payloads;
+        BACKFILL_S later free the copies nobody took. True once there is nothing more to do."""
+        pool = self._pool
+        with pool.lock:
+            first = pool.first
+            if pool.closed or first is None:
+                return True
+            if self.wanted:
+                if self._copied and time.monotonic() >= self._copied_until:
+                    self._free_copies_locked()
+                return not self._copied
+            if not shm_wanted.marked(first.mm):
+                return False
+            self.wanted = True
+            recent = self._recent.take()
+        for from_stage, to_stage, put_key, framed, _ in recent:
+            self._copy_in(from_stage, to_stage, put_key, framed)
+        with pool.lock:
+            self._copied_until = time.monotonic() + shm_recent.BACKFILL_S
+            return not self._copied
+
+    def _copy_in(self, from_stage: str, to_stage: str, put_key: str, framed: bytes) -> None:
+        """A copy of a payload put before the pool was flagged, for a get by key (a cell or a slot)."""
+        pool, size = self._pool, len(framed)
+        with pool.lock:
+            if pool.closed:
+                return
+            first = pool.first_locked()
+            offset = self.cells.take(put_key) if size <= self._cell_frame_bytes else None
+            generation = pool.next_generation() if offset is not None else 0
+        if offset is None:
+            written = self._copy_to_slot(from_stage, to_stage, put_key, FrameBytes(framed))
+            if written is not None:
+                slot = written[0]
+                with pool.lock:
+                    self._copied.append((slot, slot.offset, slot.generation))
+            return
+        start = offset + SLOT_HEADER
+        first.mm[start : start + size] = framed
+        _seal(first.mm, offset, generation, edge_key(from_stage, to_stage, put_key), size)
+        with pool.lock:
+            self._copied.append((None, offset, generation))
+
+    def _free_copies_locked(self) -> None:
+        """Free the copied-in payloads no get by key took: their consumers had the metadata."""
+        pool, cells = self._pool, self.cells
+        for slot, offset, generation in self._copied:
+            if slot is None:
+                if cells is not None and STATE_AND_GENERATION.unpack_from(cells.mm, offset) == (WRITTEN, generation):
+                    cells.free(offset, FREE)
+            elif (
+                pool.slots.get((slot.segment.name, offset)) is slot
+                and slot.generation == generation
+                and slot.segment.mm[offset] == WRITTEN
+            ):
+                pool.free_locked(slot)
+        self._copied = []
+
     def clean_locked(self, key: str) -> None:
+        self._recent.cleaned(key)
         if self.cells is not None:
             self.cells.clean(key, waiting=WRITTEN, free=FREE)
+
+    def close_locked(self) -> None:
+        shm_wanted.unwatch(self)
+        self._recent.clear()
+        self._copied = []
+        self.cells = None
 
     def waiting_locked(self) -> int:
         """Cells holding a payload nobody has released yet."""
         return len(self.cells) if self.cells is not None else 0
+
+
+def _seal(mm: Any, offset: int, generation: int, key: str, size: int) -> None:
+    """The slot header of a cell whose frame is written; the state byte goes last, so that a consumer
+    never sees WRITTEN before the frame is complete."""
+    SLOT.pack_into(mm, offset, TAKEN, 0, 0, generation, digest_of(key), size)
+    mm[offset] = WRITTEN
 
 
 def get(
@@ -117,7 +231,8 @@ def get(
         if framed is not None:
             if type(framed) is not bytes:
                 return None
-            _release_copy(metadata, maps, from_stage, to_stage, get_key)
+            if "segment" in metadata:  # a copy in the pool, made for gets by key
+                _release_copy(metadata, maps, from_stage, to_stage, get_key)
             data, size = codec.decode(framed), len(framed)
         else:
             inline, parts = metadata.get("inline"), metadata.get("parts")
