@@ -14,6 +14,7 @@ retry must find its input.
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -68,6 +69,7 @@ class TinyPayloads:
         self.wanted = False  # a get by key was seen on the host: copies go into the pool
         self._recent = RecentTiny()
         self._watched = False
+        self._noticing = threading.Lock()  # the watcher and gets by key in this process, one at a time
         self._copied: list[tuple[Slot | None, int, int]] = []  # (slot, or None: a cell; offset; generation)
         self._copied_until = 0.0
 
@@ -139,7 +141,12 @@ class TinyPayloads:
 
     def notice_wanted(self) -> bool:
         """For the watcher (shm_wanted): once the pool is flagged, copy in the recent tiny payloads;
-        BACKFILL_S later free the copies nobody took. True once there is nothing more to do."""
+        BACKFILL_S later free the copies nobody took. True once there is nothing more to do. One caller
+        at a time: a get by key in this process that calls it while the watcher copies waits for it."""
+        with self._noticing:
+            return self._notice_wanted()
+
+    def _notice_wanted(self) -> bool:
         pool = self._pool
         with pool.lock:
             first = pool.first
@@ -153,10 +160,10 @@ class TinyPayloads:
                 return False
             self.wanted = True
             recent = self._recent.take()
+            self._copied_until = time.monotonic() + shm_recent.BACKFILL_S
         for from_stage, to_stage, put_key, framed, _ in recent:
             self._copy_in(from_stage, to_stage, put_key, framed)
         with pool.lock:
-            self._copied_until = time.monotonic() + shm_recent.BACKFILL_S
             return not self._copied
 
     def _copy_in(self, from_stage: str, to_stage: str, put_key: str, framed: bytes) -> None:
