@@ -191,6 +191,7 @@ class TestZmqThenYuanrong:
                 health["encode"]["zmq"]["puts"] == count
                 and health["mix"]["yuanrong"]["puts"] == count
                 and health["summarise"]["yuanrong"]["gets"] == count
+                and health["summarise"]["yuanrong"]["deleted"] == count  # each get's delete runs after it
             )
             return health if ready else None
 
