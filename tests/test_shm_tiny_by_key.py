@@ -7,10 +7,12 @@ once for producers in the getter's process, within a watcher tick for others.
 
 from __future__ import annotations
 
+import gc
 import mmap
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import msgpack
@@ -21,7 +23,7 @@ from support.shm_kit import ShmPeer as Peer
 from support.shm_kit import connector
 
 from omni_mesh import codec
-from omni_mesh.connectors import shm_cells, shm_recent
+from omni_mesh.connectors import shm_cells, shm_recent, shm_wanted
 from omni_mesh.connectors.shm_slots import FREE, RELEASED, SLOT_HEADER
 
 MiB = 1024 * 1024
@@ -180,3 +182,20 @@ def test_a_cell_being_written_is_never_handed_out_twice() -> None:
         again = [cells.take(f"r/{i}") for i in range(shm_cells.COUNT)]
         assert sorted(again) == sorted(first)
         assert cells.take("one more") is None  # every cell is being written
+
+
+def test_a_producer_collected_while_the_watcher_holds_its_lock_does_not_deadlock() -> None:
+    # The garbage collector may finalize a connector (its __del__ closes it) at any allocation, also
+    # inside the watcher's tick, which holds the watcher's lock while it lists the producers.
+    producer = connector({})
+    assert producer.put("a", "b", "k", b"tiny")[0]  # now watched
+    del producer  # unreachable; its reference cycles wait for the collector
+    collected = threading.Event()
+
+    def collect_as_the_tick_would() -> None:
+        with shm_wanted._lock:
+            gc.collect()
+        collected.set()
+
+    threading.Thread(target=collect_as_the_tick_would, daemon=True).start()
+    assert collected.wait(30), "a finalizer waited for the watcher's lock: the watcher is deadlocked"

@@ -209,7 +209,8 @@ class TinyPayloads:
             self.cells.clean(key, waiting=WRITTEN, free=FREE)
 
     def close_locked(self) -> None:
-        shm_wanted.unwatch(self)
+        # Not unwatched here: close() runs from __del__, which the garbage collector may call inside the
+        # watcher's own lock (a deadlock); a closed pool's notice_wanted says "done" at the next tick.
         self._recent.clear()
         self._copied = []
         self.cells = None

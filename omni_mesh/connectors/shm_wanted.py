@@ -28,6 +28,8 @@ class Waiter(Protocol):
         """Act on the flag if it is set; True once this producer needs no more watching."""
 
 
+# Held only around the set itself. The garbage collector may run finalizers (a connector's __del__
+# closes it) at any allocation made under it: nothing a finalizer reaches may take it.
 _lock = threading.Lock()
 _waiting: weakref.WeakSet[Waiter] = weakref.WeakSet()
 _thread: threading.Thread | None = None
