@@ -199,3 +199,15 @@ def test_a_producer_collected_while_the_watcher_holds_its_lock_does_not_deadlock
 
     threading.Thread(target=collect_as_the_tick_would, daemon=True).start()
     assert collected.wait(30), "a finalizer waited for the watcher's lock: the watcher is deadlocked"
+
+
+def test_a_producer_whose_copy_in_fails_is_logged_and_dropped_not_the_watcher(caplog: pytest.LogCaptureFixture) -> None:
+    class Failing:
+        def notice_wanted(self) -> bool:
+            raise RuntimeError("copy-in failed")
+
+    failing = Failing()
+    shm_wanted.watch(failing)
+    shm_wanted.tick()  # does not raise: the watcher thread runs this same loop
+    assert "copying recent tiny payloads in for gets by key failed" in caplog.text
+    assert failing not in shm_wanted._waiting

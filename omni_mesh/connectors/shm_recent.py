@@ -65,6 +65,3 @@ class RecentTiny:
             if at is not None and at >= put_at:
                 return True
         return False
-
-    def __len__(self) -> int:
-        return len(self._ring)

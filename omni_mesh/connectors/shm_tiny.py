@@ -40,7 +40,7 @@ from omni_mesh.connectors.shm_slots import (
 
 
 class FrameBytes:
-    """A whole frame already in bytes, laid where a FramePlan would be (`nbytes`, `write_at`)."""
+    """A whole frame already in bytes, laid where a FramePlan would be: a remembered tiny payload."""
 
     __slots__ = ("data", "nbytes")
 
@@ -50,6 +50,13 @@ class FrameBytes:
     def write_at(self, address: int) -> int:
         ctypes.memmove(address, self.data, self.nbytes)
         return self.nbytes
+
+    def write_into_map(self, mm: Any, start: int, address: int) -> int:
+        mm[start : start + self.nbytes] = self.data
+        return self.nbytes
+
+    def to_bytes(self) -> bytes:
+        return self.data
 
 
 # Lays a frame into a pool slot for gets by key: (the slot, its metadata), None with the pool full.
@@ -97,7 +104,7 @@ class TinyPayloads:
         return frame.nbytes, metadata
 
     def put(
-        self, from_stage: str, to_stage: str, put_key: str, key: str, frame: codec.FramePlan
+        self, from_stage: str, to_stage: str, put_key: str, key: str, frame: codec.FramePlan | FrameBytes
     ) -> tuple[int, dict] | None:
         """(size, metadata) of a tiny put, the frame in the metadata; `key` is its edge key. Unwanted
         by key, that is all (remembered for a later copy-in); wanted, a copy goes into a free cell too,
@@ -162,31 +169,30 @@ class TinyPayloads:
             recent = self._recent.take()
             self._copied_until = time.monotonic() + shm_recent.BACKFILL_S
         for from_stage, to_stage, put_key, framed, _ in recent:
-            self._copy_in(from_stage, to_stage, put_key, framed)
+            try:
+                self._copy_in(from_stage, to_stage, put_key, framed)
+            except ConnectorError:
+                if pool.closed:
+                    return True  # closed meanwhile: nothing left to copy into
+                raise
         with pool.lock:
             return not self._copied
 
     def _copy_in(self, from_stage: str, to_stage: str, put_key: str, framed: bytes) -> None:
-        """A copy of a payload put before the pool was flagged, for a get by key (a cell or a slot)."""
-        pool, size = self._pool, len(framed)
-        with pool.lock:
-            if pool.closed:
-                return
-            first = pool.first_locked()
-            offset = self.cells.take(put_key) if size <= self._cell_frame_bytes else None
-            generation = pool.next_generation() if offset is not None else 0
-        if offset is None:
-            written = self._copy_to_slot(from_stage, to_stage, put_key, FrameBytes(framed))
-            if written is not None:
-                slot = written[0]
-                with pool.lock:
-                    self._copied.append((slot, slot.offset, slot.generation))
-            return
-        start = offset + SLOT_HEADER
-        first.mm[start : start + size] = framed
-        _seal(first.mm, offset, generation, edge_key(from_stage, to_stage, put_key), size)
-        with pool.lock:
-            self._copied.append((None, offset, generation))
+        """A copy of a payload put before the pool was flagged, for a get by key: a put as any tiny
+        one now (a cell), or a pool slot with every cell waiting."""
+        frame = FrameBytes(framed)
+        put = self.put(from_stage, to_stage, put_key, edge_key(from_stage, to_stage, put_key), frame)
+        if put is not None:
+            copy: tuple[Slot | None, int, int] = (None, put[1]["offset"], put[1]["generation"])
+        else:
+            written = self._copy_to_slot(from_stage, to_stage, put_key, frame)
+            if written is None:
+                return  # the pool is full: its metadata still holds it
+            slot = written[0]
+            copy = (slot, slot.offset, slot.generation)
+        with self._pool.lock:
+            self._copied.append(copy)
 
     def _free_copies_locked(self) -> None:
         """Free the copied-in payloads no get by key took: their consumers had the metadata."""

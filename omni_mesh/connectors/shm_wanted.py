@@ -13,6 +13,7 @@ producer still waits for it and stops when none does, or at once from a get by k
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 
 WANTED_AT = 32  # a byte of the pool header after shm_cells.GEOMETRY: 1 once a get by key scanned the pool
 TICK_S = 0.05
+log = logging.getLogger("omni_mesh.connectors")
 
 
 class Waiter(Protocol):
@@ -55,18 +57,19 @@ def watch(waiter: Waiter) -> None:
             _thread.start()
 
 
-def unwatch(waiter: Waiter) -> None:
-    with _lock:
-        _waiting.discard(waiter)
-
-
 def tick() -> None:
     """Every waiting producer of this process looks at its flag now."""
     with _lock:
         waiting = list(_waiting)
     for waiter in waiting:
-        if waiter.notice_wanted():
-            unwatch(waiter)
+        try:
+            done = waiter.notice_wanted()
+        except Exception:  # a connector closed under its copy-in, say: never the watcher's end
+            log.exception("SharedMemoryConnector: copying recent tiny payloads in for gets by key failed")
+            done = True
+        if done:
+            with _lock:
+                _waiting.discard(waiter)
 
 
 def _run() -> None:
