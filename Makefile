@@ -41,8 +41,9 @@ system-deps:
 run: install
 	$(BIN)/omni-mesh up compose/omni-demo.yaml --port $(PORT)
 
+# Two workers taking whole files: most test time waits on the processes a test started (docs/testing.md).
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # Every connector that runs here without a service of yours: YuanrongConnector against a throwaway
 # worker it starts itself. MooncakeStoreConnector needs a master: `omni-mesh bench connector

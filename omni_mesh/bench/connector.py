@@ -130,21 +130,31 @@ def _device_copy_seconds(size: int, repeats: int, device: str) -> list[float]:
     return times[1:]
 
 
-def in_process_seconds(name: str, config: dict, size: int, repeats: int) -> list[float]:
-    """put + get in one process (small payloads: the latency floor of the connector)."""
+def in_process_seconds(
+    name: str, config: dict, size: int, repeats: int, *, budget_s: float = 2.0, at_least: int = 100
+) -> list[float]:
+    """put + get in one process (small payloads: the latency floor of the connector): `repeats` of
+    them after 50 warm-ups, or fewer (never under `at_least`) once `budget_s` is spent, so a backend
+    whose round trip takes milliseconds (a datasystem worker) costs seconds, not half a minute."""
     connector = create_connector(name, config)
     data = payload(size)
-    times = []
+    times: list[float] = []
+    warm_ups = 50
     try:
-        for i in range(repeats + 50):
+        ends = None
+        for i in range(repeats + warm_ups):
             started = time.perf_counter()
             _, _, meta = connector.put(*EDGE, f"inproc/{i}", data)
             result = connector.get(*EDGE, f"inproc/{i}", meta)
             times.append(time.perf_counter() - started)
             del result
+            if i == warm_ups - 1:
+                ends = time.perf_counter() + budget_s
+            elif ends is not None and i - warm_ups + 1 >= at_least and time.perf_counter() > ends:
+                break
     finally:
         connector.close()
-    return times[50:]
+    return times[warm_ups:]
 
 
 class ConsumerProcess:
