@@ -43,6 +43,7 @@ TOPOLOGY = {
     ],
 }
 N = 50_000  # 400 KB of float64: travels through a pool segment, not inline
+SEND_TIMEOUT_MS = 2000  # a peer's send never blocks the test for ever
 
 
 def _check(body: dict, n: int = N) -> None:
@@ -105,6 +106,7 @@ class Peer:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         if keys is not None and own_pair:
             public, secret = zmq.curve_keypair()
             self.sock.curve_serverkey = keys.public
@@ -115,7 +117,22 @@ class Peer:
         self.sock.connect(endpoint)
 
     def send(self, message: dict, *extra: bytes) -> None:
-        self.sock.send_multipart([msgpack.packb(message), *extra])
+        try:
+            self.sock.send_multipart([msgpack.packb(message), *extra])
+        except zmq.Again:
+            raise AssertionError(
+                f"a {message.get('type')!r} message was not queued within {SEND_TIMEOUT_MS} ms: "
+                "the coordinator did not take this member's connection"
+            ) from None
+
+    def offer(self, message: dict) -> bool:
+        """Queue without waiting; False when ZeroMQ will not: a refused handshake leaves the DEALER no
+        pipe, and a plain send would then block forever."""
+        try:
+            self.sock.send_multipart([msgpack.packb(message)], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
     def receive(self, timeout_s: float = 2.0) -> dict | None:
         if not self.sock.poll(int(timeout_s * 1000)):
@@ -167,9 +184,10 @@ def test_a_stranger_cannot_register_or_read_work(mesh: Mesh, keys: MeshKeys, who
     refused = health(mesh)["refused_peers"]
     stranger = Peer(endpoint, keys if who == "own key pair" else None, own_pair=True)
     try:
-        stranger.send(register_message(mesh, "a", "evil"))
-        stranger.send({"type": "heartbeat", "replica": "a-0", "inflight": 0})
-        stranger.send({"type": "deregister", "replica": "a-0"})
+        # Queued or not (the refused handshake may already have dropped the pipe), none must act.
+        stranger.offer(register_message(mesh, "a", "evil"))
+        stranger.offer({"type": "heartbeat", "replica": "a-0", "inflight": 0})
+        stranger.offer({"type": "deregister", "replica": "a-0"})
         requests_succeed(mesh)  # every request goes to the real replicas, none to the stranger
         assert stranger.receive(0.5) is None, "the stranger got an answer"
     finally:
