@@ -7,7 +7,7 @@ import json
 import sys
 
 from omni_mesh.cli.common import EXIT_OK, EXIT_USAGE, Command, Declare
-from omni_mesh.topology import Topology, load_topology
+from omni_mesh.topology import Topology, load_handler, load_topology
 
 
 def _add_validate(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -42,8 +42,6 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 def unimportable_handlers(topology: Topology) -> list[str]:
     """Import every stage's handler as its stage process would; what fails, one message each."""
-    from omni_mesh.stage import load_handler
-
     problems = []
     for stage in topology.stages:
         if stage.handler:

@@ -1,13 +1,17 @@
 """Connector registry.
 
 Built-in connectors are registered by import path and imported on first use, so importing this
-package never imports a backend library (mooncake, yr.datasystem, mori). Third-party connectors
-register through the `omni_mesh.connectors` entry-point group or `register_connector`.
+package never imports a backend library (mooncake, yr.datasystem, mori). What checking a topology
+needs of a type (`connector_type`: its config class and scope) comes, for a built-in one, from the
+light `configs` module, so `validate`, `up` and `export` import neither a backend nor torch.
+Third-party connectors register through the `omni_mesh.connectors` entry-point group or
+`register_connector`.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -16,15 +20,18 @@ from omni_mesh.connectors.base import (
     ConnectorError,
     OmniConnectorBase,
     edge_key,
+    parse_config,
     parse_size,
 )
 
 __all__ = [
     "ConnectorConfigError",
     "ConnectorError",
+    "ConnectorType",
     "OmniConnectorBase",
     "available_connectors",
     "connector_class",
+    "connector_type",
     "create_connector",
     "creation_rank",
     "edge_key",
@@ -47,6 +54,23 @@ _REGISTRY: dict[str, str | type[OmniConnectorBase]] = {
     "YuanrongConnector": "omni_mesh.connectors.yuanrong:YuanrongConnector",
     "YuanrongTransferEngineConnector": "omni_mesh.connectors.yuanrong_transfer_engine:YuanrongTransferEngineConnector",
     "MoriTransferEngineConnector": "omni_mesh.connectors.mori:MoriTransferEngineConnector",
+}
+# Each built-in class's config class (in omni_mesh.connectors.configs) and scope, so a topology is
+# checked without importing the class; test_connector_registry holds them to the classes' own.
+_BUILT_IN_TYPES: dict[str, tuple[str, str]] = {
+    "omni_mesh.connectors.shared_memory:SharedMemoryConnector": ("SharedMemoryConfig", "host"),
+    "omni_mesh.connectors.mooncake_store:MooncakeStoreConnector": ("MooncakeStoreConfig", "network"),
+    "omni_mesh.connectors.mooncake_transfer_engine:MooncakeTransferEngineConnector": (
+        "MooncakeTransferEngineConfig",
+        "network",
+    ),
+    "omni_mesh.connectors.zmq:ZmqConnector": ("ZmqConfig", "network"),
+    "omni_mesh.connectors.yuanrong:YuanrongConnector": ("YuanrongConfig", "network"),
+    "omni_mesh.connectors.yuanrong_transfer_engine:YuanrongTransferEngineConnector": (
+        "YuanrongTransferEngineConfig",
+        "network",
+    ),
+    "omni_mesh.connectors.mori:MoriTransferEngineConnector": ("MoriConfig", "network"),
 }
 _entry_points_loaded = False
 
@@ -83,6 +107,37 @@ def connector_class(name: str) -> type[OmniConnectorBase]:
         target = getattr(importlib.import_module(module_name), attr)
         _REGISTRY[name] = target
     return target
+
+
+@dataclass(frozen=True)
+class ConnectorType:
+    """What checking a topology needs of a connector type, without creating one."""
+
+    name: str  # the class's own name (vllm-omni's key tables are keyed by it)
+    config_class: type | None  # the dataclass its `extra:` mapping is read into
+    scope: str  # "host" or "network" (OmniConnectorBase.scope)
+    cls: type[OmniConnectorBase] | None = None  # only for a type that is not built in: it was imported
+
+    def validate_config(self, config: dict[str, Any] | None) -> None:
+        """ConnectorConfigError naming the key when `config` is not a valid `extra:` mapping."""
+        if self.cls is not None:
+            self.cls.validate_config(config)  # a third-party class may check more
+        else:
+            parse_config(self.config_class, config, owner=self.name, warn=False)
+
+
+def connector_type(name: str) -> ConnectorType:
+    """The type registered under `name`; a built-in one is not imported. ValueError (listing the
+    available names) if there is none; ImportError if a type that is not built in fails to load."""
+    _load_entry_points()
+    target = _REGISTRY.get(name)
+    if isinstance(target, str) and target in _BUILT_IN_TYPES:
+        from omni_mesh.connectors import configs  # light: dataclasses and value checks
+
+        config_name, scope = _BUILT_IN_TYPES[target]
+        return ConnectorType(target.rpartition(":")[2], getattr(configs, config_name), scope)
+    cls = connector_class(name)
+    return ConnectorType(cls.__name__, getattr(cls, "config_class", None), cls.scope, cls)
 
 
 def create_connector(name: str, config: dict[str, Any] | None = None) -> OmniConnectorBase:

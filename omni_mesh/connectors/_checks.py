@@ -6,6 +6,8 @@ from typing import Any
 
 from omni_mesh.connectors.base import ConnectorConfigError
 
+PROTOCOLS = ("tcp", "rdma")  # Mooncake's transports
+
 
 def check_port(owner: str, name: str, port: int) -> None:
     if not 0 <= port < 65536:
@@ -35,3 +37,17 @@ def check_engine_pull(owner: str, cfg: Any) -> None:
     """check_served for the transfer-engine connectors (EnginePullConnector), plus their pool size."""
     check_served(owner, "zmq_port", cfg.zmq_port, get_timeout_s=cfg.get_timeout_s, ttl_s=cfg.ttl_s)
     check_positive(owner, memory_pool_size=cfg.memory_pool_size)
+
+
+def check_protocol(owner: str, protocol: str) -> None:
+    if protocol not in PROTOCOLS:
+        raise ConnectorConfigError(
+            f"{owner}: protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}"
+        )
+
+
+def split_address(address: str, owner: str, what: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConnectorConfigError(f"{owner}: {what} must look like HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)

@@ -31,14 +31,14 @@ import numpy as np
 from omni_mesh import codec
 from omni_mesh.connectors import _growth
 from omni_mesh.connectors._addresses import resolve_host as resolve_host  # the shared rule, re-exported
+from omni_mesh.connectors._checks import split_address
 from omni_mesh.connectors.allocator import PoolAllocator, frame_alignment, round_up
-from omni_mesh.connectors.base import ConnectorConfigError, ConnectorError
+from omni_mesh.connectors.base import ConnectorError
 
 INSTALL_HINT = (
     "install it with `pip install 'omni-mesh[mooncake]'` (the non-CUDA wheel, CPU/TCP) or "
     "`pip install 'omni-mesh[mooncake-cuda]'` on GPU hosts"
 )
-PROTOCOLS = ("tcp", "rdma")
 
 
 def import_mooncake(module: str, owner: str) -> ModuleType:
@@ -86,20 +86,6 @@ def _close_if_alive(ref: weakref.ref) -> None:
 def payload_name(from_stage: str, to_stage: str, key: str) -> str:
     """How errors name one payload."""
     return f"key {key!r} on edge {from_stage}->{to_stage}"
-
-
-def check_protocol(owner: str, protocol: str) -> None:
-    if protocol not in PROTOCOLS:
-        raise ConnectorConfigError(
-            f"{owner}: protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}"
-        )
-
-
-def split_address(address: str, owner: str, what: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConnectorConfigError(f"{owner}: {what} must look like HOST:PORT, got {address!r}")
-    return host.strip("[]"), int(port)
 
 
 def probe_tcp(address: str, timeout_s: float, owner: str, what: str, fix: str) -> None:

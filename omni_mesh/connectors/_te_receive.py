@@ -26,10 +26,10 @@ from omni_mesh.connectors._held import Gone, PendingReleases
 from omni_mesh.connectors._mooncake_common import RegisteredPool
 from omni_mesh.connectors._registrations import Registrations
 from omni_mesh.connectors._served import GONE, POLL_S, NotThere, producer_endpoint
-from omni_mesh.connectors._te_config import MooncakeTransferEngineConfig
 from omni_mesh.connectors._te_payloads import Payloads
 from omni_mesh.connectors._zmq_channel import OK
 from omni_mesh.connectors.base import ConnectorError, Counters
+from omni_mesh.connectors.configs import MooncakeTransferEngineConfig
 
 
 class Receiver:

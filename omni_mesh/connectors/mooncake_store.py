@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from omni_mesh import codec
-from omni_mesh.connectors._checks import check_not_negative, check_positive
 from omni_mesh.connectors._mooncake_common import (
     PoolErrors,
     RegisteredPool,
-    check_protocol,
     close_at_exit,
     import_mooncake,
     payload_name,
@@ -42,74 +40,20 @@ from omni_mesh.connectors._mooncake_common import (
     probe_metadata_server,
     probe_tcp,
     resolve_host,
-    split_address,
 )
 from omni_mesh.connectors.base import (
-    SIZE,
-    ConnectorConfigError,
     ConnectorError,
     Counters,
     OmniConnectorBase,
     edge_key,
 )
+from omni_mesh.connectors.configs import MooncakeStoreConfig
 
 __all__ = ["MooncakeStoreConfig", "MooncakeStoreConnector"]
 
 OWNER = "MooncakeStoreConnector"
 _OBJECT_NOT_FOUND = -704
 _BUFFER_TOO_SMALL = -600
-_DEFAULT_SEGMENT = 512 * 1024 * 1024
-_DEFAULT_LOCALBUF = 256 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class MooncakeStoreConfig:
-    #: Address this client advertises; "auto" picks the interface that routes outside (see _addresses).
-    host: str = "auto"
-    #: "P2PHANDSHAKE" (nothing to deploy) or an "http://host:port/metadata" / etcd metadata server.
-    metadata_server: str = "P2PHANDSHAKE"
-    #: HOST:PORT of the mooncake_master RPC service.
-    master: str = "127.0.0.1:50051"
-    #: Bytes this process contributes to the store ("512MiB"); 0 makes it a pure client.
-    segment: int = field(default=_DEFAULT_SEGMENT, metadata=SIZE)
-    #: Registered local buffer puts are staged in and gets land in ("256MiB"); the largest frame must fit.
-    localbuf: int = field(default=_DEFAULT_LOCALBUF, metadata=SIZE)
-    #: "tcp" or "rdma".
-    protocol: str = "tcp"
-    #: RDMA device(s), e.g. "mlx5_0"; "" lets the store choose. (vllm-omni's `proto` and `rdma` are read
-    #: as protocol and device_name: connectors/_vllm_omni_keys.py.)
-    device_name: str = ""
-    #: How long to wait for the master to accept a TCP connection before giving up.
-    master_connect_timeout_s: float = 3.0
-    #: How long the stage runtime waits (get_with_deadline) for a key that is not in the store yet.
-    get_timeout_s: float = 10.0
-    #: Keys nobody consumed are removed this long after their put.
-    ttl_s: float = 300.0
-    #: Copies of each payload the store keeps (on distinct segments).
-    replica_num: int = 1
-    #: Prepended to every store key, keeping omni-mesh's keys apart from other users of the master.
-    key_prefix: str = "omni-mesh/"
-    #: How long put()/get() wait for local buffer space held by live views.
-    pool_wait_s: float = 10.0
-    #: Copy tensors out on get (region freed at once) instead of returning views over it.
-    copy_on_get: bool = False
-    #: Fault the local buffer's pages in at start, so no transfer pays for first-touch page faults.
-    prefault: bool = True
-
-    def check(self, owner: str) -> None:
-        check_protocol(owner, self.protocol)
-        check_positive(
-            owner,
-            localbuf=self.localbuf,
-            master_connect_timeout_s=self.master_connect_timeout_s,
-            get_timeout_s=self.get_timeout_s,
-            ttl_s=self.ttl_s,
-            replica_num=self.replica_num,
-        )
-        check_not_negative(owner, pool_wait_s=self.pool_wait_s)
-        split_address(self.master, owner, "master")
-        if not self.host.strip():
-            raise ConnectorConfigError(f"{owner}: host must be an address or 'auto'")
 
 
 @dataclass

@@ -79,11 +79,11 @@ from omni_mesh.connectors._mooncake_common import (
 )
 from omni_mesh.connectors._registrations import Registrations
 from omni_mesh.connectors._served import GONE
-from omni_mesh.connectors._te_config import MooncakeTransferEngineConfig
 from omni_mesh.connectors._te_payloads import Payloads
 from omni_mesh.connectors._te_receive import Receiver
 from omni_mesh.connectors._zmq_channel import ERR, OK, Answer, Deferred, Reply, RouterServer
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
+from omni_mesh.connectors.configs import MooncakeTransferEngineConfig
 
 __all__ = ["MooncakeTransferEngineConfig", "MooncakeTransferEngineConnector"]
 

@@ -29,18 +29,14 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from omni_mesh.codec import FramePlan, decode
-from omni_mesh.connectors._checks import check_engine_pull, check_port
 from omni_mesh.connectors._engine_pull import EnginePullConnector
-from omni_mesh.connectors.base import ConnectorConfigError, ConnectorError
-
-BACKENDS = ("rdma", "xgmi")
-POLL_MODES = ("polling", "event")
+from omni_mesh.connectors.base import ConnectorError
+from omni_mesh.connectors.configs import MoriConfig
 
 
 def install_hint() -> str:
@@ -50,52 +46,6 @@ def install_hint() -> str:
         f"only; this is CPython {version}) on a host with the ROCm 7 runtime (libamdhip64.so.7, "
         "libhsa-runtime64.so.1) and RDMA NICs or XGMI-linked AMD GPUs; elsewhere use ZmqConnector"
     )
-
-
-@dataclass
-class MoriConfig:
-    host: str = "auto"  # address to bind and advertise (rule in omni_mesh.connectors._addresses)
-    port: int = 0  # the IOEngine's own port (IOEngineConfig.port); 0 lets MORI pick
-    zmq_port: int = 0  # side channel; 0 picks a free port
-    backend_type: str = "rdma"  # rdma (NICs) | xgmi (GPU to GPU, needs a GPU pool)
-    # RDMA NIC(s), e.g. "mlx5_0" or "mlx5_0,mlx5_1" (exported as MORI_RDMA_DEVICES); "": MORI's choice
-    device_name: str = ""
-    memory_pool_size: int = 1 << 30
-    memory_pool_device: str = "cpu"  # cpu | cuda | cuda:N (ROCm GPUs are "cuda" in torch)
-    qp_per_transfer: int = 1
-    post_batch_size: int = field(default=-1, metadata={"size": False})  # work requests per post; -1: MORI's
-    num_worker_threads: int = 1
-    poll_cq_mode: str = "polling"  # polling | event
-    xgmi_num_streams: int = 64
-    xgmi_num_events: int = 64
-    ttl_s: float = 300.0  # unconsumed payloads are freed after this; 0 keeps them until cleanup()
-    get_timeout_s: float = 30.0  # deadline of get() when the caller gives none
-
-    def check(self, owner: str) -> None:
-        check_engine_pull(owner, self)
-        check_port(owner, "port", self.port)
-        if self.backend_type not in BACKENDS:
-            raise ConnectorConfigError(
-                f"{owner}: backend_type must be one of {', '.join(BACKENDS)}, got {self.backend_type!r}"
-            )
-        if self.poll_cq_mode not in POLL_MODES:
-            raise ConnectorConfigError(
-                f"{owner}: poll_cq_mode must be one of {', '.join(POLL_MODES)}, got {self.poll_cq_mode!r}"
-            )
-        device = self.memory_pool_device
-        if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
-            raise ConnectorConfigError(f"{owner}: memory_pool_device must be cpu, cuda or cuda:N, got {device!r}")
-        if self.backend_type == "xgmi" and device == "cpu":
-            raise ConnectorConfigError(
-                f"{owner}: backend_type xgmi links GPUs; set memory_pool_device to cuda or cuda:N"
-            )
-        for field_name in ("qp_per_transfer", "num_worker_threads", "xgmi_num_streams", "xgmi_num_events"):
-            if getattr(self, field_name) < 1:
-                raise ConnectorConfigError(
-                    f"{owner}: {field_name} must be at least 1, got {getattr(self, field_name)}"
-                )
-        if self.post_batch_size == 0 or self.post_batch_size < -1:
-            raise ConnectorConfigError(f"{owner}: post_batch_size must be -1 (MORI's default) or positive")
 
 
 class MoriTransferEngineConnector(EnginePullConnector):

@@ -23,16 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from omni_mesh import codec, cuda_ipc
 from omni_mesh.connectors import shm_cells, shm_index, shm_lookup, shm_tiny, shm_wanted
-from omni_mesh.connectors._checks import check_not_negative
 from omni_mesh.connectors._growth import AUTO_CEILING_MAX, GROW_STEP
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
+from omni_mesh.connectors.configs import SharedMemoryConfig
 from omni_mesh.connectors.shm_maps import Mappings
 from omni_mesh.connectors.shm_outputs import PoolOutputs, get_parts
 from omni_mesh.connectors.shm_pool import ShmPool
@@ -69,31 +68,6 @@ __all__ = [
 _COUNTERS = ("puts", "gets", "bytes_put", "bytes_got", "inline_puts", "fallbacks", "stale_gets", "errors")
 _COUNTERS += ("cuda_ipc_tensors", "unindexed_puts", "pool_grown", "pool_released", "zero_copy_leaves")
 POOL_RESERVED = shm_index.INDEX_BYTES  # the first segment: header, key index, tiny-payload cells, slots
-
-
-@dataclass(frozen=True)
-class SharedMemoryConfig:
-    memory_pool_size: int = 256 * 1024 * 1024
-    #: Frames up to this size travel inside the metadata instead of through shared memory.
-    inline_max_bytes: int = 16 * 1024
-    #: Copy tensors out on get (releasing the slot at once) instead of returning views over it.
-    copy_on_get: bool = False
-    #: Fault the pool's pages in when it is created, so no put pays for them.
-    prefault: bool = True
-    #: Pass CUDA tensors by CUDA IPC handle (the consumer maps them on the same device: no copy through
-    #: host memory). False copies them to host memory at put, like every other connector.
-    cuda_ipc: bool = True
-    #: Ceiling of the pool in bytes: it grows by segments sized for payloads that fit no free space, up
-    #: to this much in all; past it, payloads take one-off segments (counted as fallbacks).
-    #: 0: min(half of /dev/shm, 8 GiB), and never less than memory_pool_size.
-    max_pool_size: int = 0
-    #: Segments the pool grew by are returned to the system once unused for this long (seconds).
-    pool_idle_release_s: float = 30.0
-
-    def check(self, owner: str) -> None:
-        check_not_negative(
-            owner, max_pool_size=self.max_pool_size, pool_idle_release_s=self.pool_idle_release_s
-        )
 
 
 def _where(from_stage: str, to_stage: str, key: str) -> str:

@@ -20,31 +20,26 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import re
 import socket
 import string
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from omni_mesh.codec import FrameError, decode, plan
-from omni_mesh.connectors._checks import check_not_negative, check_positive
 from omni_mesh.connectors.base import (
-    ConnectorConfigError,
     ConnectorError,
     Counters,
     OmniConnectorBase,
     edge_key,
 )
+from omni_mesh.connectors.configs import YuanrongConfig
 
 INSTALL_HINT = "install it with `pip install 'omni-mesh[yuanrong]'` (package openyuanrong-datasystem)"
-WRITE_MODES = ("NONE_L2_CACHE", "WRITE_THROUGH_L2_CACHE", "WRITE_BACK_L2_CACHE", "NONE_L2_CACHE_EVICT")
 MAX_KEY = 255
 MAX_VALUE = 2**32 - 1  # mcreate takes uint32 sizes
 _SAFE = frozenset(string.ascii_letters + string.digits + "-_!@^*()+=:;")  # the charset minus '%' and '#'
-_PREFIX = re.compile(r"^[A-Za-z0-9_\-]{0,64}$")
 _RECENT_ERROR_S = 60.0
 
 
@@ -76,42 +71,6 @@ class _WorkerError(RuntimeError):
 
 def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-
-
-@dataclass
-class YuanrongConfig:
-    host: str = "127.0.0.1"  # the datasystem worker on this host
-    port: int = 31501
-    connect_timeout_ms: int = 3000  # an unreachable worker is reported after this
-    req_timeout_ms: int = 0  # per-request limit; 0: same as connect_timeout_ms
-    get_sub_timeout_ms: int = 20  # longest single blocking call while get() waits (it holds the GIL)
-    get_timeout_s: float = 30.0  # deadline of get() when the caller gives none
-    ttl_s: float = 300.0  # the worker deletes unconsumed payloads after this; 0 keeps them until cleanup()
-    write_mode: str = "NONE_L2_CACHE"  # or WRITE_THROUGH_L2_CACHE / WRITE_BACK_L2_CACHE / NONE_L2_CACHE_EVICT
-    key_prefix: str = "omni"  # namespace for pipelines sharing one worker cluster
-    token: str = ""
-    access_key: str = ""
-    secret_key: str = ""
-    tenant_id: str = ""
-
-    def check(self, owner: str) -> None:
-        if not 0 < self.port < 65536:
-            raise ConnectorConfigError(f"{owner}: port must be the worker's port (1-65535), got {self.port}")
-        check_positive(
-            owner,
-            connect_timeout_ms=self.connect_timeout_ms,
-            get_sub_timeout_ms=self.get_sub_timeout_ms,
-            get_timeout_s=self.get_timeout_s,
-        )
-        check_not_negative(owner, req_timeout_ms=self.req_timeout_ms, ttl_s=self.ttl_s)
-        if self.write_mode not in WRITE_MODES:
-            raise ConnectorConfigError(
-                f"{owner}: write_mode must be one of {', '.join(WRITE_MODES)}, got {self.write_mode!r}"
-            )
-        if not _PREFIX.match(self.key_prefix):
-            raise ConnectorConfigError(
-                f"{owner}: key_prefix may hold letters, digits, '-' and '_' (up to 64), got {self.key_prefix!r}"
-            )
 
 
 class YuanrongConnector(OmniConnectorBase):

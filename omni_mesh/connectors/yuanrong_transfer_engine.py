@@ -24,15 +24,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from omni_mesh.codec import FramePlan, decode
-from omni_mesh.connectors._checks import check_engine_pull, check_port
 from omni_mesh.connectors._engine_pull import EnginePullConnector
-from omni_mesh.connectors.base import ConnectorConfigError, ConnectorError
+from omni_mesh.connectors.base import ConnectorError
+from omni_mesh.connectors.configs import YuanrongTransferEngineConfig
 from omni_mesh.connectors.yuanrong import INSTALL_HINT, client_log_dir
 from omni_mesh.ports import free_port
 
@@ -65,29 +64,6 @@ def ascend_runtime_missing() -> str | None:
         f"cache, not under $ASCEND_HOME_PATH/lib64 or {_DEFAULT_ASCEND_HOME}/lib64; install CANN and run "
         "`source /usr/local/Ascend/ascend-toolkit/set_env.sh`"
     )
-
-
-@dataclass
-class YuanrongTransferEngineConfig:
-    host: str = "auto"  # address to bind and advertise (rule in omni_mesh.connectors._addresses)
-    zmq_port: int = 0  # side channel; 0 picks a free port
-    rpc_port: int = 0  # the transfer engine's RPC port; 0 picks a free port
-    protocol: str = "ascend"
-    device_name: str = "auto"  # "npu:N"; auto: npu:$LOCAL_RANK (0 without it)
-    memory_pool_size: int = 1 << 30
-    memory_pool_device: str = "auto"  # "npu:N"; auto: the device_name's NPU
-    ttl_s: float = 300.0  # unconsumed payloads are freed after this; 0 keeps them until cleanup()
-    get_timeout_s: float = 30.0  # deadline of get() when the caller gives none
-
-    def check(self, owner: str) -> None:
-        check_engine_pull(owner, self)
-        check_port(owner, "rpc_port", self.rpc_port)
-        for name in ("device_name", "memory_pool_device"):
-            value = getattr(self, name)
-            if value != "auto" and not (value == "npu" or value.startswith("npu:")):
-                raise ConnectorConfigError(f"{owner}: {name} must be 'auto' or 'npu:N', got {value!r}")
-        if not self.protocol:
-            raise ConnectorConfigError(f"{owner}: protocol must not be empty")
 
 
 def _ok(result: Any, action: str, owner: str) -> None:

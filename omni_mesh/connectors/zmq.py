@@ -31,37 +31,17 @@ import functools
 import mmap
 import threading
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from omni_mesh.codec import FrameError, FramePlan, decode, decode_parts, plan
 from omni_mesh.connectors import _growth, _pool_outputs
-from omni_mesh.connectors._checks import check_not_negative, check_served
 from omni_mesh.connectors._held import Held
 from omni_mesh.connectors._served import GONE, ServedConnector
 from omni_mesh.connectors._zmq_channel import OK, Handler, Reply, frame_text
 from omni_mesh.connectors.base import ConnectorError, edge_key
-
-
-@dataclass
-class ZmqConfig:
-    host: str = "auto"  # address to bind and advertise ("auto": rule in omni_mesh.connectors._addresses)
-    port: int = 0  # 0: any free port
-    memory_pool_size: int = 1 << 30  # virtual until used; reused slots stay faulted in
-    #: The pool grows by pre-faulted regions for payloads that fit no free space, up to this many bytes
-    #: in all; past it a payload takes a one-off buffer (counted). 0: min(half of RAM, 8 GiB), never
-    #: less than memory_pool_size.
-    max_pool_size: int = 0
-    pool_idle_release_s: float = 30.0  # regions the pool grew by go back once unused this long
-    ttl_s: float = 300.0  # unconsumed payloads are freed after this; 0 keeps them until cleanup()
-    get_timeout_s: float = 30.0  # deadline of get() when the caller gives none
-
-    def check(self, owner: str) -> None:
-        check_served(owner, "port", self.port, get_timeout_s=self.get_timeout_s, ttl_s=self.ttl_s)
-        check_not_negative(owner, max_pool_size=self.max_pool_size, pool_idle_release_s=self.pool_idle_release_s)
-
+from omni_mesh.connectors.configs import ZmqConfig
 
 PARTS = b"P"  # the reply's third frame when the payload follows in the parts form
 

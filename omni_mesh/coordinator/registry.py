@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_mesh.connectors import connector_class
+from omni_mesh.connectors import connector_type
 from omni_mesh.connectors.shm_segments import (
     ProcessIdentity,
     list_segments,
@@ -271,7 +271,7 @@ class Registry:
         if not senders or not receivers:
             side = "sender" if not senders else "receiver"
             return [f"edge {edge.label} ({src}->{dst}, {name}) has no live {side}"]
-        if connector_class(name).scope != "host":
+        if connector_type(name).scope != "host":
             return []
         apart = [(s, r) for s in senders for r in receivers if s.shm_domain != r.shm_domain]
         if not apart:

@@ -12,7 +12,7 @@ says what to change, so a bad file fails at `omni-mesh validate` rather than mid
 The package, one concept a module:
 
     model             the spec dataclasses, `Topology` and `TopologyError`
-    load              `load_topology` (the file and its YAML errors), `add_to_sys_path`
+    load              `load_topology` (the file and its YAML errors), `add_to_sys_path`, `load_handler`
     parse             `parse_topology`: stages, connectors and the edges declared between them
     sections          the top level and `runtime:`, where vllm-omni's files put connectors:, edges:, defaults:
     entries           one stage or connector entry, read and checked on its own
@@ -20,7 +20,7 @@ The package, one concept a module:
     connector_checks  each connector against its type and its type's `validate_config`
 """
 
-from omni_mesh.topology.load import add_to_sys_path, load_topology
+from omni_mesh.topology.load import add_to_sys_path, load_handler, load_topology
 from omni_mesh.topology.model import (
     AUTO_CONNECTOR,
     QUEUE_FACTOR,
@@ -41,6 +41,7 @@ __all__ = [
     "Topology",
     "TopologyError",
     "add_to_sys_path",
+    "load_handler",
     "load_topology",
     "parse_topology",
 ]

@@ -8,7 +8,7 @@ import dataclasses
 import difflib
 
 from omni_mesh.connector_values import unset_variables
-from omni_mesh.connectors import ConnectorConfigError, available_connectors, connector_class
+from omni_mesh.connectors import ConnectorConfigError, ConnectorType, available_connectors, connector_type
 from omni_mesh.connectors import _vllm_omni_keys as vllm_omni_keys
 from omni_mesh.topology.model import ConnectorSpec, Edges, StageSpec, TopologyError, describe_edge
 
@@ -35,7 +35,7 @@ def _check_connector(ref: str, spec: ConnectorSpec, users: list[str], warnings: 
     """Its type loads and its extra: passes the type's own check; what it accepts with a caveat goes to `warnings`."""
     used = f"used by {', '.join(users)}" if users else "used by no edge"
     try:
-        cls = connector_class(spec.name)
+        kind = connector_type(spec.name)
     except ValueError as exc:
         instead = vllm_omni_keys.VLLM_OMNI_ONLY.get(spec.name)
         if instead is not None and users:
@@ -57,10 +57,10 @@ def _check_connector(ref: str, spec: ConnectorSpec, users: list[str], warnings: 
             "install the package it needs"
         ) from None
     config = dict(spec.extra)
-    fields = _config_field_names(cls)
+    fields = _config_field_names(kind)
     for key, value in spec.extra.items():
         names = unset_variables(value)
-        known = key in fields or vllm_omni_keys.lookup(cls.__name__, key) is not None
+        known = key in fields or vllm_omni_keys.lookup(kind.name, key) is not None
         if names and known:  # an unknown key still fails below, by its name
             del config[key]
             warnings.append(
@@ -68,17 +68,17 @@ def _check_connector(ref: str, spec: ConnectorSpec, users: list[str], warnings: 
                 "is not set here, so its value is not checked; set it wherever the stages run"
             )
     try:
-        cls.validate_config(config)
+        kind.validate_config(config)
     except ConnectorConfigError as exc:
         raise TopologyError(f"connector {ref!r} ({used}): {exc}; fix its extra: mapping") from None
     warnings.extend(
         f"connector {ref!r} ({used}): {message}"
-        for message in vllm_omni_keys.no_effect_messages(cls.__name__, config, fields)
+        for message in vllm_omni_keys.no_effect_messages(kind.name, config, fields)
     )
 
 
-def _config_field_names(cls: type) -> set[str]:
-    config_class = getattr(cls, "config_class", None)
+def _config_field_names(kind: ConnectorType) -> set[str]:
+    config_class = kind.config_class
     return (
         {f.name for f in dataclasses.fields(config_class)}
         if dataclasses.is_dataclass(config_class)

@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 from omni_mesh.connector_values import read_extra
-from omni_mesh.connectors import available_connectors, connector_class
+from omni_mesh.connectors import available_connectors, connector_type
 from omni_mesh.topology.model import AUTO_CONNECTOR, ConnectorSpec, StageSpec, TopologyError
 
 # Stage keys the topology interprets (the edge keys in `parse`); any other key is kept verbatim in StageSpec.options.
@@ -94,10 +94,9 @@ def parse_connector_entry(entry: Any, ref: str, who: str, *, unknown_keys_ok: bo
 def _config_class_of(connector_name: str) -> Any:
     """The config dataclass of a connector type (None for a type that does not load)."""
     try:
-        cls = connector_class(connector_name)
+        return connector_type(connector_name).config_class
     except (ValueError, ImportError):
         return None  # reported with the edges that use it
-    return getattr(cls, "config_class", None)
 
 
 def positive_int(value: Any, what: str) -> int:

@@ -1,13 +1,17 @@
-"""Reading a topology file: its YAML, with errors that name the line, and its directory on sys.path."""
+"""Reading a topology file: its YAML, with errors that name the line, its directory on sys.path, and
+the handlers its stages name."""
 
 from __future__ import annotations
 
+import importlib
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import yaml
 
-from omni_mesh.topology.model import Topology, TopologyError
+from omni_mesh.topology.model import StageSpec, Topology, TopologyError
 from omni_mesh.topology.parse import parse_topology
 
 
@@ -54,3 +58,22 @@ def add_to_sys_path(topology: Topology) -> None:
     while entry in sys.path:
         sys.path.remove(entry)
     sys.path.insert(0, entry)
+
+
+def load_handler(topology: Topology, stage: StageSpec) -> Callable[..., Any]:
+    """The callable a stage's `handler: module:callable` names, imported; ValueError naming the stage."""
+    if not stage.handler:
+        raise ValueError(
+            f"stage {stage.name!r} ({stage.stage_id}) has no handler: set `handler: module:callable`"
+        )
+    module_name, _, attr = stage.handler.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"stage {stage.name!r}: handler {stage.handler!r} must look like 'module:callable'")
+    add_to_sys_path(topology)
+    try:
+        handler = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"stage {stage.name!r}: cannot load handler {stage.handler!r}: {exc}") from exc
+    if not callable(handler):
+        raise ValueError(f"stage {stage.name!r}: handler {stage.handler!r} is not callable")
+    return handler

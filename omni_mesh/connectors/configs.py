@@ -1,0 +1,320 @@
+"""The `extra:` keys of every built-in connector: their config dataclasses, defaults and checks
+(`parse_config` runs `check`). Light on purpose, with no backend library and no torch: checking a
+topology (`omni-mesh validate`, `up`, `export`) reads these without importing a connector. Each
+connector module re-exports its own (`from omni_mesh.connectors.zmq import ZmqConfig`)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from omni_mesh.connectors._checks import (
+    check_engine_pull,
+    check_not_negative,
+    check_port,
+    check_positive,
+    check_protocol,
+    check_served,
+    split_address,
+)
+from omni_mesh.connectors.base import SIZE, ConnectorConfigError
+
+__all__ = [
+    "MooncakeStoreConfig",
+    "MooncakeTransferEngineConfig",
+    "MoriConfig",
+    "SharedMemoryConfig",
+    "YuanrongConfig",
+    "YuanrongTransferEngineConfig",
+    "ZmqConfig",
+]
+
+P2P = "P2PHANDSHAKE"  # the metadata_server value with nothing to deploy: peers exchange it point to point
+
+
+# ---------------------------------------------------------------------- SharedMemoryConnector
+
+@dataclass(frozen=True)
+class SharedMemoryConfig:
+    memory_pool_size: int = 256 * 1024 * 1024
+    #: Frames up to this size travel inside the metadata instead of through shared memory.
+    inline_max_bytes: int = 16 * 1024
+    #: Copy tensors out on get (releasing the slot at once) instead of returning views over it.
+    copy_on_get: bool = False
+    #: Fault the pool's pages in when it is created, so no put pays for them.
+    prefault: bool = True
+    #: Pass CUDA tensors by CUDA IPC handle (the consumer maps them on the same device: no copy through
+    #: host memory). False copies them to host memory at put, like every other connector.
+    cuda_ipc: bool = True
+    #: Ceiling of the pool in bytes: it grows by segments sized for payloads that fit no free space, up
+    #: to this much in all; past it, payloads take one-off segments (counted as fallbacks).
+    #: 0: min(half of /dev/shm, 8 GiB), and never less than memory_pool_size.
+    max_pool_size: int = 0
+    #: Segments the pool grew by are returned to the system once unused for this long (seconds).
+    pool_idle_release_s: float = 30.0
+
+    def check(self, owner: str) -> None:
+        check_not_negative(
+            owner, max_pool_size=self.max_pool_size, pool_idle_release_s=self.pool_idle_release_s
+        )
+
+
+# ---------------------------------------------------------------------- ZmqConnector
+
+@dataclass
+class ZmqConfig:
+    host: str = "auto"  # address to bind and advertise ("auto": rule in omni_mesh.connectors._addresses)
+    port: int = 0  # 0: any free port
+    memory_pool_size: int = 1 << 30  # virtual until used; reused slots stay faulted in
+    #: The pool grows by pre-faulted regions for payloads that fit no free space, up to this many bytes
+    #: in all; past it a payload takes a one-off buffer (counted). 0: min(half of RAM, 8 GiB), never
+    #: less than memory_pool_size.
+    max_pool_size: int = 0
+    pool_idle_release_s: float = 30.0  # regions the pool grew by go back once unused this long
+    ttl_s: float = 300.0  # unconsumed payloads are freed after this; 0 keeps them until cleanup()
+    get_timeout_s: float = 30.0  # deadline of get() when the caller gives none
+
+    def check(self, owner: str) -> None:
+        check_served(owner, "port", self.port, get_timeout_s=self.get_timeout_s, ttl_s=self.ttl_s)
+        check_not_negative(owner, max_pool_size=self.max_pool_size, pool_idle_release_s=self.pool_idle_release_s)
+
+
+# ---------------------------------------------------------------------- MooncakeTransferEngineConnector
+
+@dataclass(frozen=True)
+class MooncakeTransferEngineConfig:
+    #: Address to advertise and bind; "auto" picks the interface that routes outside (see _addresses).
+    host: str = "auto"
+    #: "tcp" or "rdma" (the engine falls back to TCP where no RDMA device is found).
+    protocol: str = "tcp"
+    #: RDMA device(s), e.g. "mlx5_0" or "mlx5_0,mlx5_1"; "" lets the engine choose.
+    device_name: str = ""
+    #: "P2PHANDSHAKE" (nothing to deploy) or an "http://host:port/metadata" / etcd metadata server.
+    metadata_server: str = P2P
+    #: The registered pool of this process, created at start. Send and receive pools alike grow by
+    #: registered, pre-faulted regions for payloads that fit no free space, up to max_pool_size.
+    memory_pool_size: int = 512 * 1024 * 1024
+    #: Ceiling of the pool (the largest payload must fit under it, on both sides); 0: min(half of
+    #: RAM, 8 GiB), never less than memory_pool_size.
+    max_pool_size: int = 0
+    #: Regions the pool grew by are unregistered and dropped once unused this long (seconds).
+    pool_idle_release_s: float = 30.0
+    #: Fault the pool's pages in at start, so no transfer pays for first-touch page faults.
+    prefault: bool = True
+    #: Unconsumed payloads are freed this long after their put.
+    ttl_s: float = 300.0
+    #: TCP port of the ZeroMQ side channel consumers ask for payloads on; 0 picks a free one.
+    zmq_port: int = 0
+    #: How long get() waits for the producer's side channel to accept a connection.
+    connect_timeout_s: float = 5.0
+    #: How long get() waits for the producer to write a payload into this process's pool.
+    transfer_timeout_s: float = 60.0
+    #: How long put()/get() wait for pool space held by unconsumed payloads or live views.
+    pool_wait_s: float = 10.0
+    #: Copy tensors out of the pool on get (region freed at once) instead of returning views over it.
+    copy_on_get: bool = False
+    #: Concurrent outgoing transfers of this process.
+    transfer_threads: int = 4
+    #: Contiguous CPU tensors/arrays at least this large are sent from their own memory instead of
+    #: being copied into the pool at put (protocol "tcp" only); they must not be mutated until consumed.
+    #: 0 turns this off.
+    zero_copy_min_bytes: int = 1024 * 1024
+    #: CUDA tensors go GPU to GPU, outside the frame, when the installed Mooncake wheel is the CUDA
+    #: build (extra `mooncake-cuda`); false, or the non-CUDA wheel, sends them through host memory.
+    device_transfer: bool = True
+
+    def check(self, owner: str) -> None:
+        check_protocol(owner, self.protocol)
+        check_positive(
+            owner,
+            memory_pool_size=self.memory_pool_size,
+            ttl_s=self.ttl_s,
+            connect_timeout_s=self.connect_timeout_s,
+            transfer_timeout_s=self.transfer_timeout_s,
+            transfer_threads=self.transfer_threads,
+        )
+        check_not_negative(
+            owner,
+            zero_copy_min_bytes=self.zero_copy_min_bytes,
+            pool_wait_s=self.pool_wait_s,
+            max_pool_size=self.max_pool_size,
+            pool_idle_release_s=self.pool_idle_release_s,
+        )
+        check_port(owner, "zmq_port", self.zmq_port)
+        if not self.host.strip():
+            raise ConnectorConfigError(f"{owner}: host must be an address or 'auto'")
+
+
+# ---------------------------------------------------------------------- MooncakeStoreConnector
+
+_DEFAULT_SEGMENT = 512 * 1024 * 1024
+_DEFAULT_LOCALBUF = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class MooncakeStoreConfig:
+    #: Address this client advertises; "auto" picks the interface that routes outside (see _addresses).
+    host: str = "auto"
+    #: "P2PHANDSHAKE" (nothing to deploy) or an "http://host:port/metadata" / etcd metadata server.
+    metadata_server: str = "P2PHANDSHAKE"
+    #: HOST:PORT of the mooncake_master RPC service.
+    master: str = "127.0.0.1:50051"
+    #: Bytes this process contributes to the store ("512MiB"); 0 makes it a pure client.
+    segment: int = field(default=_DEFAULT_SEGMENT, metadata=SIZE)
+    #: Registered local buffer puts are staged in and gets land in ("256MiB"); the largest frame must fit.
+    localbuf: int = field(default=_DEFAULT_LOCALBUF, metadata=SIZE)
+    #: "tcp" or "rdma".
+    protocol: str = "tcp"
+    #: RDMA device(s), e.g. "mlx5_0"; "" lets the store choose. (vllm-omni's `proto` and `rdma` are read
+    #: as protocol and device_name: connectors/_vllm_omni_keys.py.)
+    device_name: str = ""
+    #: How long to wait for the master to accept a TCP connection before giving up.
+    master_connect_timeout_s: float = 3.0
+    #: How long the stage runtime waits (get_with_deadline) for a key that is not in the store yet.
+    get_timeout_s: float = 10.0
+    #: Keys nobody consumed are removed this long after their put.
+    ttl_s: float = 300.0
+    #: Copies of each payload the store keeps (on distinct segments).
+    replica_num: int = 1
+    #: Prepended to every store key, keeping omni-mesh's keys apart from other users of the master.
+    key_prefix: str = "omni-mesh/"
+    #: How long put()/get() wait for local buffer space held by live views.
+    pool_wait_s: float = 10.0
+    #: Copy tensors out on get (region freed at once) instead of returning views over it.
+    copy_on_get: bool = False
+    #: Fault the local buffer's pages in at start, so no transfer pays for first-touch page faults.
+    prefault: bool = True
+
+    def check(self, owner: str) -> None:
+        check_protocol(owner, self.protocol)
+        check_positive(
+            owner,
+            localbuf=self.localbuf,
+            master_connect_timeout_s=self.master_connect_timeout_s,
+            get_timeout_s=self.get_timeout_s,
+            ttl_s=self.ttl_s,
+            replica_num=self.replica_num,
+        )
+        check_not_negative(owner, pool_wait_s=self.pool_wait_s)
+        split_address(self.master, owner, "master")
+        if not self.host.strip():
+            raise ConnectorConfigError(f"{owner}: host must be an address or 'auto'")
+
+
+# ---------------------------------------------------------------------- YuanrongConnector
+
+WRITE_MODES = ("NONE_L2_CACHE", "WRITE_THROUGH_L2_CACHE", "WRITE_BACK_L2_CACHE", "NONE_L2_CACHE_EVICT")
+_PREFIX = re.compile(r"^[A-Za-z0-9_\-]{0,64}$")
+
+
+@dataclass
+class YuanrongConfig:
+    host: str = "127.0.0.1"  # the datasystem worker on this host
+    port: int = 31501
+    connect_timeout_ms: int = 3000  # an unreachable worker is reported after this
+    req_timeout_ms: int = 0  # per-request limit; 0: same as connect_timeout_ms
+    get_sub_timeout_ms: int = 20  # longest single blocking call while get() waits (it holds the GIL)
+    get_timeout_s: float = 30.0  # deadline of get() when the caller gives none
+    ttl_s: float = 300.0  # the worker deletes unconsumed payloads after this; 0 keeps them until cleanup()
+    write_mode: str = "NONE_L2_CACHE"  # or WRITE_THROUGH_L2_CACHE / WRITE_BACK_L2_CACHE / NONE_L2_CACHE_EVICT
+    key_prefix: str = "omni"  # namespace for pipelines sharing one worker cluster
+    token: str = ""
+    access_key: str = ""
+    secret_key: str = ""
+    tenant_id: str = ""
+
+    def check(self, owner: str) -> None:
+        if not 0 < self.port < 65536:
+            raise ConnectorConfigError(f"{owner}: port must be the worker's port (1-65535), got {self.port}")
+        check_positive(
+            owner,
+            connect_timeout_ms=self.connect_timeout_ms,
+            get_sub_timeout_ms=self.get_sub_timeout_ms,
+            get_timeout_s=self.get_timeout_s,
+        )
+        check_not_negative(owner, req_timeout_ms=self.req_timeout_ms, ttl_s=self.ttl_s)
+        if self.write_mode not in WRITE_MODES:
+            raise ConnectorConfigError(
+                f"{owner}: write_mode must be one of {', '.join(WRITE_MODES)}, got {self.write_mode!r}"
+            )
+        if not _PREFIX.match(self.key_prefix):
+            raise ConnectorConfigError(
+                f"{owner}: key_prefix may hold letters, digits, '-' and '_' (up to 64), got {self.key_prefix!r}"
+            )
+
+
+# ---------------------------------------------------------------------- YuanrongTransferEngineConnector
+
+@dataclass
+class YuanrongTransferEngineConfig:
+    host: str = "auto"  # address to bind and advertise (rule in omni_mesh.connectors._addresses)
+    zmq_port: int = 0  # side channel; 0 picks a free port
+    rpc_port: int = 0  # the transfer engine's RPC port; 0 picks a free port
+    protocol: str = "ascend"
+    device_name: str = "auto"  # "npu:N"; auto: npu:$LOCAL_RANK (0 without it)
+    memory_pool_size: int = 1 << 30
+    memory_pool_device: str = "auto"  # "npu:N"; auto: the device_name's NPU
+    ttl_s: float = 300.0  # unconsumed payloads are freed after this; 0 keeps them until cleanup()
+    get_timeout_s: float = 30.0  # deadline of get() when the caller gives none
+
+    def check(self, owner: str) -> None:
+        check_engine_pull(owner, self)
+        check_port(owner, "rpc_port", self.rpc_port)
+        for name in ("device_name", "memory_pool_device"):
+            value = getattr(self, name)
+            if value != "auto" and not (value == "npu" or value.startswith("npu:")):
+                raise ConnectorConfigError(f"{owner}: {name} must be 'auto' or 'npu:N', got {value!r}")
+        if not self.protocol:
+            raise ConnectorConfigError(f"{owner}: protocol must not be empty")
+
+
+# ---------------------------------------------------------------------- MoriTransferEngineConnector
+
+BACKENDS = ("rdma", "xgmi")
+POLL_MODES = ("polling", "event")
+
+
+@dataclass
+class MoriConfig:
+    host: str = "auto"  # address to bind and advertise (rule in omni_mesh.connectors._addresses)
+    port: int = 0  # the IOEngine's own port (IOEngineConfig.port); 0 lets MORI pick
+    zmq_port: int = 0  # side channel; 0 picks a free port
+    backend_type: str = "rdma"  # rdma (NICs) | xgmi (GPU to GPU, needs a GPU pool)
+    # RDMA NIC(s), e.g. "mlx5_0" or "mlx5_0,mlx5_1" (exported as MORI_RDMA_DEVICES); "": MORI's choice
+    device_name: str = ""
+    memory_pool_size: int = 1 << 30
+    memory_pool_device: str = "cpu"  # cpu | cuda | cuda:N (ROCm GPUs are "cuda" in torch)
+    qp_per_transfer: int = 1
+    post_batch_size: int = field(default=-1, metadata={"size": False})  # work requests per post; -1: MORI's
+    num_worker_threads: int = 1
+    poll_cq_mode: str = "polling"  # polling | event
+    xgmi_num_streams: int = 64
+    xgmi_num_events: int = 64
+    ttl_s: float = 300.0  # unconsumed payloads are freed after this; 0 keeps them until cleanup()
+    get_timeout_s: float = 30.0  # deadline of get() when the caller gives none
+
+    def check(self, owner: str) -> None:
+        check_engine_pull(owner, self)
+        check_port(owner, "port", self.port)
+        if self.backend_type not in BACKENDS:
+            raise ConnectorConfigError(
+                f"{owner}: backend_type must be one of {', '.join(BACKENDS)}, got {self.backend_type!r}"
+            )
+        if self.poll_cq_mode not in POLL_MODES:
+            raise ConnectorConfigError(
+                f"{owner}: poll_cq_mode must be one of {', '.join(POLL_MODES)}, got {self.poll_cq_mode!r}"
+            )
+        device = self.memory_pool_device
+        if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
+            raise ConnectorConfigError(f"{owner}: memory_pool_device must be cpu, cuda or cuda:N, got {device!r}")
+        if self.backend_type == "xgmi" and device == "cpu":
+            raise ConnectorConfigError(
+                f"{owner}: backend_type xgmi links GPUs; set memory_pool_device to cuda or cuda:N"
+            )
+        for field_name in ("qp_per_transfer", "num_worker_threads", "xgmi_num_streams", "xgmi_num_events"):
+            if getattr(self, field_name) < 1:
+                raise ConnectorConfigError(
+                    f"{owner}: {field_name} must be at least 1, got {getattr(self, field_name)}"
+                )
+        if self.post_batch_size == 0 or self.post_batch_size < -1:
+            raise ConnectorConfigError(f"{owner}: post_batch_size must be -1 (MORI's default) or positive")
