@@ -43,7 +43,7 @@ run: install
 
 # Two workers taking whole files: most test time waits on the processes a test started (docs/testing.md).
 test: install
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # Every connector that runs here without a service of yours: YuanrongConnector against a throwaway
 # worker it starts itself. MooncakeStoreConnector needs a master: `omni-mesh bench connector
