@@ -12,7 +12,8 @@ The modules that need a datasystem worker share one (`datasystem_worker`, tests/
 they run one after another, and the worker stops after the last test that names the fixture.
 
 `no_segment_left` fails a test that leaves this run's shared-memory segments behind; the modules
-that make segments opt into it (`pytestmark = pytest.mark.usefixtures("no_segment_left")`).
+that make segments opt into it (`pytestmark = pytest.mark.usefixtures("no_segment_left")`). Each
+pytest process keeps its segments (and its children's) in a directory of its own (`SEGMENT_DIR`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,22 @@ import contextlib
 import gc
 import importlib
 import importlib.abc
+import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
-import pytest
-from support.shared_worker import SharedWorker
+# Before anything imports omni_mesh (shm_segments reads it once): this pytest process and every process
+# it starts keep their segments in a directory of their own on /dev/shm's filesystem (the same
+# shm_domain). A get by key flags every pool it can see, and reapers and leak checks list what they
+# see, so two xdist workers sharing /dev/shm would disturb each other's counts.
+SEGMENT_DIR = Path(tempfile.mkdtemp(prefix="omni-mesh-tests-", dir="/dev/shm"))
+os.environ["OMNI_MESH_SHM_DIR"] = str(SEGMENT_DIR)
+
+import pytest  # noqa: E402
+from support.shared_worker import SharedWorker  # noqa: E402
 
 
 class _MooncakeBeforeYuanrong(importlib.abc.MetaPathFinder):
@@ -122,3 +134,11 @@ def no_segment_left() -> Iterator[None]:
 
     gc.collect()
     assert our_segments() == {}, "a test left shared-memory segments behind"
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove this process's segment directory; what is still in it is a leak no test caught."""
+    left = sorted(p.name for p in SEGMENT_DIR.iterdir()) if SEGMENT_DIR.is_dir() else []
+    shutil.rmtree(SEGMENT_DIR, ignore_errors=True)
+    if left:
+        print(f"\nerror: segments left in {SEGMENT_DIR} at the end of the run: {left}", file=sys.stderr)

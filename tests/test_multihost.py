@@ -106,6 +106,7 @@ class TwoHostMesh:
         else:
             assert self.anchor is not None, "start host B's /dev/shm first"
             wrap = ["nsenter", "-t", str(self.anchor.pid), "--mount", "--net", "--"]
+            env["OMNI_MESH_SHM_DIR"] = "/dev/shm"  # its own tmpfs, not the suite's directory on ours
         if own_pid_namespace:  # as a container: its own pids (from 1), its own /proc
             wrap += ["unshare", "--pid", "--fork", "--mount-proc"]
         process = self.services.start(local.name, local.argv, env=env, wrap=wrap, forks=own_pid_namespace)

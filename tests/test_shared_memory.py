@@ -749,7 +749,9 @@ def test_threads_put_and_get_concurrently() -> None:
         assert not errors, errors[0]
         gc.collect()
         conn.put("a", "b", "last", torch.ones(3000))
-        assert conn.health()["live_payloads"] == 1
+        health = conn.health()
+        # A get by key anywhere on the host (another test's) has this pool copy tiny puts in for it.
+        assert health["live_payloads"] - health["tiny_copies"] == 1, health
         conn.cleanup("last")
 
 

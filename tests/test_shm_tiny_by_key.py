@@ -142,8 +142,10 @@ def test_copies_nobody_takes_are_freed_and_older_payloads_are_not_copied_in(monk
         flag_every_pool(consumer)
         assert consumer.get("a", "b", "old/0") is None  # put more than BACKFILL_S before: not copied in
         assert consumer.get("a", "b", "old/0", over_the_wire(old))[0] == b"old"  # its metadata still works
-        assert producer.health()["live_payloads"] == 1  # new/0's copy, which nobody will take
+        health = producer.health()
+        assert health["live_payloads"] == health["tiny_copies"] == 1, health  # new/0's copy, untaken
         wait_for(lambda: producer.health()["live_payloads"] == 0, 10, "the untaken copy to be freed")
+        assert producer.health()["tiny_copies"] == 0
 
 
 def test_the_watcher_thread_ends_once_no_producer_waits_for_the_flag() -> None:

@@ -101,7 +101,9 @@ def test_waiting_for_a_key_leaves_other_threads_running(producer):
     finally:
         stop.set()
         spinner.join()
-    assert len(gaps) > 50 and max(gaps) < 0.25
+    # A get holding the GIL for its whole wait would leave a gap of about 1 s; slices of 20 ms leave
+    # none near that, even on a loaded machine (0.29 s seen there once).
+    assert len(gaps) > 50 and max(gaps) < 0.5, max(gaps)
 
 
 def test_an_unreachable_worker_is_reported_with_its_address():

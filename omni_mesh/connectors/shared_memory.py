@@ -400,7 +400,8 @@ class SharedMemoryConnector(OmniConnectorBase):
             segments = len(pool.segments)
             # Released slots wait for the next put to reclaim them: they hold no payload any more.
             live = sum(1 for slot in pool.slots.values() if slot.segment.mm[slot.offset] != RELEASED)
-            live += self._tiny.waiting_locked()
+            tiny_copies = self._tiny.waiting_locked()
+            live += tiny_copies
         status = (
             "unhealthy"
             if self._closed
@@ -417,6 +418,9 @@ class SharedMemoryConnector(OmniConnectorBase):
             "pool_segments": segments,
             "max_pool_size": pool.ceiling,
             "live_payloads": live,
+            # Of those, tiny payloads copied into the pool for a get by key (a get by key in any
+            # process on the host asks for them; untaken copies go after 30 s).
+            "tiny_copies": tiny_copies,
         }
 
     def close(self) -> None:
