@@ -75,21 +75,23 @@ def _uses_worker(item: pytest.Item) -> bool:
 
 # ---------------------------------------------------------------------- the order files run in
 
-#: The files that take longest, longest first (serial seconds on the 2-vCPU VM, 2026-12-03, a cold
-#: Docker cache: 182, 147, 68, 54, 53, 52, 44, 43, 41, 37). `make test` hands whole files to two
-#: workers in collection order (`--dist loadfile --no-loadscope-reorder`): started first, they run
-#: beside the many short files instead of after them (the Docker test last ran alone for 180 s).
+#: The files that take longest, longest first (seconds in a two-worker run on the 2-vCPU VM, 2026-12-03,
+#: a cold Docker cache: 263, 155, 77, 71, 58, 52, 47, 46, 45, 45, 43; all files: 1238). `make test` hands
+#: whole files to two workers in collection order (`--dist loadfile --no-loadscope-reorder`): started
+#: first, they run beside the many short files instead of after them (xdist's own order, most tests
+#: first, left the one-test Docker file to run alone at the end).
 LONGEST_FIRST = (
     "test_docker_compose.py",
     "test_bench.py",
     "test_scaling.py",
-    "test_mesh_e2e.py",
-    "test_chaos.py",
-    "test_control_plane_security.py",
     "test_connector_contract.py",
     "test_compose.py",
+    "test_control_plane_security.py",
     "test_mooncake.py",
+    "test_mesh_e2e.py",
     "test_multihost.py",
+    "test_shared_memory.py",
+    "test_launcher_front_door.py",
 )
 
 
