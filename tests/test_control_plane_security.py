@@ -9,6 +9,7 @@ shared-memory segment of the mesh has been unlinked.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -125,14 +126,11 @@ class Peer:
                 "the coordinator did not take this member's connection"
             ) from None
 
-    def offer(self, message: dict) -> bool:
-        """Queue without waiting; False when ZeroMQ will not: a refused handshake leaves the DEALER no
-        pipe, and a plain send would then block forever."""
-        try:
+    def offer(self, message: dict) -> None:
+        """Queue without waiting, or drop: a refused handshake leaves the DEALER no pipe, and a plain
+        send would then block forever."""
+        with contextlib.suppress(zmq.Again):
             self.sock.send_multipart([msgpack.packb(message)], flags=zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        return True
 
     def receive(self, timeout_s: float = 2.0) -> dict | None:
         if not self.sock.poll(int(timeout_s * 1000)):

@@ -13,16 +13,17 @@ The package, one concept a module:
     link      the control-plane socket, registration, the heartbeat clock, connector health
     runner    the work loop: each request's inputs, handler, outputs, failure and abort cleanup
     context   what a handler is given: `StageContext` (ctx), streamed inputs, `StageInputError`
-    loading   the handler from the topology's `module:callable`; the default replica id
+    loading   the default replica id (the handler: `omni_mesh.topology.load_handler`)
     main      `serve_stage`, `main_stage` (`omni-mesh stage`; `python -m omni_mesh.stage` runs it too)
 """
 
 from omni_mesh.stage.context import StageContext, StageInputError
 from omni_mesh.stage.link import HEALTH_WAIT_S, HEARTBEAT_S
-from omni_mesh.stage.loading import default_replica_id, load_handler
+from omni_mesh.stage.loading import default_replica_id
 from omni_mesh.stage.main import main_stage, serve_stage
 from omni_mesh.stage.replica import StageReplica
 from omni_mesh.stage.runner import ABORT_SWEEP_S
+from omni_mesh.topology import load_handler  # the stage package's API, kept
 
 __all__ = [
     "ABORT_SWEEP_S",

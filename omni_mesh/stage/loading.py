@@ -1,12 +1,11 @@
-"""What a replica is made from before it runs: its handler (`load_handler`, in omni_mesh.topology so
-`omni-mesh validate` imports it without the stage runtime), and its default replica id."""
+"""A replica's default id. (Its handler comes from `omni_mesh.topology.load_handler`, which
+`omni-mesh validate` imports without the stage runtime.)"""
 
 from __future__ import annotations
 
 import os
 
 from omni_mesh.hostinfo import namespace
-from omni_mesh.topology import load_handler as load_handler  # re-exported: the stage package's API
 
 #: The initial PID namespace (the kernel's PROC_PID_INIT_INO): a process outside any container.
 _INITIAL_PID_NAMESPACE = "pid:[4026531836]"

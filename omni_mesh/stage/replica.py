@@ -27,9 +27,9 @@ from omni_mesh.control import (
 )
 from omni_mesh.hostinfo import process_info
 from omni_mesh.stage.link import ConnectorHealth, CoordinatorLink
-from omni_mesh.stage.loading import default_replica_id, load_handler
+from omni_mesh.stage.loading import default_replica_id
 from omni_mesh.stage.runner import Runner
-from omni_mesh.topology import StageSpec, Topology
+from omni_mesh.topology import StageSpec, Topology, load_handler
 
 log = logging.getLogger("omni_mesh.stage")
 
