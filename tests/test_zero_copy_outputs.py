@@ -350,6 +350,69 @@ def test_puts_of_outputs_are_counted_exactly_from_every_thread(pair: str, reques
     gc.collect()
 
 
+# ------------------------------------------------------------------ puts laid out at empty()
+
+# In-place changes that leave a tensor object over other bytes, of another shape or layout or dtype:
+# a put laid out at empty() (`_pool_outputs.ReadyPuts`) must not send what empty() made.
+IN_PLACE = {
+    "unsqueeze_": lambda t: t.unsqueeze_(0),
+    "t_ (square: same shape, other strides)": lambda t: t.t_(),
+    "resize_ smaller": lambda t: t.resize_(512, 1024),
+    "as_strided_": lambda t: t.as_strided_((1024, 1024), (1, 1024)),
+    "set_ to other memory": lambda t: t.set_(torch.full((1024, 1024), 3.0, dtype=torch.bfloat16)),
+    ".data of another dtype over the same bytes": lambda t: setattr(t, "data", t.view(torch.int16)),
+}
+
+
+def test_ready_puts_match_only_the_tensor_empty_made_alone_under_its_name() -> None:
+    from omni_mesh.connectors._pool_outputs import ReadyPuts
+
+    ready = ReadyPuts()
+    tensor = torch.zeros((1024, 1024), dtype=torch.bfloat16)
+    ready.add(tensor, "hidden_states", "laid out")
+    assert ready.match({"hidden_states": tensor}) == "laid out"
+    assert ready.match({"other_name": tensor}) is None
+    assert ready.match({"hidden_states": tensor, "text": "hi"}) is None
+    assert ready.match({"hidden_states": tensor.clone()}) is None
+    assert ready.match({"hidden_states": tensor.view(1024, 1024)}) is None  # a view is another object
+    for name, change in IN_PLACE.items():
+        changed = torch.zeros((1024, 1024), dtype=torch.bfloat16)
+        ready.add(changed, "hidden_states", "laid out")
+        change(changed)
+        assert ready.match({"hidden_states": changed}) is None, name
+    del tensor, changed
+    gc.collect()
+    assert len(ready) == 0  # each tensor's death forgot it: its id may name another object now
+
+
+@pytest.mark.parametrize("change", list(IN_PLACE))
+@pytest.mark.parametrize("pair", ["zmq_pair", "te_pair"])
+def test_a_laid_out_put_sends_what_the_tensor_is_at_the_put(
+    pair: str, change: str, request: pytest.FixtureRequest
+) -> None:
+    """Once an output of a kind was put alone, the next one is laid out for the same put at empty();
+    a tensor changed in place since still arrives exactly as it is, and one under another key too."""
+    producer, consumer = request.getfixturevalue(pair)
+    shape = (1024, 1024)
+    first = filled(producer, shape, seed=8)
+    _, _, metadata = producer.put("a", "b", "ready/0", {"hidden_states": first})
+    assert torch.equal(consumer.get("a", "b", "ready/0", metadata)[0]["hidden_states"], first)
+    as_laid_out = filled(producer, shape, seed=9)  # laid out for {"hidden_states": ...} at empty()
+    _, _, metadata = producer.put("a", "b", "ready/1", {"hidden_states": as_laid_out})
+    assert torch.equal(consumer.get("a", "b", "ready/1", metadata)[0]["hidden_states"], as_laid_out)
+    renamed = filled(producer, shape, seed=10)
+    _, _, metadata = producer.put("a", "b", "ready/2", {"thinker_states": renamed})
+    assert torch.equal(consumer.get("a", "b", "ready/2", metadata)[0]["thinker_states"], renamed)
+    changed = filled(producer, shape, seed=11)
+    IN_PLACE[change](changed)
+    _, _, metadata = producer.put("a", "b", "ready/3", {"hidden_states": changed})
+    got = consumer.get("a", "b", "ready/3", metadata)[0]["hidden_states"]
+    assert got.dtype == changed.dtype and got.shape == changed.shape and torch.equal(got, changed)
+    assert consumer.health()["errors"] == 0
+    del got, first, as_laid_out, renamed, changed
+    gc.collect()
+
+
 # ------------------------------------------------------------------ ctx.empty in a stage
 
 

@@ -129,37 +129,47 @@ class HeldTable:
     """
 
     def __init__(
-        self, ttl_s: float, *, expire_claimed: bool = True, on_replaced: Callable[[Held], None] | None = None
+        self,
+        ttl_s: float,
+        *,
+        expire_claimed: bool = True,
+        on_replaced: Callable[[Held], None] | None = None,
+        on_deferred: Callable[[Held], None] | None = None,
     ) -> None:
         self.ttl_s = ttl_s
         self._expire_claimed = expire_claimed
         self._items: dict[str, Held] = {}
         self._retired: dict[tuple[str, str], Held] = {}
         self._lock = threading.Lock()
-        # Payloads stored later (`defer`), and what frees one that a deferred payload replaces.
-        self._pending: collections.deque[tuple[type, tuple, dict]] = collections.deque()
+        # Payloads stored later (`defer`), what frees one that a deferred payload replaces, and what
+        # counts a deferred payload once stored (its put is counted there, off the put's path too).
+        self._pending: collections.deque[tuple] = collections.deque()
         self._on_replaced = on_replaced
-
-    def defer(self, cls: type, *args: Any, **fields: Any) -> None:
-        """Store `cls(*args, **fields)` later, as `add` would: the next call that reads the table makes
-        and adds it (a consumer asks only once the put returned its metadata, so it always finds
-        it). This keeps the payload's bookkeeping off the put's path; one it replaces goes to
-        `on_replaced`. The append is atomic: no lock here."""
-        self._pending.append((cls, args, fields))
+        self._on_deferred = on_deferred
+        #: defer((make, *args)): store `make(*args)` later, as `add` would: the next call that reads
+        #: the table makes and adds it (a consumer asks only once the put returned its metadata, so it
+        #: always finds it). This keeps the payload's bookkeeping off the put's path; one it replaces
+        #: goes to `on_replaced`. A deque's append: atomic, no lock, and no Python frame on that path.
+        self.defer: Callable[[tuple], None] = self._pending.append
 
     def _drain(self) -> None:
         """Add the deferred payloads, in the order they were put."""
         if not self._pending:
             return
-        replaced = []
+        stored, replaced = [], []
         with self._lock:
             while self._pending:
-                cls, args, fields = self._pending.popleft()
-                old = self._add_locked(cls(*args, **fields))
+                make, *args = self._pending.popleft()
+                held = make(*args)
+                stored.append(held)
+                old = self._add_locked(held)
                 if old is not None:
                     replaced.append(old)
         for old in replaced:
             self._on_replaced(old)
+        if self._on_deferred is not None:
+            for held in stored:
+                self._on_deferred(held)
 
     def gone(self) -> Gone:
         if self.ttl_s > 0:

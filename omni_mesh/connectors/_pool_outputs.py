@@ -9,9 +9,11 @@ leaves inline, padding as empty buffers.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -65,6 +67,64 @@ class Kinds:
                 self._kinds.clear()
             kind = self._kinds[signature] = next(self._ids)
             return kind, cleared
+
+
+class ReadyPuts:
+    """Puts of one empty() output alone, laid out at empty() as the last such put of an output of the
+    same kind was (a stage puts its same-named output for every request), so that the put itself
+    only checks that this is that put.
+
+    The put runs right after the handler filled the tensor, with caches cold: each object it touches
+    costs a trip to memory. `match` reads one dict entry and the four tensor fields that say the
+    tensor is still exactly what empty() made (no in-place reshape, `set_` or transpose since).
+    Thread-safe (single dict operations)."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self._limit = limit  # kinds remembered: shapes vary with every request's length
+        self._last: dict[int, tuple[str, Any]] = {}  # kind -> (dict key, the connector's layout)
+        # id(tensor) -> (dict key, address, shape, dtype, the connector's laid-out put, weakref)
+        self._ready: dict[int, tuple] = {}
+
+    def last(self, kind: int) -> tuple[str, Any] | None:
+        """(dict key, layout) of the last put of one output of `kind` alone, if any."""
+        return self._last.get(kind)
+
+    def remember(self, kind: int, name: str, layout: Any) -> None:
+        if kind not in self._last and len(self._last) >= self._limit:
+            self._last.clear()
+        self._last[kind] = (name, layout)
+
+    def forget_kinds(self) -> None:
+        self._last.clear()
+
+    def __len__(self) -> int:
+        """Tensors laid out and alive."""
+        return len(self._ready)
+
+    def add(self, tensor: torch.Tensor, name: str, laid_out: Any) -> None:
+        """`laid_out` is the put of {name: tensor}; forgotten when the tensor dies, before its id can
+        name another object."""
+        tensor_id = id(tensor)
+        ref = weakref.ref(tensor, functools.partial(self._ready.pop, tensor_id))
+        self._ready[tensor_id] = (name, tensor.data_ptr(), tensor.shape, tensor.dtype, laid_out, ref)
+
+    def match(self, data: dict) -> Any:
+        """The laid-out put of `data` if it is {name: tensor} as empty() laid it out, unchanged; None
+        for anything else."""
+        if len(data) != 1:
+            return None
+        [(name, value)] = data.items()
+        ready = self._ready.get(id(value))  # a live object's id: this very tensor
+        if ready is None or ready[0] != name:
+            return None
+        if (
+            value.data_ptr() != ready[1]
+            or value.dtype is not ready[3]
+            or value.shape != ready[2]
+            or not value.is_contiguous()
+        ):
+            return None
+        return ready[4]
 
 
 #: The kinds of (dtype, shape) behind the process-wide layout cache of `take_outputs`: one table for

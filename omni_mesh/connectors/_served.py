@@ -58,6 +58,11 @@ def producer_endpoint(fields: dict, cfg: Any) -> str | None:
         return None
 
 
+def _held_parts(key: str, put_key: str, token: str, size: int, buffer: Any, regions: list) -> Held:
+    """A deferred payload sent from `buffer` (a list of parts) and empty() `regions` (`_hold_later`)."""
+    return Held(key, put_key, token, size, None, buffer, regions=regions)
+
+
 class ServedConnector(OmniConnectorBase):
     """Producer-held payloads served over a ZeroMQ side channel (module docstring)."""
 
@@ -77,7 +82,7 @@ class ServedConnector(OmniConnectorBase):
         self._open_backend()  # raises ConnectorError naming what is missing
         self._closed = False
         self._slots = SlotPool(cfg.memory_pool_size)
-        self._held = HeldTable(cfg.ttl_s, on_replaced=self._release)
+        self._held = HeldTable(cfg.ttl_s, on_replaced=self._release, on_deferred=self._count_put)
         self._ctx = zmq.Context()
         self._dealers = DealerPool(self._ctx, self._keys)
         self._late = LateGets()  # polls whose answer is still on its way
@@ -141,13 +146,15 @@ class ServedConnector(OmniConnectorBase):
         """`_hold` with the payload's bookkeeping deferred to the table's next reader (HeldTable.defer):
         the put of empty() outputs costs its metadata alone. Returns the token its metadata carries."""
         token = f"{self._token_prefix}{next(self._token_ids):x}"
-        self._held.defer(Held, key, put_key, token, size, None, buffer, regions=regions)
-        self._counters.add_pair_later("puts", "bytes_put", size)
+        self._held.defer((_held_parts, key, put_key, token, size, buffer, regions))  # counted once stored
         if self._closed:  # close() may have emptied the table before this went in
             for held in self._held.pop_all():
                 self._release(held)
             raise ConnectorError(f"{self._name}: the connector is closed")
         return token
+
+    def _count_put(self, held: Held) -> None:
+        self._counters.add_pair("puts", "bytes_put", held.size)
 
     def _count_put_error(self) -> None:
         self._error()
@@ -318,10 +325,11 @@ class ServedConnector(OmniConnectorBase):
             status = "degraded"
         else:
             status = "healthy"
+        held = len(self._held)  # first: it stores (and counts) the puts whose bookkeeping was deferred
         report: dict[str, Any] = {"status": status, **self._counters.snapshot(), **self._put_health()}
         report.update(
             endpoint=self.endpoint,
-            held=len(self._held),
+            held=held,
             pool_bytes=self._slots.size,
             pool_used_bytes=self._slots.in_use,
             curve=self._keys is not None,

@@ -70,10 +70,10 @@ class Outputs:
         self.live: dict[int, _pool_outputs.Entry] = {}
         self._kinds = _pool_outputs.Kinds(_CACHE_SIZE)  # of (dtype, shape, page offset): it places the leaf
         self._layouts: dict[tuple, tuple[bytes, list[tuple[int, int, int]], int]] = {}
-        # kind -> the frame head the last put of one output of that kind alone used: a new output of
-        # the kind gets it in its headroom at empty() (outside the put), where the next put likely
-        # needs it; a put writes its head only when the headroom holds another.
-        self._last_head: dict[int, bytes] = {}
+        # A new output is laid out at empty() for the put its kind last had alone, its head written
+        # into its headroom outside the put; a put writes its head only when the headroom holds another.
+        # Laid-out puts: (the Planned put, the head its output's headroom was given).
+        self._ready = _pool_outputs.ReadyPuts(_CACHE_SIZE)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """A tensor over a fresh region (with its headroom), or None when the pool has no room now."""
@@ -86,16 +86,38 @@ class Outputs:
         address = tensor.data_ptr()
         kind, cleared = self._kinds.of((tensor.dtype, tensor.shape, address & (codec.PAGE - 1)))
         if cleared:
-            self._last_head.clear()
+            self._ready.forget_kinds()
         output = Output(region.ctypes.data, tensor, kind)
-        head = self._last_head.get(kind)
-        if head is not None:
-            ctypes.memmove(output.head, head, len(head))
-            output.written = head
+        last = self._ready.last(kind)
+        if last is not None:
+            self._lay_out(tensor, base, output, *last)
         self.live[address] = (output, output.dtype, output.shape, kind)  # one dict store: atomic
         # Runs at the same collection that frees the region: the address is never reused before.
         weakref.finalize(base, self.live.pop, address, None)
         return tensor
+
+    def _lay_out(self, tensor: torch.Tensor, base: Any, output: Output, name: str, layout: tuple) -> None:
+        """Lay `tensor` out for a put of {name: tensor} (`take_ready`), its head in the headroom; the
+        payload keeps `base` (the tensor's array) alive, and with it the region."""
+        head, leaves, nbytes = layout
+        ctypes.memmove(output.head, head, len(head))
+        output.written = head
+        pieces = self._pieces(output, head, leaves, [tensor.data_ptr()])
+        output.pieces = (layout, pieces)
+        if nbytes <= self._pool.ceiling:  # else no consumer could take it: `plan`'s path says so
+            self._ready.add(tensor, name, ((nbytes, pieces, [base], output), head))
+
+    def take_ready(self, data: dict) -> Planned | None:
+        """The put of {name: output} as empty() laid it out; None for anything else, or while the
+        headroom holds another payload's head (`plan` then looks further)."""
+        laid_out = self._ready.match(data)
+        if laid_out is None:
+            return None
+        planned, head = laid_out
+        output = planned[3]
+        if output.written is not head or not output.take():
+            return None
+        return planned
 
     def plan(self, data: dict) -> Planned | None:
         """The layout of a dict whose values are all whole outputs, its head written into a free
@@ -111,7 +133,7 @@ class Outputs:
             if len(self._layouts) > _CACHE_SIZE:  # kinds stay: live outputs hold theirs
                 self._layouts.clear()
         head, leaves, nbytes = layout
-        if len(head) > HEADROOM:
+        if len(head) > HEADROOM or nbytes > self._pool.ceiling:  # the general path says why it fails
             return None
         for headroom in outputs:
             if headroom.take():
@@ -122,7 +144,7 @@ class Outputs:
             ctypes.memmove(headroom.head, head, len(head))
             headroom.written = head
         if len(outputs) == 1:  # one output alone, the usual case: its pieces are the same every time
-            self._last_head[headroom.kind] = head
+            self._ready.remember(headroom.kind, next(iter(data)), layout)
             cached = headroom.pieces
             if cached is None or cached[0] is not layout:
                 cached = headroom.pieces = (layout, self._pieces(headroom, head, leaves, addresses))

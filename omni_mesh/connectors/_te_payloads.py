@@ -50,6 +50,7 @@ class Payloads:
         registrations: Registrations,
         session: str,
         cfg: Any,
+        on_deferred: Callable[[Payload], None] | None = None,
     ) -> None:
         self._owner = owner
         self._engine = engine
@@ -57,7 +58,8 @@ class Payloads:
         self._registrations = registrations
         self._session = session  # every payload's token: metadata from another instance never matches
         self._cfg = cfg  # ttl_s, pool_wait_s, protocol, zero_copy_min_bytes
-        self._held = HeldTable(cfg.ttl_s, expire_claimed=False, on_replaced=self.release)
+        # on_deferred: a payload of put_planned is stored (and counted there) by the table's next reader
+        self._held = HeldTable(cfg.ttl_s, expire_claimed=False, on_replaced=self.release, on_deferred=on_deferred)
 
     def put(
         self, frame: codec.FramePlan, device: list[torch.Tensor], ref: tuple[str, str, int], what: str
@@ -93,15 +95,18 @@ class Payloads:
         self._held.add(payload)
         return payload
 
-    def put_planned(self, planned: Any, ref: tuple[str, str, int]) -> int:
-        """Hold a payload laid out in place (`_te_outputs.Planned`: nothing to reserve or copy), its
-        bookkeeping deferred to the table's next reader (HeldTable.defer); returns where its head lies."""
-        key, put_key, handle = ref
+    def put_planned(self, planned: Any, key: str, put_key: str, handle: int) -> None:
+        """Hold a payload laid out in place (`_te_outputs.Planned`: nothing to reserve or copy), made
+        and stored by the table's next reader (HeldTable.defer): the put costs one append."""
+        self._held.defer((self._planned_payload, planned, key, put_key, handle))
+
+    def _planned_payload(self, planned: Any, key: str, put_key: str, handle: int) -> Payload:
         nbytes, pieces, sources, headroom = planned
-        address = pieces[0][0]
-        fields = {"pieces": pieces, "sources": sources, "address": address, "headroom": headroom}
-        self._held.defer(Payload, f"{key}#{handle}", put_key, self._session, nbytes, None, **fields)
-        return address
+        address = pieces[0][0]  # the head, in an output's headroom
+        return Payload(
+            f"{key}#{handle}", put_key, self._session, nbytes, None,
+            pieces=pieces, sources=list(sources), address=address, headroom=headroom,
+        )  # its own list of sources: release() empties it, and a laid-out put reuses the one given
 
     def _reserve(self, payload: Payload, nbytes: int, what: str) -> tuple[int, int]:
         payload.offset, payload.address = self._pool.reserve_placed(nbytes, self._cfg.pool_wait_s, what)

@@ -9,7 +9,6 @@ through `asyncio.to_thread` (or an executor) and never on the event loop.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import re
@@ -134,10 +133,6 @@ def _same_kind(default: Any, value: Any) -> bool:
     return isinstance(value, type(default))
 
 
-#: Counts `add_pair_later` keeps before it adds them itself.
-LATER_MAX = 1024
-
-
 class Counters:
     """Counters for `health()`, exact under concurrency and lock-free on the hot path.
 
@@ -149,7 +144,6 @@ class Counters:
         self._lock = threading.Lock()
         self._shards: list[dict[str, int]] = []
         self._local = threading.local()
-        self._later: collections.deque[tuple[str, str, int]] = collections.deque()  # add_pair_later
 
     def _shard(self) -> dict[str, int]:
         try:
@@ -178,23 +172,7 @@ class Counters:
         if also is not None:
             shard[also] += 1
 
-    def add_pair_later(self, first: str, second: str, amount: int) -> None:
-        """`add_pair`, counted at the next snapshot: one atomic append, for a put whose whole cost is
-        its bookkeeping (empty() outputs, run with caches cold)."""
-        self._later.append((first, second, amount))
-        if len(self._later) > LATER_MAX:  # nobody asks for health (a connector used standalone)
-            self._count_later()
-
-    def _count_later(self) -> None:
-        while True:
-            try:
-                first, second, amount = self._later.popleft()  # another thread may empty it first
-            except IndexError:
-                return
-            self.add_pair(first, second, amount)
-
     def snapshot(self) -> dict[str, int]:
-        self._count_later()
         totals = dict.fromkeys(self._names, 0)
         with self._lock:
             shards = list(self._shards)

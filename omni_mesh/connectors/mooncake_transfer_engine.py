@@ -79,7 +79,7 @@ from omni_mesh.connectors._mooncake_common import (
 )
 from omni_mesh.connectors._registrations import Registrations
 from omni_mesh.connectors._served import GONE
-from omni_mesh.connectors._te_payloads import Payloads
+from omni_mesh.connectors._te_payloads import Payload, Payloads
 from omni_mesh.connectors._te_receive import Receiver
 from omni_mesh.connectors._zmq_channel import ERR, OK, Answer, Deferred, Reply, RouterServer
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
@@ -157,7 +157,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             if not self._device_leaves.host_min_bytes:  # CPU tensors never take the device path
                 self._live_outputs = self._outputs.live
             self._payloads = Payloads(
-                OWNER, self._engine, self._pool, self._registrations, self._session, cfg
+                OWNER, self._engine, self._pool, self._registrations, self._session, cfg, self._count_put
             )
             self._receiver = Receiver(
                 OWNER,
@@ -206,12 +206,16 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
         # The pool is full: an ordinary tensor, copied at put as any other.
         return tensor if tensor is not None else torch.empty(shape, dtype=dtype)
 
+    def _count_put(self, payload: Payload) -> None:
+        self._counters.add_pair("puts", "bytes_put", payload.size)
+
     def _count_put_error(self) -> None:
         self._counters.add("errors")
 
     def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
         if self._live_outputs and type(data) is dict:
-            planned = self._outputs.plan(data)  # a dict of empty() outputs alone: laid out in place
+            # A dict of empty() outputs alone: laid out in place (at empty(), for one output alone).
+            planned = self._outputs.take_ready(data) or self._outputs.plan(data)
             if planned is not None:
                 return self._put_planned(from_stage, to_stage, put_key, planned)
         where = payload_name(from_stage, to_stage, put_key)
@@ -246,21 +250,19 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
     def _put_planned(
         self, from_stage: str, to_stage: str, put_key: str, planned: _te_outputs.Planned
     ) -> tuple:
-        size, headroom = planned[0], planned[3]
+        """Hold a payload of empty() outputs laid out in place: its metadata alone, no pool touched
+        (`plan` checked it fits the pool's ceiling; a close meanwhile is caught after)."""
         handle, key = next(self._handles), edge_key(from_stage, to_stage, put_key)
         try:
-            pool = self._open_pool("put")
-            if size > pool.ceiling:  # the consumer could never receive it (its pool grows alike)
-                pool.check_fits(size, f"put of {payload_name(from_stage, to_stage, put_key)}")
-            address = self._payloads.put_planned(planned, (key, put_key, handle))
+            self._payloads.put_planned(planned, key, put_key, handle)
         except BaseException:
-            headroom.give_back()
+            planned[3].give_back()
             raise
         if self._closed:  # close() may have emptied the table before this payload went in
             self._payloads.close()
             raise ConnectorError(f"{OWNER} is closed (put of {payload_name(from_stage, to_stage, put_key)})")
-        self._counters.add_pair_later("puts", "bytes_put", size)
-        return True, size, {**self._put_fields, "handle": handle, "addr": address, "length": size, "key": key}
+        size = planned[0]  # counted when the payload is stored (_count_put)
+        return True, size, {**self._put_fields, "handle": handle, "addr": planned[1][0][0], "length": size, "key": key}
 
     def _on_pull(self, args: list[bytes]) -> Deferred:
         """PULL key request (server thread): checked here, written and answered by a transfer thread."""
@@ -344,6 +346,8 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             self._counters.add("cleaned", freed)
 
     def health(self) -> dict:
+        # First: it stores (and counts) the puts whose bookkeeping was deferred.
+        pending = len(self._payloads) if self._payloads is not None else 0
         counters = self._counters.snapshot()
         server, registrations, quarantined = self._server, self._registrations, len(self._quarantine)
         up = not self._closed and server is not None and server.alive
@@ -352,7 +356,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             "status": status,
             **counters,
             **self._put_health(),
-            "pending_payloads": len(self._payloads) if self._payloads is not None else 0,
+            "pending_payloads": pending,
             "quarantined_regions": quarantined,
             "pool_size": size,
             "pool_in_use": in_use,

@@ -95,6 +95,8 @@ class ZmqConnector(ServedConnector):
         self._unsent: dict[int, _pool_outputs.Entry] = {}  # tensor address -> (its region, dtype, shape, kind)
         self._pins: dict[int, weakref.ref] = {}
         self._dead: collections.deque[tuple[int, _Region]] = collections.deque()
+        # empty() slots laid out for the put their kind last had alone: (size, parts, [its region])
+        self._ready = _pool_outputs.ReadyPuts()
 
     # ---------------------------------------------------------------- producer side
 
@@ -190,6 +192,11 @@ class ZmqConnector(ServedConnector):
             self._unsent[region.address] = (region, region.dtype, region.shape, region.kind)
             ref = weakref.ref(base, functools.partial(_queue_dead, self._dead, region))
             self._pins[id(ref)] = ref
+        last = self._ready.last(region.kind)
+        if last is not None:  # the put of {name: tensor}, laid out now, outside the put
+            name, (header, layout, size) = last
+            parts = [header, *(b"" if slot < 0 else view for slot in layout)]
+            self._ready.add(tensor, name, (size, parts, [region]))
         return tensor
 
     def _put_parts(self, key: str, put_key: str, frame: FramePlan, resident: dict[int, _Region]) -> tuple:
@@ -221,17 +228,22 @@ class ZmqConnector(ServedConnector):
 
     def _put_outputs(self, key: str, put_key: str, data: dict) -> tuple | None:
         """A dict of empty() tensors alone: the parts form from a cached header, nothing planned or
-        copied (see _pool_outputs.take_outputs); None for any other payload."""
+        copied (see _pool_outputs.take_outputs), or for one tensor alone as empty() laid it out
+        (ReadyPuts); None for any other payload."""
+        laid_out = self._ready.match(data)
         with self._regions_lock:
-            taken = _pool_outputs.take_outputs(data, self._unsent)
-            if taken is None:
-                return None
-            header, layout, regions, size = taken
+            if laid_out is not None and self._unsent.pop(laid_out[2][0].address, None) is not None:
+                size, parts, regions = laid_out
+            else:
+                taken = _pool_outputs.take_outputs(data, self._unsent)
+                if taken is None:
+                    return None
+                header, layout, regions, size = taken
+                parts = [header, *(b"" if slot < 0 else regions[slot].view for slot in layout)]
+                if len(regions) == 1:  # b"": padding, no leaf references it
+                    self._ready.remember(regions[0].kind, next(iter(data)), (header, layout, size))
             for region in regions:
                 region.state = "held"
-        parts: list[Any] = [header]
-        for slot in layout:
-            parts.append(b"" if slot < 0 else regions[slot].view)  # b"": padding, no leaf references it
         token = self._hold_later(key, put_key, size, parts, regions)
         return True, size, {"endpoint": self.endpoint, "key": key, "token": token, "size": size}
 
