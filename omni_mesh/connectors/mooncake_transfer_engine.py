@@ -251,7 +251,8 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
         self, from_stage: str, to_stage: str, put_key: str, planned: _te_outputs.Planned
     ) -> tuple:
         """Hold a payload of empty() outputs laid out in place: its metadata alone, no pool touched
-        (`plan` checked it fits the pool's ceiling; a close meanwhile is caught after)."""
+        (`plan` and the layout at empty() keep to the pool's ceiling; a close meanwhile is caught
+        after)."""
         handle, key = next(self._handles), edge_key(from_stage, to_stage, put_key)
         try:
             self._payloads.put_planned(planned, key, put_key, handle)

@@ -231,6 +231,7 @@ class ZmqConnector(ServedConnector):
         copied (see _pool_outputs.take_outputs), or for one tensor alone as empty() laid it out
         (ReadyPuts); None for any other payload."""
         laid_out = self._ready.match(data)
+        taken = None
         with self._regions_lock:
             if laid_out is not None and self._unsent.pop(laid_out[2][0].address, None) is not None:
                 size, parts, regions = laid_out
@@ -239,11 +240,12 @@ class ZmqConnector(ServedConnector):
                 if taken is None:
                     return None
                 header, layout, regions, size = taken
-                parts = [header, *(b"" if slot < 0 else regions[slot].view for slot in layout)]
-                if len(regions) == 1:  # b"": padding, no leaf references it
-                    self._ready.remember(regions[0].kind, next(iter(data)), (header, layout, size))
             for region in regions:
                 region.state = "held"
+        if taken is not None:
+            parts = [header, *(b"" if slot < 0 else regions[slot].view for slot in layout)]  # b"": padding
+            if len(regions) == 1:  # one tensor alone: the next empty() of its kind is laid out for this put
+                self._ready.remember(regions[0].kind, next(iter(data)), (header, layout, size))
         token = self._hold_later(key, put_key, size, parts, regions)
         return True, size, {"endpoint": self.endpoint, "key": key, "token": token, "size": size}
 
