@@ -385,6 +385,10 @@ def test_ready_puts_match_only_the_tensor_empty_made_alone_under_its_name() -> N
     assert len(ready) == 0  # each tensor's death forgot it: its id may name another object now
 
 
+def ready_puts(producer):  # the connector's ReadyPuts: which of its empty() tensors are laid out
+    return producer._outputs._ready if hasattr(producer, "_outputs") else producer._ready
+
+
 @pytest.mark.parametrize("change", list(IN_PLACE))
 @pytest.mark.parametrize("pair", ["zmq_pair", "te_pair"])
 def test_a_laid_out_put_sends_what_the_tensor_is_at_the_put(
@@ -397,13 +401,18 @@ def test_a_laid_out_put_sends_what_the_tensor_is_at_the_put(
     first = filled(producer, shape, seed=8)
     _, _, metadata = producer.put("a", "b", "ready/0", {"hidden_states": first})
     assert torch.equal(consumer.get("a", "b", "ready/0", metadata)[0]["hidden_states"], first)
+    laid_out = ready_puts(producer)
+    before = len(laid_out)  # tensors of earlier tests may still be alive (the fixture is the module's)
     as_laid_out = filled(producer, shape, seed=9)  # laid out for {"hidden_states": ...} at empty()
+    assert len(laid_out) == before + 1, "the second empty() of the kind was not laid out for the put"
     _, _, metadata = producer.put("a", "b", "ready/1", {"hidden_states": as_laid_out})
     assert torch.equal(consumer.get("a", "b", "ready/1", metadata)[0]["hidden_states"], as_laid_out)
     renamed = filled(producer, shape, seed=10)
     _, _, metadata = producer.put("a", "b", "ready/2", {"thinker_states": renamed})
     assert torch.equal(consumer.get("a", "b", "ready/2", metadata)[0]["thinker_states"], renamed)
+    before = len(laid_out)
     changed = filled(producer, shape, seed=11)
+    assert len(laid_out) == before + 1  # it too was laid out: only the check at the put sends it elsewhere
     IN_PLACE[change](changed)
     _, _, metadata = producer.put("a", "b", "ready/3", {"hidden_states": changed})
     got = consumer.get("a", "b", "ready/3", metadata)[0]["hidden_states"]

@@ -98,14 +98,14 @@ class Outputs:
 
     def _lay_out(self, tensor: torch.Tensor, base: Any, output: Output, name: str, layout: tuple) -> None:
         """Lay `tensor` out for a put of {name: tensor} (`take_ready`), its head in the headroom; the
-        payload keeps `base` (the tensor's array) alive, and with it the region."""
+        payload keeps `base` (the tensor's array) alive, and with it the region. (`plan` remembers
+        only layouts within the pool's ceiling.)"""
         head, leaves, nbytes = layout
         ctypes.memmove(output.head, head, len(head))
         output.written = head
         pieces = self._pieces(output, head, leaves, [tensor.data_ptr()])
         output.pieces = (layout, pieces)
-        if nbytes <= self._pool.ceiling:  # else no consumer could take it: `plan`'s path says so
-            self._ready.add(tensor, name, ((nbytes, pieces, [base], output), head))
+        self._ready.add(tensor, name, ((nbytes, pieces, [base], output), head))
 
     def take_ready(self, data: dict) -> Planned | None:
         """The put of {name: output} as empty() laid it out; None for anything else, or while the

@@ -253,17 +253,18 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
         """Hold a payload of empty() outputs laid out in place: its metadata alone, no pool touched
         (`plan` and the layout at empty() keep to the pool's ceiling; a close meanwhile is caught
         after)."""
+        size, pieces, _, headroom = planned
         handle, key = next(self._handles), edge_key(from_stage, to_stage, put_key)
         try:
-            self._payloads.put_planned(planned, key, put_key, handle)
+            self._payloads.put_planned(planned, key, put_key, handle)  # counted once stored (_count_put)
         except BaseException:
-            planned[3].give_back()
+            headroom.give_back()
             raise
         if self._closed:  # close() may have emptied the table before this payload went in
             self._payloads.close()
             raise ConnectorError(f"{OWNER} is closed (put of {payload_name(from_stage, to_stage, put_key)})")
-        size = planned[0]  # counted when the payload is stored (_count_put)
-        return True, size, {**self._put_fields, "handle": handle, "addr": planned[1][0][0], "length": size, "key": key}
+        head_address = pieces[0][0]  # the frame starts with its head, in the headroom
+        return True, size, {**self._put_fields, "handle": handle, "addr": head_address, "length": size, "key": key}
 
     def _on_pull(self, args: list[bytes]) -> Deferred:
         """PULL key request (server thread): checked here, written and answered by a transfer thread."""

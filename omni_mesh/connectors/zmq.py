@@ -234,7 +234,7 @@ class ZmqConnector(ServedConnector):
         taken = None
         with self._regions_lock:
             if laid_out is not None and self._unsent.pop(laid_out[2][0].address, None) is not None:
-                size, parts, regions = laid_out
+                size, parts, regions = laid_out  # its one region was still unsent: this put takes it
             else:
                 taken = _pool_outputs.take_outputs(data, self._unsent)
                 if taken is None:
