@@ -19,8 +19,8 @@ $(STAMP): pyproject.toml
 	@$(MAKE) --no-print-directory system-deps
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,mooncake,yuanrong]'
-	$(BIN)/python -c "import torch, zmq, fastapi, prometheus_client, mooncake.engine, mooncake.store, yr.datasystem" \
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,mooncake,yuanrong,engines]'
+	$(BIN)/python -c "import torch, zmq, fastapi, prometheus_client, mooncake.engine, mooncake.store, yr.datasystem, transformers" \
 		|| { echo "error: the install is incomplete (see above)"; exit 1; }
 	touch $(STAMP)
 

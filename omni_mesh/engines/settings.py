@@ -1,0 +1,137 @@
+"""A stage's `engine:` mapping and a request's sampling params, read and checked without torch
+(`omni-mesh validate` reads them too)."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from omni_mesh.errors import InvalidInput
+
+#: The parts a model is split into; vllm-omni's `model_stage` names (token2wav: Qwen2.5-Omni's name).
+PARTS = ("thinker", "talker", "code2wav")
+PART_ALIASES = {"token2wav": "code2wav"}
+#: Architectures by the checkpoint's config.json `model_type`.
+ARCHS = ("qwen2_5_omni", "qwen3_omni_moe")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+_VAR = re.compile(r"\$(\w+)|\$\{(\w+)\}")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What a stage's `engine:` says (docs/engines.md)."""
+
+    part: str
+    model: str  # a checkpoint directory; `$VAR`/`${VAR}` expanded when the stage loads it
+    arch: str | None = None  # None: the checkpoint's config.json says
+    dtype: str = "auto"  # auto: the checkpoint's (token2wav/code2wav always run in float32)
+    device: str = "cpu"
+    threads: int | None = None  # torch's intra-op threads in this stage; None: torch's default
+    max_tokens: int = 256  # thinker: reply tokens
+    max_audio_tokens: int = 2048  # talker: codec codes
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    speaker: str | None = None  # None: the model's default voice
+    chunk_codes: int = 25  # talker -> code2wav: codes per streamed chunk
+    first_chunk_codes: int = 10  # the first chunk is shorter: the first audio comes sooner
+    context_codes: int = 25  # code2wav streaming: codes of left context decoded again with each chunk
+    num_steps: int = 10  # Qwen2.5-Omni token2wav: ODE steps of its DiT
+
+    def model_dir(self) -> Path:
+        """The checkpoint directory, variables expanded; InvalidConfig-style ValueError if one is unset."""
+        def expand(match: re.Match) -> str:
+            name = match.group(1) or match.group(2)
+            if name not in os.environ:
+                raise ValueError(f"engine.model {self.model!r}: environment variable {name} is not set")
+            return os.environ[name]
+
+        return Path(_VAR.sub(expand, self.model)).expanduser()
+
+
+def parse_engine(raw: Any, who: str) -> EngineSpec:
+    """An `engine:` mapping -> EngineSpec; ValueError naming the stage and the key."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{who}: engine must be a mapping such as {{part: thinker, model: ${{OMNI_MESH_MODEL}}}}")
+    values = dict(raw)
+    if "model_stage" in values and "part" not in values:  # vllm-omni's name for it
+        values["part"] = values.pop("model_stage")
+    known = {f.name for f in fields(EngineSpec)}
+    for key in values:
+        if key not in known:
+            from difflib import get_close_matches
+
+            close = get_close_matches(str(key), known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(known))}"
+            raise ValueError(f"{who}: unknown engine key {key!r}{hint}")
+    part = PART_ALIASES.get(values.get("part"), values.get("part"))
+    if part not in PARTS:
+        raise ValueError(f"{who}: engine.part must be one of {', '.join(PARTS)} (or token2wav), got {values.get('part')!r}")
+    values["part"] = part
+    if not isinstance(values.get("model"), str) or not values["model"]:
+        raise ValueError(f"{who}: engine.model must be a checkpoint directory (or ${{OMNI_MESH_MODEL}}), got {values.get('model')!r}")
+    _check(values, "arch", lambda v: v is None or v in ARCHS, f"one of {', '.join(ARCHS)}", who)
+    _check(values, "dtype", lambda v: v in DTYPES, f"one of {', '.join(DTYPES)}", who)
+    _check(values, "device", lambda v: isinstance(v, str) and bool(_DEVICE.match(v)), "cpu or cuda:N", who)
+    for name in ("max_tokens", "max_audio_tokens", "chunk_codes", "first_chunk_codes", "num_steps"):
+        _check(values, name, _positive_int, "an integer >= 1", who)
+    _check(values, "context_codes", lambda v: _int(v) and v >= 0, "an integer >= 0", who)
+    _check(values, "threads", lambda v: v is None or _positive_int(v), "an integer >= 1", who)
+    _check(values, "temperature", lambda v: _number(v) and v >= 0, "a number >= 0", who)
+    _check(values, "top_p", lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]", who)
+    _check(values, "speaker", lambda v: v is None or isinstance(v, str), "a speaker name", who)
+    return EngineSpec(**values)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """One request's generation settings: the stage's `engine:` defaults, overridden by its params."""
+
+    max_tokens: int
+    max_audio_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    speaker: str | None
+
+    @classmethod
+    def of(cls, spec: EngineSpec, params: dict | None) -> Sampling:
+        params = params or {}
+        sampling = cls(spec.max_tokens, spec.max_audio_tokens, spec.temperature, spec.top_p, None, spec.speaker)
+        changes: dict[str, Any] = {}
+        for name, ok, what in (
+            ("max_tokens", _positive_int, "an integer >= 1"),
+            ("max_audio_tokens", _positive_int, "an integer >= 1"),
+            ("temperature", lambda v: _number(v) and v >= 0, "a number >= 0 (0: greedy)"),
+            ("top_p", lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]"),
+            ("seed", lambda v: _int(v) and 0 <= v < 2**63, "an integer >= 0"),
+            ("speaker", lambda v: isinstance(v, str) and v != "", "a speaker name"),
+        ):
+            if params.get(name) is not None:
+                if not ok(params[name]):
+                    raise InvalidInput(f"param {name!r} must be {what}, got {params[name]!r}")
+                changes[name] = params[name]
+        if "speaker" not in changes and isinstance(params.get("voice"), str):  # OpenAI's audio.voice
+            changes["speaker"] = params["voice"]
+        return replace(sampling, **changes)
+
+
+def _check(values: dict, key: str, ok: Any, what: str, who: str) -> None:
+    if key in values and not ok(values[key]):
+        raise ValueError(f"{who}: engine.{key} must be {what}, got {values[key]!r}")
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(value: Any) -> bool:
+    return _int(value) and value >= 1
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -1,0 +1,239 @@
+"""Stage handlers that run a real model part: `ThinkerStage`, `TalkerStage`, `Code2WavStage`.
+
+Each is built once per replica from its stage's `engine:` settings (`from_stage`), loads its part in
+`warm()` (before the replica reports ready), and runs generation in a model thread of its own, one
+request at a time, while the event loop keeps streaming.
+
+The stream, stage to stage (one way, as every payload flows):
+- thinker -> talker: `{"text": delta}` per reply token as it is made, then one last chunk with the
+  talker's inputs (`"talker"`), `"usage"` and `"finish_reason"`;
+- talker -> code2wav: the text deltas passed on as they come, then `{"codes": int64 [n]}` chunks as the
+  talker makes them (a short first chunk), then `{"usage", "finish_reason"}`;
+- code2wav -> client: streamed, `{"text", "audio_pcm16", "sample_rate"}` chunks (text first, audio as
+  it is made) and a last one with `usage` and `finish_reason`; otherwise one answer with `text`,
+  `audio_wav_base64` (24 kHz mono 16-bit WAV), `sample_rate`, `duration_s`, `usage`, `finish_reason`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from omni_mesh.audio import SAMPLE_RATE, pcm16_bytes, wav_base64
+from omni_mesh.engines.bridge import Generation
+from omni_mesh.engines.models import ModelParts, open_model
+from omni_mesh.engines.settings import EngineSpec, Sampling, parse_engine
+from omni_mesh.engines.text import Detokenizer, prompt_ids
+
+log = logging.getLogger("omni_mesh.engines")
+
+
+class EngineStage:
+    """What the three stages share: settings, the model thread, loading in warm()."""
+
+    def __init__(self, spec: EngineSpec, stage: str = "") -> None:
+        self.spec = spec
+        self.stage = stage or spec.part
+        self.model: ModelParts | None = None
+        self.part: Any = None
+        # One model thread: requests take turns on the model (a CPU stage has no spare cores for more;
+        # a GPU one would batch, which transformers' generate() does not do across requests).
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.stage}-model")
+
+    @classmethod
+    def from_stage(cls, options: dict, stage: str = "") -> EngineStage:
+        """Built from the stage's `engine:` mapping (nothing is loaded yet)."""
+        return cls(parse_engine(options, f"stage {stage!r}"), stage)
+
+    async def warm(self) -> None:
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        self.model = await loop.run_in_executor(self.executor, open_model, self.spec)
+        self.part = await loop.run_in_executor(self.executor, self.model.load, self.spec.part)
+        log.info(
+            "stage %s loaded the %s of %s (%s) in %.1f s",
+            self.stage, self.spec.part, self.model.directory, self.model.arch, time.perf_counter() - started,
+        )
+
+    def _loaded(self) -> Any:
+        if self.part is None:
+            raise RuntimeError(f"stage {self.stage!r}: its model is not loaded (warm() was not awaited)")
+        return self.part
+
+
+class ThinkerStage(EngineStage):
+    """Prompt -> reply text, streamed token by token, and the talker's inputs at the end."""
+
+    async def __call__(self, inputs: Any, ctx: Any) -> AsyncIterator[dict]:
+        thinker = self._loaded()
+        assert self.model is not None
+        sampling = Sampling.of(self.spec, getattr(ctx, "params", None))
+        ids = prompt_ids(self.model.tokenizer, inputs)
+        eos = set(self.model.eos_token_ids(thinker))
+
+        def run(push: Any, should_stop: Any) -> Any:
+            self.model.seed(sampling.seed)
+            return thinker.generate(
+                ids, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                speaker=sampling.speaker, on_token=push, should_stop=should_stop,
+            )
+
+        generation = Generation(self.executor, run)
+        detok = Detokenizer(self.model.tokenizer)
+        try:
+            async for token in generation:
+                yield {"text": detok.add(token)}
+            output = await generation.result()
+        finally:
+            generation.cancel()
+        reply = [int(t) for t in self.model.reply_ids(output).tolist()]
+        stopped = bool(reply) and reply[-1] in eos
+        yield {
+            "text": detok.flush(),
+            "talker": self.model.talker_payload(output),
+            "usage": {"prompt_tokens": int(ids.shape[-1]), "completion_tokens": len(reply)},
+            "finish_reason": "stop" if stopped or len(reply) < sampling.max_tokens else "length",
+        }
+
+
+class TalkerStage(EngineStage):
+    """The thinker's stream -> its text passed on, then codec codes in chunks as they are made."""
+
+    async def __call__(self, inputs: Any, ctx: Any) -> AsyncIterator[dict]:
+        talker = self._loaded()
+        assert self.model is not None
+        sampling = Sampling.of(self.spec, getattr(ctx, "params", None))
+        thinker_output, tail = None, {}
+        async for chunk in _chunks(inputs, "talker"):
+            if chunk.get("text"):
+                yield {"text": chunk["text"]}
+            if "talker" in chunk:
+                thinker_output = chunk["talker"]
+                tail = {key: chunk[key] for key in ("usage", "finish_reason") if key in chunk}
+        if thinker_output is None:
+            raise ValueError(f"stage {self.stage!r}: the thinker's stream ended without the talker's inputs")
+
+        def run(push: Any, should_stop: Any) -> Any:
+            self.model.seed(sampling.seed)
+            return talker.generate(
+                thinker_output, max_codes=sampling.max_audio_tokens, temperature=sampling.temperature,
+                top_p=sampling.top_p, speaker=sampling.speaker, on_code=push, should_stop=should_stop,
+            )
+
+        generation = Generation(self.executor, run)
+        stops = set(self.model.code_stop_ids(talker))
+        pending: list[Any] = []
+        size = self.spec.first_chunk_codes
+        try:
+            async for code in generation:
+                if isinstance(code, int) and code in stops:
+                    continue
+                pending.append(code)
+                if len(pending) >= size:
+                    yield {"codes": self.model.codes_tensor(pending)}
+                    pending, size = [], self.spec.chunk_codes
+            await generation.result()
+        finally:
+            generation.cancel()
+        if pending:
+            yield {"codes": self.model.codes_tensor(pending)}
+        yield tail
+
+
+class Code2WavStage(EngineStage):
+    """Codec codes -> 24 kHz audio: streamed chunk by chunk to a streaming client, else decoded whole
+    (the one-shot decode the reference makes, seeded as it is)."""
+
+    def __call__(self, inputs: Any, ctx: Any) -> Any:
+        stream = getattr(ctx, "stream", None)
+        if stream is None:
+            stream = bool((getattr(ctx, "params", None) or {}).get("stream"))
+        return self._stream(inputs, ctx) if stream else self._whole(inputs, ctx)
+
+    async def _whole(self, inputs: Any, ctx: Any) -> dict:
+        decoder = self._loaded()
+        assert self.model is not None
+        sampling = Sampling.of(self.spec, getattr(ctx, "params", None))
+        text, codes, tail = [], [], {}
+        async for chunk in _chunks(inputs, "code2wav"):
+            text.append(chunk.get("text") or "")
+            if chunk.get("codes") is not None:
+                codes.append(chunk["codes"])
+            tail.update({key: chunk[key] for key in ("usage", "finish_reason") if key in chunk})
+        all_codes = self.model.join_codes(codes)
+        loop = asyncio.get_running_loop()
+        wav = await loop.run_in_executor(
+            self.executor, lambda: decoder.decode(all_codes, speaker=sampling.speaker, seed=sampling.seed)
+        )
+        samples = wav.numpy().astype(np.float32, copy=False)
+        return {
+            "text": "".join(text),
+            "sample_rate": SAMPLE_RATE,
+            "audio_wav_base64": wav_base64(samples),
+            "duration_s": len(samples) / SAMPLE_RATE,
+            "codes": int(sum(self.model.code_frames(c) for c in codes)),
+            "usage": tail.get("usage"),
+            "finish_reason": tail.get("finish_reason", "stop"),
+        }
+
+    async def _stream(self, inputs: Any, ctx: Any) -> AsyncIterator[dict]:
+        decoder = self._loaded()
+        assert self.model is not None
+        sampling = Sampling.of(self.spec, getattr(ctx, "params", None))
+        streaming = decoder.stream(speaker=sampling.speaker, seed=sampling.seed, context=self.spec.context_codes)
+        loop = asyncio.get_running_loop()
+        tail: dict = {}
+        async for chunk in _chunks(inputs, "code2wav"):
+            if chunk.get("text"):
+                yield {"text": chunk["text"], "audio_pcm16": b"", "sample_rate": SAMPLE_RATE}
+            if chunk.get("codes") is not None:
+                wav = await loop.run_in_executor(self.executor, streaming.feed, chunk["codes"])
+                if len(wav):
+                    yield {"text": "", "audio_pcm16": pcm16_bytes(wav.numpy()), "sample_rate": SAMPLE_RATE}
+            tail.update({key: chunk[key] for key in ("usage", "finish_reason") if key in chunk})
+        rest = await loop.run_in_executor(self.executor, streaming.finish)
+        yield {
+            "text": "",
+            "audio_pcm16": pcm16_bytes(rest.numpy()),
+            "sample_rate": SAMPLE_RATE,
+            "usage": tail.get("usage"),
+            "finish_reason": tail.get("finish_reason", "stop"),
+        }
+
+
+async def _chunks(inputs: Any, stage: str) -> AsyncIterator[dict]:
+    """An upstream stage's chunks whichever way they come: a stream, a list, or one dict."""
+    if isinstance(inputs, dict):
+        items: Any = [inputs]
+    else:
+        items = inputs
+    if isinstance(items, AsyncIterable):
+        async for chunk in items:
+            yield _checked(chunk, stage)
+    elif isinstance(items, Iterable):
+        for chunk in items:
+            yield _checked(chunk, stage)
+    else:
+        raise ValueError(f"stage {stage!r}: inputs must be the upstream stage's chunks, got {type(inputs).__name__}")
+
+
+def _checked(chunk: Any, stage: str) -> dict:
+    if not isinstance(chunk, dict):
+        raise ValueError(f"stage {stage!r}: an upstream chunk is a {type(chunk).__name__}, not a mapping")
+    return chunk
+
+
+#: The handler class of each part.
+STAGES: dict[str, type[EngineStage]] = {"thinker": ThinkerStage, "talker": TalkerStage, "code2wav": Code2WavStage}
+
+
+def engine_handler(options: dict, stage: str = "") -> EngineStage:
+    """The handler of a stage with `engine:` settings (loaded by its warm())."""
+    spec = parse_engine(options, f"stage {stage!r}")
+    return STAGES[spec.part](spec, stage)

@@ -1,0 +1,256 @@
+"""Qwen2.5-Omni split into stages equals the library's one-call generate() on the same checkpoint.
+
+A tiny random checkpoint of the real architecture is built at test time (nothing downloaded). The parts
+are checked alone and then through a real mesh (`omni-mesh up compose/qwen2_5_omni.yaml`): greedy
+decoding gives the same text and the same waveform (within 2 steps of 16-bit PCM) as
+`Qwen2_5OmniForConditionalGeneration.generate()` with the talker's non-speech ids suppressed as the
+talker stage suppresses them.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import shutil
+import signal
+import time
+import wave
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from omni_mesh.engines.checkpoint import CheckpointError, read_part  # noqa: E402
+from omni_mesh.engines.qwen2_5_omni import Talker, Thinker, Token2Wav  # noqa: E402
+from omni_mesh.engines.tiny import build_tiny  # noqa: E402
+from tests.support.meshkit import running_mesh, wait_for  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TOPOLOGY = ROOT / "compose" / "qwen2_5_omni.yaml"
+PROMPT = "Hello there, how are you?"
+PCM_STEPS = 2 / 32768  # what "within 2 steps of 16-bit PCM" allows
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny("qwen2_5_omni", tmp_path_factory.mktemp("qwen2_5_omni"))
+
+
+def reference(checkpoint: Path, prompt: str, *, seed: int, max_tokens: int, max_codes: int) -> tuple[str, np.ndarray]:
+    """The must-show's reference: the chat template over one user message, torch.manual_seed(seed),
+    then the library's one-call generate() greedy, every other argument at its default."""
+    from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
+
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(str(checkpoint)).eval()
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    talker = Talker(model.talker, model.config)  # the stage's suppression list, and its stop ids
+    torch.manual_seed(seed)
+    sequences, wav = model.generate(
+        ids,
+        thinker_max_new_tokens=max_tokens,
+        thinker_do_sample=False,
+        talker_do_sample=False,
+        talker_max_new_tokens=max_codes,
+        talker_eos_token_id=talker.stop_ids,
+        talker_logits_processor=talker.logits_processor(),
+    )
+    text = tokenizer.decode(sequences[0, ids.shape[1] :], skip_special_tokens=True)
+    return text, wav.numpy()
+
+
+def test_each_part_loads_alone_and_missing_weights_are_an_error(checkpoint: Path, tmp_path: Path) -> None:
+    thinker_keys = read_part(checkpoint, "thinker.")
+    assert thinker_keys and not any(k.startswith(("talker.", "token2wav.")) for k in thinker_keys)
+    thinker = Thinker.load(checkpoint, torch.float32, "cpu")
+    assert not hasattr(thinker.model, "token2wav") and not hasattr(thinker.model, "talker")
+    Token2Wav.load(checkpoint, torch.float32, "cpu")
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoint, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    dropped = "talker.codec_head.weight"
+    del tensors[dropped]
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="codec_head.weight"):
+        Talker.load(broken, torch.float32, "cpu")
+    Thinker.load(broken, torch.float32, "cpu")  # the other parts do not need the talker's weights
+
+    for prefix in ("token2wav.",):
+        for key in [k for k in tensors if k.startswith(prefix)]:
+            del tensors[key]
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="no weights under 'token2wav.'"):
+        Token2Wav.load(broken, torch.float32, "cpu")
+
+
+def test_split_parts_equal_one_call_generate(checkpoint: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    thinker = Thinker.load(checkpoint, torch.float32, "cpu")
+    talker = Talker.load(checkpoint, torch.float32, "cpu")
+    token2wav = Token2Wav.load(checkpoint, torch.float32, "cpu")
+    for max_tokens, max_codes, seed in ((2, 20, 1), (8, 60, 7)):
+        text, wav = reference(checkpoint, PROMPT, seed=seed, max_tokens=max_tokens, max_codes=max_codes)
+        streamed: list[int] = []
+        output = thinker.generate(ids, max_tokens=max_tokens, temperature=0, on_token=streamed.append)
+        codes = talker.generate(output.to_payload(), max_codes=max_codes, temperature=0)
+        ours = token2wav.decode(codes, seed=seed).numpy()
+        assert streamed == output.reply_ids.tolist()  # one callback per token, in order
+        assert tokenizer.decode(output.reply_ids, skip_special_tokens=True) == text
+        assert ours.shape == wav.shape
+        assert np.abs(ours - wav).max() <= PCM_STEPS
+        assert np.abs(wav).max() > 0.05  # audible: the comparison is not of silences
+
+
+def test_stop_flag_ends_generation_early(checkpoint: Path) -> None:
+    thinker = Thinker.load(checkpoint, torch.float32, "cpu")
+    ids = torch.tensor([[1, 2, 3]])
+    seen: list[int] = []
+    output = thinker.generate(ids, max_tokens=50, temperature=0, on_token=seen.append, should_stop=lambda: len(seen) >= 3)
+    assert len(output.reply_ids) == 4  # generate() checks its criteria before streaming a step's token
+
+
+def _wav_samples(b64: str) -> np.ndarray:
+    with wave.open(io.BytesIO(base64.b64decode(b64))) as wav:
+        assert (wav.getframerate(), wav.getnchannels(), wav.getsampwidth()) == (24000, 1, 2)
+        return np.frombuffer(wav.readframes(wav.getnframes()), dtype="<i2").astype(np.int32)
+
+
+def _sse_events(response) -> Iterator[tuple[str, dict]]:
+    """(event, data) as each server-sent event arrives."""
+    kind = "message"
+    for line in response.iter_lines():
+        if line.startswith("event:"):
+            kind = line.split(":", 1)[1].strip()
+        elif line.startswith("data:"):
+            yield kind, json.loads(line.split(":", 1)[1])
+            kind = "message"
+
+
+@pytest.fixture(scope="module")
+def mesh(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+    directory = tmp_path_factory.mktemp("qwen2_5_mesh")
+    env = {"OMNI_MESH_MODEL": str(checkpoint)}
+    with running_mesh(directory, TOPOLOGY, env=env) as running:
+        yield running
+
+
+def test_mesh_reply_equals_one_call_generate(mesh, checkpoint: Path) -> None:
+    params = {"temperature": 0, "seed": 11, "max_tokens": 6, "max_audio_tokens": 70}
+    reply = mesh.ok({"prompt": PROMPT}, params=params, timeout_s=60)
+    text, wav = reference(checkpoint, PROMPT, seed=11, max_tokens=6, max_codes=70)
+    outputs = reply["outputs"]
+    assert outputs["text"] == text
+    ours = _wav_samples(outputs["audio_wav_base64"])
+    theirs = np.round(np.clip(wav, -1, 1) * 32767).astype(np.int32)
+    assert ours.shape == theirs.shape
+    assert np.abs(ours - theirs).max() <= 2
+    assert outputs["finish_reason"] == "length"
+    assert outputs["usage"]["completion_tokens"] == 6
+
+
+def test_mesh_streams_text_token_by_token_then_audio(mesh, checkpoint: Path) -> None:
+    params = {"temperature": 0, "max_tokens": 10, "max_audio_tokens": 80}
+    body = {"inputs": {"prompt": PROMPT}, "params": params, "timeout_s": 60, "stream": True}
+    texts, audio, text_before_audio = [], 0, None
+    with mesh.client.stream("POST", "/v1/requests", json=body, timeout=90) as response:
+        assert response.status_code == 200
+        for kind, event in _sse_events(response):
+            assert kind != "error", event
+            if kind == "done":
+                break
+            output = event["output"]
+            if output.get("text"):
+                texts.append(output["text"])
+            pcm = base64.b64decode(output.get("audio_pcm16") or "")
+            if pcm and text_before_audio is None:
+                text_before_audio = len(texts)
+            audio += len(pcm)
+    # The deltas are those of the reply's tokens one by one (a character split across tokens waits
+    # for its last byte): the same greedy reply, made here by the thinker part alone.
+    from omni_mesh.engines.text import Detokenizer, prompt_ids
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+    reply = Thinker.load(checkpoint, torch.float32, "cpu").generate(
+        prompt_ids(tokenizer, {"prompt": PROMPT}), max_tokens=10, temperature=0
+    ).reply_ids.tolist()
+    detok = Detokenizer(tokenizer)
+    expected = [delta for delta in [*(detok.add(t) for t in reply), detok.flush()] if delta]
+    assert texts == expected
+    assert len(texts) >= 4, texts
+    assert text_before_audio and audio >= 80 * 480 * 2  # text first; all of the 80 codes' audio
+
+
+def test_openai_client_streams_text_and_audio_with_finish_reason(mesh) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", timeout=60)
+    stream = client.chat.completions.create(
+        model="qwen2.5-omni",
+        messages=[{"role": "user", "content": PROMPT}],
+        modalities=["text", "audio"],
+        audio={"voice": "Ethan", "format": "pcm16"},
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, audio, finish, usage = [], 0, None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            delta = choice.delta
+            if delta.content:
+                text.append(delta.content)
+            sound = getattr(delta, "audio", None)  # a model in newer clients, a plain dict in older ones
+            data = sound.get("data") if isinstance(sound, dict) else getattr(sound, "data", None)
+            audio += len(base64.b64decode(data)) if data else 0
+            finish = choice.finish_reason or finish
+    assert text and audio > 0
+    assert finish == "length"
+    assert usage is not None and usage.completion_tokens == 4
+
+
+def test_killed_talker_fails_the_streamed_request_cleanly_and_the_next_succeeds(checkpoint: Path, tmp_path: Path) -> None:
+    env = {"OMNI_MESH_MODEL": str(checkpoint)}
+    with running_mesh(tmp_path, TOPOLOGY, env=env) as mesh:
+        # `up` treats a death before it has said "ready" as a failed start: kill after that.
+        wait_for(lambda: "is ready at" in mesh.log(), 30, "omni-mesh up to say it is ready")
+        talker_pid = mesh.replica("talker")["pid"]
+        params = {"temperature": 0, "max_tokens": 8, "max_audio_tokens": 4000}
+        body = {"inputs": {"prompt": PROMPT}, "params": params, "timeout_s": 60, "stream": True}
+        kinds = []
+        started = time.perf_counter()
+        with mesh.client.stream("POST", "/v1/requests", json=body, timeout=90) as response:
+            for kind, event in _sse_events(response):
+                kinds.append(kind)
+                if kind == "chunk" and talker_pid:  # the talker passed the text on: it is making codes now
+                    os.kill(talker_pid, signal.SIGKILL)
+                    talker_pid = 0
+                if kind in ("error", "done"):
+                    failure = event
+                    break
+        assert kinds[-1] == "error", kinds  # the request fails, naming the stage, long before its deadline
+        assert failure["stage"] in ("talker", "code2wav"), failure
+        assert time.perf_counter() - started < 30
+        mesh.wait_ready(120)  # the launcher restarts the talker
+        reply = mesh.ok({"prompt": PROMPT}, params={"temperature": 0, "max_tokens": 3, "max_audio_tokens": 20}, timeout_s=60)
+        assert reply["outputs"]["text"]
+        assert reply["outputs"]["audio_wav_base64"]
+    # running_mesh's stop checked that no process and no shared-memory segment was left behind
