@@ -115,7 +115,9 @@ class Launcher:
         missing = topology.missing_handlers()
         if missing:
             names = ", ".join(f"{s.stage_id} {s.name!r}" for s in missing)
-            raise ValueError(f"cannot start: stage(s) {names} have no handler; set `handler: module:function`")
+            raise ValueError(
+                f"cannot start: stage(s) {names} have no handler; set `handler: module:function` or `engine:`"
+            )
         self.topology = topology
         self.host = host
         self.port = port
@@ -327,10 +329,11 @@ def run_up(
     api_key: str | None = None,
     ssl_certfile: str | None = None,
     ssl_keyfile: str | None = None,
+    ready_timeout_s: float = 60.0,
 ) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per /ready poll is noise
     return Launcher(
         topology, host=host, port=port, coordinator_args=coordinator_args,
-        api_key=api_key, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
+        api_key=api_key, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, ready_timeout_s=ready_timeout_s,
     ).run()

@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from omni_mesh.cli import bench, export, keys, services, status, validate
+from omni_mesh.cli import bench, export, keys, models, services, status, validate
 from omni_mesh.cli.common import EXIT_OK, EXIT_USAGE, CliError, Command, Declare, HelpWithDefaults
 from omni_mesh.topology import TopologyError
 
@@ -20,6 +20,7 @@ _COMMANDS: dict[str, tuple[Declare, Command]] = {
     **keys.COMMANDS,
     **status.COMMANDS,
     **export.COMMANDS,
+    **models.COMMANDS,
 }
 
 

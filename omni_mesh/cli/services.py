@@ -7,7 +7,7 @@ import argparse
 import os
 
 from omni_mesh.cli.common import EXIT_OK, CliError, Command, Declare, HelpWithDefaults
-from omni_mesh.topology import load_topology
+from omni_mesh.topology import Topology, load_topology
 
 
 def _env(name: str, default: str) -> str:
@@ -136,8 +136,10 @@ def _cmd_stage(args: argparse.Namespace) -> int:
     if not args.stage:
         raise CliError("which stage? pass --stage NAME (or set OMNI_MESH_STAGE)")
     stage = topology.stage(int(args.stage) if args.stage.isdigit() else args.stage)
-    if not stage.handler:
-        raise CliError(f"stage {stage.name!r} ({stage.stage_id}) has no handler: set `handler: module:function`")
+    if not stage.runnable:
+        raise CliError(
+            f"stage {stage.name!r} ({stage.stage_id}) has no handler: set `handler: module:function` or `engine:`"
+        )
     return main_stage(
         topology, stage.name, args.coordinator, replica_id=args.replica, host=args.host, health_file=args.health_file
     )
@@ -154,6 +156,11 @@ def _add_up(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="REST bind address")
     parser.add_argument("--port", type=int, default=8000, help="REST port")
     parser.add_argument("--timeout-s", type=float, default=30.0, help="deadline of requests that set no timeout_s")
+    parser.add_argument(
+        "--ready-timeout-s", type=float, default=os.environ.get("OMNI_MESH_READY_TIMEOUT_S"),
+        help="how long the mesh may take to become ready; default 60 s, or 600 s when a stage runs an "
+        "engine: (it loads its model first) ($OMNI_MESH_READY_TIMEOUT_S)",
+    )
     _add_rest_flags(parser)
     return parser
 
@@ -177,10 +184,17 @@ def _cmd_up(args: argparse.Namespace) -> int:
     try:
         return run_up(
             topology, host=args.host, port=args.port, coordinator_args=coordinator_args,
+            ready_timeout_s=_ready_timeout_s(args.ready_timeout_s, topology),
             api_key=rest["api_key"], ssl_certfile=rest["ssl_certfile"], ssl_keyfile=rest["ssl_keyfile"],
         )
     except ValueError as exc:
         raise CliError(str(exc)) from None
+
+
+def _ready_timeout_s(value: float | str | None, topology: Topology) -> float:
+    if value is not None:
+        return float(value)
+    return 600.0 if any(stage.engine is not None for stage in topology.stages) else 60.0
 
 
 def _topology_arg(args: argparse.Namespace) -> str:

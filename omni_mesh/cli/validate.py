@@ -68,7 +68,7 @@ def format_summary(topology: Topology) -> str:
         ]
         lines.append(
             f"  {stage.stage_id}  {stage.name}  replicas={stage.replicas} max_inflight={stage.max_inflight}"
-            f"  handler={stage.handler or '-'}" + (f"  [{', '.join(roles)}]" if roles else "")
+            f"  {stage.describe_work()}" + (f"  [{', '.join(roles)}]" if roles else "")
             + f"  max_queued={stage.queue_limit()}" + ("" if stage.max_queued is not None else " (default)")
         )
     lines.append(f"edges ({len(topology.edges)}):")
@@ -90,7 +90,7 @@ def format_summary(topology: Topology) -> str:
         who = ", ".join(f"{stage.stage_id} {stage.name!r}" for stage in missing)
         lines.append(
             f"note: {len(missing)} stage(s) have no handler: {who}; `omni-mesh up` needs a "
-            "handler: module:function on every stage"
+            "handler: module:function (or an engine:) on every stage"
         )
     return "\n".join(lines)
 

@@ -227,7 +227,7 @@ class _Answer:
                 "expires_at": self.created,  # nothing is kept for later turns: it expires at once
                 "transcript": self.reply.text,
             }
-        choice = {"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}
+        choice = {"index": 0, "message": message, "finish_reason": self.reply.finish_reason, "logprobs": None}
         return JSONResponse(self._object("chat.completion", [choice], usage=self.reply.usage))
 
     async def stream(self, first: tuple[str, str | None, Any]) -> AsyncIterator[str]:
@@ -238,7 +238,7 @@ class _Answer:
                 if delta:
                     yield self._chunk(delta)
             end = {"audio": {"id": self.audio_id, "expires_at": self.created}} if self.call.audio_format else {}
-            yield self._chunk(end, finish_reason="stop")
+            yield self._chunk(end, finish_reason=self.reply.finish_reason)
             if self.call.include_usage:
                 yield _sse(self._object("chat.completion.chunk", [], usage=self.reply.usage))
             yield "data: [DONE]\n\n"

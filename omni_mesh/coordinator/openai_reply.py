@@ -43,6 +43,8 @@ class Reply:
         self.pcm = bytearray()
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        #: "length" when a stage says max_tokens cut the reply (its `finish_reason` field), else "stop".
+        self.finish_reason = "stop"
         self._streamed: set[str] = set()
 
     @property
@@ -79,6 +81,8 @@ class Reply:
         if _reads(text_ref, stage, value):
             piece.text = _typed(value, text_ref, str, "a string")
             self.text += piece.text
+        if text_ref is not None and stage == text_ref.stage and value.get("finish_reason") in ("stop", "length"):
+            self.finish_reason = value["finish_reason"]
         if self.want_audio and _reads(audio_ref, stage, value):
             piece.pcm = self._audio(stage, value)
             self.pcm += piece.pcm

@@ -93,6 +93,10 @@ class StageReplica:
             producers = {self.connectors[e.connector.ref] for e in self.out_edges.values()}
             for connector in producers:
                 await loop.run_in_executor(self.executor, connector.warm_up)
+            warm = getattr(self.handler, "warm", None)
+            if warm is not None:  # a model loads before the replica says it is ready, never in a request
+                log.info("replica %s of stage %s loading", self.replica_id, self.stage.name)
+                await warm()
             if await self._register():  # False: told to stop before the coordinator answered
                 log.info("replica %s of stage %s ready", self.replica_id, self.stage.name)
             await self._stopped.wait()

@@ -15,6 +15,7 @@ _STAGE_KEYS = frozenset(
         "stage_id",
         "name",
         "handler",
+        "engine",
         "replicas",
         "max_inflight",
         "max_queued",
@@ -51,6 +52,11 @@ def parse_stage(entry: Any, index: int, defaults: dict[str, int]) -> StageSpec:
     handler = entry.get("handler")
     if handler is not None and (not isinstance(handler, str) or not _HANDLER.match(handler)):
         raise TopologyError(f"{who}: handler must look like 'package.module:function', got {handler!r}")
+    engine = _engine(entry, who)
+    if engine is not None and handler is not None and "engine" in entry:
+        raise TopologyError(f"{who}: set handler: or engine:, not both (engine: runs a model part as the handler)")
+    if handler is not None:
+        engine = None  # a handler given with vllm-omni's engine_args runs the handler
     final_output = entry.get("final_output", False)
     if not isinstance(final_output, bool):
         raise TopologyError(f"{who}: final_output must be true or false, got {final_output!r}")
@@ -65,7 +71,29 @@ def parse_stage(entry: Any, index: int, defaults: dict[str, int]) -> StageSpec:
         max_queued=_optional_count(entry.get("max_queued"), f"{who}: max_queued"),
         final_output=final_output,
         options={key: value for key, value in entry.items() if key not in _STAGE_KEYS},
+        engine=engine,
     )
+
+
+def _engine(entry: dict, who: str) -> dict | None:
+    """The stage's checked `engine:` settings; from vllm-omni's `engine_args.model_stage` (and `model`,
+    `dtype`) when the stage has neither engine: nor handler:; None when it names no model part."""
+    from omni_mesh.engines.settings import DTYPES, PART_ALIASES, PARTS, parse_engine
+
+    raw = entry.get("engine")
+    if raw is None:
+        args = entry.get("engine_args")
+        stage = args.get("model_stage") if isinstance(args, dict) else None
+        if PART_ALIASES.get(stage, stage) not in PARTS:
+            return None
+        raw = {"part": stage, "model": args.get("model") or "${OMNI_MESH_MODEL}"}
+        if args.get("dtype") in DTYPES:
+            raw["dtype"] = args["dtype"]
+    try:
+        spec = parse_engine(raw, who)
+    except ValueError as exc:
+        raise TopologyError(str(exc)) from None
+    return {key: value for key, value in vars(spec).items()}
 
 
 def parse_connector_entry(entry: Any, ref: str, who: str, *, unknown_keys_ok: bool = False) -> ConnectorSpec:

@@ -61,7 +61,13 @@ def add_to_sys_path(topology: Topology) -> None:
 
 
 def load_handler(topology: Topology, stage: StageSpec) -> Callable[..., Any]:
-    """The callable a stage's `handler: module:callable` names, imported; ValueError naming the stage."""
+    """What runs a stage's requests: its `engine:` part (loaded by the handler's warm()), or the callable
+    its `handler: module:callable` names, imported (a class with `from_stage` is built from the stage's
+    settings); ValueError naming the stage."""
+    if stage.engine is not None:
+        from omni_mesh.engines.stages import engine_handler  # torch and transformers: stage processes only
+
+        return engine_handler(stage.engine, stage.name)
     if not stage.handler:
         raise ValueError(
             f"stage {stage.name!r} ({stage.stage_id}) has no handler: set `handler: module:callable`"
@@ -74,6 +80,8 @@ def load_handler(topology: Topology, stage: StageSpec) -> Callable[..., Any]:
         handler = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"stage {stage.name!r}: cannot load handler {stage.handler!r}: {exc}") from exc
+    if isinstance(handler, type) and hasattr(handler, "from_stage"):
+        handler = handler.from_stage(stage.options, stage.name)
     if not callable(handler):
         raise ValueError(f"stage {stage.name!r}: handler {stage.handler!r} is not callable")
     return handler

@@ -44,6 +44,19 @@ class StageSpec:
     final_output: bool = False
     #: Stage keys omni-mesh does not interpret (vllm-omni's engine_args, runtime, ...), kept verbatim.
     options: dict = field(default_factory=dict, hash=False)
+    #: `engine:` (a real model part, omni_mesh.engines) instead of a handler; checked settings.
+    engine: dict | None = field(default=None, hash=False)
+
+    @property
+    def runnable(self) -> bool:
+        """Whether the stage says what to run: a handler or an engine."""
+        return self.handler is not None or self.engine is not None
+
+    def describe_work(self) -> str:
+        """What the stage runs, as `validate` prints it."""
+        if self.engine is not None:
+            return f"engine={self.engine['part']}:{self.engine['model']}"
+        return f"handler={self.handler or '-'}"
 
     def queue_limit(self, running_capacity: int = 0) -> int:
         """How many requests may wait for this stage: `max_queued`, or QUEUE_FACTOR x its total
@@ -114,8 +127,8 @@ class Topology:
         return [stage for stage in self.stages if stage.stage_id not in feeding]
 
     def missing_handlers(self) -> list[StageSpec]:
-        """Stages without a `handler`: fine for `validate`, refused by `up`."""
-        return [stage for stage in self.stages if stage.handler is None]
+        """Stages with neither a `handler` nor an `engine`: fine for `validate`, refused by `up`."""
+        return [stage for stage in self.stages if not stage.runnable]
 
     def to_dict(self) -> dict[str, Any]:
         entries = {stage.stage_id for stage in self.entry_stages}
@@ -130,6 +143,7 @@ class Topology:
                     "id": stage.stage_id,
                     "name": stage.name,
                     "handler": stage.handler,
+                    "engine": dict(stage.engine) if stage.engine is not None else None,
                     "replicas": stage.replicas,
                     "max_inflight": stage.max_inflight,
                     "max_queued": stage.max_queued,

@@ -8,15 +8,12 @@ result is pleasant to listen to while still depending on every code.
 
 from __future__ import annotations
 
-import base64
-import io
-import wave
-
 import numpy as np
 
+from omni_mesh.audio import SAMPLE_RATE, pcm16_bytes, wav_base64, wav_bytes
 from services.omni_demo.model import CODEBOOK_SIZE
 
-SAMPLE_RATE = 24_000
+__all__ = ["GROUP_SAMPLES", "GROUP_SECONDS", "SAMPLE_RATE", "pcm16_bytes", "synthesize", "wav_base64", "wav_bytes"]
 GROUP_SECONDS = 0.1
 GROUP_SAMPLES = int(SAMPLE_RATE * GROUP_SECONDS)
 _ATTACK_SAMPLES = int(0.005 * SAMPLE_RATE)
@@ -61,23 +58,3 @@ def synthesize(groups: np.ndarray) -> np.ndarray:
     voices = np.sin(phase) + 0.25 * np.sin(2.0 * phase)
     mix = (voices * gains[None, :, None]).sum(axis=1) / (1.25 * gains.sum())
     return (_PEAK * mix * _ENV[None, :]).astype(np.float32).reshape(-1)
-
-
-def pcm16_bytes(samples: np.ndarray) -> bytes:
-    """Float samples in [-1, 1] as 16-bit little-endian PCM (what a WAV file and a pcm16 stream hold)."""
-    return (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
-
-
-def wav_bytes(samples: np.ndarray, sample_rate: int = SAMPLE_RATE) -> bytes:
-    """A mono 16-bit PCM RIFF/WAV file holding float samples in [-1, 1]."""
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as wav:
-        wav.setnchannels(1)
-        wav.setsampwidth(2)
-        wav.setframerate(sample_rate)
-        wav.writeframes(pcm16_bytes(samples))
-    return buf.getvalue()
-
-
-def wav_base64(samples: np.ndarray, sample_rate: int = SAMPLE_RATE) -> str:
-    return base64.b64encode(wav_bytes(samples, sample_rate)).decode("ascii")
