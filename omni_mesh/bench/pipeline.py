@@ -38,7 +38,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def _drive(url: str, concurrency: int, duration_s: float, body: dict, pids: set[int] | None = None) -> dict[str, Any]:
+async def drive(url: str, concurrency: int, duration_s: float, body: dict, pids: set[int] | None = None) -> dict[str, Any]:
     """Load for WARMUP_S + duration_s; figures count what completes inside the last duration_s.
     With `pids` (the mesh's processes), also the CPU time they spend in that window per request:
     a cost the other loads on a shared machine disturb far less than throughput."""
@@ -144,7 +144,7 @@ async def _streamed(client: httpx.AsyncClient, body: dict, marks: dict[str, floa
 
 def _round_on_new_mesh(topology: str, mode: str, concurrency: int, duration_s: float, body: dict) -> dict[str, Any]:
     with running_mesh(topology, insecure=mode == "off") as mesh:
-        result = aio.run(_drive(mesh.url, concurrency, duration_s, body, mesh.processes()))
+        result = aio.run(drive(mesh.url, concurrency, duration_s, body, mesh.processes()))
         seen = mesh.control_plane()
     if seen != "unknown" and seen != EXPECTED_CONTROL_PLANE[mode]:
         raise RuntimeError(f"asked for CURVE {mode}, but the coordinator runs its control plane {seen}")
@@ -212,7 +212,7 @@ def run(
     body = {"inputs": inputs, "params": params, "timeout_s": timeout_s, **({"stream": True} if stream else {})}
     common = {"url": url, "topology": topology, "concurrency": concurrency, "duration_s": duration_s}
     if url:
-        measured = [{"mode": "running", "control_plane": "unknown", **aio.run(_drive(url, concurrency, duration_s, body))}]
+        measured = [{"mode": "running", "control_plane": "unknown", **aio.run(drive(url, concurrency, duration_s, body))}]
         return {**common, "security": "running", "rounds": measured, "modes": {"running": summarise(measured)}}
     assert topology is not None
     order = SECURITY_MODES[security]

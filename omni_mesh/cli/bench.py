@@ -10,7 +10,7 @@ from omni_mesh.cli.common import EXIT_OK, CliError, Command, Declare
 
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("bench", help="benchmarks: a connector, or a running pipeline")
+    parser = subparsers.add_parser("bench", help="benchmarks: a connector, a running pipeline, real model engines")
     kinds = parser.add_subparsers(dest="bench", metavar="KIND", required=True)
     connector = kinds.add_parser("connector", help="cross-process put->get through one connector vs memcpy and raw")
     connector.add_argument("--connector", default="SharedMemoryConnector", help="connector name")
@@ -50,6 +50,18 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="send stream: true and read the events: time to the first chunk and to the first audio chunk",
     )
     pipeline.add_argument("--json", action="store_true", help="print the results as JSON")
+    engines = kinds.add_parser(
+        "engines", help="real model parts: the library's one-call generate() vs the same checkpoint as a 3-stage mesh"
+    )
+    engines.add_argument("--model", default=None, help="a Qwen2.5-Omni checkpoint directory (default: a tiny random one)")
+    engines.add_argument("--prompt", default="Tell me about the weather today.")
+    engines.add_argument("--max-tokens", type=int, default=32, help="reply tokens")
+    engines.add_argument("--max-audio-tokens", type=int, default=200, help="codec codes (50 per second of audio)")
+    engines.add_argument("--rounds", type=int, default=5, help="monolithic requests timed")
+    engines.add_argument("--duration", type=float, default=10.0, help="seconds of load per mesh measurement")
+    engines.add_argument("--threads", type=int, default=1, help="torch threads per process (monolithic and each stage)")
+    engines.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    engines.add_argument("--json", action="store_true", help="print the results as JSON")
     chaos = kinds.add_parser(
         "chaos", help="soak: checked load while replicas are SIGKILLed; non-zero exit if an invariant breaks"
     )
@@ -86,6 +98,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                 args.connector, config, sizes, raw=not args.no_raw, device=args.device, zero_copy=args.zero_copy
             )
         print(json.dumps(result, indent=2) if args.json else connector.report(result))
+        return EXIT_OK
+    if args.bench == "engines":
+        from omni_mesh.bench import engines
+
+        for flag in ("max_tokens", "max_audio_tokens", "rounds", "threads"):
+            if getattr(args, flag) < 1:
+                raise CliError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+        result = engines.run(
+            model=args.model, prompt=args.prompt, max_tokens=args.max_tokens, max_audio_tokens=args.max_audio_tokens,
+            rounds=args.rounds, duration_s=args.duration, threads=args.threads, device=args.device,
+        )
+        print(json.dumps(result, indent=2) if args.json else engines.report(result))
         return EXIT_OK
     if args.bench == "chaos":
         from omni_mesh.bench import chaos
