@@ -254,3 +254,17 @@ def test_killed_talker_fails_the_streamed_request_cleanly_and_the_next_succeeds(
         assert reply["outputs"]["text"]
         assert reply["outputs"]["audio_wav_base64"]
     # running_mesh's stop checked that no process and no shared-memory segment was left behind
+
+
+def test_vllm_omni_stage_config_runs_on_the_engines_without_handlers(checkpoint: Path, tmp_path: Path) -> None:
+    """vllm-omni's stage config (engine_args.model_stage, default_sampling_params), unchanged: both of
+    its final stages answer, the thinker without the talker's inputs (they are for the talker only)."""
+    config = ROOT / "tests" / "topologies" / "vllm_omni_three_stage.yaml"
+    env = {"OMNI_MESH_MODEL": str(checkpoint)}
+    with running_mesh(tmp_path, config, env=env) as mesh:
+        params = {"temperature": 0, "max_tokens": 5, "max_audio_tokens": 30}
+        outputs = mesh.ok({"prompt": PROMPT}, params=params, timeout_s=60)["outputs"]
+    thinker, code2wav = outputs["stage_0"], outputs["stage_2"]
+    assert isinstance(thinker, list) and all("talker" not in chunk for chunk in thinker)
+    assert "".join(chunk["text"] for chunk in thinker) == code2wav["text"]
+    assert len(_wav_samples(code2wav["audio_wav_base64"])) == 30 * 480

@@ -113,7 +113,12 @@ def test_vllm_omni_stage_args_with_runtime_defaults_and_edges() -> None:
     assert options["runtime"] == {"devices": "1"}
     assert options["custom_process_input_func"] == "my_models.processors.thinker_to_talker"
     assert "engine_input_source" not in options and "final_output" not in options
-    assert len(topo.missing_handlers()) == 3
+    # vllm-omni's model_stage runs on omni-mesh's engines, with its default_sampling_params as defaults
+    assert not topo.missing_handlers()
+    assert [s.engine["part"] for s in topo.stages] == ["thinker", "talker", "code2wav"]
+    assert all(s.engine["model"] == "${OMNI_MESH_MODEL}" for s in topo.stages)
+    assert (topo.stage(0).engine["temperature"], topo.stage(0).engine["max_tokens"]) == (0.2, 128)
+    assert topo.stage(1).engine["temperature"] == 0.7
 
 
 def test_vllm_omni_connector_under_runtime_named_on_both_sides() -> None:
@@ -265,6 +270,7 @@ def test_to_dict_is_json_and_complete() -> None:
         "id": 0,
         "name": "thinker",
         "handler": "topology_demo_handlers:thinker",
+        "engine": None,
         "replicas": 2,
         "max_inflight": 4,
         "max_queued": None,
@@ -876,3 +882,26 @@ def test_any_back_edge_is_reported_as_a_cycle(dag: tuple[list[int], set[tuple[in
     assert cycle[0] == cycle[-1] and len(cycle) >= 3
     for a, b in zip(cycle, cycle[1:], strict=False):
         assert (int(a), int(b)) in edges
+
+
+def test_engine_settings_are_checked_where_the_stage_is() -> None:
+    from omni_mesh.topology.parse import parse_topology
+
+    def stage(engine: object) -> dict:
+        return {"stages": [{"stage_id": 0, "name": "thinker", "engine": engine}]}
+
+    parsed = parse_topology(stage({"part": "token2wav", "model": "/m", "dtype": "bfloat16"}), source="t")
+    assert parsed.stages[0].engine["part"] == "code2wav" and not parsed.missing_handlers()
+    for engine, message in (
+        ({"part": "thinker"}, "engine.model must be a checkpoint directory"),
+        ({"part": "decoder", "model": "/m"}, "engine.part must be one of thinker, talker, code2wav"),
+        ({"part": "thinker", "model": "/m", "max_token": 3}, "did you mean 'max_tokens'"),
+        ({"part": "thinker", "model": "/m", "device": "gpu"}, "engine.device must be cpu or cuda:N"),
+        ({"part": "thinker", "model": "/m", "top_p": 0}, r"engine.top_p must be a number in \(0, 1\]"),
+    ):
+        with pytest.raises(TopologyError, match=message) as caught:
+            parse_topology(stage(engine), source="t")
+        assert "stage 0 'thinker'" in str(caught.value)
+    both = {"stages": [{"stage_id": 0, "handler": "m:f", "engine": {"part": "thinker", "model": "/m"}}]}
+    with pytest.raises(TopologyError, match="set handler: or engine:, not both"):
+        parse_topology(both, source="t")

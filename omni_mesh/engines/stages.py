@@ -102,6 +102,12 @@ class ThinkerStage(EngineStage):
         }
 
 
+    @staticmethod
+    def client_output(chunk: dict) -> dict:
+        """What a client reads of the thinker when it is a final stage too: not the talker's inputs."""
+        return {key: value for key, value in chunk.items() if key != "talker"}
+
+
 class TalkerStage(EngineStage):
     """The thinker's stream -> its text passed on, then codec codes in chunks as they are made."""
 

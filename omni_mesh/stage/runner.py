@@ -272,7 +272,12 @@ class Runner:
                 sent["put_s"] += time.perf_counter() - put_started
         extra: list[Any] = []
         if self.is_final and not end:
-            frame = await loop.run_in_executor(self.executor, codec.encode, data)
+            # A handler may keep what only its downstream stages need out of the client's answer
+            # (an engine's hidden states): `client_output(data)`.
+            to_client = getattr(self.handler, "client_output", None)
+            frame = await loop.run_in_executor(
+                self.executor, codec.encode, data if to_client is None else to_client(data)
+            )
             if len(frame) > control.MAX_FRAME_BYTES:  # the coordinator would drop our connection for it
                 raise RuntimeError(
                     f"final output of {len(frame)} bytes exceeds the control plane's limit of "

@@ -89,11 +89,23 @@ def _engine(entry: dict, who: str) -> dict | None:
         raw = {"part": stage, "model": args.get("model") or "${OMNI_MESH_MODEL}"}
         if args.get("dtype") in DTYPES:
             raw["dtype"] = args["dtype"]
+        raw.update(_sampling_defaults(entry.get("default_sampling_params"), PART_ALIASES.get(stage, stage)))
     try:
         spec = parse_engine(raw, who)
     except ValueError as exc:
         raise TopologyError(str(exc)) from None
     return {key: value for key, value in vars(spec).items()}
+
+
+def _sampling_defaults(params: Any, part: str) -> dict:
+    """vllm-omni's `default_sampling_params` as engine defaults: temperature, top_p, and max_tokens (the
+    talker's counts codes). Others (seed, stop ids, ...) have no engine default here and are left out."""
+    if not isinstance(params, dict):
+        return {}
+    out = {key: params[key] for key in ("temperature", "top_p") if key in params}
+    if "max_tokens" in params:
+        out["max_audio_tokens" if part == "talker" else "max_tokens"] = params["max_tokens"]
+    return out if part != "code2wav" else {}
 
 
 def parse_connector_entry(entry: Any, ref: str, who: str, *, unknown_keys_ok: bool = False) -> ConnectorSpec:
