@@ -268,3 +268,25 @@ def test_vllm_omni_stage_config_runs_on_the_engines_without_handlers(checkpoint:
     assert isinstance(thinker, list) and all("talker" not in chunk for chunk in thinker)
     assert "".join(chunk["text"] for chunk in thinker) == code2wav["text"]
     assert len(_wav_samples(code2wav["audio_wav_base64"])) == 30 * 480
+
+
+def test_a_client_that_goes_away_stops_generation_in_every_stage(mesh) -> None:
+    """A long reply (4000 codes: seconds of talker and code2wav work) whose client leaves after the first
+    chunk: within a second no stage spends CPU on it any more."""
+    from omni_mesh.testing.processes import cpu_seconds
+
+    stages = mesh.stages()
+    pids = {stages[name][0]["pid"] for name in ("thinker", "talker", "code2wav")}
+    params = {"temperature": 0, "max_tokens": 8, "max_audio_tokens": 4000}
+    body = {"inputs": {"prompt": PROMPT}, "params": params, "timeout_s": 60, "stream": True}
+    with mesh.client.stream("POST", "/v1/requests", json=body, timeout=90) as response:
+        for kind, _ in _sse_events(response):
+            if kind == "chunk":
+                break  # leave: the response closes with the block
+    time.sleep(1.0)
+    before = cpu_seconds(pids)
+    time.sleep(2.0)
+    spent = cpu_seconds(pids) - before
+    assert spent < 0.3, f"the stages spent {spent:.2f} s of CPU in the 2 s after the client left"
+    reply = mesh.ok({"prompt": PROMPT}, params={"temperature": 0, "max_tokens": 3, "max_audio_tokens": 20}, timeout_s=60)
+    assert reply["outputs"]["audio_wav_base64"]
