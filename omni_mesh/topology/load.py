@@ -81,7 +81,7 @@ def load_handler(topology: Topology, stage: StageSpec) -> Callable[..., Any]:
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"stage {stage.name!r}: cannot load handler {stage.handler!r}: {exc}") from exc
     if isinstance(handler, type) and hasattr(handler, "from_stage"):
-        handler = handler.from_stage(stage.options, stage.name)
+        handler = handler.from_stage(stage.options)
     if not callable(handler):
         raise ValueError(f"stage {stage.name!r}: handler {stage.handler!r} is not callable")
     return handler

@@ -129,3 +129,22 @@ async def digest(inputs: dict, ctx: Any) -> dict:
         "numbers": len(numbers),
         "numbers_sum": sum(numbers),
     }
+
+
+class Warmed:
+    """A handler class: built once per replica from its stage's settings, warmed before it is ready."""
+
+    def __init__(self, options: dict) -> None:
+        self.options = options
+        self.warmed = False
+
+    @classmethod
+    def from_stage(cls, options: dict) -> Warmed:
+        return cls(options)
+
+    async def warm(self) -> None:
+        await asyncio.sleep(0.3)  # a model loading
+        self.warmed = True
+
+    async def __call__(self, inputs: dict, ctx: Any) -> dict:
+        return {"warmed": self.warmed, "engine_args": self.options.get("engine_args")}
