@@ -55,10 +55,12 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     engines.add_argument("--model", default=None, help="a Qwen2.5-Omni checkpoint directory (default: a tiny random one)")
     engines.add_argument("--prompt", default="Tell me about the weather today.")
-    engines.add_argument("--max-tokens", type=int, default=32, help="reply tokens")
-    engines.add_argument("--max-audio-tokens", type=int, default=200, help="codec codes (50 per second of audio)")
-    engines.add_argument("--rounds", type=int, default=5, help="monolithic requests timed")
-    engines.add_argument("--duration", type=float, default=10.0, help="seconds of load per mesh measurement")
+    engines.add_argument("--max-tokens", type=int, default=64, help="reply tokens")
+    engines.add_argument(
+        "--max-audio-tokens", type=int, default=400, help="codec codes (50 per second of audio: 400 is an 8 s reply)"
+    )
+    engines.add_argument("--rounds", type=int, default=6, help="monolithic requests timed (half before the mesh's, half after)")
+    engines.add_argument("--duration", type=float, default=30.0, help="seconds of load per mesh measurement")
     engines.add_argument("--threads", type=int, default=1, help="torch threads per process (monolithic and each stage)")
     engines.add_argument("--device", default="cpu", help="cpu or cuda:N")
     engines.add_argument("--json", action="store_true", help="print the results as JSON")

@@ -9,6 +9,8 @@ The stream, stage to stage (one way, as every payload flows):
   talker's inputs (`"talker"`), `"usage"` and `"finish_reason"`;
 - talker -> code2wav: the text deltas passed on as they come, then `{"codes": int64 [n]}` chunks as the
   talker makes them (a short first chunk), then `{"usage", "finish_reason"}`;
+- a client that does not read a stream needs no chunks: the thinker sends its text with the talker's
+  inputs, and the talker its codes, in one chunk each;
 - code2wav -> client: streamed, `{"text", "audio_pcm16", "sample_rate"}` chunks (text first, audio as
   it is made) and a last one with `usage` and `finish_reason`; otherwise one answer with `text`,
   `audio_wav_base64` (24 kHz mono 16-bit WAV), `sample_rate`, `duration_s`, `usage`, `finish_reason`.
@@ -86,16 +88,24 @@ class ThinkerStage(EngineStage):
 
         generation = Generation(self.executor, run)
         detok = Detokenizer(self.model.tokenizer)
+        # A client reading a stream gets the text token by token; for any other the text goes with the
+        # talker's inputs in one chunk (a chunk per token would cost every stage a hop per token).
+        streaming = _client_streams(ctx)
+        held: list[str] = []  # the deltas of a reply that is not streamed: sent with the last chunk
         try:
             async for token in generation:
-                yield {"text": detok.add(token)}
+                delta = detok.add(token)
+                if streaming:
+                    yield {"text": delta}
+                else:
+                    held.append(delta)
             output = await generation.result()
         finally:
             generation.cancel()
         reply = [int(t) for t in self.model.reply_ids(output).tolist()]
         stopped = bool(reply) and reply[-1] in eos
         yield {
-            "text": detok.flush(),
+            "text": "".join(held) + detok.flush(),
             "talker": self.model.talker_payload(output),
             "usage": {"prompt_tokens": int(ids.shape[-1]), "completion_tokens": len(reply)},
             "finish_reason": "stop" if stopped or len(reply) < sampling.max_tokens else "length",
@@ -135,13 +145,14 @@ class TalkerStage(EngineStage):
         generation = Generation(self.executor, run)
         stops = set(self.model.code_stop_ids(talker))
         pending: list[Any] = []
-        size = self.spec.first_chunk_codes
+        # Chunks only help a client that hears the audio as it is made; any other gets the codes at once.
+        size = self.spec.first_chunk_codes if _client_streams(ctx) else None
         try:
             async for code in generation:
                 if isinstance(code, int) and code in stops:
                     continue
                 pending.append(code)
-                if len(pending) >= size:
+                if size is not None and len(pending) >= size:
                     yield {"codes": self.model.codes_tensor(pending)}
                     pending, size = [], self.spec.chunk_codes
             await generation.result()
@@ -157,10 +168,7 @@ class Code2WavStage(EngineStage):
     (the one-shot decode the reference makes, seeded as it is)."""
 
     def __call__(self, inputs: Any, ctx: Any) -> Any:
-        stream = getattr(ctx, "stream", None)
-        if stream is None:
-            stream = bool((getattr(ctx, "params", None) or {}).get("stream"))
-        return self._stream(inputs, ctx) if stream else self._whole(inputs, ctx)
+        return self._stream(inputs, ctx) if _client_streams(ctx) else self._whole(inputs, ctx)
 
     async def _whole(self, inputs: Any, ctx: Any) -> dict:
         decoder = self._loaded()
@@ -211,6 +219,14 @@ class Code2WavStage(EngineStage):
             "usage": tail.get("usage"),
             "finish_reason": tail.get("finish_reason", "stop"),
         }
+
+
+def _client_streams(ctx: Any) -> bool:
+    """Whether the client reads the reply as a stream (the runtime says; `params.stream` otherwise)."""
+    stream = getattr(ctx, "stream", None)
+    if stream is None:
+        stream = (getattr(ctx, "params", None) or {}).get("stream")
+    return bool(stream)
 
 
 async def _chunks(inputs: Any, stage: str) -> AsyncIterator[dict]:
