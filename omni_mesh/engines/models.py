@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from omni_mesh.engines.checkpoint import CheckpointError, read_config
-from omni_mesh.engines.settings import ARCHS, EngineSpec
+from omni_mesh.engines.settings import ARCHS, EngineSpec, Sampling
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,14 +48,29 @@ class ModelParts:
     def _load(self, part: str) -> Any:
         raise NotImplementedError
 
+    # What each architecture's parts are asked, in the stages' terms (a Sampling carries the params).
+
+    def think(self, thinker: Any, ids: torch.Tensor, sampling: Sampling, on_token: Any, should_stop: Any) -> Any:
+        raise NotImplementedError
+
+    def talk(self, talker: Any, payload: dict, sampling: Sampling, on_code: Any, should_stop: Any) -> Any:
+        raise NotImplementedError
+
+    def decode(self, decoder: Any, codes: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+        raise NotImplementedError
+
+    def stream_decoder(self, decoder: Any, sampling: Sampling) -> Any:
+        """An object with `feed(codes) -> samples` and `finish() -> samples`, for one request."""
+        raise NotImplementedError
+
     @staticmethod
     def seed(seed: int | None) -> None:
         if seed is not None:
             torch.manual_seed(seed)
 
-    def eos_token_ids(self, thinker: Any) -> list[int]:
-        eos = thinker.model.generation_config.eos_token_id
-        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    @staticmethod
+    def eos_token_ids(thinker: Any) -> list[int]:
+        return list(thinker.eos_token_ids)
 
     def reply_ids(self, output: Any) -> torch.Tensor:
         raise NotImplementedError
@@ -68,6 +83,7 @@ class ModelParts:
 
     @staticmethod
     def codes_tensor(codes: list[Any]) -> torch.Tensor:
+        """Codes the talker made (ints, or [1, groups] frames) as one int64 tensor [n] or [n, groups]."""
         if codes and isinstance(codes[0], torch.Tensor):
             return torch.cat([c.reshape(-1) if c.dim() <= 1 else c for c in codes]).to(torch.int64)
         return torch.tensor(codes, dtype=torch.int64)
@@ -84,6 +100,8 @@ class ModelParts:
 
 
 class Qwen2_5Omni(ModelParts):
+    """Thinker, talker, token2wav (omni_mesh.engines.qwen2_5_omni)."""
+
     arch = "qwen2_5_omni"
 
     def _load(self, part: str) -> Any:
@@ -95,6 +113,24 @@ class Qwen2_5Omni(ModelParts):
             return model.Talker.load(self.directory, self.dtype, self.spec.device)
         return model.Token2Wav.load(self.directory, self.dtype, self.spec.device, self.spec.num_steps)
 
+    def think(self, thinker: Any, ids: torch.Tensor, sampling: Sampling, on_token: Any, should_stop: Any) -> Any:
+        return thinker.generate(
+            ids, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+            speaker=sampling.speaker, on_token=on_token, should_stop=should_stop,
+        )
+
+    def talk(self, talker: Any, payload: dict, sampling: Sampling, on_code: Any, should_stop: Any) -> Any:
+        return talker.generate(
+            payload, max_codes=sampling.max_audio_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+            on_code=on_code, should_stop=should_stop,
+        )
+
+    def decode(self, decoder: Any, codes: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+        return decoder.decode(codes, speaker=sampling.speaker, seed=sampling.seed)
+
+    def stream_decoder(self, decoder: Any, sampling: Sampling) -> Any:
+        return decoder.stream(speaker=sampling.speaker, seed=sampling.seed, context=self.spec.context_codes)
+
     def reply_ids(self, output: Any) -> torch.Tensor:
         return output.reply_ids
 
@@ -105,8 +141,51 @@ class Qwen2_5Omni(ModelParts):
         return talker.stop_ids
 
 
+class Qwen3Omni(ModelParts):
+    """Thinker, talker (with its code predictor: frames of code groups), code2wav (omni_mesh.engines.qwen3_omni).
+    code2wav is causal: streamed audio equals the one-shot decode, and needs no seed."""
+
+    arch = "qwen3_omni_moe"
+
+    def _load(self, part: str) -> Any:
+        from omni_mesh.engines import qwen3_omni as model
+
+        if part == "thinker":
+            return model.Qwen3OmniThinker.load(self.directory, self.dtype, self.spec.device)
+        if part == "talker":
+            return model.Qwen3OmniTalker.load(self.directory, self.dtype, self.spec.device)
+        return model.Qwen3OmniCode2Wav.load(self.directory, self.dtype, self.spec.device)
+
+    def think(self, thinker: Any, ids: torch.Tensor, sampling: Sampling, on_token: Any, should_stop: Any) -> Any:
+        return thinker.generate(
+            ids, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+            on_token=on_token, should_stop=should_stop,
+        )
+
+    def talk(self, talker: Any, payload: dict, sampling: Sampling, on_code: Any, should_stop: Any) -> Any:
+        return talker.generate(
+            payload, max_codes=sampling.max_audio_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+            speaker=sampling.speaker, on_codes=on_code, should_stop=should_stop,
+        )
+
+    def decode(self, decoder: Any, codes: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+        return decoder.decode(codes)
+
+    def stream_decoder(self, decoder: Any, sampling: Sampling) -> Any:
+        # decode each chunk as it arrives (the talker's first chunk is the short one)
+        return decoder.stream(chunk_frames=1)
+
+    def reply_ids(self, output: Any) -> torch.Tensor:
+        return output["reply_ids"]
+
+    def talker_payload(self, output: Any) -> dict:
+        from omni_mesh.engines.qwen3_omni import TALKER_INPUT_KEYS
+
+        return {key: output[key] for key in TALKER_INPUT_KEYS}
+
+
 #: Architectures by config.json model_type.
-ARCHITECTURES: dict[str, type[ModelParts]] = {"qwen2_5_omni": Qwen2_5Omni}
+ARCHITECTURES: dict[str, type[ModelParts]] = {"qwen2_5_omni": Qwen2_5Omni, "qwen3_omni_moe": Qwen3Omni}
 
 
 def open_model(spec: EngineSpec) -> ModelParts:

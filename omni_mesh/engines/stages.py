@@ -81,10 +81,7 @@ class ThinkerStage(EngineStage):
 
         def run(push: Any, should_stop: Any) -> Any:
             self.model.seed(sampling.seed)
-            return thinker.generate(
-                ids, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-                speaker=sampling.speaker, on_token=push, should_stop=should_stop,
-            )
+            return self.model.think(thinker, ids, sampling, push, should_stop)
 
         generation = Generation(self.executor, run)
         detok = Detokenizer(self.model.tokenizer)
@@ -137,10 +134,7 @@ class TalkerStage(EngineStage):
 
         def run(push: Any, should_stop: Any) -> Any:
             self.model.seed(sampling.seed)
-            return talker.generate(
-                thinker_output, max_codes=sampling.max_audio_tokens, temperature=sampling.temperature,
-                top_p=sampling.top_p, speaker=sampling.speaker, on_code=push, should_stop=should_stop,
-            )
+            return self.model.talk(talker, thinker_output, sampling, push, should_stop)
 
         generation = Generation(self.executor, run)
         stops = set(self.model.code_stop_ids(talker))
@@ -182,9 +176,7 @@ class Code2WavStage(EngineStage):
             tail.update({key: chunk[key] for key in ("usage", "finish_reason") if key in chunk})
         all_codes = self.model.join_codes(codes)
         loop = asyncio.get_running_loop()
-        wav = await loop.run_in_executor(
-            self.executor, lambda: decoder.decode(all_codes, speaker=sampling.speaker, seed=sampling.seed)
-        )
+        wav = await loop.run_in_executor(self.executor, self.model.decode, decoder, all_codes, sampling)
         samples = wav.numpy().astype(np.float32, copy=False)
         return {
             "text": "".join(text),
@@ -200,7 +192,7 @@ class Code2WavStage(EngineStage):
         decoder = self._loaded()
         assert self.model is not None
         sampling = Sampling.of(self.spec, getattr(ctx, "params", None))
-        streaming = decoder.stream(speaker=sampling.speaker, seed=sampling.seed, context=self.spec.context_codes)
+        streaming = self.model.stream_decoder(decoder, sampling)
         loop = asyncio.get_running_loop()
         tail: dict = {}
         async for chunk in _chunks(inputs, "code2wav"):

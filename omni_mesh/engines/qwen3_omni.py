@@ -1,0 +1,518 @@
+"""Qwen3-Omni split into its three parts, each loading only its own weights: the thinker (text), the
+talker (codec frames: its MoE decoder draws each frame's first code, its code predictor the others) and
+code2wav (waveform). Together they compute what `Qwen3OmniMoeForConditionalGeneration.generate()`
+computes in one call (tests/test_qwen3_omni_parts.py checks it, greedy).
+
+What travels thinker -> talker (`Qwen3OmniThinker.generate()`'s dict; H = the thinker's hidden size,
+tensors in the thinker's dtype, the talker casts them to its own):
+    reply_ids         int64 [R]   the reply (the talker does not need it; the stage reports it)
+    user_ids          int64 [U]   the prompt's ids in user turns (the talker's rope reads them)
+    user_rows         [U, H]      per user-turn token: its embedding, or for an audio/image/video
+                                  placeholder the hidden state of layer `accept_hidden_layer`
+    user_multimodal   bool [U]    which user rows are placeholders (hidden states)
+    assistant_rows    [A, H]      embeddings from the last `<|im_start|>assistant` to the last token fed
+                                  back into the thinker (A = P - start + R - 1)
+    tts_rows          [3, H]      the thinker's embeddings of tts bos, eos, pad (so the talker never loads
+                                  the thinker's embedding table)
+    text_end          int         index in the reply of the first thinker eos (R if none)
+talker -> code2wav: int64 [T, G] codes, one row per frame (12.5 frames per second), G code groups.
+code2wav: float32 waveform at 24 kHz, `samples_per_frame` (1920) samples per frame.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Qwen3OmniMoeConfig, StoppingCriteriaList
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+    Qwen3OmniMoeCode2Wav,
+    Qwen3OmniMoeTalkerForConditionalGeneration,
+    Qwen3OmniMoeThinkerForConditionalGeneration,
+)
+
+from omni_mesh.engines.checkpoint import CheckpointError, load_part, read_config
+from omni_mesh.engines.generation import StopWhen, TokenCallback, sampling_kwargs
+
+SAMPLE_RATE = 24_000
+#: generate()'s talker defaults (its signature).
+TALKER_TEMPERATURE = 0.9
+TALKER_TOP_P = 1.0
+TALKER_TOP_K = 50
+TALKER_REPETITION_PENALTY = 1.05
+DEFAULT_SPEAKER = "Ethan"
+#: generate() suppresses the talker's top 1024 ids (its control ids) except codec eos.
+TALKER_SUPPRESSED_TOP = 1024
+#: generate() decodes in chunks of 300 frames (and loses samples at each boundary: see decode()).
+REFERENCE_CHUNK_FRAMES = 300
+
+#: The keys of the thinker's output the talker reads.
+TALKER_INPUT_KEYS = (
+    "user_ids", "user_rows", "user_multimodal", "assistant_rows", "tts_rows", "text_end",
+)
+
+
+def load_config(model_dir: Path) -> Qwen3OmniMoeConfig:
+    """The checkpoint's config; CheckpointError when the directory holds no Qwen3-Omni."""
+    model_type = read_config(Path(model_dir)).get("model_type")
+    if model_type != "qwen3_omni_moe":
+        raise CheckpointError(f"{model_dir}: model_type {model_type!r} is not a Qwen3-Omni (qwen3_omni_moe)")
+    return Qwen3OmniMoeConfig.from_pretrained(str(model_dir))
+
+
+class Qwen3OmniMoeTalkerPart(Qwen3OmniMoeTalkerForConditionalGeneration):
+    """The talker loaded on its own. Checkpoints store its MoE experts one by one; the whole model's
+    loader fuses them (a conversion registered for model_type qwen3_omni_moe) but the talker's own
+    model_type has none, so the same conversion is registered for this class name: nothing else
+    (the whole model included) is affected."""
+
+
+_REGISTER_LOCK = threading.Lock()
+
+
+def _register_talker_conversion() -> None:
+    from transformers.conversion_mapping import (
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+    )
+
+    name = Qwen3OmniMoeTalkerPart.__name__
+    with _REGISTER_LOCK:  # registering twice is an error
+        if get_checkpoint_conversion_mapping(name) is None:
+            mapping = get_checkpoint_conversion_mapping("qwen3_omni_moe")
+            if mapping is not None:
+                register_checkpoint_conversion_mapping(name, mapping)
+
+
+class Qwen3OmniThinker:
+    """The thinker alone: prompt ids in, reply ids streamed out, plus what the talker needs."""
+
+    def __init__(self, model: Any, config: Qwen3OmniMoeConfig) -> None:
+        self.model = model
+        self.config = config
+        # generate()'s thinker_eos_token_id defaults to the real model's <|im_end|>: this is that id here
+        self.eos_token_ids = [config.im_end_token_id]
+        self._lock = threading.Lock()  # the thinker keeps per-call state (rope deltas): one call at a time
+
+    @classmethod
+    def load(cls, model_dir: Path, dtype: torch.dtype, device: str) -> Qwen3OmniThinker:
+        config = load_config(model_dir)
+        model = load_part(
+            Qwen3OmniMoeThinkerForConditionalGeneration, config.thinker_config, Path(model_dir), "thinker.",
+            dtype=dtype, device=device,
+        )
+        return cls(model, config)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        *,
+        max_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        on_token: Callable[[int], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        for_talker: bool = True,
+    ) -> dict[str, Any]:
+        """The reply (module docstring: the dict), made as generate() makes it. `for_talker=False`
+        returns only `reply_ids` (a text-only stage: no hidden states are kept)."""
+        if max_tokens < 1:
+            raise ValueError(f"Qwen3-Omni thinker: max_tokens must be >= 1, got {max_tokens}")
+        device = self.model.device
+        input_ids = prompt_ids.reshape(1, -1).to(device=device, dtype=torch.long)
+        user = self._user_positions(input_ids[0]) if for_talker else None
+        assistant_start = self._assistant_start(input_ids[0]) if for_talker else 0
+        # hidden states only where the talker reads them (audio/image/video placeholders in user turns);
+        # generate() keeps every layer of every step, which for a long reply of a big thinker is a lot
+        placeholders = user is not None and bool(self._multimodal(input_ids[0][user]).any())
+        with self._lock:
+            result = self.model.generate(
+                input_ids=input_ids,
+                max_new_tokens=max_tokens,
+                eos_token_id=self.eos_token_ids,
+                use_audio_in_video=False,
+                output_hidden_states=placeholders,
+                return_dict_in_generate=True,
+                streamer=TokenCallback(on_token),
+                stopping_criteria=StoppingCriteriaList([StopWhen(should_stop)]),
+                **sampling_kwargs(temperature, top_p),
+            )
+        sequence = result.sequences[0]
+        reply_ids = sequence[input_ids.shape[1] :]
+        output: dict[str, Any] = {"reply_ids": reply_ids.cpu()}
+        if user is not None:
+            layer = self.config.talker_config.accept_hidden_layer
+            prompt_hidden = result.hidden_states[0][layer][0] if placeholders else None  # [P, H]
+            output.update(self._talker_inputs(sequence, len(input_ids[0]), user, assistant_start, prompt_hidden))
+        return output
+
+    def _assistant_start(self, ids: torch.Tensor) -> int:
+        """Where the last `<|im_start|>assistant` is: the talker speaks from there."""
+        starts = ((ids[:-1] == self.config.im_start_token_id) & (ids[1:] == self.config.assistant_token_id)).nonzero()
+        if len(starts) == 0:
+            raise ValueError(
+                "Qwen3-Omni thinker: the prompt has no '<|im_start|>assistant' turn, which the talker speaks "
+                "from; build the prompt with the chat template and add_generation_prompt=True"
+            )
+        return int(starts[-1])
+
+    def _user_positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """generate()'s user turns: the tokens whose latest <|im_start|> is followed by the user role id."""
+        positions = torch.arange(len(ids), device=ids.device)
+        im_start = torch.where(ids == self.config.im_start_token_id, positions, positions.new_full((), -1))
+        role = ids[(torch.cummax(im_start, dim=0).values.clamp_min(0) + 1).clamp_max(len(ids) - 1)]
+        return (role == self.config.user_token_id).nonzero().flatten()
+
+    def _multimodal(self, ids: torch.Tensor) -> torch.Tensor:
+        thinker = self.config.thinker_config
+        media = [thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id]
+        return torch.isin(ids, torch.tensor(media, device=ids.device))
+
+    def _talker_inputs(
+        self, sequence: torch.Tensor, prompt_length: int, user: torch.Tensor, assistant_start: int,
+        prompt_hidden: torch.Tensor | None,
+    ) -> dict[str, Any]:
+        """The rows of the thinker's states that generate() hands to the talker, and nothing else."""
+        table = self.model.get_input_embeddings()
+        # generate() takes layer 0 of the hidden states: the embeddings of every token fed in, i.e. all
+        # but the last one drawn (a lookup gives the same rows, without keeping every step's states)
+        embeds = table(sequence[:-1])  # [P + R - 1, H]
+        ids = sequence[:prompt_length]
+        multimodal = self._multimodal(ids[user])
+        user_rows = embeds[user]
+        if prompt_hidden is not None:
+            user_rows = torch.where(multimodal.unsqueeze(-1), prompt_hidden[user], user_rows)
+        reply_ids = sequence[prompt_length:]
+        eos = torch.isin(reply_ids, torch.tensor(self.eos_token_ids, device=sequence.device)).nonzero()
+        config = self.config
+        tts = torch.tensor([config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id],
+                           device=sequence.device)
+        return {
+            "user_ids": ids[user].cpu(),
+            "user_rows": user_rows.cpu(),
+            "user_multimodal": multimodal.cpu(),
+            "assistant_rows": embeds[assistant_start:].cpu(),
+            "tts_rows": table(tts).cpu(),
+            "text_end": int(eos[0]) if len(eos) else len(reply_ids),
+        }
+
+
+class Qwen3OmniTalker:
+    """The talker alone (with its code predictor): the thinker's output in, codec frames out."""
+
+    def __init__(self, model: Any, config: Qwen3OmniMoeConfig) -> None:
+        self.model = model
+        self.config = config
+        talker = config.talker_config
+        self.num_code_groups = talker.num_code_groups
+        self.codec_eos = talker.codec_eos_token_id
+        vocab = talker.text_config.vocab_size
+        self.suppressed = [i for i in range(vocab - TALKER_SUPPRESSED_TOP, vocab) if i != self.codec_eos]
+        self._lock = threading.Lock()  # per-call state (rope deltas, the code predictor's do_sample, a hook)
+
+    @classmethod
+    def load(cls, model_dir: Path, dtype: torch.dtype, device: str) -> Qwen3OmniTalker:
+        config = load_config(model_dir)
+        _register_talker_conversion()
+        # generate() itself feeds the talker embeddings and penalises only codes it draws; say it once
+        warnings.filterwarnings(
+            "ignore", message=r"Passing `repetition_penalty` with `inputs_embeds`", category=UserWarning
+        )
+        model = load_part(
+            Qwen3OmniMoeTalkerPart, config.talker_config, Path(model_dir), "talker.", dtype=dtype, device=device
+        )
+        return cls(model, config)
+
+    @property
+    def speakers(self) -> list[str]:
+        return sorted(self.config.talker_config.speaker_id or {})
+
+    def speaker_id(self, speaker: str | None) -> int:
+        name = (speaker or DEFAULT_SPEAKER).lower()
+        ids = self.config.talker_config.speaker_id or {}
+        if name not in ids:
+            from omni_mesh.errors import InvalidInput
+
+            raise InvalidInput(
+                f"param 'speaker': {speaker!r} is not a speaker of this model; speakers: {self.speakers}"
+            )
+        return int(ids[name])
+
+    @torch.no_grad()
+    def generate(
+        self,
+        thinker_output: dict[str, Any],
+        *,
+        max_codes: int,
+        temperature: float = TALKER_TEMPERATURE,
+        top_p: float = TALKER_TOP_P,
+        speaker: str | None = None,
+        on_codes: Callable[[torch.Tensor], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> torch.Tensor:
+        """int64 [T, G] codes, T <= max_codes, as generate() makes them; `on_codes` gets each frame
+        ([1, G], on the CPU) as soon as the code predictor has completed it. Greedy when temperature is 0
+        (the code predictor follows: generate() mirrors the talker's do_sample onto it)."""
+        missing = [key for key in TALKER_INPUT_KEYS if key not in thinker_output]
+        if missing:
+            raise ValueError(f"Qwen3-Omni talker: the thinker's output lacks {missing}: is the upstream stage a "
+                             "Qwen3-Omni thinker run with for_talker=True?")
+        speaker_id = self.speaker_id(speaker)
+        empty = torch.zeros(0, self.num_code_groups, dtype=torch.long)
+        if len(thinker_output["assistant_rows"]) < 4 or max_codes <= 0:
+            # the assistant turn's 3 tokens and at least one reply token fed back: a reply of one token
+            # gives the talker nothing to speak (generate() fails on it)
+            return empty
+        with self._lock:
+            inputs = self._inputs(thinker_output, speaker_id)
+            frames: list[torch.Tensor] = []
+
+            def before_forward(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+                # each step after the prefill feeds back the last code drawn with the residual codes the
+                # code predictor just drew for it: a finished frame, seen here before the step runs
+                residual = kwargs.get("residual_codes")
+                if residual is not None:
+                    frame = residual[0:1].to("cpu", torch.long)
+                    frames.append(frame)
+                    if on_codes is not None:
+                        on_codes(frame)
+
+            hook = self.model.register_forward_pre_hook(before_forward, with_kwargs=True)
+            try:
+                self.model.generate(
+                    **inputs,
+                    # the last token drawn never gets its frame (its residual codes would be drawn next step)
+                    max_new_tokens=max_codes + 1,
+                    eos_token_id=self.codec_eos,
+                    repetition_penalty=TALKER_REPETITION_PENALTY,
+                    suppress_tokens=self.suppressed,
+                    # each step reads the last step's hidden states (the code predictor's input)
+                    output_hidden_states=True,
+                    return_dict_in_generate=True,
+                    stopping_criteria=StoppingCriteriaList([StopWhen(should_stop)]),
+                    **sampling_kwargs(temperature, top_p, TALKER_TOP_K),
+                )
+            finally:
+                hook.remove()
+        return torch.cat(frames) if frames else empty
+
+    def _inputs(self, thinker_output: dict[str, Any], speaker_id: int) -> dict[str, Any]:
+        """The talker's prefill as generate() assembles it (`_get_talker_user_parts`,
+        `_get_talker_assistant_parts`, the eos fix of the trailing text)."""
+        model, config, talker = self.model, self.config, self.config.talker_config
+        device, dtype = model.device, model.dtype
+        hidden = talker.text_config.hidden_size
+
+        def rows(key: str) -> torch.Tensor:
+            return thinker_output[key].to(device=device, dtype=dtype).unsqueeze(0)
+
+        user_rows, multimodal = rows("user_rows"), thinker_output["user_multimodal"].to(device).reshape(1, -1)
+        user = torch.empty((1, user_rows.shape[1], hidden), device=device, dtype=dtype)
+        if multimodal.any():
+            user[multimodal] = model.hidden_projection(user_rows[multimodal])
+        user[~multimodal] = model.text_projection(user_rows[~multimodal])
+
+        tts_bos, tts_eos, tts_pad = model.text_projection(rows("tts_rows")).chunk(3, dim=1)  # 3 x [1, 1, D]
+        assistant = model.text_projection(rows("assistant_rows"))
+        text = torch.cat((assistant[:, :3], tts_pad.expand(1, 4, -1), tts_bos, assistant[:, 3:4]), dim=1)
+        codec_ids = torch.tensor([[talker.codec_nothink_id, talker.codec_think_bos_id, talker.codec_think_eos_id,
+                                   speaker_id, talker.codec_pad_id, talker.codec_bos_id]], device=device)
+        codec = torch.cat((torch.zeros((1, 3, hidden), device=device, dtype=dtype),
+                           model.get_input_embeddings()(codec_ids)), dim=1)
+        # one entry per talker step: reply token j + 1, then tts eos; past the thinker's eos, eos then pads
+        trailing = torch.cat((assistant[:, 4:], tts_eos), dim=1)
+        position = torch.arange(trailing.shape[1], device=device).reshape(1, -1, 1)
+        text_end = int(thinker_output["text_end"])
+        trailing = torch.where(position > text_end, tts_pad.to(trailing.dtype), trailing)
+        trailing = torch.where(position == text_end, tts_eos.to(trailing.dtype), trailing)
+
+        user_ids = thinker_output["user_ids"].to(device=device, dtype=torch.long).reshape(1, -1)
+        assistant_ids = torch.full((1, text.shape[1]), config.tts_pad_token_id, dtype=torch.long, device=device)
+        inputs_embeds = torch.cat((user, text + codec), dim=1)
+        return {
+            "inputs_embeds": inputs_embeds,
+            "trailing_text_hidden": trailing,
+            "tts_pad_embed": tts_pad,
+            "talker_input_ids": torch.cat((user_ids, assistant_ids), dim=1),
+            "attention_mask": torch.ones(inputs_embeds.shape[:2], dtype=torch.long, device=device),
+        }
+
+
+class Qwen3OmniCode2Wav:
+    """code2wav alone: int64 [T, G] codes in, 24 kHz float32 waveform out, in the part's dtype (generate()
+    runs it in the model's dtype and returns float)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.num_quantizers = int(model.config.num_quantizers)
+        self.samples_per_frame = int(model.total_upsample)
+        self.conv = _ConvGeometry(model)
+
+    @classmethod
+    def load(cls, model_dir: Path, dtype: torch.dtype, device: str) -> Qwen3OmniCode2Wav:
+        config = load_config(model_dir)
+        return cls(load_part(Qwen3OmniMoeCode2Wav, config.code2wav_config, Path(model_dir), "code2wav.",
+                             dtype=dtype, device=device))
+
+    def frames(self, codes: torch.Tensor) -> torch.Tensor:
+        """`codes` as int64 [T, G] (one frame [G] is taken as [1, G]); ValueError for any other shape."""
+        codes = torch.as_tensor(codes)
+        if codes.dim() == 1 and len(codes) == self.num_quantizers:
+            codes = codes.unsqueeze(0)
+        if codes.dim() != 2 or codes.shape[1] != self.num_quantizers:
+            raise ValueError(f"Qwen3-Omni code2wav: codes must be int64 [frames, {self.num_quantizers}], "
+                             f"got shape {tuple(codes.shape)}")
+        return codes.to(torch.long)
+
+    def _codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """[T, G] codes as the model takes them: [1, G, T] on its device."""
+        return self.frames(codes).to(self.model.device).T.unsqueeze(0)
+
+    @torch.no_grad()
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """float32 [samples] of `codes`. Up to 300 frames this is generate()'s decode (one forward);
+        past that generate() decodes 300-frame chunks and loses samples at each boundary, where this
+        decodes exactly (the stream, 300 frames at a time, memory bounded)."""
+        if len(codes) == 0:
+            return torch.zeros(0)
+        if len(codes) <= REFERENCE_CHUNK_FRAMES:
+            return self.model(self._codes(codes)).reshape(-1).float().cpu()
+        stream = self.stream(chunk_frames=REFERENCE_CHUNK_FRAMES)
+        return torch.cat([stream.feed(codes), stream.finish()])
+
+    def stream(self, *, chunk_frames: int = 25, left_context: int | None = None) -> Code2WavStream:
+        """Streaming decode: `chunk_frames` new frames per decode; `left_context` frames of the
+        transformer's output decoded again before them (default: the fewest that reproduce the one-shot
+        decode, `exact_left_context`)."""
+        return Code2WavStream(self, chunk_frames, self.exact_left_context if left_context is None else left_context)
+
+    @property
+    def exact_left_context(self) -> int:
+        return self.conv.left_context()
+
+
+class Code2WavStream:
+    """Decodes codes as they come, reproducing the one-shot decode (to float rounding).
+
+    code2wav is a sliding-window causal transformer, then causal convolutions and transposed
+    convolutions (these look one input step ahead, so a decode of T frames yields T * 1920 - loss
+    samples, the tail needing frames not yet seen). The reference streaming decodes each chunk with
+    25 frames of left context and cuts the context's audio off: it drops the `loss` samples at every
+    boundary, and 25 frames do not cover the transformer's reach (layers x (window - 1) frames).
+    Here the transformer runs incrementally with its KV cache (exact, and no frame goes through it
+    twice), and only the convolutions see a left context: `left_context` frames of the transformer's
+    output before the new ones, enough for every sample not yet emitted. Each decode emits the samples
+    from where the last one stopped, so nothing is dropped and nothing repeats.
+    """
+
+    def __init__(self, code2wav: Qwen3OmniCode2Wav, chunk_frames: int, left_context: int) -> None:
+        # fewer frames than the samples a decode cannot yield yet would leave gaps in the audio
+        least = -(-code2wav.conv.loss // code2wav.samples_per_frame)
+        if chunk_frames < 1 or left_context < least:
+            raise ValueError(f"Qwen3-Omni code2wav stream: chunk_frames must be >= 1 and left_context >= {least} "
+                             f"(exact: >= {code2wav.exact_left_context}), got {chunk_frames} and {left_context}")
+        from transformers import DynamicCache
+
+        self.code2wav = code2wav
+        self.chunk_frames = chunk_frames
+        self.left_context = left_context
+        self.cache = DynamicCache(config=code2wav.model.config)
+        self.pending = torch.zeros(0, code2wav.num_quantizers, dtype=torch.long)
+        self.hidden: torch.Tensor | None = None  # the transformer's output for the last frames: [1, C, T]
+        self.frames = 0  # frames through the transformer
+        self.emitted = 0  # samples returned
+
+    def feed(self, codes: torch.Tensor) -> torch.Tensor:
+        """New samples (float32): decodes once `chunk_frames` frames are pending."""
+        self.pending = torch.cat([self.pending, self.code2wav.frames(codes).cpu()])
+        if len(self.pending) < self.chunk_frames:
+            return torch.zeros(0)
+        return self._decode()
+
+    def finish(self) -> torch.Tensor:
+        """The rest of the audio (what the frames still pending make)."""
+        return self._decode() if len(self.pending) else torch.zeros(0)
+
+    @torch.no_grad()
+    def _decode(self) -> torch.Tensor:
+        model = self.code2wav.model
+        codes, self.pending = self.code2wav._codes(self.pending), self.pending[:0]
+        embeds = model.code_embedding(codes + model.code_offset).mean(1)
+        new = model.pre_transformer(inputs_embeds=embeds, cache=self.cache, use_cache=True).last_hidden_state
+        new = new.permute(0, 2, 1)  # [1, C, frames]
+        done = self.frames
+        self.frames += new.shape[-1]
+        hidden = new if self.hidden is None else torch.cat([self.hidden, new], dim=-1)
+        start = self.frames - hidden.shape[-1]  # the absolute frame hidden[..., 0] is
+        first = max(start, done - self.left_context)
+        wav = self.code2wav.conv.run(hidden[..., first - start :]).reshape(-1)
+        self.hidden = hidden[..., max(0, hidden.shape[-1] - self.left_context) :]
+        # wav[0] is absolute sample first * samples_per_frame: return what was not returned yet
+        fresh = wav[max(0, self.emitted - first * self.code2wav.samples_per_frame) :]
+        self.emitted += len(fresh)
+        return fresh.float().cpu()
+
+
+class _ConvGeometry:
+    """code2wav after its transformer (upsampling blocks, decoder): runs it, and works out from its layers
+    how many samples a decode yields and which frames each sample depends on."""
+
+    def __init__(self, model: Any) -> None:
+        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+            Qwen3OmniMoeCausalConvNet,
+            Qwen3OmniMoeCausalTransConvNet,
+        )
+
+        self.model = model
+        self.samples_per_frame = int(model.total_upsample)
+        kinds = (Qwen3OmniMoeCausalConvNet, Qwen3OmniMoeCausalTransConvNet)
+        # modules() walks each block in the order its forward() runs its layers
+        self.layers = [m for part in (model.upsample, model.decoder) for m in part.modules()
+                       if isinstance(m, kinds)]
+        for layer in self.layers:
+            if isinstance(layer, Qwen3OmniMoeCausalConvNet) and layer.stride != 1:
+                raise ValueError("Qwen3-Omni code2wav: a strided causal convolution; its streaming geometry is unknown")
+        self.transposed = Qwen3OmniMoeCausalTransConvNet
+        #: samples a decode of n frames yields fewer than n * samples_per_frame (the same for every n)
+        self.loss = self.samples_per_frame - self.output_length(1)
+
+    def run(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The waveform [1, 1, samples] of the transformer's output `hidden` [1, C, frames]."""
+        for blocks in self.model.upsample:
+            for block in blocks:
+                hidden = block(hidden)
+        for block in self.model.decoder:
+            hidden = block(hidden)
+        return hidden.clamp(min=-1, max=1)
+
+    def output_length(self, frames: int) -> int:
+        length = frames
+        for layer in self.layers:
+            if isinstance(layer, self.transposed):
+                (kernel,), (stride,) = layer.conv.kernel_size, layer.conv.stride
+                length = (length - 1) * stride + kernel - layer.left_pad - layer.right_pad
+        return length  # causal convolutions of stride 1 keep the length
+
+    def earliest_frame(self, sample: int) -> int:
+        """The first frame the output sample `sample` depends on (walking the layers backwards)."""
+        index = sample
+        for layer in reversed(self.layers):
+            if isinstance(layer, self.transposed):
+                # output n is the full output n + left_pad: inputs i with
+                # i * stride <= n + left_pad < i * stride + kernel
+                (kernel,), (stride,) = layer.conv.kernel_size, layer.conv.stride
+                index = -(-(index + layer.left_pad - kernel + 1) // stride)
+            else:
+                index -= layer.padding  # a causal convolution reads (kernel - 1) * dilation inputs back
+        return index
+
+    def left_context(self) -> int:
+        """Frames before the first new one the convolutions need so that every sample from the first
+        not yet emitted (frames * samples_per_frame - loss) equals the one-shot decode's."""
+        frames = 10_000  # far from the start, where the need is the same for every chunk
+        return max(0, frames - self.earliest_frame(frames * self.samples_per_frame - self.loss))
