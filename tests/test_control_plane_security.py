@@ -291,6 +291,40 @@ def test_outputs_only_count_from_the_replica_that_was_sent_the_request(mesh: Mes
     assert "rogue" not in replica_ids(mesh)["a"]
 
 
+def test_an_oversized_output_fails_its_request_at_once_naming_the_stage(mesh: Mesh, keys: MeshKeys) -> None:
+    """A member's replica answers its work with an output message over the 1 MiB limit (what a stage
+    did when its metadata carried a large header). The coordinator refuses to decode it, but reads the
+    request id from its first fields and fails that request at once (502 naming the stage and the
+    reason), not at its deadline; the other requests are served as before."""
+    endpoint, _ = control_endpoint(mesh)
+    rogue = Peer(endpoint, keys)
+    try:
+        rogue.send(register_message(mesh, "a", "bloated"))
+        assert rogue.receive(5)["type"] == "registered"
+        with ThreadPoolExecutor(2) as pool:  # one of the two goes to the rogue (the least loaded)
+            futures = [pool.submit(mesh.request, {"n": N}, timeout_s=30) for _ in range(2)]
+            work = None
+            while work is None or work["type"] != "work":
+                work = rogue.receive(5)
+                assert work is not None, "the rogue replica got no work"
+            meta = {"header": bytes(1_200_000), "refs": []}
+            sent = time.monotonic()
+            rogue.send({"type": "output", "rid": work["rid"], "stage": "a", "replica": "bloated",
+                        "edges": {"d": {"key": "k", "meta": meta}}, "seq": 0, "last": True})
+            responses = [future.result() for future in futures]
+        # Well inside the heartbeat timeout (5 s), after which a silent replica's work is retried.
+        assert time.monotonic() - sent < 2.5, f"the request ended {time.monotonic() - sent:.1f} s after the output"
+        failed = next(r for r in responses if r.headers["x-request-id"] == work["rid"])
+        assert failed.status_code == 502, failed.text
+        assert "stage 'a' replica 'bloated'" in failed.json()["error"] and "exceeds" in failed.json()["error"]
+        _check(next(r for r in responses if r is not failed).json())
+    finally:
+        rogue.send({"type": "deregister", "replica": "bloated"})
+        rogue.close()
+    wait_for(lambda: "bloated" not in replica_ids(mesh)["a"], 5, "the rogue replica to leave")
+    requests_succeed(mesh)
+
+
 def test_a_silent_replica_with_a_greedy_prefix_reaps_nothing(mesh: Mesh, keys: MeshKeys) -> None:
     """Registers claiming a live process's pid and the whole segment namespace as its prefix, then goes
     silent: it is taken out, and no segment is unlinked (the coordinator derives the prefix itself and
