@@ -7,8 +7,10 @@ codec frame. Stage replicas talk to the coordinator over one DEALER socket each;
 a ROUTER. Payloads between stages never travel here: only the connector metadata that locates them.
 
 `unpack` checks every field's type (a bool is not an int) and rejects unknown types, missing fields
-and oversized messages with `MalformedMessage`; fields it does not know are ignored, so a newer peer
-can add some.
+and oversized messages with `MalformedMessage`, naming the request (`rid`) whenever it can be read, so
+the receiver fails that request at once; fields it does not know are ignored, so a newer peer can add
+some. `pack` refuses to make a message the receiver would refuse (`MessageTooLarge`): the sender fails
+the request with that error instead of sending it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,20 @@ MAX_MESSAGE_BYTES = 1 << 20
 #: The largest frame the coordinator's socket takes (a final output rides inline); libzmq drops the
 #: connection of a peer that sends more, before buffering it. Stages check their outputs against it.
 MAX_FRAME_BYTES = 256 * 1024 * 1024
+
+
+class MessageTooLarge(ValueError):
+    """A message that packs to more than MAX_MESSAGE_BYTES: its receiver would refuse it, so it is not
+    sent. `rid` names its request, if it has one."""
+
+    def __init__(self, message: Message, size: int) -> None:
+        self.rid: str | None = getattr(message, "rid", None)
+        about = f" for request {self.rid}" if self.rid else ""
+        super().__init__(
+            f"the {message.TYPE} message{about} is {size} bytes, over the control plane's limit of "
+            f"{MAX_MESSAGE_BYTES} bytes (control messages carry metadata only)"
+        )
+        self.size = size
 
 
 class MalformedMessage(ValueError):
@@ -213,13 +229,38 @@ _FIELDS = {kind: tuple(name for name, _, _ in table) for kind, table in _TABLES.
 
 
 def pack(message: Message) -> bytes:
-    return msgpack.packb(message.to_map(), use_bin_type=True)
+    """The message on the wire; MessageTooLarge when it would be over MAX_MESSAGE_BYTES."""
+    raw = msgpack.packb(message.to_map(), use_bin_type=True)
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise MessageTooLarge(message, len(raw))
+    return raw
+
+
+#: How much of an oversized message is read for its rid, and the fields that may stand before it
+#: (`Message.to_map` puts "type" first and "rid" right after it).
+_PEEK_BYTES = 64 * 1024
+_PEEK_FIELDS = 8
+
+
+def _peek_rid(raw: bytes | memoryview) -> str | None:
+    """The rid of a message too large to decode, read from its first few fields only; None if the
+    message does not start like one of ours with a rid."""
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=_PEEK_BYTES, strict_map_key=False)
+    try:
+        unpacker.feed(raw[:_PEEK_BYTES])
+        for _ in range(min(unpacker.read_map_header(), _PEEK_FIELDS)):
+            key, value = unpacker.unpack(), unpacker.unpack()
+            if key == "rid":
+                return value if isinstance(value, str) else None
+    except Exception:  # not a map, a field too large to be a small one, cut off: no rid to tell
+        return None
+    return None
 
 
 def unpack(raw: bytes | memoryview) -> Message:
     """Decode and check one message; raises MalformedMessage with the reason (and the rid, if any)."""
     if len(raw) > MAX_MESSAGE_BYTES:
-        raise MalformedMessage(f"control message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
+        raise MalformedMessage(f"control message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}", _peek_rid(raw))
     try:
         data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
     except Exception as exc:

@@ -13,7 +13,7 @@ import os
 import socket
 from functools import cache
 
-from omni_mesh.connectors.shm_segments import SHM_DIR, process_start_time
+from omni_mesh.connectors.shm_segments import SHM_DIR, own_start_time
 
 
 @cache
@@ -47,7 +47,7 @@ def process_info() -> dict[str, object]:
     """The identity a stage replica registers with."""
     return {
         "pid": os.getpid(),
-        "start": process_start_time(os.getpid()) or 0,  # with the pid, safe against pid reuse
+        "start": own_start_time(),  # with the pid, safe against pid reuse
         "host": socket.gethostname(),
         "machine": machine_id(),
         "pidns": namespace("pid"),

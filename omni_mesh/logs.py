@@ -87,3 +87,34 @@ def configure(service: str, level: str | None = None, fmt: str | None = None) ->
     root.addHandler(handler)
     root.setLevel(level.upper())
     logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))  # a line per poll is noise
+
+
+class Sparse:
+    """One logger's lines about one recurring condition, at most once per `interval_s` (a condition
+    checked every 50 ms must not fill the log); the next line says how many were left out."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 60.0) -> None:
+        self._logger = logger
+        self._interval_s = interval_s
+        self._next = 0.0
+        self._unlogged = 0
+
+    def log(self, level: int, message: str, *args: object, exc_info: bool = False) -> bool:
+        """Log `message % args` at `level` if the interval has passed since the last line; whether it did."""
+        now = time.monotonic()
+        if now < self._next:
+            self._unlogged += 1
+            return False
+        if self._unlogged:
+            message += f" (and {self._unlogged} more like it since the last report)"
+        self._logger.log(level, message, *args, exc_info=exc_info)
+        self._next = now + self._interval_s
+        self._unlogged = 0
+        return True
+
+    def warning(self, message: str, *args: object) -> bool:
+        return self.log(logging.WARNING, message, *args)
+
+    def exception(self, message: str, *args: object) -> bool:
+        """At ERROR with the traceback of the exception being handled."""
+        return self.log(logging.ERROR, message, *args, exc_info=True)

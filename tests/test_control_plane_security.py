@@ -10,8 +10,11 @@ shared-memory segment of the mesh has been unlinked.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
+import resource
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -172,6 +175,20 @@ def requests_succeed(mesh: Mesh, count: int = 4) -> None:
             _check(body)
 
 
+# ------------------------------------------------------------------ what listens where
+
+
+def test_the_coordinator_binds_its_control_plane_on_loopback_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    from omni_mesh import cli
+    from omni_mesh.coordinator import serve
+
+    monkeypatch.delenv("OMNI_MESH_CONTROL_BIND", raising=False)
+    assert cli._build_parser().parse_args(["coordinator", "t.yaml"]).control == "tcp://127.0.0.1:5555"
+    assert inspect.signature(serve).parameters["control"].default == "tcp://127.0.0.1:5555"
+    monkeypatch.setenv("OMNI_MESH_CONTROL_BIND", "tcp://0.0.0.0:5555")  # what containers set
+    assert cli._build_parser().parse_args(["coordinator", "t.yaml"]).control == "tcp://0.0.0.0:5555"
+
+
 # ------------------------------------------------------------------ strangers: CURVE keeps them out
 
 
@@ -274,6 +291,40 @@ def test_outputs_only_count_from_the_replica_that_was_sent_the_request(mesh: Mes
     assert "rogue" not in replica_ids(mesh)["a"]
 
 
+def test_an_oversized_output_fails_its_request_at_once_naming_the_stage(mesh: Mesh, keys: MeshKeys) -> None:
+    """A member's replica answers its work with an output message over the 1 MiB limit (what a stage
+    did when its metadata carried a large header). The coordinator refuses to decode it, but reads the
+    request id from its first fields and fails that request at once (502 naming the stage and the
+    reason), not at its deadline; the other requests are served as before."""
+    endpoint, _ = control_endpoint(mesh)
+    rogue = Peer(endpoint, keys)
+    try:
+        rogue.send(register_message(mesh, "a", "bloated"))
+        assert rogue.receive(5)["type"] == "registered"
+        with ThreadPoolExecutor(2) as pool:  # one of the two goes to the rogue (the least loaded)
+            futures = [pool.submit(mesh.request, {"n": N}, timeout_s=30) for _ in range(2)]
+            work = None
+            while work is None or work["type"] != "work":
+                work = rogue.receive(5)
+                assert work is not None, "the rogue replica got no work"
+            meta = {"header": bytes(1_200_000), "refs": []}
+            sent = time.monotonic()
+            rogue.send({"type": "output", "rid": work["rid"], "stage": "a", "replica": "bloated",
+                        "edges": {"d": {"key": "k", "meta": meta}}, "seq": 0, "last": True})
+            responses = [future.result() for future in futures]
+        # Well inside the heartbeat timeout (5 s), after which a silent replica's work is retried.
+        assert time.monotonic() - sent < 2.5, f"the request ended {time.monotonic() - sent:.1f} s after the output"
+        failed = next(r for r in responses if r.headers["x-request-id"] == work["rid"])
+        assert failed.status_code == 502, failed.text
+        assert "stage 'a' replica 'bloated'" in failed.json()["error"] and "exceeds" in failed.json()["error"]
+        _check(next(r for r in responses if r is not failed).json())
+    finally:
+        rogue.send({"type": "deregister", "replica": "bloated"})
+        rogue.close()
+    wait_for(lambda: "bloated" not in replica_ids(mesh)["a"], 5, "the rogue replica to leave")
+    requests_succeed(mesh)
+
+
 def test_a_silent_replica_with_a_greedy_prefix_reaps_nothing(mesh: Mesh, keys: MeshKeys) -> None:
     """Registers claiming a live process's pid and the whole segment namespace as its prefix, then goes
     silent: it is taken out, and no segment is unlinked (the coordinator derives the prefix itself and
@@ -336,6 +387,56 @@ def test_a_garbage_flood_is_counted_and_logged_sparingly(mesh: Mesh, keys: MeshK
         attacker.close()
     assert mesh.log().count("refused") - log_before < 20, "the flood filled the log"
     assert mesh.ready().status_code == 200
+
+
+def _open_idle(address: tuple[str, int], count: int) -> list[socket.socket]:
+    """Up to `count` idle TCP connections to `address` (one refused or timed out ends the attempt)."""
+    conns = []
+    for _ in range(count):
+        try:
+            conns.append(socket.create_connection(address, timeout=2))
+        except OSError:
+            break
+    return conns
+
+
+def test_running_the_coordinator_out_of_descriptors_takes_no_live_replica_out(mesh: Mesh) -> None:
+    """Idle connections to the control and REST ports exhaust the coordinator's file descriptors
+    (its limit lowered to a few more than it uses). It cannot read /proc then, which says nothing
+    about its replicas: none is taken out or registers again, no segment is unlinked, the failure is
+    logged once (not every 50 ms), and once the connections go the mesh serves as before."""
+    requests_succeed(mesh)
+    endpoint, coordinator = control_endpoint(mesh)
+    before, replicas = mesh_segments(mesh), mesh.stages()
+    assert before, "the mesh has no segments to protect"
+    mark = len(mesh.log())
+    soft, hard = resource.prlimit(coordinator, resource.RLIMIT_NOFILE)
+    limit = max(int(fd) for fd in os.listdir(f"/proc/{coordinator}/fd")) + 1 + 16
+    control_port = int(endpoint.rsplit(":", 1)[1])
+    rest_port = int(mesh.url.rsplit(":", 1)[1])
+    resource.prlimit(coordinator, resource.RLIMIT_NOFILE, (limit, hard))
+    conns: list[socket.socket] = []
+    try:
+        # Fewer than either listener's backlog: past it, connect() would wait for minutes.
+        conns += _open_idle(("127.0.0.1", control_port), 60)
+        conns += _open_idle(("127.0.0.1", rest_port), 150)
+        time.sleep(0.5)
+        assert len(os.listdir(f"/proc/{coordinator}/fd")) >= limit - 1, "the coordinator's descriptors are not used up"
+        time.sleep(3.5)  # 70 ticks of the monitor loop, every one of them without descriptors
+    finally:
+        for conn in conns:
+            conn.close()
+        resource.prlimit(coordinator, resource.RLIMIT_NOFILE, (soft, hard))
+    requests_succeed(mesh)
+    after = mesh.stages()
+    for stage, was in replicas.items():
+        now = after[stage]
+        assert [(r["id"], r["pid"], r["restarts"]) for r in now] == [(r["id"], r["pid"], r["restarts"]) for r in was]
+        assert now[0]["uptime_s"] > was[0]["uptime_s"] + 4, f"a replica of stage {stage} registered again: {now}"
+    assert mesh_segments(mesh) >= before, "a live replica's shared memory was unlinked"
+    log = mesh.log()[mark:]
+    assert "died" not in log and "registered from" not in log and "deregistered" not in log, log[-3000:]
+    assert log.count("Traceback") <= 1 and log.count("treating it as alive") <= 2, log[-3000:]
 
 
 # ------------------------------------------------------------------ a frozen replica

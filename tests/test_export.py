@@ -12,6 +12,7 @@ which host runs which stage.
 from __future__ import annotations
 
 import base64
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -248,6 +249,31 @@ def test_k8s_export_to_stdout_and_file_agree(tmp_path: Path) -> None:
     to_file = export("k8s", "compose/omni-demo.yaml", "-o", str(out))
     assert to_file.returncode == 0 and out.read_text() == stdout.stdout
     assert "kubectl create secret generic qwen-omni-demo-mesh-keys" in stdout.stdout  # no --keys: say how
+
+
+@pytest.mark.parametrize("before", [None, 0o644, 0o666], ids=["new file", "over 0644", "over 0666"])
+def test_k8s_export_with_keys_writes_a_file_only_its_owner_reads(tmp_path: Path, before: int | None) -> None:
+    keys = MeshKeys.generate().write(tmp_path / "keys")
+    out = tmp_path / "mesh.yaml"
+    if before is not None:  # an earlier export (or anything else) left a wider file there
+        out.write_text("old")
+        out.chmod(before)
+    result = export("k8s", "compose/omni-demo.yaml", "--keys", str(keys.parent), "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    assert out.stat().st_mode & 0o777 == 0o600, oct(out.stat().st_mode)
+    assert base64.b64encode(keys.read_bytes()).decode() in out.read_text()
+    without = tmp_path / "no-keys.yaml"  # no secret in it: readable like any generated file
+    assert export("k8s", "compose/omni-demo.yaml", "-o", str(without)).returncode == 0
+    assert without.stat().st_mode & 0o777 == 0o644
+
+
+def test_keys_generate_writes_the_secret_key_0600_whatever_the_umask(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [str(OMNI_MESH), "keys", "generate", str(tmp_path / "keys")],
+        capture_output=True, text=True, timeout=60, preexec_fn=lambda: os.umask(0),
+    )
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "keys" / "mesh.key_secret").stat().st_mode & 0o777 == 0o600
 
 
 def _topology_file(tmp_path: Path, name: str, topology: dict) -> Path:

@@ -1,11 +1,14 @@
 """Request bodies up to the REST limit work end to end: inputs too large for a control message reach
-the entry stage through the coordinator's ingress connector (a real mesh, real HTTP)."""
+the entry stage through the coordinator's ingress connector (a real mesh, real HTTP). A stage whose
+output message would outgrow a control message fails the request at once, naming stage and edge."""
 
 from __future__ import annotations
 
 import hashlib
 import random
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from support.meshkit import Mesh, running_mesh
@@ -51,3 +54,27 @@ def test_the_coordinator_holds_nothing_after_large_requests(mesh: Mesh) -> None:
     health = mesh.client.get("/health").json()
     assert health["requests_inflight"] == 0
     assert health["ingress"]["held"] == 0 and health["ingress"]["puts"] >= 6, health["ingress"]
+
+
+def test_an_output_whose_metadata_outgrows_a_control_message_fails_at_once(tmp_path: Path) -> None:
+    """A connector set to carry payloads up to 2 MiB in their metadata (`inline_max_bytes`): a 1.2 MB
+    output would make a control message over 1 MiB, which the coordinator refuses. The stage checks
+    what it sends: the request fails at once with the reason, naming the stage and the edge (not at
+    its deadline), and the mesh serves smaller requests as before."""
+    inline = {"name": "SharedMemoryConnector", "extra": {"inline_max_bytes": 2 * 1024 * 1024}}
+    topology = {
+        "name": "large-metadata",
+        "connectors": {"inline": inline},
+        "stages": [
+            {"stage_id": 0, "name": "a", "handler": "mesh_handlers:step", "output_connectors": {"to_stage_1": "inline"}},
+            {"stage_id": 1, "name": "d", "handler": "mesh_handlers:step", "engine_input_source": [0], "final_output": True},
+        ],
+    }
+    with running_mesh(tmp_path, topology) as mesh:
+        started = time.monotonic()
+        response = mesh.request({"n": 150_000}, timeout_s=30)  # 1.2 MB of float64
+        assert time.monotonic() - started < 10, "the request waited for its deadline"
+        assert response.status_code == 500, response.text
+        error = response.json()["error"]
+        assert "stage 'a'" in error and "0->1 (SharedMemoryConnector)" in error and "limit of 1048576" in error, error
+        assert mesh.ok({"n": 1000})["outputs"]["n"] == 1000

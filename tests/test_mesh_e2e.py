@@ -8,9 +8,11 @@ segment of it is left. Test handlers live in tests/support/mesh_handlers.py, cop
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
+import random
 import signal
 import subprocess
 import time
@@ -139,6 +141,30 @@ class TestDemo:
                   if line.startswith("data: ") and '"output"' in line]
         assert events[-1] == "done" and events.count("chunk") >= 3, events
         assert "text" in chunks[0] and all("audio_pcm16" in c for c in chunks[1:]), [sorted(c) for c in chunks]
+
+    def test_prompts_over_a_megabyte_answer_promptly_and_hold_no_slot(self, demo: Mesh) -> None:
+        """Eight 1.2 MB prompts whose clients leave after a second, then a small probe and a 1.2 MB prompt
+        that waits. The thinker's output carries the prompt: in the parts form its codec header (the
+        strings) rode in the metadata, the output message outgrew the control plane's 1 MiB, the
+        coordinator dropped it unread, and each request held a thinker slot to its deadline (all 8 of
+        them: the probe waited behind). Now they answer at once and free their slots."""
+        prompt = "".join(random.Random(12).choices("omni mesh ", k=1_200_000))
+        timeout_s = 30.0
+
+        def leaving(_: int) -> None:
+            with contextlib.suppress(httpx.TimeoutException):
+                httpx.post(f"{demo.url}/v1/requests", json={"inputs": {"prompt": prompt}, "timeout_s": timeout_s},
+                           timeout=1.0)
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(leaving, range(8)))
+        started = time.monotonic()
+        demo.ok({"prompt": "a small probe"}, timeout_s=timeout_s)
+        assert time.monotonic() - started < 10, f"the probe waited {time.monotonic() - started:.1f} s for a slot"
+        started = time.monotonic()
+        body = demo.ok({"prompt": prompt}, timeout_s=timeout_s)
+        assert time.monotonic() - started < 10 and prompt[:40] in body["outputs"]["text"]
+        wait_for(lambda: all(r["inflight"] == 0 for r in demo.stages()["thinker"]), 10, "the thinker's slots to free")
 
     def test_sigint_stops_everything(self, demo: Mesh) -> None:
         # The demo's producers hold shared-memory pools (thinker's hidden states go through it).

@@ -15,6 +15,7 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgpack
 import pytest
 import torch
 from support.meshkit import running_mesh, wait_for
@@ -135,6 +136,26 @@ def test_shm_an_output_sent_over_two_edges_is_copied_for_the_second(shm_consumer
         assert_same(shm_consumer.get("r/0", first), {"hidden_states": keep})
         assert_same(shm_consumer.get("r/0", second, edge=("a", "c")), {"hidden_states": keep})
         assert conn.health()["zero_copy_leaves"] == 1
+
+
+@pytest.mark.parametrize("where", ["value", "key"])
+def test_shm_a_large_header_goes_as_a_whole_frame_with_small_metadata(shm_consumer: Peer, where: str) -> None:
+    """The metadata travels on the control plane (1 MiB a message): an output whose codec header is
+    large (a 1.2 MB prompt beside the hidden states, or as a key) is put as a whole frame, its empty()
+    tensor copied, rather than carrying the header in the metadata."""
+    prompt = "omni mesh " * 120_000
+    with connector() as conn:
+        hidden = filled(conn, seed=3)
+        data = {"hidden_states": hidden, "prompt": prompt} if where == "value" else {prompt: hidden}
+        want = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in data.items()}
+        ok, size, metadata = conn.put("a", "b", "r/0", data)
+        assert ok and "refs" not in metadata and len(msgpack.packb(metadata)) < 1024, sorted(metadata)
+        assert size > len(prompt) + hidden.nbytes
+        assert_same(shm_consumer.get("r/0", metadata), want)
+        assert conn.health()["zero_copy_leaves"] == 0
+        _, _, small = conn.put("a", "b", "r/1", {"hidden_states": hidden, "prompt": "hello"})  # parts form as before
+        assert "refs" in small and conn.health()["zero_copy_leaves"] == 1
+        shm_consumer.get("r/1", small)
 
 
 def test_shm_small_and_bad_requests() -> None:

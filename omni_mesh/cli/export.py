@@ -59,7 +59,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         else:
             k8s = export.K8sOptions(args.image, args.name, args.keys, args.shm_size, args.max_replicas)
             result = export.export_k8s(topology, source, k8s)
-        export.write(result.text, output)
+        export.write(result.text, output, secret=result.secret)
     except (export.ExportError, OSError) as exc:
         raise CliError(str(exc)) from None
     for warning in result.warnings:

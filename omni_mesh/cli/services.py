@@ -72,8 +72,12 @@ def _add_coordinator(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     # Loopback unless told otherwise; a container sets OMNI_MESH_HOST=0.0.0.0 to publish the port.
     parser.add_argument("--host", default=_env("OMNI_MESH_HOST", "127.0.0.1"), help="REST bind address ($OMNI_MESH_HOST)")
     parser.add_argument("--port", type=int, default=int(_env("OMNI_MESH_PORT", "8000")), help="REST port")
+    # The control plane too: replicas on other hosts need it opened explicitly (tcp://0.0.0.0:5555 in a
+    # container; the exported compose files and manifests set OMNI_MESH_CONTROL_BIND).
     parser.add_argument(
-        "--control", default=_env("OMNI_MESH_CONTROL_BIND", "tcp://0.0.0.0:5555"), help="ZeroMQ control endpoint to bind"
+        "--control", default=_env("OMNI_MESH_CONTROL_BIND", "tcp://127.0.0.1:5555"),
+        help="ZeroMQ control endpoint to bind; other hosts reach it only when told, e.g. tcp://0.0.0.0:5555 "
+        "($OMNI_MESH_CONTROL_BIND)",
     )
     parser.add_argument("--timeout-s", type=float, default=float(_env("OMNI_MESH_TIMEOUT_S", "30")),
                         help="deadline of requests that set no timeout_s")

@@ -187,10 +187,13 @@ def take_resident(frame: codec.FramePlan, unsent: dict[int, Entry]) -> dict[int,
 _HEADERS: dict[tuple, tuple[bytes, list[int], int]] = {}
 
 
-def take_outputs(data: dict, unsent: dict[int, Entry]) -> tuple[bytes, list[int], list[Any], int] | None:
+def take_outputs(
+    data: dict, unsent: dict[int, Entry], *, max_header: int | None = None
+) -> tuple[bytes, list[int], list[Any], int] | None:
     """A dict whose values are all whole empty() tensors (the usual stage output): its parts-form
     header, leaf layout, the tensors' owners, taken out of `unsent` (the caller holds its lock), and
-    the payload's size. None for anything else. No frame plan, no layout, no copy."""
+    the payload's size. None for anything else, and for a header over `max_header` bytes (its keys
+    are long strings: nothing is taken). No frame plan, no layout, no copy."""
     matched = match_whole(data, unsent)
     if matched is None:
         return None
@@ -204,6 +207,8 @@ def take_outputs(data: dict, unsent: dict[int, Entry]) -> tuple[bytes, list[int]
         if len(_HEADERS) >= 256:
             _HEADERS.clear()
         _HEADERS[signature] = layout
+    if max_header is not None and len(layout[0]) > max_header:
+        return None
     for address in addresses:
         del unsent[address]
     return layout[0], layout[1], [entry[0] for entry in entries], layout[2]

@@ -8,6 +8,10 @@ slot is pinned: never refilled under it, even once consumed. When the tensor die
 (or consumed and released) is freed; the weakref callback only queues it, the pool frees it under
 its lock at the next reclaim.
 
+The metadata travels on the control plane, so it stays small: a payload whose header (its strings,
+say a prompt of megabytes) or inline leaves would make it larger than PARTS_METADATA_MAX is not put in
+the parts form; the connector puts it as a whole frame instead (its empty() tensors copied).
+
     metadata {"header": bytes, "refs": [bytes | [segment, offset, generation, length], ...], "key"}
 """
 
@@ -42,7 +46,15 @@ from omni_mesh.connectors.shm_slots import (
 )
 
 PART_INLINE_MAX = 1024  # in the parts form, leaves up to this size ride inline in the metadata
+PARTS_METADATA_MAX = 64 * 1024  # larger parts-form metadata: the payload goes as a whole frame
+_REF_BYTES = 64  # what one slot reference adds to the metadata, at most
 UNSENT_KEY = "\0empty()"  # put_key of a slot empty() handed out; no cleanup(key) matches it
+
+
+def parts_metadata_bytes(header: bytes, lengths: list[int]) -> int:
+    """At most how large the parts form's metadata of a payload is: its header and small leaves inline,
+    a reference for each other leaf."""
+    return len(header) + sum(n if n <= PART_INLINE_MAX else _REF_BYTES for n in lengths)
 
 
 def _queue_dead(queue: collections.deque, slot: Slot, ref: weakref.ref) -> None:
@@ -106,7 +118,11 @@ class PoolOutputs:
         A dict of them alone needs no frame (`frame` None: a cached header); otherwise `frame` is its plan."""
         with self._pool.lock:
             if frame is None:
-                taken = _pool_outputs.take_outputs(data, self.unsent) if type(data) is dict else None
+                taken = (
+                    _pool_outputs.take_outputs(data, self.unsent, max_header=PARTS_METADATA_MAX)
+                    if type(data) is dict
+                    else None
+                )
                 if taken is None:
                     return None
                 header, layout, slots, _ = taken
@@ -114,6 +130,8 @@ class PoolOutputs:
                 leaves = [None] * len(layout)
                 lengths = [0] * len(layout)
             else:
+                if parts_metadata_bytes(frame.header, frame.lengths) > PARTS_METADATA_MAX:
+                    return None  # a frame of its own: metadata of a few fields, whatever the payload holds
                 resident = _pool_outputs.take_resident(frame, self.unsent)
                 if not resident:
                     return None

@@ -27,7 +27,7 @@ import numpy as np
 from omni_mesh import cuda_ipc
 from omni_mesh.connectors.allocator import PoolAllocator
 from omni_mesh.connectors.base import edge_key
-from omni_mesh.connectors.shm_segments import ProcessIdentity, process_start_time
+from omni_mesh.connectors.shm_segments import ProcessIdentity, process_gone
 
 SLOT = struct.Struct("<B3xII4xQ16sQ")  # generation at byte 16
 SLOT_HEADER = 64
@@ -82,9 +82,10 @@ def digest_of(name: str) -> bytes:
 
 
 def taker_died(mm: mmap.mmap, offset: int) -> bool:
-    """Whether the consumer that took this slot is gone (only decidable in our own PID namespace)."""
+    """Whether the consumer that took this slot is confirmed gone (only decidable in our own PID
+    namespace; a /proc we cannot read says it is not)."""
     pid, pidns = TAKER.unpack_from(mm, offset + 4)
-    return pidns == ProcessIdentity.current().pidns and pid != 0 and process_start_time(pid) is None
+    return pidns == ProcessIdentity.current().pidns and pid != 0 and process_gone(pid)
 
 
 def ready(mm: mmap.mmap, offset: int, generation: int, length: int, key_digest: bytes) -> bool:

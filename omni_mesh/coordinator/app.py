@@ -235,7 +235,7 @@ async def serve(
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
-    control: str = "tcp://0.0.0.0:5555",
+    control: str = "tcp://127.0.0.1:5555",
     default_timeout_s: float = 30.0,
     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
     grace_s: float = 10.0,

@@ -260,8 +260,11 @@ class Dispatcher:
         replica = self.registry.replicas.get(target) if target else None
         if replica is None:
             state.stream_buffer.setdefault(dst, []).append(chunk)
-        else:
+            return
+        try:
             self._send_chunk(state, dst, replica, chunk)
+        except Exception as exc:  # e.g. control.MessageTooLarge: the request fails now, not at its deadline
+            self.fail(state, RequestFailed(502, f"could not relay a chunk of stage {src!r} to stage {dst!r}: {exc}", src))
 
     def _input_ready(self, state: RequestState, src: str, dst: str, items: list, *, streamed: bool) -> None:
         gathered = state.gathered.setdefault(dst, {})

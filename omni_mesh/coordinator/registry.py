@@ -11,7 +11,7 @@ from omni_mesh.connectors import connector_type
 from omni_mesh.connectors.shm_segments import (
     ProcessIdentity,
     list_segments,
-    process_start_time,
+    process_gone,
     segment_name,
     unlink_segment,
 )
@@ -69,10 +69,11 @@ class Replica:
 
     def local_process_gone(self) -> bool:
         """True only when the replica ran on this machine, in our PID namespace, and its process is
-        confirmed gone: silence alone (a frozen or partitioned process) never counts."""
+        confirmed gone: silence alone (a frozen or partitioned process) never counts, nor does a /proc
+        we cannot read (out of file descriptors: `process_gone`)."""
         if self.machine != machine_id() or self.pidns != namespace("pid") or self.start == 0:
             return False
-        return process_start_time(self.pid) != self.start
+        return process_gone(self.pid, self.start)
 
     def shm_prefix(self) -> str | None:
         """The exact prefix of the segments this replica's process made (derived from its pid, start

@@ -33,6 +33,7 @@ from omni_mesh.control import (
 from omni_mesh.coordinator.dispatch import Dispatcher, RequestFailed
 from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S, RegistrationRefused, Registry, Replica
 from omni_mesh.ingress import Ingress
+from omni_mesh.logs import Sparse
 from omni_mesh.security import MeshKeys, Refusals, bind_zap, mesh_keys, secure_server, zap_reply
 from omni_mesh.topology import Topology
 
@@ -71,6 +72,9 @@ class Coordinator:
         self.forged = Refusals("coordinator control plane")  # messages sent in another connection's name
         self.refused_peers = Refusals("coordinator control plane")  # handshakes without the mesh keys
         self._garbage = Refusals("coordinator control plane")  # for rate-limited logging only
+        # A failure that recurs every tick (out of file descriptors) logs its traceback once a minute.
+        self._monitor_errors = Sparse(log)
+        self._handling_errors = Sparse(log)
         self._ctx: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._zap: zmq.asyncio.Socket | None = None
@@ -139,7 +143,7 @@ class Coordinator:
                 self._garbage.refuse(f"a control message: {exc}")
                 self._fail_unreadable(frames[0], exc)
             except Exception:
-                log.exception("error handling a control message")
+                self._handling_errors.exception("error handling a control message")
 
     def _fail_unreadable(self, identity: bytes, exc: control.MalformedMessage) -> None:
         """A replica's message about a request we cannot read: fail that request now, not at its deadline."""
@@ -239,7 +243,7 @@ class Coordinator:
                     if reaped:
                         log.warning("reaped %d shared-memory segment(s) of silent replicas now gone", len(reaped))
             except Exception:
-                log.exception("monitor loop error")
+                self._monitor_errors.exception("monitor loop error")
 
     def _bury(self, replica: Replica) -> None:
         self.registry.remove(replica.replica_id)

@@ -64,7 +64,7 @@ def export_k8s(topology: Topology, source: ImageSource, options: K8sOptions | No
         documents += mesh.master(master)
     for pod in mesh.pods:
         documents += [mesh.stage_pod(pod), mesh.autoscaler(pod)]
-    return Exported(render(documents, mesh.header()), crossing_warnings(topology))
+    return Exported(render(documents, mesh.header()), crossing_warnings(topology), secret=options.keys is not None)
 
 
 @dataclass(frozen=True)

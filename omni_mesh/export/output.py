@@ -18,6 +18,7 @@ import yaml
 class Exported:
     text: str
     warnings: list[str] = field(default_factory=list)  # what may not work as exported (printed on stderr)
+    secret: bool = False  # the text holds a secret (the mesh keys): a file of it is private to its owner
 
 
 class _Dumper(yaml.SafeDumper):
@@ -50,8 +51,12 @@ def render(documents: Iterable[dict], header: Iterable[str] = (), anchors: Mappi
     return comments + body
 
 
-def write(text: str, output: str | os.PathLike | None) -> None:
-    """To standard output, or to the file `output` (replaced whole, never left half-written)."""
+def write(text: str, output: str | os.PathLike | None, *, secret: bool = False) -> None:
+    """To standard output, or to the file `output` (replaced whole, never left half-written).
+
+    The file is made 0600 (mkstemp's mode) and filled, then renamed over `output`: with `secret` it
+    stays 0600 from its first byte, whatever mode a file it replaces had; otherwise it is opened up to
+    0644 like any other generated file."""
     if output is None or str(output) == "-":
         print(text, end="")
         return
@@ -59,8 +64,9 @@ def write(text: str, output: str | os.PathLike | None) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
+            if not secret:
+                os.fchmod(f.fileno(), 0o644)
             f.write(text)
-        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+
 from omni_mesh import codec, control, ingress, logs
 from omni_mesh.connectors import ConnectorError, OmniConnectorBase
 from omni_mesh.control import Chunk, Error, Message, Output, Work
@@ -33,6 +35,9 @@ log = logging.getLogger("omni_mesh.stage")
 #: a payload when the abort arrives (its handler is being cancelled) lets go of it moments later.
 ABORT_SWEEP_S = 10.0
 SWEEP_S = 0.5  # how often aborted requests are cleaned up again
+#: An error message longer than this is cut (a handler's exception may quote a whole input): the error
+#: message must fit in a control message, or the request would wait for its deadline.
+MAX_ERROR_CHARS = 4096
 
 
 @dataclass
@@ -187,6 +192,8 @@ class Runner:
 
     async def _fail(self, work: _Work, error: str, *, timeout: bool = False, status: int = 500) -> None:
         self.errors += 1
+        if len(error) > MAX_ERROR_CHARS:
+            error = f"{error[:MAX_ERROR_CHARS]}... ({len(error) - MAX_ERROR_CHARS} more characters)"
         await self._cleanup(work.rid)
         message: Message = Error(work.rid, self.stage, self.replica_id, error, timeout=timeout, status=status)
         await self._send(message)
@@ -298,7 +305,22 @@ class Runner:
             final=bool(extra),
             timings=self._timings(work) if last else {},
         )
-        await self._send(message, *extra)
+        try:
+            await self._send(message, *extra)  # packing it checks it against the control plane's limit
+        except control.MessageTooLarge as exc:  # sent, the coordinator would drop it: fail the request
+            raise RuntimeError(
+                f"stage {self.stage!r} did not send output {seq}: {exc}; connector metadata by edge: "
+                f"{self._metadata_sizes(edges)}. Outputs travel as payloads; a connector's metadata must stay small"
+            ) from None
+
+    def _metadata_sizes(self, edges: dict[str, dict]) -> str:
+        """What each outbound edge's metadata adds to an output message, for the error that says it is too large."""
+        sizes = []
+        for dst, item in edges.items():
+            edge = self.out_edges[dst]
+            size = len(msgpack.packb(item, use_bin_type=True))
+            sizes.append(f"{edge.label} ({edge.connector.name}) {size} bytes")
+        return ", ".join(sizes) or "none"
 
     async def _put(self, edge: EdgeSpec, dst: str, key: str, data: Any) -> tuple[Any, int]:
         """Put `data` on `edge`: (the metadata the consumer needs, the payload's size)."""
