@@ -26,10 +26,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from support.meshkit import running_mesh, wait_for  # noqa: E402
+
 from omni_mesh.engines.checkpoint import CheckpointError, read_part  # noqa: E402
 from omni_mesh.engines.qwen2_5_omni import Talker, Thinker, Token2Wav  # noqa: E402
 from omni_mesh.engines.tiny import build_tiny  # noqa: E402
-from tests.support.meshkit import running_mesh, wait_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPOLOGY = ROOT / "compose" / "qwen2_5_omni.yaml"

@@ -19,8 +19,9 @@ import yaml
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from support.meshkit import running_mesh  # noqa: E402
+
 from omni_mesh.engines.tiny import build_tiny  # noqa: E402
-from tests.support.meshkit import running_mesh  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPOLOGY = ROOT / "compose" / "qwen3_omni.yaml"
