@@ -137,6 +137,10 @@ class Mesh:
     # ------------------------------------------------------------------ processes
 
     def _remember(self, pid: int) -> None:
+        # A test's own peer may register a replica under this process's pid (a rogue member): never
+        # count it as the mesh's, or stop() would SIGKILL the test process itself (an xdist worker).
+        if pid == os.getpid():
+            return
         start = process_start_time(pid)
         if start is not None:
             self.processes.setdefault(pid, start)
