@@ -10,14 +10,10 @@ talker stage suppresses them.
 from __future__ import annotations
 
 import base64
-import io
-import json
 import os
 import shutil
 import signal
 import time
-import wave
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +23,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from support.meshkit import running_mesh, wait_for  # noqa: E402
+from support.replies import pcm_samples, sse_events, wav_samples  # noqa: E402
 
 from omni_mesh.engines.checkpoint import CheckpointError, read_part  # noqa: E402
 from omni_mesh.engines.qwen2_5_omni import Talker, Thinker, Token2Wav  # noqa: E402
@@ -126,21 +123,8 @@ def test_stop_flag_ends_generation_early(checkpoint: Path) -> None:
     assert len(output.reply_ids) == 4  # generate() checks its criteria before streaming a step's token
 
 
-def _wav_samples(b64: str) -> np.ndarray:
-    with wave.open(io.BytesIO(base64.b64decode(b64))) as wav:
-        assert (wav.getframerate(), wav.getnchannels(), wav.getsampwidth()) == (24000, 1, 2)
-        return np.frombuffer(wav.readframes(wav.getnframes()), dtype="<i2").astype(np.int32)
 
 
-def _sse_events(response) -> Iterator[tuple[str, dict]]:
-    """(event, data) as each server-sent event arrives."""
-    kind = "message"
-    for line in response.iter_lines():
-        if line.startswith("event:"):
-            kind = line.split(":", 1)[1].strip()
-        elif line.startswith("data:"):
-            yield kind, json.loads(line.split(":", 1)[1])
-            kind = "message"
 
 
 @pytest.fixture(scope="module")
@@ -157,8 +141,8 @@ def test_mesh_reply_equals_one_call_generate(mesh, checkpoint: Path) -> None:
     text, wav = reference(checkpoint, PROMPT, seed=11, max_tokens=6, max_codes=70)
     outputs = reply["outputs"]
     assert outputs["text"] == text
-    ours = _wav_samples(outputs["audio_wav_base64"])
-    theirs = np.round(np.clip(wav, -1, 1) * 32767).astype(np.int32)
+    ours = wav_samples(outputs["audio_wav_base64"])
+    theirs = pcm_samples(wav)
     assert ours.shape == theirs.shape
     assert np.abs(ours - theirs).max() <= 2
     assert outputs["finish_reason"] == "length"
@@ -171,7 +155,7 @@ def test_mesh_streams_text_token_by_token_then_audio(mesh, checkpoint: Path) -> 
     texts, audio, text_before_audio = [], 0, None
     with mesh.client.stream("POST", "/v1/requests", json=body, timeout=90) as response:
         assert response.status_code == 200
-        for kind, event in _sse_events(response):
+        for kind, event in sse_events(response):
             assert kind != "error", event
             if kind == "done":
                 break
@@ -239,7 +223,7 @@ def test_killed_talker_fails_the_streamed_request_cleanly_and_the_next_succeeds(
         kinds = []
         started = time.perf_counter()
         with mesh.client.stream("POST", "/v1/requests", json=body, timeout=90) as response:
-            for kind, event in _sse_events(response):
+            for kind, event in sse_events(response):
                 kinds.append(kind)
                 if kind == "chunk" and talker_pid:  # the talker passed the text on: it is making codes now
                     os.kill(talker_pid, signal.SIGKILL)
@@ -268,7 +252,7 @@ def test_vllm_omni_stage_config_runs_on_the_engines_without_handlers(checkpoint:
     thinker, code2wav = outputs["stage_0"], outputs["stage_2"]
     assert isinstance(thinker, list) and all("talker" not in chunk for chunk in thinker)
     assert "".join(chunk["text"] for chunk in thinker) == code2wav["text"]
-    assert len(_wav_samples(code2wav["audio_wav_base64"])) == 30 * 480
+    assert len(wav_samples(code2wav["audio_wav_base64"])) == 30 * 480
 
 
 def test_a_client_that_goes_away_stops_generation_in_every_stage(mesh) -> None:
@@ -281,7 +265,7 @@ def test_a_client_that_goes_away_stops_generation_in_every_stage(mesh) -> None:
     params = {"temperature": 0, "max_tokens": 8, "max_audio_tokens": 4000}
     body = {"inputs": {"prompt": PROMPT}, "params": params, "timeout_s": 60, "stream": True}
     with mesh.client.stream("POST", "/v1/requests", json=body, timeout=90) as response:
-        for kind, _ in _sse_events(response):
+        for kind, _ in sse_events(response):
             if kind == "chunk":
                 break  # leave: the response closes with the block
     time.sleep(1.0)

@@ -6,10 +6,6 @@ code2wav is causal: streaming costs nothing in fidelity). The parts alone: test_
 from __future__ import annotations
 
 import base64
-import io
-import json
-import wave
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +16,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from support.meshkit import running_mesh  # noqa: E402
+from support.replies import pcm_samples, sse_events, wav_samples  # noqa: E402
 
 from omni_mesh.engines.tiny import build_tiny  # noqa: E402
 
@@ -61,23 +58,10 @@ def reference(checkpoint: Path, *, max_tokens: int, max_codes: int) -> tuple[str
     return tokenizer.decode(sequences[0, ids.shape[1] :], skip_special_tokens=True), wav.reshape(-1).float().numpy()
 
 
-def _pcm(samples: np.ndarray) -> np.ndarray:
-    return np.round(np.clip(samples, -1, 1) * 32767).astype(np.int32)
 
 
-def _wav_samples(b64: str) -> np.ndarray:
-    with wave.open(io.BytesIO(base64.b64decode(b64))) as wav:
-        return np.frombuffer(wav.readframes(wav.getnframes()), dtype="<i2").astype(np.int32)
 
 
-def _sse_events(response) -> Iterator[tuple[str, dict]]:
-    kind = "message"
-    for line in response.iter_lines():
-        if line.startswith("event:"):
-            kind = line.split(":", 1)[1].strip()
-        elif line.startswith("data:"):
-            yield kind, json.loads(line.split(":", 1)[1])
-            kind = "message"
 
 
 def test_mesh_reply_equals_one_call_generate(mesh, checkpoint: Path) -> None:
@@ -85,7 +69,7 @@ def test_mesh_reply_equals_one_call_generate(mesh, checkpoint: Path) -> None:
     outputs = mesh.ok({"prompt": PROMPT}, params=params, timeout_s=60)["outputs"]
     text, wav = reference(checkpoint, max_tokens=6, max_codes=30)
     assert outputs["text"] == text
-    ours, theirs = _wav_samples(outputs["audio_wav_base64"]), _pcm(wav)
+    ours, theirs = wav_samples(outputs["audio_wav_base64"]), pcm_samples(wav)
     assert ours.shape == theirs.shape and len(ours) > 0
     assert np.abs(ours - theirs).max() <= 2
     assert np.abs(theirs).max() > 100  # not a comparison of silences
@@ -93,11 +77,11 @@ def test_mesh_reply_equals_one_call_generate(mesh, checkpoint: Path) -> None:
 
 def test_streamed_audio_equals_unstreamed_audio(mesh) -> None:
     params = {"temperature": 0, "max_tokens": 8, "max_audio_tokens": 60}
-    whole = _wav_samples(mesh.ok({"prompt": PROMPT}, params=params, timeout_s=60)["outputs"]["audio_wav_base64"])
+    whole = wav_samples(mesh.ok({"prompt": PROMPT}, params=params, timeout_s=60)["outputs"]["audio_wav_base64"])
     body = {"inputs": {"prompt": PROMPT}, "params": params, "timeout_s": 60, "stream": True}
     pcm, chunks = bytearray(), 0
     with mesh.client.stream("POST", "/v1/requests", json=body, timeout=90) as response:
-        for kind, event in _sse_events(response):
+        for kind, event in sse_events(response):
             assert kind != "error", event
             if kind == "done":
                 break
