@@ -16,6 +16,7 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -275,3 +276,20 @@ def test_a_client_that_goes_away_stops_generation_in_every_stage(mesh) -> None:
     assert spent < 0.3, f"the stages spent {spent:.2f} s of CPU in the 2 s after the client left"
     reply = mesh.ok({"prompt": PROMPT}, params={"temperature": 0, "max_tokens": 3, "max_audio_tokens": 20}, timeout_s=60)
     assert reply["outputs"]["audio_wav_base64"]
+
+
+def test_a_non_streaming_client_that_goes_away_stops_generation_too(mesh) -> None:
+    """The same for a client that waits for the whole answer and gives up after 1 s."""
+    from omni_mesh.testing.processes import cpu_seconds
+
+    stages = mesh.stages()
+    pids = {stages[name][0]["pid"] for name in ("thinker", "talker", "code2wav")}
+    params = {"temperature": 0, "max_tokens": 8, "max_audio_tokens": 4000}
+    with pytest.raises(httpx.ReadTimeout):
+        mesh.client.post("/v1/requests", json={"inputs": {"prompt": PROMPT}, "params": params, "timeout_s": 60}, timeout=1.0)
+    time.sleep(1.0)
+    before = cpu_seconds(pids)
+    time.sleep(2.0)
+    spent = cpu_seconds(pids) - before
+    assert spent < 0.3, f"the stages spent {spent:.2f} s of CPU in the 2 s after the client left"
+    assert mesh.client.get("/health").json()["requests_inflight"] == 0

@@ -22,6 +22,7 @@ from omni_mesh import __version__
 from omni_mesh.coordinator import docs, envelope
 from omni_mesh.coordinator.access import AccessLog
 from omni_mesh.coordinator.auth import ApiKey
+from omni_mesh.coordinator.client_gone import ClientGone, unless_client_leaves
 from omni_mesh.coordinator.dispatch import RequestFailed, RequestState
 from omni_mesh.coordinator.envelope import error_response, responses
 from omni_mesh.coordinator.http_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, BodyLimit, read_deadlines
@@ -107,12 +108,15 @@ def create_app(
         if body.stream:
             return StreamingResponse(_events(state), media_type="text/event-stream")
         try:
-            outputs = await state.future
+            outputs = await unless_client_leaves(request, state.future)
         except RequestFailed as exc:
             return error_response(exc.status, exc.message, stage=exc.stage, rid=state.rid)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, ClientGone) as exc:
+            # every stage still working on it lets go of it (its handler is cancelled there)
             dispatcher.fail(state, RequestFailed(CLIENT_GONE, "the client went away", None))
-            raise
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return Response(status_code=CLIENT_GONE)  # nobody reads it: for the access log
         return _result(state, outputs)
 
     def _full_stage() -> tuple[str, int] | None:

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
+from omni_mesh.coordinator.client_gone import ClientGone, unless_client_leaves
 from omni_mesh.coordinator.dispatch import RequestFailed, RequestState
 from omni_mesh.coordinator.envelope import field_path, responses
 from omni_mesh.coordinator.openai_audio import encode
@@ -151,7 +152,11 @@ def openai_router(coordinator: Coordinator) -> APIRouter:
             return failed(first[2])
         if body.stream:
             return StreamingResponse(answer.stream(first), media_type="text/event-stream")
-        return await answer.whole(first)
+        try:
+            return await unless_client_leaves(request, answer.whole(first))
+        except ClientGone:
+            answer.abandon()  # the request ends in every stage
+            return Response(status_code=CLIENT_GONE)  # nobody reads it: for the access log
 
     return router
 
