@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from transformers import StoppingCriteria
+from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 
@@ -50,3 +50,10 @@ def sampling_kwargs(temperature: float, top_p: float, top_k: int | None = None) 
     if top_k is not None:
         kwargs["top_k"] = top_k
     return kwargs
+
+
+def streaming(on_token: Callable[[int], None] | None, should_stop: Callable[[], bool] | None) -> dict[str, Any]:
+    """generate()'s `streamer` and `stopping_criteria`: each new token to `on_token`, and an end once
+    `should_stop()` (the request was cancelled)."""
+    return {"streamer": TokenCallback(on_token), "stopping_criteria": StoppingCriteriaList([StopWhen(should_stop)])}
+

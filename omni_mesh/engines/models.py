@@ -3,6 +3,7 @@ that architecture's parts are loaded and read (the stage handlers stay the same 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from omni_mesh.engines.settings import ARCHS, EngineSpec, Sampling
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ModelParts:
+class ModelParts(ABC):
     """One checkpoint, one architecture: loads a part and reads what its parts return."""
 
     arch = ""
@@ -45,23 +46,27 @@ class ModelParts:
             self.tokenizer  # noqa: B018 (loaded now, not by the first request)
         return self._load(part)
 
+    @abstractmethod
     def _load(self, part: str) -> Any:
-        raise NotImplementedError
+        ...
 
     # What each architecture's parts are asked, in the stages' terms (a Sampling carries the params).
 
+    @abstractmethod
     def think(self, thinker: Any, ids: torch.Tensor, sampling: Sampling, on_token: Any, should_stop: Any) -> Any:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def talk(self, talker: Any, payload: dict, sampling: Sampling, on_code: Any, should_stop: Any) -> Any:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def decode(self, decoder: Any, codes: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def stream_decoder(self, decoder: Any, sampling: Sampling) -> Any:
         """An object with `feed(codes) -> samples` and `finish() -> samples`, for one request."""
-        raise NotImplementedError
 
     @staticmethod
     def seed(seed: int | None) -> None:
@@ -72,11 +77,13 @@ class ModelParts:
     def eos_token_ids(thinker: Any) -> list[int]:
         return list(thinker.eos_token_ids)
 
+    @abstractmethod
     def reply_ids(self, output: Any) -> torch.Tensor:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def talker_payload(self, output: Any) -> dict:
-        raise NotImplementedError
+        ...
 
     def code_stop_ids(self, talker: Any) -> list[int]:
         return []

@@ -25,12 +25,11 @@ from transformers import (
     Qwen2_5OmniTalkerForConditionalGeneration,
     Qwen2_5OmniThinkerForConditionalGeneration,
     Qwen2_5OmniToken2WavModel,
-    StoppingCriteriaList,
     SuppressTokensLogitsProcessor,
 )
 
 from omni_mesh.engines.checkpoint import CheckpointError, load_part
-from omni_mesh.engines.generation import StopWhen, TokenCallback, sampling_kwargs
+from omni_mesh.engines.generation import sampling_kwargs, streaming
 
 SAMPLE_RATE = 24_000
 #: generate()'s talker defaults (its signature): sampling and the repetition penalty it applies even greedy.
@@ -125,8 +124,7 @@ class Thinker:
             max_new_tokens=max_tokens,
             output_hidden_states=True,
             return_dict_in_generate=True,
-            streamer=TokenCallback(on_token),
-            stopping_criteria=StoppingCriteriaList([StopWhen(should_stop)]),
+            **streaming(on_token, should_stop),
             **sampling_kwargs(temperature, top_p),
         )
         steps = result.hidden_states  # one tuple of per-layer states per generation step
@@ -226,8 +224,7 @@ class Talker:
             pad_token_id=self.codec_pad,
             repetition_penalty=TALKER_REPETITION_PENALTY,
             logits_processor=self.logits_processor(),
-            streamer=TokenCallback(on_code),
-            stopping_criteria=StoppingCriteriaList([StopWhen(should_stop)]),
+            **streaming(on_code, should_stop),
             **sampling_kwargs(temperature, top_p, TALKER_TOP_K),
         )
         codes = result[0, input_ids.shape[1]:]

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Qwen3OmniMoeConfig, StoppingCriteriaList
+from transformers import Qwen3OmniMoeConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeCode2Wav,
     Qwen3OmniMoeTalkerForConditionalGeneration,
@@ -36,7 +36,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 )
 
 from omni_mesh.engines.checkpoint import CheckpointError, load_part, read_config
-from omni_mesh.engines.generation import StopWhen, TokenCallback, sampling_kwargs
+from omni_mesh.engines.generation import sampling_kwargs, streaming
 
 SAMPLE_RATE = 24_000
 #: generate()'s talker defaults (its signature).
@@ -138,8 +138,7 @@ class Qwen3OmniThinker:
                 use_audio_in_video=False,
                 output_hidden_states=placeholders,
                 return_dict_in_generate=True,
-                streamer=TokenCallback(on_token),
-                stopping_criteria=StoppingCriteriaList([StopWhen(should_stop)]),
+                **streaming(on_token, should_stop),
                 **sampling_kwargs(temperature, top_p),
             )
         sequence = result.sequences[0]
@@ -294,7 +293,7 @@ class Qwen3OmniTalker:
                     # each step reads the last step's hidden states (the code predictor's input)
                     output_hidden_states=True,
                     return_dict_in_generate=True,
-                    stopping_criteria=StoppingCriteriaList([StopWhen(should_stop)]),
+                    **streaming(None, should_stop),  # frames come from the hook above
                     **sampling_kwargs(temperature, top_p, TALKER_TOP_K),
                 )
             finally:

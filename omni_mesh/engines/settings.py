@@ -43,7 +43,7 @@ class EngineSpec:
     num_steps: int = 10  # Qwen2.5-Omni token2wav: ODE steps of its DiT
 
     def model_dir(self) -> Path:
-        """The checkpoint directory, variables expanded; InvalidConfig-style ValueError if one is unset."""
+        """The checkpoint directory, variables expanded; ValueError naming a variable that is unset."""
         def expand(match: re.Match) -> str:
             name = match.group(1) or match.group(2)
             if name not in os.environ:

@@ -84,30 +84,24 @@ class ThinkerStage(EngineStage):
             return self.model.think(thinker, ids, sampling, push, should_stop)
 
         generation = Generation(self.executor, run)
-        detok = Detokenizer(self.model.tokenizer)
         # A client reading a stream gets the text token by token; for any other the text goes with the
         # talker's inputs in one chunk (a chunk per token would cost every stage a hop per token).
-        streaming = _client_streams(ctx)
-        held: list[str] = []  # the deltas of a reply that is not streamed: sent with the last chunk
+        detok = Detokenizer(self.model.tokenizer) if _client_streams(ctx) else None
         try:
             async for token in generation:
-                delta = detok.add(token)
-                if streaming:
+                if detok is not None and (delta := detok.add(token)):
                     yield {"text": delta}
-                else:
-                    held.append(delta)
             output = await generation.result()
         finally:
             generation.cancel()
         reply = [int(t) for t in self.model.reply_ids(output).tolist()]
         stopped = bool(reply) and reply[-1] in eos
         yield {
-            "text": "".join(held) + detok.flush(),
+            "text": detok.flush() if detok else self.model.tokenizer.decode(reply, skip_special_tokens=True),
             "talker": self.model.talker_payload(output),
             "usage": {"prompt_tokens": int(ids.shape[-1]), "completion_tokens": len(reply)},
             "finish_reason": "stop" if stopped or len(reply) < sampling.max_tokens else "length",
         }
-
 
     @staticmethod
     def client_output(chunk: dict) -> dict:
@@ -183,7 +177,7 @@ class Code2WavStage(EngineStage):
             "sample_rate": SAMPLE_RATE,
             "audio_wav_base64": wav_base64(samples),
             "duration_s": len(samples) / SAMPLE_RATE,
-            "codes": int(sum(self.model.code_frames(c) for c in codes)),
+            "codes": self.model.code_frames(all_codes),
             "usage": tail.get("usage"),
             "finish_reason": tail.get("finish_reason", "stop"),
         }

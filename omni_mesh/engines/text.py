@@ -47,32 +47,42 @@ def prompt_ids(tokenizer: Any, inputs: Any) -> Any:
 
 
 class Detokenizer:
-    """Reply ids -> text deltas whose concatenation is `decode(all ids, skip_special_tokens=True)`."""
+    """Reply ids -> text deltas whose concatenation is `decode(all ids, skip_special_tokens=True)` for
+    any reply that is text (bytes that make no character, as a random model emits, may come out as
+    other replacement characters).
+
+    Each step decodes only the ids not sent yet and a few before them (decoding a token can depend
+    on its neighbours): the whole reply again at every token would cost its length squared."""
 
     #: A UTF-8 character spans at most 4 bytes, so at most 3 more tokens complete it; bytes that never
     #: make a character (a random model emits such) are sent as they are after that.
     MAX_HELD = 3
+    CONTEXT = 5  # ids decoded again before the unsent ones
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.sent = ""
+        self.start = 0  # where the decoded window starts
+        self.read = 0  # ids up to here are sent
         self.held = 0
 
     def add(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd") and self.held < self.MAX_HELD:  # a character split across tokens
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        return self._advance(final=True)
+
+    def _advance(self, *, final: bool) -> str:
+        decode = self.tokenizer.decode
+        sent = decode(self.ids[self.start : self.read], skip_special_tokens=True)
+        text = decode(self.ids[self.start :], skip_special_tokens=True)
+        if not final and text.endswith("\ufffd") and self.held < self.MAX_HELD:  # a character split across tokens
             self.held += 1
             return ""
         self.held = 0
-        return self._delta(text)
-
-    def flush(self) -> str:
-        return self._delta(self.tokenizer.decode(self.ids, skip_special_tokens=True))
-
-    def _delta(self, text: str) -> str:
-        if not text.startswith(self.sent):  # decoding changed earlier text (rare): send nothing more of it
-            return ""
-        delta, self.sent = text[len(self.sent) :], text
+        # decoding changed text already sent (rare): send nothing more of it
+        delta = text[len(sent) :] if text.startswith(sent) else ""
+        self.read = len(self.ids)
+        self.start = max(0, self.read - self.CONTEXT)
         return delta

@@ -4,6 +4,7 @@ a couple of MB, written in about a second. It speaks noise; the point is the rea
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 #: The tokenizer's special tokens, in id order after its BPE vocabulary.
 SPECIAL_TOKENS = (
@@ -85,7 +86,7 @@ def build_tiny_qwen2_5_omni(directory: Path, seed: int = 0) -> None:
     torch.save(speakers, directory / "spk_dict.pt")
 
 
-def _make_audible(model: object, speaker: dict) -> None:
+def _make_audible(model: Any, speaker: dict) -> None:
     """Random BigVGAN weights speak at about 1e-8 of full scale, which 16-bit PCM rounds to silence
     (and would make any comparison of waveforms vacuous): scale its last, linear, bias-free layer so
     that a sample decode peaks near half of full scale."""

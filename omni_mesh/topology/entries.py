@@ -7,6 +7,7 @@ from typing import Any
 
 from omni_mesh.connector_values import read_extra
 from omni_mesh.connectors import available_connectors, connector_type
+from omni_mesh.engines.settings import DTYPES, PART_ALIASES, PARTS, parse_engine
 from omni_mesh.topology.model import AUTO_CONNECTOR, ConnectorSpec, StageSpec, TopologyError
 
 # Stage keys the topology interprets (the edge keys in `parse`); any other key is kept verbatim in StageSpec.options.
@@ -78,8 +79,6 @@ def parse_stage(entry: Any, index: int, defaults: dict[str, int]) -> StageSpec:
 def _engine(entry: dict, who: str) -> dict | None:
     """The stage's checked `engine:` settings; from vllm-omni's `engine_args.model_stage` (and `model`,
     `dtype`) when the stage has neither engine: nor handler:; None when it names no model part."""
-    from omni_mesh.engines.settings import DTYPES, PART_ALIASES, PARTS, parse_engine
-
     raw = entry.get("engine")
     if raw is None:
         args = entry.get("engine_args")
@@ -94,7 +93,7 @@ def _engine(entry: dict, who: str) -> dict | None:
         spec = parse_engine(raw, who)
     except ValueError as exc:
         raise TopologyError(str(exc)) from None
-    return {key: value for key, value in vars(spec).items()}
+    return dict(vars(spec))
 
 
 def _sampling_defaults(params: Any, part: str) -> dict:
