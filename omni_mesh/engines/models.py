@@ -149,19 +149,21 @@ class Qwen2_5Omni(ModelParts):
 
 
 class Qwen3Omni(ModelParts):
-    """Thinker, talker (with its code predictor: frames of code groups), code2wav (omni_mesh.engines.qwen3_omni).
+    """Thinker, talker (with its code predictor: frames of code groups), code2wav (omni_mesh.engines.qwen3_omni,
+    qwen3_omni_code2wav).
     code2wav is causal: streamed audio equals the one-shot decode, and needs no seed."""
 
     arch = "qwen3_omni_moe"
 
     def _load(self, part: str) -> Any:
         from omni_mesh.engines import qwen3_omni as model
+        from omni_mesh.engines.qwen3_omni_code2wav import Qwen3OmniCode2Wav
 
         if part == "thinker":
             return model.Qwen3OmniThinker.load(self.directory, self.dtype, self.spec.device)
         if part == "talker":
             return model.Qwen3OmniTalker.load(self.directory, self.dtype, self.spec.device)
-        return model.Qwen3OmniCode2Wav.load(self.directory, self.dtype, self.spec.device)
+        return Qwen3OmniCode2Wav.load(self.directory, self.dtype, self.spec.device)
 
     def think(self, thinker: Any, ids: torch.Tensor, sampling: Sampling, on_token: Any, should_stop: Any) -> Any:
         return thinker.generate(

@@ -1,0 +1,188 @@
+"""Qwen3-Omni's code2wav alone (int64 [T, G] codes in, 24 kHz float32 waveform out), and its exact
+streaming decode: the transformer runs on its KV cache and only the convolutions re-read frames."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
+
+from omni_mesh.engines.checkpoint import load_part
+from omni_mesh.engines.qwen3_omni import REFERENCE_CHUNK_FRAMES, load_config
+
+
+class Qwen3OmniCode2Wav:
+    """code2wav alone: int64 [T, G] codes in, 24 kHz float32 waveform out, in the part's dtype (generate()
+    runs it in the model's dtype and returns float)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.num_quantizers = int(model.config.num_quantizers)
+        self.samples_per_frame = int(model.total_upsample)
+        self.conv = _ConvGeometry(model)
+
+    @classmethod
+    def load(cls, model_dir: Path, dtype: torch.dtype, device: str) -> Qwen3OmniCode2Wav:
+        config = load_config(model_dir)
+        return cls(load_part(Qwen3OmniMoeCode2Wav, config.code2wav_config, Path(model_dir), "code2wav.",
+                             dtype=dtype, device=device))
+
+    def frames(self, codes: torch.Tensor) -> torch.Tensor:
+        """`codes` as int64 [T, G] (one frame [G] is taken as [1, G]); ValueError for any other shape."""
+        codes = torch.as_tensor(codes)
+        if codes.dim() == 1 and len(codes) == self.num_quantizers:
+            codes = codes.unsqueeze(0)
+        if codes.dim() != 2 or codes.shape[1] != self.num_quantizers:
+            raise ValueError(f"Qwen3-Omni code2wav: codes must be int64 [frames, {self.num_quantizers}], "
+                             f"got shape {tuple(codes.shape)}")
+        return codes.to(torch.long)
+
+    def _codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """[T, G] codes as the model takes them: [1, G, T] on its device."""
+        return self.frames(codes).to(self.model.device).T.unsqueeze(0)
+
+    @torch.no_grad()
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """float32 [samples] of `codes`. Up to 300 frames this is generate()'s decode (one forward);
+        past that generate() decodes 300-frame chunks and loses samples at each boundary, where this
+        decodes exactly (the stream, 300 frames at a time, memory bounded)."""
+        if len(codes) == 0:
+            return torch.zeros(0)
+        if len(codes) <= REFERENCE_CHUNK_FRAMES:
+            return self.model(self._codes(codes)).reshape(-1).float().cpu()
+        stream = self.stream(chunk_frames=REFERENCE_CHUNK_FRAMES)
+        return torch.cat([stream.feed(codes), stream.finish()])
+
+    def stream(self, *, chunk_frames: int = 25, left_context: int | None = None) -> Code2WavStream:
+        """Streaming decode: `chunk_frames` new frames per decode; `left_context` frames of the
+        transformer's output decoded again before them (default: the fewest that reproduce the one-shot
+        decode, `exact_left_context`)."""
+        return Code2WavStream(self, chunk_frames, self.exact_left_context if left_context is None else left_context)
+
+    @property
+    def exact_left_context(self) -> int:
+        return self.conv.left_context()
+
+
+class Code2WavStream:
+    """Decodes codes as they come, reproducing the one-shot decode (to float rounding).
+
+    code2wav is a sliding-window causal transformer, then causal convolutions and transposed
+    convolutions (these look one input step ahead, so a decode of T frames yields T * 1920 - loss
+    samples, the tail needing frames not yet seen). The reference streaming decodes each chunk with
+    25 frames of left context and cuts the context's audio off: it drops the `loss` samples at every
+    boundary, and 25 frames do not cover the transformer's reach (layers x (window - 1) frames).
+    Here the transformer runs incrementally with its KV cache (exact, and no frame goes through it
+    twice), and only the convolutions see a left context: `left_context` frames of the transformer's
+    output before the new ones, enough for every sample not yet emitted. Each decode emits the samples
+    from where the last one stopped, so nothing is dropped and nothing repeats.
+    """
+
+    def __init__(self, code2wav: Qwen3OmniCode2Wav, chunk_frames: int, left_context: int) -> None:
+        # fewer frames than the samples a decode cannot yield yet would leave gaps in the audio
+        least = -(-code2wav.conv.loss // code2wav.samples_per_frame)
+        if chunk_frames < 1 or left_context < least:
+            raise ValueError(f"Qwen3-Omni code2wav stream: chunk_frames must be >= 1 and left_context >= {least} "
+                             f"(exact: >= {code2wav.exact_left_context}), got {chunk_frames} and {left_context}")
+        from transformers import DynamicCache
+
+        self.code2wav = code2wav
+        self.chunk_frames = chunk_frames
+        self.left_context = left_context
+        self.cache = DynamicCache(config=code2wav.model.config)
+        self.pending = torch.zeros(0, code2wav.num_quantizers, dtype=torch.long)
+        self.hidden: torch.Tensor | None = None  # the transformer's output for the last frames: [1, C, T]
+        self.frames = 0  # frames through the transformer
+        self.emitted = 0  # samples returned
+
+    def feed(self, codes: torch.Tensor) -> torch.Tensor:
+        """New samples (float32): decodes once `chunk_frames` frames are pending."""
+        self.pending = torch.cat([self.pending, self.code2wav.frames(codes).cpu()])
+        if len(self.pending) < self.chunk_frames:
+            return torch.zeros(0)
+        return self._decode()
+
+    def finish(self) -> torch.Tensor:
+        """The rest of the audio (what the frames still pending make)."""
+        return self._decode() if len(self.pending) else torch.zeros(0)
+
+    @torch.no_grad()
+    def _decode(self) -> torch.Tensor:
+        model = self.code2wav.model
+        codes, self.pending = self.code2wav._codes(self.pending), self.pending[:0]
+        embeds = model.code_embedding(codes + model.code_offset).mean(1)
+        new = model.pre_transformer(inputs_embeds=embeds, cache=self.cache, use_cache=True).last_hidden_state
+        new = new.permute(0, 2, 1)  # [1, C, frames]
+        done = self.frames
+        self.frames += new.shape[-1]
+        hidden = new if self.hidden is None else torch.cat([self.hidden, new], dim=-1)
+        start = self.frames - hidden.shape[-1]  # the absolute frame hidden[..., 0] is
+        first = max(start, done - self.left_context)
+        wav = self.code2wav.conv.run(hidden[..., first - start :]).reshape(-1)
+        self.hidden = hidden[..., max(0, hidden.shape[-1] - self.left_context) :]
+        # wav[0] is absolute sample first * samples_per_frame: return what was not returned yet
+        fresh = wav[max(0, self.emitted - first * self.code2wav.samples_per_frame) :]
+        self.emitted += len(fresh)
+        return fresh.float().cpu()
+
+
+class _ConvGeometry:
+    """code2wav after its transformer (upsampling blocks, decoder): runs it, and works out from its layers
+    how many samples a decode yields and which frames each sample depends on."""
+
+    def __init__(self, model: Any) -> None:
+        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+            Qwen3OmniMoeCausalConvNet,
+            Qwen3OmniMoeCausalTransConvNet,
+        )
+
+        self.model = model
+        self.samples_per_frame = int(model.total_upsample)
+        kinds = (Qwen3OmniMoeCausalConvNet, Qwen3OmniMoeCausalTransConvNet)
+        # modules() walks each block in the order its forward() runs its layers
+        self.layers = [m for part in (model.upsample, model.decoder) for m in part.modules()
+                       if isinstance(m, kinds)]
+        for layer in self.layers:
+            if isinstance(layer, Qwen3OmniMoeCausalConvNet) and layer.stride != 1:
+                raise ValueError("Qwen3-Omni code2wav: a strided causal convolution; its streaming geometry is unknown")
+        self.transposed = Qwen3OmniMoeCausalTransConvNet
+        #: samples a decode of n frames yields fewer than n * samples_per_frame (the same for every n)
+        self.loss = self.samples_per_frame - self.output_length(1)
+
+    def run(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The waveform [1, 1, samples] of the transformer's output `hidden` [1, C, frames]."""
+        for blocks in self.model.upsample:
+            for block in blocks:
+                hidden = block(hidden)
+        for block in self.model.decoder:
+            hidden = block(hidden)
+        return hidden.clamp(min=-1, max=1)
+
+    def output_length(self, frames: int) -> int:
+        length = frames
+        for layer in self.layers:
+            if isinstance(layer, self.transposed):
+                (kernel,), (stride,) = layer.conv.kernel_size, layer.conv.stride
+                length = (length - 1) * stride + kernel - layer.left_pad - layer.right_pad
+        return length  # causal convolutions of stride 1 keep the length
+
+    def earliest_frame(self, sample: int) -> int:
+        """The first frame the output sample `sample` depends on (walking the layers backwards)."""
+        index = sample
+        for layer in reversed(self.layers):
+            if isinstance(layer, self.transposed):
+                # output n is the full output n + left_pad: inputs i with
+                # i * stride <= n + left_pad < i * stride + kernel
+                (kernel,), (stride,) = layer.conv.kernel_size, layer.conv.stride
+                index = -(-(index + layer.left_pad - kernel + 1) // stride)
+            else:
+                index -= layer.padding  # a causal convolution reads (kernel - 1) * dilation inputs back
+        return index
+
+    def left_context(self) -> int:
+        """Frames before the first new one the convolutions need so that every sample from the first
+        not yet emitted (frames * samples_per_frame - loss) equals the one-shot decode's."""
+        frames = 10_000  # far from the start, where the need is the same for every chunk
+        return max(0, frames - self.earliest_frame(frames * self.samples_per_frame - self.loss))
