@@ -83,7 +83,7 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "connector":
-        from omni_mesh.bench import connector
+        from omni_mesh.bench import connector, connector_report
 
         config = _json_arg(args.config, "--config")
         if args.device == "cuda" and not connector.torch.cuda.is_available():
@@ -99,7 +99,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             result = connector.run(
                 args.connector, config, sizes, raw=not args.no_raw, device=args.device, zero_copy=args.zero_copy
             )
-        print(json.dumps(result, indent=2) if args.json else connector.report(result))
+        print(json.dumps(result, indent=2) if args.json else connector_report.report(result))
         return EXIT_OK
     if args.bench == "engines":
         from omni_mesh.bench import engines
