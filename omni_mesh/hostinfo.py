@@ -13,7 +13,7 @@ import os
 import socket
 from functools import cache
 
-from omni_mesh.connectors.shm_segments import SHM_DIR, own_start_time
+from omni_mesh.connectors.shm.segments import SHM_DIR, own_start_time
 
 
 @cache

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from omni_mesh.connectors.shm_segments import reap_orphaned_segments
+from omni_mesh.connectors.shm.segments import reap_orphaned_segments
 from omni_mesh.ports import free_port, taken_since
 from omni_mesh.security import MeshKeys, insecure_requested, keys_from_environment
 from omni_mesh.topology import Topology

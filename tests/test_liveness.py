@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from omni_mesh.connectors import shm_segments
-from omni_mesh.connectors.shm_segments import (
+from omni_mesh.connectors.shm import segments as shm_segments
+from omni_mesh.connectors.shm.segments import (
     ProcessIdentity,
     ProcessUnknown,
     process_gone,
@@ -28,7 +28,7 @@ from omni_mesh.connectors.shm_segments import (
 
 CHILD = r"""
 import json, logging, os, resource, sys
-from omni_mesh.connectors.shm_segments import ProcessIdentity, ProcessUnknown, process_gone, process_start_time
+from omni_mesh.connectors.shm.segments import ProcessIdentity, ProcessUnknown, process_gone, process_start_time
 from omni_mesh.coordinator.registry import Replica
 from omni_mesh.hostinfo import machine_id, namespace
 

@@ -31,7 +31,7 @@ from support.meshkit import wait_for
 from support.netns import Host, TwoHosts
 from support.servicekit import COMPOSE, Api, Service, Services, compose_config, localize
 
-from omni_mesh.connectors.shm_segments import SHM_DIR
+from omni_mesh.connectors.shm.segments import SHM_DIR
 
 HOST_A = COMPOSE / "docker-compose.host-a.yml"
 HOST_B = COMPOSE / "docker-compose.host-b.yml"

@@ -35,11 +35,11 @@ from omni_mesh.connectors import (
     ConnectorError,
     available_connectors,
     create_connector,
-    shm_segments,
 )
-from omni_mesh.connectors.allocator import PoolAllocator, round_up
+from omni_mesh.connectors.pools.allocator import PoolAllocator, round_up
 from omni_mesh.connectors.shared_memory import SharedMemoryConnector
-from omni_mesh.connectors.shm_segments import (
+from omni_mesh.connectors.shm import segments as shm_segments
+from omni_mesh.connectors.shm.segments import (
     SHM_DIR,
     ProcessIdentity,
     list_segments,
@@ -924,7 +924,7 @@ def test_a_slot_taken_by_a_killed_consumer_can_be_taken_again() -> None:
 
 def test_allocator_aligns_large_frames_and_frees_all_it_took() -> None:
     """allocate(align=PAGE, skew=h) puts offset + h on a page boundary; free returns the whole extent."""
-    from omni_mesh.connectors.allocator import PAGE, PoolAllocator
+    from omni_mesh.connectors.pools.allocator import PAGE, PoolAllocator
 
     allocator = PoolAllocator(1 << 20, start=64)
     small = allocator.allocate(100)
@@ -938,7 +938,7 @@ def test_allocator_aligns_large_frames_and_frees_all_it_took() -> None:
 
 def test_a_planted_symlink_is_never_followed(tmp_path: Path) -> None:
     """Metadata naming a segment that is a symlink (to a file of someone else's) must not map that file."""
-    from omni_mesh.connectors.shm_segments import SHM_DIR
+    from omni_mesh.connectors.shm.segments import SHM_DIR
 
     target = tmp_path / "secret"
     target.write_bytes(b"x" * 8192)

@@ -35,7 +35,7 @@ from omni_mesh import aio
 from omni_mesh.bench.http_client import Connection
 from omni_mesh.bench.mesh import running_mesh
 from omni_mesh.bench.pipeline import percentile
-from omni_mesh.connectors.shm_segments import list_segments, owner_of
+from omni_mesh.connectors.shm.segments import list_segments, owner_of
 from omni_mesh.testing.processes import children_of
 from omni_mesh.topology import Topology, load_topology
 

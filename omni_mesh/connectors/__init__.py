@@ -146,7 +146,7 @@ def create_connector(name: str, config: dict[str, Any] | None = None) -> OmniCon
 
 # Backends whose native libraries must load before the others in one process. Mooncake's crashes the
 # process (a segfault, measured) when it loads after openYuanrong's yr.datasystem: their bundled libraries
-# clash (commit 4868d03; `_mooncake_common.import_mooncake` refuses that order with a clear error). So a
+# clash (commit 4868d03; `mooncake.common.import_mooncake` refuses that order with a clear error). So a
 # process that creates connectors of several backends, such as a stage with a Mooncake edge and a
 # Yuanrong edge, creates these first.
 _LOADS_FIRST = ("omni_mesh.connectors.mooncake_store", "omni_mesh.connectors.mooncake_transfer_engine")

@@ -30,7 +30,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_mesh import codec
-from omni_mesh.connectors._mooncake_common import (
+from omni_mesh.connectors.base import (
+    ConnectorError,
+    Counters,
+    OmniConnectorBase,
+    edge_key,
+)
+from omni_mesh.connectors.configs import MooncakeStoreConfig
+from omni_mesh.connectors.mooncake.common import (
+    INSTALL_HINT,
     PoolErrors,
     RegisteredPool,
     close_at_exit,
@@ -41,15 +49,16 @@ from omni_mesh.connectors._mooncake_common import (
     probe_tcp,
     resolve_host,
 )
-from omni_mesh.connectors.base import (
-    ConnectorError,
-    Counters,
-    OmniConnectorBase,
-    edge_key,
-)
-from omni_mesh.connectors.configs import MooncakeStoreConfig
 
-__all__ = ["MooncakeStoreConfig", "MooncakeStoreConnector"]
+# INSTALL_HINT, RegisteredPool and import_mooncake are public here for the raw-Mooncake bench and the
+# test master, which must not reach into the private `mooncake` package.
+__all__ = [
+    "INSTALL_HINT",
+    "MooncakeStoreConfig",
+    "MooncakeStoreConnector",
+    "RegisteredPool",
+    "import_mooncake",
+]
 
 OWNER = "MooncakeStoreConnector"
 _OBJECT_NOT_FOUND = -704

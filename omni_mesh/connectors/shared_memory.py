@@ -1,18 +1,18 @@
 """SharedMemoryConnector: payloads between processes on one host, through a pre-faulted pool.
 
-Producer side: a pool of pre-faulted segments per process (`shm_pool`: created on the first put,
+Producer side: a pool of pre-faulted segments per process (`shm.pool`: created on the first put,
 grown for payloads that fit no free space up to `max_pool_size`, grown segments returned once idle),
 so the steady state creates no segment and takes no page fault. The codec lays each frame straight
 into a pool slot. Only past the ceiling does a payload get a one-off segment (counted as a fallback).
 Tiny payloads ride in the metadata as their whole frame, with a copy in one of the pool's cells once
 some process on the host gets by key alone (shm_tiny).
 `empty()` hands out output tensors already in a slot, which a put then sends where they lie
-(`shm_outputs`).
+(`shm.outputs`).
 
 Consumer side: `get` maps the producer's segment once (cached) and decodes tensors and arrays as
 views over the slot: no copy at all. When the last view is garbage-collected, the consumer marks the
-slot released in the slot header (`shm_slots`, the protocol), and the producer reuses the space on
-its next put. A get without metadata finds the payload by its key (`shm_lookup`).
+slot released in the slot header (`shm.slots`, the protocol), and the producer reuses the space on
+its next put. A get without metadata finds the payload by its key (`lookup`).
 
 The generation and the digest of `from->to/key` make stale or foreign metadata detectable: `get`
 then returns None instead of another request's data. A slot taken by a consumer that has died is
@@ -28,19 +28,23 @@ from typing import Any
 import torch
 
 from omni_mesh import codec, cuda_ipc
-from omni_mesh.connectors import shm_cells, shm_index, shm_lookup, shm_tiny, shm_wanted
-from omni_mesh.connectors._growth import AUTO_CEILING_MAX, GROW_STEP
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
 from omni_mesh.connectors.configs import SharedMemoryConfig
-from omni_mesh.connectors.shm_maps import Mappings
-from omni_mesh.connectors.shm_outputs import PoolOutputs, get_parts
-from omni_mesh.connectors.shm_pool import ShmPool
-from omni_mesh.connectors.shm_segments import (
+from omni_mesh.connectors.pools.growth import AUTO_CEILING_MAX, GROW_STEP
+from omni_mesh.connectors.shm import cells as shm_cells
+from omni_mesh.connectors.shm import index as shm_index
+from omni_mesh.connectors.shm import lookup
+from omni_mesh.connectors.shm import tiny as shm_tiny
+from omni_mesh.connectors.shm import wanted as shm_wanted
+from omni_mesh.connectors.shm.maps import Mappings
+from omni_mesh.connectors.shm.outputs import PoolOutputs, get_parts
+from omni_mesh.connectors.shm.pool import ShmPool
+from omni_mesh.connectors.shm.segments import (
     ProcessIdentity,
     new_token,
     reap_orphaned_segments,
 )
-from omni_mesh.connectors.shm_slots import (
+from omni_mesh.connectors.shm.slots import (
     FREE,
     POOL_HEADER,
     RELEASED,
@@ -54,7 +58,7 @@ from omni_mesh.connectors.shm_slots import (
     ready,
     take,
 )
-from omni_mesh.connectors.shm_tiny import FrameBytes, TinyPayloads
+from omni_mesh.connectors.shm.tiny import FrameBytes, TinyPayloads
 
 __all__ = [
     "AUTO_CEILING_MAX",
@@ -104,7 +108,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             before_reclaim=self._drain_outputs,
         )
         self._lock = self._pool.lock  # one lock: slots, segments, key index, cells
-        self._index = shm_lookup.KeyIndex(self._counters, self._pool.slots)
+        self._index = lookup.KeyIndex(self._counters, self._pool.slots)
         self._outputs = PoolOutputs(self._pool, self._counters)
         self._tiny = TinyPayloads(self._pool, self._counters, self.config.inline_max_bytes, self._copy_to_slot)
         self._maps = Mappings(self._pool.own, self._lock)
@@ -350,7 +354,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         return got
 
     def _get_by_key(self, from_stage: str, to_stage: str, get_key: str) -> tuple[Any, int] | None:
-        """Find the payload in the cells and the key index of every pool on this host (shm_lookup);
+        """Find the payload in the cells and the key index of every pool on this host (lookup);
         None if none has it."""
 
         where = _where(from_stage, to_stage, get_key)
@@ -362,13 +366,13 @@ class SharedMemoryConnector(OmniConnectorBase):
                 return None  # another user's segment, or one being torn down
 
         first = self._pool.first
-        names = shm_lookup.pool_names(first.name if first is not None else None)
+        names = lookup.pool_names(first.name if first is not None else None)
         for name in names:  # from now on their tiny puts keep a copy for gets by key (shm_wanted)
             mm = mapping(name)
             if mm is not None:
                 shm_wanted.mark(mm)
         shm_wanted.tick()  # producers in this process copy their recent tiny payloads in now
-        for metadata in shm_lookup.candidates(names, mapping, digest(from_stage, to_stage, get_key)):
+        for metadata in lookup.candidates(names, mapping, digest(from_stage, to_stage, get_key)):
             result = self.get(from_stage, to_stage, get_key, metadata)
             if result is not None:
                 return result

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_mesh.connectors import connector_type
-from omni_mesh.connectors.shm_segments import (
+from omni_mesh.connectors.shm.segments import (
     ProcessIdentity,
     list_segments,
     process_gone,

@@ -20,12 +20,14 @@ from collections.abc import Callable
 from typing import Any
 
 from omni_mesh import codec
-from omni_mesh.connectors import shm_cells, shm_recent, shm_wanted
 from omni_mesh.connectors.base import ConnectorError, Counters, edge_key
-from omni_mesh.connectors.shm_maps import Mappings
-from omni_mesh.connectors.shm_pool import ShmPool
-from omni_mesh.connectors.shm_recent import RecentTiny
-from omni_mesh.connectors.shm_slots import (
+from omni_mesh.connectors.shm import cells as shm_cells
+from omni_mesh.connectors.shm import recent as shm_recent
+from omni_mesh.connectors.shm import wanted as shm_wanted
+from omni_mesh.connectors.shm.maps import Mappings
+from omni_mesh.connectors.shm.pool import ShmPool
+from omni_mesh.connectors.shm.recent import RecentTiny
+from omni_mesh.connectors.shm.slots import (
     FREE,
     RELEASED,
     SLOT,

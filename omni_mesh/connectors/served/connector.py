@@ -3,7 +3,7 @@
 A producer keeps each payload in a slot of its memory pool (`SlotPool`, `HeldTable`) until a consumer
 asks for it over the ZeroMQ side channel (a `RouterServer`, started by the first put), `ttl_s` passes
 or `cleanup()` drops it. A consumer asks producers through a `DealerPool`. With the mesh's keys the
-side channel runs CURVE both ways (`_channel_guard`). Subclasses decide how the
+side channel runs CURVE both ways (`served.guard`). Subclasses decide how the
 bytes move (in the reply itself, or pulled by a transfer engine) and which requests the server answers.
 
 Config fields every subclass has: host, its side-channel port (`port_field`), memory_pool_size,
@@ -22,12 +22,12 @@ from typing import Any, ClassVar
 import zmq
 
 from omni_mesh.connectors._addresses import bind_and_advertise, tcp_endpoint
-from omni_mesh.connectors._channel_guard import side_channel_keys
-from omni_mesh.connectors._dealers import ChannelClosed, DealerPool, LateReply, PeerLost
-from omni_mesh.connectors._held import Held, HeldTable, SlotPool
-from omni_mesh.connectors._late_gets import LateGets
-from omni_mesh.connectors._zmq_channel import OK, Handler, RouterServer, frame_text
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
+from omni_mesh.connectors.pools.held import Held, HeldTable, SlotPool
+from omni_mesh.connectors.served.channel import OK, Handler, RouterServer, frame_text
+from omni_mesh.connectors.served.dealers import ChannelClosed, DealerPool, LateReply, PeerLost
+from omni_mesh.connectors.served.guard import side_channel_keys
+from omni_mesh.connectors.served.late_gets import LateGets
 
 _RECENT_ERROR_S = 60.0  # health() reports "degraded" this long after an error
 #: Longest a plain get() waits for the producer's answer (vllm-omni's polls expect about a second).

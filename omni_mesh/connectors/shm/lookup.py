@@ -13,10 +13,11 @@ from __future__ import annotations
 import mmap
 from collections.abc import Callable, Iterator
 
-from omni_mesh.connectors import shm_cells, shm_index
 from omni_mesh.connectors.base import Counters
-from omni_mesh.connectors.shm_segments import list_segments
-from omni_mesh.connectors.shm_slots import (
+from omni_mesh.connectors.shm import cells as shm_cells
+from omni_mesh.connectors.shm import index as shm_index
+from omni_mesh.connectors.shm.segments import list_segments
+from omni_mesh.connectors.shm.slots import (
     GENERATION,
     LENGTH_AT,
     POOL_HEADER,

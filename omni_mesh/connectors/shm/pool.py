@@ -22,17 +22,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from omni_mesh.connectors import _growth
-from omni_mesh.connectors.allocator import PAGE, PoolAllocator, frame_alignment, round_up
 from omni_mesh.connectors.base import ConnectorError, Counters
-from omni_mesh.connectors.shm_segments import (
+from omni_mesh.connectors.pools import growth as _growth
+from omni_mesh.connectors.pools.allocator import PAGE, PoolAllocator, frame_alignment, round_up
+from omni_mesh.connectors.shm.segments import (
     ProcessIdentity,
     create_segment,
     segment_name,
     shm_capacity,
     unlink_segment,
 )
-from omni_mesh.connectors.shm_slots import (
+from omni_mesh.connectors.shm.slots import (
     FREE,
     GENERATION,
     POOL_HEADER,

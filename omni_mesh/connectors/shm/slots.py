@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from omni_mesh import cuda_ipc
-from omni_mesh.connectors.allocator import PoolAllocator
 from omni_mesh.connectors.base import edge_key
-from omni_mesh.connectors.shm_segments import ProcessIdentity, process_gone
+from omni_mesh.connectors.pools.allocator import PoolAllocator
+from omni_mesh.connectors.shm.segments import ProcessIdentity, process_gone
 
 SLOT = struct.Struct("<B3xII4xQ16sQ")  # generation at byte 16
 SLOT_HEADER = 64
