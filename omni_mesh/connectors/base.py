@@ -19,6 +19,7 @@ from typing import Any, ClassVar, TypeVar
 
 from omni_mesh.connector_values import coerce_numbers, expand_env, numeric_fields
 from omni_mesh.connectors import _vllm_omni_keys as vllm_omni_keys
+from omni_mesh.connectors.lifecycle import Lifecycle
 
 C = TypeVar("C")
 
@@ -195,6 +196,8 @@ class OmniConnectorBase(ABC):
     config_class: ClassVar[type]
     #: Where this connector carries payloads, for `omni-mesh validate` and `/ready` ("host" or "network").
     scope: ClassVar[str] = "network"
+    #: What this type holds beyond its process and how it is reclaimed (omni_mesh.connectors.lifecycle).
+    lifecycle: ClassVar[type[Lifecycle]] = Lifecycle
     #: The stage this connector serves (vllm-omni's adapter reads it); from config key `stage_id`.
     stage_id: int | str | None = None
 

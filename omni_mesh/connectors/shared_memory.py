@@ -36,6 +36,7 @@ from omni_mesh.connectors.shm import index as shm_index
 from omni_mesh.connectors.shm import lookup
 from omni_mesh.connectors.shm import tiny as shm_tiny
 from omni_mesh.connectors.shm import wanted as shm_wanted
+from omni_mesh.connectors.shm.lifecycle import SharedMemoryLifecycle
 from omni_mesh.connectors.shm.maps import Mappings
 from omni_mesh.connectors.shm.outputs import PoolOutputs, get_parts
 from omni_mesh.connectors.shm.pool import ShmPool
@@ -91,6 +92,7 @@ def _metadata_problem(metadata: dict) -> str:
 class SharedMemoryConnector(OmniConnectorBase):
     config_class = SharedMemoryConfig
     scope = "host"
+    lifecycle = SharedMemoryLifecycle
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         super().__init__(config)
