@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
+from omni_mesh.connectors import _vllm_omni_keys as vllm_omni_keys  # public: topology checks read it
 from omni_mesh.connectors.base import (
     ConnectorConfigError,
     ConnectorError,
@@ -46,6 +47,7 @@ __all__ = [
     "parse_size",
     "reclaim",
     "reclaim_orphans",
+    "vllm_omni_keys",
     "register_connector",
 ]
 
