@@ -22,7 +22,7 @@ from typing import Any
 import msgpack
 import pytest
 import torch
-from support.contract_backends import BACKENDS, Backend, running
+from support.contract_backends import BACKENDS, ONE_PROCESS, Backend, running
 from support.payloads import SENT, mismatch, payload, received
 from support.peer import Peer
 
@@ -47,6 +47,8 @@ def pair(backend: Backend) -> tuple[Any, Any]:
 
 @pytest.fixture(scope="module")
 def peer(backend: Backend, tmp_path_factory) -> Iterator[Peer]:
+    if backend.name in ONE_PROCESS:
+        pytest.skip(f"{backend.name} carries payloads inside one process: there is no consumer in another")
     log = tmp_path_factory.mktemp("contract-peer") / f"{backend.name}.log"
     started = Peer(backend.name, backend.config, log=log, env=backend.env)
     yield started
@@ -322,6 +324,9 @@ def test_a_payload_outlives_nothing_it_should_not(pair, backend: Backend) -> Non
 
 
 def test_no_pickle_in_any_module_of_the_connectors() -> None:
-    for path in Path(codec.__file__).parent.glob("connectors/*.py"):
+    # codec/ and connectors/ are siblings; the connectors' subpackages are read too.
+    paths = sorted((Path(codec.__file__).parent.parent / "connectors").rglob("*.py"))
+    assert len(paths) > 40, paths  # it reads the package (it once globbed under codec/ and read nothing)
+    for path in paths:
         text = path.read_text()
         assert "import pickle" not in text and "pickle.loads" not in text, path

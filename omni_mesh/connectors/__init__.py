@@ -66,6 +66,7 @@ _REGISTRY: dict[str, str | type[OmniConnectorBase]] = {
     "YuanrongConnector": "omni_mesh.connectors.yuanrong:YuanrongConnector",
     "YuanrongTransferEngineConnector": "omni_mesh.connectors.yuanrong_transfer_engine:YuanrongTransferEngineConnector",
     "MoriTransferEngineConnector": "omni_mesh.connectors.mori:MoriTransferEngineConnector",
+    "InProcessConnector": "omni_mesh.connectors.in_process:InProcessConnector",
 }
 # Each built-in class's config class (in omni_mesh.connectors.configs) and scope, so a topology is
 # checked without importing the class; test_connector_registry holds them to the classes' own.
@@ -83,6 +84,7 @@ _BUILT_IN_TYPES: dict[str, tuple[str, str]] = {
         "network",
     ),
     "omni_mesh.connectors.mori:MoriTransferEngineConnector": ("MoriConfig", "network"),
+    "omni_mesh.connectors.in_process:InProcessConnector": ("InProcessConfig", "host"),
 }
 # Each built-in class's lifecycle (a light module: no torch, no backend), so the coordinator and the
 # launcher reclaim without importing the class; test_connector_lifecycle holds them to the classes' own.
