@@ -27,7 +27,7 @@ from support.payloads import SENT, mismatch, payload, received
 from support.peer import Peer
 
 from omni_mesh import codec
-from omni_mesh.connectors import ConnectorError
+from omni_mesh.connectors import ConnectorClosed, ConnectorError, GetAbandoned, PayloadMissing
 
 POLL_LIMIT_S = 1.5  # "within about a second": the poll's own limit plus scheduling slack on a loaded host
 IN_PROCESS = [name for name in SENT if name not in ("8mib", "16mib")]
@@ -178,7 +178,7 @@ def test_get_with_deadline_raises_past_it_naming_connector_edge_and_key(pair, ba
     warm = producer.put("s0", "s1", "warm2/0", b"w")[2]
     consumer.get("s0", "s1", "warm2/0", wire(warm))
     started = time.monotonic()
-    with pytest.raises(ConnectorError) as info:
+    with pytest.raises(PayloadMissing) as info:  # the family's kind for "not there by the deadline"
         consumer.get_with_deadline("s0", "s1", "missing/0", backend.partial(warm), deadline=started + 0.5)
     took = time.monotonic() - started
     assert 0.45 <= took < 0.5 + POLL_LIMIT_S, took
@@ -193,7 +193,7 @@ def test_abandon_get_stops_a_waiting_get(pair) -> None:
     def wait() -> None:
         try:
             consumer.get_with_deadline("s0", "s1", "abandoned/0", None, deadline=time.monotonic() + 30)
-        except ConnectorError as exc:
+        except GetAbandoned as exc:
             errors.append(exc)
 
     waiter = threading.Thread(target=wait)
@@ -215,6 +215,9 @@ def test_a_failed_put_answers_false_zero_none_with_the_reason(pair, backend: Bac
         assert producer.put("s0", "s1", "bad/0", object()) == (False, 0, None)
     assert producer.health()["put_failures"] == failures + 1
     reason = producer.put_error("s0", "s1", "bad/0")
+    assert producer.put_failure("s0", "s1", "bad/0") is None  # the reason and the error are told once
+    assert producer.put("s0", "s1", "bad/1", object()) == (False, 0, None)
+    assert isinstance(producer.put_failure("s0", "s1", "bad/1"), ConnectorError)
     assert reason and "bad/0" in reason and "s0->s1" in reason and backend.name in reason and "object" in reason
     assert any("bad/0" in record.getMessage() for record in caplog.records)
 
@@ -260,7 +263,8 @@ def test_close_is_idempotent_and_final(backend: Backend) -> None:
     connector.close()
     connector.close()
     assert connector.put("s0", "s1", "closing/1", b"y") == (False, 0, None)
-    with pytest.raises(ConnectorError):
+    assert isinstance(connector.put_failure("s0", "s1", "closing/1"), ConnectorClosed)
+    with pytest.raises(ConnectorClosed):
         connector.get("s0", "s1", "closing/0", wire(metadata))
     assert connector.health()["status"] == "unhealthy"
 

@@ -88,7 +88,9 @@ def test_shared_memory_of_a_dead_process_is_reclaimed_through_its_token() -> Non
 def test_the_launcher_reclaims_what_a_dead_child_left_without_a_token() -> None:
     producer = ShmPeer({"inline_max_bytes": 0, "max_pool_size": 1, "memory_pool_size": 256 * KiB})
     try:
-        producer.call("put", from_stage="a", to_stage="b", put_key="k", frame=bytes(codec.encode(torch.ones(10))))
+        producer.call(
+            "put", from_stage="a", to_stage="b", put_key="k", frame=bytes(codec.encode(torch.ones(10)))
+        )
         names = sorted(held_by({producer.pid}))
         assert names
         assert reclaim_orphans(pid=producer.pid) == []  # alive: left alone
@@ -131,14 +133,28 @@ def leasing(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.usefixtures("leasing")
 def test_the_coordinator_reclaims_through_any_type_once_the_process_is_gone() -> None:
     topology = parse_topology(
-        {"name": "t", "stages": [{"stage_id": 0, "name": "a"}, {"stage_id": 1, "name": "b", "engine_input_source": [0]}]}
+        {
+            "name": "t",
+            "stages": [
+                {"stage_id": 0, "name": "a"},
+                {"stage_id": 1, "name": "b", "engine_input_source": [0]},
+            ],
+        }
     )
     registry = Registry(topology)
     child = sleeper()
     try:
         start = process_start_time(child.pid)
         message = Register(
-            "a", "a-0", child.pid, "host", 1, {}, start=start, machine=machine_id(), pidns=namespace("pid"),
+            "a",
+            "a-0",
+            child.pid,
+            "host",
+            1,
+            {},
+            start=start,
+            machine=machine_id(),
+            pidns=namespace("pid"),
             cleanup={**cleanup_tokens(["LeasingConnector"]), "NoSuchConnector": {"lease": "forged"}},
         )
         replica, _ = registry.register(message, b"id-1")
@@ -161,7 +177,15 @@ def test_a_replica_on_another_machine_is_never_reclaimed_here() -> None:
     gone.kill()
     gone.wait()
     message = Register(
-        "a", "a-0", gone.pid, "host", 1, {}, start=1, machine="another-boot-id", pidns=namespace("pid"),
+        "a",
+        "a-0",
+        gone.pid,
+        "host",
+        1,
+        {},
+        start=1,
+        machine="another-boot-id",
+        pidns=namespace("pid"),
         cleanup=cleanup_tokens(["LeasingConnector"]),
     )
     replica, _ = registry.register(message, b"id-1")

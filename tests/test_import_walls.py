@@ -49,7 +49,9 @@ def _import_nodes(node: ast.AST) -> list[ast.Import | ast.ImportFrom]:
             found.append(child)
         elif isinstance(child, ast.If) and _is_type_checking(child.test):
             for orelse in child.orelse:
-                found.extend([orelse] if isinstance(orelse, (ast.Import, ast.ImportFrom)) else _import_nodes(orelse))
+                found.extend(
+                    [orelse] if isinstance(orelse, (ast.Import, ast.ImportFrom)) else _import_nodes(orelse)
+                )
         else:
             found.extend(_import_nodes(child))
     return found
@@ -102,7 +104,9 @@ def test_nothing_outside_connectors_imports_a_private_connectors_module() -> Non
         for target in sorted(imports_of(name))
         if is_private_connectors_module(target)
     ]
-    assert not breaches, "give what outsiders need a public name in omni_mesh.connectors:\n" + "\n".join(breaches)
+    assert not breaches, "give what outsiders need a public name in omni_mesh.connectors:\n" + "\n".join(
+        breaches
+    )
 
 
 def test_the_coordinator_and_the_launcher_know_nothing_of_shared_memory() -> None:
@@ -162,6 +166,12 @@ def test_no_new_import_cycle() -> None:
 
 
 def test_the_cycle_finder_finds_cycles() -> None:
-    graph = {"a": frozenset({"b"}), "b": frozenset({"c"}), "c": frozenset({"a"}), "d": frozenset({"a"}), "e": frozenset()}
+    graph = {
+        "a": frozenset({"b"}),
+        "b": frozenset({"c"}),
+        "c": frozenset({"a"}),
+        "d": frozenset({"a"}),
+        "e": frozenset(),
+    }
     assert find_cycles(graph) == [frozenset({"a", "b", "c"})]
     assert find_cycles({"a": frozenset({"b"}), "b": frozenset()}) == []

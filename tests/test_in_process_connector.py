@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from omni_mesh.connectors import ConnectorConfigError, create_connector
+from omni_mesh.connectors import ConnectorConfigError, ConnectorFull, create_connector
 
 
 def make(namespace: str, **extra: object):
@@ -34,9 +34,11 @@ def test_a_put_past_the_memory_limit_fails_naming_it_until_a_get_makes_room() ->
         assert producer.put("a", "b", "big/1", b"y" * 40_000) == (False, 0, None)
         reason = producer.put_error("a", "b", "big/1")
         assert reason and "is full" in reason and "memory_limit" in reason and "big/1" in reason
+        assert producer.put("a", "b", "big/2", b"z" * 40_000) == (False, 0, None)
+        assert isinstance(producer.put_failure("a", "b", "big/2"), ConnectorFull)  # the front door: 503
         assert consumer.get("a", "b", "big/0") is not None
         assert producer.put("a", "b", "big/1", b"y" * 40_000)[0]
-        assert producer.health()["held"] == 1 and producer.health()["put_failures"] == 1
+        assert producer.health()["held"] == 1 and producer.health()["put_failures"] == 2
     finally:
         producer.close()
         consumer.close()
@@ -53,7 +55,12 @@ def test_closing_a_producer_drops_what_it_held() -> None:
 
 
 @pytest.mark.parametrize(
-    ("extra", "named"), [({"namespace": ""}, "namespace"), ({"memory_limit": 0}, "memory_limit"), ({"nmespace": "x"}, "nmespace")]
+    ("extra", "named"),
+    [
+        ({"namespace": ""}, "namespace"),
+        ({"memory_limit": 0}, "memory_limit"),
+        ({"nmespace": "x"}, "nmespace"),
+    ],
 )
 def test_a_bad_config_is_named(extra: dict, named: str) -> None:
     with pytest.raises(ConnectorConfigError, match=named):

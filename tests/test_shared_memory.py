@@ -33,6 +33,7 @@ from omni_mesh import codec
 from omni_mesh.connectors import (
     ConnectorConfigError,
     ConnectorError,
+    ConnectorFull,
     available_connectors,
     create_connector,
 )
@@ -629,9 +630,13 @@ def test_full_shm_is_a_clear_error_not_a_crash(monkeypatch: pytest.MonkeyPatch) 
         assert "shm" in conn.put_error("a", "b", "big")
         assert len(our_segments()) == 1  # no half-made segment left
         assert conn.health()["errors"] == 1
+        assert conn.put("a", "b", "big2", torch.ones(100_000)) == (False, 0, None)
+        assert isinstance(conn.put_failure("a", "b", "big2"), ConnectorFull)  # room may come: the front door's 503
     with connector({"inline_max_bytes": 0, "max_pool_size": 1, "memory_pool_size": 64 * KiB}) as conn:
         assert conn.put("a", "b", "first", torch.ones(10)) == (False, 0, None)  # the pool cannot be made
         assert "shm" in conn.put_error("a", "b", "first")
+        assert conn.put("a", "b", "second", torch.ones(10)) == (False, 0, None)
+        assert isinstance(conn.put_failure("a", "b", "second"), ConnectorFull)
 
 
 # --------------------------------------------------------------------------- config, registry, health

@@ -24,14 +24,28 @@ from omni_mesh.connectors.base import (
     parse_config,
     parse_size,
 )
+from omni_mesh.connectors.errors import (
+    ConnectorClosed,
+    ConnectorFull,
+    ConnectorUnavailable,
+    GetAbandoned,
+    PayloadMissing,
+    PayloadTooLarge,
+)
 from omni_mesh.connectors.lifecycle import Lifecycle, ProcessFacts
 
 __all__ = [
+    "ConnectorClosed",
     "ConnectorConfigError",
     "ConnectorError",
+    "ConnectorFull",
     "ConnectorType",
+    "ConnectorUnavailable",
+    "GetAbandoned",
     "Lifecycle",
     "OmniConnectorBase",
+    "PayloadMissing",
+    "PayloadTooLarge",
     "ProcessFacts",
     "available_connectors",
     "cleanup_tokens",

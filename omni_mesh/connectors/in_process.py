@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_mesh import codec
-from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
+from omni_mesh.connectors.base import Counters, OmniConnectorBase, edge_key
 from omni_mesh.connectors.configs import InProcessConfig
+from omni_mesh.connectors.errors import ConnectorClosed, ConnectorFull
 
 __all__ = ["InProcessConfig", "InProcessConnector"]
 
@@ -59,7 +60,9 @@ class InProcessConnector(OmniConnectorBase):
 
     def _check_open(self, what: str) -> None:
         if self._closed:
-            raise ConnectorError(f"InProcessConnector (namespace {self.config.namespace!r}): {what} after close()")
+            raise ConnectorClosed(
+                f"InProcessConnector (namespace {self.config.namespace!r}): {what} after close()"
+            )
 
     def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
         self._check_open(f"put of key {put_key!r} on edge {from_stage}->{to_stage}")
@@ -70,7 +73,7 @@ class InProcessConnector(OmniConnectorBase):
             old = store.payloads.get(name)
             held = store.held_bytes - (len(old[0]) if old else 0)
             if held + len(frame) > self.config.memory_limit:
-                raise ConnectorError(
+                raise ConnectorFull(
                     f"namespace {self.config.namespace!r} is full: {held} of {self.config.memory_limit} bytes "
                     f"held, this payload needs {len(frame)} (raise memory_limit, or get and clean up sooner)"
                 )
@@ -110,7 +113,8 @@ class InProcessConnector(OmniConnectorBase):
         store = self._store
         with store.changed:
             doomed = [
-                name for name, (_, owner, put_key) in store.payloads.items()
+                name
+                for name, (_, owner, put_key) in store.payloads.items()
                 if owner == self._id and (put_key == key or put_key.startswith(f"{key}/"))
             ]
             for name in doomed:
@@ -141,4 +145,3 @@ class InProcessConnector(OmniConnectorBase):
             for name in [name for name, (_, owner, _) in store.payloads.items() if owner == self._id]:
                 store.held_bytes -= len(store.payloads.pop(name)[0])
             store.changed.notify_all()
-

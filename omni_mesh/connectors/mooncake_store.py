@@ -37,6 +37,7 @@ from omni_mesh.connectors.base import (
     edge_key,
 )
 from omni_mesh.connectors.configs import MooncakeStoreConfig
+from omni_mesh.connectors.errors import ConnectorClosed, ConnectorUnavailable
 from omni_mesh.connectors.mooncake.common import (
     INSTALL_HINT,
     PoolErrors,
@@ -102,7 +103,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
         )
         if rc != 0:
             self._store = None
-            raise ConnectorError(
+            raise ConnectorUnavailable(
                 f"{OWNER}: the store client did not start (rc={rc}, host={self.host}, master={cfg.master}, "
                 f"metadata_server={cfg.metadata_server!r}, segment={cfg.segment}); check the master's log"
             )
@@ -263,7 +264,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
     def _open(self, what: str) -> tuple[Any, RegisteredPool]:
         store, pool = self._store, self._pool
         if self._closed or store is None or pool is None:
-            raise ConnectorError(f"{OWNER} is closed ({what})")
+            raise ConnectorClosed(f"{OWNER} is closed ({what})")
         return store, pool
 
     def health(self) -> dict:

@@ -11,21 +11,21 @@ with its engine and owns a small ZeroMQ side channel bound to `host`.
           write has landed; the consumer decodes the frame as views over its region, which goes back
           to the pool when the last view is garbage-collected (or copies it out: `copy_on_get`).
 
-Large leaves (protocol "tcp"): contiguous CPU tensors and numpy arrays of at least
-`zero_copy_min_bytes` are not copied at put. The producer keeps a reference to each, registers its
-memory with the engine, lays only the frame's head and small leaves into its pool, and at the
-consumer's request writes those pieces and each large leaf straight from its own memory to their
-frame offsets in the consumer's region (one `batch_transfer_sync_write`; see `mooncake.frame_pieces`). The
-consumer sees the same frame, byte for byte. The registration is dropped when the payload is freed
-(consumed, expired, cleaned up or closed). So a handler MUST NOT mutate a tensor or array after returning it (putting it)
-until the payload is consumed or freed: the consumer would receive the mutated bytes. Register and
-unregister cost a few microseconds each over TCP (measured: about 1.5 us + 1.2 us, 60 us for the very
-first); under RDMA they pin memory, which was not measured, so other protocols keep the put-time copy.
+Large leaves (protocol "tcp"): contiguous CPU tensors and numpy arrays of at least `zero_copy_min_bytes` are
+not copied at put. The producer keeps a reference to each, registers its memory with the engine, lays only
+the frame's head and small leaves into its pool, and at the consumer's request writes those pieces and each
+large leaf straight from its own memory to their frame offsets in the consumer's region (one
+`batch_transfer_sync_write`; see `mooncake.frame_pieces`). The consumer sees the same frame, byte for byte.
+The registration is dropped when the payload is freed (consumed, expired, cleaned up or closed). So a
+handler MUST NOT mutate a tensor or array after returning it (putting it) until the payload is consumed or
+freed: the consumer would receive the mutated bytes. Register and unregister cost a few microseconds each
+over TCP (measured: about 1.5 us + 1.2 us, 60 us for the very first); under RDMA they pin memory, which was
+not measured, so other protocols keep the put-time copy.
 
 CUDA tensors (`device_transfer`, with Mooncake's CUDA wheel): they stay out of the frame. The producer
 registers each tensor's GPU memory and lists the sizes in the metadata; the consumer allocates and
-registers receive buffers on its current CUDA device, and the same batch write that delivers the frame
-writes them GPU to GPU. See `mooncake.device_transfer`.
+registers receive buffers on its current CUDA device, and the batch write that delivers the frame writes
+them GPU to GPU (`mooncake.device_transfer`).
 
 Reclaim: unconsumed payloads are freed `ttl_s` after their put; `cleanup(request_id)` frees a
 request's payloads; `close()` frees everything. A consumer whose request timed out keeps its region
@@ -43,10 +43,9 @@ Metadata (msgpack-able): {"segment": engine segment name (`host:rpc_port` with P
 address, "length": frame bytes, "key": "from->to/put_key"[, "device": [bytes of each device tensor]]}.
 The producer checks session, handle, key, length and the device buffers before it writes anything.
 
-This module is the producer side (put, and the side channel's answers) and the lifecycle; its parts:
-`_te_config` (the config), `te_engine` (the engine and its registered pool), `mooncake.te_payloads` (what a
-producer holds and writes), `te_outputs` (`empty()`), `mooncake.te_receive` (the consumer side: one get),
-`te_pull` (the side channel's protocol), `mooncake.frame_pieces`, `mooncake.registrations`, `mooncake.device_transfer`.
+Here: the producer side (put, the side channel's answers) and the lifecycle. In `mooncake/`: te_engine
+(engine, pool), te_payloads (what a producer holds, writes), te_outputs (`empty()`), te_receive (one get),
+te_pull (the protocol), frame_pieces, registrations, device_transfer.
 """
 
 from __future__ import annotations
@@ -65,8 +64,8 @@ from omni_mesh import codec
 from omni_mesh.connectors._addresses import tcp_endpoint
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
 from omni_mesh.connectors.configs import MooncakeTransferEngineConfig
-from omni_mesh.connectors.mooncake import device_transfer as _device_transfer
-from omni_mesh.connectors.mooncake import te_engine, te_outputs, te_pull
+from omni_mesh.connectors.errors import ConnectorClosed
+from omni_mesh.connectors.mooncake import device_transfer, te_engine, te_outputs, te_pull
 from omni_mesh.connectors.mooncake.common import (
     PoolErrors,
     RegisteredPool,
@@ -95,7 +94,6 @@ _DEALER_IDLE_S = 60.0  # a side-channel socket unused this long is closed (its p
 
 class MooncakeTransferEngineConnector(OmniConnectorBase):
     config_class = MooncakeTransferEngineConfig
-    scope = "network"
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         super().__init__(config)  # validates before the backend is looked for
@@ -187,10 +185,10 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             lambda: self._counters.add("errors"),
         )
 
-    def device_leaves_policy(self) -> _device_transfer.DeviceLeavesPolicy:
+    def device_leaves_policy(self) -> device_transfer.DeviceLeavesPolicy:
         """Which tensors go device to device beside the frame (asked once, at construction). Tests
         override it to send CPU tensors that way on machines without GPUs."""
-        return _device_transfer.default_policy(self.config.device_transfer)
+        return device_transfer.default_policy(self.config.device_transfer)
 
     # ------------------------------------------------------------------ producer side
 
@@ -234,7 +232,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
         payload = self._payloads.put(frame, device_tensors, (key, put_key, handle), f"put of {where}")
         if self._closed:  # close() may have emptied the table before this payload went in
             self._payloads.finish(payload, consumed=True)
-            raise ConnectorError(f"{OWNER} is closed (put of {where})")
+            raise ConnectorClosed(f"{OWNER} is closed (put of {where})")
         self._counters.add_many(puts=1, bytes_put=size, device_tensors=len(device_tensors))
         metadata = {
             "segment": self.segment,
@@ -264,7 +262,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             raise
         if self._closed:  # close() may have emptied the table before this payload went in
             self._payloads.close()
-            raise ConnectorError(f"{OWNER} is closed (put of {payload_name(from_stage, to_stage, put_key)})")
+            raise ConnectorClosed(f"{OWNER} is closed (put of {payload_name(from_stage, to_stage, put_key)})")
         head_address = pieces[0][0]  # the frame starts with its head, in the headroom
         return True, size, {**self._put_fields, "handle": handle, "addr": head_address, "length": size, "key": key}
 
@@ -334,7 +332,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
     def _open_pool(self, what: str) -> RegisteredPool:
         pool = self._pool
         if self._closed or pool is None:
-            raise ConnectorError(f"{OWNER} is closed ({what})")
+            raise ConnectorClosed(f"{OWNER} is closed ({what})")
         return pool
 
     def reap_consumed(self) -> None:

@@ -35,6 +35,7 @@ from omni_mesh.connectors.base import (
     edge_key,
 )
 from omni_mesh.connectors.configs import YuanrongConfig
+from omni_mesh.connectors.errors import ConnectorClosed
 
 INSTALL_HINT = "install it with `pip install 'omni-mesh[yuanrong]'` (package openyuanrong-datasystem)"
 MAX_KEY = 255
@@ -150,7 +151,7 @@ class YuanrongConnector(OmniConnectorBase):
         """
         client = self._client
         if client is None:
-            raise ConnectorError(f"{where}: the connector is closed")
+            raise ConnectorClosed(f"{where}: the connector is closed")
         try:
             return getattr(client, method)(*args)
         except RuntimeError as exc:
@@ -166,7 +167,7 @@ class YuanrongConnector(OmniConnectorBase):
     def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
         where = f"YuanrongConnector: put {from_stage}->{to_stage} key {put_key!r}"
         if self._client is None:
-            raise ConnectorError(f"{where}: the connector is closed")
+            raise ConnectorClosed(f"{where}: the connector is closed")
         frame = plan(data)
         if frame.nbytes > MAX_VALUE:
             raise ConnectorError(

@@ -20,6 +20,7 @@ import msgpack
 import zmq
 
 from omni_mesh.connectors.base import ConnectorError
+from omni_mesh.connectors.errors import ConnectorClosed
 from omni_mesh.connectors.mooncake import device_transfer
 from omni_mesh.connectors.pools.held import PendingReleases
 from omni_mesh.connectors.served.channel import OK, frame_text
@@ -118,7 +119,7 @@ def pull(
             f"{owner}: get of {where}: the producer at {endpoint} did not deliver {meta['length']} bytes: {why}"
         ) from None
     except ChannelClosed:
-        raise ConnectorError(f"{owner} is closed (get of {where})") from None
+        raise ConnectorClosed(f"{owner} is closed (get of {where})") from None
     except (TimeoutError, zmq.ZMQError) as exc:
         raise ConnectorError(f"{owner}: get of {where} from {endpoint}: {exc}") from None
     if reply[0].bytes == GONE:

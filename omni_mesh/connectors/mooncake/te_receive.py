@@ -22,6 +22,7 @@ import zmq
 
 from omni_mesh.connectors.base import ConnectorError, Counters
 from omni_mesh.connectors.configs import MooncakeTransferEngineConfig
+from omni_mesh.connectors.errors import ConnectorClosed
 from omni_mesh.connectors.mooncake import device_transfer, frame_pieces, te_pull
 from omni_mesh.connectors.mooncake.common import RegisteredPool
 from omni_mesh.connectors.mooncake.registrations import Registrations
@@ -104,7 +105,7 @@ class Receiver:
                 f"{owner}: get of {where}: the producer {endpoint} did not answer: {exc}"
             ) from None
         except ChannelClosed:
-            raise ConnectorError(f"{owner} is closed (get of {where})") from None
+            raise ConnectorClosed(f"{owner} is closed (get of {where})") from None
         if reply[0].bytes == GONE:
             return None
         if reply[0].bytes != OK or len(reply) != 3:

@@ -70,7 +70,9 @@ class SharedMemoryLifecycle(Lifecycle):
 
     @classmethod
     def held_by(cls, pids: set[int]) -> list[str]:
-        return [name for name in list_segments() if (owner := owner_of(name)) is not None and owner.pid in pids]
+        return [
+            name for name in list_segments() if (owner := owner_of(name)) is not None and owner.pid in pids
+        ]
 
     @classmethod
     def colocated(cls, a: Any, b: Any) -> bool:

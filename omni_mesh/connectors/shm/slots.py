@@ -130,3 +130,19 @@ def _views_dead(ref: weakref.ref) -> None:
     held = _HELD.pop(id(ref), None)
     if held is not None:
         release(*held[1:])
+
+
+def metadata_problem(metadata: dict) -> str:
+    """What is wrong with the metadata of a payload in a slot, for the error that names it."""
+    for field, kind in (("segment", str), ("offset", int), ("generation", int), ("length", int)):
+        if field not in metadata:
+            return f"lacks {field!r}: {metadata!r}"
+        value = metadata[field]
+        if type(value) is not kind or (kind is int and value < 0):
+            return f"has a bad {field!r} ({value!r})"
+    return f"is malformed: {metadata!r}"
+
+
+def names_a_payload(metadata: object) -> bool:
+    """Whether `metadata` is what a put returned (else the payload is looked for by its key)."""
+    return type(metadata) is dict and any(name in metadata for name in ("segment", "frame", "inline", "refs"))
