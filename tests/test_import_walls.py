@@ -4,7 +4,7 @@ Every module of `omni_mesh` is parsed with `ast` (imports at any depth, function
 imports under `if TYPE_CHECKING:` aside, as they never run) and three rules are checked:
 (a) nothing outside `omni_mesh/connectors/` imports a private connectors module: one whose name or any
     package on its path starts with `_`, or one inside the concept subpackages (shm/, served/, pools/,
-    mooncake/); outsiders use the registry in `omni_mesh.connectors` and the public modules;
+    mooncake/, datasystem/); outsiders use the registry in `omni_mesh.connectors` and the public modules;
 (b) the coordinator and the launcher import nothing of shared memory: reclaiming goes through the
     connector types' lifecycles;
 (c) no import cycle among `omni_mesh` modules, but for the known ones listed below with their owners.
@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "omni_mesh"
 CONNECTORS = "omni_mesh.connectors"
 #: The connectors' private subpackages (everything inside them is private to `omni_mesh.connectors`).
-PRIVATE_SUBPACKAGES = ("shm", "served", "pools", "mooncake")
+PRIVATE_SUBPACKAGES = ("shm", "served", "pools", "mooncake", "datasystem")
 #: Import cycles that predate this check, each owned by the area that removes it. A cycle not listed
 #: here, or a listed one that grows, fails the test.
 KNOWN_CYCLES: dict[frozenset[str], str] = {}
