@@ -78,7 +78,9 @@ class Register(Message):
     machine: str = ""
     pidns: str = ""
     netns: str = ""
-    shm_domain: str = ""
+    # Per connector type its lifecycle token (opaque to the coordinator, handed back to the type to
+    # reclaim what the replica held once its process is gone: omni_mesh.connectors.lifecycle).
+    cleanup: dict = field(default_factory=dict)
     connectors: dict = field(default_factory=dict)
 
 

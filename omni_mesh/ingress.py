@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from omni_mesh.connectors import OmniConnectorBase, create_connector
-from omni_mesh.connectors._addresses import WILDCARDS
+from omni_mesh.ports import WILDCARDS
 
 #: Inputs larger than this (packed) go through the ingress connector; smaller ones ride inline.
 INLINE_MAX_BYTES = 512 * 1024

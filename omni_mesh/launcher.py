@@ -1,10 +1,10 @@
 """`omni-mesh up`: the coordinator and every stage replica as local processes, supervised.
 
 Start order: coordinator, then replicas; then wait for `/ready`. A process that exits unexpectedly is
-restarted with backoff and its shared-memory segments are reaped; the coordinator reports the restart
-in `/v1/stages`. Shutdown (Ctrl-C or SIGTERM): the coordinator first, so in-flight requests finish
-while every stage still runs; then the replicas drain and exit; stragglers are killed; every
-segment any child left behind is reaped, so /dev/shm ends as it began.
+restarted with backoff and what it held is reclaimed by its connector types (`reclaim_orphans`); the
+coordinator reports the restart in `/v1/stages`. Shutdown (Ctrl-C or SIGTERM): the coordinator first,
+so in-flight requests finish while every stage still runs; then the replicas drain and exit;
+stragglers are killed; whatever any child left behind is reclaimed, so the host ends as it began.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from omni_mesh.connectors.shm_segments import reap_orphaned_segments
+from omni_mesh.connectors import reclaim_orphans
 from omni_mesh.ports import free_port, taken_since
 from omni_mesh.security import MeshKeys, insecure_requested, keys_from_environment
 from omni_mesh.topology import Topology
@@ -189,11 +189,11 @@ class Launcher:
 
     def _abandon_start(self) -> None:
         """Stop the replicas of a start-up that never became ready: at once, as they hold no request
-        (SIGTERM, a short wait, SIGKILL), and reap what the killed ones left in /dev/shm now rather than
-        when the mesh that replaces them stops."""
+        (SIGTERM, a short wait, SIGKILL), and reclaim what the killed ones left now rather than when the
+        mesh that replaces them stops."""
         self._terminate(self.replicas, ABANDONED_START_GRACE_S)
         for child in self.replicas:
-            reap_orphaned_segments(pid=child.process.pid)
+            reclaim_orphans(pid=child.process.pid)
 
     def use_control_port(self, port: int) -> None:
         """Hand the children (not yet started, or stopped) the control plane on `port`."""
@@ -268,7 +268,7 @@ class Launcher:
                 if child.given_up or child.running() or now < child.next_start:
                     continue
                 if child.next_start == 0.0:  # it just exited: reap, then schedule a restart with backoff
-                    reaped = reap_orphaned_segments(pid=child.process.pid)
+                    reaped = reclaim_orphans(pid=child.process.pid)
                     uptime = now - child.started_at
                     child.quick_exits = child.quick_exits + 1 if uptime < QUICK_EXIT_S else 0
                     if child.quick_exits > self.max_quick_restarts:
@@ -280,7 +280,7 @@ class Launcher:
                     log.warning(
                         "%s %s after %.1f s; restarting in %.1f s (restart #%d)%s",
                         child.name, child.describe_exit(), uptime, delay, child.restarts + 1,
-                        f", reaped {len(reaped)} shared-memory segment(s)" if reaped else "",
+                        f", reclaimed {len(reaped)} connector resource(s)" if reaped else "",
                     )
                     continue
                 child.restarts += 1
@@ -301,9 +301,9 @@ class Launcher:
         # Coordinator first: it stops taking requests and lets in-flight ones finish (grace).
         self._terminate([self.coordinator], self.grace_s + 5)
         self._terminate(self.replicas, 15.0)
-        reaped = [name for child in self.children for pid in child.pids for name in reap_orphaned_segments(pid=pid)]
+        reaped = [name for child in self.children for pid in child.pids for name in reclaim_orphans(pid=pid)]
         if reaped:
-            log.warning("reaped %d shared-memory segment(s) left by stopped processes", len(reaped))
+            log.warning("reclaimed %d connector resource(s) left by stopped processes: %s", len(reaped), reaped)
 
     @staticmethod
     def _terminate(children: list[Child], timeout_s: float) -> None:

@@ -1,7 +1,7 @@
 """Ports chosen here for another program to bind: the one place that picks them.
 
 A socket we bind ourselves binds port 0 and reads the port back (ZeroMQ: `LAST_ENDPOINT`, as
-`connectors/_zmq_channel.py` does): nothing can take it in between. Only a port handed to another
+`connectors/served/channel.py` does): nothing can take it in between. Only a port handed to another
 program (the coordinator's control and REST ports the launcher gives its children, `mooncake_master`,
 a `dscli` worker, a transfer engine's RPC port) has to be picked first. The kernel may hand the same
 port to someone else before that program binds it, so a caller that starts the program checks
@@ -11,6 +11,10 @@ port to someone else before that program binds it, so a caller that starts the p
 from __future__ import annotations
 
 import socket
+
+#: Bind addresses that mean "every interface": never an address a peer can reach (connectors and the
+#: ingress advertise another).
+WILDCARDS = ("0.0.0.0", "*", "::")
 
 
 def _family(host: str) -> socket.AddressFamily:

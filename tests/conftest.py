@@ -3,7 +3,7 @@
 The shared helpers live in tests/support/ (a package: `from support.meshkit import ...`).
 
 Mooncake's native library crashes the process when it loads after openYuanrong's yr.datasystem (their
-bundled libraries clash; `omni_mesh.connectors._mooncake_common` refuses that order with a clear error,
+bundled libraries clash; `omni_mesh.connectors.mooncake.common` refuses that order with a clear error,
 and the connector registry creates Mooncake connectors first for the same reason). The suite exercises
 both in one pytest process, so the moment something is about to import yr.datasystem, mooncake is loaded
 first. Tests that never touch openYuanrong do not load mooncake because of this file.

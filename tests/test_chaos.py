@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from omni_mesh.bench import chaos
-from omni_mesh.connectors.shm_segments import (
+from omni_mesh.connectors.shm.segments import (
     ProcessIdentity,
     create_segment,
     new_token,

@@ -27,8 +27,9 @@ import zmq
 from support.meshkit import Mesh, running_mesh, wait_for
 
 from omni_mesh import codec
-from omni_mesh.connectors.shm_segments import list_segments, owner_of, process_start_time
-from omni_mesh.hostinfo import machine_id, namespace, shm_domain
+from omni_mesh.connectors.shm.lifecycle import shm_domain
+from omni_mesh.connectors.shm.segments import list_segments, owner_of, process_start_time
+from omni_mesh.hostinfo import machine_id, namespace
 from omni_mesh.security import ENV_KEYS_DIR, MeshKeys, secure_client
 from omni_mesh.testing.processes import descendants, rss_bytes
 
@@ -337,8 +338,8 @@ def test_a_silent_replica_with_a_greedy_prefix_reaps_nothing(mesh: Mesh, keys: M
     attacker = Peer(endpoint, keys)
     try:
         message = register_message(
-            mesh, "a", "greedy", pid=a_pid, start=process_start_time(a_pid), shm_prefix="omnimesh_",
-            pidns=namespace("pid"), shm_domain=shm_domain(), machine=machine_id(),
+            mesh, "a", "greedy", pid=a_pid, start=process_start_time(a_pid), pidns=namespace("pid"),
+            machine=machine_id(), cleanup={"SharedMemoryConnector": {"domain": shm_domain(), "prefix": "omnimesh_"}},
         )
         attacker.send(message)
         assert attacker.receive(5)["type"] == "registered"

@@ -39,7 +39,7 @@ from support.docker_engine import (
 from support.meshkit import wait_for
 from support.servicekit import COMPOSE, OMNI_MESH, docker_compose
 
-from omni_mesh.connectors.shm_segments import list_segments, owner_of
+from omni_mesh.connectors.shm.segments import list_segments, owner_of
 from omni_mesh.ports import free_port
 
 pytestmark = pytest.mark.timeout(1800)  # a cold run builds everything: minutes, not the suite's 300 s

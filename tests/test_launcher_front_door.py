@@ -16,7 +16,7 @@ import pytest
 from support.meshkit import OMNI_MESH, Mesh, running_mesh, up_command, write_topology
 
 from omni_mesh import __version__
-from omni_mesh.connectors.shm_segments import list_segments, owner_of
+from omni_mesh.connectors.shm.segments import list_segments, owner_of
 from omni_mesh.launcher import Launcher
 from omni_mesh.ports import free_port
 from omni_mesh.topology import load_topology
@@ -136,7 +136,7 @@ def test_a_control_port_taken_before_the_coordinator_binds_it_is_picked_again(
 #: replica still waiting to register does).
 STUBBORN_REPLICA = """
 import signal, sys, time
-from omni_mesh.connectors.shm_segments import ProcessIdentity, create_segment, new_token, segment_name
+from omni_mesh.connectors.shm.segments import ProcessIdentity, create_segment, new_token, segment_name
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 create_segment(segment_name(ProcessIdentity.current(), new_token()), 4096, populate=False)
 print("made", flush=True)

@@ -18,23 +18,19 @@ from pathlib import Path
 
 import pytest
 
-from omni_mesh.connectors import shm_segments
-from omni_mesh.connectors.shm_segments import (
-    ProcessIdentity,
-    ProcessUnknown,
-    process_gone,
-    process_start_time,
-)
+from omni_mesh import hostinfo
+from omni_mesh.connectors.shm.segments import ProcessIdentity
+from omni_mesh.hostinfo import ProcessUnknown, process_gone, process_start_time
 
 CHILD = r"""
 import json, logging, os, resource, sys
-from omni_mesh.connectors.shm_segments import ProcessIdentity, ProcessUnknown, process_gone, process_start_time
+from omni_mesh.connectors.shm.segments import ProcessIdentity
 from omni_mesh.coordinator.registry import Replica
-from omni_mesh.hostinfo import machine_id, namespace
+from omni_mesh.hostinfo import ProcessUnknown, machine_id, namespace, process_gone, process_start_time
 
 logging.basicConfig(stream=sys.stderr, format="%(message)s")
 live, live_start, dead = (int(arg) for arg in sys.argv[1:])
-replica = Replica("r-0", "r", b"id", live, live_start, "host", machine_id(), namespace("pid"), "", 1, {})
+replica = Replica("r-0", "r", b"id", live, live_start, "host", machine_id(), namespace("pid"), 1, {})
 identity = ProcessIdentity(ProcessIdentity.current().pidns, live, live_start)
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 fillers = []
@@ -110,4 +106,4 @@ def test_an_unreadable_stat_line_is_unknown(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(ProcessUnknown):
         process_start_time(1)
     assert not process_gone(1, 5)
-    assert shm_segments.own_start_time() == 0  # this process's identity: none to check liveness by
+    assert hostinfo.own_start_time() == 0  # this process's identity: none to check liveness by

@@ -25,7 +25,7 @@ from support.meshkit import OMNI_MESH, Mesh, running_mesh, start_mesh, wait_for
 from support.shared_worker import SharedWorker
 
 from omni_mesh.connectors import edge_key
-from omni_mesh.connectors.shm_segments import SHM_DIR, owner_of
+from omni_mesh.connectors.shm.segments import SHM_DIR, owner_of
 from omni_mesh.connectors.yuanrong import datasystem_key
 from omni_mesh.testing.datasystem_worker import Worker
 

@@ -28,11 +28,11 @@ from support.peer import Peer
 from omni_mesh.connectors import (
     ConnectorConfigError,
     ConnectorError,
-    _device_transfer,
     connector_class,
     create_connector,
 )
-from omni_mesh.connectors._mooncake_common import resolve_host
+from omni_mesh.connectors.mooncake import device_transfer as _device_transfer
+from omni_mesh.connectors.mooncake.common import resolve_host
 from omni_mesh.ports import free_port
 from omni_mesh.testing.mooncake_master import MooncakeMaster
 

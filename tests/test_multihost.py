@@ -31,7 +31,7 @@ from support.meshkit import wait_for
 from support.netns import Host, TwoHosts
 from support.servicekit import COMPOSE, Api, Service, Services, compose_config, localize
 
-from omni_mesh.connectors.shm_segments import SHM_DIR
+from omni_mesh.connectors.shm.segments import SHM_DIR
 
 HOST_A = COMPOSE / "docker-compose.host-a.yml"
 HOST_B = COMPOSE / "docker-compose.host-b.yml"
@@ -189,7 +189,11 @@ def test_demo_across_two_hosts_over_mooncake_survives_a_cut_link(tmp_path: Path)
         assert {r["host"] for r in [*stages["talker"], *stages["code2wav"]]} == {"host-b"}
         # Two talker containers on one host network: same host name, both pid 1 in their namespaces.
         assert len({r["id"] for r in stages["talker"]}) == 2, [r["id"] for r in stages["talker"]]
-        domains = {name: {r["shm_domain"] for r in replicas} for name, replicas in stages.items()}
+        # The /dev/shm each replica sees: its SharedMemoryConnector's lifecycle token (None: it uses none).
+        domains = {
+            name: {(r["cleanup"].get("SharedMemoryConnector") or {}).get("domain") for r in replicas}
+            for name, replicas in stages.items()
+        }
         assert domains["talker"] == domains["code2wav"] and len(domains["talker"]) == 1
         assert domains["thinker"] != domains["talker"]
         ready = api.ready()

@@ -15,9 +15,10 @@ from support.shm_kit import ShmPeer as Peer
 from support.shm_kit import connector, our_segments
 
 from omni_mesh import codec
-from omni_mesh.connectors import shm_index, shm_slots
 from omni_mesh.connectors.shared_memory import AUTO_CEILING_MAX, GROW_STEP
-from omni_mesh.connectors.shm_segments import owner_of, reap_orphaned_segments, shm_capacity
+from omni_mesh.connectors.shm import index as shm_index
+from omni_mesh.connectors.shm import slots as shm_slots
+from omni_mesh.connectors.shm.segments import owner_of, reap_orphaned_segments, shm_capacity
 
 MiB = 1 << 20
 SMALL_POOL = {"memory_pool_size": 2 * MiB, "inline_max_bytes": 0}

@@ -33,13 +33,14 @@ from omni_mesh import codec
 from omni_mesh.connectors import (
     ConnectorConfigError,
     ConnectorError,
+    ConnectorFull,
     available_connectors,
     create_connector,
-    shm_segments,
 )
-from omni_mesh.connectors.allocator import PoolAllocator, round_up
+from omni_mesh.connectors.pools.allocator import PoolAllocator, round_up
 from omni_mesh.connectors.shared_memory import SharedMemoryConnector
-from omni_mesh.connectors.shm_segments import (
+from omni_mesh.connectors.shm import segments as shm_segments
+from omni_mesh.connectors.shm.segments import (
     SHM_DIR,
     ProcessIdentity,
     list_segments,
@@ -629,9 +630,13 @@ def test_full_shm_is_a_clear_error_not_a_crash(monkeypatch: pytest.MonkeyPatch) 
         assert "shm" in conn.put_error("a", "b", "big")
         assert len(our_segments()) == 1  # no half-made segment left
         assert conn.health()["errors"] == 1
+        assert conn.put("a", "b", "big2", torch.ones(100_000)) == (False, 0, None)
+        assert isinstance(conn.put_failure("a", "b", "big2"), ConnectorFull)  # room may come: the front door's 503
     with connector({"inline_max_bytes": 0, "max_pool_size": 1, "memory_pool_size": 64 * KiB}) as conn:
         assert conn.put("a", "b", "first", torch.ones(10)) == (False, 0, None)  # the pool cannot be made
         assert "shm" in conn.put_error("a", "b", "first")
+        assert conn.put("a", "b", "second", torch.ones(10)) == (False, 0, None)
+        assert isinstance(conn.put_failure("a", "b", "second"), ConnectorFull)
 
 
 # --------------------------------------------------------------------------- config, registry, health
@@ -924,7 +929,7 @@ def test_a_slot_taken_by_a_killed_consumer_can_be_taken_again() -> None:
 
 def test_allocator_aligns_large_frames_and_frees_all_it_took() -> None:
     """allocate(align=PAGE, skew=h) puts offset + h on a page boundary; free returns the whole extent."""
-    from omni_mesh.connectors.allocator import PAGE, PoolAllocator
+    from omni_mesh.connectors.pools.allocator import PAGE, PoolAllocator
 
     allocator = PoolAllocator(1 << 20, start=64)
     small = allocator.allocate(100)
@@ -938,7 +943,7 @@ def test_allocator_aligns_large_frames_and_frees_all_it_took() -> None:
 
 def test_a_planted_symlink_is_never_followed(tmp_path: Path) -> None:
     """Metadata naming a segment that is a symlink (to a file of someone else's) must not map that file."""
-    from omni_mesh.connectors.shm_segments import SHM_DIR
+    from omni_mesh.connectors.shm.segments import SHM_DIR
 
     target = tmp_path / "secret"
     target.write_bytes(b"x" * 8192)

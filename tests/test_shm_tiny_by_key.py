@@ -23,8 +23,10 @@ from support.shm_kit import ShmPeer as Peer
 from support.shm_kit import connector
 
 from omni_mesh import codec
-from omni_mesh.connectors import shm_cells, shm_recent, shm_wanted
-from omni_mesh.connectors.shm_slots import FREE, RELEASED, SLOT_HEADER
+from omni_mesh.connectors.shm import cells as shm_cells
+from omni_mesh.connectors.shm import recent as shm_recent
+from omni_mesh.connectors.shm import wanted as shm_wanted
+from omni_mesh.connectors.shm.slots import FREE, RELEASED, SLOT_HEADER
 
 MiB = 1024 * 1024
 COPY_FIELDS = {"segment", "offset", "generation"}  # what metadata carries for a pool copy

@@ -374,7 +374,7 @@ def test_puts_of_outputs_are_counted_exactly_from_every_thread(pair: str, reques
 # ------------------------------------------------------------------ puts laid out at empty()
 
 # In-place changes that leave a tensor object over other bytes, of another shape or layout or dtype:
-# a put laid out at empty() (`_pool_outputs.ReadyPuts`) must not send what empty() made.
+# a put laid out at empty() (`pools.outputs.ReadyPuts`) must not send what empty() made.
 IN_PLACE = {
     "unsqueeze_": lambda t: t.unsqueeze_(0),
     "t_ (square: same shape, other strides)": lambda t: t.t_(),
@@ -386,7 +386,7 @@ IN_PLACE = {
 
 
 def test_ready_puts_match_only_the_tensor_empty_made_alone_under_its_name() -> None:
-    from omni_mesh.connectors._pool_outputs import ReadyPuts
+    from omni_mesh.connectors.pools.outputs import ReadyPuts
 
     ready = ReadyPuts()
     tensor = torch.zeros((1024, 1024), dtype=torch.bfloat16)

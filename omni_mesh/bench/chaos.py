@@ -35,7 +35,7 @@ from omni_mesh import aio
 from omni_mesh.bench.http_client import Connection
 from omni_mesh.bench.mesh import running_mesh
 from omni_mesh.bench.pipeline import percentile
-from omni_mesh.connectors.shm_segments import list_segments, owner_of
+from omni_mesh.connectors import held_by
 from omni_mesh.testing.processes import children_of
 from omni_mesh.topology import Topology, load_topology
 
@@ -113,8 +113,8 @@ class ProcessWatch:
 
 
 def leftover_segments(pids: set[int]) -> list[str]:
-    """Segments in /dev/shm made by any of `pids`."""
-    return [name for name in list_segments() if (owner := owner_of(name)) is not None and owner.pid in pids]
+    """What any of `pids` holds in a connector beyond its own memory (shared-memory segments)."""
+    return held_by(pids)
 
 
 # ---------------------------------------------------------------------- load and kills

@@ -22,7 +22,7 @@ import tempfile
 import time
 from typing import Any
 
-from omni_mesh.connectors._mooncake_common import RegisteredPool, import_mooncake
+from omni_mesh.connectors.mooncake_store import RegisteredPool, import_mooncake
 from omni_mesh.testing.mooncake_master import MooncakeMaster
 
 _HOST = "127.0.0.1"

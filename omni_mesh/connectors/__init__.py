@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
+from omni_mesh.connectors import _vllm_omni_keys as vllm_omni_keys  # public: topology checks read it
 from omni_mesh.connectors.base import (
     ConnectorConfigError,
     ConnectorError,
@@ -23,19 +24,44 @@ from omni_mesh.connectors.base import (
     parse_config,
     parse_size,
 )
+from omni_mesh.connectors.errors import (
+    ConnectorClosed,
+    ConnectorFull,
+    ConnectorUnavailable,
+    GetAbandoned,
+    PayloadMissing,
+    PayloadTooLarge,
+)
+from omni_mesh.connectors.lifecycle import Lifecycle, ProcessFacts
 
 __all__ = [
+    "ConnectorClosed",
     "ConnectorConfigError",
     "ConnectorError",
+    "ConnectorFull",
     "ConnectorType",
+    "ConnectorUnavailable",
+    "GetAbandoned",
+    "Lifecycle",
     "OmniConnectorBase",
+    "PayloadMissing",
+    "PayloadTooLarge",
+    "ProcessFacts",
     "available_connectors",
+    "cleanup_tokens",
+    "colocated",
     "connector_class",
     "connector_type",
     "create_connector",
     "creation_rank",
     "edge_key",
+    "held_by",
+    "holds",
+    "lifecycle_of",
     "parse_size",
+    "reclaim",
+    "reclaim_orphans",
+    "vllm_omni_keys",
     "register_connector",
 ]
 
@@ -54,6 +80,7 @@ _REGISTRY: dict[str, str | type[OmniConnectorBase]] = {
     "YuanrongConnector": "omni_mesh.connectors.yuanrong:YuanrongConnector",
     "YuanrongTransferEngineConnector": "omni_mesh.connectors.yuanrong_transfer_engine:YuanrongTransferEngineConnector",
     "MoriTransferEngineConnector": "omni_mesh.connectors.mori:MoriTransferEngineConnector",
+    "InProcessConnector": "omni_mesh.connectors.in_process:InProcessConnector",
 }
 # Each built-in class's config class (in omni_mesh.connectors.configs) and scope, so a topology is
 # checked without importing the class; test_connector_registry holds them to the classes' own.
@@ -71,6 +98,12 @@ _BUILT_IN_TYPES: dict[str, tuple[str, str]] = {
         "network",
     ),
     "omni_mesh.connectors.mori:MoriTransferEngineConnector": ("MoriConfig", "network"),
+    "omni_mesh.connectors.in_process:InProcessConnector": ("InProcessConfig", "host"),
+}
+# Each built-in class's lifecycle (a light module: no torch, no backend), so the coordinator and the
+# launcher reclaim without importing the class; test_connector_lifecycle holds them to the classes' own.
+_BUILT_IN_LIFECYCLES: dict[str, str] = {
+    "omni_mesh.connectors.shared_memory:SharedMemoryConnector": "omni_mesh.connectors.shm.lifecycle:SharedMemoryLifecycle",
 }
 _entry_points_loaded = False
 
@@ -146,7 +179,7 @@ def create_connector(name: str, config: dict[str, Any] | None = None) -> OmniCon
 
 # Backends whose native libraries must load before the others in one process. Mooncake's crashes the
 # process (a segfault, measured) when it loads after openYuanrong's yr.datasystem: their bundled libraries
-# clash (commit 4868d03; `_mooncake_common.import_mooncake` refuses that order with a clear error). So a
+# clash (commit 4868d03; `mooncake.common.import_mooncake` refuses that order with a clear error). So a
 # process that creates connectors of several backends, such as a stage with a Mooncake edge and a
 # Yuanrong edge, creates these first.
 _LOADS_FIRST = ("omni_mesh.connectors.mooncake_store", "omni_mesh.connectors.mooncake_transfer_engine")
@@ -159,3 +192,71 @@ def creation_rank(name: str) -> int:
     target = _REGISTRY.get(name)
     module = target.partition(":")[0] if isinstance(target, str) else getattr(target, "__module__", "")
     return 0 if module in _LOADS_FIRST else 1
+
+
+# ---------------------------------------------------------------- lifecycles (omni_mesh.connectors.lifecycle)
+
+
+def _import(path: str) -> Any:
+    module_name, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def lifecycle_of(name: str) -> type[Lifecycle]:
+    """The lifecycle of the type registered under `name`; a built-in class is not imported. ValueError
+    (listing the available names) if there is none."""
+    _load_entry_points()
+    target = _REGISTRY.get(name)
+    if isinstance(target, str) and target in _BUILT_IN_TYPES:
+        path = _BUILT_IN_LIFECYCLES.get(target)
+        return _import(path) if path else Lifecycle
+    return connector_class(name).lifecycle
+
+
+def _lifecycles(tokens: dict[str, Any]) -> list[tuple[type[Lifecycle], Any]]:
+    """(lifecycle, token) for each name in `tokens` that is a known type; a name we do not know (from
+    another topology, or a forged register) reclaims nothing."""
+    found = []
+    for name, token in tokens.items():
+        try:
+            found.append((lifecycle_of(name), token))
+        except (ValueError, ImportError):
+            continue
+    return found
+
+
+def cleanup_tokens(names: list[str]) -> dict[str, Any]:
+    """In a replica's process: the token of each connector type it uses, by type name (its register)."""
+    return {name: lifecycle_of(name).token() for name in sorted(set(names))}
+
+
+def holds(tokens: dict[str, Any], process: ProcessFacts) -> bool:
+    """Whether any of the types in `tokens` may hold something of `process` this host can reclaim."""
+    return any(lifecycle.holds(token, process) for lifecycle, token in _lifecycles(tokens))
+
+
+def reclaim(tokens: dict[str, Any], process: ProcessFacts) -> list[str]:
+    """`process` is confirmed gone (the caller checked): every type in `tokens` releases what it held."""
+    return [item for lifecycle, token in _lifecycles(tokens) for item in lifecycle.reclaim(token, process)]
+
+
+def _known_lifecycles() -> list[type[Lifecycle]]:
+    """The lifecycles of the built-in types and of the registered classes imported so far, once each."""
+    found = {_import(path) for path in _BUILT_IN_LIFECYCLES.values()}
+    found |= {target.lifecycle for target in _REGISTRY.values() if not isinstance(target, str)}
+    return sorted(found - {Lifecycle}, key=lambda lifecycle: lifecycle.__qualname__)
+
+
+def reclaim_orphans(pid: int) -> list[str]:
+    """What process `pid` (a child this host started) left behind, if it is gone, in every type."""
+    return [item for lifecycle in _known_lifecycles() for item in lifecycle.reclaim_orphans(pid)]
+
+
+def held_by(pids: set[int]) -> list[str]:
+    """What the processes `pids` hold now, in every type (leak checks, benchmarks)."""
+    return [item for lifecycle in _known_lifecycles() for item in lifecycle.held_by(pids)]
+
+
+def colocated(name: str, a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two replicas (their register's tokens `a` and `b`) can share a connector of type `name`."""
+    return lifecycle_of(name).colocated(a.get(name), b.get(name))

@@ -17,11 +17,12 @@ import fcntl
 import socket
 import struct
 
+from omni_mesh.ports import WILDCARDS as WILDCARDS  # re-exported: the connectors' name for it
+
 _SIOCGIFFLAGS = 0x8913
 _SIOCGIFADDR = 0x8915
 _IFF_UP = 0x1
 _IFF_LOOPBACK = 0x8
-WILDCARDS = ("0.0.0.0", "*", "::")
 
 
 def outward_address() -> str:

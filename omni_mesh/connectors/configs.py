@@ -20,6 +20,7 @@ from omni_mesh.connectors._checks import (
 from omni_mesh.connectors.base import SIZE, ConnectorConfigError
 
 __all__ = [
+    "InProcessConfig",
     "MooncakeStoreConfig",
     "MooncakeTransferEngineConfig",
     "MoriConfig",
@@ -318,3 +319,16 @@ class MoriConfig:
                 )
         if self.post_batch_size == 0 or self.post_batch_size < -1:
             raise ConnectorConfigError(f"{owner}: post_batch_size must be -1 (MORI's default) or positive")
+
+
+# ---------------------------------------------------------------------- InProcessConnector
+
+@dataclass(frozen=True)
+class InProcessConfig:
+    namespace: str = "default"  # connectors of one namespace in a process share their payloads
+    memory_limit: int = 1 << 30  # bytes one namespace holds at most; a put beyond it fails
+
+    def check(self, owner: str) -> None:
+        if not self.namespace:
+            raise ConnectorConfigError(f"{owner}: namespace must not be empty")
+        check_positive(owner, memory_limit=self.memory_limit)

@@ -30,7 +30,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_mesh import codec
-from omni_mesh.connectors._mooncake_common import (
+from omni_mesh.connectors.base import (
+    ConnectorError,
+    Counters,
+    OmniConnectorBase,
+    edge_key,
+)
+from omni_mesh.connectors.configs import MooncakeStoreConfig
+from omni_mesh.connectors.errors import ConnectorClosed, ConnectorUnavailable
+from omni_mesh.connectors.mooncake.common import (
+    INSTALL_HINT,
     PoolErrors,
     RegisteredPool,
     close_at_exit,
@@ -41,15 +50,16 @@ from omni_mesh.connectors._mooncake_common import (
     probe_tcp,
     resolve_host,
 )
-from omni_mesh.connectors.base import (
-    ConnectorError,
-    Counters,
-    OmniConnectorBase,
-    edge_key,
-)
-from omni_mesh.connectors.configs import MooncakeStoreConfig
 
-__all__ = ["MooncakeStoreConfig", "MooncakeStoreConnector"]
+# INSTALL_HINT, RegisteredPool and import_mooncake are public here for the raw-Mooncake bench and the
+# test master, which must not reach into the private `mooncake` package.
+__all__ = [
+    "INSTALL_HINT",
+    "MooncakeStoreConfig",
+    "MooncakeStoreConnector",
+    "RegisteredPool",
+    "import_mooncake",
+]
 
 OWNER = "MooncakeStoreConnector"
 _OBJECT_NOT_FOUND = -704
@@ -93,7 +103,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
         )
         if rc != 0:
             self._store = None
-            raise ConnectorError(
+            raise ConnectorUnavailable(
                 f"{OWNER}: the store client did not start (rc={rc}, host={self.host}, master={cfg.master}, "
                 f"metadata_server={cfg.metadata_server!r}, segment={cfg.segment}); check the master's log"
             )
@@ -254,7 +264,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
     def _open(self, what: str) -> tuple[Any, RegisteredPool]:
         store, pool = self._store, self._pool
         if self._closed or store is None or pool is None:
-            raise ConnectorError(f"{OWNER} is closed ({what})")
+            raise ConnectorClosed(f"{OWNER} is closed ({what})")
         return store, pool
 
     def health(self) -> dict:

@@ -11,26 +11,26 @@ with its engine and owns a small ZeroMQ side channel bound to `host`.
           write has landed; the consumer decodes the frame as views over its region, which goes back
           to the pool when the last view is garbage-collected (or copies it out: `copy_on_get`).
 
-Large leaves (protocol "tcp"): contiguous CPU tensors and numpy arrays of at least
-`zero_copy_min_bytes` are not copied at put. The producer keeps a reference to each, registers its
-memory with the engine, lays only the frame's head and small leaves into its pool, and at the
-consumer's request writes those pieces and each large leaf straight from its own memory to their
-frame offsets in the consumer's region (one `batch_transfer_sync_write`; see `_frame_pieces`). The
-consumer sees the same frame, byte for byte. The registration is dropped when the payload is freed
-(consumed, expired, cleaned up or closed). So a handler MUST NOT mutate a tensor or array after returning it (putting it)
-until the payload is consumed or freed: the consumer would receive the mutated bytes. Register and
-unregister cost a few microseconds each over TCP (measured: about 1.5 us + 1.2 us, 60 us for the very
-first); under RDMA they pin memory, which was not measured, so other protocols keep the put-time copy.
+Large leaves (protocol "tcp"): contiguous CPU tensors and numpy arrays of at least `zero_copy_min_bytes` are
+not copied at put. The producer keeps a reference to each, registers its memory with the engine, lays only
+the frame's head and small leaves into its pool, and at the consumer's request writes those pieces and each
+large leaf straight from its own memory to their frame offsets in the consumer's region (one
+`batch_transfer_sync_write`; see `mooncake.frame_pieces`). The consumer sees the same frame, byte for byte.
+The registration is dropped when the payload is freed (consumed, expired, cleaned up or closed). So a
+handler MUST NOT mutate a tensor or array after returning it (putting it) until the payload is consumed or
+freed: the consumer would receive the mutated bytes. Register and unregister cost a few microseconds each
+over TCP (measured: about 1.5 us + 1.2 us, 60 us for the very first); under RDMA they pin memory, which was
+not measured, so other protocols keep the put-time copy.
 
 CUDA tensors (`device_transfer`, with Mooncake's CUDA wheel): they stay out of the frame. The producer
 registers each tensor's GPU memory and lists the sizes in the metadata; the consumer allocates and
-registers receive buffers on its current CUDA device, and the same batch write that delivers the frame
-writes them GPU to GPU. See `_device_transfer`.
+registers receive buffers on its current CUDA device, and the batch write that delivers the frame writes
+them GPU to GPU (`mooncake.device_transfer`).
 
 Reclaim: unconsumed payloads are freed `ttl_s` after their put; `cleanup(request_id)` frees a
 request's payloads; `close()` frees everything. A consumer whose request timed out keeps its region
 reserved ("quarantined") until the producer's late answer arrives or `ttl_s` passes, so a late write
-can never land in memory that was handed out again (the side channel's protocol: `_te_pull`).
+can never land in memory that was handed out again (the side channel's protocol: `te_pull`).
 
 Threads: calls block only the calling thread (asyncio code uses `asyncio.to_thread`). The side
 channel is the connectors' shared one (a `RouterServer`, asked through a `DealerPool`, started at
@@ -43,10 +43,9 @@ Metadata (msgpack-able): {"segment": engine segment name (`host:rpc_port` with P
 address, "length": frame bytes, "key": "from->to/put_key"[, "device": [bytes of each device tensor]]}.
 The producer checks session, handle, key, length and the device buffers before it writes anything.
 
-This module is the producer side (put, and the side channel's answers) and the lifecycle; its parts:
-`_te_config` (the config), `_te_engine` (the engine and its registered pool), `_te_payloads` (what a
-producer holds and writes), `_te_outputs` (`empty()`), `_te_receive` (the consumer side: one get),
-`_te_pull` (the side channel's protocol), `_frame_pieces`, `_registrations`, `_device_transfer`.
+Here: the producer side (put, the side channel's answers) and the lifecycle. In `mooncake/`: te_engine
+(engine, pool), te_payloads (what a producer holds, writes), te_outputs (`empty()`), te_receive (one get),
+te_pull (the protocol), frame_pieces, registrations, device_transfer.
 """
 
 from __future__ import annotations
@@ -62,12 +61,12 @@ import torch
 import zmq
 
 from omni_mesh import codec
-from omni_mesh.connectors import _device_transfer, _pool_outputs, _te_engine, _te_outputs, _te_pull
 from omni_mesh.connectors._addresses import tcp_endpoint
-from omni_mesh.connectors._channel_guard import MAX_REQUEST_BYTES, side_channel_keys
-from omni_mesh.connectors._dealers import DealerPool
-from omni_mesh.connectors._held import Gone, PendingReleases
-from omni_mesh.connectors._mooncake_common import (
+from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
+from omni_mesh.connectors.configs import MooncakeTransferEngineConfig
+from omni_mesh.connectors.errors import ConnectorClosed
+from omni_mesh.connectors.mooncake import device_transfer, te_engine, te_outputs, te_pull
+from omni_mesh.connectors.mooncake.common import (
     PoolErrors,
     RegisteredPool,
     close_at_exit,
@@ -77,13 +76,15 @@ from omni_mesh.connectors._mooncake_common import (
     probe_metadata_server,
     resolve_host,
 )
-from omni_mesh.connectors._registrations import Registrations
-from omni_mesh.connectors._served import GONE
-from omni_mesh.connectors._te_payloads import Payload, Payloads
-from omni_mesh.connectors._te_receive import Receiver
-from omni_mesh.connectors._zmq_channel import ERR, OK, Answer, Deferred, Reply, RouterServer
-from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
-from omni_mesh.connectors.configs import MooncakeTransferEngineConfig
+from omni_mesh.connectors.mooncake.registrations import Registrations
+from omni_mesh.connectors.mooncake.te_payloads import Payload, Payloads
+from omni_mesh.connectors.mooncake.te_receive import Receiver
+from omni_mesh.connectors.pools import outputs as _pool_outputs
+from omni_mesh.connectors.pools.held import Gone, PendingReleases
+from omni_mesh.connectors.served.channel import ERR, OK, Answer, Deferred, Reply, RouterServer
+from omni_mesh.connectors.served.connector import GONE
+from omni_mesh.connectors.served.dealers import DealerPool
+from omni_mesh.connectors.served.guard import MAX_REQUEST_BYTES, side_channel_keys
 
 __all__ = ["MooncakeTransferEngineConfig", "MooncakeTransferEngineConnector"]
 
@@ -93,7 +94,6 @@ _DEALER_IDLE_S = 60.0  # a side-channel socket unused this long is closed (its p
 
 class MooncakeTransferEngineConnector(OmniConnectorBase):
     config_class = MooncakeTransferEngineConfig
-    scope = "network"
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         super().__init__(config)  # validates before the backend is looked for
@@ -132,14 +132,14 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
         self._engine: Any = None
         self._pool: RegisteredPool | None = None
         self._registrations: Registrations | None = None
-        self._outputs: _te_outputs.Outputs | None = None
+        self._outputs: te_outputs.Outputs | None = None
         self._live_outputs: dict = {}  # the outputs' table where a put of them may skip planning
         try:
             self._server = RouterServer(
                 self._ctx,
                 self.host,
                 cfg.zmq_port,
-                {_te_pull.PULL: self._on_pull, _te_pull.LOOKUP: self._on_lookup},
+                {te_pull.PULL: self._on_pull, te_pull.LOOKUP: self._on_lookup},
                 self._tick,
                 OWNER,
                 keys=self._keys,
@@ -147,12 +147,12 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             )
             self._zmq_port = self._server.start()
             self.endpoint = tcp_endpoint(self.host, self._zmq_port)
-            self._engine, self.segment = _te_engine.start_engine(
+            self._engine, self.segment = te_engine.start_engine(
                 engine_module, OWNER, self.host, self._zmq_port, cfg
             )
-            self._pool = _te_engine.registered_pool(lambda: self._engine, OWNER, cfg, self._pool_errors())
+            self._pool = te_engine.registered_pool(lambda: self._engine, OWNER, cfg, self._pool_errors())
             self._registrations = Registrations(self._engine, self._pool.contains)
-            self._outputs = _te_outputs.Outputs(self._pool)
+            self._outputs = te_outputs.Outputs(self._pool)
             self._put_fields = {"segment": self.segment, "endpoint": self.endpoint, "session": self._session}
             if not self._device_leaves.host_min_bytes:  # CPU tensors never take the device path
                 self._live_outputs = self._outputs.live
@@ -185,16 +185,16 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             lambda: self._counters.add("errors"),
         )
 
-    def device_leaves_policy(self) -> _device_transfer.DeviceLeavesPolicy:
+    def device_leaves_policy(self) -> device_transfer.DeviceLeavesPolicy:
         """Which tensors go device to device beside the frame (asked once, at construction). Tests
         override it to send CPU tensors that way on machines without GPUs."""
-        return _device_transfer.default_policy(self.config.device_transfer)
+        return device_transfer.default_policy(self.config.device_transfer)
 
     # ------------------------------------------------------------------ producer side
 
     def empty(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized tensor over a region of the registered pool: returned in a put's payload,
-        the engine sends it from there (nothing is copied at put; `_te_outputs`). The region goes back
+        the engine sends it from there (nothing is copied at put; `te_outputs`). The region goes back
         when the tensor and the payloads holding it are gone. Do not write into it after the put."""
         shape = tuple(int(n) for n in shape)
         nbytes = _pool_outputs.nbytes_of(shape, dtype)
@@ -232,7 +232,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
         payload = self._payloads.put(frame, device_tensors, (key, put_key, handle), f"put of {where}")
         if self._closed:  # close() may have emptied the table before this payload went in
             self._payloads.finish(payload, consumed=True)
-            raise ConnectorError(f"{OWNER} is closed (put of {where})")
+            raise ConnectorClosed(f"{OWNER} is closed (put of {where})")
         self._counters.add_many(puts=1, bytes_put=size, device_tensors=len(device_tensors))
         metadata = {
             "segment": self.segment,
@@ -248,7 +248,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
         return True, size, metadata
 
     def _put_planned(
-        self, from_stage: str, to_stage: str, put_key: str, planned: _te_outputs.Planned
+        self, from_stage: str, to_stage: str, put_key: str, planned: te_outputs.Planned
     ) -> tuple:
         """Hold a payload of empty() outputs laid out in place: its metadata alone, no pool touched
         (`plan` and the layout at empty() keep to the pool's ceiling; a close meanwhile is caught
@@ -262,13 +262,13 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
             raise
         if self._closed:  # close() may have emptied the table before this payload went in
             self._payloads.close()
-            raise ConnectorError(f"{OWNER} is closed (put of {payload_name(from_stage, to_stage, put_key)})")
+            raise ConnectorClosed(f"{OWNER} is closed (put of {payload_name(from_stage, to_stage, put_key)})")
         head_address = pieces[0][0]  # the frame starts with its head, in the headroom
         return True, size, {**self._put_fields, "handle": handle, "addr": head_address, "length": size, "key": key}
 
     def _on_pull(self, args: list[bytes]) -> Deferred:
         """PULL key request (server thread): checked here, written and answered by a transfer thread."""
-        request = _te_pull.parse_request(args)
+        request = te_pull.parse_request(args)
         return Deferred(lambda answer: self._workers.submit(self._serve_pull, args[0], request, answer))
 
     def _serve_pull(self, key: bytes, request: dict, answer: Answer) -> None:
@@ -332,7 +332,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
     def _open_pool(self, what: str) -> RegisteredPool:
         pool = self._pool
         if self._closed or pool is None:
-            raise ConnectorError(f"{OWNER} is closed ({what})")
+            raise ConnectorClosed(f"{OWNER} is closed ({what})")
         return pool
 
     def reap_consumed(self) -> None:

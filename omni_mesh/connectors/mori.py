@@ -6,7 +6,7 @@ InfiniBand) or AMD GPUs joined by Infinity Fabric (`backend_type: xgmi`, pool on
 TCP backend. Without the library, construction fails at once saying why and how to install it; on
 hosts without that hardware use ZmqConnector.
 
-Data path (pull, see _engine_pull.EnginePullConnector): the producer lays the frame into its
+Data path (pull, see served.engine_pull.EnginePullConnector): the producer lays the frame into its
 registered pool (host memory, or a GPU through a host staging buffer) and returns metadata with the
 side-channel endpoint, key, token, offset and size, plus its packed EngineDesc ("engine") and pool
 MemoryDesc ("mem"). The consumer registers the producer's engine once, claims the payload over the
@@ -34,9 +34,9 @@ from typing import Any
 import torch
 
 from omni_mesh.codec import FramePlan, decode
-from omni_mesh.connectors._engine_pull import EnginePullConnector
 from omni_mesh.connectors.base import ConnectorError
 from omni_mesh.connectors.configs import MoriConfig
+from omni_mesh.connectors.served.engine_pull import EnginePullConnector
 
 
 def install_hint() -> str:

@@ -1,18 +1,18 @@
 """SharedMemoryConnector: payloads between processes on one host, through a pre-faulted pool.
 
-Producer side: a pool of pre-faulted segments per process (`shm_pool`: created on the first put,
+Producer side: a pool of pre-faulted segments per process (`shm.pool`: created on the first put,
 grown for payloads that fit no free space up to `max_pool_size`, grown segments returned once idle),
 so the steady state creates no segment and takes no page fault. The codec lays each frame straight
 into a pool slot. Only past the ceiling does a payload get a one-off segment (counted as a fallback).
 Tiny payloads ride in the metadata as their whole frame, with a copy in one of the pool's cells once
 some process on the host gets by key alone (shm_tiny).
 `empty()` hands out output tensors already in a slot, which a put then sends where they lie
-(`shm_outputs`).
+(`shm.outputs`).
 
 Consumer side: `get` maps the producer's segment once (cached) and decodes tensors and arrays as
 views over the slot: no copy at all. When the last view is garbage-collected, the consumer marks the
-slot released in the slot header (`shm_slots`, the protocol), and the producer reuses the space on
-its next put. A get without metadata finds the payload by its key (`shm_lookup`).
+slot released in the slot header (`shm.slots`, the protocol), and the producer reuses the space on
+its next put. A get without metadata finds the payload by its key (`lookup`).
 
 The generation and the digest of `from->to/key` make stale or foreign metadata detectable: `get`
 then returns None instead of another request's data. A slot taken by a consumer that has died is
@@ -22,28 +22,27 @@ reclaimed when the pool runs short.
 from __future__ import annotations
 
 import contextlib
-import mmap
 from typing import Any
 
 import torch
 
 from omni_mesh import codec, cuda_ipc
-from omni_mesh.connectors import shm_cells, shm_index, shm_lookup, shm_tiny, shm_wanted
-from omni_mesh.connectors._growth import AUTO_CEILING_MAX, GROW_STEP
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
 from omni_mesh.connectors.configs import SharedMemoryConfig
-from omni_mesh.connectors.shm_maps import Mappings
-from omni_mesh.connectors.shm_outputs import PoolOutputs, get_parts
-from omni_mesh.connectors.shm_pool import ShmPool
-from omni_mesh.connectors.shm_segments import (
-    ProcessIdentity,
-    new_token,
-    reap_orphaned_segments,
-)
-from omni_mesh.connectors.shm_slots import (
+from omni_mesh.connectors.errors import ConnectorClosed
+from omni_mesh.connectors.pools.growth import AUTO_CEILING_MAX, GROW_STEP
+from omni_mesh.connectors.shm import cells as shm_cells
+from omni_mesh.connectors.shm import index as shm_index
+from omni_mesh.connectors.shm import lookup
+from omni_mesh.connectors.shm import tiny as shm_tiny
+from omni_mesh.connectors.shm.lifecycle import SharedMemoryLifecycle
+from omni_mesh.connectors.shm.maps import Mappings
+from omni_mesh.connectors.shm.outputs import PoolOutputs, get_parts
+from omni_mesh.connectors.shm.pool import ShmPool
+from omni_mesh.connectors.shm.segments import ProcessIdentity, new_token
+from omni_mesh.connectors.shm.slots import (
     FREE,
     POOL_HEADER,
-    RELEASED,
     SLOT,
     SLOT_HEADER,
     WRITTEN,
@@ -51,18 +50,14 @@ from omni_mesh.connectors.shm_slots import (
     Slot,
     digest,
     hold_until_dead,
+    metadata_problem,
+    names_a_payload,
     ready,
     take,
 )
-from omni_mesh.connectors.shm_tiny import FrameBytes, TinyPayloads
+from omni_mesh.connectors.shm.tiny import FrameBytes, TinyPayloads
 
-__all__ = [
-    "AUTO_CEILING_MAX",
-    "GROW_STEP",
-    "SharedMemoryConfig",
-    "SharedMemoryConnector",
-    "reap_orphaned_segments",
-]
+__all__ = ["AUTO_CEILING_MAX", "GROW_STEP", "SharedMemoryConfig", "SharedMemoryConnector"]
 
 # health() counters (the pool counts fallbacks, growth and errors; shm_outputs zero_copy_leaves).
 _COUNTERS = ("puts", "gets", "bytes_put", "bytes_got", "inline_puts", "fallbacks", "stale_gets", "errors")
@@ -74,19 +69,10 @@ def _where(from_stage: str, to_stage: str, key: str) -> str:
     return f"key {key!r} on edge {from_stage}->{to_stage}"
 
 
-def _metadata_problem(metadata: dict) -> str:
-    for field, kind in (("segment", str), ("offset", int), ("generation", int), ("length", int)):
-        if field not in metadata:
-            return f"lacks {field!r}: {metadata!r}"
-        value = metadata[field]
-        if type(value) is not kind or (kind is int and value < 0):
-            return f"has a bad {field!r} ({value!r})"
-    return f"is malformed: {metadata!r}"
-
-
 class SharedMemoryConnector(OmniConnectorBase):
     config_class = SharedMemoryConfig
     scope = "host"
+    lifecycle = SharedMemoryLifecycle
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         super().__init__(config)
@@ -104,7 +90,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             before_reclaim=self._drain_outputs,
         )
         self._lock = self._pool.lock  # one lock: slots, segments, key index, cells
-        self._index = shm_lookup.KeyIndex(self._counters, self._pool.slots)
+        self._index = lookup.KeyIndex(self._counters, self._pool.slots)
         self._outputs = PoolOutputs(self._pool, self._counters)
         self._tiny = TinyPayloads(self._pool, self._counters, self.config.inline_max_bytes, self._copy_to_slot)
         self._maps = Mappings(self._pool.own, self._lock)
@@ -262,13 +248,13 @@ class SharedMemoryConnector(OmniConnectorBase):
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None = None
     ) -> tuple[Any, int] | None:
         if self._closed:
-            raise ConnectorError(
+            raise ConnectorClosed(
                 f"SharedMemoryConnector is closed (get of {_where(from_stage, to_stage, get_key)})"
             )
         if type(metadata) is dict and metadata.get("frame") is not None:  # a tiny payload: the usual get
             got = shm_tiny.get(from_stage, to_stage, get_key, metadata, self._maps, self._counters)
             return got if got is not None else self._stale()
-        if not _names_a_payload(metadata):
+        if not names_a_payload(metadata):
             return self._get_by_key(from_stage, to_stage, get_key)  # no (or partial) metadata: the key alone
         if metadata.get("inline") is not None:
             got = shm_tiny.get(from_stage, to_stage, get_key, metadata, self._maps, self._counters)
@@ -286,7 +272,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             or length < 0
         ):
             where = _where(from_stage, to_stage, get_key)
-            raise ConnectorError(f"SharedMemoryConnector: metadata for {where} {_metadata_problem(metadata)}")
+            raise ConnectorError(f"SharedMemoryConnector: metadata for {where} {metadata_problem(metadata)}")
         mm = self._maps.get(name) or self._maps.map(name, _where(from_stage, to_stage, get_key))
         if mm is None or not ready(mm, offset, generation, length, digest(from_stage, to_stage, get_key)):
             return self._stale()
@@ -316,7 +302,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None, deadline: float
     ) -> tuple[Any, int] | None:
         result = self.get(from_stage, to_stage, get_key, metadata)
-        if result is None and _names_a_payload(metadata):
+        if result is None and names_a_payload(metadata):
             # What put() returned names its slots: once they are gone, waiting cannot bring them back.
             raise ConnectorError(
                 f"SharedMemoryConnector: {_where(from_stage, to_stage, get_key)} is gone: stale, already "
@@ -350,29 +336,16 @@ class SharedMemoryConnector(OmniConnectorBase):
         return got
 
     def _get_by_key(self, from_stage: str, to_stage: str, get_key: str) -> tuple[Any, int] | None:
-        """Find the payload in the cells and the key index of every pool on this host (shm_lookup);
+        """Find the payload in the cells and the key index of every pool on this host (lookup);
         None if none has it."""
-
-        where = _where(from_stage, to_stage, get_key)
-
-        def mapping(name: str) -> mmap.mmap | None:
-            try:
-                return self._maps.get(name) or self._maps.map(name, where)
-            except ConnectorError:
-                return None  # another user's segment, or one being torn down
-
         first = self._pool.first
-        names = shm_lookup.pool_names(first.name if first is not None else None)
-        for name in names:  # from now on their tiny puts keep a copy for gets by key (shm_wanted)
-            mm = mapping(name)
-            if mm is not None:
-                shm_wanted.mark(mm)
-        shm_wanted.tick()  # producers in this process copy their recent tiny payloads in now
-        for metadata in shm_lookup.candidates(names, mapping, digest(from_stage, to_stage, get_key)):
-            result = self.get(from_stage, to_stage, get_key, metadata)
-            if result is not None:
-                return result
-        return None
+        return lookup.find_by_key(
+            first.name if first is not None else None,
+            self._maps,
+            _where(from_stage, to_stage, get_key),
+            digest(from_stage, to_stage, get_key),
+            lambda metadata: self.get(from_stage, to_stage, get_key, metadata),
+        )
 
     def _own_exports(self, name: str, offset: int) -> list[Any] | None:
         """The CUDA tensors of a payload this process put itself (its IPC handles cannot be opened here)."""
@@ -394,21 +367,10 @@ class SharedMemoryConnector(OmniConnectorBase):
                 self._outputs.drain_locked()
                 pool.release_idle_locked()
                 self._maps.forget_unlinked_locked()  # a consumer lets go of segments their producer gave back
-            reserved = pool.first.allocator.start if pool.first is not None else 0
-            pool_size = pool.pool_bytes - reserved  # less the header, key index and cells
-            in_use = pool.in_use
-            segments = len(pool.segments)
-            # Released slots wait for the next put to reclaim them: they hold no payload any more.
-            live = sum(1 for slot in pool.slots.values() if slot.segment.mm[slot.offset] != RELEASED)
+            pool_size, in_use, segments, live, near_ceiling = pool.usage_locked()
             tiny_copies = self._tiny.waiting_locked()
             live += tiny_copies
-        status = (
-            "unhealthy"
-            if self._closed
-            else "degraded"
-            if pool_size and in_use > 0.9 * max(pool_size, pool.ceiling - reserved)  # near the ceiling
-            else "healthy"
-        )
+        status = "unhealthy" if self._closed else "degraded" if near_ceiling else "healthy"
         return {
             "status": status,
             **self._counters.snapshot(),  # after the release above, which it counts
@@ -433,8 +395,3 @@ class SharedMemoryConnector(OmniConnectorBase):
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
-
-
-def _names_a_payload(metadata: Any) -> bool:
-    """Whether `metadata` is what a put returned (else the payload is looked for by its key)."""
-    return type(metadata) is dict and any(name in metadata for name in ("segment", "frame", "inline", "refs"))

@@ -18,11 +18,7 @@ that does not wait (None when the key is not there); `get_with_deadline` polls w
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import os
 import socket
-import string
-import tempfile
 import threading
 import time
 from typing import Any
@@ -35,42 +31,19 @@ from omni_mesh.connectors.base import (
     edge_key,
 )
 from omni_mesh.connectors.configs import YuanrongConfig
+from omni_mesh.connectors.datasystem.keys import (
+    INSTALL_HINT,
+    MAX_VALUE,
+    WorkerError,
+    client_log_dir,
+    datasystem_key,
+    first_line,
+)
+from omni_mesh.connectors.errors import ConnectorClosed
 
-INSTALL_HINT = "install it with `pip install 'omni-mesh[yuanrong]'` (package openyuanrong-datasystem)"
-MAX_KEY = 255
-MAX_VALUE = 2**32 - 1  # mcreate takes uint32 sizes
-_SAFE = frozenset(string.ascii_letters + string.digits + "-_!@^*()+=:;")  # the charset minus '%' and '#'
+# Re-exported: the raw-datasystem bench and tests read them here (datasystem/ is private).
+__all__ = ["INSTALL_HINT", "YuanrongConfig", "YuanrongConnector", "client_log_dir", "datasystem_key"]
 _RECENT_ERROR_S = 60.0
-
-
-def client_log_dir() -> str:
-    """Where the datasystem client writes its logs unless DATASYSTEM_CLIENT_LOG_DIR says otherwise.
-
-    The client's default is ~/.datasystem/logs, which grows without bound; a per-user temp dir keeps
-    those logs out of home directories.
-    """
-    if not os.environ.get("DATASYSTEM_CLIENT_LOG_DIR"):
-        path = os.path.join(tempfile.gettempdir(), f"omni-mesh-datasystem-client-{os.getuid()}")
-        os.makedirs(path, exist_ok=True)
-        os.environ["DATASYSTEM_CLIENT_LOG_DIR"] = path
-    return os.environ["DATASYSTEM_CLIENT_LOG_DIR"]
-
-
-def datasystem_key(prefix: str, key: str) -> str:
-    """The datasystem key for an edge key (see the module docstring)."""
-    escaped = "".join(c if c in _SAFE else "".join(f"%{b:02X}" for b in c.encode()) for c in key)
-    name = f"{prefix};{escaped}"
-    if len(name) > MAX_KEY:
-        name = f"{name[: MAX_KEY - 65]}#{hashlib.sha256(key.encode()).hexdigest()}"
-    return name
-
-
-class _WorkerError(RuntimeError):
-    """A datasystem client call failed; the message is the client's."""
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 class YuanrongConnector(OmniConnectorBase):
@@ -114,7 +87,7 @@ class YuanrongConnector(OmniConnectorBase):
             client.init()
             failure = None
         except RuntimeError as exc:
-            failure = _first_line(exc)
+            failure = first_line(exc)
         if failure is not None:
             del client  # destroyed here, not whenever the traceback is collected (see _call)
             raise ConnectorError(self._unreachable(time.monotonic() - started, failure))
@@ -142,7 +115,7 @@ class YuanrongConnector(OmniConnectorBase):
         return edge, datasystem_key(self.config.key_prefix, edge)
 
     def _call(self, where: str, method: str, *args: Any) -> Any:
-        """client.method(*args); a failure raises _WorkerError with the client's message.
+        """client.method(*args); a failure raises WorkerError with the client's message.
 
         No frame of a raised exception may hold the client: a traceback kept alive until after the
         worker is gone would let the client's destructor run then, which blocks for seconds holding
@@ -150,13 +123,13 @@ class YuanrongConnector(OmniConnectorBase):
         """
         client = self._client
         if client is None:
-            raise ConnectorError(f"{where}: the connector is closed")
+            raise ConnectorClosed(f"{where}: the connector is closed")
         try:
             return getattr(client, method)(*args)
         except RuntimeError as exc:
-            failure = _first_line(exc)
+            failure = first_line(exc)
         del client
-        raise _WorkerError(failure)
+        raise WorkerError(failure)
 
     # ---------------------------------------------------------------- put
 
@@ -166,7 +139,7 @@ class YuanrongConnector(OmniConnectorBase):
     def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
         where = f"YuanrongConnector: put {from_stage}->{to_stage} key {put_key!r}"
         if self._client is None:
-            raise ConnectorError(f"{where}: the connector is closed")
+            raise ConnectorClosed(f"{where}: the connector is closed")
         frame = plan(data)
         if frame.nbytes > MAX_VALUE:
             raise ConnectorError(
@@ -178,7 +151,7 @@ class YuanrongConnector(OmniConnectorBase):
             buffers = self._call(where, "mcreate", [ds_key], [frame.nbytes], self._write_mode, ttl)
             frame.write_into(buffers[0].MutableData())  # straight into the worker's shared memory
             self._call(where, "mset_buffer", buffers)
-        except _WorkerError as exc:
+        except WorkerError as exc:
             raise ConnectorError(f"{where} ({frame.nbytes} bytes) on worker {self.worker}: {exc}") from None
         finally:
             buffers = None
@@ -267,7 +240,7 @@ class YuanrongConnector(OmniConnectorBase):
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             try:
                 return self._call(where, "get_read_only_buffers", [ds_key], max(0, min(sub_ms, remaining_ms)))
-            except _WorkerError as exc:
+            except WorkerError as exc:
                 if "not found" not in str(exc).lower():
                     self._error()
                     raise ConnectorError(f"{where} ({ds_key!r}) from worker {self.worker}: {exc}") from None
@@ -313,7 +286,7 @@ class YuanrongConnector(OmniConnectorBase):
     def _delete(self, ds_keys: list[str], where: str) -> None:
         try:
             failed = self._call(where, "delete", ds_keys)
-        except _WorkerError as exc:
+        except WorkerError as exc:
             self._error()
             raise ConnectorError(
                 f"{where}: cannot delete {len(ds_keys)} key(s) on worker {self.worker}: {exc}"
@@ -332,7 +305,7 @@ class YuanrongConnector(OmniConnectorBase):
             return
         try:
             there = self._call("YuanrongConnector: reap_consumed", "exist", [ds_key for _, (ds_key, _, _) in mine])
-        except (_WorkerError, ConnectorError):
+        except (WorkerError, ConnectorError):
             return  # the worker is unreachable or we are closing: nothing is forgotten
         with self._lock:
             for (edge, held), exists in zip(mine, there, strict=False):
@@ -362,7 +335,7 @@ class YuanrongConnector(OmniConnectorBase):
             reachable, detail = status.is_ok(), status.to_string()
         except ConnectorError:
             return {"status": "unhealthy", **report, "error": "closed"}
-        except _WorkerError as exc:
+        except WorkerError as exc:
             reachable, detail = False, str(exc)
         if not reachable:
             return {"status": "unhealthy", **report, "error": f"worker {self.worker}: {detail}"}

@@ -6,7 +6,7 @@ The engine's data plane (`libp2p_transfer.so`) is built on ACL; there is no CPU 
 any other host construction fails at once, naming the missing runtime and the connector to use
 instead: ZmqConnector (cross-host over TCP, nothing to deploy) or YuanrongConnector (a datasystem worker).
 
-Data path (pull, see _engine_pull.EnginePullConnector): the producer lays the frame into a host
+Data path (pull, see served.engine_pull.EnginePullConnector): the producer lays the frame into a host
 staging buffer and copies it into its registered NPU memory pool; the consumer claims the payload over
 a ZeroMQ side channel, pulls it into its own registered NPU pool with `transfer_sync_read`, copies it
 to host memory, releases the producer's slot and decodes. Metadata: endpoint (side channel), key,
@@ -29,10 +29,10 @@ from typing import Any
 import torch
 
 from omni_mesh.codec import FramePlan, decode
-from omni_mesh.connectors._engine_pull import EnginePullConnector
 from omni_mesh.connectors.base import ConnectorError
 from omni_mesh.connectors.configs import YuanrongTransferEngineConfig
-from omni_mesh.connectors.yuanrong import INSTALL_HINT, client_log_dir
+from omni_mesh.connectors.datasystem.keys import INSTALL_HINT, client_log_dir
+from omni_mesh.connectors.served.engine_pull import EnginePullConnector
 from omni_mesh.ports import free_port
 
 ALTERNATIVES = (

@@ -20,7 +20,7 @@ that timed out is discarded, so a late answer can never be mistaken for the next
 
 `host` is the address to bind and advertise; `auto` (the default) follows the rule in
 omni_mesh.connectors._addresses, and `0.0.0.0` binds every interface and advertises the `auto` address.
-The side channel, the held-payload table and health() are ServedConnector's (omni_mesh.connectors._served).
+The side channel, the held-payload table and health() are ServedConnector's (omni_mesh.connectors.served.connector).
 """
 
 from __future__ import annotations
@@ -36,12 +36,13 @@ from typing import Any
 import torch
 
 from omni_mesh.codec import FrameError, FramePlan, decode, decode_parts, plan
-from omni_mesh.connectors import _growth, _pool_outputs
-from omni_mesh.connectors._held import Held
-from omni_mesh.connectors._served import GONE, ServedConnector
-from omni_mesh.connectors._zmq_channel import OK, Handler, Reply, frame_text
 from omni_mesh.connectors.base import ConnectorError, edge_key
 from omni_mesh.connectors.configs import ZmqConfig
+from omni_mesh.connectors.pools import growth as _growth
+from omni_mesh.connectors.pools import outputs
+from omni_mesh.connectors.pools.held import Held
+from omni_mesh.connectors.served.channel import OK, Handler, Reply, frame_text
+from omni_mesh.connectors.served.connector import GONE, ServedConnector
 
 PARTS = b"P"  # the reply's third frame when the payload follows in the parts form
 
@@ -56,7 +57,7 @@ class _Region:
         self.view = view  # its bytes, as a put sends them
         self.address = tensor.data_ptr()  # the key of ZmqConnector._unsent
         self.dtype, self.shape = tensor.dtype, tensor.shape  # as empty() made it
-        self.kind = -1  # names dtype and shape in the connector's layout cache (_pool_outputs.Kinds)
+        self.kind = -1  # names dtype and shape in the connector's layout cache (outputs.Kinds)
         self.state = "unsent"  # -> "held" (put) -> "done" (sent, expired or cleaned up)
         self.dead = False  # the producer's tensor (and every view of it) was garbage-collected
 
@@ -92,11 +93,11 @@ class ZmqConnector(ServedConnector):
         # empty() slots: those not put yet by tensor address, weak references to their tensors' arrays
         # (so the callbacks run) and the regions whose tensors died (queued by those callbacks).
         self._regions_lock = threading.Lock()
-        self._unsent: dict[int, _pool_outputs.Entry] = {}  # tensor address -> (its region, dtype, shape, kind)
+        self._unsent: dict[int, outputs.Entry] = {}  # tensor address -> (its region, dtype, shape, kind)
         self._pins: dict[int, weakref.ref] = {}
         self._dead: collections.deque[tuple[int, _Region]] = collections.deque()
         # empty() slots laid out for the put their kind last had alone: (size, parts, [its region])
-        self._ready = _pool_outputs.ReadyPuts()
+        self._ready = outputs.ReadyPuts()
 
     # ---------------------------------------------------------------- producer side
 
@@ -148,7 +149,7 @@ class ZmqConnector(ServedConnector):
         key = edge_key(from_stage, to_stage, put_key)
         if self._unsent:
             with self._regions_lock:
-                resident = _pool_outputs.take_resident(frame, self._unsent)
+                resident = outputs.take_resident(frame, self._unsent)
                 for region in resident.values():
                     region.state = "held"
             if resident:
@@ -177,18 +178,18 @@ class ZmqConnector(ServedConnector):
         """An uninitialized tensor in a pool slot: returned in a put's payload, it is sent from there
         (module docstring). Do not write into it after the put."""
         shape = tuple(int(n) for n in shape)
-        nbytes = _pool_outputs.nbytes_of(shape, dtype)
-        if nbytes < _pool_outputs.MIN_BYTES:
+        nbytes = outputs.nbytes_of(shape, dtype)
+        if nbytes < outputs.MIN_BYTES:
             return torch.empty(shape, dtype=dtype)
         self._start_server()  # the pool comes with it
         offset = self._allocate(nbytes)
         if offset is None:  # past the ceiling: an ordinary tensor, copied at put as any other
             return torch.empty(shape, dtype=dtype)
         view = self._region(offset, nbytes)
-        tensor, base = _pool_outputs.tensor_over(view, 0, shape, dtype)
+        tensor, base = outputs.tensor_over(view, 0, shape, dtype)
         region = _Region(offset, view, tensor)
         with self._regions_lock:
-            region.kind = _pool_outputs.KINDS.of((region.dtype, region.shape))[0]
+            region.kind = outputs.KINDS.of((region.dtype, region.shape))[0]
             self._unsent[region.address] = (region, region.dtype, region.shape, region.kind)
             ref = weakref.ref(base, functools.partial(_queue_dead, self._dead, region))
             self._pins[id(ref)] = ref
@@ -211,10 +212,10 @@ class ZmqConnector(ServedConnector):
                 if region is not None:
                     parts.append(region.view)
                     size += lengths[index]
-                elif _pool_outputs.is_padding(leaf):
+                elif outputs.is_padding(leaf):
                     parts.append(b"")
                 else:
-                    part = _pool_outputs.leaf_bytes(leaf, lengths[index])  # not in the pool: copied
+                    part = outputs.leaf_bytes(leaf, lengths[index])  # not in the pool: copied
                     parts.append(part)
                     size += len(part)
             held = self._hold(key, put_key, size, None, parts, regions=list(resident.values()))
@@ -228,7 +229,7 @@ class ZmqConnector(ServedConnector):
 
     def _put_outputs(self, key: str, put_key: str, data: dict) -> tuple | None:
         """A dict of empty() tensors alone: the parts form from a cached header, nothing planned or
-        copied (see _pool_outputs.take_outputs), or for one tensor alone as empty() laid it out
+        copied (see outputs.take_outputs), or for one tensor alone as empty() laid it out
         (ReadyPuts); None for any other payload."""
         laid_out = self._ready.match(data)
         taken = None
@@ -236,7 +237,7 @@ class ZmqConnector(ServedConnector):
             if laid_out is not None and self._unsent.pop(laid_out[2][0].address, None) is not None:
                 size, parts, regions = laid_out  # its one region was still unsent: this put takes it
             else:
-                taken = _pool_outputs.take_outputs(data, self._unsent)
+                taken = outputs.take_outputs(data, self._unsent)
                 if taken is None:
                     return None
                 header, layout, regions, size = taken

@@ -7,16 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_mesh.connectors import connector_type
-from omni_mesh.connectors.shm_segments import (
-    ProcessIdentity,
-    list_segments,
-    process_gone,
-    segment_name,
-    unlink_segment,
-)
+from omni_mesh.connectors import ProcessFacts, colocated, connector_type, holds, reclaim
 from omni_mesh.control import Heartbeat, Register
-from omni_mesh.hostinfo import machine_id, namespace, shm_domain
+from omni_mesh.hostinfo import machine_id, namespace, process_gone
 from omni_mesh.topology import Topology
 
 #: How long a replica may stay silent before it leaves the rotation and its requests fail: ten of the
@@ -44,7 +37,6 @@ class Replica:
     host: str
     machine: str
     pidns: str
-    shm_domain: str
     max_inflight: int
     edges: dict[str, str]
     registered_at: float = field(default_factory=time.monotonic)
@@ -56,6 +48,7 @@ class Replica:
     draining: bool = False
     connectors: dict[str, Any] = field(default_factory=dict)
     restarts: int = 0
+    cleanup: dict[str, Any] = field(default_factory=dict)  # lifecycle token per connector type (opaque)
 
     def sick_connectors(self) -> list[str]:
         return [ref for ref, h in self.connectors.items() if isinstance(h, dict) and h.get("status") == "unhealthy"]
@@ -75,13 +68,9 @@ class Replica:
             return False
         return process_gone(self.pid, self.start)
 
-    def shm_prefix(self) -> str | None:
-        """The exact prefix of the segments this replica's process made (derived from its pid, start
-        time and PID namespace, never taken from the replica), or None when it cannot be derived."""
-        inode = self.pidns.removeprefix("pid:[").rstrip("]")
-        if not inode.isdigit() or self.start == 0:
-            return None
-        return segment_name(ProcessIdentity(int(inode), self.pid, self.start), "")
+    def process(self) -> ProcessFacts:
+        """Its process as it registered (checked against this host's kernel before anything is reclaimed)."""
+        return ProcessFacts(self.pid, self.start, self.pidns, self.machine)
 
     def describe(self, now: float, timeout_s: float) -> dict[str, Any]:
         return {
@@ -97,7 +86,7 @@ class Replica:
             "restarts": self.restarts,
             "last_heartbeat_s_ago": round(now - self.last_seen, 3),
             "uptime_s": round(now - self.registered_at, 3),
-            "shm_domain": self.shm_domain,
+            "cleanup": self.cleanup,
             "connectors": self.connectors,
         }
 
@@ -163,11 +152,11 @@ class Registry:
             host=message.host,
             machine=message.machine,
             pidns=message.pidns,
-            shm_domain=message.shm_domain,
             max_inflight=max(1, message.max_inflight),
             edges=dict(message.edges),
             restarts=self.restarts.get(replica_id, 0),
             connectors=message.connectors,
+            cleanup=dict(message.cleanup),
         )
         self.replicas[replica_id] = replica
         self.by_identity[identity] = replica
@@ -202,24 +191,24 @@ class Registry:
             if now - r.last_seen > self.heartbeat_timeout_s or r.local_process_gone()
         ]
 
-    def reap_segments(self, replica: Replica) -> list[str]:
-        """Unlink the shared-memory segments of a replica whose process is confirmed dead on this host,
-        under that process's own exact prefix only. A silent replica keeps its memory: it is watched
-        (`reap_silent`) until its process is gone, or it comes back and registers again."""
-        prefix = replica.shm_prefix()
-        if prefix is None or replica.shm_domain != shm_domain():
+    def reclaim(self, replica: Replica) -> list[str]:
+        """Have its connector types reclaim what a replica held once its process is confirmed dead on
+        this host (what: the types' business; for whose process: derived from what we verified, never
+        from the tokens alone). A silent replica keeps what it holds: it is watched (`reclaim_silent`)
+        until its process is gone, or it comes back and registers again."""
+        if not holds(replica.cleanup, replica.process()):
             return []
         if not replica.local_process_gone():
             self.silent[replica.replica_id] = replica
             return []
         self.silent.pop(replica.replica_id, None)
-        return [name for name in list_segments() if name.startswith(prefix) and unlink_segment(name)]
+        return reclaim(replica.cleanup, replica.process())
 
-    def reap_silent(self) -> list[str]:
-        """Reap the segments of silent replicas whose process has since died."""
+    def reclaim_silent(self) -> list[str]:
+        """Reclaim what silent replicas whose process has since died held."""
         return [
             name for replica in list(self.silent.values()) if replica.local_process_gone()
-            for name in self.reap_segments(replica)
+            for name in self.reclaim(replica)
         ]
 
     # ------------------------------------------------------------------ selection
@@ -274,7 +263,7 @@ class Registry:
             return [f"edge {edge.label} ({src}->{dst}, {name}) has no live {side}"]
         if connector_type(name).scope != "host":
             return []
-        apart = [(s, r) for s in senders for r in receivers if s.shm_domain != r.shm_domain]
+        apart = [(s, r) for s in senders for r in receivers if not colocated(name, s.cleanup, r.cleanup)]
         if not apart:
             return []
         s, r = apart[0]

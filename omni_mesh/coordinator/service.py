@@ -223,7 +223,7 @@ class Coordinator:
             return  # the same connection registering again: confirmed, nothing changes
         if previous is not None:
             self.dispatcher.replica_lost(previous, f"restarted (pid {previous.pid} -> {replica.pid})")
-            self.registry.reap_segments(previous)
+            self.registry.reclaim(previous)
         restart = f" (restart #{replica.restarts})" if replica.restarts else ""
         log.info("replica %s of stage %s registered from %s pid %d%s", replica.replica_id, replica.stage, replica.host, replica.pid, restart)
         self.dispatcher.drain_queue(replica.stage)
@@ -239,9 +239,9 @@ class Coordinator:
                     self._bury(replica)
                 if loop.time() >= next_reap_check:
                     next_reap_check = loop.time() + REAP_CHECK_S
-                    reaped = self.registry.reap_silent()
+                    reaped = self.registry.reclaim_silent()
                     if reaped:
-                        log.warning("reaped %d shared-memory segment(s) of silent replicas now gone", len(reaped))
+                        log.warning("reclaimed %d connector resource(s) of silent replicas now gone: %s", len(reaped), reaped)
             except Exception:
                 self._monitor_errors.exception("monitor loop error")
 
@@ -250,10 +250,10 @@ class Coordinator:
         gone = replica.local_process_gone()
         reason = f"died (pid {replica.pid})" if gone else "stopped sending heartbeats"
         self.dispatcher.replica_lost(replica, reason)
-        reaped = self.registry.reap_segments(replica)
+        reaped = self.registry.reclaim(replica)
         log.warning(
             "replica %s of stage %s %s; removed%s",
             replica.replica_id, replica.stage, reason,
-            f", reaped {len(reaped)} shared-memory segment(s)" if reaped
+            f", reclaimed {len(reaped)} connector resource(s)" if reaped
             else "" if gone else "; its memory stays until its process is gone",
         )

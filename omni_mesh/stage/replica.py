@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from omni_mesh import control
-from omni_mesh.connectors import OmniConnectorBase, create_connector, creation_rank
+from omni_mesh.connectors import OmniConnectorBase, cleanup_tokens, create_connector, creation_rank
 from omni_mesh.control import (
     Abort,
     Chunk,
@@ -149,6 +149,7 @@ class StageReplica:
             max_inflight=self.stage.max_inflight,
             edges={e.label: e.connector.name for e in [*self.in_edges.values(), *self.out_edges.values()]},
             connectors=await self.health.read(),  # the first read may take long: it is waited for
+            cleanup=cleanup_tokens([e.connector.name for e in [*self.in_edges.values(), *self.out_edges.values()]]),
         )
         return await self.link.register(message, self._stopped)
 

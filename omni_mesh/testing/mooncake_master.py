@@ -14,8 +14,8 @@ import subprocess
 import threading
 import time
 
-from omni_mesh.connectors._mooncake_common import INSTALL_HINT
 from omni_mesh.connectors.base import ConnectorError
+from omni_mesh.connectors.mooncake_store import INSTALL_HINT
 from omni_mesh.ports import free_ports, taken_since
 
 START_ATTEMPTS = 3  # the ports are picked before the master binds them: another process may take one

@@ -27,6 +27,7 @@ BACKENDS = [
     "MooncakeTransferEngineConnector",
     "MooncakeStoreConnector",
     "YuanrongConnector",
+    "InProcessConnector",
 ]
 #: The health() figure that counts payloads a producer still holds for consumers, per connector.
 HELD = {
@@ -35,11 +36,14 @@ HELD = {
     "MooncakeTransferEngineConnector": "pending_payloads",
     "MooncakeStoreConnector": "tracked_keys",
     "YuanrongConnector": "held",
+    "InProcessConnector": "held",
 }
 #: The contract's namespace in the datasystem worker it shares with other modules.
 KEY_PREFIX = "omnicontract"
 #: Connectors whose producer serves gets itself: partial metadata names it by host and port.
 ASKS_PRODUCER = {"ZmqConnector", "MooncakeTransferEngineConnector"}
+#: Connectors that carry payloads inside one process only: no consumer in another process to test.
+ONE_PROCESS = {"InProcessConnector"}
 
 
 @dataclass
@@ -90,6 +94,10 @@ def running(name: str, logs: Any, datasystem: SharedWorker) -> Iterator[Backend]
     started on first use) and yield its Backend."""
     if name == "SharedMemoryConnector":
         backend = Backend(name, {})
+        yield backend
+        backend.close()
+    elif name == "InProcessConnector":
+        backend = Backend(name, {"namespace": f"contract-{os.getpid()}"})
         yield backend
         backend.close()
     elif name == "ZmqConnector":

@@ -9,7 +9,7 @@ in the processes `support.peer.Peer` starts).
 from __future__ import annotations
 
 from omni_mesh.connectors import register_connector
-from omni_mesh.connectors._device_transfer import DeviceLeavesPolicy
+from omni_mesh.connectors.mooncake.device_transfer import DeviceLeavesPolicy
 from omni_mesh.connectors.mooncake_transfer_engine import MooncakeTransferEngineConnector
 
 HOST_MIN_BYTES = 8

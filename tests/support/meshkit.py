@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import httpx
 import yaml
 
-from omni_mesh.connectors.shm_segments import list_segments, owner_of, process_start_time
+from omni_mesh.connectors.shm.segments import list_segments, owner_of, process_start_time
 from omni_mesh.ports import free_port, taken_since
 from omni_mesh.testing.processes import descendants, die_with_parent
 

@@ -33,7 +33,7 @@ import httpx
 import pytest
 import yaml
 
-from omni_mesh.connectors.shm_segments import (
+from omni_mesh.connectors.shm.segments import (
     SHM_DIR,
     list_segments,
     owner_of,

@@ -23,7 +23,7 @@ import msgpack
 from omni_mesh import codec
 from omni_mesh.connectors import create_connector
 from omni_mesh.connectors.shared_memory import SharedMemoryConnector
-from omni_mesh.connectors.shm_segments import SHM_DIR, list_segments, owner_of
+from omni_mesh.connectors.shm.segments import SHM_DIR, list_segments, owner_of
 
 HELPER = Path(__file__).parent / "shm_consumer.py"
 LENGTH = struct.Struct("<I")

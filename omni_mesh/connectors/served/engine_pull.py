@@ -17,10 +17,10 @@ from abc import abstractmethod
 from typing import Any
 
 from omni_mesh.codec import FrameError, FramePlan, plan
-from omni_mesh.connectors._held import PendingReleases
-from omni_mesh.connectors._served import GONE, ServedConnector
-from omni_mesh.connectors._zmq_channel import ERR, OK, Handler, Reply, frame_text
 from omni_mesh.connectors.base import ConnectorError, edge_key
+from omni_mesh.connectors.pools.held import PendingReleases
+from omni_mesh.connectors.served.channel import ERR, OK, Handler, Reply, frame_text
+from omni_mesh.connectors.served.connector import GONE, ServedConnector
 
 
 class EnginePullConnector(ServedConnector):

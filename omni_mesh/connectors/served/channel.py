@@ -3,7 +3,7 @@
 `RouterServer` answers requests `[op, key, *args]` on one background thread, sending reply frames
 zero-copy; a handler may instead answer later, from another thread (`Deferred`). Replies are
 `[OK, key, *frames]` or `[ERR, key, reason]`. Consumers send requests through a
-`_dealers.DealerPool`. Who may connect, and the size of a request, are `_channel_guard`'s.
+`served.dealers.DealerPool`. Who may connect, and the size of a request, are `served.guard`'s.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any
 import zmq
 
 from omni_mesh.connectors._addresses import tcp_endpoint
-from omni_mesh.connectors._channel_guard import ChannelGuard
-from omni_mesh.connectors._held import PendingReleases
 from omni_mesh.connectors.base import ConnectorError
+from omni_mesh.connectors.pools.held import PendingReleases
+from omni_mesh.connectors.served.guard import ChannelGuard
 from omni_mesh.security import MeshKeys
 
 _POLL_MS = 50  # server loop granularity: how late a TTL expiry or a stop request may be noticed

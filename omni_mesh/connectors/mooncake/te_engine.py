@@ -13,10 +13,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from omni_mesh.connectors import _growth
-from omni_mesh.connectors._mooncake_common import PoolErrors, RegisteredPool
 from omni_mesh.connectors.base import ConnectorError
 from omni_mesh.connectors.configs import P2P, MooncakeTransferEngineConfig
+from omni_mesh.connectors.mooncake.common import PoolErrors, RegisteredPool
+from omni_mesh.connectors.pools import growth
 
 
 def start_engine(
@@ -50,7 +50,7 @@ def registered_pool(
         cfg.memory_pool_size,
         prefault=cfg.prefault,
         errors=errors,
-        ceiling=_growth.ceiling(cfg.memory_pool_size, cfg.max_pool_size, _growth.ram()),
+        ceiling=growth.ceiling(cfg.memory_pool_size, cfg.max_pool_size, growth.ram()),
         register=lambda address, size: engine_of().register_memory(address, size) == 0,
         unregister=lambda address: engine_of().unregister_memory(address),
         idle_s=cfg.pool_idle_release_s,

@@ -3,7 +3,7 @@
 A producer keeps each payload in a slot of its memory pool (`SlotPool`, `HeldTable`) until a consumer
 asks for it over the ZeroMQ side channel (a `RouterServer`, started by the first put), `ttl_s` passes
 or `cleanup()` drops it. A consumer asks producers through a `DealerPool`. With the mesh's keys the
-side channel runs CURVE both ways (`_channel_guard`). Subclasses decide how the
+side channel runs CURVE both ways (`served.guard`). Subclasses decide how the
 bytes move (in the reply itself, or pulled by a transfer engine) and which requests the server answers.
 
 Config fields every subclass has: host, its side-channel port (`port_field`), memory_pool_size,
@@ -22,12 +22,13 @@ from typing import Any, ClassVar
 import zmq
 
 from omni_mesh.connectors._addresses import bind_and_advertise, tcp_endpoint
-from omni_mesh.connectors._channel_guard import side_channel_keys
-from omni_mesh.connectors._dealers import ChannelClosed, DealerPool, LateReply, PeerLost
-from omni_mesh.connectors._held import Held, HeldTable, SlotPool
-from omni_mesh.connectors._late_gets import LateGets
-from omni_mesh.connectors._zmq_channel import OK, Handler, RouterServer, frame_text
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
+from omni_mesh.connectors.errors import ConnectorClosed, PayloadMissing
+from omni_mesh.connectors.pools.held import Held, HeldTable, SlotPool
+from omni_mesh.connectors.served.channel import OK, Handler, RouterServer, frame_text
+from omni_mesh.connectors.served.dealers import ChannelClosed, DealerPool, LateReply, PeerLost
+from omni_mesh.connectors.served.guard import side_channel_keys
+from omni_mesh.connectors.served.late_gets import LateGets
 
 _RECENT_ERROR_S = 60.0  # health() reports "degraded" this long after an error
 #: Longest a plain get() waits for the producer's answer (vllm-omni's polls expect about a second).
@@ -36,11 +37,11 @@ POLL_S = 1.0
 GONE = b"GONE"
 
 
-class NotThere(ConnectorError):
+class NotThere(PayloadMissing):
     """The producer holds no such payload (yet, or any more): get() returns None."""
 
 
-class NoAnswer(ConnectorError):
+class NoAnswer(PayloadMissing):
     """The producer did not answer in time: get() returns None, a wait to its deadline raises this."""
 
 
@@ -113,7 +114,7 @@ class ServedConnector(OmniConnectorBase):
     def _start_server(self) -> None:
         with self._lock:
             if self._closed:
-                raise ConnectorError(f"{self._name}: the connector is closed")
+                raise ConnectorClosed(f"{self._name}: the connector is closed")
             if self._server is not None:
                 return
             port = getattr(self.config, self.port_field)
@@ -150,7 +151,7 @@ class ServedConnector(OmniConnectorBase):
         if self._closed:  # close() may have emptied the table before this went in
             for held in self._held.pop_all():
                 self._release(held)
-            raise ConnectorError(f"{self._name}: the connector is closed")
+            raise ConnectorClosed(f"{self._name}: the connector is closed")
         return token
 
     def _count_put(self, held: Held) -> None:
@@ -208,7 +209,7 @@ class ServedConnector(OmniConnectorBase):
         key = edge_key(from_stage, to_stage, get_key)
         where = f"{self._name}: get {from_stage}->{to_stage} key {get_key!r}"
         if self._closed:
-            raise ConnectorError(f"{where}: the connector is closed")
+            raise ConnectorClosed(f"{where}: the connector is closed")
         located = self._locate(metadata, key, where)
         if located is None:
             return None
@@ -293,7 +294,7 @@ class ServedConnector(OmniConnectorBase):
             self._error()
             raise NoAnswer(f"{where}: {late}") from None
         except ChannelClosed:
-            raise ConnectorError(f"{where}: the connector was closed") from None
+            raise ConnectorClosed(f"{where}: the connector was closed") from None
         except zmq.ZMQError as exc:
             self._error()
             raise ConnectorError(f"{where}: {exc}") from None

@@ -20,12 +20,15 @@ from collections.abc import Callable
 from typing import Any
 
 from omni_mesh import codec
-from omni_mesh.connectors import shm_cells, shm_recent, shm_wanted
 from omni_mesh.connectors.base import ConnectorError, Counters, edge_key
-from omni_mesh.connectors.shm_maps import Mappings
-from omni_mesh.connectors.shm_pool import ShmPool
-from omni_mesh.connectors.shm_recent import RecentTiny
-from omni_mesh.connectors.shm_slots import (
+from omni_mesh.connectors.errors import ConnectorClosed
+from omni_mesh.connectors.shm import cells as shm_cells
+from omni_mesh.connectors.shm import recent as shm_recent
+from omni_mesh.connectors.shm import wanted as shm_wanted
+from omni_mesh.connectors.shm.maps import Mappings
+from omni_mesh.connectors.shm.pool import ShmPool
+from omni_mesh.connectors.shm.recent import RecentTiny
+from omni_mesh.connectors.shm.slots import (
     FREE,
     RELEASED,
     SLOT,
@@ -117,7 +120,7 @@ class TinyPayloads:
         framed = None if self.wanted else frame.to_bytes()  # outside the lock; wanted never turns back
         with pool.lock:
             if pool.closed:
-                raise ConnectorError(f"SharedMemoryConnector is closed (put of {key!r})")
+                raise ConnectorClosed(f"SharedMemoryConnector is closed (put of {key!r})")
             first = pool.first_locked()  # the pool a get by key flags (shm_wanted)
             if not self.wanted:
                 if not self._watched and shm_wanted.marked(first.mm):

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Callable, Iterator
+from typing import Any
 
-from omni_mesh.connectors import shm_cells, shm_index
-from omni_mesh.connectors.base import Counters
-from omni_mesh.connectors.shm_segments import list_segments
-from omni_mesh.connectors.shm_slots import (
+from omni_mesh.connectors.base import ConnectorError, Counters
+from omni_mesh.connectors.shm import cells as shm_cells
+from omni_mesh.connectors.shm import index as shm_index
+from omni_mesh.connectors.shm import wanted
+from omni_mesh.connectors.shm.maps import Mappings
+from omni_mesh.connectors.shm.segments import list_segments
+from omni_mesh.connectors.shm.slots import (
     GENERATION,
     LENGTH_AT,
     POOL_HEADER,
@@ -118,3 +122,33 @@ def candidates(
                 generation = GENERATION.unpack_from(target, offset + 16)[0]
             length = GENERATION.unpack_from(target, offset + LENGTH_AT)[0]
             yield {"segment": where, "offset": offset, "generation": generation, "length": length}
+
+
+def find_by_key(
+    first: str | None,
+    maps: Mappings,
+    where: str,
+    key_digest: bytes,
+    get: Callable[[dict], tuple[Any, int] | None],
+) -> tuple[Any, int] | None:
+    """A payload found by its key alone in every pool on this host (`first`: this process's own
+    first segment), through `get` of each candidate's metadata; None if none has it. Every pool seen
+    is flagged, so from now on its tiny puts keep a copy for gets by key (`wanted`)."""
+
+    def mapping(name: str) -> mmap.mmap | None:
+        try:
+            return maps.get(name) or maps.map(name, where)
+        except ConnectorError:
+            return None  # another user's segment, or one being torn down
+
+    names = pool_names(first)
+    for name in names:
+        mm = mapping(name)
+        if mm is not None:
+            wanted.mark(mm)
+    wanted.tick()  # producers in this process copy their recent tiny payloads in now
+    for metadata in candidates(names, mapping, key_digest):
+        result = get(metadata)
+        if result is not None:
+            return result
+    return None

@@ -28,11 +28,11 @@ import torch
 
 from omni_mesh import codec
 from omni_mesh.codec.frame import contiguous_address
-from omni_mesh.connectors import _pool_outputs
 from omni_mesh.connectors.base import ConnectorError, Counters, edge_key
-from omni_mesh.connectors.shm_pool import ShmPool
-from omni_mesh.connectors.shm_segments import ProcessIdentity
-from omni_mesh.connectors.shm_slots import (
+from omni_mesh.connectors.pools import outputs as _pool_outputs
+from omni_mesh.connectors.shm.pool import ShmPool
+from omni_mesh.connectors.shm.segments import ProcessIdentity
+from omni_mesh.connectors.shm.slots import (
     FREE,
     RELEASED,
     SLOT,

@@ -19,12 +19,13 @@ from typing import Any
 import msgpack
 import zmq
 
-from omni_mesh.connectors import _device_transfer
-from omni_mesh.connectors._dealers import ChannelClosed, DealerPool, LateReply, NotConnected, PeerLost
-from omni_mesh.connectors._held import PendingReleases
-from omni_mesh.connectors._served import GONE, NotThere
-from omni_mesh.connectors._zmq_channel import OK, frame_text
 from omni_mesh.connectors.base import ConnectorError
+from omni_mesh.connectors.errors import ConnectorClosed
+from omni_mesh.connectors.mooncake import device_transfer
+from omni_mesh.connectors.pools.held import PendingReleases
+from omni_mesh.connectors.served.channel import OK, frame_text
+from omni_mesh.connectors.served.connector import GONE, NotThere
+from omni_mesh.connectors.served.dealers import ChannelClosed, DealerPool, LateReply, NotConnected, PeerLost
 
 PULL = b"PULL"
 LOOKUP = b"LOOKUP"  # [LOOKUP, key] -> [OK, key, msgpack {session, handle, length, device}] or [GONE, key, why]
@@ -58,7 +59,7 @@ def check_metadata(owner: str, metadata: Any, key: str, where: str) -> dict:
     """The metadata put() returned, checked before anything is allocated for it."""
     if not isinstance(metadata, dict):
         raise ConnectorError(f"{owner}: get of {where} needs the metadata that put() returned")
-    if "device" in metadata and not _device_transfer.sizes_ok(metadata["device"]):
+    if "device" in metadata and not device_transfer.sizes_ok(metadata["device"]):
         raise ConnectorError(
             f"{owner}: metadata for {where} has a bad 'device' list: {metadata['device']!r}"[:300]
         )
@@ -118,7 +119,7 @@ def pull(
             f"{owner}: get of {where}: the producer at {endpoint} did not deliver {meta['length']} bytes: {why}"
         ) from None
     except ChannelClosed:
-        raise ConnectorError(f"{owner} is closed (get of {where})") from None
+        raise ConnectorClosed(f"{owner} is closed (get of {where})") from None
     except (TimeoutError, zmq.ZMQError) as exc:
         raise ConnectorError(f"{owner}: get of {where} from {endpoint}: {exc}") from None
     if reply[0].bytes == GONE:

@@ -1,14 +1,14 @@
 """The Mooncake TE connector's consumer side: one get, from metadata to the decoded payload.
 
     by key alone   metadata missing or partial: the producer it names (or the config's sender
-                   fields) is asked, over the side channel, for the rest (`_te_pull.LOOKUP`)
+                   fields) is asked, over the side channel, for the rest (`te_pull.LOOKUP`)
     remote         a region of the payload's length is reserved in this process's pool, and receive
                    buffers registered for its device tensors; the producer is asked to write into
-                   them (`_te_pull.pull`); the frame is decoded as views over the region
+                   them (`te_pull.pull`); the frame is decoded as views over the region
     local          producer and consumer are the same instance: the producer's region is handed
                    over (or, for a frame in pieces, assembled into a fresh one), no transfer
 
-A pull that timed out leaves its region and buffers quarantined (`_te_pull`); every other failure
+A pull that timed out leaves its region and buffers quarantined (`te_pull`); every other failure
 frees them at once.
 """
 
@@ -20,16 +20,17 @@ import msgpack
 import torch
 import zmq
 
-from omni_mesh.connectors import _device_transfer, _frame_pieces, _te_pull
-from omni_mesh.connectors._dealers import ChannelClosed, DealerPool, NotConnected
-from omni_mesh.connectors._held import Gone, PendingReleases
-from omni_mesh.connectors._mooncake_common import RegisteredPool
-from omni_mesh.connectors._registrations import Registrations
-from omni_mesh.connectors._served import GONE, POLL_S, NotThere, producer_endpoint
-from omni_mesh.connectors._te_payloads import Payloads
-from omni_mesh.connectors._zmq_channel import OK
 from omni_mesh.connectors.base import ConnectorError, Counters
 from omni_mesh.connectors.configs import MooncakeTransferEngineConfig
+from omni_mesh.connectors.errors import ConnectorClosed
+from omni_mesh.connectors.mooncake import device_transfer, frame_pieces, te_pull
+from omni_mesh.connectors.mooncake.common import RegisteredPool
+from omni_mesh.connectors.mooncake.registrations import Registrations
+from omni_mesh.connectors.mooncake.te_payloads import Payloads
+from omni_mesh.connectors.pools.held import Gone, PendingReleases
+from omni_mesh.connectors.served.channel import OK
+from omni_mesh.connectors.served.connector import GONE, POLL_S, NotThere, producer_endpoint
+from omni_mesh.connectors.served.dealers import ChannelClosed, DealerPool, NotConnected
 
 
 class Receiver:
@@ -43,7 +44,7 @@ class Receiver:
         pool: RegisteredPool,
         payloads: Payloads,
         registrations: Registrations,
-        device_leaves: _device_transfer.DeviceLeavesPolicy,
+        device_leaves: device_transfer.DeviceLeavesPolicy,
         dealers: DealerPool,
         quarantine: PendingReleases,
         counters: Counters,
@@ -66,11 +67,11 @@ class Receiver:
     def get(self, key: str, where: str, metadata: Any, *, poll: bool) -> tuple[Any, int] | None:
         """The payload under edge `key`, or None when the producer has no such payload (any more) or,
         by key alone and polling, does not answer within a second."""
-        if not _te_pull.complete(metadata):
+        if not te_pull.complete(metadata):
             metadata = self._lookup(metadata, key, where, poll)
             if metadata is None:
                 return None
-        meta = _te_pull.check_metadata(self._owner, metadata, key, where)
+        meta = te_pull.check_metadata(self._owner, metadata, key, where)
         try:
             if meta["session"] == self._session:
                 return self._get_local(meta, where)
@@ -95,7 +96,7 @@ class Receiver:
         wait = min(POLL_S, self._cfg.connect_timeout_s)
         try:
             reply = self._dealers.request(
-                endpoint, [_te_pull.LOOKUP, key.encode()], wait, connect_timeout_s=wait
+                endpoint, [te_pull.LOOKUP, key.encode()], wait, connect_timeout_s=wait
             )
         except (TimeoutError, zmq.ZMQError, NotConnected) as exc:
             if poll:
@@ -104,7 +105,7 @@ class Receiver:
                 f"{owner}: get of {where}: the producer {endpoint} did not answer: {exc}"
             ) from None
         except ChannelClosed:
-            raise ConnectorError(f"{owner} is closed (get of {where})") from None
+            raise ConnectorClosed(f"{owner} is closed (get of {where})") from None
         if reply[0].bytes == GONE:
             return None
         if reply[0].bytes != OK or len(reply) != 3:
@@ -130,10 +131,10 @@ class Receiver:
             request = {"segment": self._segment, "addr": pool.address_of(offset)}
             if device:
                 request["device_addrs"] = [buffer.data_ptr() for buffer in device]
-            _te_pull.pull(
+            te_pull.pull(
                 self._owner, self._cfg, self._dealers, self._quarantine, meta, request, where, release
             )
-        except _te_pull.PullTimedOut:
+        except te_pull.PullTimedOut:
             self._counters.add("errors")
             raise  # `release` runs at the late answer or ttl_s
         except NotThere:
@@ -182,7 +183,7 @@ class Receiver:
         if payload.pieces is not None:  # assemble the frame from its pieces in a fresh region
             try:
                 offset = pool.reserve(length, self._cfg.pool_wait_s, f"get of {where}")
-                _frame_pieces.assemble(payload.pieces, pool.address_of(offset))
+                frame_pieces.assemble(payload.pieces, pool.address_of(offset))
             finally:
                 self._payloads.finish(payload, consumed=True)
         else:

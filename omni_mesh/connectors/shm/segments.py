@@ -10,8 +10,6 @@ other's segments because their PID namespaces differ. Segments are created with 
 from __future__ import annotations
 
 import contextlib
-import errno
-import logging
 import mmap
 import os
 import re
@@ -19,62 +17,19 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_mesh.logs import Sparse
+from omni_mesh.hostinfo import ProcessUnknown as ProcessUnknown  # re-exported: process liveness is hostinfo's
+from omni_mesh.hostinfo import own_start_time, process_gone
+from omni_mesh.hostinfo import process_start_time as process_start_time
 
 SHM_DIR = Path(os.environ.get("OMNI_MESH_SHM_DIR", "/dev/shm"))
 PREFIX = "omnimesh_"
 NAME_PATTERN = re.compile(r"^omnimesh_(\d+)_(\d+)_(\d+)_[0-9a-f]{8,32}(?:_[xp]\d+)?$")
-#: What reading /proc/PID/stat fails with when the process is gone: no entry (ENOENT), or it exited
-#: while being read (ESRCH). Anything else (EMFILE, EACCES, ...) says nothing about the process.
-_GONE_ERRNOS = frozenset({errno.ENOENT, errno.ESRCH})
-_unknown = Sparse(logging.getLogger("omni_mesh.liveness"))
 
 
 def _pid_namespace() -> int:
     try:
         return int(re.sub(r"\D", "", os.readlink("/proc/self/ns/pid")))
     except OSError:
-        return 0
-
-
-class ProcessUnknown(RuntimeError):
-    """Whether a process runs cannot be told: /proc could not be read (out of file descriptors, no
-    permission, ...). That is no evidence about the process, so nothing may treat it as gone."""
-
-
-def process_start_time(pid: int) -> int | None:
-    """Start time of `pid` in clock ticks since boot; None when no such process exists (positive
-    evidence: /proc has no entry for it). ProcessUnknown when /proc cannot be read (EMFILE, EACCES...)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError as exc:
-        if exc.errno in _GONE_ERRNOS:
-            return None
-        raise ProcessUnknown(f"cannot tell whether process {pid} runs: {exc}") from exc
-    try:
-        # The command name may contain spaces and parentheses: fields resume after the last ')'.
-        return int(stat.rsplit(")", 1)[1].split()[19])
-    except (IndexError, ValueError):
-        raise ProcessUnknown(f"cannot tell whether process {pid} runs: unreadable /proc/{pid}/stat") from None
-
-
-def process_gone(pid: int, start: int | None = None) -> bool:
-    """True only on positive evidence that the process is gone: no process `pid`, or (given its `start`)
-    one that started at another time (the pid was reused). A failure to read /proc (ProcessUnknown) is
-    not evidence: the process counts as alive, and the failure is logged at most once a minute."""
-    try:
-        now = process_start_time(pid)
-    except ProcessUnknown as exc:
-        _unknown.warning("%s; treating it as alive", exc)
-        return False
-    return now is None or (start is not None and now != start)
-
-
-def own_start_time() -> int:
-    """This process's start time; 0 (no identity to check liveness by) when it cannot be read."""
-    try:
-        return process_start_time(os.getpid()) or 0
-    except ProcessUnknown:
         return 0
 
 

@@ -5,7 +5,7 @@ outputs sends them where they lie (the engine reads registered memory). A put of
 alone, the usual stage output, goes further: its frame layout is cached by the dict's keys, dtypes
 and shapes, and the frame's head is written into the headroom of one of its outputs, so the put
 reserves nothing, plans nothing and copies only the head (a few hundred bytes). A put of anything
-else takes the general path (`_te_payloads`, `_frame_pieces.scatter`).
+else takes the general path (`mooncake.te_payloads`, `mooncake.frame_pieces.scatter`).
 
 A region goes back to the pool when its tensor, every view of it and every payload sending from it
 are gone (the pool's view finalizer). A headroom holds one head at a time: the second put of the
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from omni_mesh import codec
-from omni_mesh.connectors import _pool_outputs
-from omni_mesh.connectors._mooncake_common import RegisteredPool
+from omni_mesh.connectors.mooncake.common import RegisteredPool
+from omni_mesh.connectors.pools import outputs as _pool_outputs
 
 #: Bytes before each output's tensor, for a frame head (heads of dicts of a few tensors are far smaller).
 HEADROOM = 4096

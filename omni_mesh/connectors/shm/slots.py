@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from omni_mesh import cuda_ipc
-from omni_mesh.connectors.allocator import PoolAllocator
 from omni_mesh.connectors.base import edge_key
-from omni_mesh.connectors.shm_segments import ProcessIdentity, process_gone
+from omni_mesh.connectors.pools.allocator import PoolAllocator
+from omni_mesh.connectors.shm.segments import ProcessIdentity, process_gone
 
 SLOT = struct.Struct("<B3xII4xQ16sQ")  # generation at byte 16
 SLOT_HEADER = 64
@@ -130,3 +130,19 @@ def _views_dead(ref: weakref.ref) -> None:
     held = _HELD.pop(id(ref), None)
     if held is not None:
         release(*held[1:])
+
+
+def metadata_problem(metadata: dict) -> str:
+    """What is wrong with the metadata of a payload in a slot, for the error that names it."""
+    for field, kind in (("segment", str), ("offset", int), ("generation", int), ("length", int)):
+        if field not in metadata:
+            return f"lacks {field!r}: {metadata!r}"
+        value = metadata[field]
+        if type(value) is not kind or (kind is int and value < 0):
+            return f"has a bad {field!r} ({value!r})"
+    return f"is malformed: {metadata!r}"
+
+
+def names_a_payload(metadata: object) -> bool:
+    """Whether `metadata` is what a put returned (else the payload is looked for by its key)."""
+    return type(metadata) is dict and any(name in metadata for name in ("segment", "frame", "inline", "refs"))

@@ -1,6 +1,6 @@
 """A Mooncake TE producer's payloads: what each frame is sent from, and how long it is kept.
 
-A payload lies whole in a region of the registered pool, or in pieces (`_frame_pieces`): its head and
+A payload lies whole in a region of the registered pool, or in pieces (`frame_pieces`): its head and
 small leaves in a region, its large leaves in their own memory, registered with the engine while the
 payload lives. Device tensors travel beside the frame from their own registered memory. Payloads are
 held under "key#handle" (a put never replaces another) until a write of it to a consumer succeeds,
@@ -19,18 +19,19 @@ from typing import Any
 import torch
 
 from omni_mesh import codec
-from omni_mesh.connectors import _device_transfer, _frame_pieces
-from omni_mesh.connectors._held import Held, HeldTable
-from omni_mesh.connectors._mooncake_common import RegisteredPool
-from omni_mesh.connectors._registrations import Registrations
 from omni_mesh.connectors.base import ConnectorError
+from omni_mesh.connectors.mooncake import device_transfer as _device_transfer
+from omni_mesh.connectors.mooncake import frame_pieces
+from omni_mesh.connectors.mooncake.common import RegisteredPool
+from omni_mesh.connectors.mooncake.registrations import Registrations
+from omni_mesh.connectors.pools.held import Held, HeldTable
 
 
 @dataclass(eq=False)
 class Payload(Held):
     """One payload: its pool region (`offset`, None until reserved) and what else it is sent from."""
 
-    pieces: list[_frame_pieces.Piece] | None = None  # None: the frame lies whole at `offset`
+    pieces: list[frame_pieces.Piece] | None = None  # None: the frame lies whole at `offset`
     address: int = 0  # where the pool region at `offset` lies (or the head, in an output's headroom)
     headroom: Any = None  # the _te_outputs.Output whose headroom holds the head, free again at release
     sources: list[Any] = field(default_factory=list)  # large leaves, kept alive and unchanged
@@ -82,7 +83,7 @@ class Payloads:
                     else self._pool.contains
                 )
                 reserve = functools.partial(self._reserve, payload, what=what)
-                scattered = _frame_pieces.scatter(frame, min_bytes, share, reserve)
+                scattered = frame_pieces.scatter(frame, min_bytes, share, reserve)
             if scattered is not None:
                 payload.offset, payload.pieces, payload.sources = scattered
             else:
@@ -96,7 +97,7 @@ class Payloads:
         return payload
 
     def put_planned(self, planned: Any, key: str, put_key: str, handle: int) -> None:
-        """Hold a payload laid out in place (`_te_outputs.Planned`: nothing to reserve or copy), made
+        """Hold a payload laid out in place (`mooncake.te_outputs.Planned`: nothing to reserve or copy), made
         and stored by the table's next reader (HeldTable.defer): the put costs one append."""
         self._held.defer((self._planned_payload, planned, key, put_key, handle))
 
@@ -158,7 +159,7 @@ class Payloads:
         self.release(payload)
 
     def write(self, request: dict, closing: Callable[[], bool]) -> str | None:
-        """Write the payload a consumer's PULL names (`_te_pull.parse_request`) into its segment with
+        """Write the payload a consumer's PULL names (`mooncake.te_pull.parse_request`) into its segment with
         one engine call; None once written, else why not. A payload whose write failed waits again,
         unless `closing()`."""
         deadline = time.monotonic() + request["timeout_ms"] / 1000
@@ -173,7 +174,7 @@ class Payloads:
                 return f"the consumer's device buffers do not match the {len(payload.device)} device tensors"
             if time.monotonic() < deadline:  # the consumer has not given up on it yet
                 pieces = payload.pieces or [(payload.address, 0, payload.size)]
-                sources, dests, sizes = _frame_pieces.moves(pieces, request["addr"], payload.device, targets)
+                sources, dests, sizes = frame_pieces.moves(pieces, request["addr"], payload.device, targets)
                 if single:
                     rc = self._engine.transfer_sync_write(request["segment"], sources[0], dests[0], sizes[0])
                 else:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from omni_mesh.connectors.allocator import PAGE, round_up
+from omni_mesh.connectors.pools.allocator import PAGE, round_up
 
 GROW_STEP = 16 << 20
 AUTO_CEILING_SHARE = 0.5

@@ -14,8 +14,8 @@ import threading
 from collections.abc import Callable
 
 from omni_mesh.connectors.base import ConnectorError
-from omni_mesh.connectors.shm_segments import SHM_DIR, open_segment
-from omni_mesh.connectors.shm_slots import Segment
+from omni_mesh.connectors.shm.segments import SHM_DIR, open_segment
+from omni_mesh.connectors.shm.slots import Segment
 
 #: Maps a segment by name for one get: its mapping, or None when it is gone.
 Mapper = Callable[[str], "mmap.mmap | None"]

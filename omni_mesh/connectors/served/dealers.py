@@ -1,4 +1,4 @@
-"""`DealerPool`: a consumer's requests to producers' side channels (`_zmq_channel.RouterServer`).
+"""`DealerPool`: a consumer's requests to producers' side channels (`served.channel.RouterServer`).
 
 Idle DEALER sockets are cached per endpoint (usually one); a thread checks one out for a whole
 request, so concurrent requests never share a socket. A socket whose request failed or timed out is

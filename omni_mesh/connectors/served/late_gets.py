@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from omni_mesh.connectors._dealers import LateReply
+from omni_mesh.connectors.served.dealers import LateReply
 
 
 class LateGets:

@@ -15,6 +15,7 @@ and cells too. Slots being written are listed in `writing`: cleanup leaves them 
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import os
 import threading
@@ -22,17 +23,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from omni_mesh.connectors import _growth
-from omni_mesh.connectors.allocator import PAGE, PoolAllocator, frame_alignment, round_up
 from omni_mesh.connectors.base import ConnectorError, Counters
-from omni_mesh.connectors.shm_segments import (
+from omni_mesh.connectors.errors import ConnectorClosed, ConnectorFull
+from omni_mesh.connectors.pools import growth as _growth
+from omni_mesh.connectors.pools.allocator import PAGE, PoolAllocator, frame_alignment, round_up
+from omni_mesh.connectors.shm.segments import (
     ProcessIdentity,
     create_segment,
     segment_name,
     shm_capacity,
     unlink_segment,
 )
-from omni_mesh.connectors.shm_slots import (
+from omni_mesh.connectors.shm.slots import (
     FREE,
     GENERATION,
     POOL_HEADER,
@@ -97,13 +99,23 @@ class ShmPool:
                 mm = create_segment(name, size, populate=self.cfg.prefault)
             except OSError as exc:
                 self._counters.add("errors")
-                raise ConnectorError(
+                raise _no_room(exc)(
                     f"SharedMemoryConnector: no shared memory for a {size}-byte pool: {exc}; free /dev/shm, "
                     f"raise the container's shm_size or lower memory_pool_size"
                 ) from exc
             segment = self._add_locked(name, mm, PoolAllocator(size, start=self._start), 0)
             self._on_first(segment)
         return self.segments[0]
+
+    def usage_locked(self) -> tuple[int, int, int, int, bool]:
+        """For health(): pool bytes (less the header, key index and cells), bytes in use, segments,
+        payloads live in slots, and whether use is near the ceiling (over 90%)."""
+        reserved = self.first.allocator.start if self.first is not None else 0
+        size = self.pool_bytes - reserved
+        # Released slots wait for the next put to reclaim them: they hold no payload any more.
+        live = sum(1 for slot in self.slots.values() if slot.segment.mm[slot.offset] != RELEASED)
+        near = bool(size) and self.in_use > 0.9 * max(size, self.ceiling - reserved)
+        return size, self.in_use, len(self.segments), live, near
 
     def _add_locked(self, name: str, mm: Any, allocator: PoolAllocator, number: int) -> Segment:
         segment = Segment(name, mm, allocator, number)
@@ -133,7 +145,7 @@ class ShmPool:
             mm = create_segment(name, need, populate=False)
         except OSError as exc:
             self._counters.add("errors")
-            raise ConnectorError(
+            raise _no_room(exc)(
                 f"SharedMemoryConnector: no shared memory for {need} bytes ({where}): {exc}; free /dev/shm "
                 "or raise the container's shm_size"
             ) from exc
@@ -177,7 +189,7 @@ class ShmPool:
         align = frame_alignment(size)
         with self.lock:
             if self.closed:
-                raise ConnectorError(f"SharedMemoryConnector is closed ({where})")
+                raise ConnectorClosed(f"SharedMemoryConnector is closed ({where})")
             self.first_locked()
             # Always, not only when the pool is the target: released one-off segments are unlinked here.
             if self.slots:
@@ -343,3 +355,8 @@ class ShmPool:
             self.slots.clear()
             self.segments.clear()
             return True
+
+
+def _no_room(exc: OSError) -> type[ConnectorError]:
+    """ConnectorFull when /dev/shm (or memory) is full: the same put may work once room is made."""
+    return ConnectorFull if exc.errno in (errno.ENOSPC, errno.ENOMEM) else ConnectorError

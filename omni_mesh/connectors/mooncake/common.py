@@ -29,11 +29,11 @@ from typing import Any
 import numpy as np
 
 from omni_mesh import codec
-from omni_mesh.connectors import _growth
 from omni_mesh.connectors._addresses import resolve_host as resolve_host  # the shared rule, re-exported
 from omni_mesh.connectors._checks import split_address
-from omni_mesh.connectors.allocator import PoolAllocator, frame_alignment, round_up
 from omni_mesh.connectors.base import ConnectorError
+from omni_mesh.connectors.pools import growth
+from omni_mesh.connectors.pools.allocator import PoolAllocator, frame_alignment, round_up
 
 INSTALL_HINT = (
     "install it with `pip install 'omni-mesh[mooncake]'` (the non-CUDA wheel, CPU/TCP) or "
@@ -152,7 +152,7 @@ class RegisteredPool:
 
     The owner registers `address`/`size` (the first mapping) with the transfer backend once. With
     `register` (and a `ceiling` above `size`) the pool grows: a request that fits no free space adds a
-    pre-faulted mapping sized for it (rounded up to _growth.GROW_STEP), registered through `register(address,
+    pre-faulted mapping sized for it (rounded up to growth.GROW_STEP), registered through `register(address,
     size) -> bool`, instead of waiting; mappings added that way that held nothing for `idle_s` are
     unregistered and dropped. Offsets are one space across mappings: `address_of(offset)` is where the
     bytes lie, `buffer(offset, n)` a writable array over them.
@@ -220,7 +220,7 @@ class RegisteredPool:
                 self._cond.wait(min(remaining, 0.02))
 
     def _grow_locked(self, nbytes: int) -> _Region | None:
-        size = _growth.grown_size(nbytes + mmap.PAGESIZE)
+        size = growth.grown_size(nbytes + mmap.PAGESIZE)
         if self._register is None or self.capacity_locked() + size > self.ceiling:
             return None
         try:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_mesh.connectors.allocator import PAGE, PoolAllocator, frame_alignment
+from omni_mesh.connectors.pools.allocator import PAGE, PoolAllocator, frame_alignment
 
 
 class SlotPool:

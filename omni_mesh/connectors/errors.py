@@ -1,0 +1,55 @@
+"""The connectors' one exception family.
+
+Inside a connector every failure is raised as a `ConnectorError`; the subclasses say what kind, so a
+caller can act on it (the front door answers `ConnectorFull` with 503 and Retry-After) without reading
+messages. Every message names the connector, and the edge and key where there is one. vllm-omni's
+contract returns instead of raising from `put`: the base class maps a failed put to `(False, 0, None)`,
+keeping the reason for `put_error()` and the typed error for `put_failure()`, in one place
+(`OmniConnectorBase.put`, with `put_errors.PutErrors`). Helpers with exceptions of their own (the served
+side channel's dealers, the Yuanrong worker client) are caught and mapped at their connector's edge.
+"""
+
+from __future__ import annotations
+
+
+class ConnectorError(RuntimeError):
+    """A connector could not do what was asked; the message names the connector, edge and key."""
+
+
+class ConnectorConfigError(ValueError):
+    """The `extra:` mapping of a connector is wrong; the message names the connector and the key.
+    (A ValueError, not a ConnectorError: it is the user's file that is wrong, found before any run.)"""
+
+
+class PayloadTooLarge(ConnectorError):
+    """A payload larger than the connector can ever carry (not a matter of waiting for room)."""
+
+
+class ConnectorFull(ConnectorError):
+    """No room now (shared memory, a store, a pool past its ceiling): the same put may work later."""
+
+
+class ConnectorUnavailable(ConnectorError):
+    """The backend or the peer cannot be reached, or did not start."""
+
+
+class PayloadMissing(ConnectorError):
+    """The payload is not there: never put, already consumed, cleaned up or expired, not there by the
+    deadline, or its producer is gone."""
+
+
+class GetAbandoned(PayloadMissing):
+    """A wait for the payload was told to stop (`abandon_get`)."""
+
+
+class ConnectorClosed(ConnectorError):
+    """The connector was closed: nothing more goes through it."""
+
+
+def as_connector_error(exc: BaseException) -> ConnectorError:
+    """`exc` as one of the family (a failure that is not one already becomes a plain ConnectorError)."""
+    if isinstance(exc, ConnectorError):
+        return exc
+    wrapped = ConnectorError(f"{type(exc).__name__}: {exc}")
+    wrapped.__cause__ = exc
+    return wrapped
