@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_mesh import vllm_omni_deploy
-from omni_mesh.openai_section import OpenAISectionError, parse_openai_section
+from omni_mesh.openai_section import OpenAISectionError
 from omni_mesh.topology.connector_checks import check_connectors
 from omni_mesh.topology.entries import CONNECTOR_KEYS, parse_connector_entry, parse_stage, positive_int
 from omni_mesh.topology.graph import check_graph, unconnected_warning
@@ -31,6 +31,7 @@ from omni_mesh.topology.model import (
     stage_list,
 )
 from omni_mesh.topology.modes import modes_warning
+from omni_mesh.topology.openai import parse_openai_section
 from omni_mesh.topology.sections import Sections
 
 _EDGE_KEYS = frozenset({"from", "to", "connector"})
