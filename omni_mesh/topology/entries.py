@@ -9,6 +9,7 @@ from omni_mesh.connector_values import read_extra
 from omni_mesh.connectors import available_connectors, connector_type
 from omni_mesh.engines.settings import DTYPES, PART_ALIASES, PARTS, parse_engine
 from omni_mesh.topology.model import AUTO_CONNECTOR, ConnectorSpec, StageSpec, TopologyError
+from omni_mesh.topology.schema import STAGE_KEYS, check_spelling, near_miss
 
 # Stage keys the topology interprets (the edge keys in `parse`); any other key is kept verbatim in StageSpec.options.
 _STAGE_KEYS = frozenset(
@@ -50,6 +51,7 @@ def parse_stage(entry: Any, index: int, defaults: dict[str, int]) -> StageSpec:
             f"got {name!r}"
         )
     who = f"stage {sid} {name!r}"
+    check_spelling(entry, STAGE_KEYS, who, "other keys go to the stage's handler as options")
     handler = entry.get("handler")
     if handler is not None and (not isinstance(handler, str) or not _HANDLER.match(handler)):
         raise TopologyError(f"{who}: handler must look like 'package.module:function', got {handler!r}")
@@ -122,7 +124,9 @@ def parse_connector_entry(entry: Any, ref: str, who: str, *, unknown_keys_ok: bo
         raise TopologyError(f"{who}: name must be a connector type such as {AUTO_CONNECTOR!r}, got {name!r}")
     unknown = sorted(set(entry) - CONNECTOR_KEYS, key=str)
     if unknown and not unknown_keys_ok:
-        raise TopologyError(f"{who}: unknown key {unknown[0]!r} (a connector has name: and extra:)")
+        meant = near_miss(unknown[0], CONNECTOR_KEYS)
+        hint = f"; did you mean {meant!r}?" if meant else ""
+        raise TopologyError(f"{who}: unknown key {unknown[0]!r}{hint} (a connector has name: and extra:)")
     extra = entry.get("extra") or {}
     if not isinstance(extra, dict):
         raise TopologyError(f"{who}: extra must be a mapping, got {extra!r}")

@@ -52,7 +52,9 @@ def _inputs(raw: Any) -> dict[str, str]:
     if raw is None:
         raise OpenAISectionError("openai.inputs: missing; e.g. `inputs: {prompt: last_user_message}`")
     if not isinstance(raw, dict) or not raw:
-        raise OpenAISectionError(f"openai.inputs: must map input names to sources ({', '.join(SOURCES)}), got {raw!r}")
+        raise OpenAISectionError(
+            f"openai.inputs: must map input names to sources ({', '.join(SOURCES)}), got {raw!r}"
+        )
     for name, source in raw.items():
         if not isinstance(name, str) or source not in SOURCES:
             close = difflib.get_close_matches(str(source), SOURCES, n=1)

@@ -32,12 +32,12 @@ from omni_mesh.topology.model import (
 )
 from omni_mesh.topology.modes import modes_warning
 from omni_mesh.topology.openai import parse_openai_section
+from omni_mesh.topology.schema import Defaults, EdgeEntry, TopologyFile, check_spelling, known_keys, near_miss
 from omni_mesh.topology.sections import Sections
 
-_EDGE_KEYS = frozenset({"from", "to", "connector"})
-# Edge keys vllm-omni files carry for its own scheduler (its loader reads only from and to);
-# accepted and ignored here.
-_IGNORED_EDGE_KEYS = frozenset({"window_size", "max_inflight"})
+# An edge entry's keys; window_size and max_inflight are vllm-omni's scheduler's (its loader reads only
+# from and to), accepted and ignored here.
+_EDGE_KEYS = known_keys(EdgeEntry)
 _DEFAULT_KEYS = ("replicas", "max_inflight")
 
 _FROM_KEY = re.compile(r"^from_stage_(\d+)$")
@@ -82,6 +82,7 @@ class _Parser:
                 f"a topology must be a mapping with a stages: list, got {type(data).__name__}"
             )
         self.warnings: list[str] = []
+        check_spelling(data, known_keys(TopologyFile), "top level", "other keys are vllm-omni's or ignored")
         self.data = data
         self.default_name = default_name
         self.sections = Sections(self._without_ignored_sections(data))
@@ -142,6 +143,7 @@ class _Parser:
     def _defaults(self) -> dict[str, int]:
         """`defaults: {replicas, max_inflight}` (also under runtime:, as vllm-omni writes them)."""
         merged = self.sections.mapping("defaults", "default")
+        check_spelling(merged, known_keys(Defaults), "defaults", "other keys are vllm-omni's, ignored here")
         return {key: positive_int(merged[key], f"defaults.{key}") for key in _DEFAULT_KEYS if key in merged}
 
     # -- stages ------------------------------------------------------------------------------------
@@ -297,12 +299,15 @@ class _Parser:
         """One edges: entry. In vllm-omni's files such an entry only picks the connector of an edge
         (engine_input_source carries the data), and its loader skips what it cannot use: so do we,
         with a warning."""
+        unknown = sorted(set(entry) - _EDGE_KEYS, key=str) if isinstance(entry, dict) else []
+        meant = near_miss(unknown[0], _EDGE_KEYS) if unknown else None
+        hint = f"; did you mean {meant!r} for {unknown[0]!r}?" if meant else ""
         if not isinstance(entry, dict) or entry.get("from") is None or entry.get("to") is None:
-            message = f"{where}: an edge is a mapping {{from: <stage>, to: <stage>}}, got {entry!r}"
+            message = f"{where}: an edge is a mapping {{from: <stage>, to: <stage>}}, got {entry!r}{hint}"
             return self._skip_edge(message, "skipped")
-        unknown = sorted(set(entry) - _EDGE_KEYS - _IGNORED_EDGE_KEYS, key=str)
         if unknown:
-            message = f"{where}: unknown key(s) {', '.join(map(repr, unknown))} in edge entry (allowed: connector, from, to)"
+            keys = ", ".join(map(repr, unknown))
+            message = f"{where}: unknown key(s) {keys} in edge entry{hint} (allowed: connector, from, to)"
             self._skip_edge(message, "ignored")
         try:
             src = self._stage_ref(entry["from"], f"{where}: from")
