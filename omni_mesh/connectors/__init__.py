@@ -3,7 +3,7 @@
 Built-in connectors are registered by import path and imported on first use, so importing this
 package never imports a backend library (mooncake, yr.datasystem, mori). What checking a topology
 needs of a type (`connector_type`: its config class and scope) comes, for a built-in one, from the
-light `configs` module, so `validate`, `up` and `export` import neither a backend nor torch.
+light `config` package, so `validate`, `up` and `export` import neither a backend nor torch.
 Third-party connectors register through the `omni_mesh.connectors` entry-point group or
 `register_connector`.
 """
@@ -55,7 +55,7 @@ _REGISTRY: dict[str, str | type[OmniConnectorBase]] = {
     "YuanrongTransferEngineConnector": "omni_mesh.connectors.yuanrong_transfer_engine:YuanrongTransferEngineConnector",
     "MoriTransferEngineConnector": "omni_mesh.connectors.mori:MoriTransferEngineConnector",
 }
-# Each built-in class's config class (in omni_mesh.connectors.configs) and scope, so a topology is
+# Each built-in class's config class (in omni_mesh.connectors.config) and scope, so a topology is
 # checked without importing the class; test_connector_registry holds them to the classes' own.
 _BUILT_IN_TYPES: dict[str, tuple[str, str]] = {
     "omni_mesh.connectors.shared_memory:SharedMemoryConnector": ("SharedMemoryConfig", "host"),
@@ -132,7 +132,7 @@ def connector_type(name: str) -> ConnectorType:
     _load_entry_points()
     target = _REGISTRY.get(name)
     if isinstance(target, str) and target in _BUILT_IN_TYPES:
-        from omni_mesh.connectors import configs  # light: dataclasses and value checks
+        from omni_mesh.connectors import config as configs  # light: dataclasses and value checks
 
         config_name, scope = _BUILT_IN_TYPES[target]
         return ConnectorType(target.rpartition(":")[2], getattr(configs, config_name), scope)

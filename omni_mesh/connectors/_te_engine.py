@@ -16,7 +16,7 @@ from typing import Any
 from omni_mesh.connectors import _growth
 from omni_mesh.connectors._mooncake_common import PoolErrors, RegisteredPool
 from omni_mesh.connectors.base import ConnectorError
-from omni_mesh.connectors.configs import P2P, MooncakeTransferEngineConfig
+from omni_mesh.connectors.config import P2P, MooncakeTransferEngineConfig
 
 
 def start_engine(

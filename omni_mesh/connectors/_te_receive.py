@@ -29,7 +29,7 @@ from omni_mesh.connectors._served import GONE, POLL_S, NotThere, producer_endpoi
 from omni_mesh.connectors._te_payloads import Payloads
 from omni_mesh.connectors._zmq_channel import OK
 from omni_mesh.connectors.base import ConnectorError, Counters
-from omni_mesh.connectors.configs import MooncakeTransferEngineConfig
+from omni_mesh.connectors.config import MooncakeTransferEngineConfig
 
 
 class Receiver:

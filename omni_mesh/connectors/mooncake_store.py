@@ -47,7 +47,7 @@ from omni_mesh.connectors.base import (
     OmniConnectorBase,
     edge_key,
 )
-from omni_mesh.connectors.configs import MooncakeStoreConfig
+from omni_mesh.connectors.config import MooncakeStoreConfig
 
 __all__ = ["MooncakeStoreConfig", "MooncakeStoreConnector"]
 

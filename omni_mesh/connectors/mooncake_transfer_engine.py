@@ -83,7 +83,7 @@ from omni_mesh.connectors._te_payloads import Payload, Payloads
 from omni_mesh.connectors._te_receive import Receiver
 from omni_mesh.connectors._zmq_channel import ERR, OK, Answer, Deferred, Reply, RouterServer
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
-from omni_mesh.connectors.configs import MooncakeTransferEngineConfig
+from omni_mesh.connectors.config import MooncakeTransferEngineConfig
 
 __all__ = ["MooncakeTransferEngineConfig", "MooncakeTransferEngineConnector"]
 

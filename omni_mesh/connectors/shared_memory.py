@@ -31,7 +31,7 @@ from omni_mesh import codec, cuda_ipc
 from omni_mesh.connectors import shm_cells, shm_index, shm_lookup, shm_tiny, shm_wanted
 from omni_mesh.connectors._growth import AUTO_CEILING_MAX, GROW_STEP
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
-from omni_mesh.connectors.configs import SharedMemoryConfig
+from omni_mesh.connectors.config import SharedMemoryConfig
 from omni_mesh.connectors.shm_maps import Mappings
 from omni_mesh.connectors.shm_outputs import PoolOutputs, get_parts
 from omni_mesh.connectors.shm_pool import ShmPool

@@ -34,7 +34,7 @@ from omni_mesh.connectors.base import (
     OmniConnectorBase,
     edge_key,
 )
-from omni_mesh.connectors.configs import YuanrongConfig
+from omni_mesh.connectors.config import YuanrongConfig
 
 INSTALL_HINT = "install it with `pip install 'omni-mesh[yuanrong]'` (package openyuanrong-datasystem)"
 MAX_KEY = 255

@@ -31,7 +31,7 @@ import torch
 from omni_mesh.codec import FramePlan, decode
 from omni_mesh.connectors._engine_pull import EnginePullConnector
 from omni_mesh.connectors.base import ConnectorError
-from omni_mesh.connectors.configs import YuanrongTransferEngineConfig
+from omni_mesh.connectors.config import YuanrongTransferEngineConfig
 from omni_mesh.connectors.yuanrong import INSTALL_HINT, client_log_dir
 from omni_mesh.ports import free_port
 

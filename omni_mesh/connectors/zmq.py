@@ -41,7 +41,7 @@ from omni_mesh.connectors._held import Held
 from omni_mesh.connectors._served import GONE, ServedConnector
 from omni_mesh.connectors._zmq_channel import OK, Handler, Reply, frame_text
 from omni_mesh.connectors.base import ConnectorError, edge_key
-from omni_mesh.connectors.configs import ZmqConfig
+from omni_mesh.connectors.config import ZmqConfig
 
 PARTS = b"P"  # the reply's third frame when the payload follows in the parts form
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
-from omni_mesh.connector_values import unset_variables
 from omni_mesh.connectors import ConnectorConfigError, ConnectorType, available_connectors, connector_type
-from omni_mesh.connectors import _vllm_omni_keys as vllm_omni_keys
+from omni_mesh.connectors.config import vllm_omni_keys
+from omni_mesh.connectors.config.values import unset_variables
 from omni_mesh.topology.model import ConnectorSpec, Edges, StageSpec, TopologyError, describe_edge
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from omni_mesh.connector_values import read_extra
 from omni_mesh.connectors import available_connectors, connector_type
+from omni_mesh.connectors.config.values import read_extra
 from omni_mesh.engines.settings import DTYPES, PART_ALIASES, PARTS, parse_engine
 from omni_mesh.topology.model import AUTO_CONNECTOR, ConnectorSpec, StageSpec, TopologyError
 from omni_mesh.topology.schema import STAGE_KEYS, check_spelling, near_miss

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from omni_mesh.connectors._checks import (
+from omni_mesh.connectors.config.checks import (
     check_engine_pull,
     check_not_negative,
     check_port,
@@ -17,7 +17,7 @@ from omni_mesh.connectors._checks import (
     check_served,
     split_address,
 )
-from omni_mesh.connectors.base import SIZE, ConnectorConfigError
+from omni_mesh.connectors.config.parse import SIZE, ConnectorConfigError
 
 __all__ = [
     "MooncakeStoreConfig",
@@ -166,7 +166,7 @@ class MooncakeStoreConfig:
     #: "tcp" or "rdma".
     protocol: str = "tcp"
     #: RDMA device(s), e.g. "mlx5_0"; "" lets the store choose. (vllm-omni's `proto` and `rdma` are read
-    #: as protocol and device_name: connectors/_vllm_omni_keys.py.)
+    #: as protocol and device_name: connectors/config/vllm_omni_keys.py.)
     device_name: str = ""
     #: How long to wait for the master to accept a TCP connection before giving up.
     master_connect_timeout_s: float = 3.0
