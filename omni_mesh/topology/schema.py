@@ -198,13 +198,12 @@ def check_spelling(section: dict, known: frozenset[str], where: str, rule: str) 
 
 
 def _typos(known: frozenset[str]) -> list[str]:
-    """The one-slip misspellings of `known` (a letter dropped, doubled or swapped with the next) that
-    `near_miss` refuses: the schema lists them, as it cannot run difflib."""
+    """The one-slip misspellings of `known` (a letter dropped, or swapped with the next) that `near_miss`
+    refuses: the schema lists them, as it cannot run difflib (`validate` catches the rest)."""
     found = set()
     for key in known:
         for i in range(len(key)):
             found.add(key[:i] + key[i + 1 :])
-            found.add(key[:i] + key[i] + key[i:])
             if i + 1 < len(key):
                 found.add(key[:i] + key[i + 1] + key[i] + key[i + 2 :])
     return sorted(typo for typo in found if near_miss(typo, known) is not None)
@@ -218,4 +217,32 @@ def json_schema() -> dict[str, Any]:
     for name, model in (("TopologyFile", TopologyFile), ("Stage", Stage), ("Runtime", Runtime)):
         target = schema if name == "TopologyFile" else schema["$defs"][name]
         target["propertyNames"] = {"not": {"enum": _typos(known_keys(model))}}
+    _add_connector_extras(schema)
     return schema
+
+
+def _add_connector_extras(schema: dict[str, Any]) -> None:
+    """Each built-in connector type's `extra:` keys, chosen by the entry's name (third-party types,
+    registered at run time, keep a free-form extra)."""
+    from omni_mesh.connectors import available_connectors, connector_type
+    from omni_mesh.connectors.config.schema import extra_schema
+
+    entry = schema["$defs"]["ConnectorEntry"]
+    names = []
+    for name in available_connectors():
+        try:
+            kind = connector_type(name)
+        except (ValueError, ImportError):
+            continue  # a third-party type that does not load here
+        if kind.cls is not None or kind.config_class is None:
+            continue
+        names.append(name)
+        ref = f"{kind.name}Extra"  # vllm-omni's names of a type (MooncakeConnector) share its schema
+        schema["$defs"].setdefault(ref, extra_schema(kind.name, kind.config_class))
+        entry.setdefault("allOf", []).append(
+            {
+                "if": {"properties": {"name": {"const": name}}, "required": ["name"]},
+                "then": {"properties": {"extra": {"anyOf": [{"$ref": f"#/$defs/{ref}"}, {"type": "null"}]}}},
+            }
+        )
+    entry["properties"]["name"]["examples"] = names

@@ -6,7 +6,10 @@ connector module re-exports its own (`from omni_mesh.connectors.zmq import ZmqCo
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import field
+
+from pydantic import ConfigDict
+from pydantic.dataclasses import dataclass
 
 from omni_mesh.connectors.config.checks import (
     check_engine_pull,
@@ -29,12 +32,17 @@ __all__ = [
     "ZmqConfig",
 ]
 
+# Typed models (pydantic dataclasses: still dataclasses, so `dataclasses.fields` reads them). parse_config
+# has coerced and checked each value by the time one is built; strict mode makes a value that skipped it
+# (a config built in code) fail loudly instead of being converted quietly.
+_STRICT = ConfigDict(strict=True, extra="forbid")
+
 P2P = "P2PHANDSHAKE"  # the metadata_server value with nothing to deploy: peers exchange it point to point
 
 
 # ---------------------------------------------------------------------- SharedMemoryConnector
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_STRICT)
 class SharedMemoryConfig:
     memory_pool_size: int = 256 * 1024 * 1024
     #: Frames up to this size travel inside the metadata instead of through shared memory.
@@ -61,7 +69,7 @@ class SharedMemoryConfig:
 
 # ---------------------------------------------------------------------- ZmqConnector
 
-@dataclass
+@dataclass(config=_STRICT)
 class ZmqConfig:
     host: str = "auto"  # address to bind and advertise ("auto": rule in omni_mesh.connectors._addresses)
     port: int = 0  # 0: any free port
@@ -81,7 +89,7 @@ class ZmqConfig:
 
 # ---------------------------------------------------------------------- MooncakeTransferEngineConnector
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_STRICT)
 class MooncakeTransferEngineConfig:
     #: Address to advertise and bind; "auto" picks the interface that routes outside (see _addresses).
     host: str = "auto"
@@ -151,7 +159,7 @@ _DEFAULT_SEGMENT = 512 * 1024 * 1024
 _DEFAULT_LOCALBUF = 256 * 1024 * 1024
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_STRICT)
 class MooncakeStoreConfig:
     #: Address this client advertises; "auto" picks the interface that routes outside (see _addresses).
     host: str = "auto"
@@ -207,7 +215,7 @@ WRITE_MODES = ("NONE_L2_CACHE", "WRITE_THROUGH_L2_CACHE", "WRITE_BACK_L2_CACHE",
 _PREFIX = re.compile(r"^[A-Za-z0-9_\-]{0,64}$")
 
 
-@dataclass
+@dataclass(config=_STRICT)
 class YuanrongConfig:
     host: str = "127.0.0.1"  # the datasystem worker on this host
     port: int = 31501
@@ -245,7 +253,7 @@ class YuanrongConfig:
 
 # ---------------------------------------------------------------------- YuanrongTransferEngineConnector
 
-@dataclass
+@dataclass(config=_STRICT)
 class YuanrongTransferEngineConfig:
     host: str = "auto"  # address to bind and advertise (rule in omni_mesh.connectors._addresses)
     zmq_port: int = 0  # side channel; 0 picks a free port
@@ -274,7 +282,7 @@ BACKENDS = ("rdma", "xgmi")
 POLL_MODES = ("polling", "event")
 
 
-@dataclass
+@dataclass(config=_STRICT)
 class MoriConfig:
     host: str = "auto"  # address to bind and advertise (rule in omni_mesh.connectors._addresses)
     port: int = 0  # the IOEngine's own port (IOEngineConfig.port); 0 lets MORI pick

@@ -52,8 +52,7 @@ def parse_config(cls: type[C], raw: dict[str, Any] | None, *, owner: str, warn: 
     values = coerce_numbers(_ours(owner, expand_env(dict(raw or {})), fields, warn), numeric_fields(cls))
     for name, value in values.items():
         field = fields[name]
-        # A size by its name unless the field says otherwise (MORI's post_batch_size is a count).
-        if field.metadata.get("size", name.endswith(("_size", "_bytes"))):
+        if is_size(field):
             values[name] = parse_size(value, what=f"{owner}: {name}")
             continue
         default = field.default if field.default is not dataclasses.MISSING else None
@@ -71,6 +70,12 @@ def parse_config(cls: type[C], raw: dict[str, Any] | None, *, owner: str, warn: 
 
 #: `field(metadata=SIZE)`: the field is a size in bytes whatever its name ("512MiB" accepted).
 SIZE = {"size": True}
+
+
+def is_size(field: dataclasses.Field) -> bool:
+    """Whether a config field is a size in bytes: by its name unless the field says otherwise (MORI's
+    post_batch_size is a count)."""
+    return bool(field.metadata.get("size", field.name.endswith(("_size", "_bytes"))))
 
 
 def _ours(owner: str, raw: dict[str, Any], fields: dict[str, Any], warn: bool) -> dict[str, Any]:
