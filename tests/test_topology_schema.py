@@ -65,11 +65,13 @@ def test_validate_names_the_stage_the_misspelled_key_and_the_right_one(
     tmp_path: Path, key: str, value: Any, meant: str
 ) -> None:
     path = tmp_path / "typo.yaml"
-    path.write_text(yaml.safe_dump(_two_stages(key, value), sort_keys=False))
+    text = yaml.safe_dump(_two_stages(key, value), sort_keys=False)
+    path.write_text(text)
+    line = next(n for n, row in enumerate(text.splitlines(), 1) if row.lstrip(" -").startswith(f"{key}:"))
     result = _run("validate", "--no-import", path, cwd=tmp_path)
     assert result.returncode == 2, result.stdout
     assert result.stderr.startswith(
-        f"error: {path}: stage 1 'second': unknown key {key!r}; did you mean {meant!r}?"
+        f"error: {path}:{line}: stage 1 'second': unknown key {key!r}; did you mean {meant!r}?"
     ), result.stderr
 
 

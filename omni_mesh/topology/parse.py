@@ -57,7 +57,7 @@ def parse_topology(
         parser = _Parser(prepared.data, default_name, prepared)
         topology = parser.build(base_dir)
     except (TopologyError, vllm_omni_deploy.DeployFileError) as exc:
-        raise TopologyError(f"{source}: {exc}") from None
+        raise TopologyError(f"{source}: {exc}", key_of=getattr(exc, "key_of", None)) from None
     topology.graph_from = prepared.graph_from
     topology.warnings = [*prepared.warnings, *parser.warnings]
     return topology

@@ -193,7 +193,8 @@ def check_spelling(section: dict, known: frozenset[str], where: str, rule: str) 
         meant = near_miss(key, known)
         if meant is not None:
             raise TopologyError(
-                f"{where}: unknown key {key!r}; did you mean {meant!r}? ({rule}, but not one this close to a known key)"
+                f"{where}: unknown key {key!r}; did you mean {meant!r}? ({rule}, but not one this close to a known key)",
+                key_of=(section, key),
             )
 
 
