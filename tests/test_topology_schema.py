@@ -200,3 +200,32 @@ def test_schema_writes_a_file(tmp_path: Path) -> None:
     result = _run("schema", "--output", tmp_path / "topology.schema.json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "topology.schema.json").read_text())["title"] == "omni-mesh topology"
+
+
+def test_errors_about_a_key_name_its_line(tmp_path: Path) -> None:
+    """The loader adds the line of the key at fault: in a stage, a connector entry, the openai: section."""
+    from omni_mesh.topology import load_topology
+
+    cases = [
+        ("stages:\n  - stage_id: 0\n    name: a\n    final_ouput: true\n", 4, "unknown key 'final_ouput'"),
+        (
+            "connectors:\n  c:\n    name: ZmqConnector\n    extras: {}\nstages:\n"
+            "  - {stage_id: 0, name: a, handler: 'm:f'}\n"
+            "  - {stage_id: 1, name: b, handler: 'm:f', input_connectors: {from_stage_0: c}}\n",
+            4,
+            "unknown key 'extras'; did you mean 'extra'?",
+        ),
+        (
+            "stages:\n  - {stage_id: 0, name: a}\nopenai:\n  inputs: {prompt: last_user_message}\n"
+            "  text_outptu: {stage: a, field: text}\n",
+            5,
+            "openai: unknown key 'text_outptu'; did you mean 'text_output'?",
+        ),
+    ]
+    for index, (text, line, message) in enumerate(cases):
+        path = tmp_path / f"case{index}.yaml"
+        path.write_text(text)
+        with pytest.raises(TopologyError) as caught:
+            load_topology(path)
+        assert str(caught.value).startswith(f"{path}:{line}: "), caught.value
+        assert message in str(caught.value)

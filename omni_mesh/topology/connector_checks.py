@@ -14,7 +14,7 @@ from omni_mesh.topology.model import ConnectorSpec, Edges, StageSpec, TopologyEr
 
 
 def check_connectors(
-    connectors: dict[str, ConnectorSpec], broken: dict[str, str], stages: dict[int, StageSpec], edges: Edges
+    connectors: dict[str, ConnectorSpec], broken: dict[str, TopologyError], stages: dict[int, StageSpec], edges: Edges
 ) -> list[str]:
     """Check every connector (`broken`: the entries that failed to parse, by ref); the warnings, in order."""
     warnings: list[str] = []

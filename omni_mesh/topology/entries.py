@@ -126,7 +126,9 @@ def parse_connector_entry(entry: Any, ref: str, who: str, *, unknown_keys_ok: bo
     if unknown and not unknown_keys_ok:
         meant = near_miss(unknown[0], CONNECTOR_KEYS)
         hint = f"; did you mean {meant!r}?" if meant else ""
-        raise TopologyError(f"{who}: unknown key {unknown[0]!r}{hint} (a connector has name: and extra:)")
+        raise TopologyError(
+            f"{who}: unknown key {unknown[0]!r}{hint} (a connector has name: and extra:)", key_of=(entry, unknown[0])
+        )
     extra = entry.get("extra") or {}
     if not isinstance(extra, dict):
         raise TopologyError(f"{who}: extra must be a mapping, got {extra!r}")

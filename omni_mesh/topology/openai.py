@@ -7,11 +7,19 @@ import difflib
 from typing import Any
 
 from omni_mesh.openai_section import ENCODINGS, SOURCES, AudioRef, OpenAISectionError, OpenAISpec, OutputRef
-from omni_mesh.topology.model import Topology
+from omni_mesh.topology.model import Topology, TopologyError
 
 _SECTION_KEYS = ("model", "inputs", "text_output", "audio_output", "usage_output")
 _OUTPUT_KEYS = ("stage", "field")
 _AUDIO_KEYS = (*_OUTPUT_KEYS, "encoding", "sample_rate", "sample_rate_field")
+
+
+def read_openai_section(raw: Any, topology: Topology) -> OpenAISpec | None:
+    """parse_openai_section, its errors as TopologyError (with the key at fault, for its line)."""
+    try:
+        return parse_openai_section(raw, topology)
+    except OpenAISectionError as exc:
+        raise TopologyError(str(exc), key_of=getattr(exc, "key_of", None)) from None
 
 
 def parse_openai_section(raw: Any, topology: Topology) -> OpenAISpec | None:
@@ -44,7 +52,9 @@ def _mapping(raw: Any, where: str, allowed: tuple[str, ...]) -> dict:
         if key not in allowed:
             close = difflib.get_close_matches(str(key), allowed, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            raise OpenAISectionError(f"{where}: unknown key {key!r}; {hint}the keys are {', '.join(allowed)}")
+            error = OpenAISectionError(f"{where}: unknown key {key!r}; {hint}the keys are {', '.join(allowed)}")
+            error.key_of = (raw, key)  # type: ignore[attr-defined]  # for the loader's line number
+            raise error
     return raw
 
 

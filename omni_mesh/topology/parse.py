@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from omni_mesh import vllm_omni_deploy
-from omni_mesh.openai_section import OpenAISectionError
 from omni_mesh.topology.connector_checks import check_connectors
 from omni_mesh.topology.entries import CONNECTOR_KEYS, parse_connector_entry, parse_stage, positive_int
 from omni_mesh.topology.graph import check_graph, unconnected_warning
@@ -31,7 +30,7 @@ from omni_mesh.topology.model import (
     stage_list,
 )
 from omni_mesh.topology.modes import modes_warning
-from omni_mesh.topology.openai import parse_openai_section
+from omni_mesh.topology.openai import read_openai_section
 from omni_mesh.topology.schema import Defaults, EdgeEntry, TopologyFile, check_spelling, known_keys, near_miss
 from omni_mesh.topology.sections import Sections
 
@@ -90,7 +89,7 @@ class _Parser:
         self.raw_stages: dict[int, dict] = {}
         self.connectors: dict[str, ConnectorSpec] = {}
         # Connector entries that failed to parse: an error only once an edge names them.
-        self.broken_connectors: dict[str, str] = {}
+        self.broken_connectors: dict[str, TopologyError] = {}
         self.prepared = prepared or vllm_omni_deploy.PreparedFile(data)
         # vllm-omni's files (stage_args:, deploy files) get its loader's leniency where it ignores
         # something; omni-mesh's own layout is checked strictly.
@@ -134,10 +133,7 @@ class _Parser:
             path=None,
             base_dir=base_dir,
         )
-        try:
-            topology.openai = parse_openai_section(self.data.get("openai"), topology)
-        except OpenAISectionError as exc:
-            raise TopologyError(str(exc)) from None
+        topology.openai = read_openai_section(self.data.get("openai"), topology)
         return topology
 
     def _defaults(self) -> dict[str, int]:
@@ -198,7 +194,7 @@ class _Parser:
             try:
                 self.connectors[ref] = self._connector_entry(entry, ref, f"connector {ref!r}")
             except TopologyError as exc:  # vllm-omni reads a connector only when an edge names it
-                self.broken_connectors[ref] = str(exc)
+                self.broken_connectors[ref] = exc
 
     def _connector_entry(self, entry: Any, ref: str, who: str) -> ConnectorSpec:
         spec = parse_connector_entry(entry, ref, who, unknown_keys_ok=self.lenient)
@@ -216,9 +212,10 @@ class _Parser:
         if isinstance(value, str):
             spec = self.connectors.get(value)
             if spec is None and value in self.broken_connectors:
+                cause = self.broken_connectors[value]
                 raise TopologyError(
-                    f"{self.describe_edge(src, dst)}: {where} names connector {value!r}, which is invalid: "
-                    f"{self.broken_connectors[value]}"
+                    f"{self.describe_edge(src, dst)}: {where} names connector {value!r}, which is invalid: {cause}",
+                    key_of=cause.key_of,
                 )
             if spec is None:
                 defined = ", ".join(sorted(self.connectors)) or "none"
