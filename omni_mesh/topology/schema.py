@@ -29,13 +29,13 @@ _TO_KEY = r"^to_stage_\d+$"
 class _Closed(BaseModel):
     """A section whose keys are all known."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, defer_build=True)
 
 
 class _Open(BaseModel):
     """A section that also holds keys read by others (vllm-omni, a handler), minus misspellings."""
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", populate_by_name=True, defer_build=True)
 
 
 class ConnectorEntry(_Closed):

@@ -35,7 +35,7 @@ __all__ = [
 # Typed models (pydantic dataclasses: still dataclasses, so `dataclasses.fields` reads them). parse_config
 # has coerced and checked each value by the time one is built; strict mode makes a value that skipped it
 # (a config built in code) fail loudly instead of being converted quietly.
-_STRICT = ConfigDict(strict=True, extra="forbid")
+_STRICT = ConfigDict(strict=True, extra="forbid", defer_build=True)  # built at first use, not import
 
 P2P = "P2PHANDSHAKE"  # the metadata_server value with nothing to deploy: peers exchange it point to point
 
