@@ -9,29 +9,20 @@ from omni_mesh.connectors import available_connectors, connector_type
 from omni_mesh.connectors.config.values import read_extra
 from omni_mesh.engines.settings import DTYPES, PART_ALIASES, PARTS, parse_engine
 from omni_mesh.topology.model import AUTO_CONNECTOR, ConnectorSpec, StageSpec, TopologyError
-from omni_mesh.topology.schema import STAGE_KEYS, check_spelling, near_miss
-
-# Stage keys the topology interprets (the edge keys in `parse`); any other key is kept verbatim in StageSpec.options.
-_STAGE_KEYS = frozenset(
-    {
-        "stage_id",
-        "name",
-        "handler",
-        "engine",
-        "replicas",
-        "max_inflight",
-        "max_queued",
-        "final_output",
-        "engine_input_source",
-        "input_connectors",
-        "output_connectors",
-    }
+from omni_mesh.topology.schema import (
+    CONNECTOR_KEYS,
+    HANDLER,
+    NAME,
+    STAGE_KEYS,
+    StageOwnKeys,
+    check_spelling,
+    known_keys,
+    near_miss,
 )
-#: The keys of a connector entry.
-CONNECTOR_KEYS = frozenset({"name", "extra"})
-# Stage names become compose service names, shared-memory name parts and keys of `outputs`.
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_HANDLER = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+_OWN_STAGE_KEYS = known_keys(StageOwnKeys)
+_NAME = re.compile(NAME)
+_HANDLER = re.compile(HANDLER)
 
 
 def parse_stage(entry: Any, index: int, defaults: dict[str, int]) -> StageSpec:
@@ -73,7 +64,7 @@ def parse_stage(entry: Any, index: int, defaults: dict[str, int]) -> StageSpec:
         ),
         max_queued=_optional_count(entry.get("max_queued"), f"{who}: max_queued"),
         final_output=final_output,
-        options={key: value for key, value in entry.items() if key not in _STAGE_KEYS},
+        options={key: value for key, value in entry.items() if key not in _OWN_STAGE_KEYS},
         engine=engine,
     )
 

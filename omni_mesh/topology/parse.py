@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from omni_mesh import vllm_omni_deploy
+from omni_mesh.topology import schema
 from omni_mesh.topology.connector_checks import check_connectors
-from omni_mesh.topology.entries import CONNECTOR_KEYS, parse_connector_entry, parse_stage, positive_int
+from omni_mesh.topology.entries import parse_connector_entry, parse_stage, positive_int
 from omni_mesh.topology.graph import check_graph, unconnected_warning
 from omni_mesh.topology.model import (
     AUTO_CONNECTOR,
@@ -31,16 +32,15 @@ from omni_mesh.topology.model import (
 )
 from omni_mesh.topology.modes import modes_warning
 from omni_mesh.topology.openai import read_openai_section
-from omni_mesh.topology.schema import Defaults, EdgeEntry, TopologyFile, check_spelling, known_keys, near_miss
 from omni_mesh.topology.sections import Sections
 
 # An edge entry's keys; window_size and max_inflight are vllm-omni's scheduler's (its loader reads only
 # from and to), accepted and ignored here.
-_EDGE_KEYS = known_keys(EdgeEntry)
-_DEFAULT_KEYS = ("replicas", "max_inflight")
-
-_FROM_KEY = re.compile(r"^from_stage_(\d+)$")
-_TO_KEY = re.compile(r"^to_stage_(\d+)$")
+_EDGE_KEYS = schema.known_keys(schema.EdgeEntry)
+_DEFAULT_KEYS = schema.known_keys(schema.Defaults)
+_TOP_KEYS = schema.known_keys(schema.TopologyFile)
+_FROM_KEY = re.compile(schema.FROM_KEY)
+_TO_KEY = re.compile(schema.TO_KEY)
 
 
 def parse_topology(
@@ -81,7 +81,7 @@ class _Parser:
                 f"a topology must be a mapping with a stages: list, got {type(data).__name__}"
             )
         self.warnings: list[str] = []
-        check_spelling(data, known_keys(TopologyFile), "top level", "other keys are vllm-omni's or ignored")
+        schema.check_spelling(data, _TOP_KEYS, "top level", "other keys are vllm-omni's or ignored")
         self.data = data
         self.default_name = default_name
         self.sections = Sections(self._without_ignored_sections(data))
@@ -139,7 +139,7 @@ class _Parser:
     def _defaults(self) -> dict[str, int]:
         """`defaults: {replicas, max_inflight}` (also under runtime:, as vllm-omni writes them)."""
         merged = self.sections.mapping("defaults", "default")
-        check_spelling(merged, known_keys(Defaults), "defaults", "other keys are vllm-omni's, ignored here")
+        schema.check_spelling(merged, _DEFAULT_KEYS, "defaults", "other keys are vllm-omni's, ignored here")
         return {key: positive_int(merged[key], f"defaults.{key}") for key in _DEFAULT_KEYS if key in merged}
 
     # -- stages ------------------------------------------------------------------------------------
@@ -198,7 +198,7 @@ class _Parser:
 
     def _connector_entry(self, entry: Any, ref: str, who: str) -> ConnectorSpec:
         spec = parse_connector_entry(entry, ref, who, unknown_keys_ok=self.lenient)
-        unknown = sorted(set(entry) - CONNECTOR_KEYS, key=str)
+        unknown = sorted(set(entry) - schema.CONNECTOR_KEYS, key=str)
         if unknown:  # only reached when lenient: vllm-omni reads name and extra, nothing else
             self.warnings.append(
                 f"{who}: key(s) {', '.join(map(repr, unknown))} ignored (a connector has name: and extra:)"
@@ -297,7 +297,7 @@ class _Parser:
         (engine_input_source carries the data), and its loader skips what it cannot use: so do we,
         with a warning."""
         unknown = sorted(set(entry) - _EDGE_KEYS, key=str) if isinstance(entry, dict) else []
-        meant = near_miss(unknown[0], _EDGE_KEYS) if unknown else None
+        meant = schema.near_miss(unknown[0], _EDGE_KEYS) if unknown else None
         hint = f"; did you mean {meant!r} for {unknown[0]!r}?" if meant else ""
         if not isinstance(entry, dict) or entry.get("from") is None or entry.get("to") is None:
             message = f"{where}: an edge is a mapping {{from: <stage>, to: <stage>}}, got {entry!r}{hint}"

@@ -22,8 +22,12 @@ from omni_mesh.topology.model import TopologyError
 CUTOFF = 0.85
 
 StageRef = Annotated[int | str, Field(description="a stage id, or (in edges:) a stage name")]
-_FROM_KEY = r"^from_stage_\d+$"
-_TO_KEY = r"^to_stage_\d+$"
+#: The keys of input_connectors and output_connectors (the group: the other stage's id).
+FROM_KEY = r"^from_stage_(\d+)$"
+TO_KEY = r"^to_stage_(\d+)$"
+#: Stage names become compose service names, shared-memory name parts and keys of `outputs`.
+NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+HANDLER = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
 
 
 class _Closed(BaseModel):
@@ -62,21 +66,25 @@ class Defaults(_Open):
     max_inflight: int | None = Field(None, ge=1)
 
 
-class Stage(_Open):
-    """One entry of stages: (stage_args: in vllm-omni's files)."""
+class StageOwnKeys(_Open):
+    """The stage keys the topology interprets; the others are kept in StageSpec.options."""
 
-    # ours
     stage_id: int | Annotated[str, Field(pattern=r"^\d+$")] = Field(ge=0)
-    name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    handler: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+    name: str | None = Field(None, pattern=NAME)
+    handler: str | None = Field(None, pattern=HANDLER)
     engine: dict[str, Any] | None = Field(None, description="a model part to run (docs/engines.md)")
     replicas: int | None = Field(None, ge=1)
     max_inflight: int | None = Field(None, ge=1)
     max_queued: int | None = Field(None, ge=0)
     final_output: bool | None = None
     engine_input_source: list[StageRef] | None = None
-    input_connectors: dict[Annotated[str, Field(pattern=_FROM_KEY)], ConnectorRef | None] | None = None
-    output_connectors: dict[Annotated[str, Field(pattern=_TO_KEY)], ConnectorRef | None] | None = None
+    input_connectors: dict[Annotated[str, Field(pattern=FROM_KEY)], ConnectorRef | None] | None = None
+    output_connectors: dict[Annotated[str, Field(pattern=TO_KEY)], ConnectorRef | None] | None = None
+
+
+class Stage(StageOwnKeys):
+    """One entry of stages: (stage_args: in vllm-omni's files)."""
+
     resources: dict[str, Any] | None = Field(
         None, description="cpu, memory, gpus, gpu_type (omni-mesh export)"
     )
@@ -177,6 +185,7 @@ def known_keys(model: type[BaseModel]) -> frozenset[str]:
 
 
 STAGE_KEYS = known_keys(Stage)
+CONNECTOR_KEYS = known_keys(ConnectorEntry)
 
 
 def near_miss(key: object, known: Iterable[str]) -> str | None:
