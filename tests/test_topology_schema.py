@@ -160,6 +160,10 @@ def test_the_schema_checks_values_and_the_openai_section(schema: dict) -> None:
     assert validator.is_valid(good)
     good["openai"]["inputs"] = {"prompt": "last_user_mesage"}
     assert not validator.is_valid(good)
+    engine = {"part": "token2wav", "model": "${OMNI_MESH_MODEL}", "dtype": "float32", "max_tokens": 64}
+    assert validator.is_valid(_two_stages("engine", engine))
+    for wrong in ({"dtyp": "float32"}, {"part": "vocoder"}, {"max_tokens": "many"}):
+        assert not validator.is_valid(_two_stages("engine", {**engine, **wrong})), wrong
 
 
 def _with_connector(name: str, extra: dict) -> dict:

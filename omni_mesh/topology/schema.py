@@ -9,6 +9,7 @@ rule, for `validate` and, as `propertyNames`, for the schema.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal
@@ -227,8 +228,34 @@ def json_schema() -> dict[str, Any]:
     for name, model in (("TopologyFile", TopologyFile), ("Stage", Stage), ("Runtime", Runtime)):
         target = schema if name == "TopologyFile" else schema["$defs"][name]
         target["propertyNames"] = {"not": {"enum": _typos(known_keys(model))}}
+    schema["$defs"]["Stage"]["properties"]["engine"] = _engine_schema()
     _add_connector_extras(schema)
     return schema
+
+
+def _engine_schema() -> dict[str, Any]:
+    """A stage's `engine:` mapping, from EngineSpec's fields (parse_engine checks the same)."""
+    from omni_mesh.engines.settings import ARCHS, DTYPES, PART_ALIASES, PARTS, EngineSpec
+
+    kinds = {"int": "integer", "float": "number", "str": "string", "bool": "boolean"}
+    properties: dict[str, Any] = {}
+    for field in dataclasses.fields(EngineSpec):
+        types = [kinds[name] for name in kinds if name in str(field.type).split(" | ")]
+        types += ["null"] if "None" in str(field.type) else []
+        properties[field.name] = {"type": types[0] if len(types) == 1 else types}
+        if field.default is not dataclasses.MISSING:
+            properties[field.name]["default"] = field.default
+    properties["part"] = {"enum": [*PARTS, *PART_ALIASES]}
+    properties["model_stage"] = {**properties["part"], "description": "vllm-omni's name for part"}
+    properties["arch"] = {"enum": [*ARCHS, None], "default": None}
+    properties["dtype"] = {"enum": list(DTYPES), "default": "auto"}
+    return {
+        "anyOf": [
+            {"type": "object", "properties": properties, "additionalProperties": False},
+            {"type": "null"},
+        ],
+        "description": "a model part to run instead of a handler (docs/engines.md)",
+    }
 
 
 def _add_connector_extras(schema: dict[str, Any]) -> None:
