@@ -15,9 +15,11 @@ from omni_mesh import connectors
 from omni_mesh.connectors import (
     ConnectorConfigError,
     OmniConnectorBase,
-    configs,
     connector_type,
     creation_rank,
+)
+from omni_mesh.connectors import (
+    config as configs,
 )
 
 

@@ -1,4 +1,4 @@
-"""vllm-omni's connector configuration, accepted and honoured (omni_mesh/connectors/_vllm_omni_keys.py).
+"""vllm-omni's connector configuration, accepted and honoured (omni_mesh/connectors/config/vllm_omni_keys.py).
 
 Every key a vllm-omni connector of the same name reads is accepted under its name: read as our field
 where the meaning is the same, accepted silently where we already do what it asks, otherwise accepted
@@ -20,12 +20,12 @@ import yaml
 
 from omni_mesh.connectors import (
     ConnectorConfigError,
-    _vllm_omni_keys,
     available_connectors,
     connector_class,
     create_connector,
 )
 from omni_mesh.connectors.base import parse_config
+from omni_mesh.connectors.config import vllm_omni_keys as _vllm_omni_keys
 from omni_mesh.topology import TopologyError, parse_topology
 
 BUILT_IN = [

@@ -9,6 +9,7 @@ The package, one command group a module:
 
     common    exit codes, `CliError`, the --help formatter, the registry's types
     validate  `validate`, and `format_summary` (what it prints)
+    schema    `schema`: the topology files' JSON Schema
     services  `coordinator`, `stage`, `up`, and the REST front door's flags
     bench     `bench connector|pipeline|chaos`
     status    `status`

@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from omni_mesh.cli import bench, export, keys, models, services, status, validate
+from omni_mesh.cli import bench, export, keys, models, schema, services, status, validate
 from omni_mesh.cli.common import EXIT_OK, EXIT_USAGE, CliError, Command, Declare, HelpWithDefaults
 from omni_mesh.topology import TopologyError
 
@@ -15,6 +15,7 @@ from omni_mesh.topology import TopologyError
 # its module's COMMANDS.
 _COMMANDS: dict[str, tuple[Declare, Command]] = {
     **validate.COMMANDS,
+    **schema.COMMANDS,
     **services.COMMANDS,
     **bench.COMMANDS,
     **keys.COMMANDS,

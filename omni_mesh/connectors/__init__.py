@@ -3,7 +3,7 @@
 Built-in connectors are registered by import path and imported on first use, so importing this
 package never imports a backend library (mooncake, yr.datasystem, mori). What checking a topology
 needs of a type (`connector_type`: its config class and scope) comes, for a built-in one, from the
-light `configs` module, so `validate`, `up` and `export` import neither a backend nor torch.
+light `config` package, so `validate`, `up` and `export` import neither a backend nor torch.
 Third-party connectors register through the `omni_mesh.connectors` entry-point group or
 `register_connector`.
 """
@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
-from omni_mesh.connectors import _vllm_omni_keys as vllm_omni_keys  # public: topology checks read it
 from omni_mesh.connectors.base import (
     ConnectorConfigError,
     ConnectorError,
@@ -24,6 +23,7 @@ from omni_mesh.connectors.base import (
     parse_config,
     parse_size,
 )
+from omni_mesh.connectors.config import vllm_omni_keys  # public: topology checks read it
 from omni_mesh.connectors.errors import (
     ConnectorClosed,
     ConnectorFull,
@@ -82,7 +82,7 @@ _REGISTRY: dict[str, str | type[OmniConnectorBase]] = {
     "MoriTransferEngineConnector": "omni_mesh.connectors.mori:MoriTransferEngineConnector",
     "InProcessConnector": "omni_mesh.connectors.in_process:InProcessConnector",
 }
-# Each built-in class's config class (in omni_mesh.connectors.configs) and scope, so a topology is
+# Each built-in class's config class (in omni_mesh.connectors.config) and scope, so a topology is
 # checked without importing the class; test_connector_registry holds them to the classes' own.
 _BUILT_IN_TYPES: dict[str, tuple[str, str]] = {
     "omni_mesh.connectors.shared_memory:SharedMemoryConnector": ("SharedMemoryConfig", "host"),
@@ -165,7 +165,7 @@ def connector_type(name: str) -> ConnectorType:
     _load_entry_points()
     target = _REGISTRY.get(name)
     if isinstance(target, str) and target in _BUILT_IN_TYPES:
-        from omni_mesh.connectors import configs  # light: dataclasses and value checks
+        from omni_mesh.connectors import config as configs  # light: dataclasses and value checks
 
         config_name, scope = _BUILT_IN_TYPES[target]
         return ConnectorType(target.rpartition(":")[2], getattr(configs, config_name), scope)

@@ -7,7 +7,7 @@ config and calls `get` with that metadata. Implementations are blocking: asyncio
 through `asyncio.to_thread` (or an executor) and never on the event loop.
 
 This module is the contract only. Its helpers live beside it: `errors` (the one exception family),
-`parsing` (configs), `waits` (polling and abandoned gets), `put_errors` (why a put failed), `counters`,
+`config.parse` (configs), `waits` (polling and abandoned gets), `put_errors` (why a put failed), `counters`,
 `lifecycle` (what a type holds beyond its process). Their names are re-exported here for connectors
 written against this module.
 """
@@ -17,13 +17,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
+from omni_mesh.connectors.config.parse import SIZE as SIZE
+from omni_mesh.connectors.config.parse import parse_config
+from omni_mesh.connectors.config.parse import parse_size as parse_size
 from omni_mesh.connectors.counters import Counters as Counters
 from omni_mesh.connectors.errors import ConnectorConfigError as ConnectorConfigError
 from omni_mesh.connectors.errors import ConnectorError as ConnectorError
 from omni_mesh.connectors.lifecycle import Lifecycle
-from omni_mesh.connectors.parsing import SIZE as SIZE
-from omni_mesh.connectors.parsing import parse_config
-from omni_mesh.connectors.parsing import parse_size as parse_size
 from omni_mesh.connectors.put_errors import PutErrors
 from omni_mesh.connectors.waits import POLL_MAX_S as POLL_MAX_S
 from omni_mesh.connectors.waits import Waits

@@ -19,7 +19,7 @@ from typing import Any
 
 from omni_mesh import codec
 from omni_mesh.connectors.base import Counters, OmniConnectorBase, edge_key
-from omni_mesh.connectors.configs import InProcessConfig
+from omni_mesh.connectors.config import InProcessConfig
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorFull
 
 __all__ = ["InProcessConfig", "InProcessConnector"]

@@ -36,7 +36,7 @@ from omni_mesh.connectors.base import (
     OmniConnectorBase,
     edge_key,
 )
-from omni_mesh.connectors.configs import MooncakeStoreConfig
+from omni_mesh.connectors.config import MooncakeStoreConfig
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorUnavailable
 from omni_mesh.connectors.mooncake.common import (
     INSTALL_HINT,

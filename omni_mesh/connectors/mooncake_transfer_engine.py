@@ -63,7 +63,7 @@ import zmq
 from omni_mesh import codec
 from omni_mesh.connectors._addresses import tcp_endpoint
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
-from omni_mesh.connectors.configs import MooncakeTransferEngineConfig
+from omni_mesh.connectors.config import MooncakeTransferEngineConfig
 from omni_mesh.connectors.errors import ConnectorClosed
 from omni_mesh.connectors.mooncake import device_transfer, te_engine, te_outputs, te_pull
 from omni_mesh.connectors.mooncake.common import (

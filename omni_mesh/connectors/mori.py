@@ -35,7 +35,7 @@ import torch
 
 from omni_mesh.codec import FramePlan, decode
 from omni_mesh.connectors.base import ConnectorError
-from omni_mesh.connectors.configs import MoriConfig
+from omni_mesh.connectors.config import MoriConfig
 from omni_mesh.connectors.served.engine_pull import EnginePullConnector
 
 

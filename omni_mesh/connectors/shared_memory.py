@@ -28,7 +28,7 @@ import torch
 
 from omni_mesh import codec, cuda_ipc
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
-from omni_mesh.connectors.configs import SharedMemoryConfig
+from omni_mesh.connectors.config import SharedMemoryConfig
 from omni_mesh.connectors.errors import ConnectorClosed
 from omni_mesh.connectors.pools.growth import AUTO_CEILING_MAX, GROW_STEP
 from omni_mesh.connectors.shm import cells as shm_cells

@@ -30,7 +30,7 @@ from omni_mesh.connectors.base import (
     OmniConnectorBase,
     edge_key,
 )
-from omni_mesh.connectors.configs import YuanrongConfig
+from omni_mesh.connectors.config import YuanrongConfig
 from omni_mesh.connectors.datasystem.keys import (
     INSTALL_HINT,
     MAX_VALUE,

@@ -30,7 +30,7 @@ import torch
 
 from omni_mesh.codec import FramePlan, decode
 from omni_mesh.connectors.base import ConnectorError
-from omni_mesh.connectors.configs import YuanrongTransferEngineConfig
+from omni_mesh.connectors.config import YuanrongTransferEngineConfig
 from omni_mesh.connectors.datasystem.keys import INSTALL_HINT, client_log_dir
 from omni_mesh.connectors.served.engine_pull import EnginePullConnector
 from omni_mesh.ports import free_port

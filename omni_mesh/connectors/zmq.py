@@ -37,7 +37,7 @@ import torch
 
 from omni_mesh.codec import FrameError, FramePlan, decode, decode_parts, plan
 from omni_mesh.connectors.base import ConnectorError, edge_key
-from omni_mesh.connectors.configs import ZmqConfig
+from omni_mesh.connectors.config import ZmqConfig
 from omni_mesh.connectors.pools import growth as _growth
 from omni_mesh.connectors.pools import outputs
 from omni_mesh.connectors.pools.held import Held

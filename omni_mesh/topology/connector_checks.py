@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
-from omni_mesh.connector_values import unset_variables
 from omni_mesh.connectors import (
     ConnectorConfigError,
     ConnectorType,
@@ -15,11 +14,12 @@ from omni_mesh.connectors import (
     connector_type,
     vllm_omni_keys,
 )
+from omni_mesh.connectors.config.values import unset_variables
 from omni_mesh.topology.model import ConnectorSpec, Edges, StageSpec, TopologyError, describe_edge
 
 
 def check_connectors(
-    connectors: dict[str, ConnectorSpec], broken: dict[str, str], stages: dict[int, StageSpec], edges: Edges
+    connectors: dict[str, ConnectorSpec], broken: dict[str, TopologyError], stages: dict[int, StageSpec], edges: Edges
 ) -> list[str]:
     """Check every connector (`broken`: the entries that failed to parse, by ref); the warnings, in order."""
     warnings: list[str] = []

@@ -5,32 +5,24 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from omni_mesh.connector_values import read_extra
 from omni_mesh.connectors import available_connectors, connector_type
+from omni_mesh.connectors.config.values import read_extra
 from omni_mesh.engines.settings import DTYPES, PART_ALIASES, PARTS, parse_engine
 from omni_mesh.topology.model import AUTO_CONNECTOR, ConnectorSpec, StageSpec, TopologyError
-
-# Stage keys the topology interprets (the edge keys in `parse`); any other key is kept verbatim in StageSpec.options.
-_STAGE_KEYS = frozenset(
-    {
-        "stage_id",
-        "name",
-        "handler",
-        "engine",
-        "replicas",
-        "max_inflight",
-        "max_queued",
-        "final_output",
-        "engine_input_source",
-        "input_connectors",
-        "output_connectors",
-    }
+from omni_mesh.topology.schema import (
+    CONNECTOR_KEYS,
+    HANDLER,
+    NAME,
+    STAGE_KEYS,
+    StageOwnKeys,
+    check_spelling,
+    known_keys,
+    near_miss,
 )
-#: The keys of a connector entry.
-CONNECTOR_KEYS = frozenset({"name", "extra"})
-# Stage names become compose service names, shared-memory name parts and keys of `outputs`.
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_HANDLER = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+_OWN_STAGE_KEYS = known_keys(StageOwnKeys)
+_NAME = re.compile(NAME)
+_HANDLER = re.compile(HANDLER)
 
 
 def parse_stage(entry: Any, index: int, defaults: dict[str, int]) -> StageSpec:
@@ -50,6 +42,7 @@ def parse_stage(entry: Any, index: int, defaults: dict[str, int]) -> StageSpec:
             f"got {name!r}"
         )
     who = f"stage {sid} {name!r}"
+    check_spelling(entry, STAGE_KEYS, who, "other keys go to the stage's handler as options")
     handler = entry.get("handler")
     if handler is not None and (not isinstance(handler, str) or not _HANDLER.match(handler)):
         raise TopologyError(f"{who}: handler must look like 'package.module:function', got {handler!r}")
@@ -71,7 +64,7 @@ def parse_stage(entry: Any, index: int, defaults: dict[str, int]) -> StageSpec:
         ),
         max_queued=_optional_count(entry.get("max_queued"), f"{who}: max_queued"),
         final_output=final_output,
-        options={key: value for key, value in entry.items() if key not in _STAGE_KEYS},
+        options={key: value for key, value in entry.items() if key not in _OWN_STAGE_KEYS},
         engine=engine,
     )
 
@@ -122,7 +115,11 @@ def parse_connector_entry(entry: Any, ref: str, who: str, *, unknown_keys_ok: bo
         raise TopologyError(f"{who}: name must be a connector type such as {AUTO_CONNECTOR!r}, got {name!r}")
     unknown = sorted(set(entry) - CONNECTOR_KEYS, key=str)
     if unknown and not unknown_keys_ok:
-        raise TopologyError(f"{who}: unknown key {unknown[0]!r} (a connector has name: and extra:)")
+        meant = near_miss(unknown[0], CONNECTOR_KEYS)
+        hint = f"; did you mean {meant!r}?" if meant else ""
+        raise TopologyError(
+            f"{who}: unknown key {unknown[0]!r}{hint} (a connector has name: and extra:)", key_of=(entry, unknown[0])
+        )
     extra = entry.get("extra") or {}
     if not isinstance(extra, dict):
         raise TopologyError(f"{who}: extra must be a mapping, got {extra!r}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +24,50 @@ def load_topology(path: str | Path) -> Topology:
         raise TopologyError(f"{path}: topology file not found; check the path") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise TopologyError(f"{path}: cannot read topology file: {exc}") from None
+    loader = _KeyLines(text)
     try:
-        data = yaml.safe_load(text)
+        data = loader.get_single_data()
     except yaml.YAMLError as exc:
         raise TopologyError(_yaml_error_message(path, exc)) from None
+    finally:
+        loader.dispose()
     if data is None:
         raise TopologyError(f"{path}: the file is empty; a topology needs at least a stages: list")
     base_dir = path.resolve().parent
-    topology = parse_topology(data, source=str(path), base_dir=base_dir, default_name=path.stem)
+    try:
+        topology = parse_topology(data, source=str(path), base_dir=base_dir, default_name=path.stem)
+    except TopologyError as exc:
+        line = loader.line_of(exc.key_of)
+        if line is None:
+            raise
+        raise TopologyError(f"{path}:{line}:{str(exc).removeprefix(str(path) + ':')}") from None
     topology.path = path.resolve()
     return topology
+
+
+class _KeyLines(yaml.SafeLoader):
+    """yaml.safe_load that remembers the line of every mapping key, for errors about a key."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.lines: dict[int, tuple[dict, dict[object, int]]] = {}  # id(mapping) -> (it, {key: line})
+
+    def construct_lines_map(self, node: yaml.MappingNode) -> Iterator[dict]:
+        data: dict = {}
+        yield data
+        data.update(self.construct_mapping(node))
+        lines = {self.construct_object(key): key.start_mark.line + 1 for key, _ in node.value}
+        self.lines[id(data)] = (data, lines)  # the mapping is kept, so its id stays its own
+
+    def line_of(self, key_of: tuple[object, object] | None) -> int | None:
+        if key_of is None:
+            return None
+        mapping, key = key_of
+        entry = self.lines.get(id(mapping))
+        return entry[1].get(key) if entry is not None and entry[0] is mapping else None
+
+
+_KeyLines.add_constructor("tag:yaml.org,2002:map", _KeyLines.construct_lines_map)
 
 
 def _yaml_error_message(path: Path, exc: yaml.YAMLError) -> str:

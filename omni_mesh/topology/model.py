@@ -19,7 +19,12 @@ QUEUE_FACTOR = 4
 
 
 class TopologyError(ValueError):
-    """The topology is invalid; the message says where and what to change."""
+    """The topology is invalid; the message says where and what to change. `key_of`: the mapping and
+    the key at fault, when one is, so that the loader can add the key's line."""
+
+    def __init__(self, message: str, *, key_of: tuple[object, object] | None = None) -> None:
+        super().__init__(message)
+        self.key_of = key_of
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from omni_mesh import vllm_omni_deploy
-from omni_mesh.openai_section import OpenAISectionError, parse_openai_section
+from omni_mesh.topology import schema
 from omni_mesh.topology.connector_checks import check_connectors
-from omni_mesh.topology.entries import CONNECTOR_KEYS, parse_connector_entry, parse_stage, positive_int
+from omni_mesh.topology.entries import parse_connector_entry, parse_stage, positive_int
 from omni_mesh.topology.graph import check_graph, unconnected_warning
 from omni_mesh.topology.model import (
     AUTO_CONNECTOR,
@@ -31,16 +31,16 @@ from omni_mesh.topology.model import (
     stage_list,
 )
 from omni_mesh.topology.modes import modes_warning
+from omni_mesh.topology.openai import read_openai_section
 from omni_mesh.topology.sections import Sections
 
-_EDGE_KEYS = frozenset({"from", "to", "connector"})
-# Edge keys vllm-omni files carry for its own scheduler (its loader reads only from and to);
-# accepted and ignored here.
-_IGNORED_EDGE_KEYS = frozenset({"window_size", "max_inflight"})
-_DEFAULT_KEYS = ("replicas", "max_inflight")
-
-_FROM_KEY = re.compile(r"^from_stage_(\d+)$")
-_TO_KEY = re.compile(r"^to_stage_(\d+)$")
+# An edge entry's keys; window_size and max_inflight are vllm-omni's scheduler's (its loader reads only
+# from and to), accepted and ignored here.
+_EDGE_KEYS = schema.known_keys(schema.EdgeEntry)
+_DEFAULT_KEYS = schema.known_keys(schema.Defaults)
+_TOP_KEYS = schema.known_keys(schema.TopologyFile)
+_FROM_KEY = re.compile(schema.FROM_KEY)
+_TO_KEY = re.compile(schema.TO_KEY)
 
 
 def parse_topology(
@@ -56,7 +56,7 @@ def parse_topology(
         parser = _Parser(prepared.data, default_name, prepared)
         topology = parser.build(base_dir)
     except (TopologyError, vllm_omni_deploy.DeployFileError) as exc:
-        raise TopologyError(f"{source}: {exc}") from None
+        raise TopologyError(f"{source}: {exc}", key_of=getattr(exc, "key_of", None)) from None
     topology.graph_from = prepared.graph_from
     topology.warnings = [*prepared.warnings, *parser.warnings]
     return topology
@@ -81,6 +81,7 @@ class _Parser:
                 f"a topology must be a mapping with a stages: list, got {type(data).__name__}"
             )
         self.warnings: list[str] = []
+        schema.check_spelling(data, _TOP_KEYS, "top level", "other keys are vllm-omni's or ignored")
         self.data = data
         self.default_name = default_name
         self.sections = Sections(self._without_ignored_sections(data))
@@ -88,7 +89,7 @@ class _Parser:
         self.raw_stages: dict[int, dict] = {}
         self.connectors: dict[str, ConnectorSpec] = {}
         # Connector entries that failed to parse: an error only once an edge names them.
-        self.broken_connectors: dict[str, str] = {}
+        self.broken_connectors: dict[str, TopologyError] = {}
         self.prepared = prepared or vllm_omni_deploy.PreparedFile(data)
         # vllm-omni's files (stage_args:, deploy files) get its loader's leniency where it ignores
         # something; omni-mesh's own layout is checked strictly.
@@ -132,15 +133,13 @@ class _Parser:
             path=None,
             base_dir=base_dir,
         )
-        try:
-            topology.openai = parse_openai_section(self.data.get("openai"), topology)
-        except OpenAISectionError as exc:
-            raise TopologyError(str(exc)) from None
+        topology.openai = read_openai_section(self.data.get("openai"), topology)
         return topology
 
     def _defaults(self) -> dict[str, int]:
         """`defaults: {replicas, max_inflight}` (also under runtime:, as vllm-omni writes them)."""
         merged = self.sections.mapping("defaults", "default")
+        schema.check_spelling(merged, _DEFAULT_KEYS, "defaults", "other keys are vllm-omni's, ignored here")
         return {key: positive_int(merged[key], f"defaults.{key}") for key in _DEFAULT_KEYS if key in merged}
 
     # -- stages ------------------------------------------------------------------------------------
@@ -195,11 +194,11 @@ class _Parser:
             try:
                 self.connectors[ref] = self._connector_entry(entry, ref, f"connector {ref!r}")
             except TopologyError as exc:  # vllm-omni reads a connector only when an edge names it
-                self.broken_connectors[ref] = str(exc)
+                self.broken_connectors[ref] = exc
 
     def _connector_entry(self, entry: Any, ref: str, who: str) -> ConnectorSpec:
         spec = parse_connector_entry(entry, ref, who, unknown_keys_ok=self.lenient)
-        unknown = sorted(set(entry) - CONNECTOR_KEYS, key=str)
+        unknown = sorted(set(entry) - schema.CONNECTOR_KEYS, key=str)
         if unknown:  # only reached when lenient: vllm-omni reads name and extra, nothing else
             self.warnings.append(
                 f"{who}: key(s) {', '.join(map(repr, unknown))} ignored (a connector has name: and extra:)"
@@ -213,9 +212,10 @@ class _Parser:
         if isinstance(value, str):
             spec = self.connectors.get(value)
             if spec is None and value in self.broken_connectors:
+                cause = self.broken_connectors[value]
                 raise TopologyError(
-                    f"{self.describe_edge(src, dst)}: {where} names connector {value!r}, which is invalid: "
-                    f"{self.broken_connectors[value]}"
+                    f"{self.describe_edge(src, dst)}: {where} names connector {value!r}, which is invalid: {cause}",
+                    key_of=cause.key_of,
                 )
             if spec is None:
                 defined = ", ".join(sorted(self.connectors)) or "none"
@@ -296,12 +296,15 @@ class _Parser:
         """One edges: entry. In vllm-omni's files such an entry only picks the connector of an edge
         (engine_input_source carries the data), and its loader skips what it cannot use: so do we,
         with a warning."""
+        unknown = sorted(set(entry) - _EDGE_KEYS, key=str) if isinstance(entry, dict) else []
+        meant = schema.near_miss(unknown[0], _EDGE_KEYS) if unknown else None
+        hint = f"; did you mean {meant!r} for {unknown[0]!r}?" if meant else ""
         if not isinstance(entry, dict) or entry.get("from") is None or entry.get("to") is None:
-            message = f"{where}: an edge is a mapping {{from: <stage>, to: <stage>}}, got {entry!r}"
+            message = f"{where}: an edge is a mapping {{from: <stage>, to: <stage>}}, got {entry!r}{hint}"
             return self._skip_edge(message, "skipped")
-        unknown = sorted(set(entry) - _EDGE_KEYS - _IGNORED_EDGE_KEYS, key=str)
         if unknown:
-            message = f"{where}: unknown key(s) {', '.join(map(repr, unknown))} in edge entry (allowed: connector, from, to)"
+            keys = ", ".join(map(repr, unknown))
+            message = f"{where}: unknown key(s) {keys} in edge entry{hint} (allowed: connector, from, to)"
             self._skip_edge(message, "ignored")
         try:
             src = self._stage_ref(entry["from"], f"{where}: from")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from omni_mesh.topology.model import TopologyError
+from omni_mesh.topology.schema import Runtime, check_spelling, known_keys
 
 
 class Sections:
@@ -22,6 +23,7 @@ class Sections:
             return {}
         if not isinstance(runtime, dict):
             raise TopologyError(f"runtime: must be a mapping, got {type(runtime).__name__}")
+        check_spelling(runtime, known_keys(Runtime), "runtime", "other keys are vllm-omni's, ignored here")
         return runtime
 
     def mapping(self, key: str, singular: str) -> dict:

@@ -30,8 +30,8 @@ import numpy as np
 
 from omni_mesh import codec
 from omni_mesh.connectors._addresses import resolve_host as resolve_host  # the shared rule, re-exported
-from omni_mesh.connectors._checks import split_address
 from omni_mesh.connectors.base import ConnectorError
+from omni_mesh.connectors.config.checks import split_address
 from omni_mesh.connectors.pools import growth
 from omni_mesh.connectors.pools.allocator import PoolAllocator, frame_alignment, round_up
 

@@ -14,7 +14,7 @@ from types import ModuleType
 from typing import Any
 
 from omni_mesh.connectors.base import ConnectorError
-from omni_mesh.connectors.configs import P2P, MooncakeTransferEngineConfig
+from omni_mesh.connectors.config import P2P, MooncakeTransferEngineConfig
 from omni_mesh.connectors.mooncake.common import PoolErrors, RegisteredPool
 from omni_mesh.connectors.pools import growth
 

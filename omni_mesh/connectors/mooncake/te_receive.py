@@ -21,7 +21,7 @@ import torch
 import zmq
 
 from omni_mesh.connectors.base import ConnectorError, Counters
-from omni_mesh.connectors.configs import MooncakeTransferEngineConfig
+from omni_mesh.connectors.config import MooncakeTransferEngineConfig
 from omni_mesh.connectors.errors import ConnectorClosed
 from omni_mesh.connectors.mooncake import device_transfer, frame_pieces, te_pull
 from omni_mesh.connectors.mooncake.common import RegisteredPool

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omni_mesh.connectors.base import ConnectorConfigError
+from omni_mesh.connectors.config.parse import ConnectorConfigError
 
 PROTOCOLS = ("tcp", "rdma")  # Mooncake's transports
 

@@ -1,8 +1,5 @@
-"""Reading a connector's `extra:` mapping into its config dataclass: the one place configs are read.
-
-Kept apart from the contract (base.py) so the configuration work (connectors/configs.py and what
-replaces it) owns it; the base class only calls `parse_config`.
-"""
+"""Reading a connector's `extra:` mapping into its config class: the one place configs are read
+(`OmniConnectorBase.__init__`, `validate_config`, and `omni-mesh validate` through `connector_type`)."""
 
 from __future__ import annotations
 
@@ -10,8 +7,8 @@ import dataclasses
 import re
 from typing import Any, TypeVar
 
-from omni_mesh.connector_values import coerce_numbers, expand_env, numeric_fields
-from omni_mesh.connectors import _vllm_omni_keys as vllm_omni_keys
+from omni_mesh.connectors.config import vllm_omni_keys
+from omni_mesh.connectors.config.values import coerce_numbers, expand_env, numeric_fields
 from omni_mesh.connectors.errors import ConnectorConfigError
 
 C = TypeVar("C")
@@ -40,7 +37,7 @@ def parse_config(cls: type[C], raw: dict[str, Any] | None, *, owner: str, warn: 
 
     In order: `$VAR`/`${VAR}` expand from the environment; vllm-omni's names for our keys are read as
     ours, and its keys that change nothing here are dropped with one warning each
-    (`_vllm_omni_keys`); a key neither knows is an error naming it, with a "did you mean"; numeric
+    (`vllm_omni_keys`); a key neither knows is an error naming it, with a "did you mean"; numeric
     strings become numbers where a number is meant; sizes (`_size`/`_bytes` names, or fields with
     `metadata=SIZE`) accept "256MiB"; values are checked against the field's default type; and
     then the dataclass's own `check(owner)` checks the values together. `warn=False` leaves the
@@ -52,8 +49,7 @@ def parse_config(cls: type[C], raw: dict[str, Any] | None, *, owner: str, warn: 
     values = coerce_numbers(_ours(owner, expand_env(dict(raw or {})), fields, warn), numeric_fields(cls))
     for name, value in values.items():
         field = fields[name]
-        # A size by its name unless the field says otherwise (MORI's post_batch_size is a count).
-        if field.metadata.get("size", name.endswith(("_size", "_bytes"))):
+        if is_size(field):
             values[name] = parse_size(value, what=f"{owner}: {name}")
             continue
         default = field.default if field.default is not dataclasses.MISSING else None
@@ -71,6 +67,12 @@ def parse_config(cls: type[C], raw: dict[str, Any] | None, *, owner: str, warn: 
 
 #: `field(metadata=SIZE)`: the field is a size in bytes whatever its name ("512MiB" accepted).
 SIZE = {"size": True}
+
+
+def is_size(field: dataclasses.Field) -> bool:
+    """Whether a config field is a size in bytes: by its name unless the field says otherwise (MORI's
+    post_batch_size is a count)."""
+    return bool(field.metadata.get("size", field.name.endswith(("_size", "_bytes"))))
 
 
 def _ours(owner: str, raw: dict[str, Any], fields: dict[str, Any], warn: bool) -> dict[str, Any]:

@@ -6,9 +6,12 @@ connector module re-exports its own (`from omni_mesh.connectors.zmq import ZmqCo
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import field
 
-from omni_mesh.connectors._checks import (
+from pydantic import ConfigDict
+from pydantic.dataclasses import dataclass
+
+from omni_mesh.connectors.config.checks import (
     check_engine_pull,
     check_not_negative,
     check_port,
@@ -17,7 +20,7 @@ from omni_mesh.connectors._checks import (
     check_served,
     split_address,
 )
-from omni_mesh.connectors.base import SIZE, ConnectorConfigError
+from omni_mesh.connectors.config.parse import SIZE, ConnectorConfigError
 
 __all__ = [
     "InProcessConfig",
@@ -30,12 +33,17 @@ __all__ = [
     "ZmqConfig",
 ]
 
+# Typed models (pydantic dataclasses: still dataclasses, so `dataclasses.fields` reads them). parse_config
+# has coerced and checked each value by the time one is built; strict mode makes a value that skipped it
+# (a config built in code) fail loudly instead of being converted quietly.
+_STRICT = ConfigDict(strict=True, extra="forbid", defer_build=True)  # built at first use, not import
+
 P2P = "P2PHANDSHAKE"  # the metadata_server value with nothing to deploy: peers exchange it point to point
 
 
 # ---------------------------------------------------------------------- SharedMemoryConnector
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_STRICT)
 class SharedMemoryConfig:
     memory_pool_size: int = 256 * 1024 * 1024
     #: Frames up to this size travel inside the metadata instead of through shared memory.
@@ -62,7 +70,7 @@ class SharedMemoryConfig:
 
 # ---------------------------------------------------------------------- ZmqConnector
 
-@dataclass
+@dataclass(config=_STRICT)
 class ZmqConfig:
     host: str = "auto"  # address to bind and advertise ("auto": rule in omni_mesh.connectors._addresses)
     port: int = 0  # 0: any free port
@@ -82,7 +90,7 @@ class ZmqConfig:
 
 # ---------------------------------------------------------------------- MooncakeTransferEngineConnector
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_STRICT)
 class MooncakeTransferEngineConfig:
     #: Address to advertise and bind; "auto" picks the interface that routes outside (see _addresses).
     host: str = "auto"
@@ -152,7 +160,7 @@ _DEFAULT_SEGMENT = 512 * 1024 * 1024
 _DEFAULT_LOCALBUF = 256 * 1024 * 1024
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_STRICT)
 class MooncakeStoreConfig:
     #: Address this client advertises; "auto" picks the interface that routes outside (see _addresses).
     host: str = "auto"
@@ -167,7 +175,7 @@ class MooncakeStoreConfig:
     #: "tcp" or "rdma".
     protocol: str = "tcp"
     #: RDMA device(s), e.g. "mlx5_0"; "" lets the store choose. (vllm-omni's `proto` and `rdma` are read
-    #: as protocol and device_name: connectors/_vllm_omni_keys.py.)
+    #: as protocol and device_name: connectors/config/vllm_omni_keys.py.)
     device_name: str = ""
     #: How long to wait for the master to accept a TCP connection before giving up.
     master_connect_timeout_s: float = 3.0
@@ -208,7 +216,7 @@ WRITE_MODES = ("NONE_L2_CACHE", "WRITE_THROUGH_L2_CACHE", "WRITE_BACK_L2_CACHE",
 _PREFIX = re.compile(r"^[A-Za-z0-9_\-]{0,64}$")
 
 
-@dataclass
+@dataclass(config=_STRICT)
 class YuanrongConfig:
     host: str = "127.0.0.1"  # the datasystem worker on this host
     port: int = 31501
@@ -246,7 +254,7 @@ class YuanrongConfig:
 
 # ---------------------------------------------------------------------- YuanrongTransferEngineConnector
 
-@dataclass
+@dataclass(config=_STRICT)
 class YuanrongTransferEngineConfig:
     host: str = "auto"  # address to bind and advertise (rule in omni_mesh.connectors._addresses)
     zmq_port: int = 0  # side channel; 0 picks a free port
@@ -275,7 +283,7 @@ BACKENDS = ("rdma", "xgmi")
 POLL_MODES = ("polling", "event")
 
 
-@dataclass
+@dataclass(config=_STRICT)
 class MoriConfig:
     host: str = "auto"  # address to bind and advertise (rule in omni_mesh.connectors._addresses)
     port: int = 0  # the IOEngine's own port (IOEngineConfig.port); 0 lets MORI pick
@@ -323,7 +331,7 @@ class MoriConfig:
 
 # ---------------------------------------------------------------------- InProcessConnector
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_STRICT)
 class InProcessConfig:
     namespace: str = "default"  # connectors of one namespace in a process share their payloads
     memory_limit: int = 1 << 30  # bytes one namespace holds at most; a put beyond it fails

@@ -1,0 +1,285 @@
+"""The topology file as typed models: the keys each section knows, with vllm-omni's aliases, and the
+JSON Schema `omni-mesh schema` prints for editors.
+
+The models say which keys exist and what they hold; `parse` still checks what ties them together
+(stage ids, edges, connectors). A stage keeps keys it does not know (its handler's options,
+vllm-omni's engine extras), but a key close to a known one is a misspelling: `near_miss` is the
+rule, for `validate` and, as `propertyNames`, for the schema.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Iterable
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from omni_mesh.openai_section import ENCODINGS, SOURCES
+from omni_mesh.topology.model import TopologyError
+
+#: How close (difflib's ratio) an unknown key must be to a known one to be taken as its misspelling.
+CUTOFF = 0.85
+
+StageRef = Annotated[int | str, Field(description="a stage id, or (in edges:) a stage name")]
+#: The keys of input_connectors and output_connectors (the group: the other stage's id).
+FROM_KEY = r"^from_stage_(\d+)$"
+TO_KEY = r"^to_stage_(\d+)$"
+#: Stage names become compose service names, shared-memory name parts and keys of `outputs`.
+NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+HANDLER = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
+
+
+class _Closed(BaseModel):
+    """A section whose keys are all known."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, defer_build=True)
+
+
+class _Open(BaseModel):
+    """A section that also holds keys read by others (vllm-omni, a handler), minus misspellings."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True, defer_build=True)
+
+
+class ConnectorEntry(_Closed):
+    name: str = Field(description="the connector type, e.g. SharedMemoryConnector")
+    extra: dict[str, Any] | None = Field(None, description="the type's settings (docs/connectors.md)")
+
+
+ConnectorRef = Annotated[
+    str | ConnectorEntry, Field(description="a key under connectors:, or an inline {name, extra}")
+]
+
+
+class EdgeEntry(_Closed):
+    # Both required in omni-mesh's layout; vllm-omni's loader skips an entry without them (a warning here).
+    src: StageRef | None = Field(None, alias="from")
+    dst: StageRef | None = Field(None, alias="to")
+    connector: ConnectorRef | None = None
+    window_size: Any = Field(None, description="vllm-omni's scheduler setting; ignored here")
+    max_inflight: Any = Field(None, description="vllm-omni's scheduler setting; ignored here")
+
+
+class Defaults(_Open):
+    replicas: int | None = Field(None, ge=1)
+    max_inflight: int | None = Field(None, ge=1)
+
+
+class StageOwnKeys(_Open):
+    """The stage keys the topology interprets; the others are kept in StageSpec.options."""
+
+    stage_id: int | Annotated[str, Field(pattern=r"^\d+$")] = Field(ge=0)
+    name: str | None = Field(None, pattern=NAME)
+    handler: str | None = Field(None, pattern=HANDLER)
+    engine: dict[str, Any] | None = Field(None, description="a model part to run (docs/engines.md)")
+    replicas: int | None = Field(None, ge=1)
+    max_inflight: int | None = Field(None, ge=1)
+    max_queued: int | None = Field(None, ge=0)
+    final_output: bool | None = None
+    engine_input_source: list[StageRef] | None = None
+    input_connectors: dict[Annotated[str, Field(pattern=FROM_KEY)], ConnectorRef | None] | None = None
+    output_connectors: dict[Annotated[str, Field(pattern=TO_KEY)], ConnectorRef | None] | None = None
+
+
+class Stage(StageOwnKeys):
+    """One entry of stages: (stage_args: in vllm-omni's files)."""
+
+    resources: dict[str, Any] | None = Field(
+        None, description="cpu, memory, gpus, gpu_type (omni-mesh export)"
+    )
+    # vllm-omni's stage configs (stage_args:)
+    stage_type: str | None = None
+    runtime: dict[str, Any] | None = None
+    engine_args: dict[str, Any] | None = Field(None, description="vllm-omni's engine settings, kept verbatim")
+    final_output_type: str | None = None
+    is_comprehension: bool | None = None
+    default_sampling_params: dict[str, Any] | None = None
+    custom_process_input_func: str | None = None
+    custom_process_next_stage_input_func: str | None = None
+    async_chunk_process_next_stage_input_func: str | None = None
+    engine_output_type: str | None = None
+    model_stage: str | None = None
+    model_arch: str | None = None
+    # vllm-omni's deploy files (StageDeployConfig)
+    devices: str | int | list[Any] | None = None
+    max_num_seqs: int | None = None
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory_bytes: int | None = None
+    tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
+    data_parallel_size: int | None = None
+    enforce_eager: bool | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    async_scheduling: bool | None = None
+    num_replicas: int | None = None
+    model_runner: str | None = None
+    attention_backend: str | None = None
+    moe_backend: str | None = None
+    linear_backend: str | None = None
+    diffusion_attention_config: dict[str, Any] | None = None
+    diffusion_attention_backend: str | None = None
+    numa_bind: bool | None = None
+    numa_bind_nodes: list[Any] | None = None
+    numa_bind_cpus: list[Any] | None = None
+    additional_config: dict[str, Any] | None = None
+    engine_extras: dict[str, Any] | None = None
+
+
+class Runtime(_Open):
+    """`runtime:`, where vllm-omni's stage configs put connectors:, edges: and defaults:."""
+
+    connectors: dict[str, ConnectorEntry] | None = None
+    edges: list[EdgeEntry] | None = None
+    defaults: Defaults | None = None
+    auto_shm: bool | None = None
+    enabled: bool | None = None
+
+
+class OutputRefModel(_Closed):
+    stage: StageRef = Field(description="a final stage, by name or id")
+    field: str = Field(min_length=1, description="the field of the stage's output")
+
+
+class AudioRefModel(OutputRefModel):
+    encoding: Literal[ENCODINGS] = "pcm16"  # type: ignore[valid-type]
+    sample_rate: int | None = Field(None, ge=1)
+    sample_rate_field: str | None = Field(None, min_length=1)
+
+
+class OpenAISection(_Closed):
+    """The `openai:` section (omni_mesh.openai_section)."""
+
+    model: str | None = Field(None, min_length=1)
+    inputs: dict[str, Literal[SOURCES]]  # type: ignore[valid-type]
+    text_output: OutputRefModel | None = None
+    audio_output: AudioRefModel | None = None
+    usage_output: OutputRefModel | None = None
+
+
+class TopologyFile(_Open):
+    """A topology file: ours (stages:) or vllm-omni's stage config (stage_args:) or deploy file."""
+
+    name: str | None = Field(None, min_length=1)
+    stages: list[Stage] | None = None
+    stage_args: list[Stage] | None = None
+    connectors: dict[str, ConnectorEntry] | None = None
+    edges: list[EdgeEntry] | None = None
+    defaults: Defaults | None = None
+    runtime: Runtime | None = None
+    auto_shm: bool | None = None
+    openai: OpenAISection | None = None
+    # vllm-omni's
+    modes: list[Any] | None = None
+    async_chunk: bool | None = None
+    pipeline: str | None = None
+    base_config: str | None = None
+    platforms: dict[str, Any] | None = None
+    session_mode: str | None = None
+
+
+def known_keys(model: type[BaseModel]) -> frozenset[str]:
+    """The keys a file writes for `model` (aliases where a field has one)."""
+    return frozenset(field.alias or name for name, field in model.model_fields.items())
+
+
+STAGE_KEYS = known_keys(Stage)
+CONNECTOR_KEYS = known_keys(ConnectorEntry)
+
+
+def near_miss(key: object, known: Iterable[str]) -> str | None:
+    """The known key `key` is a misspelling of, or None (a key of its own, or an exact one)."""
+    if not isinstance(key, str) or key in known:
+        return None
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=CUTOFF)
+    return close[0] if close else None
+
+
+def check_spelling(section: dict, known: frozenset[str], where: str, rule: str) -> None:
+    """TopologyError for the first key of `section` that is a misspelling of a `known` one (schema.near_miss)."""
+    for key in section:
+        meant = near_miss(key, known)
+        if meant is not None:
+            raise TopologyError(
+                f"{where}: unknown key {key!r}; did you mean {meant!r}? ({rule}, but not one this close to a known key)",
+                key_of=(section, key),
+            )
+
+
+def _typos(known: frozenset[str]) -> list[str]:
+    """The one-slip misspellings of `known` (a letter dropped, or swapped with the next) that `near_miss`
+    refuses: the schema lists them, as it cannot run difflib (`validate` catches the rest)."""
+    found = set()
+    for key in known:
+        for i in range(len(key)):
+            found.add(key[:i] + key[i + 1 :])
+            if i + 1 < len(key):
+                found.add(key[:i] + key[i + 1] + key[i] + key[i + 2 :])
+    return sorted(typo for typo in found if near_miss(typo, known) is not None)
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of a topology file, with the keys users write (`from`, not `src`)."""
+    schema = TopologyFile.model_json_schema(by_alias=True)
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "omni-mesh topology"
+    for name, model in (("TopologyFile", TopologyFile), ("Stage", Stage), ("Runtime", Runtime)):
+        target = schema if name == "TopologyFile" else schema["$defs"][name]
+        target["propertyNames"] = {"not": {"enum": _typos(known_keys(model))}}
+    schema["$defs"]["Stage"]["properties"]["engine"] = _engine_schema()
+    _add_connector_extras(schema)
+    return schema
+
+
+def _engine_schema() -> dict[str, Any]:
+    """A stage's `engine:` mapping, from EngineSpec's fields (parse_engine checks the same)."""
+    from omni_mesh.engines.settings import ARCHS, DTYPES, PART_ALIASES, PARTS, EngineSpec
+
+    kinds = {"int": "integer", "float": "number", "str": "string", "bool": "boolean"}
+    properties: dict[str, Any] = {}
+    for field in dataclasses.fields(EngineSpec):
+        types = [kinds[name] for name in kinds if name in str(field.type).split(" | ")]
+        types += ["null"] if "None" in str(field.type) else []
+        properties[field.name] = {"type": types[0] if len(types) == 1 else types}
+        if field.default is not dataclasses.MISSING:
+            properties[field.name]["default"] = field.default
+    properties["part"] = {"enum": [*PARTS, *PART_ALIASES]}
+    properties["model_stage"] = {**properties["part"], "description": "vllm-omni's name for part"}
+    properties["arch"] = {"enum": [*ARCHS, None], "default": None}
+    properties["dtype"] = {"enum": list(DTYPES), "default": "auto"}
+    return {
+        "anyOf": [
+            {"type": "object", "properties": properties, "additionalProperties": False},
+            {"type": "null"},
+        ],
+        "description": "a model part to run instead of a handler (docs/engines.md)",
+    }
+
+
+def _add_connector_extras(schema: dict[str, Any]) -> None:
+    """Each built-in connector type's `extra:` keys, chosen by the entry's name (third-party types,
+    registered at run time, keep a free-form extra)."""
+    from omni_mesh.connectors import available_connectors, connector_type
+    from omni_mesh.connectors.config.schema import extra_schema
+
+    entry = schema["$defs"]["ConnectorEntry"]
+    names = []
+    for name in available_connectors():
+        try:
+            kind = connector_type(name)
+        except (ValueError, ImportError):
+            continue  # a third-party type that does not load here
+        if kind.cls is not None or kind.config_class is None:
+            continue
+        names.append(name)
+        ref = f"{kind.name}Extra"  # vllm-omni's names of a type (MooncakeConnector) share its schema
+        schema["$defs"].setdefault(ref, extra_schema(kind.name, kind.config_class))
+        entry.setdefault("allOf", []).append(
+            {
+                "if": {"properties": {"name": {"const": name}}, "required": ["name"]},
+                "then": {"properties": {"extra": {"anyOf": [{"$ref": f"#/$defs/{ref}"}, {"type": "null"}]}}},
+            }
+        )
+    entry["properties"]["name"]["examples"] = names
