@@ -291,7 +291,7 @@ def test_a_non_streaming_client_that_goes_away_stops_generation_too(mesh) -> Non
     time.sleep(2.0)
     spent = cpu_seconds(pids) - before
     assert spent < 0.3, f"the stages spent {spent:.2f} s of CPU in the 2 s after the client left"
-    assert mesh.client.get("/health").json()["requests_inflight"] == 0
+    assert mesh.client.get("/v1/stats").json()["requests"]["inflight"] == 0
 
 
 def test_text_deltas_add_up_to_the_decoded_reply(checkpoint: Path) -> None:

@@ -53,9 +53,9 @@ def test_many_numbers_and_a_stream_request_arrive_whole(mesh: Mesh) -> None:
 def test_the_coordinator_holds_nothing_after_large_requests(mesh: Mesh) -> None:
     for seed in range(6):
         mesh.ok({"text": _text(2_000_000, seed)}, timeout_s=60)
-    health = mesh.client.get("/health").json()
-    assert health["requests_inflight"] == 0
-    assert health["ingress"]["held"] == 0 and health["ingress"]["puts"] >= 6, health["ingress"]
+    stats = mesh.client.get("/v1/stats").json()
+    assert stats["requests"]["inflight"] == 0
+    assert stats["ingress"]["held"] == 0 and stats["ingress"]["puts"] >= 6, stats["ingress"]
 
 
 def test_an_output_whose_metadata_outgrows_a_control_message_fails_at_once(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from pydantic import ValidationError
+from support.browser import rendered
 from support.meshkit import Mesh, running_mesh
 
 from omni_mesh import cli
@@ -654,7 +655,23 @@ class TestKeyAndTls:
                 response = client.request(method, path, json=body, headers=headers)
                 assert_envelope(response, 401, stage=None, request_id=None)
                 assert response.headers["www-authenticate"] == "Bearer"
-            assert client.get("/health").status_code == 200  # no key needed
+            assert client.get("/health").json() == {"status": "ok"}  # no key needed, and nothing else in it
+            assert_envelope(client.get("/v1/stats", headers=headers), 401)
+
+    def test_the_counters_are_behind_the_key(self, guarded: Mesh) -> None:
+        stats = guarded.client.get("/v1/stats").json()
+        assert set(stats["control"]) == {"malformed_messages", "refused_peers", "forged_messages"}, stats
+        assert stats["requests"]["inflight"] == 0 and "ingress" in stats
+
+    def test_the_dashboard_loads_without_the_key_and_reads_with_the_one_in_its_fragment(self, guarded: Mesh) -> None:
+        with httpx.Client(base_url=guarded.url, verify=False) as stranger:  # noqa: S501 (the test's own certificate)
+            for path in ("/dashboard", "/dashboard.js", "/dashboard.css"):
+                assert stranger.get(path).status_code == 200, path  # they hold no data
+        keyed = rendered(f"{guarded.url}/dashboard#key={KEY}", "--ignore-certificate-errors")
+        assert 'data-replica="a-0"' in keyed and 'data-replica="d-0"' in keyed, keyed[-2000:]
+        keyless = rendered(f"{guarded.url}/dashboard", "--ignore-certificate-errors")
+        assert "data-replica" not in keyless and "HTTP 401" in keyless, keyless[-2000:]
+        assert '<form id="keyform">' in keyless, keyless[-2000:]  # shown: it asks for the key
 
     def test_the_key_works_over_https(self, guarded: Mesh) -> None:
         assert guarded.url.startswith("https://")
