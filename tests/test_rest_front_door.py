@@ -36,6 +36,7 @@ from support.meshkit import Mesh, running_mesh
 from omni_mesh import cli
 from omni_mesh.coordinator import envelope
 from omni_mesh.coordinator.auth import ApiKey
+from omni_mesh.coordinator.hosts import is_loopback
 from omni_mesh.coordinator.http_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, read_deadlines
 from omni_mesh.coordinator.request_body import RequestBody, unpackable
 from omni_mesh.ports import free_port
@@ -507,6 +508,32 @@ class TestFullQueue:
             n = response.json()["outputs"]["n"]
             assert response.json()["outputs"] == expected(n)
         assert front.ok({"n": 2}, timeout_s=10)["outputs"] == expected(2)  # and the queue is free again
+
+
+class TestLoopbackHost:
+    """The coordinator listens on 127.0.0.1 here: a request whose Host is another name (a DNS
+    rebinding page's) gets 421, one for a loopback name is served."""
+
+    @pytest.mark.parametrize("host", ["evil.example", "evil.example:{port}", "127.0.0.1.evil.example", "10.0.0.1",
+                                      "localhost.evil.example:{port}", "[::2]:{port}"])
+    def test_another_name_is_421(self, front: Mesh, host: str) -> None:
+        headers = {"host": host.format(port=_port(front.url))}
+        for method, path in (("GET", "/v1/stages"), ("POST", "/v1/requests"), ("GET", "/dashboard")):
+            response = httpx.request(method, f"{front.url}{path}", headers=headers, json={"inputs": {"n": 2}})
+            body = assert_envelope(response, 421)
+            assert "DNS rebinding" in body["error"] and headers["host"][:30] in body["error"], body
+
+    @pytest.mark.parametrize("host", ["localhost", "LOCALHOST:{port}", "127.0.0.1", "127.0.0.1:{port}", "[::1]",
+                                      "[::1]:{port}"])
+    def test_a_loopback_name_is_served(self, front: Mesh, host: str) -> None:
+        response = httpx.get(f"{front.url}/v1/stages", headers={"host": host.format(port=_port(front.url))})
+        assert response.status_code == 200, response.text
+
+    @pytest.mark.parametrize(("listen", "guarded"), [("127.0.0.1", True), ("127.8.9.10", True), ("::1", True),
+                                                     ("[::1]", True), ("localhost", True), ("0.0.0.0", False),
+                                                     ("::", False), ("10.1.2.3", False), ("mesh.internal", False)])
+    def test_only_a_loopback_listener_is_guarded(self, listen: str, guarded: bool) -> None:
+        assert is_loopback(listen) is guarded
 
 
 class TestSlowClients:

@@ -15,6 +15,7 @@ from omni_mesh import __version__
 from omni_mesh.coordinator import docs, envelope
 from omni_mesh.coordinator.access import AccessLog
 from omni_mesh.coordinator.auth import ApiKey
+from omni_mesh.coordinator.hosts import LoopbackHosts, is_loopback
 from omni_mesh.coordinator.http_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, BodyLimit, read_deadlines
 from omni_mesh.coordinator.metrics import Metrics
 from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S
@@ -28,9 +29,14 @@ MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
 def create_app(
-    coordinator: Coordinator, *, max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None
+    coordinator: Coordinator,
+    *,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    api_key: str | None = None,
+    host: str | None = None,
 ) -> FastAPI:
-    """The coordinator's app: its routers (coordinator.routes), error envelope and middleware."""
+    """The coordinator's app: its routers (coordinator.routes), error envelope and middleware. `host`
+    is the address it listens on: on loopback it answers only requests addressed to loopback."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -55,6 +61,8 @@ def create_app(
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     if api_key:
         app.add_middleware(ApiKey, key=api_key)  # runs before any body is read
+    if host is not None and is_loopback(host):
+        app.add_middleware(LoopbackHosts)  # DNS rebinding: before the key, which is often unset there
     app.add_middleware(AccessLog, metrics=metrics)  # added last: outermost, so every answer is logged
     return app
 
@@ -78,7 +86,7 @@ async def serve(
     coordinator = Coordinator(
         topology, control, default_timeout_s=default_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s
     )
-    app = create_app(coordinator, api_key=api_key)
+    app = create_app(coordinator, api_key=api_key, host=host)
     config = uvicorn.Config(
         app,
         host=host,
