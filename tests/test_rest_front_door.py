@@ -37,7 +37,13 @@ from omni_mesh import cli
 from omni_mesh.coordinator import envelope
 from omni_mesh.coordinator.auth import ApiKey
 from omni_mesh.coordinator.hosts import is_loopback
-from omni_mesh.coordinator.http_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, read_deadlines
+from omni_mesh.coordinator.http_limits import (
+    BODY_TIMEOUT_S,
+    HEADER_TIMEOUT_S,
+    MAX_HEAD_BYTES,
+    MAX_URL_BYTES,
+    read_deadlines,
+)
 from omni_mesh.coordinator.request_body import RequestBody, unpackable
 from omni_mesh.ports import free_port
 from omni_mesh.testing.processes import descendants
@@ -510,6 +516,68 @@ class TestFullQueue:
         assert front.ok({"n": 2}, timeout_s=10)["outputs"] == expected(2)  # and the queue is free again
 
 
+class TestHeadLimits:
+    """A request's URL is capped at 8 KiB (414) and its head at 64 KiB (431), in the protocol layer:
+    a client sending megabytes of headers is cut off at the limit, and others are served meanwhile."""
+
+    @staticmethod
+    def send(mesh: Mesh, raw: bytes) -> tuple[bytes, float]:
+        with socket.create_connection(("127.0.0.1", _port(mesh.url)), timeout=10) as sock:
+            started = time.monotonic()
+            sock.sendall(raw)
+            data, closed = read_until_closed(sock, 10)
+        return data, closed - started
+
+    def test_a_long_url_is_414(self, front: Mesh) -> None:
+        data, took = self.send(front, b"GET /v1/stages?q=" + b"a" * (MAX_URL_BYTES + 1) + b" HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+        assert data.startswith(b"HTTP/1.1 414 ") and b"URL exceeds 8192 bytes" in data, data[:300]
+        assert took < 1.0, took
+
+    def test_large_headers_are_431(self, front: Mesh) -> None:
+        big = b"x-big: " + b"a" * (MAX_HEAD_BYTES + 1024) + b"\r\n"
+        data, took = self.send(front, b"GET /v1/stages HTTP/1.1\r\nhost: 127.0.0.1\r\n" + big + b"\r\n")
+        assert data.startswith(b"HTTP/1.1 431 ") and b"headers exceed 65536 bytes" in data, data[:300]
+        assert took < 1.0, took
+        many = b"".join(b"x-h%d: %s\r\n" % (i, b"b" * 1000) for i in range(70))  # 70 headers of 1 KB
+        data, _ = self.send(front, b"GET /v1/stages HTTP/1.1\r\nhost: 127.0.0.1\r\n" + many + b"\r\n")
+        assert data.startswith(b"HTTP/1.1 431 "), data[:300]
+
+    def test_heads_under_the_limit_are_served_on_a_kept_alive_connection(self, front: Mesh) -> None:
+        head = b"GET /v1/stages HTTP/1.1\r\nhost: 127.0.0.1\r\nx-big: " + b"c" * 40_000 + b"\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", _port(front.url)), timeout=10) as sock:
+            for _ in range(5):  # 200 KB of heads in all: each is counted on its own
+                sock.sendall(head)
+                assert read_response(sock).startswith(b"HTTP/1.1 200 ")
+
+    def test_clients_sending_megabytes_of_headers_are_cut_off_and_others_served(self, front: Mesh) -> None:
+        def flood() -> tuple[float, bytes]:
+            """Send up to 50 MB of one header; (seconds until the server closed, what it answered)."""
+            with socket.create_connection(("127.0.0.1", _port(front.url)), timeout=10) as sock:
+                started = time.monotonic()
+                sock.sendall(b"GET /v1/stages HTTP/1.1\r\nhost: 127.0.0.1\r\nx-big: ")
+                block = b"a" * 65536
+                try:
+                    for _ in range(50 * 1024 * 1024 // len(block)):
+                        sock.sendall(block)
+                except OSError:  # the server closed the connection
+                    pass
+                data, closed = read_until_closed(sock, 10)
+                return closed - started, data
+
+        with ThreadPoolExecutor(4) as pool:
+            floods = [pool.submit(flood) for _ in range(4)]
+            slowest = 0.0
+            while not all(f.done() for f in floods):
+                started = time.monotonic()
+                assert front.client.get("/v1/stages", timeout=10).status_code == 200
+                slowest = max(slowest, time.monotonic() - started)
+            results = [f.result() for f in floods]
+        for took, data in results:
+            assert took < 1.0, results  # cut off at the limit, not at the header deadline (2 s here)
+            assert data == b"" or data.startswith(b"HTTP/1.1 431 "), data[:200]  # a reset may lose the answer
+        assert slowest < 0.5, slowest
+
+
 class TestLoopbackHost:
     """The coordinator listens on 127.0.0.1 here: a request whose Host is another name (a DNS
     rebinding page's) gets 421, one for a loopback name is served."""
@@ -563,7 +631,7 @@ class TestSlowClients:
                     time.sleep(0.05)
 
         slow: list[tuple[socket.socket, float]] = []
-        headers = b"POST /v1/requests HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        headers = b"POST /v1/requests HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
         worker = threading.Thread(target=normal_client, daemon=True)
         worker.start()
         trickler: threading.Thread | None = None
