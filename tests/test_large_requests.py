@@ -5,6 +5,7 @@ output message would outgrow a control message fails the request at once, naming
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import threading
 import time
@@ -48,6 +49,9 @@ def test_many_numbers_and_a_stream_request_arrive_whole(mesh: Mesh) -> None:
                    "numbers_sum": sum(numbers)}
     streamed = mesh.request({"numbers": numbers}, timeout_s=60, stream=True)
     assert streamed.status_code == 200 and f'"numbers_sum": {sum(numbers)}' in streamed.text
+    # digest answers once (it does not stream): its output comes in the `done` event, the only place
+    done = json.loads(streamed.text.split("event: done\ndata: ", 1)[1].splitlines()[0])
+    assert done["outputs"]["numbers_sum"] == sum(numbers), done
 
 
 def test_the_coordinator_holds_nothing_after_large_requests(mesh: Mesh) -> None:

@@ -21,6 +21,9 @@ from omni_mesh.coordinator.sse import sse
 from omni_mesh.openai_section import OpenAISpec
 
 DEFAULT_SAMPLE_RATE = 24_000  # OpenAI's pcm16 rate: the WAV header of a reply no stage gave a rate for
+#: A reply's audio.expires_at is this long after it was made, as OpenAI's (nothing is kept for later
+#: turns here, but a client reads the field as a lifetime, and OpenAI's is an hour).
+AUDIO_EXPIRES_S = 3600
 
 
 def openai_error(
@@ -46,6 +49,8 @@ class Answer:
         self.id = f"chatcmpl-{state.rid}"
         self.audio_id = f"audio_{state.rid}"
         self.created = int(time.time())
+        # With audio, the text is the audio's transcript, and `content` is null (as OpenAI answers).
+        self.content = call.text and call.audio_format is None
 
     async def next_event(self) -> events.Event:
         assert self.state.events is not None
@@ -83,12 +88,12 @@ class Answer:
         except BaseException:
             self.abandon()
             raise
-        message: dict[str, Any] = {"role": "assistant", "content": self.reply.text if self.call.text else None}
+        message: dict[str, Any] = {"role": "assistant", "content": self.reply.text if self.content else None}
         if self.call.audio_format is not None:
             message["audio"] = {
                 "id": self.audio_id,
                 "data": self._audio(bytes(self.reply.pcm)),
-                "expires_at": self.created,  # nothing is kept for later turns: it expires at once
+                "expires_at": self.created + AUDIO_EXPIRES_S,
                 "transcript": self.reply.text,
             }
         choice = {"index": 0, "message": message, "finish_reason": self.reply.finish_reason, "logprobs": None}
@@ -96,12 +101,13 @@ class Answer:
 
     async def stream(self, first: events.Event) -> AsyncIterator[str]:
         try:
-            yield self._chunk({"role": "assistant", "content": ""})
+            yield self._chunk({"role": "assistant", "content": "" if self.content else None})
             async for piece in self.pieces(first):
                 delta = self._delta(piece)
                 if delta:
                     yield self._chunk(delta)
-            end = {"audio": {"id": self.audio_id, "expires_at": self.created}} if self.call.audio_format else {}
+            expires_at = self.created + AUDIO_EXPIRES_S
+            end = {"audio": {"id": self.audio_id, "expires_at": expires_at}} if self.call.audio_format else {}
             yield self._chunk(end, finish_reason=self.reply.finish_reason)
             if self.call.include_usage:
                 yield sse(self._object("chat.completion.chunk", [], usage=self.reply.usage))
@@ -113,7 +119,7 @@ class Answer:
 
     def _delta(self, piece: Piece) -> dict[str, Any]:
         delta: dict[str, Any] = {}
-        if piece.text and self.call.text:
+        if piece.text and self.content:
             delta["content"] = piece.text
         if self.call.audio_format is not None:
             audio: dict[str, Any] = {}

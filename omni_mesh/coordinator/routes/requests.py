@@ -55,15 +55,19 @@ def router(coordinator: Coordinator) -> APIRouter:
             return Response(status_code=CLIENT_GONE)  # nobody reads it: for the access log
         return {**_summary(state), "outputs": jsonable(outputs)}
 
+    finals = [stage.name for stage in coordinator.topology.final_stages]
+
     async def _events(state: RequestState) -> AsyncIterator[str]:
         assert state.events is not None
+        streamed: set[str] = set()
         try:
             while True:
                 event = await state.events.get()
                 if isinstance(event, events.Chunk):
+                    streamed.add(event.stage)
                     yield sse({"request_id": state.rid, "stage": event.stage, "output": jsonable(event.value)}, "chunk")
                 elif isinstance(event, events.Done):
-                    yield sse({**_summary(state), "outputs": jsonable(event.outputs)}, "done")
+                    yield sse({**_summary(state), **_unstreamed(finals, streamed, event.outputs)}, "done")
                     return
                 else:
                     error = event.error
@@ -74,6 +78,15 @@ def router(coordinator: Coordinator) -> APIRouter:
             dispatcher.abandon(state)  # a no-op once the request ended
 
     return routes
+
+
+def _unstreamed(finals: list[str], streamed: set[str], outputs: Any) -> dict[str, Any]:
+    """`outputs` of a streamed request less what its chunks carried: a final stage that streamed is not
+    repeated in `done` (its audio was sent twice); one that answered once is only there. Empty: no key."""
+    if len(finals) == 1:
+        return {} if finals[0] in streamed else {"outputs": jsonable(outputs)}
+    rest = {name: value for name, value in (outputs or {}).items() if name not in streamed}
+    return {"outputs": jsonable(rest)} if rest else {}
 
 
 def _summary(state: RequestState) -> dict[str, Any]:
