@@ -459,6 +459,10 @@ class TestBadInput:
         for n in (1, 5):
             assert front.ok({"n": n}, timeout_s=10)["outputs"] == expected(n)
 
+    def test_params_over_the_limit_are_413_naming_params(self, front: Mesh) -> None:
+        body = assert_envelope(front.request({"n": 2}, params={"blob": "p" * (300 * 1024)}), 413, field="params")
+        assert "exceed 262144" in body["error"] and "put large data in inputs" in body["error"], body
+
     def test_nothing_is_held_after_a_burst_of_bad_requests(self, front: Mesh) -> None:
         raws = [raw for raw, _ in BAD_BODIES] * 4
         with ThreadPoolExecutor(8) as pool:
