@@ -10,6 +10,7 @@ shared-memory segment of the mesh has been unlinked.
 from __future__ import annotations
 
 import contextlib
+import html
 import inspect
 import os
 import resource
@@ -19,11 +20,13 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from html.parser import HTMLParser
 from pathlib import Path
 
 import msgpack
 import pytest
 import zmq
+from support.browser import rendered
 from support.meshkit import Mesh, running_mesh, wait_for
 
 from omni_mesh import codec
@@ -167,7 +170,8 @@ def replica_ids(mesh: Mesh) -> dict[str, list[str]]:
 
 
 def health(mesh: Mesh) -> dict:
-    return mesh.client.get("/health").json()
+    """The coordinator's control-plane counters (in /v1/stats: /health says only "ok")."""
+    return mesh.client.get("/v1/stats").json()["control"]
 
 
 def requests_succeed(mesh: Mesh, count: int = 4) -> None:
@@ -290,6 +294,65 @@ def test_outputs_only_count_from_the_replica_that_was_sent_the_request(mesh: Mes
     finally:
         rogue.close()
     assert "rogue" not in replica_ids(mesh)["a"]
+
+
+class _Markup(HTMLParser):
+    """Every element, attribute name and element id in a page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[str] = []
+        self.attributes: set[str] = set()
+        self.ids: set[str | None] = set()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append(tag)
+        self.attributes.update(name for name, _ in attrs)
+        self.ids.update(value for name, value in attrs if name == "id")
+
+
+def test_a_replica_id_of_html_is_shown_as_text_on_the_dashboard(mesh: Mesh, keys: MeshKeys) -> None:
+    """A member registers a replica whose id is markup. Headless Chromium renders /dashboard: the id
+    is in the page as text, and nothing of it became an element or an attribute."""
+    endpoint, _ = control_endpoint(mesh)
+    rogue_id = '<img src=x onerror="document.title=1"><b id=pwned>'
+    rogue = Peer(endpoint, keys)
+    try:
+        rogue.send(register_message(mesh, "a", rogue_id))
+        assert rogue.receive(5)["type"] == "registered"
+        stop = threading.Event()
+
+        def beat() -> None:  # a silent replica is dropped after the heartbeat timeout; Chromium takes a while
+            while not stop.wait(0.5):
+                rogue.send({"type": "heartbeat", "replica": rogue_id, "inflight": 0})
+
+        beating = threading.Thread(target=beat)
+        beating.start()
+        try:
+            page = rendered(f"{mesh.url}/dashboard")
+        finally:
+            stop.set()
+            beating.join()
+        rogue.send({"type": "deregister", "replica": rogue_id})
+    finally:
+        rogue.close()
+    markup = _Markup()
+    markup.feed(page)
+    assert "td" in markup.tags and 'data-replica="a-0"' in page, page[-3000:]  # the page drew its data
+    assert html.escape(rogue_id, quote=False) in page, page[-3000:]  # the id, as text
+    assert "img" not in markup.tags and "pwned" not in markup.ids, (markup.tags, markup.ids)
+    assert "onerror" not in markup.attributes, markup.attributes
+
+
+def test_dashboard_answers_carry_a_strict_content_security_policy(mesh: Mesh) -> None:
+    for path, kind in (("/dashboard", "text/html"), ("/dashboard.js", "text/javascript"), ("/dashboard.css", "text/css")):
+        response = mesh.client.get(path)
+        assert response.status_code == 200 and response.headers["content-type"].startswith(kind), path
+        policy = {d.split()[0]: d.split()[1:] for d in response.headers["content-security-policy"].split("; ")}
+        assert policy["default-src"] == ["'self'"] and policy["script-src"] == ["'self'"], policy
+        assert policy["frame-ancestors"] == ["'none'"] and "'unsafe-inline'" not in str(policy), policy
+        assert response.headers["x-content-type-options"] == "nosniff"
+    assert "<script>" not in mesh.client.get("/dashboard").text  # no inline script: the policy would block it
 
 
 def test_an_oversized_output_fails_its_request_at_once_naming_the_stage(mesh: Mesh, keys: MeshKeys) -> None:

@@ -31,6 +31,7 @@ from omni_mesh.control import (
     Rejected,
     Work,
 )
+from omni_mesh.coordinator import events as request_events
 from omni_mesh.coordinator.dispatch import Dispatcher, RequestFailed
 from omni_mesh.coordinator.registry import Registry, Replica
 from omni_mesh.coordinator.service import Coordinator
@@ -190,7 +191,11 @@ async def test_streamed_chunks_are_relayed_in_order_and_buffered_until_dispatch(
     events = []
     while not state.events.empty():
         events.append(state.events.get_nowait())
-    assert [e[0] for e in events] == ["chunk", "chunk", "done"]
+    assert events == [
+        request_events.Chunk("code2wav", {"audio": 0}),
+        request_events.Chunk("code2wav", {"audio": 1}),
+        request_events.Done([{"audio": 0}, {"audio": 1}]),
+    ]
     assert await state.future == [{"audio": 0}, {"audio": 1}]
 
 
@@ -401,6 +406,16 @@ async def test_a_full_queue_is_reported_for_new_requests_only() -> None:
     mesh.dispatcher.submit({}, {}, 10.0, False)  # takes the slot
     assert mesh.dispatcher.full_stage() is None
     mesh.dispatcher.submit({}, {}, 10.0, False)  # waits
+    assert mesh.dispatcher.full_stage() == ("a", 1)
+
+
+async def test_requests_still_putting_large_inputs_count_as_waiting_beyond_the_free_slots() -> None:
+    topology = parse_topology({"name": "q", "stages": [{"stage_id": 0, "name": "a", "max_queued": 1}]})
+    mesh = Mesh(topology)
+    mesh.add("a", "a-0")  # one free slot
+    mesh.dispatcher.arriving["a"] = 1  # will take the slot
+    assert mesh.dispatcher.full_stage() is None
+    mesh.dispatcher.arriving["a"] = 2  # one takes the slot, one will wait: the queue's one place
     assert mesh.dispatcher.full_stage() == ("a", 1)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import shutil
 import subprocess
 import threading
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support.browser import rendered, tool
 from support.meshkit import OMNI_MESH, Mesh, running_mesh, wait_for
 
 from omni_mesh.ports import free_port
@@ -33,13 +33,6 @@ TOPOLOGY = {
     "name": "observed",
     "stages": [_stage(0, "a", replicas=2), _stage(1, "d", engine_input_source=[0], final_output=True)],
 }
-
-
-def _tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.fail(f"{name} is not installed: run `make test` (it installs it) or `apt-get install {name}`")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +68,7 @@ def test_a_failed_request_is_logged_naming_the_stage(mesh: Mesh) -> None:
 
 
 def test_prometheus_scrapes_the_request_counter_and_histogram(mesh: Mesh, tmp_path: Path) -> None:
-    prometheus = _tool("prometheus")
+    prometheus = tool("prometheus")
     port = free_port()
     target = mesh.url.removeprefix("http://")
     config = tmp_path / "prometheus.yml"
@@ -126,18 +119,8 @@ def test_prometheus_scrapes_the_request_counter_and_histogram(mesh: Mesh, tmp_pa
         server.wait(10)
 
 
-def _dom(url: str) -> str:
-    chromium = _tool("chromium")
-    result = subprocess.run(
-        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=3000", "--dump-dom", url],
-        capture_output=True, text=True, timeout=60,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result.stdout
-
-
 def test_the_dashboard_shows_the_graph_and_live_numbers(mesh: Mesh, tmp_path: Path) -> None:
-    chromium = _tool("chromium")
+    chromium = tool("chromium")
     screenshot = tmp_path / "dashboard.png"
     subprocess.run(
         [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1100,700",
@@ -154,9 +137,9 @@ def test_the_dashboard_shows_the_graph_and_live_numbers(mesh: Mesh, tmp_path: Pa
     worker = threading.Thread(target=load)
     worker.start()
     try:
-        first = _dom(f"{mesh.url}/dashboard")
+        first = rendered(f"{mesh.url}/dashboard")
         time.sleep(1.0)
-        second = _dom(f"{mesh.url}/dashboard")
+        second = rendered(f"{mesh.url}/dashboard")
     finally:
         stop.set()
         worker.join()

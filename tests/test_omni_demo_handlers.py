@@ -64,7 +64,7 @@ def read_wav(result: dict) -> tuple[Any, np.ndarray]:
 
 async def test_thinker_output_shapes_and_text() -> None:
     out = await stages.thinker({"prompt": PROMPT}, Ctx())
-    assert set(out) == {"text", "hidden_states", "prompt", "usage"}
+    assert set(out) == {"text", "hidden_states", "prompt", "usage", "finish_reason"}
     assert out["prompt"] == PROMPT
     assert out["usage"] == {"prompt_tokens": len(PROMPT.encode()), "completion_tokens": len(out["text"].encode())}
     assert PROMPT in out["text"]
@@ -91,12 +91,16 @@ async def test_thinker_max_tokens_caps_reply() -> None:
     capped = await stages.thinker({"prompt": long_prompt}, Ctx(params={"max_tokens": 5}))
     assert capped["hidden_states"].shape[0] == 5
     assert capped["text"] == "You s"
+    assert (default["finish_reason"], capped["finish_reason"]) == ("length", "length")  # max_tokens cut both
+    whole = await stages.thinker({"prompt": "hi"}, Ctx())
+    assert whole["finish_reason"] == "stop" and whole["text"] == 'You said: "hi".'
 
 
 async def test_thinker_cap_inside_multibyte_character_keeps_text_and_tokens_aligned() -> None:
     out = await stages.thinker({"prompt": "héllo"}, Ctx(params={"max_tokens": 13}))  # cap splits 'é'
     assert out["text"] == 'You said: "h'
     assert out["hidden_states"].shape[0] == len(out["text"].encode())
+    assert out["finish_reason"] == "length"  # the cap fell inside a character: cut all the same
 
 
 @pytest.mark.parametrize(
@@ -193,7 +197,7 @@ async def test_talker_rejects_bad_hidden_states() -> None:
 async def test_pipeline_produces_playable_wav() -> None:
     thought, chunks, result = await run_pipeline(PROMPT)
     tokens = thought["hidden_states"].shape[0]
-    assert set(result) == {"text", "sample_rate", "audio_wav_base64", "duration_s", "codes", "usage"}
+    assert set(result) == {"text", "sample_rate", "audio_wav_base64", "duration_s", "codes", "usage", "finish_reason"}
     assert result["text"] == thought["text"] and result["usage"] == thought["usage"]
     assert result["sample_rate"] == 24000
     assert result["codes"] == tokens * CODES_PER_TOKEN
@@ -289,7 +293,10 @@ async def test_code2wav_streams_the_transcript_first_then_audio_per_talker_chunk
     chunks = await collect(stages.code2wav(stream(talked), ctx))
     assert len(chunks) == len(talked)  # the transcript, then one audio chunk per code chunk
     first, rest = chunks[0], chunks[1:]
-    assert first == {"text": thought["text"], "audio_pcm16": b"", "sample_rate": SAMPLE_RATE, "usage": thought["usage"]}
+    assert first == {
+        "text": thought["text"], "audio_pcm16": b"", "sample_rate": SAMPLE_RATE, "usage": thought["usage"],
+        "finish_reason": thought["finish_reason"],
+    }
     for chunk, codes in zip(rest, [c["codes"] for c in talked[1:]], strict=True):
         assert chunk["text"] == "" and chunk["sample_rate"] == SAMPLE_RATE
         assert len(chunk["audio_pcm16"]) == 2 * GROUP_SAMPLES * codes.shape[0]

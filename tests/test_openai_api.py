@@ -58,10 +58,11 @@ def read_wav(data: bytes) -> tuple[tuple[int, int, int], np.ndarray]:
         return shape, np.frombuffer(wav.readframes(wav.getnframes()), dtype="<i2")
 
 
-def audio_data(chunk: object) -> str | None:
-    """A streamed chunk's `delta.audio.data` (a model in newer clients, a plain dict in older ones)."""
+def audio_data(chunk: object, field: str = "data") -> str | None:
+    """A streamed chunk's `delta.audio.data` (or another field of it: a model in newer clients, a
+    plain dict in older ones)."""
     audio = chunk.choices[0].delta.audio if chunk.choices else None
-    return audio.get("data") if isinstance(audio, dict) else getattr(audio, "data", None)
+    return audio.get(field) if isinstance(audio, dict) else getattr(audio, field, None)
 
 
 def audio_chat(client: openai.OpenAI, fmt: str = "wav", **options: object) -> object:
@@ -109,10 +110,11 @@ def test_non_streaming_answer_has_text_and_a_wav_that_decodes(client: openai.Ope
     assert completion.object == "chat.completion" and completion.model == MODEL
     choice = completion.choices[0]
     assert choice.finish_reason == "stop" and choice.message.role == "assistant"
-    text = choice.message.content
-    assert text == f'You said: "{PROMPT}".'
+    assert choice.message.content is None  # as OpenAI answers: with audio, the text is its transcript
     audio = choice.message.audio
-    assert audio.id and audio.transcript == text and audio.expires_at > 0
+    text = audio.transcript
+    assert text == f'You said: "{PROMPT}".'
+    assert audio.id and audio.expires_at == completion.created + 3600  # an hour, as OpenAI's
     (rate, channels, width), samples = read_wav(base64.b64decode(audio.data))
     assert (rate, channels, width) == (RATE, 1, 2)
     tokens = len(text.encode())  # the demo's tokens are bytes: one tone of GROUP_SAMPLES each
@@ -142,7 +144,8 @@ def test_pcm16_is_the_wavs_samples_and_text_only_has_no_audio(client: openai.Ope
 
 def test_sampling_fields_reach_the_stages(client: openai.OpenAI) -> None:
     completion = audio_chat(client, max_completion_tokens=5, temperature=0.2, top_p=0.9, seed=7, stop=["\n"])
-    assert completion.choices[0].message.content == "You s"  # the thinker read max_tokens
+    assert completion.choices[0].message.audio.transcript == "You s"  # the thinker read max_tokens
+    assert completion.choices[0].finish_reason == "length"  # and says so, as OpenAI does
     _, samples = read_wav(base64.b64decode(completion.choices[0].message.audio.data))
     assert len(samples) == 5 * GROUP_SAMPLES
 
@@ -163,9 +166,13 @@ def test_streaming_sends_text_first_then_audio_progressively(client: openai.Open
             continue
         delta = chunk.choices[0].delta
         finish = chunk.choices[0].finish_reason or finish
-        if delta.content:
-            text += delta.content
+        assert not delta.content, delta  # with audio, the text comes as audio.transcript, as OpenAI's
+        words = audio_data(chunk, "transcript")
+        if words:
+            text += words
             text_at.append(now)
+        if expires := audio_data(chunk, "expires_at"):
+            assert expires == chunk.created + 3600
         data = audio_data(chunk)
         if data:
             audio += base64.b64decode(data)
@@ -206,7 +213,8 @@ def test_v1_requests_streams_the_demo_progressively(demo: Mesh) -> None:
     audio_at = [at for at, _ in chunks[1:]]
     assert chunks[0][0] < audio_at[0], "the text comes before the audio"
     assert_progressive(audio_at, len(outputs[0]["text"].encode()))
-    assert len(done["outputs"]) == len(outputs)
+    # `done` closes the stream without repeating what the chunks carried (the audio came twice).
+    assert "outputs" not in done and done["request_id"] and done["latency_s"] > 0 and "talker" in done["timings"], done
 
 
 # ------------------------------------------------------------------ errors

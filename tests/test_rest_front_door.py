@@ -30,12 +30,20 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from pydantic import ValidationError
+from support.browser import rendered
 from support.meshkit import Mesh, running_mesh
 
 from omni_mesh import cli
 from omni_mesh.coordinator import envelope
 from omni_mesh.coordinator.auth import ApiKey
-from omni_mesh.coordinator.http_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, read_deadlines
+from omni_mesh.coordinator.hosts import is_loopback
+from omni_mesh.coordinator.http_limits import (
+    BODY_TIMEOUT_S,
+    HEADER_TIMEOUT_S,
+    MAX_HEAD_BYTES,
+    MAX_URL_BYTES,
+    read_deadlines,
+)
 from omni_mesh.coordinator.request_body import RequestBody, unpackable
 from omni_mesh.ports import free_port
 from omni_mesh.testing.processes import descendants
@@ -451,6 +459,10 @@ class TestBadInput:
         for n in (1, 5):
             assert front.ok({"n": n}, timeout_s=10)["outputs"] == expected(n)
 
+    def test_params_over_the_limit_are_413_naming_params(self, front: Mesh) -> None:
+        body = assert_envelope(front.request({"n": 2}, params={"blob": "p" * (300 * 1024)}), 413, field="params")
+        assert "exceed 262144" in body["error"] and "put large data in inputs" in body["error"], body
+
     def test_nothing_is_held_after_a_burst_of_bad_requests(self, front: Mesh) -> None:
         raws = [raw for raw, _ in BAD_BODIES] * 4
         with ThreadPoolExecutor(8) as pool:
@@ -508,6 +520,94 @@ class TestFullQueue:
         assert front.ok({"n": 2}, timeout_s=10)["outputs"] == expected(2)  # and the queue is free again
 
 
+class TestHeadLimits:
+    """A request's URL is capped at 8 KiB (414) and its head at 64 KiB (431), in the protocol layer:
+    a client sending megabytes of headers is cut off at the limit, and others are served meanwhile."""
+
+    @staticmethod
+    def send(mesh: Mesh, raw: bytes) -> tuple[bytes, float]:
+        with socket.create_connection(("127.0.0.1", _port(mesh.url)), timeout=10) as sock:
+            started = time.monotonic()
+            sock.sendall(raw)
+            data, closed = read_until_closed(sock, 10)
+        return data, closed - started
+
+    def test_a_long_url_is_414(self, front: Mesh) -> None:
+        data, took = self.send(front, b"GET /v1/stages?q=" + b"a" * (MAX_URL_BYTES + 1) + b" HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+        assert data.startswith(b"HTTP/1.1 414 ") and b"URL exceeds 8192 bytes" in data, data[:300]
+        assert took < 1.0, took
+
+    def test_large_headers_are_431(self, front: Mesh) -> None:
+        big = b"x-big: " + b"a" * (MAX_HEAD_BYTES + 1024) + b"\r\n"
+        data, took = self.send(front, b"GET /v1/stages HTTP/1.1\r\nhost: 127.0.0.1\r\n" + big + b"\r\n")
+        assert data.startswith(b"HTTP/1.1 431 ") and b"headers exceed 65536 bytes" in data, data[:300]
+        assert took < 1.0, took
+        many = b"".join(b"x-h%d: %s\r\n" % (i, b"b" * 1000) for i in range(70))  # 70 headers of 1 KB
+        data, _ = self.send(front, b"GET /v1/stages HTTP/1.1\r\nhost: 127.0.0.1\r\n" + many + b"\r\n")
+        assert data.startswith(b"HTTP/1.1 431 "), data[:300]
+
+    def test_heads_under_the_limit_are_served_on_a_kept_alive_connection(self, front: Mesh) -> None:
+        head = b"GET /v1/stages HTTP/1.1\r\nhost: 127.0.0.1\r\nx-big: " + b"c" * 40_000 + b"\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", _port(front.url)), timeout=10) as sock:
+            for _ in range(5):  # 200 KB of heads in all: each is counted on its own
+                sock.sendall(head)
+                assert read_response(sock).startswith(b"HTTP/1.1 200 ")
+
+    def test_clients_sending_megabytes_of_headers_are_cut_off_and_others_served(self, front: Mesh) -> None:
+        def flood() -> tuple[float, bytes]:
+            """Send up to 50 MB of one header; (seconds until the server closed, what it answered)."""
+            with socket.create_connection(("127.0.0.1", _port(front.url)), timeout=10) as sock:
+                started = time.monotonic()
+                sock.sendall(b"GET /v1/stages HTTP/1.1\r\nhost: 127.0.0.1\r\nx-big: ")
+                block = b"a" * 65536
+                try:
+                    for _ in range(50 * 1024 * 1024 // len(block)):
+                        sock.sendall(block)
+                except OSError:  # the server closed the connection
+                    pass
+                data, closed = read_until_closed(sock, 10)
+                return closed - started, data
+
+        with ThreadPoolExecutor(4) as pool:
+            floods = [pool.submit(flood) for _ in range(4)]
+            slowest = 0.0
+            while not all(f.done() for f in floods):
+                started = time.monotonic()
+                assert front.client.get("/v1/stages", timeout=10).status_code == 200
+                slowest = max(slowest, time.monotonic() - started)
+            results = [f.result() for f in floods]
+        for took, data in results:
+            assert took < 1.0, results  # cut off at the limit, not at the header deadline (2 s here)
+            assert data == b"" or data.startswith(b"HTTP/1.1 431 "), data[:200]  # a reset may lose the answer
+        assert slowest < 0.5, slowest
+
+
+class TestLoopbackHost:
+    """The coordinator listens on 127.0.0.1 here: a request whose Host is another name (a DNS
+    rebinding page's) gets 421, one for a loopback name is served."""
+
+    @pytest.mark.parametrize("host", ["evil.example", "evil.example:{port}", "127.0.0.1.evil.example", "10.0.0.1",
+                                      "localhost.evil.example:{port}", "[::2]:{port}"])
+    def test_another_name_is_421(self, front: Mesh, host: str) -> None:
+        headers = {"host": host.format(port=_port(front.url))}
+        for method, path in (("GET", "/v1/stages"), ("POST", "/v1/requests"), ("GET", "/dashboard")):
+            response = httpx.request(method, f"{front.url}{path}", headers=headers, json={"inputs": {"n": 2}})
+            body = assert_envelope(response, 421)
+            assert "DNS rebinding" in body["error"] and headers["host"][:30] in body["error"], body
+
+    @pytest.mark.parametrize("host", ["localhost", "LOCALHOST:{port}", "127.0.0.1", "127.0.0.1:{port}", "[::1]",
+                                      "[::1]:{port}"])
+    def test_a_loopback_name_is_served(self, front: Mesh, host: str) -> None:
+        response = httpx.get(f"{front.url}/v1/stages", headers={"host": host.format(port=_port(front.url))})
+        assert response.status_code == 200, response.text
+
+    @pytest.mark.parametrize(("listen", "guarded"), [("127.0.0.1", True), ("127.8.9.10", True), ("::1", True),
+                                                     ("[::1]", True), ("localhost", True), ("0.0.0.0", False),
+                                                     ("::", False), ("10.1.2.3", False), ("mesh.internal", False)])
+    def test_only_a_loopback_listener_is_guarded(self, listen: str, guarded: bool) -> None:
+        assert is_loopback(listen) is guarded
+
+
 class TestSlowClients:
     PARTIAL = 500  # send half a header, then nothing
     TRICKLING = 100  # send the headers, then a body byte now and then
@@ -535,7 +635,7 @@ class TestSlowClients:
                     time.sleep(0.05)
 
         slow: list[tuple[socket.socket, float]] = []
-        headers = b"POST /v1/requests HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        headers = b"POST /v1/requests HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
         worker = threading.Thread(target=normal_client, daemon=True)
         worker.start()
         trickler: threading.Thread | None = None
@@ -654,7 +754,23 @@ class TestKeyAndTls:
                 response = client.request(method, path, json=body, headers=headers)
                 assert_envelope(response, 401, stage=None, request_id=None)
                 assert response.headers["www-authenticate"] == "Bearer"
-            assert client.get("/health").status_code == 200  # no key needed
+            assert client.get("/health").json() == {"status": "ok"}  # no key needed, and nothing else in it
+            assert_envelope(client.get("/v1/stats", headers=headers), 401)
+
+    def test_the_counters_are_behind_the_key(self, guarded: Mesh) -> None:
+        stats = guarded.client.get("/v1/stats").json()
+        assert set(stats["control"]) == {"malformed_messages", "refused_peers", "forged_messages"}, stats
+        assert stats["requests"]["inflight"] == 0 and "ingress" in stats
+
+    def test_the_dashboard_loads_without_the_key_and_reads_with_the_one_in_its_fragment(self, guarded: Mesh) -> None:
+        with httpx.Client(base_url=guarded.url, verify=False) as stranger:  # noqa: S501 (the test's own certificate)
+            for path in ("/dashboard", "/dashboard.js", "/dashboard.css"):
+                assert stranger.get(path).status_code == 200, path  # they hold no data
+        keyed = rendered(f"{guarded.url}/dashboard#key={KEY}", "--ignore-certificate-errors")
+        assert 'data-replica="a-0"' in keyed and 'data-replica="d-0"' in keyed, keyed[-2000:]
+        keyless = rendered(f"{guarded.url}/dashboard", "--ignore-certificate-errors")
+        assert "data-replica" not in keyless and "HTTP 401" in keyless, keyless[-2000:]
+        assert '<form id="keyform">' in keyless, keyless[-2000:]  # shown: it asks for the key
 
     def test_the_key_works_over_https(self, guarded: Mesh) -> None:
         assert guarded.url.startswith("https://")

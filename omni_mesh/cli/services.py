@@ -24,7 +24,8 @@ def _add_rest_flags(parser: argparse.ArgumentParser) -> None:
     rest = parser.add_argument_group("REST front door")
     rest.add_argument(
         "--api-key", metavar="KEY", default=None,
-        help=f"clients must send 'Authorization: Bearer KEY' on every route but /health (default: ${ENV_API_KEY}; "
+        help=f"clients must send 'Authorization: Bearer KEY' on every route but /health and /dashboard's page "
+        f"(default: ${ENV_API_KEY}; "
         "unset: no key). Prefer the variable: a flag's value shows in ps",
     )
     rest.add_argument(

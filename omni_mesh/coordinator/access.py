@@ -21,14 +21,20 @@ from omni_mesh.coordinator.metrics import Metrics
 log = logging.getLogger("omni_mesh.access")
 
 HEADER = b"x-request-id"
-_TAME = re.compile(rb"[A-Za-z0-9._:-]{1,64}")
+#: A client's X-Request-Id becomes the request's id when it is this tame: it ends up in log lines and
+#: connector keys.
+_TAME = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
 
 
+def tame_request_id(value: str) -> bool:
+    return _TAME.fullmatch(value) is not None
+
+
 def request_id_of(scope: dict[str, Any]) -> str:
     for name, value in scope.get("headers", ()):
-        if name == HEADER and _TAME.fullmatch(value):
+        if name == HEADER and tame_request_id(value.decode("latin-1")):
             return value.decode()
     return uuid.uuid4().hex
 

@@ -1,4 +1,5 @@
-"""The REST API key: `Authorization: Bearer <key>` on every route but the health check."""
+"""The REST API key: `Authorization: Bearer <key>` on every route but the health check and the dashboard's
+page (auth.OPEN_PATHS)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from omni_mesh.coordinator.envelope import error_response
 
 ENV_API_KEY = "OMNI_MESH_API_KEY"
 
-#: Routes a container runtime or load balancer probes without credentials.
-OPEN_PATHS = frozenset({"/health"})
+#: Routes open without credentials: the health check a container runtime or load balancer probes
+#: (it says nothing but "ok"), and the dashboard's page and assets, which hold no data (the page
+#: asks the API for it with the key).
+OPEN_PATHS = frozenset({"/health", "/dashboard", "/dashboard.js", "/dashboard.css"})
 
 
 class ApiKey:

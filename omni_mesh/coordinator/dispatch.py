@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import re
 import time
 import uuid
 from collections import deque
@@ -20,28 +19,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
-
 from omni_mesh import codec
 from omni_mesh.control import Abort, Chunk, Error, Message, Output, Work
+from omni_mesh.coordinator import events
+from omni_mesh.coordinator.access import tame_request_id
+from omni_mesh.coordinator.failures import CLIENT_GONE, RequestFailed, stage_failure
 from omni_mesh.coordinator.registry import Registry, Replica
-from omni_mesh.ingress import INLINE_MAX_BYTES, Ingress
+from omni_mesh.ingress import Ingress
 from omni_mesh.topology import Topology
 
 log = logging.getLogger("omni_mesh.coordinator")
 
-#: Params travel in every stage's work message: they must stay small (large data goes in inputs).
-MAX_PARAMS_BYTES = 256 * 1024
-#: A client's X-Request-Id becomes the request's id when it is this tame (it ends up in connector keys).
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
-
-class RequestFailed(Exception):
-    def __init__(self, status: int, message: str, stage: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.stage = stage
+__all__ = ["Dispatcher", "RequestFailed", "RequestState"]
 
 
 @dataclass
@@ -66,7 +56,7 @@ class RequestState:
     retried: set[str] = field(default_factory=set)
     outputs: dict[str, Any] = field(default_factory=dict)
     chunks: dict[str, list] = field(default_factory=dict)
-    events: asyncio.Queue | None = None
+    events: asyncio.Queue[events.Event] | None = None  # a streamed request's, for its reader
     timings: dict[str, dict] = field(default_factory=dict)
     large_inputs: Any = None  # inputs held by the ingress connector (put again for a retried entry stage)
     first_chunk_s: float | None = None  # admission to the first streamed final output
@@ -89,6 +79,9 @@ class Dispatcher:
         self.final_names = [s.name for s in topology.final_stages]
         self._inputs_of = {s.name: [topology.stage(e.src).name for e in topology.inputs_of(s.stage_id)] for s in topology.stages}
         self._outputs_of = {s.name: [topology.stage(e.dst).name for e in topology.outputs_of(s.stage_id)] for s in topology.stages}
+        #: entry stage -> admitted requests whose large inputs are still going into the ingress
+        #: connector (admission.admit): not queued yet, but they may be, so full_stage counts them.
+        self.arriving: dict[str, int] = {s.name: 0 for s in topology.entry_stages}
         self.completed = 0
         self.failed = 0
         self.ingress: Ingress | None = None  # set once the control endpoint is bound
@@ -100,23 +93,9 @@ class Dispatcher:
     def new_rid(self, wanted: str | None = None) -> str:
         """The client's request id (X-Request-Id) when it is usable as one, else a fresh one: it names
         the request in every log line and connector key, so it must be unique among running requests."""
-        if wanted and _REQUEST_ID.fullmatch(wanted) and wanted not in self.requests:
+        if wanted and tame_request_id(wanted) and wanted not in self.requests:
             return wanted
         return uuid.uuid4().hex
-
-    async def admit(
-        self, inputs: Any, params: dict, timeout_s: float, stream: bool, *, rid: str | None = None
-    ) -> RequestState:
-        """Submit a request of any size up to the REST limit: inputs too large for a control message
-        go to the entry stages through the ingress connector. RequestFailed for params too large."""
-        params_size = len(msgpack.packb(params))
-        if params_size > MAX_PARAMS_BYTES:
-            raise RequestFailed(413, f"params of {params_size} bytes exceed {MAX_PARAMS_BYTES}: put large data in inputs")
-        rid = self.new_rid(rid)
-        if self.ingress is None or len(msgpack.packb(inputs)) <= INLINE_MAX_BYTES:
-            return self.submit(inputs, params, timeout_s, stream, rid=rid)
-        refs = {entry.name: await self.ingress.put(rid, entry.name, inputs) for entry in self.topology.entry_stages}
-        return self.submit(inputs, params, timeout_s, stream, rid=rid, inputs_refs=refs)
 
     def submit(
         self,
@@ -187,12 +166,15 @@ class Dispatcher:
 
     def full_stage(self) -> tuple[str, int] | None:
         """The first stage whose queue is at its limit (max_queued), and the limit: a new request is
-        refused (429) then. Work of requests already admitted may still push a queue past it: they are
-        never refused midway."""
+        refused (429) then. Requests still putting their large inputs count as waiting, beyond the
+        free slots they may take. Work of requests already admitted may still push a queue past its
+        limit: they are never refused midway."""
         for stage in self.topology.stages:
-            running = sum(replica.max_inflight for replica in self.registry.of_stage(stage.name))
-            limit = stage.queue_limit(running)
-            if len(self.queues[stage.name]) >= limit:
+            replicas = self.registry.of_stage(stage.name)
+            limit = stage.queue_limit(sum(replica.max_inflight for replica in replicas))
+            free = sum(max(0, r.max_inflight - len(r.inflight)) for r in replicas if self.registry.is_healthy(r))
+            waiting = len(self.queues[stage.name]) + max(0, self.arriving.get(stage.name, 0) - free)
+            if waiting >= limit:
                 return stage.name, limit
         return None
 
@@ -287,7 +269,7 @@ class Dispatcher:
                 state.first_chunk_s = time.perf_counter() - state.created
             state.chunks.setdefault(stage, []).append(value)
             if state.events is not None:
-                state.events.put_nowait(("chunk", stage, value))
+                state.events.put_nowait(events.Chunk(stage, value))
         else:
             state.outputs[stage] = value
 
@@ -313,23 +295,13 @@ class Dispatcher:
         self._observe(state, 200)
         state.future.set_result(outputs)
         if state.events is not None:
-            state.events.put_nowait(("done", None, outputs))
+            state.events.put_nowait(events.Done(outputs))
 
     def on_error(self, replica: Replica, message: Error) -> None:
         state = self.requests.get(message.rid)
         replica.inflight.discard(message.rid)
         if state is not None:
-            stage = message.stage
-            if message.timeout:
-                # The stage's own deadline fired before our monitor noticed: the same 504 as expire().
-                where = f"stage {stage!r} (replica {replica.replica_id!r})"
-                self.fail(state, RequestFailed(504, f"deadline exceeded while at {where}", stage))
-            elif message.status == 400:
-                self.fail(state, RequestFailed(502, f"stage {stage!r} could not read its work: {message.error}", stage))
-            elif message.status == 422:  # the handler says the request's inputs or params are wrong
-                self.fail(state, RequestFailed(422, f"stage {stage!r}: {message.error}", stage))
-            else:
-                self.fail(state, RequestFailed(500, f"stage {stage!r} failed: {message.error}", stage))
+            self.fail(state, stage_failure(replica.replica_id, message))
         self.drain_queue(replica.stage)
 
     # ------------------------------------------------------------------ failure
@@ -357,8 +329,12 @@ class Dispatcher:
             state.future.set_exception(error)
             state.future.exception()  # mark retrieved: a streaming client may never await it
         if state.events is not None:
-            state.events.put_nowait(("error", error.stage, error))
+            state.events.put_nowait(events.Failed(error))
         self.drain_all()
+
+    def abandon(self, state: RequestState) -> None:
+        """Its client went away: the request ends, and every stage lets go of it (a no-op once it ended)."""
+        self.fail(state, RequestFailed(CLIENT_GONE, "the client went away", None))
 
     def expire(self) -> None:
         """Fail every request past its deadline, naming where it was."""

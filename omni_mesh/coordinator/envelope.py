@@ -30,6 +30,7 @@ MEANINGS: dict[int, str] = {
     401: "missing or wrong API key, when the coordinator has one (send `Authorization: Bearer <key>`)",
     408: "the request's headers or body did not arrive in time",
     413: "request body too large",
+    421: "the Host header names another server (a coordinator on loopback answers loopback names only)",
     422: "invalid request; `field` names what to fix",
     429: "a stage's queue is full; retry after `Retry-After` seconds",
     500: "a stage handler failed (`stage` names it), or the coordinator did",

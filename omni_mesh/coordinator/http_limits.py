@@ -10,8 +10,12 @@ route, whether or not it reads the body:
   until the headers are complete;
 - body: from the end of the headers until the body is complete.
 
-A request that misses one gets 408 and its connection is closed. `BodyLimit` answers 413 to bodies
-over the size limit before anything parses them.
+A request that misses one gets 408 and its connection is closed. Its head is bounded too: a URL over
+MAX_URL_BYTES gets 414, a head (request line and headers) over MAX_HEAD_BYTES gets 431, and the
+connection is closed as soon as the limit is passed, so a client sending megabytes of headers is
+neither buffered nor parsed further (50 MB of headers on one connection stalled the event loop, and
+every other client, for 12 s). `BodyLimit` answers 413 to bodies over the size limit before anything
+parses them.
 """
 
 from __future__ import annotations
@@ -29,6 +33,12 @@ log = logging.getLogger("omni_mesh.coordinator")
 
 HEADER_TIMEOUT_S = 5.0
 BODY_TIMEOUT_S = 10.0
+MAX_HEAD_BYTES = 64 * 1024
+MAX_URL_BYTES = 8 * 1024
+
+
+class _Refused(Exception):
+    """Raised in a parser callback to stop parsing a request refused there (see send_400_response)."""
 
 
 class ReadDeadlines(HttpToolsProtocol):
@@ -41,6 +51,9 @@ class ReadDeadlines(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
         self._reading: str | None = None  # "headers" | "body" while a request is arriving
+        self._head_bytes = 0  # fed to the parser since the last head was complete
+        self._heads = 0  # heads complete on this connection
+        self._refusal: tuple[int, str] | None = None  # what a parser callback refused the request with
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -50,6 +63,34 @@ class ReadDeadlines(HttpToolsProtocol):
         self._disarm()
         super().connection_lost(exc)
 
+    def data_received(self, data: bytes) -> None:
+        """Feed the parser no more head bytes than MAX_HEAD_BYTES: httptools buffers a header until it
+        is complete, so a huge one is refused here, by count, before it is parsed or kept."""
+        while data and not self.transport.is_closing():
+            if self._reading == "body":
+                super().data_received(data)
+                return
+            room = MAX_HEAD_BYTES - self._head_bytes
+            if room <= 0:
+                self._refuse(431, f"the request's headers exceed {MAX_HEAD_BYTES} bytes")
+                return
+            piece, data = data[:room], data[room:]
+            heads = self._heads
+            super().data_received(piece)
+            if self._heads == heads:  # all of it was head: count it (a head that completed reset the count)
+                self._head_bytes += len(piece)
+
+    def send_400_response(self, msg: str) -> None:
+        if self._refusal is not None:  # a callback stopped the parser on purpose
+            self._refuse(*self._refusal)
+            return
+        super().send_400_response(msg)
+
+    def _refuse(self, status: int, message: str) -> None:
+        log.debug("refused a request from %s: %s", self.client, message)
+        self.transport.write(error_bytes(status, message))
+        self.transport.close()
+
     # httptools parser callbacks
 
     def on_message_begin(self) -> None:
@@ -57,7 +98,15 @@ class ReadDeadlines(HttpToolsProtocol):
         if self._reading is None:  # the next request on a kept-alive connection
             self._arm("headers", self.header_timeout_s)
 
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        if len(self.url) > MAX_URL_BYTES:
+            self._refusal = (414, f"the request's URL exceeds {MAX_URL_BYTES} bytes")
+            raise _Refused
+
     def on_headers_complete(self) -> None:
+        self._head_bytes = 0
+        self._heads += 1
         self._arm("body", self.body_timeout_s)
         super().on_headers_complete()
 

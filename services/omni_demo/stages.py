@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sys
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -78,7 +79,9 @@ def _prompt(inputs: Any) -> str:
     return prompt
 
 
-def _run_thinker(prompt: str, max_tokens: int, empty: Callable[..., torch.Tensor]) -> tuple[str, torch.Tensor, dict]:
+def _run_thinker(
+    prompt: str, max_tokens: int, empty: Callable[..., torch.Tensor]
+) -> tuple[str, torch.Tensor, dict, str]:
     """Reply text, the bfloat16 hidden states of its tokens (conditioned on the prompt), token counts.
 
     The hidden states are converted straight into `empty(shape, dtype)`: with the runtime's
@@ -90,7 +93,9 @@ def _run_thinker(prompt: str, max_tokens: int, empty: Callable[..., torch.Tensor
     usage = {"prompt_tokens": len(context), "completion_tokens": len(reply_tokens)}
     output = empty(tuple(hidden.shape), torch.bfloat16)
     output.copy_(hidden)  # the float32 -> bfloat16 conversion writes into it; nothing writes after
-    return text, output, usage
+    # "length" when max_tokens cut the reply (OpenAI's finish_reason), else "stop"
+    finish_reason = "stop" if reply_tokens == reply_text(prompt, sys.maxsize)[1] else "length"
+    return text, output, usage, finish_reason
 
 
 def _output_allocator(ctx: Any) -> Callable[..., torch.Tensor]:
@@ -100,13 +105,13 @@ def _output_allocator(ctx: Any) -> Callable[..., torch.Tensor]:
 
 
 async def thinker(inputs: dict, ctx: Any) -> dict:
-    """``{"prompt": str}`` -> ``{"text", "hidden_states": bf16 [tokens, 3584], "prompt", "usage"}``."""
+    """``{"prompt": str}`` -> ``{"text", "hidden_states": bf16 [tokens, 3584], "prompt", "usage", "finish_reason"}``."""
     prompt = _prompt(inputs)
     max_tokens = _param_int(ctx, "max_tokens", DEFAULT_MAX_TOKENS)
     # A worker thread keeps the event loop free for the replica's other in-flight requests; ctx.empty
     # runs there too (the pool may grow, which takes a moment).
-    text, hidden, usage = await asyncio.to_thread(_run_thinker, prompt, max_tokens, _output_allocator(ctx))
-    return {"text": text, "hidden_states": hidden, "prompt": prompt, "usage": usage}
+    text, hidden, usage, finish = await asyncio.to_thread(_run_thinker, prompt, max_tokens, _output_allocator(ctx))
+    return {"text": text, "hidden_states": hidden, "prompt": prompt, "usage": usage, "finish_reason": finish}
 
 
 def _hidden_states(inputs: Any) -> torch.Tensor:
@@ -124,7 +129,7 @@ def _hidden_states(inputs: Any) -> torch.Tensor:
 async def talker(inputs: dict, ctx: Any) -> AsyncIterator[dict]:
     """Thinker output -> the transcript, then the codec codes, as a stream of chunks.
 
-    Chunk 0 is ``{"seq": 0, "text", "usage", "codes": [0, 4], "final"}``: the transcript goes first, so
+    Chunk 0 is ``{"seq": 0, "text", "usage", "finish_reason", "codes": [0, 4], "final"}``: the transcript goes first, so
     the client can show it while the audio is being made. Then ``{"seq": n, "codes", "final"}`` with
     int64 codes ``[<= chunk_tokens, 4]``, one code-group per reply token; exactly one chunk is final.
     """
@@ -133,8 +138,9 @@ async def talker(inputs: dict, ctx: Any) -> AsyncIterator[dict]:
     delay_s = _decode_delay_s(ctx)
     starts = range(0, hidden.shape[0], chunk_tokens)
     transcript: dict[str, Any] = {"seq": 0, "text": inputs.get("text", "")}
-    if "usage" in inputs:
-        transcript["usage"] = inputs["usage"]
+    for name in ("usage", "finish_reason"):
+        if name in inputs:
+            transcript[name] = inputs[name]
     yield {**transcript, "codes": torch.zeros(0, CODES_PER_TOKEN, dtype=torch.int64), "final": not starts}
     model = get_model()
     for seq, start in enumerate(starts, 1):
@@ -175,6 +181,7 @@ def _chunk_codes(chunk: dict, seq: int) -> np.ndarray:
 class _Transcript:
     text: str
     usage: dict | None
+    finish_reason: str | None = None
 
 
 @dataclass
@@ -197,7 +204,7 @@ async def _pieces(inputs: Any) -> AsyncIterator[_Transcript | _Sound]:
         if isinstance(seq, bool) or seq != expected:
             raise ValueError(f"talker chunk gap or reorder: expected seq={expected}, got seq={seq!r}")
         if "text" in chunk:
-            yield _Transcript(chunk["text"], chunk.get("usage"))
+            yield _Transcript(chunk["text"], chunk.get("usage"), chunk.get("finish_reason"))
         codes = _chunk_codes(chunk, seq)
         if codes.size:
             try:
@@ -215,17 +222,22 @@ async def _audio_stream(inputs: Any) -> AsyncIterator[dict]:
     async for piece in _pieces(inputs):
         if isinstance(piece, _Transcript):
             chunk = {"text": piece.text, "audio_pcm16": b"", "sample_rate": SAMPLE_RATE}
-            yield {**chunk, "usage": piece.usage} if piece.usage is not None else chunk
+            if piece.usage is not None:
+                chunk["usage"] = piece.usage
+            if piece.finish_reason is not None:
+                chunk["finish_reason"] = piece.finish_reason
+            yield chunk
         else:
             yield {"text": "", "audio_pcm16": pcm16_bytes(piece.samples), "sample_rate": SAMPLE_RATE}
 
 
 async def _whole_audio(inputs: Any) -> dict:
-    """``{"text", "sample_rate", "audio_wav_base64", "duration_s", "codes", "usage"}`` once the stream ends."""
-    text, usage, sounds, codes = "", None, [np.zeros(0, np.float32)], 0
+    """``{"text", "sample_rate", "audio_wav_base64", "duration_s", "codes", "usage", "finish_reason"}`` once
+    the stream ends."""
+    text, usage, finish, sounds, codes = "", None, "stop", [np.zeros(0, np.float32)], 0
     async for piece in _pieces(inputs):
         if isinstance(piece, _Transcript):
-            text, usage = piece.text, piece.usage
+            text, usage, finish = piece.text, piece.usage, piece.finish_reason or "stop"
         else:
             sounds.append(piece.samples)
             codes += piece.codes
@@ -237,6 +249,7 @@ async def _whole_audio(inputs: Any) -> dict:
         "duration_s": len(samples) / SAMPLE_RATE,
         "codes": codes,
         "usage": usage,
+        "finish_reason": finish,
     }
 
 

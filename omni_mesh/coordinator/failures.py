@@ -1,0 +1,80 @@
+"""Why a request failed, and the one mapping from that failure to what a client is answered.
+
+A request fails with RequestFailed: its `status` is the mesh's (the REST API answers it as it is), and
+`openai_body` turns it into OpenAI's error object and status for the OpenAI routes. A stage's Error
+message becomes a RequestFailed in `stage_failure`. A new kind of failure gets its status there (or
+where it is raised) and, if OpenAI names it differently, one row in `_OPENAI`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omni_mesh.control import Error
+
+#: Status of a request whose client went away (nginx's convention): nobody reads it, the access log does.
+CLIENT_GONE = 499
+
+
+class RequestFailed(Exception):
+    """A request refused at admission or failed on its way: `status` is its HTTP status on the REST API.
+
+    `field` names the request field at fault (422), `headers` go with the answer (429's Retry-After)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        stage: str | None = None,
+        *,
+        field: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.stage = stage
+        self.field = field
+        self.headers = headers
+
+
+def stage_failure(replica_id: str, message: Error) -> RequestFailed:
+    """The failure a stage's Error message means for its request."""
+    stage = message.stage
+    if message.timeout:
+        # The stage's own deadline fired before the coordinator's monitor noticed: the same 504.
+        return RequestFailed(504, f"deadline exceeded while at stage {stage!r} (replica {replica_id!r})", stage)
+    if message.status == 400:  # the replica could not read the work it was sent: the mesh's fault
+        return RequestFailed(502, f"stage {stage!r} could not read its work: {message.error}", stage)
+    if message.status == 422:  # the handler says the request's inputs or params are wrong
+        return RequestFailed(422, f"stage {stage!r}: {message.error}", stage)
+    return RequestFailed(500, f"stage {stage!r} failed: {message.error}", stage)
+
+
+@dataclass(frozen=True)
+class _OpenAIKind:
+    status: int  # the status OpenAI answers for it
+    type: str
+    code: str | None = None
+
+
+_OPENAI: dict[int, _OpenAIKind] = {
+    400: _OpenAIKind(400, "invalid_request_error"),
+    401: _OpenAIKind(401, "authentication_error"),
+    404: _OpenAIKind(404, "invalid_request_error", "model_not_found"),
+    413: _OpenAIKind(413, "invalid_request_error", "request_too_large"),
+    422: _OpenAIKind(400, "invalid_request_error"),  # OpenAI calls every invalid request 400
+    429: _OpenAIKind(429, "rate_limit_error", "queue_full"),
+    504: _OpenAIKind(504, "server_error", "timeout"),
+}
+
+
+def openai_kind(status: int) -> _OpenAIKind:
+    return _OPENAI.get(status) or _OpenAIKind(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def openai_body(status: int, message: str, param: str | None = None) -> tuple[int, dict[str, Any]]:
+    """(OpenAI's status, OpenAI's error object) for a failure of the mesh's `status`."""
+    kind = openai_kind(status)
+    return kind.status, {"error": {"message": message, "type": kind.type, "param": param, "code": kind.code}}

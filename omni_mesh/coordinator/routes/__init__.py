@@ -1,0 +1,1 @@
+"""The coordinator's routes, one router per module; coordinator.app assembles them."""

@@ -1,0 +1,94 @@
+"""What the mesh is and how it is doing: health, readiness, topology, stages, totals, metrics."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
+
+from omni_mesh.coordinator.envelope import MEANINGS, responses
+from omni_mesh.coordinator.metrics import CONTENT_TYPE_LATEST, Metrics, stats
+from omni_mesh.coordinator.service import Coordinator
+
+
+class ReadyBody(BaseModel):
+    ready: bool
+    mesh: str = Field(description="the topology's name")
+    instance: str = Field(description="this coordinator's instance id (OMNI_MESH_INSTANCE, or made at start)")
+    missing: list[str] = Field(description="what keeps the mesh from serving: stages without a healthy replica, edges")
+    error: str | None = Field(default=None, description="when not ready: the same, in one sentence")
+    stage: str | None = None
+    request_id: str | None = None
+
+
+def router(coordinator: Coordinator, metrics: Metrics) -> APIRouter:
+    routes = APIRouter()
+    dispatcher = coordinator.dispatcher
+    registry = coordinator.registry
+
+    @routes.get("/health", summary='200 `{"status": "ok"}` while the coordinator runs (no API key needed)')
+    async def health() -> dict:
+        # Open to anyone who can reach the port: it says nothing an outsider could use. The
+        # counters are in /v1/stats, behind the API key.
+        return {"status": "ok"}
+
+    @routes.get(
+        "/ready",
+        summary="200 when every stage and edge can work, else 503 saying what is missing",
+        responses={**responses(401), 503: {"model": ReadyBody, "description": MEANINGS[503]}},
+    )
+    async def ready() -> JSONResponse:
+        missing = registry.readiness()
+        mesh = {"mesh": coordinator.topology.name, "instance": coordinator.instance}
+        if missing:
+            error = f"not ready: {'; '.join(missing)}"
+            body = ReadyBody(ready=False, missing=missing, error=error, **mesh)
+            return JSONResponse(status_code=503, content=body.model_dump())
+        return JSONResponse(content={"ready": True, "missing": [], **mesh})
+
+    @routes.get("/v1/topology", summary="stages, edges and the connector of each edge", responses=responses(401))
+    async def topology() -> dict:
+        return coordinator.topology.to_dict()
+
+    @routes.get(
+        "/v1/stages",
+        summary="each stage's replicas with health, in-flight work and counters",
+        responses=responses(401),
+    )
+    async def stages() -> dict:
+        now = time.monotonic()
+        return {
+            "stages": [
+                {
+                    "stage_id": stage.stage_id,
+                    "name": stage.name,
+                    "queued": len(dispatcher.queues[stage.name]),
+                    "replicas": [
+                        r.describe(now, registry.heartbeat_timeout_s) for r in registry.of_stage(stage.name)
+                    ],
+                }
+                for stage in coordinator.topology.stages
+            ]
+        }
+
+    @routes.get(
+        "/metrics", summary="Prometheus metrics (omni_mesh_*)", response_class=Response, responses=responses(401)
+    )
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @routes.get("/v1/stats", summary="live totals behind /dashboard and `omni-mesh status`", responses=responses(401))
+    async def live_stats() -> dict:
+        return {
+            **stats(coordinator, metrics),
+            "control": {
+                "malformed_messages": coordinator.malformed,
+                "refused_peers": coordinator.refused_peers.count,  # handshakes without this mesh's keys
+                "forged_messages": coordinator.forged.count,  # sent in another connection's replica's name
+            },
+            "ingress": dispatcher.ingress.health() if dispatcher.ingress else None,  # large inputs' connector
+        }
+
+    return routes
