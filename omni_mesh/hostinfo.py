@@ -13,7 +13,7 @@ import os
 import socket
 from functools import cache
 
-from omni_mesh.connectors.shm_segments import SHM_DIR, own_start_time
+from omni_mesh.connectors.shm_segments import own_start_time, shm_dir
 
 
 @cache
@@ -37,7 +37,7 @@ def shm_domain() -> str:
     if override:
         return override
     try:
-        device = os.stat(SHM_DIR).st_dev
+        device = os.stat(shm_dir()).st_dev
     except OSError:
         device = 0
     return f"{machine_id()}/{device}"

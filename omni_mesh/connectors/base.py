@@ -19,6 +19,7 @@ from typing import Any, ClassVar, TypeVar
 
 from omni_mesh.connector_values import coerce_numbers, expand_env, numeric_fields
 from omni_mesh.connectors import _vllm_omni_keys as vllm_omni_keys
+from omni_mesh.connectors.errors import ConnectorError, ConnectorFull  # their home; imported from here too
 
 C = TypeVar("C")
 
@@ -28,10 +29,6 @@ log = logging.getLogger("omni_mesh.connectors")
 POLL_MAX_S = 0.05
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
-
-
-class ConnectorError(RuntimeError):
-    """A connector could not do what was asked; the message names the connector, edge and key."""
 
 
 class ConnectorConfigError(ValueError):
@@ -206,7 +203,7 @@ class OmniConnectorBase(ABC):
         self._abandoned: dict[str, int] = {}  # get_key -> waits told to stop (abandon_get)
         self._waits_lock = threading.Lock()
         self._put_failures = 0
-        self._put_errors: dict[str, str] = {}
+        self._put_errors: dict[str, ConnectorError] = {}
 
     @classmethod
     def validate_config(cls, config: dict[str, Any] | None) -> None:
@@ -298,18 +295,28 @@ class OmniConnectorBase(ABC):
 
     def _put_failed(self, from_stage: str, to_stage: str, put_key: str, cause: object) -> tuple[bool, int, None]:
         """The `(False, 0, None)` of a failed put, its reason in one log line, `put_failures` and
-        `put_error()`."""
-        reason = f"{type(self).__name__}: put of key {put_key!r} on edge {from_stage}->{to_stage} failed: {cause}"
+        `put_failure()`. The reason names connector, key and edge once: a cause that already starts
+        with the connector's name is not prefixed again."""
+        name = type(self).__name__
+        said = str(cause).removeprefix(f"{name}: ")
+        reason = f"{name}: put of key {put_key!r} on edge {from_stage}->{to_stage} failed: {said}"
         log.warning("%s", reason)
+        failure = ConnectorFull(reason) if isinstance(cause, ConnectorFull) else ConnectorError(reason)
         with self._waits_lock:
             self._put_failures += 1
-            self._put_errors[edge_key(from_stage, to_stage, put_key)] = reason
+            self._put_errors[edge_key(from_stage, to_stage, put_key)] = failure
             if len(self._put_errors) > 256:  # reasons nobody asked for: keep the newest
                 del self._put_errors[next(iter(self._put_errors))]
         return False, 0, None
 
     def put_error(self, from_stage: str, to_stage: str, put_key: str) -> str | None:
         """Why the last put of this key on this edge returned False (once; None if it did not)."""
+        failure = self.put_failure(from_stage, to_stage, put_key)
+        return None if failure is None else str(failure)
+
+    def put_failure(self, from_stage: str, to_stage: str, put_key: str) -> ConnectorError | None:
+        """put_error() as an exception to raise: ConnectorFull when the connector's memory was full
+        (worth retrying later), else ConnectorError (once; None if the put did not fail)."""
         with self._waits_lock:
             return self._put_errors.pop(edge_key(from_stage, to_stage, put_key), None)
 
