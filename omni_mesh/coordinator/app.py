@@ -77,7 +77,7 @@ def create_app(
     @app.post(
         "/v1/requests",
         summary="run one request through the pipeline",
-        responses=responses(401, 413, 422, 429, 500, 502, 504),
+        responses=responses(401, 413, 422, 429, 500, 502, 503, 504),
     )
     async def submit(body: RequestBody, request: Request) -> Any:
         timeout_s = body.timeout_s or coordinator.default_timeout_s
@@ -104,13 +104,13 @@ def create_app(
                 body.inputs, body.params, timeout_s, body.stream, rid=request.state.request_id
             )
         except RequestFailed as exc:
-            return error_response(exc.status, exc.message, stage=exc.stage)
+            return error_response(exc.status, exc.message, stage=exc.stage, headers=exc.headers)
         if body.stream:
             return StreamingResponse(_events(state), media_type="text/event-stream")
         try:
             outputs = await unless_client_leaves(request, state.future)
         except RequestFailed as exc:
-            return error_response(exc.status, exc.message, stage=exc.stage, rid=state.rid)
+            return error_response(exc.status, exc.message, stage=exc.stage, rid=state.rid, headers=exc.headers)
         except (asyncio.CancelledError, ClientGone) as exc:
             # every stage still working on it lets go of it (its handler is cancelled there)
             dispatcher.fail(state, RequestFailed(CLIENT_GONE, "the client went away", None))

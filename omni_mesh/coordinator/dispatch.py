@@ -23,6 +23,7 @@ from typing import Any
 import msgpack
 
 from omni_mesh import codec
+from omni_mesh.connectors.errors import ConnectorError, ConnectorFull
 from omni_mesh.control import Abort, Chunk, Error, Message, Output, Work
 from omni_mesh.coordinator.registry import Registry, Replica
 from omni_mesh.ingress import INLINE_MAX_BYTES, Ingress
@@ -33,6 +34,8 @@ log = logging.getLogger("omni_mesh.coordinator")
 #: Params travel in every stage's work message: they must stay small (large data goes in inputs).
 MAX_PARAMS_BYTES = 256 * 1024
 #: A client's X-Request-Id becomes the request's id when it is this tame (it ends up in connector keys).
+#: Retry-After of a 503 for full memory: payloads of requests under way go once they end (seconds).
+FULL_RETRY_AFTER_S = 1
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 
@@ -42,6 +45,11 @@ class RequestFailed(Exception):
         self.status = status
         self.message = message
         self.stage = stage
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        """A 503 (shared memory or a pool full) invites a retry: Retry-After says when."""
+        return {"retry-after": str(FULL_RETRY_AFTER_S)} if self.status == 503 else None
 
 
 @dataclass
@@ -115,7 +123,14 @@ class Dispatcher:
         rid = self.new_rid(rid)
         if self.ingress is None or len(msgpack.packb(inputs)) <= INLINE_MAX_BYTES:
             return self.submit(inputs, params, timeout_s, stream, rid=rid)
-        refs = {entry.name: await self.ingress.put(rid, entry.name, inputs) for entry in self.topology.entry_stages}
+        refs = {}
+        for entry in self.topology.entry_stages:
+            try:
+                refs[entry.name] = await self.ingress.put(rid, entry.name, inputs)
+            except ConnectorError as exc:  # nothing admitted yet: what is held goes with the rid
+                self.ingress.release(rid)
+                status = 503 if isinstance(exc, ConnectorFull) else 500
+                raise RequestFailed(status, f"could not hold the request's inputs: {exc}", entry.name) from None
         return self.submit(inputs, params, timeout_s, stream, rid=rid, inputs_refs=refs)
 
     def submit(
@@ -328,6 +343,8 @@ class Dispatcher:
                 self.fail(state, RequestFailed(502, f"stage {stage!r} could not read its work: {message.error}", stage))
             elif message.status == 422:  # the handler says the request's inputs or params are wrong
                 self.fail(state, RequestFailed(422, f"stage {stage!r}: {message.error}", stage))
+            elif message.status == 503:  # a connector's memory is full: the same request may pass later
+                self.fail(state, RequestFailed(503, f"stage {stage!r} failed: {message.error}", stage))
             else:
                 self.fail(state, RequestFailed(500, f"stage {stage!r} failed: {message.error}", stage))
         self.drain_queue(replica.stage)
@@ -406,7 +423,8 @@ class Dispatcher:
         try:
             message.inputs_ref = await self.ingress.put(state.rid, message.stage, state.large_inputs)
         except Exception as exc:
-            self.fail(state, RequestFailed(500, f"could not hold the inputs again for stage {message.stage!r}: {exc}", message.stage))
+            status = 503 if isinstance(exc, ConnectorFull) else 500
+            self.fail(state, RequestFailed(status, f"could not hold the inputs again: {exc}", message.stage))
             return
         if state.rid in self.requests:
             state.work[message.stage] = message

@@ -51,7 +51,7 @@ def openai_error(status: int, message: str, param: str | None = None, headers: d
 
 def failed(exc: RequestFailed) -> JSONResponse:
     """A request the mesh failed; one its stages found invalid (422) is OpenAI's 400."""
-    return openai_error(400 if exc.status == 422 else exc.status, exc.message)
+    return openai_error(400 if exc.status == 422 else exc.status, exc.message, headers=exc.headers)
 
 
 class _OpenAIRoute(APIRoute):
