@@ -158,3 +158,14 @@ def test_a_directory_another_user_owns_or_can_write_to_is_refused(
     assert error is not None and f"{ENV_DIR}={own_dir} is " in error and said in error, error
     assert "writable by nobody else (mode 0700)" in error
     assert not any(own_dir.iterdir())
+
+
+def test_the_systems_dev_shm_is_accepted_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/dev/shm is the system's (sticky 1777, or 0777 where Kubernetes mounts a memory emptyDir): the
+    ownership rule is for directories someone else could have made in its place."""
+    monkeypatch.setenv(ENV_DIR, "/dev/shm")
+    with connector() as conn:
+        ok, _, metadata = conn.put("a", "b", "k", payload(1, 1.0))
+        assert ok, conn.put_error("a", "b", "k")
+        assert (Path("/dev/shm") / metadata["segment"]).exists()
+    assert not (Path("/dev/shm") / metadata["segment"]).exists()

@@ -8,7 +8,7 @@ other's segments because their PID namespaces differ. Segments are created with 
 
 Names are unpredictable (the token and the growth number come from `secrets`) and a name someone
 else already holds is never reused: creation retries with a new name (`create_unique_segment`), so a
-local user who pre-creates names cannot make puts fail. A directory other than the system's sticky
+local user who pre-creates names cannot make puts fail. A directory other than the system's
 /dev/shm (OMNI_MESH_SHM_DIR, read when first needed) must be private to this user (`check_dir`).
 """
 
@@ -56,9 +56,9 @@ def __getattr__(name: str) -> Path:
 
 
 def check_dir(directory: Path) -> None:
-    """ConnectorError unless segments may be made in `directory`: it exists, and it is private to
-    this user (owned by us or root, writable by nobody else), or it is a root-owned sticky directory
-    such as /dev/shm (where nobody can remove or replace another user's files)."""
+    """ConnectorError unless segments may be made in `directory`: it exists, and, unless it is the
+    system's /dev/shm (nobody else can make that; Kubernetes mounts it 0777), it is private to this
+    user (owned by us or root, writable by nobody else) or a root-owned sticky directory."""
     named = f"{ENV_DIR}={directory}" if os.environ.get(ENV_DIR) else f"{directory} (set {ENV_DIR} to use another)"
     try:
         link = os.lstat(directory)
@@ -70,6 +70,8 @@ def check_dir(directory: Path) -> None:
         ) from None
     if not stat.S_ISDIR(info.st_mode):
         raise ConnectorError(f"shared-memory directory {named} is not a directory")
+    if directory == Path(DEFAULT_DIR):
+        return
     trusted = (os.geteuid(), 0)
     mode = stat.S_IMODE(info.st_mode)
     shared_sticky = info.st_uid == 0 and mode & stat.S_ISVTX
