@@ -122,7 +122,7 @@ class Error(Message):
     error: str
     timeout: bool = False  # the request's deadline passed in the stage
     status: int = 500  # 500: the handler failed; 422: it refused the request's inputs (InvalidInput);
-    # 400: the stage could not read the work it was sent
+    # 400: the stage could not read the work it was sent; 503: a connector's memory was full (ConnectorFull)
 
 
 @dataclass(slots=True)

@@ -28,6 +28,7 @@ from omni_mesh.connectors import reclaim_orphans
 from omni_mesh.ports import free_port, taken_since
 from omni_mesh.security import MeshKeys, insecure_requested, keys_from_environment
 from omni_mesh.topology import Topology
+from omni_mesh.topology.load import import_handler
 
 log = logging.getLogger("omni_mesh.launcher")
 
@@ -61,6 +62,12 @@ def mesh_environment() -> dict[str, str]:
         return env
     env.update(MeshKeys.generate().to_env())
     return env
+
+
+def other_port() -> str:
+    """How to pick another REST port: `PORT=N` under make (which sets MAKELEVEL: `make run` passes
+    $(PORT) on), else `--port N`."""
+    return "run make with PORT=N" if os.environ.get("MAKELEVEL") else "pass --port N"
 
 
 @dataclass
@@ -173,6 +180,7 @@ class Launcher:
 
     def start(self) -> None:
         self.check_port()
+        self.check_handlers()
         for attempt in range(1, CONTROL_PORT_ATTEMPTS + 1):
             for child in self.children:
                 child.start()
@@ -210,8 +218,21 @@ class Launcher:
         except OSError as exc:
             raise RuntimeError(
                 f"cannot serve on {self.host}:{self.port}: {exc.strerror or exc} (another mesh or service "
-                "may be running there); stop it, or pass --port N"
+                f"may be running there); stop it, or {other_port()}"
             ) from None
+
+    def check_handlers(self) -> None:
+        """Import (not build) every stage's handler before anything starts: one ValueError naming
+        each that fails, rather than a traceback from every replica of its stage."""
+        problems = []
+        for stage in self.topology.stages:
+            if stage.handler:
+                try:
+                    import_handler(self.topology, stage)
+                except ValueError as exc:
+                    problems.append(str(exc))
+        if problems:
+            raise ValueError("; ".join(problems) + " (nothing started)")
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
@@ -226,7 +247,7 @@ class Launcher:
                     response = client.get(f"{self.url}/ready")
                     answer = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
                     if answer.get("instance") not in (None, self.instance):
-                        raise RuntimeError(f"another mesh ({answer.get('mesh')!r}) answers on {self.url}: pass --port N")
+                        raise RuntimeError(f"another mesh ({answer.get('mesh')!r}) answers on {self.url}: {other_port()}")
                     if response.status_code == 200:
                         return
                     last = "; ".join(answer.get("missing", [])) or response.text

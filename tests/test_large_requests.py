@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -106,3 +108,64 @@ def test_large_inputs_count_against_the_queue_limit(tmp_path: Path) -> None:
             statuses = sorted(pool.map(one, range(8)))
         assert statuses == [200] * 2 + [429] * 6, statuses
         assert mesh.ok({"n": 4, "pad": pad}, timeout_s=30)["outputs"]["n"] == 4  # nothing stays counted
+def _two_stages(name: str, entry: str, extra: dict) -> dict:
+    shm = {"name": "SharedMemoryConnector", "extra": extra}
+    return {
+        "name": name,
+        "connectors": {"shm": shm},
+        "stages": [
+            {"stage_id": 0, "name": "a", "handler": f"mesh_handlers:{entry}", "output_connectors": {"to_stage_1": "shm"}},
+            {"stage_id": 1, "name": "d", "handler": "mesh_handlers:step", "engine_input_source": [0], "final_output": True},
+        ],
+    }
+
+
+def test_an_output_the_codec_cannot_carry_fails_with_one_message_naming_stage_edge_and_key_once(tmp_path: Path) -> None:
+    """Each layer adds only what it knows: the coordinator the stage, the connector itself, the key
+    and the edge; nobody repeats the connector or wraps the message in an exception's name."""
+    with running_mesh(tmp_path, _two_stages("opaque-output", "opaque", {})) as mesh:
+        response = mesh.request({"n": 3}, timeout_s=30)
+        assert response.status_code == 500, response.text
+        body = response.json()
+        assert body["error"] == (
+            f"stage 'a' failed: SharedMemoryConnector: put of key '{body['request_id']}/0' on edge a->d failed: "
+            "cannot encode a value of type object at payload['x']"
+        ), body
+
+
+@pytest.fixture
+def small_shm(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MiB tmpfs of this test's own, private (mode 0700), to fill."""
+    where = tmp_path / "small-shm"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(where)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_full_shared_memory_answers_503_with_retry_after_naming_stage_edge_and_sizes(
+    tmp_path: Path, small_shm: Path
+) -> None:
+    """A stage output larger than the shared memory left: 503 (not a 500 'RuntimeError'), Retry-After,
+    and a message naming the stage, the edge, the directory, the bytes asked and those free. The mesh
+    serves smaller requests as before."""
+    topology = _two_stages("full-shm", "step", {"memory_pool_size": "1MiB"})
+    with running_mesh(tmp_path / "mesh", topology, env={"OMNI_MESH_SHM_DIR": str(small_shm)}) as mesh:
+        response = mesh.request({"n": 2_600_000}, timeout_s=30)  # 20.8 MB of float64 out of stage a
+        assert response.status_code == 503, response.text
+        assert response.headers["retry-after"] == "1"
+        body = response.json()
+        error = body["error"]
+        assert body["stage"] == "a", body
+        assert error.startswith(
+            f"stage 'a' failed: SharedMemoryConnector: put of key '{body['request_id']}/0' on edge a->d failed: "
+            f"shared memory in {small_shm} is full: "
+        ), error
+        asked, free = (int(n) for n in re.search(r"full: (\d+) bytes asked, (\d+) free", error).groups())
+        assert asked > 2_600_000 * 8 and free < 8 << 20, error
+        assert mesh.ok({"n": 1000})["outputs"]["n"] == 1000

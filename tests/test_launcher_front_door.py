@@ -3,6 +3,7 @@ offline API docs, --version and defaults in --help. Real processes and sockets."
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -42,12 +43,44 @@ def test_up_refuses_a_port_in_use_before_starting_anything(mesh: Mesh, tmp_path:
     path = write_topology(tmp_path, TOPOLOGY)
     port = int(mesh.url.rsplit(":", 1)[1])
     started = time.monotonic()
-    result = subprocess.run(up_command(path, port), capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    outside_make = {name: value for name, value in os.environ.items() if name != "MAKELEVEL"}  # `make test`
+    result = subprocess.run(
+        up_command(path, port), capture_output=True, text=True, timeout=60, cwd=tmp_path, env=outside_make
+    )
     assert result.returncode == 1, result.stderr
-    assert f"127.0.0.1:{port}" in result.stderr and "--port" in result.stderr, result.stderr
+    assert f"127.0.0.1:{port}" in result.stderr and "pass --port N" in result.stderr, result.stderr
     assert time.monotonic() - started < 15
     assert "ready" not in result.stdout
     assert mesh.ready().status_code == 200  # the running mesh was not disturbed
+
+
+
+def test_under_make_a_port_in_use_says_port_n_not_the_flag(mesh: Mesh, tmp_path: Path) -> None:
+    """`make run` passes $(PORT) to --port: under make (MAKELEVEL set) the hint is the make variable."""
+    path = write_topology(tmp_path, TOPOLOGY)
+    port = int(mesh.url.rsplit(":", 1)[1])
+    env = {**os.environ, "MAKELEVEL": "1"}
+    result = subprocess.run(up_command(path, port), capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert result.returncode == 1, result.stderr
+    assert f"127.0.0.1:{port}" in result.stderr and "run make with PORT=N" in result.stderr, result.stderr
+    assert "--port" not in result.stderr, result.stderr
+
+
+def test_up_with_a_handler_that_cannot_be_imported_says_so_in_one_line_and_starts_nothing(tmp_path: Path) -> None:
+    topology = {
+        "name": "broken-handler",
+        "stages": [{"stage_id": 0, "name": "a", "handler": "no_such_module_here:step", "replicas": 3}],
+    }
+    path = write_topology(tmp_path, topology)
+    started = time.monotonic()
+    result = subprocess.run(up_command(path, free_port()), capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: stage 'a': cannot load handler 'no_such_module_here:step': No module named 'no_such_module_here' "
+        "(nothing started)"
+    ], result.stderr
+    assert "Traceback" not in result.stdout + result.stderr and "a-0" not in result.stdout
+    assert time.monotonic() - started < 30
 
 
 def test_the_api_docs_load_without_a_cdn(mesh: Mesh) -> None:

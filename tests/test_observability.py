@@ -159,3 +159,11 @@ def test_status_prints_the_same_figures(mesh: Mesh) -> None:
     out = result.stdout
     assert "mesh 'observed'" in out and "a-0 (healthy)" in out and "a-1 (healthy)" in out and "d-0 (healthy)" in out
     assert re.search(r"^a->d\s+SharedMemoryConnector", out, re.M), out
+
+
+def test_status_takes_host_and_port_without_a_scheme(mesh: Mesh) -> None:
+    port = mesh.url.rsplit(":", 1)[1]
+    for where in (f"127.0.0.1:{port}", f"localhost:{port}"):
+        result = subprocess.run([str(OMNI_MESH), "status", where], capture_output=True, text=True, timeout=30)
+        assert result.returncode == 0, (where, result.stderr)
+        assert "mesh 'observed'" in result.stdout and "d-0 (healthy)" in result.stdout, result.stdout

@@ -6,6 +6,7 @@ cover every segment of a process. Real processes (tests/shm_consumer.py), real /
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 
@@ -38,17 +39,27 @@ def payload(mib: int, fill: float = 1.0) -> dict[str, torch.Tensor]:
     return {"hidden_states": torch.full((mib * MiB // 4,), fill)}
 
 
+def kind(name: str) -> str:
+    """"p" for a segment the pool grew by, "x" for a one-off (their numbers are random)."""
+    match = re.search(r"_([px])\d+$", name)
+    assert match, name
+    return match.group(1)
+
+
 def same(got: dict, want: dict) -> bool:
     return torch.equal(got["hidden_states"], want["hidden_states"])
 
 
 def test_a_payload_larger_than_the_pool_grows_it_once_and_reuses_the_segment(consumer: Peer) -> None:
     with connector(SMALL_POOL) as conn:
+        grown = set()
         for i in range(5):
             value = payload(6, float(i))
             _, _, metadata = conn.put("a", "b", f"r/{i}", value)
-            assert metadata["segment"].endswith("_p1"), metadata  # a pool segment, never a one-off
+            assert kind(metadata["segment"]) == "p", metadata  # a pool segment, never a one-off
+            grown.add(metadata["segment"])
             assert same(consumer.get(f"r/{i}", metadata), value)
+        assert len(grown) == 1, grown
         health = conn.health()
         assert health["pool_grown"] == 1 and health["fallbacks"] == 0, health
         assert health["pool_segments"] == 2
@@ -70,15 +81,16 @@ def test_past_the_ceiling_a_put_takes_a_counted_one_off_segment(consumer: Peer) 
     with connector({**SMALL_POOL, "max_pool_size": 20 * MiB}) as conn:
         values = [payload(6, float(i)) for i in range(4)]
         metadata = [conn.put("a", "b", f"r/{i}", v)[2] for i, v in enumerate(values)]
-        paths = ["_p1", "_p1", "_x1", "_x2"]  # 2 + 16 MiB fit under 20 MiB; a second growth would not
-        assert [m["segment"][-3:] for m in metadata] == paths
+        # 2 + 16 MiB fit under 20 MiB; a second growth would not
+        assert [kind(m["segment"]) for m in metadata] == ["p", "p", "x", "x"]
+        assert metadata[0]["segment"] == metadata[1]["segment"] != metadata[2]["segment"] != metadata[3]["segment"]
         health = conn.health()
         assert health["pool_grown"] == 1 and health["fallbacks"] == 2 and health["max_pool_size"] == 20 * MiB
         for i, value in enumerate(values):
             assert same(consumer.get(f"r/{i}", metadata[i]), value)
         # Consumed: the next put finds its room in the pool again.
         _, _, again = conn.put("a", "b", "r/again", values[0])
-        assert again["segment"].endswith("_p1") and conn.health()["fallbacks"] == 2
+        assert again["segment"] == metadata[0]["segment"] and conn.health()["fallbacks"] == 2
         assert same(consumer.get("r/again", again), values[0])
 
 
@@ -99,7 +111,8 @@ def test_idle_grown_segments_go_back_and_the_consumer_lets_go_of_them(consumer: 
         conn.cleanup("r")
         # It grows again when needed.
         _, _, metadata = conn.put("a", "b", "r/1", value)
-        assert metadata["segment"].endswith("_p2") and conn.health()["pool_grown"] == 2
+        assert kind(metadata["segment"]) == "p" and metadata["segment"] != grown
+        assert conn.health()["pool_grown"] == 2
         assert same(consumer.get("r/1", metadata), value)
 
 
@@ -108,8 +121,8 @@ def test_get_by_key_alone_finds_payloads_in_grown_and_one_off_segments(consumer:
     consumer holding only the key finds payloads in a grown segment and in a one-off alike."""
     with connector({**SMALL_POOL, "max_pool_size": 20 * MiB}) as conn:
         values = {f"k/{i}": payload(6, float(i)) for i in range(3)}
-        paths = [conn.put("a", "b", key, value)[2]["segment"][-3:] for key, value in values.items()]
-        assert paths == ["_p1", "_p1", "_x1"]
+        paths = [kind(conn.put("a", "b", key, value)[2]["segment"]) for key, value in values.items()]
+        assert paths == ["p", "p", "x"]
         for key in reversed(values):  # no metadata at all: the key alone
             assert same(consumer.get(key, None), values[key]), key
             assert consumer.get(key, None) is None  # taken once
@@ -141,7 +154,7 @@ def test_close_and_a_killed_producer_leave_no_grown_segment() -> None:
             reply = producer.call("put", from_stage="a", to_stage="b", put_key=f"r/{i}", frame=bytes(codec.encode(payload(6))))
             assert reply["ok"], reply
         names = {name for name in our_segments() if owner_of(name).pid == producer.pid}
-        assert len(names) == 3 and sum(name.endswith(("_p1", "_p2")) for name in names) == 2, names
+        assert len(names) == 3 and sum(re.search(r"_p\d+$", name) is not None for name in names) == 2, names
     finally:
         producer.kill()
     assert sorted(reap_orphaned_segments(pid=producer.pid)) == sorted(names)  # every segment of the process

@@ -46,10 +46,24 @@ class ConnectorClosed(ConnectorError):
     """The connector was closed: nothing more goes through it."""
 
 
-def as_connector_error(exc: BaseException) -> ConnectorError:
-    """`exc` as one of the family (a failure that is not one already becomes a plain ConnectorError)."""
-    if isinstance(exc, ConnectorError):
-        return exc
-    wrapped = ConnectorError(f"{type(exc).__name__}: {exc}")
-    wrapped.__cause__ = exc
-    return wrapped
+class SharedMemoryFull(ConnectorFull):
+    """The shared-memory filesystem (`directory`) has no room for a segment of `asked` bytes."""
+
+    def __init__(self, directory: str, asked: int, free: int, detail: str = "") -> None:
+        self.directory, self.asked, self.free = directory, asked, free
+        super().__init__(
+            f"shared memory in {directory} is full: {asked} bytes asked, {free} free{detail}; free space "
+            "there, raise the container's shm_size, or lower memory_pool_size / max_pool_size"
+        )
+
+
+def retold(cause: BaseException, message: str) -> ConnectorError:
+    """`cause` told again with `message` (which says where), keeping its kind where the kind can be
+    built from a message alone (else the nearest: ConnectorFull stays worth a retry)."""
+    kind = type(cause) if isinstance(cause, ConnectorError) else ConnectorError
+    try:
+        told = kind(message)
+    except TypeError:
+        told = ConnectorFull(message) if isinstance(cause, ConnectorFull) else ConnectorError(message)
+    told.__cause__ = cause
+    return told

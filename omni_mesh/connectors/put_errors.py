@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from omni_mesh.connectors.errors import ConnectorError, as_connector_error
+from omni_mesh.connectors.errors import ConnectorError, retold
 
 log = logging.getLogger("omni_mesh.connectors")
 
@@ -31,11 +31,12 @@ class PutErrors:
         self, connector: str, from_stage: str, to_stage: str, put_key: str, cause: BaseException
     ) -> None:
         """Log the failed put of `put_key` on `from_stage->to_stage` once, count it and keep its reason."""
-        reason = f"{connector}: put of key {put_key!r} on edge {from_stage}->{to_stage} failed: {cause}"
+        said = str(cause).removeprefix(f"{connector}: ")  # the connector is named once, here
+        reason = f"{connector}: put of key {put_key!r} on edge {from_stage}->{to_stage} failed: {said}"
         log.warning("%s", reason)
         with self._lock:
             self._failures += 1
-            self._kept[f"{from_stage}->{to_stage}/{put_key}"] = (reason, as_connector_error(cause))
+            self._kept[f"{from_stage}->{to_stage}/{put_key}"] = (reason, retold(cause, reason))
             if len(self._kept) > KEEP:
                 del self._kept[next(iter(self._kept))]
 

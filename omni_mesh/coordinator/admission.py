@@ -15,8 +15,9 @@ from typing import Any
 import msgpack
 from fastapi import Request
 
+from omni_mesh.connectors import ConnectorError, ConnectorFull
 from omni_mesh.coordinator.dispatch import RequestState
-from omni_mesh.coordinator.failures import RequestFailed
+from omni_mesh.coordinator.failures import RequestFailed, memory_full
 from omni_mesh.coordinator.request_body import unpackable
 from omni_mesh.coordinator.service import Coordinator
 from omni_mesh.ingress import INLINE_MAX_BYTES
@@ -69,7 +70,15 @@ async def admit(
     for name in entries:  # counted as waiting until submit() queues or dispatches it
         dispatcher.arriving[name] += 1
     try:
-        refs = {name: await dispatcher.ingress.put(rid, name, inputs) for name in entries}
+        refs = {}
+        for name in entries:
+            try:
+                refs[name] = await dispatcher.ingress.put(rid, name, inputs)
+            except ConnectorError as exc:  # nothing admitted yet: what is held goes with the rid
+                dispatcher.ingress.release(rid)
+                message = f"could not hold the request's inputs: {exc}"
+                full = isinstance(exc, ConnectorFull)
+                raise (memory_full(message, name) if full else RequestFailed(500, message, name)) from None
         return dispatcher.submit(inputs, params, timeout_s, stream, rid=rid, inputs_refs=refs)
     finally:
         for name in entries:

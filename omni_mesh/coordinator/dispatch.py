@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_mesh import codec
+from omni_mesh.connectors.errors import ConnectorFull
 from omni_mesh.control import Abort, Chunk, Error, Message, Output, Work
 from omni_mesh.coordinator import events
 from omni_mesh.coordinator.access import tame_request_id
@@ -382,7 +383,8 @@ class Dispatcher:
         try:
             message.inputs_ref = await self.ingress.put(state.rid, message.stage, state.large_inputs)
         except Exception as exc:
-            self.fail(state, RequestFailed(500, f"could not hold the inputs again for stage {message.stage!r}: {exc}", message.stage))
+            status = 503 if isinstance(exc, ConnectorFull) else 500
+            self.fail(state, RequestFailed(status, f"could not hold the inputs again: {exc}", message.stage))
             return
         if state.rid in self.requests:
             state.work[message.stage] = message

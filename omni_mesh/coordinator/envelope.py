@@ -35,7 +35,7 @@ MEANINGS: dict[int, str] = {
     429: "a stage's queue is full; retry after `Retry-After` seconds",
     500: "a stage handler failed (`stage` names it), or the coordinator did",
     502: "a stage replica died or sent something unreadable",
-    503: "the mesh is not ready",
+    503: "the mesh is not ready, or a connector's memory (shared memory) is full: retry after `Retry-After` seconds",
     504: "the request's deadline passed (`error` says where it was)",
 }
 

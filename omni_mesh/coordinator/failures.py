@@ -13,6 +13,9 @@ from typing import Any
 
 from omni_mesh.control import Error
 
+#: Retry-After (seconds) of a 503 for full memory: payloads of requests under way go once they end.
+FULL_RETRY_AFTER_S = 1
+
 #: Status of a request whose client went away (nginx's convention): nobody reads it, the access log does.
 CLIENT_GONE = 499
 
@@ -49,7 +52,14 @@ def stage_failure(replica_id: str, message: Error) -> RequestFailed:
         return RequestFailed(502, f"stage {stage!r} could not read its work: {message.error}", stage)
     if message.status == 422:  # the handler says the request's inputs or params are wrong
         return RequestFailed(422, f"stage {stage!r}: {message.error}", stage)
+    if message.status == 503:  # a connector's memory is full: the same request may pass later
+        return memory_full(f"stage {stage!r} failed: {message.error}", stage)
     return RequestFailed(500, f"stage {stage!r} failed: {message.error}", stage)
+
+
+def memory_full(message: str, stage: str | None) -> RequestFailed:
+    """503 with Retry-After: a connector's memory (shared memory, a pool) had no room for a payload."""
+    return RequestFailed(503, message, stage, headers={"retry-after": str(FULL_RETRY_AFTER_S)})
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,7 @@ _OPENAI: dict[int, _OpenAIKind] = {
     413: _OpenAIKind(413, "invalid_request_error", "request_too_large"),
     422: _OpenAIKind(400, "invalid_request_error"),  # OpenAI calls every invalid request 400
     429: _OpenAIKind(429, "rate_limit_error", "queue_full"),
+    503: _OpenAIKind(503, "server_error", "memory_full"),
     504: _OpenAIKind(504, "server_error", "timeout"),
 }
 

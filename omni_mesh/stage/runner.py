@@ -24,6 +24,7 @@ import msgpack
 
 from omni_mesh import codec, control, ingress, logs
 from omni_mesh.connectors import ConnectorError, OmniConnectorBase
+from omni_mesh.connectors.errors import ConnectorFull
 from omni_mesh.control import Chunk, Error, Message, Output, Work
 from omni_mesh.errors import InvalidInput
 from omni_mesh.stage.context import ChunkStream, StageContext, StageInputError
@@ -184,6 +185,9 @@ class Runner:
             elif isinstance(exc, InvalidInput):  # the request is at fault, not the stage: 422
                 log.info("stage %s refused request %s: %s", self.stage, work.rid, exc)
                 await self._fail(work, str(exc), status=422)
+            elif isinstance(exc, ConnectorError):  # it names connector, edge and key: no type to add
+                log.warning("stage %s failed request %s: %s", self.stage, work.rid, exc)
+                await self._fail(work, str(exc), status=503 if isinstance(exc, ConnectorFull) else 500)
             else:
                 log.exception("stage %s failed request %s", self.stage, work.rid)
                 await self._fail(work, f"{type(exc).__name__}: {exc}")
@@ -326,16 +330,20 @@ class Runner:
         """Put `data` on `edge`: (the metadata the consumer needs, the payload's size)."""
         connector = self.connectors[edge.connector.ref]
         loop = asyncio.get_running_loop()
-        where = f"put of {key!r} on edge {edge.label} ({edge.connector.name})"
         try:
             ok, size, meta = await loop.run_in_executor(
                 self.executor, connector.put, self.stage, dst, key, data
             )
-        except Exception as exc:
-            raise RuntimeError(f"{where} failed: {exc}") from exc
+        except Exception as exc:  # a connector that breaks the contract (put never raises)
+            where = f"put of {key!r} on edge {edge.label} ({edge.connector.name})"
+            raise ConnectorError(f"{where} failed: {type(exc).__name__}: {exc}") from exc
         if not ok:
-            reason = connector.put_error(self.stage, dst, key) or "the connector gave no reason"
-            raise RuntimeError(f"{where} failed: {reason}")
+            # The connector's reason names it, the key and the edge already: raised as it is.
+            failure = connector.put_failure(self.stage, dst, key)
+            if failure is None:
+                where = f"put of {key!r} on edge {edge.label} ({edge.connector.name})"
+                failure = ConnectorError(f"{where} failed: the connector gave no reason")
+            raise failure
         return meta, size
 
     def _timings(self, work: _Work) -> dict[str, Any]:

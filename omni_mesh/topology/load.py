@@ -102,6 +102,17 @@ def load_handler(topology: Topology, stage: StageSpec) -> Callable[..., Any]:
         from omni_mesh.engines.stages import engine_handler  # torch and transformers: stage processes only
 
         return engine_handler(stage.engine, stage.name)
+    handler = import_handler(topology, stage)
+    if isinstance(handler, type) and hasattr(handler, "from_stage"):
+        handler = handler.from_stage(stage.options)
+    if not callable(handler):
+        raise ValueError(f"stage {stage.name!r}: handler {stage.handler!r} is not callable")
+    return handler
+
+
+def import_handler(topology: Topology, stage: StageSpec) -> Any:
+    """The object a stage's `handler: module:callable` names, imported but not built (a class stays
+    a class: building one may load a model); ValueError naming the stage."""
     if not stage.handler:
         raise ValueError(
             f"stage {stage.name!r} ({stage.stage_id}) has no handler: set `handler: module:callable`"
@@ -111,11 +122,6 @@ def load_handler(topology: Topology, stage: StageSpec) -> Callable[..., Any]:
         raise ValueError(f"stage {stage.name!r}: handler {stage.handler!r} must look like 'module:callable'")
     add_to_sys_path(topology)
     try:
-        handler = getattr(importlib.import_module(module_name), attr)
+        return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"stage {stage.name!r}: cannot load handler {stage.handler!r}: {exc}") from exc
-    if isinstance(handler, type) and hasattr(handler, "from_stage"):
-        handler = handler.from_stage(stage.options)
-    if not callable(handler):
-        raise ValueError(f"stage {stage.name!r}: handler {stage.handler!r} is not callable")
-    return handler

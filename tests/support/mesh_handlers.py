@@ -61,6 +61,11 @@ async def step(inputs: dict, ctx: Any) -> dict:
     return out
 
 
+async def opaque(inputs: dict, ctx: Any) -> dict:
+    """An output no codec can carry (an arbitrary object): its put fails, naming where."""
+    return {"x": object()}
+
+
 # ---------------------------------------------------------------------- fan-out, fan-in
 
 

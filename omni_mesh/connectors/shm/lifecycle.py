@@ -13,12 +13,12 @@ from typing import Any
 
 from omni_mesh.connectors.lifecycle import Lifecycle, ProcessFacts
 from omni_mesh.connectors.shm.segments import (
-    SHM_DIR,
     ProcessIdentity,
     list_segments,
     owner_of,
     reap_orphaned_segments,
     segment_name,
+    shm_dir,
     unlink_segment,
 )
 from omni_mesh.hostinfo import machine_id
@@ -32,7 +32,7 @@ def shm_domain() -> str:
     if override:
         return override
     try:
-        device = os.stat(SHM_DIR).st_dev
+        device = os.stat(shm_dir()).st_dev
     except OSError:
         device = 0
     return f"{machine_id()}/{device}"

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 
 from omni_mesh.connectors.base import ConnectorError
-from omni_mesh.connectors.shm.segments import SHM_DIR, open_segment
+from omni_mesh.connectors.shm.segments import open_segment, shm_dir
 from omni_mesh.connectors.shm.slots import Segment
 
 #: Maps a segment by name for one get: its mapping, or None when it is gone.
@@ -70,7 +70,7 @@ class Mappings:
         return lambda name: self._mapped.get(name) or self.map(name, where)
 
     def forget_unlinked_locked(self) -> None:
-        for name in [name for name in self._mapped if not (SHM_DIR / name).exists()]:
+        for name in [name for name in self._mapped if not (shm_dir() / name).exists()]:
             del self._mapped[name]
 
     def clear_locked(self) -> None:

@@ -29,7 +29,9 @@ from omni_mesh.connectors.pools import growth as _growth
 from omni_mesh.connectors.pools.allocator import PAGE, PoolAllocator, frame_alignment, round_up
 from omni_mesh.connectors.shm.segments import (
     ProcessIdentity,
-    create_segment,
+    create_unique_segment,
+    new_number,
+    new_token,
     segment_name,
     shm_capacity,
     unlink_segment,
@@ -80,8 +82,6 @@ class ShmPool:
         self.own: dict[str, Segment] = {}  # every segment this process made, one-offs included
         self.writing: set[Slot] = set()
         self.closed = False
-        self._grow_ids = itertools.count(1)
-        self._oneoff_ids = itertools.count(1)
         self._generations = itertools.count(1)
 
     # ---- segments
@@ -94,9 +94,11 @@ class ShmPool:
         """The first segment, created (pre-faulted) on first use."""
         if not self.segments:
             size = round_up(self._start + max(self.cfg.memory_pool_size, SLOT_HEADER))
-            name = segment_name(self._identity, self._token)
             try:
-                mm = create_segment(name, size, populate=self.cfg.prefault)
+                name, mm = create_unique_segment(self._first_name, size, populate=self.cfg.prefault)
+            except ConnectorError:
+                self._counters.add("errors")
+                raise
             except OSError as exc:
                 self._counters.add("errors")
                 raise _no_room(exc)(
@@ -116,6 +118,18 @@ class ShmPool:
         live = sum(1 for slot in self.slots.values() if slot.segment.mm[slot.offset] != RELEASED)
         near = bool(size) and self.in_use > 0.9 * max(size, self.ceiling - reserved)
         return size, self.in_use, len(self.segments), live, near
+    def _first_name(self) -> str:
+        """A name for the first segment; a name already taken (squatted) gets a fresh token, which
+        the segments the pool grows by then share."""
+        name = segment_name(self._identity, self._token)
+        self._token = new_token()  # for the next try, if this name is taken
+        return name
+
+    def _numbered(self, kind: str) -> Callable[[], str]:
+        """Names for a grown (`_p`) or one-off (`_x`) segment: the first's name and a random number
+        (the key index names a segment by that number; a sequence would be predictable)."""
+        first = self.segments[0].name
+        return lambda: f"{first}_{kind}{new_number()}"
 
     def _add_locked(self, name: str, mm: Any, allocator: PoolAllocator, number: int) -> Segment:
         segment = Segment(name, mm, allocator, number)
@@ -129,28 +143,27 @@ class ShmPool:
         size = _growth.grown_size(need + align)
         if self.pool_bytes + size > self.ceiling:
             return None
-        number = next(self._grow_ids)
-        name = segment_name(self._identity, self._token, f"_p{number}")
         try:
-            mm = create_segment(name, size, populate=self.cfg.prefault)
-        except OSError:
+            name, mm = create_unique_segment(self._numbered("p"), size, populate=self.cfg.prefault)
+        except (OSError, ConnectorFull):
             return None
         self._counters.add("pool_grown")
-        return self._add_locked(name, mm, PoolAllocator(size), number)
+        return self._add_locked(name, mm, PoolAllocator(size), int(name.rsplit("_p", 1)[1]))
 
-    def _oneoff_locked(self, need: int, where: str) -> Segment:
-        number = next(self._oneoff_ids)
-        name = segment_name(self._identity, self._token, f"_x{number}")
+    def _oneoff_locked(self, need: int) -> Segment:
+        """A segment for one slot past the ceiling. Its errors name no put: the put's caller does."""
         try:
-            mm = create_segment(name, need, populate=False)
+            name, mm = create_unique_segment(self._numbered("x"), need, populate=False)
+        except ConnectorError:
+            self._counters.add("errors")
+            raise
         except OSError as exc:
             self._counters.add("errors")
             raise _no_room(exc)(
-                f"SharedMemoryConnector: no shared memory for {need} bytes ({where}): {exc}; free /dev/shm "
-                "or raise the container's shm_size"
+                f"no shared memory for {need} bytes: {exc}; free /dev/shm or raise the container's shm_size"
             ) from exc
         self._counters.add("fallbacks")
-        segment = Segment(name, mm, None, number)
+        segment = Segment(name, mm, None, int(name.rsplit("_x", 1)[1]))
         self.own[name] = segment
         return segment
 
@@ -209,7 +222,7 @@ class ShmPool:
             if offset is None:
                 # Past the ceiling: a one-off segment, the slot header just before its first page boundary.
                 skew = PAGE - SLOT_HEADER if align == PAGE else 0
-                segment, offset = self._oneoff_locked(need + skew, where), skew
+                segment, offset = self._oneoff_locked(need + skew), skew
             self.release_idle_locked(keep=segment)
             # Reused pool space holds bytes of older frames: until this put writes its header, the
             # state byte must not read as RELEASED or TAKEN, or a reclaim would free the slot mid-write.
