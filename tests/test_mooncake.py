@@ -33,8 +33,8 @@ from omni_mesh.connectors import (
     create_connector,
 )
 from omni_mesh.connectors._mooncake_common import resolve_host
+from omni_mesh.local_services.mooncake_master import MooncakeMaster
 from omni_mesh.ports import free_port
-from omni_mesh.testing.mooncake_master import MooncakeMaster
 
 TE = "MooncakeTransferEngineConnector"
 STORE = "MooncakeStoreConnector"

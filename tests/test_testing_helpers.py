@@ -1,4 +1,4 @@
-"""The helpers the tests and benchmarks lean on (omni_mesh.ports, omni_mesh.testing.processes), against
+"""The helpers the tests and benchmarks lean on (omni_mesh.ports, omni_mesh.procinfo), against
 real sockets and real processes: a helper that reads /proc wrongly would make other tests pass vacuously."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import time
 
 from omni_mesh.ports import free_port, free_ports, taken_since
-from omni_mesh.testing.processes import children_of, cpu_seconds, descendants, rss_bytes, stat_fields
+from omni_mesh.procinfo import children_of, cpu_seconds, descendants, rss_bytes, stat_fields
 
 
 def test_free_ports_are_distinct_and_bindable_and_taken_since_sees_a_listener() -> None:
@@ -53,3 +53,25 @@ def test_the_process_tree_cpu_time_and_memory_are_read_from_proc() -> None:
         child.wait(10)
     assert stat_fields(grandchild) is None or stat_fields(grandchild)[0] == "Z"
     assert cpu_seconds({child.pid}) == 0.0  # gone (reaped): counts 0
+
+
+def test_no_production_module_imports_test_helpers() -> None:
+    """omni_mesh/ (the commands users run: bench, cli, services) never imports the tests' helpers: a
+    package named `testing` or `tests`/`support` would ship test code in production (issue 29)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "omni_mesh"
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            offenders += [
+                f"{path.relative_to(root.parent)}:{node.lineno} imports {name}"
+                for name in names
+                if name.startswith(("omni_mesh.testing", "tests", "support"))
+            ]
+    assert not offenders, offenders
+    assert not (root / "testing").exists(), "omni_mesh/testing/ is back: test-only helpers go in tests/support/"
