@@ -223,7 +223,7 @@ def create_app(
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     if api_key:
         app.add_middleware(ApiKey, key=api_key)  # runs before any body is read
-    app.add_middleware(AccessLog, metrics=metrics)  # added last: outermost, so every answer is logged
+    app.add_middleware(AccessLog, metrics=metrics, routes=app.routes)  # added last: outermost, so every answer is logged
     return app
 
 
