@@ -31,7 +31,7 @@ install-test: test-system-deps $(TEST_STAMP)  # system packages checked every ti
 
 $(RUN_STAMP): pyproject.toml
 	@$(PYTHON) -c "import ensurepip, venv" 2>/dev/null || { echo "error: $(PYTHON) cannot create a venv" \
-		"(no venv/ensurepip module); on Debian or Ubuntu: sudo apt-get install python3-venv"; exit 1; }
+		"(no venv/ensurepip module): install the package python3-venv (Debian, Ubuntu)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) $(TORCH)
 	$(PIP) -e .
