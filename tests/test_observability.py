@@ -230,3 +230,26 @@ def test_status_prints_the_same_figures(mesh: Mesh) -> None:
     out = result.stdout
     assert "mesh 'observed'" in out and "a-0 (healthy)" in out and "a-1 (healthy)" in out and "d-0 (healthy)" in out
     assert re.search(r"^a->d\s+SharedMemoryConnector", out, re.M), out
+
+
+def test_every_connector_counter_is_exported_as_a_counter() -> None:
+    """The names connectors count with (`Counters(...)`, their `counter_names` and `_COUNTERS` tuples)
+    are all in /metrics' counter list: a new one would otherwise be exported as a gauge."""
+    import ast
+
+    from omni_mesh.coordinator.metrics import _CONNECTOR_COUNTERS
+
+    def strings(node: ast.AST) -> set[str]:
+        return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+    counted: set[str] = set()
+    for path in (Path(__file__).resolve().parents[1] / "omni_mesh" / "connectors").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "Counters":
+                counted |= strings(node)
+            elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(getattr(t, "id", getattr(t, "attr", "")) in ("_COUNTERS", "counter_names") for t in targets):
+                    counted |= strings(node.value)
+    assert {"puts", "bytes_put", "zero_copy_leaves", "oneoff"} <= counted, counted  # the scan finds them
+    assert counted <= set(_CONNECTOR_COUNTERS), sorted(counted - set(_CONNECTOR_COUNTERS))
