@@ -1,35 +1,52 @@
 # omni-mesh: `make run` starts the demo pipeline, `make test` runs the whole suite.
-# Both set everything up on a fresh machine (system packages when missing, then .venv).
+# `make run` needs only python3 with its venv module (no root): .venv with the runtime deps.
+# `make test` adds what only the tests use: system packages (root, or it prints the apt-get line) and
+# every extra. Each has its own stamp, so a `make test` after a `make run` installs only the rest.
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+PIP    := $(BIN)/pip install --quiet --disable-pip-version-check
+RUN_STAMP  := $(VENV)/.installed-run
+TEST_STAMP := $(VENV)/.installed-test
 PORT   ?= 8000
 # CPU build of torch (a local wheel on this project's machines); an unpinned torch may pull a
-# multi-GB CUDA build. GPU users install their own torch before `pip install omni-mesh`.
+# multi-GB CUDA build. GPU users install their own torch before `pip install omni-mesh`. The demo's
+# toy models run on torch (services/omni_demo/model.py), so `make run` needs it too.
 TORCH  ?= torch==2.13.0
-SYSTEM_PACKAGES := libibverbs1 iproute2 docker-compose prometheus chromium openssl docker.io mmdebstrap
+# What the demo imports: checked after the install so that a broken one fails here, not at `ready`.
+RUN_IMPORTS  := torch, numpy, zmq, msgpack, yaml, fastapi, fastapi_offline, uvicorn, httpx, prometheus_client
+TEST_IMPORTS := pytest, xdist, hypothesis, openai, mooncake.engine, mooncake.store, yr.datasystem, transformers
+# Only the tests use these: libibverbs1 (Mooncake's wheels link it); iproute2 (multi-host tests, ip
+# netns); docker-compose, docker.io and mmdebstrap (the compose files, the engine and the base image of
+# tests/test_docker_compose.py); prometheus and chromium (the observability tests scrape /metrics with a
+# real Prometheus, render /dashboard in headless Chromium); openssl (the TLS tests' certificates).
+TEST_SYSTEM_PACKAGES := libibverbs1 iproute2 docker-compose prometheus chromium openssl docker.io mmdebstrap
+TEST_EXTRAS := dev,mooncake,yuanrong,engines
 
-.PHONY: install system-deps run test bench lint clean
+.PHONY: install install-test test-system-deps run test bench lint clean
 
-install: system-deps $(STAMP)  # system packages checked every time: a new one may have been added
+install: $(RUN_STAMP)
+install-test: test-system-deps $(TEST_STAMP)  # system packages checked every time: one may be added
 
-$(STAMP): pyproject.toml
-	@$(MAKE) --no-print-directory system-deps
+$(RUN_STAMP): pyproject.toml
+	@$(PYTHON) -c "import ensurepip, venv" 2>/dev/null || { echo "error: $(PYTHON) cannot create a venv" \
+		"(no venv/ensurepip module): install the package python3-venv (Debian, Ubuntu)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,mooncake,yuanrong,engines]'
-	$(BIN)/python -c "import torch, zmq, fastapi, prometheus_client, mooncake.engine, mooncake.store, yr.datasystem, transformers" \
-		|| { echo "error: the install is incomplete (see above)"; exit 1; }
-	touch $(STAMP)
+	$(PIP) $(TORCH)
+	$(PIP) -e .
+	$(BIN)/python -c "import $(RUN_IMPORTS)" || { echo "error: the install is incomplete (see above)"; exit 1; }
+	touch $@
 
-# libibverbs1: Mooncake's wheels link it; iproute2: multi-host tests (ip netns);
-# docker-compose: validates the compose files and runs them; docker.io and mmdebstrap: the engine and the
-# base image of tests/test_docker_compose.py (no registry needed); prometheus and chromium: the
-# observability tests scrape /metrics with a real Prometheus and render /dashboard in headless Chromium.
-system-deps:
-	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+$(TEST_STAMP): $(RUN_STAMP) pyproject.toml
+	@$(MAKE) --no-print-directory test-system-deps
+	$(PIP) -e '.[$(TEST_EXTRAS)]'
+	$(BIN)/python -c "import $(RUN_IMPORTS), $(TEST_IMPORTS)" \
+		|| { echo "error: the install is incomplete (see above)"; exit 1; }
+	touch $@
+
+test-system-deps:
+	@missing=$$(for p in $(TEST_SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" != 0 ]; then \
 			echo "error: missing system packages:$$missing; run: sudo apt-get install -y --no-install-recommends$$missing"; exit 1; \
@@ -42,20 +59,20 @@ run: install
 	$(BIN)/omni-mesh up compose/omni-demo.yaml --port $(PORT)
 
 # Two workers taking whole files: most test time waits on the processes a test started (docs/testing.md).
-test: install
+test: install-test
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # Every connector that runs here without a service of yours: YuanrongConnector against a throwaway
 # worker it starts itself. MooncakeStoreConnector needs a master: `omni-mesh bench connector
 # --connector MooncakeStoreConnector --config ...` (docs/benchmarks.md).
-bench: install
+bench: install-test
 	$(BIN)/omni-mesh bench connector --connector SharedMemoryConnector
 	$(BIN)/omni-mesh bench connector --connector ZmqConnector --sizes 16MiB,256MiB
 	$(BIN)/omni-mesh bench connector --connector MooncakeTransferEngineConnector --sizes 16MiB,256MiB
 	$(BIN)/omni-mesh bench connector --connector YuanrongConnector --sizes 16MiB --start-worker
 	$(BIN)/omni-mesh bench pipeline --topology compose/noop-pipeline.yaml --concurrency 32 --duration 10
 
-lint: install
+lint: install-test
 	$(BIN)/ruff check .
 
 clean:

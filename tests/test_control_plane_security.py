@@ -33,8 +33,8 @@ from omni_mesh import codec
 from omni_mesh.connectors.shm.lifecycle import shm_domain
 from omni_mesh.connectors.shm.segments import list_segments, owner_of, process_start_time
 from omni_mesh.hostinfo import machine_id, namespace
+from omni_mesh.procinfo import descendants, rss_bytes
 from omni_mesh.security import ENV_KEYS_DIR, MeshKeys, secure_client
-from omni_mesh.testing.processes import descendants, rss_bytes
 
 
 def _stage(stage_id: int, name: str, **more: object) -> dict:

@@ -260,7 +260,7 @@ def test_vllm_omni_stage_config_runs_on_the_engines_without_handlers(checkpoint:
 def test_a_client_that_goes_away_stops_generation_in_every_stage(mesh) -> None:
     """A long reply (4000 codes: seconds of talker and code2wav work) whose client leaves after the first
     chunk: within a second no stage spends CPU on it any more."""
-    from omni_mesh.testing.processes import cpu_seconds
+    from omni_mesh.procinfo import cpu_seconds
 
     stages = mesh.stages()
     pids = {stages[name][0]["pid"] for name in ("thinker", "talker", "code2wav")}
@@ -281,7 +281,7 @@ def test_a_client_that_goes_away_stops_generation_in_every_stage(mesh) -> None:
 
 def test_a_non_streaming_client_that_goes_away_stops_generation_too(mesh) -> None:
     """The same for a client that waits for the whole answer and gives up after 1 s."""
-    from omni_mesh.testing.processes import cpu_seconds
+    from omni_mesh.procinfo import cpu_seconds
 
     stages = mesh.stages()
     pids = {stages[name][0]["pid"] for name in ("thinker", "talker", "code2wav")}

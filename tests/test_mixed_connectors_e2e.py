@@ -27,7 +27,7 @@ from support.shared_worker import SharedWorker
 from omni_mesh.connectors import edge_key
 from omni_mesh.connectors.shm.segments import SHM_DIR, owner_of
 from omni_mesh.connectors.yuanrong import datasystem_key
-from omni_mesh.testing.datasystem_worker import Worker
+from omni_mesh.local_services.datasystem_worker import Worker
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "compose" / "omni-demo-zmq-yuanrong.yaml"

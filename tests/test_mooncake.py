@@ -33,8 +33,8 @@ from omni_mesh.connectors import (
 )
 from omni_mesh.connectors.mooncake import device_transfer as _device_transfer
 from omni_mesh.connectors.mooncake.common import resolve_host
+from omni_mesh.local_services.mooncake_master import MooncakeMaster
 from omni_mesh.ports import free_port
-from omni_mesh.testing.mooncake_master import MooncakeMaster
 
 TE = "MooncakeTransferEngineConnector"
 STORE = "MooncakeStoreConnector"

@@ -119,6 +119,70 @@ def test_prometheus_scrapes_the_request_counter_and_histogram(mesh: Mesh, tmp_pa
         server.wait(10)
 
 
+def _families(text: str) -> dict[str, tuple[str, list[str]]]:
+    """{family: (type, [sample lines])} of a Prometheus text page."""
+    families: dict[str, tuple[str, list[str]]] = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            families[name] = (kind, [])
+        elif line and not line.startswith("#"):
+            name = re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", line).group(0)
+            owner = max((f for f in families if name.startswith(f)), key=len)
+            families[owner][1].append(line)
+    return families
+
+
+def test_metrics_follow_prometheus_naming_and_promtool_finds_nothing(mesh: Mesh) -> None:
+    promtool = tool("promtool")
+    mesh.ok({"n": 5})
+    for path in ("/openapi.json", "/docs", "/redoc", "/docs-assets/swagger-ui.css", "/no-such-page"):
+        mesh.client.get(path)
+
+    def scraped() -> str:
+        return mesh.client.get("/metrics").text
+
+    # The stages' connector counters arrive with their next heartbeat.
+    wait_for(lambda: re.search(r"^omni_mesh_connector_put_bytes_total\{.*\} [1-9]", scraped(), re.M), 10,
+             "the connectors' put bytes in /metrics")
+    text = scraped()
+    lint = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+    assert lint.returncode == 0 and not (lint.stdout + lint.stderr).strip(), lint.stdout + lint.stderr
+    assert "_created" not in text
+    families = _families(text)
+    for name, (kind, samples) in families.items():
+        assert name.startswith("omni_mesh_"), name
+        if kind == "counter":  # counters end in _total; units come before it
+            assert name.endswith("_total") and all(s.startswith(f"{name}{{") or s.startswith(f"{name} ")
+                                                   for s in samples), (name, samples[:3])
+        assert not re.search(r'\b(counter|gauge)="', "".join(samples)), f"{name}: one metric, several things"
+    # Counts and bytes are separate counters; what only grows is a counter, not a gauge.
+    for name in ("omni_mesh_connector_puts_total", "omni_mesh_connector_put_bytes_total",
+                 "omni_mesh_connector_stale_gets_total", "omni_mesh_edge_bytes_total",
+                 "omni_mesh_edge_put_seconds_total", "omni_mesh_http_requests_total"):
+        assert families[name][0] == "counter", name
+    assert families["omni_mesh_connector_pool_size_bytes"][0] == "gauge"
+    # One label scheme for connectors: the topology's ref everywhere, its class in _info.
+    connectors = set(re.findall(r'connector="([^"]*)"', text))
+    assert connectors == {"auto_shm_0_1"}, connectors
+    assert 'omni_mesh_connector_info{connector="auto_shm_0_1",type="SharedMemoryConnector"} 1.0' in text
+    # Every route FastAPI serves is labelled by its template; only unknown paths are `unmatched`.
+    routes = re.findall(r'omni_mesh_http_requests_total\{method="GET",route="([^"]*)",status="(\d+)"\}', text)
+    for route in ("/openapi.json", "/docs", "/redoc", "/docs-assets"):
+        assert (route, "200") in routes, routes
+    assert {status for route, status in routes if route == "unmatched"} == {"404"}, routes
+
+
+def _dom(url: str) -> str:
+    chromium = tool("chromium")
+    result = subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=3000", "--dump-dom", url],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
 def test_the_dashboard_shows_the_graph_and_live_numbers(mesh: Mesh, tmp_path: Path) -> None:
     chromium = tool("chromium")
     screenshot = tmp_path / "dashboard.png"
@@ -167,3 +231,24 @@ def test_status_takes_host_and_port_without_a_scheme(mesh: Mesh) -> None:
         result = subprocess.run([str(OMNI_MESH), "status", where], capture_output=True, text=True, timeout=30)
         assert result.returncode == 0, (where, result.stderr)
         assert "mesh 'observed'" in result.stdout and "d-0 (healthy)" in result.stdout, result.stdout
+def test_every_connector_counter_is_exported_as_a_counter() -> None:
+    """The names connectors count with (`Counters(...)`, their `counter_names` and `_COUNTERS` tuples)
+    are all in /metrics' counter list: a new one would otherwise be exported as a gauge."""
+    import ast
+
+    from omni_mesh.coordinator.metrics import _CONNECTOR_COUNTERS
+
+    def strings(node: ast.AST) -> set[str]:
+        return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+    counted: set[str] = set()
+    for path in (Path(__file__).resolve().parents[1] / "omni_mesh" / "connectors").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "Counters":
+                counted |= strings(node)
+            elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(getattr(t, "id", getattr(t, "attr", "")) in ("_COUNTERS", "counter_names") for t in targets):
+                    counted |= strings(node.value)
+    assert {"puts", "bytes_put", "zero_copy_leaves", "oneoff"} <= counted, counted  # the scan finds them
+    assert counted <= set(_CONNECTOR_COUNTERS), sorted(counted - set(_CONNECTOR_COUNTERS))

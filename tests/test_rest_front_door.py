@@ -46,7 +46,7 @@ from omni_mesh.coordinator.http_limits import (
 )
 from omni_mesh.coordinator.request_body import RequestBody, unpackable
 from omni_mesh.ports import free_port
-from omni_mesh.testing.processes import descendants
+from omni_mesh.procinfo import descendants
 
 SMALL_POOL = {"name": "SharedMemoryConnector", "extra": {"memory_pool_size": 8 * 1024 * 1024}}
 READ_TIMEOUT_S = 2.0  # the plain mesh's header and body timeouts

@@ -30,8 +30,8 @@ from support.peer import Peer
 from zmq.utils.monitor import recv_monitor_message
 
 from omni_mesh.connectors import ConnectorError, create_connector
+from omni_mesh.procinfo import rss_bytes
 from omni_mesh.security import ENV_PUBLIC, MeshKeys, reset_mesh_keys, secure_client, set_mesh_keys
-from omni_mesh.testing.processes import rss_bytes
 
 ZMQ = "ZmqConnector"
 TE = "MooncakeTransferEngineConnector"

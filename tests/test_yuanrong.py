@@ -1,7 +1,7 @@
 """YuanrongConnector against a real openYuanrong datasystem worker.
 
 The worker is the session's shared one (tests/support/shared_worker.py: `dscli start` through
-omni_mesh/testing/datasystem_worker.py, built-in metastore, free loopback ports, a temp dir). These tests
+omni_mesh/local_services/datasystem_worker.py, built-in metastore, free loopback ports, a temp dir). These tests
 use the connector's default key prefix; the other modules sharing the worker use their own. Consumers
 are real separate processes (tests/support/peer.py). Every datasystem key a test touches is checked to be
 gone at the end.

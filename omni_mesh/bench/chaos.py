@@ -36,7 +36,7 @@ from omni_mesh.bench.http_client import Connection
 from omni_mesh.bench.mesh import running_mesh
 from omni_mesh.bench.pipeline import percentile
 from omni_mesh.connectors import held_by
-from omni_mesh.testing.processes import children_of
+from omni_mesh.procinfo import children_of
 from omni_mesh.topology import Topology, load_topology
 
 HANDLER = "omni_mesh.bench.chaos_handlers:step"

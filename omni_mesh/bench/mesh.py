@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from omni_mesh.ports import free_port, taken_since
-from omni_mesh.testing.processes import children_of
+from omni_mesh.procinfo import children_of
 
 ENV_INSECURE = "OMNI_MESH_INSECURE"  # = omni_mesh.security.ENV_INSECURE (the launcher passes it on)
 READY_TIMEOUT_S = 60.0

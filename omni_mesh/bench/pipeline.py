@@ -23,7 +23,7 @@ import httpx
 from omni_mesh import aio
 from omni_mesh.bench.http_client import Connection
 from omni_mesh.bench.mesh import running_mesh
-from omni_mesh.testing.processes import cpu_seconds
+from omni_mesh.procinfo import cpu_seconds
 
 #: --security: which control planes to measure, in the order rounds alternate.
 SECURITY_MODES = {"both": ("on", "off"), "on": ("on",), "off": ("off",)}

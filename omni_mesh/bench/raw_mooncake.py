@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from omni_mesh.connectors.mooncake_store import RegisteredPool, import_mooncake
-from omni_mesh.testing.mooncake_master import MooncakeMaster
+from omni_mesh.local_services.mooncake_master import MooncakeMaster
 
 _HOST = "127.0.0.1"
 _REPLY_TIMEOUT_S = 120.0

@@ -93,7 +93,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             if args.start_worker:
                 if args.connector != "YuanrongConnector":
                     raise CliError("--start-worker starts a datasystem worker: it is for YuanrongConnector")
-                from omni_mesh.testing.datasystem_worker import running_worker
+                from omni_mesh.local_services.datasystem_worker import running_worker
 
                 config = {**config, **stack.enter_context(running_worker()).config}
             result = connector.run(

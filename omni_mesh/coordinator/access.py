@@ -15,6 +15,8 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from starlette.routing import BaseRoute, Match
+
 from omni_mesh import logs
 from omni_mesh.coordinator.metrics import Metrics
 
@@ -39,10 +41,25 @@ def request_id_of(scope: dict[str, Any]) -> str:
     return uuid.uuid4().hex
 
 
+def route_label(scope: dict[str, Any], routes: list[BaseRoute], path: str, root_path: str) -> str:
+    """The template of the route that answered, never the raw path: unknown paths must not mint label
+    values. FastAPI's own routes (its APIRoutes) leave `scope["route"]`; the plain Starlette ones it
+    serves too (/openapi.json, the /docs-assets mount) do not, so those are matched here again."""
+    template = getattr(scope.get("route"), "path", None)
+    if template:
+        return template
+    probe = {"type": "http", "path": path, "root_path": root_path, "method": scope["method"]}
+    for route in routes:
+        if route.matches(probe)[0] is Match.FULL:
+            return getattr(route, "path", None) or "unmatched"
+    return "unmatched"
+
+
 class AccessLog:
-    def __init__(self, app: ASGIApp, metrics: Metrics | None = None) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics | None = None, routes: list[BaseRoute] | None = None) -> None:
         self.app = app
         self.metrics = metrics
+        self.routes = routes if routes is not None else []  # the app's, live: routes added later count
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -52,6 +69,7 @@ class AccessLog:
         scope.setdefault("state", {})["request_id"] = rid
         token = logs.request_id.set(rid)
         started = time.perf_counter()
+        path, root_path = scope["path"], scope.get("root_path", "")  # before a mount rewrites them
         status = 500  # what the client gets if the app raises before answering
 
         async def send_with_id(message: dict) -> None:
@@ -65,10 +83,8 @@ class AccessLog:
             await self.app(scope, receive, send_with_id)
         finally:
             elapsed = time.perf_counter() - started
-            route = scope.get("route")
-            # The route's template, never the raw path: unknown paths must not mint label values.
-            label = getattr(route, "path", None) or "unmatched"
             if self.metrics is not None:
+                label = route_label(scope, self.routes, path, root_path)
                 self.metrics.observe_http(label, scope["method"], status, elapsed)
             log.info("%s %s %d %.1f ms", scope["method"], scope["path"], status, elapsed * 1000)
             logs.request_id.reset(token)

@@ -63,7 +63,7 @@ def create_app(
         app.add_middleware(ApiKey, key=api_key)  # runs before any body is read
     if host is not None and is_loopback(host):
         app.add_middleware(LoopbackHosts)  # DNS rebinding: before the key, which is often unset there
-    app.add_middleware(AccessLog, metrics=metrics)  # added last: outermost, so every answer is logged
+    app.add_middleware(AccessLog, metrics=metrics, routes=app.routes)  # added last: outermost, so every answer is logged
     return app
 
 

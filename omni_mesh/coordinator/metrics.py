@@ -1,4 +1,10 @@
-"""Prometheus metrics of the coordinator (`GET /metrics`), names `omni_mesh_*` in base units.
+"""Prometheus metrics of the coordinator (`GET /metrics`), named by Prometheus' conventions.
+
+Names are `omni_mesh_*`, with the base unit in the name (`_seconds`, `_bytes`) and counters ending in
+`_total`; a counter never counts two kinds of thing (a connector's puts and its bytes are two metrics).
+Connectors are labelled `connector` = their ref in the topology (`shm`, `auto_shm_0_1`) everywhere;
+`omni_mesh_connector_info{connector, type}` maps a ref to its class. No `_created` series: their
+timestamps double the series count and no query here uses them.
 
 Events are counted where they happen: HTTP requests by the REST middleware, finished pipeline requests
 (with each stage's queue wait, handler time and per-edge bytes, as the stages report them) by the
@@ -8,11 +14,19 @@ stages' heartbeats) is read from the registry when Prometheus scrapes, so it is 
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -24,12 +38,27 @@ __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 
 # Latency buckets from 1 ms to 2 min: a no-op hop is ~1 ms, a long generation takes minutes.
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-# Connector counters (from `health()`) that only ever grow: exported as counters, the rest as gauges.
-_CONNECTOR_COUNTERS = ("puts", "gets", "bytes_put", "bytes_got", "errors", "expired", "oneoff", "fallbacks")
+# The numbers in connectors' `health()` reports that only ever grow (their `Counters` and the guards'
+# refusals): exported as counters `omni_mesh_connector_<name>_total`, the rest as gauges. A key named
+# here with a unit gets it in its name.
+_CONNECTOR_COUNTERS = {
+    "bytes_put": "put_bytes", "bytes_got": "got_bytes",
+    **{name: name for name in (
+        "puts", "gets", "errors", "expired", "cleaned", "deleted", "oneoff", "fallbacks", "put_failures",
+        "inline_puts", "stale_gets", "unindexed_puts", "cuda_ipc_tensors", "zero_copy_leaves", "pool_grown",
+        "pool_released", "local_gets", "device_tensors", "refused_peers", "malformed_requests",
+    )},
+}
+_CONNECTOR_GAUGE_UNITS = {
+    "pool_size": "pool_size_bytes", "pool_in_use": "pool_in_use_bytes", "max_pool_size": "max_pool_size_bytes",
+    "localbuf_size": "localbuf_size_bytes", "localbuf_in_use": "localbuf_in_use_bytes",
+}
+_METRIC_NAME = re.compile(r"[a-z_][a-z0-9_]*")
 
 
 class Metrics:
     def __init__(self, coordinator: Coordinator) -> None:
+        disable_created_metrics()  # process-wide, and this process is the coordinator: no `_created`
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.http_requests = Counter(
@@ -65,8 +94,8 @@ class Metrics:
             "omni_mesh_edge_put_seconds", "time spent putting payloads on each edge", ["edge", "connector"], registry=r
         )
         self.registry.register(_StateCollector(coordinator))
-        self._connectors = {
-            f"{coordinator.topology.stage(e.src).name}->{coordinator.topology.stage(e.dst).name}": e.connector.name
+        self._connectors = {  # edge label -> connector ref, the `connector` label of every metric
+            f"{coordinator.topology.stage(e.src).name}->{coordinator.topology.stage(e.dst).name}": e.connector.ref
             for e in coordinator.topology.edges
         }
 
@@ -161,14 +190,7 @@ class _StateCollector(Collector):
         inflight = GaugeMetricFamily("omni_mesh_stage_inflight_requests", "requests a stage's replicas work on", labels=["stage"])
         queued = GaugeMetricFamily("omni_mesh_stage_queued_requests", "requests waiting for a free replica", labels=["stage"])
         restarts = CounterMetricFamily("omni_mesh_replica_restarts", "replica restarts seen by the coordinator", labels=["stage", "replica"])
-        counters = CounterMetricFamily(
-            "omni_mesh_connector_events", "connector counters from the replicas' heartbeats",
-            labels=["stage", "replica", "connector", "counter"],
-        )
-        gauges = GaugeMetricFamily(
-            "omni_mesh_connector_state", "connector gauges from the replicas' heartbeats (held payloads, pool bytes)",
-            labels=["stage", "replica", "connector", "gauge"],
-        )
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
         for stage in self.coordinator.topology.stages:
             mine = registry.of_stage(stage.name)
             by_health: dict[str, int] = {"healthy": 0, "unhealthy": 0, "draining": 0}
@@ -177,17 +199,41 @@ class _StateCollector(Collector):
                 by_health[health] = by_health.get(health, 0) + 1
                 restarts.add_metric([stage.name, replica.replica_id], replica.restarts)
                 for ref, report in replica.connectors.items():
-                    if not isinstance(report, dict):
-                        continue
-                    for name, value in report.items():
-                        if isinstance(value, bool) or not isinstance(value, int | float):
-                            continue
-                        family = counters if name in _CONNECTOR_COUNTERS else gauges
-                        family.add_metric([stage.name, replica.replica_id, ref, name], value)
+                    if isinstance(report, dict):
+                        _add_connector_report(families, [stage.name, replica.replica_id, ref], report)
             for health, count in by_health.items():
                 replicas.add_metric([stage.name, health], count)
             inflight.add_metric([stage.name], sum(len(r.inflight) for r in mine))
             queued.add_metric([stage.name], len(dispatcher.queues[stage.name]))
+        info = GaugeMetricFamily("omni_mesh_connector_info", "1 per connector ref, labelled with its class", labels=["connector", "type"])
+        for spec in self.coordinator.topology.connectors.values():
+            info.add_metric([spec.ref, spec.name], 1)
         inflight_total = GaugeMetricFamily("omni_mesh_requests_inflight", "pipeline requests admitted and not ended")
         inflight_total.add_metric([], len(dispatcher.requests))
-        yield from (replicas, inflight, queued, restarts, counters, gauges, inflight_total)
+        yield from (replicas, inflight, queued, restarts, info, *families.values(), inflight_total)
+
+
+def _add_connector_report(
+    families: dict[str, CounterMetricFamily | GaugeMetricFamily], labels: list[str], report: dict[str, Any]
+) -> None:
+    """One replica's report of one connector: each number its own metric (never counts and bytes in
+    one), a counter when the key only grows, a gauge otherwise. Text fields (status, endpoint) are
+    left out: they are in /v1/stages."""
+    for key, value in report.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not _METRIC_NAME.fullmatch(key):
+            continue
+        if key in _CONNECTOR_COUNTERS:
+            name = f"omni_mesh_connector_{_CONNECTOR_COUNTERS[key]}"
+            family = families.get(name) or CounterMetricFamily(
+                name, f"connector counter {key!r} from the replicas' heartbeats", labels=_CONNECTOR_LABELS
+            )
+        else:
+            name = f"omni_mesh_connector_{_CONNECTOR_GAUGE_UNITS.get(key, key)}"
+            family = families.get(name) or GaugeMetricFamily(
+                name, f"connector gauge {key!r} from the replicas' heartbeats", labels=_CONNECTOR_LABELS
+            )
+        families[name] = family
+        family.add_metric(labels, value)
+
+
+_CONNECTOR_LABELS = ["stage", "replica", "connector"]

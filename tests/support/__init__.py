@@ -1,4 +1,4 @@
-"""What the tests share and the benchmarks do not (those parts are in omni_mesh/testing/).
+"""What the tests share and the benchmarks do not (those parts are in omni_mesh/local_services/ and omni_mesh/procinfo.py).
 
 Imported as modules (`from support.meshkit import ...`): meshkit (`omni-mesh up` meshes, polling),
 servicekit (compose services as processes), docker_engine, netns (two hosts as network namespaces),

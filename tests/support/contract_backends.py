@@ -114,7 +114,7 @@ def running(name: str, logs: Any, datasystem: SharedWorker) -> Iterator[Backend]
         backend.close()
     elif name == "MooncakeStoreConnector":
         from omni_mesh.connectors import ConnectorError
-        from omni_mesh.testing.mooncake_master import MooncakeMaster, master_binary
+        from omni_mesh.local_services.mooncake_master import MooncakeMaster, master_binary
 
         try:
             master_binary()

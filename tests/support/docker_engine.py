@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from omni_mesh.testing.processes import die_with_parent
+from omni_mesh.procinfo import die_with_parent
 from support.meshkit import wait_for
 
 CACHE = Path(os.environ.get("OMNI_MESH_TEST_CACHE", "/var/cache/omni-mesh-test"))

@@ -26,7 +26,7 @@ import yaml
 
 from omni_mesh.connectors.shm.segments import list_segments, owner_of, process_start_time
 from omni_mesh.ports import free_port, taken_since
-from omni_mesh.testing.processes import descendants, die_with_parent
+from omni_mesh.procinfo import descendants, die_with_parent
 
 HANDLERS = Path(__file__).with_name("mesh_handlers.py")
 OMNI_MESH = Path(sys.executable).with_name("omni-mesh")  # the console script next to this venv's python

@@ -40,8 +40,8 @@ from omni_mesh.connectors.shm.segments import (
     process_start_time,
     reap_orphaned_segments,
 )
+from omni_mesh.procinfo import descendants, die_with_parent
 from omni_mesh.security import ENV_KEYS_DIR, MeshKeys
-from omni_mesh.testing.processes import descendants, die_with_parent
 from support.meshkit import wait_for
 
 REPO = Path(__file__).resolve().parents[2]

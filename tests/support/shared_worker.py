@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 
-from omni_mesh.testing.datasystem_worker import Worker, running_worker
+from omni_mesh.local_services.datasystem_worker import Worker, running_worker
 
 
 class SharedWorker:

@@ -1,6 +1,6 @@
 """What the two Mooncake connectors share: the lazy backend import, the `host: auto` rule, the fast
 master/metadata-server probes and the registered memory pool that payload frames are laid into (the
-`mooncake_master` launcher for tests and benchmarks is omni_mesh.testing.mooncake_master).
+`mooncake_master` launcher for tests and benchmarks is omni_mesh.local_services.mooncake_master).
 
 `resolve_host` is the `host: auto` rule every connector shares (omni_mesh.connectors._addresses):
 Mooncake binds and advertises the one address it returns.

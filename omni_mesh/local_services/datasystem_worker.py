@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from omni_mesh.ports import free_ports, taken_since
-from omni_mesh.testing.processes import stat_fields
+from omni_mesh.procinfo import stat_fields
 
 DSCLI = os.path.join(os.path.dirname(sys.executable), "dscli")
 START_ATTEMPTS = 3  # the ports are picked before the worker binds them: another process may take one

@@ -1,5 +1,5 @@
-"""What /proc says about processes the tests and benchmarks started: parents, children, CPU time,
-memory. Linux only, as the rest of the mesh."""
+"""What /proc says about processes (parents, children, CPU time, memory), for the benchmarks and the
+tests. Linux only, as the rest of the mesh."""
 
 from __future__ import annotations
 
