@@ -109,6 +109,7 @@ class Launcher:
         api_key: str | None = None,
         ssl_certfile: str | None = None,
         ssl_keyfile: str | None = None,
+        control_port: int | None = None,
     ) -> None:
         if topology.path is None:
             raise ValueError("omni-mesh up needs a topology file")
@@ -129,7 +130,10 @@ class Launcher:
         self.api_key = api_key  # the coordinator inherits it through the environment (OMNI_MESH_API_KEY)
         self.ssl_certfile = ssl_certfile
         tls = ["--ssl-certfile", ssl_certfile, "--ssl-keyfile", ssl_keyfile or ""] if ssl_certfile else []
-        self.control = f"tcp://127.0.0.1:{free_port()}"
+        # The control plane stays on loopback: `up` runs every replica on this machine. A port given
+        # (--control-port) is used as it is; one we pick may be taken before the coordinator binds it.
+        self.control_port_chosen = control_port is not None
+        self.control = f"tcp://127.0.0.1:{control_port or free_port()}"
         self._stop = threading.Event()
         env = mesh_environment()
         self.instance = uuid.uuid4().hex  # its coordinator says it in /ready: no other mesh's answer counts
@@ -181,7 +185,12 @@ class Launcher:
                 return
             except RuntimeError:
                 port = int(self.control.rsplit(":", 1)[1])
-                if attempt == CONTROL_PORT_ATTEMPTS or self.coordinator.running() or not taken_since("127.0.0.1", [port]):
+                if (
+                    attempt == CONTROL_PORT_ATTEMPTS
+                    or self.control_port_chosen
+                    or self.coordinator.running()
+                    or not taken_since("127.0.0.1", [port])
+                ):
                     raise
             log.warning("control port %d was taken before the coordinator bound it; starting again on another", port)
             self._abandon_start()
@@ -202,16 +211,21 @@ class Launcher:
             child.argv = [self.control if arg == old else arg for arg in child.argv]
 
     def check_port(self) -> None:
-        """Refuse, before starting anything, a REST port another process already listens on."""
-        try:
-            with socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
-                probe.bind((self.host, self.port))
-        except OSError as exc:
-            raise RuntimeError(
-                f"cannot serve on {self.host}:{self.port}: {exc.strerror or exc} (another mesh or service "
-                "may be running there); stop it, or pass --port N"
-            ) from None
+        """Refuse, before starting anything, a REST port (or a chosen control port) another process
+        already listens on."""
+        ports = [(self.host, self.port, "--port N")]
+        if self.control_port_chosen:
+            ports.append(("127.0.0.1", int(self.control.rsplit(":", 1)[1]), "--control-port N (or leave it out)"))
+        for host, port, remedy in ports:
+            try:
+                with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn and ZeroMQ bind
+                    probe.bind((host, port))
+            except OSError as exc:
+                raise RuntimeError(
+                    f"cannot serve on {host}:{port}: {exc.strerror or exc} (another mesh or service "
+                    f"may be running there); stop it, or pass {remedy}"
+                ) from None
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
@@ -330,10 +344,12 @@ def run_up(
     ssl_certfile: str | None = None,
     ssl_keyfile: str | None = None,
     ready_timeout_s: float = 60.0,
+    control_port: int | None = None,
 ) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per /ready poll is noise
     return Launcher(
         topology, host=host, port=port, coordinator_args=coordinator_args,
         api_key=api_key, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, ready_timeout_s=ready_timeout_s,
+        control_port=control_port,
     ).run()

@@ -165,6 +165,14 @@ def _add_up(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="how long the mesh may take to become ready; default 60 s, or 600 s when a stage runs an "
         "engine: (it loads its model first) ($OMNI_MESH_READY_TIMEOUT_S)",
     )
+    parser.add_argument(
+        "--control-port", type=int, default=None, metavar="N",
+        help="the control plane's port, on 127.0.0.1 (default: a free port, picked at start)",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout-s", type=float, default=5.0,
+        help="silence after which the coordinator takes a replica out",
+    )
     _add_rest_flags(parser)
     return parser
 
@@ -180,8 +188,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
         os.environ[ENV_API_KEY] = rest["api_key"]
     else:
         os.environ.pop(ENV_API_KEY, None)
+    if args.control_port is not None and not 0 < args.control_port < 65536:
+        raise CliError(f"--control-port must be a TCP port (1-65535), got {args.control_port}")
+    if not args.heartbeat_timeout_s > 0:
+        raise CliError(f"--heartbeat-timeout-s must be > 0 seconds, got {args.heartbeat_timeout_s}")
     coordinator_args = [
         "--timeout-s", str(args.timeout_s),
+        "--heartbeat-timeout-s", str(args.heartbeat_timeout_s),
         "--header-timeout-s", str(rest["header_timeout_s"]),
         "--body-timeout-s", str(rest["body_timeout_s"]),
     ]
@@ -190,6 +203,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             topology, host=args.host, port=args.port, coordinator_args=coordinator_args,
             ready_timeout_s=_ready_timeout_s(args.ready_timeout_s, topology),
             api_key=rest["api_key"], ssl_certfile=rest["ssl_certfile"], ssl_keyfile=rest["ssl_keyfile"],
+            control_port=args.control_port,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from None

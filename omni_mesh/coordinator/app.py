@@ -191,7 +191,7 @@ def create_app(
         responses=responses(401),
     )
     async def stages() -> dict:
-        now = time.monotonic()
+        now = registry.now()  # the coordinator's own time (stalls excluded)
         return {
             "stages": [
                 {

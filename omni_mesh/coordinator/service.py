@@ -86,6 +86,11 @@ class Coordinator:
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished replica must not stall us
+        # A replica's routing id is its own random secret (stage.link.routing_id): when its connection
+        # drops and comes back under the same id, the new connection takes over at once, even before
+        # we noticed the old one was gone. Only ids ZeroMQ makes itself (a counter) are guessable, and
+        # no replica uses one.
+        self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._socket.setsockopt(zmq.MAXMSGSIZE, control.MAX_FRAME_BYTES)
         secure_server(self._socket, self.keys)
         self._socket.bind(self.control_endpoint)
@@ -233,6 +238,7 @@ class Coordinator:
         next_reap_check = loop.time()
         while True:
             await asyncio.sleep(MONITOR_S)
+            self.registry.tick()  # a long gap since the last tick is our own stall, nobody's silence
             try:
                 self.dispatcher.expire()
                 for replica in self.registry.dead():
