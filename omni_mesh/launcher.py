@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 import httpx
 
 from omni_mesh.connectors.shm_segments import reap_orphaned_segments
+from omni_mesh.fdlimit import raise_nofile_limit
 from omni_mesh.ports import free_port, taken_since
 from omni_mesh.security import MeshKeys, insecure_requested, keys_from_environment
 from omni_mesh.topology import Topology
+from omni_mesh.watchdog import UNRESPONSIVE_S, Watchdog
 
 log = logging.getLogger("omni_mesh.launcher")
 
@@ -110,6 +112,7 @@ class Launcher:
         ssl_certfile: str | None = None,
         ssl_keyfile: str | None = None,
         control_port: int | None = None,
+        unresponsive_s: float = UNRESPONSIVE_S,
     ) -> None:
         if topology.path is None:
             raise ValueError("omni-mesh up needs a topology file")
@@ -129,6 +132,7 @@ class Launcher:
         self.url = f"{'https' if ssl_certfile else 'http'}://{host}:{port}"
         self.api_key = api_key  # the coordinator inherits it through the environment (OMNI_MESH_API_KEY)
         self.ssl_certfile = ssl_certfile
+        self.unresponsive_s = unresponsive_s  # 0: no watchdog on the coordinator
         tls = ["--ssl-certfile", ssl_certfile, "--ssl-keyfile", ssl_keyfile or ""] if ssl_certfile else []
         # The control plane stays on loopback: `up` runs every replica on this machine. A port given
         # (--control-port) is used as it is; one we pick may be taken before the coordinator binds it.
@@ -164,15 +168,23 @@ class Launcher:
         """Start everything, supervise until a signal, stop everything. Returns the exit status."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self._stop.set())
+        watchdog: Watchdog | None = None
         try:
             self.start()
             self.announce()
+            if self.unresponsive_s > 0:
+                watchdog = Watchdog(
+                    self.url, lambda: self.coordinator.process, limit_s=self.unresponsive_s, verify=self._trust()
+                )
+                watchdog.start()
             self.supervise()
             return 0
         except RuntimeError as exc:
             log.error("%s", exc)
             return 1
         finally:
+            if watchdog is not None:
+                watchdog.stop()
             self.stop()
 
     def start(self) -> None:
@@ -345,11 +357,13 @@ def run_up(
     ssl_keyfile: str | None = None,
     ready_timeout_s: float = 60.0,
     control_port: int | None = None,
+    unresponsive_s: float = UNRESPONSIVE_S,
 ) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per /ready poll is noise
+    raise_nofile_limit()  # the children inherit it (and raise theirs again where they may)
     return Launcher(
         topology, host=host, port=port, coordinator_args=coordinator_args,
         api_key=api_key, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, ready_timeout_s=ready_timeout_s,
-        control_port=control_port,
+        control_port=control_port, unresponsive_s=unresponsive_s,
     ).run()

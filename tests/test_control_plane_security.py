@@ -116,7 +116,7 @@ def test_the_coordinator_binds_its_control_plane_on_loopback_unless_told(monkeyp
 def test_a_stranger_cannot_register_or_read_work(mesh: Mesh, keys: MeshKeys, who: str) -> None:
     endpoint, _ = control_endpoint(mesh)
     before = mesh_segments(mesh)
-    refused = health(mesh)["refused_peers"]
+    refused = health(mesh)["refused_connections"]
     stranger = Peer(endpoint, keys if who == "own key pair" else None, own_pair=True)
     try:
         # Queued or not (the refused handshake may already have dropped the pipe), none must act.
@@ -130,7 +130,7 @@ def test_a_stranger_cannot_register_or_read_work(mesh: Mesh, keys: MeshKeys, who
     assert "evil" not in replica_ids(mesh)["a"]
     assert replica_ids(mesh) == {"a": ["a-0"], "d": ["d-0"]}
     if who == "own key pair":  # a plain-text peer fails the handshake before ZAP is even asked
-        wait_for(lambda: health(mesh)["refused_peers"] > refused, 5, "the coordinator to count the refusal")
+        wait_for(lambda: health(mesh)["refused_connections"] > refused, 5, "the coordinator to count the refusal")
     assert mesh_segments(mesh) >= before
     assert mesh.ready().status_code == 200
 

@@ -64,5 +64,7 @@ class AccessLog:
             label = getattr(route, "path", None) or "unmatched"
             if self.metrics is not None:
                 self.metrics.observe_http(label, scope["method"], status, elapsed)
-            log.info("%s %s %d %.1f ms", scope["method"], scope["path"], status, elapsed * 1000)
+            # `up`'s watchdog and container probes ask /health every few seconds: their answers are noise
+            quiet = scope["path"] == "/health" and status == 200
+            (log.debug if quiet else log.info)("%s %s %d %.1f ms", scope["method"], scope["path"], status, elapsed * 1000)
             logs.request_id.reset(token)

@@ -32,6 +32,7 @@ from omni_mesh.coordinator.openai_api import openai_router
 from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S
 from omni_mesh.coordinator.request_body import RequestBody, unpackable
 from omni_mesh.coordinator.service import Coordinator
+from omni_mesh.fdlimit import raise_nofile_limit
 from omni_mesh.topology import Topology
 
 log = logging.getLogger("omni_mesh.coordinator")
@@ -162,7 +163,9 @@ def create_app(
             "completed": dispatcher.completed,
             "failed": dispatcher.failed,
             "malformed_messages": coordinator.malformed,
-            "refused_peers": coordinator.refused_peers.count,  # handshakes without this mesh's keys
+            # control connections refused: without this mesh's keys, or over the connection cap
+            "refused_connections": coordinator.refused_connections.count,
+            "connections_over_cap": coordinator.cap.over_cap if coordinator.cap else 0,
             "forged_messages": coordinator.forged.count,  # sent in another connection's replica's name
             "ingress": dispatcher.ingress.health() if dispatcher.ingress else None,
         }
@@ -248,10 +251,13 @@ async def serve(
     ssl_certfile: str | None = None,
     header_timeout_s: float = HEADER_TIMEOUT_S,
     body_timeout_s: float = BODY_TIMEOUT_S,
+    max_control_connections: int | None = None,
 ) -> None:
     """Run the coordinator until SIGINT/SIGTERM; in-flight requests get `grace_s` to finish."""
+    fd_limit = raise_nofile_limit()
     coordinator = Coordinator(
-        topology, control, default_timeout_s=default_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s
+        topology, control, default_timeout_s=default_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
+        max_connections=max_control_connections,
     )
     app = create_app(coordinator, api_key=api_key)
     config = uvicorn.Config(
@@ -263,6 +269,8 @@ async def serve(
         access_log=False,
         http=read_deadlines(header_timeout_s, body_timeout_s),
         ws="none",  # no WebSocket routes: an upgrade request is answered as plain HTTP
+        # Past half the descriptors, a new REST connection is answered 503 and closed, not kept.
+        limit_concurrency=max(64, fd_limit // 2),
         ssl_keyfile=ssl_keyfile,
         ssl_certfile=ssl_certfile,
     )
