@@ -21,12 +21,12 @@ from support.meshkit import Mesh, start_mesh
 
 TOPOLOGY = {
     "name": "caps",
-    "connectors": {"shm": {"name": "SharedMemoryConnector", "extra": {"memory_pool_size": 8 * 1024 * 1024}}},
+    "connectors": {"side": {"name": "ZmqConnector", "extra": {"memory_pool_size": 8 * 1024 * 1024}}},
     "stages": [
-        {"stage_id": 0, "name": "a", "handler": "mesh_handlers:step", "output_connectors": {"to_stage_1": "shm"}},
+        {"stage_id": 0, "name": "a", "handler": "mesh_handlers:step", "output_connectors": {"to_stage_1": "side"}},
         {
             "stage_id": 1, "name": "d", "handler": "mesh_handlers:step",
-            "input_connectors": {"from_stage_0": "shm"}, "final_output": True,
+            "input_connectors": {"from_stage_0": "side"}, "final_output": True,
         },
     ],
 }
@@ -101,3 +101,19 @@ def test_every_process_of_the_mesh_raised_its_open_file_limit(mesh: Mesh) -> Non
     for pid in pids:
         soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
         assert soft == hard, f"process {pid} kept a soft open-file limit of {soft} (hard: {hard})"
+
+
+def test_no_process_of_the_mesh_listens_on_every_interface(mesh: Mesh) -> None:
+    """Every port a default `up` opens (REST, control plane, the ZeroMQ side channel of an edge) is
+    bound to one address, never the wildcard: opening a port to every interface is always explicit."""
+    import subprocess
+
+    _check(mesh.ok({"n": 1000}))  # the side channel has served once
+    mesh.remember_tree()
+    pids = set(mesh.alive())
+    listening = subprocess.run(["ss", "-Htlnp"], capture_output=True, text=True, check=True).stdout.splitlines()
+    ours = [line for line in listening if any(f"pid={pid}," in line for pid in pids)]
+    assert len(ours) >= 3, f"expected REST, control and side-channel listeners of the mesh: {ours}"
+    for line in ours:
+        local = line.split()[3]  # State Recv-Q Send-Q Local Peer
+        assert ":" in local and not local.startswith(("0.0.0.0:", "*:", "[::]:")), f"a mesh process listens on every interface: {line}"
