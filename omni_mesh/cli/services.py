@@ -90,6 +90,12 @@ def _add_coordinator(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="connections the control port holds at once; more are refused (default: a quarter of the "
         "open-file limit, at most 1024) ($OMNI_MESH_MAX_CONTROL_CONNECTIONS)",
     )
+    parser.add_argument(
+        "--max-rest-connections", type=int, metavar="N",
+        default=int(_env("OMNI_MESH_MAX_REST_CONNECTIONS", "0")) or None,
+        help="REST connections held at once; more are answered 503 and closed (default: half the "
+        "open-file limit) ($OMNI_MESH_MAX_REST_CONNECTIONS)",
+    )
     _add_rest_flags(parser)
     return parser
 
@@ -113,6 +119,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
             heartbeat_timeout_s=args.heartbeat_timeout_s,
             grace_s=args.grace_s,
             max_control_connections=args.max_control_connections,
+            max_rest_connections=args.max_rest_connections,
             **rest,
         )
     )

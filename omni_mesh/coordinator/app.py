@@ -252,6 +252,7 @@ async def serve(
     header_timeout_s: float = HEADER_TIMEOUT_S,
     body_timeout_s: float = BODY_TIMEOUT_S,
     max_control_connections: int | None = None,
+    max_rest_connections: int | None = None,
 ) -> None:
     """Run the coordinator until SIGINT/SIGTERM; in-flight requests get `grace_s` to finish."""
     fd_limit = raise_nofile_limit()
@@ -267,10 +268,9 @@ async def serve(
         log_level="warning",
         timeout_graceful_shutdown=grace_s,
         access_log=False,
-        http=read_deadlines(header_timeout_s, body_timeout_s),
+        # Past the cap (default half the descriptors) a new REST connection is answered 503 at once.
+        http=read_deadlines(header_timeout_s, body_timeout_s, max_rest_connections or max(64, fd_limit // 2)),
         ws="none",  # no WebSocket routes: an upgrade request is answered as plain HTTP
-        # Past half the descriptors, a new REST connection is answered 503 and closed, not kept.
-        limit_concurrency=max(64, fd_limit // 2),
         ssl_keyfile=ssl_keyfile,
         ssl_certfile=ssl_certfile,
     )

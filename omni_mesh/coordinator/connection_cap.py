@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import socket
 
 import zmq
@@ -57,18 +56,24 @@ class ConnectionCap:
     def _refuse(self, fd: int, endpoint: bytes) -> None:
         port = int(endpoint.rsplit(b":", 1)[1]) if endpoint.rsplit(b":", 1)[-1].isdigit() else None
         try:
-            conn = socket.socket(fileno=os.dup(fd))
+            # Wrapped, not duplicated: at the descriptor limit (what a flood brings about) a dup fails.
+            # ZeroMQ owns the descriptor and closes it once it sees the shutdown: we only detach.
+            conn = socket.socket(fileno=fd)
         except OSError:
             return  # already closed by ZeroMQ: nothing to refuse
-        # The descriptor may have been closed and reused since the event: shut it down only if it is
-        # still a connection accepted on our control port.
-        with conn, contextlib.suppress(OSError):
+        try:
+            # The descriptor may have been closed and reused since the event: shut it down only if it
+            # is still a connection accepted on our control port.
             if conn.family not in (socket.AF_INET, socket.AF_INET6) or conn.getsockname()[1] != port:
                 return
             conn.getpeername()  # a connection, not the listener
             conn.shutdown(socket.SHUT_RDWR)
-            self.over_cap += 1
-            self.refusals.refuse(f"a connection over the cap of {self.cap} concurrent control connections")
+        except OSError:
+            return
+        finally:
+            conn.detach()
+        self.over_cap += 1
+        self.refusals.refuse(f"a connection over the cap of {self.cap} concurrent control connections")
 
     def close(self, router: zmq.asyncio.Socket) -> None:
         with contextlib.suppress(zmq.ZMQError):
