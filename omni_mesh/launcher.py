@@ -25,10 +25,12 @@ from dataclasses import dataclass, field
 import httpx
 
 from omni_mesh.connectors import reclaim_orphans
+from omni_mesh.fdlimit import raise_nofile_limit
 from omni_mesh.ports import free_port, taken_since
 from omni_mesh.security import MeshKeys, insecure_requested, keys_from_environment
 from omni_mesh.topology import Topology
 from omni_mesh.topology.load import import_handler
+from omni_mesh.watchdog import UNRESPONSIVE_S, Watchdog
 
 log = logging.getLogger("omni_mesh.launcher")
 
@@ -116,6 +118,8 @@ class Launcher:
         api_key: str | None = None,
         ssl_certfile: str | None = None,
         ssl_keyfile: str | None = None,
+        control_port: int | None = None,
+        unresponsive_s: float = UNRESPONSIVE_S,
     ) -> None:
         if topology.path is None:
             raise ValueError("omni-mesh up needs a topology file")
@@ -135,8 +139,12 @@ class Launcher:
         self.url = f"{'https' if ssl_certfile else 'http'}://{host}:{port}"
         self.api_key = api_key  # the coordinator inherits it through the environment (OMNI_MESH_API_KEY)
         self.ssl_certfile = ssl_certfile
+        self.unresponsive_s = unresponsive_s  # 0: no watchdog on the coordinator
         tls = ["--ssl-certfile", ssl_certfile, "--ssl-keyfile", ssl_keyfile or ""] if ssl_certfile else []
-        self.control = f"tcp://127.0.0.1:{free_port()}"
+        # The control plane stays on loopback: `up` runs every replica on this machine. A port given
+        # (--control-port) is used as it is; one we pick may be taken before the coordinator binds it.
+        self.control_port_chosen = control_port is not None
+        self.control = f"tcp://127.0.0.1:{control_port or free_port()}"
         self._stop = threading.Event()
         env = mesh_environment()
         self.instance = uuid.uuid4().hex  # its coordinator says it in /ready: no other mesh's answer counts
@@ -167,15 +175,23 @@ class Launcher:
         """Start everything, supervise until a signal, stop everything. Returns the exit status."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self._stop.set())
+        watchdog: Watchdog | None = None
         try:
             self.start()
             self.announce()
+            if self.unresponsive_s > 0:
+                watchdog = Watchdog(
+                    self.url, lambda: self.coordinator.process, limit_s=self.unresponsive_s, verify=self._trust()
+                )
+                watchdog.start()
             self.supervise()
             return 0
         except RuntimeError as exc:
             log.error("%s", exc)
             return 1
         finally:
+            if watchdog is not None:
+                watchdog.stop()
             self.stop()
 
     def start(self) -> None:
@@ -189,7 +205,12 @@ class Launcher:
                 return
             except RuntimeError:
                 port = int(self.control.rsplit(":", 1)[1])
-                if attempt == CONTROL_PORT_ATTEMPTS or self.coordinator.running() or not taken_since("127.0.0.1", [port]):
+                if (
+                    attempt == CONTROL_PORT_ATTEMPTS
+                    or self.control_port_chosen
+                    or self.coordinator.running()
+                    or not taken_since("127.0.0.1", [port])
+                ):
                     raise
             log.warning("control port %d was taken before the coordinator bound it; starting again on another", port)
             self._abandon_start()
@@ -210,16 +231,21 @@ class Launcher:
             child.argv = [self.control if arg == old else arg for arg in child.argv]
 
     def check_port(self) -> None:
-        """Refuse, before starting anything, a REST port another process already listens on."""
-        try:
-            with socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
-                probe.bind((self.host, self.port))
-        except OSError as exc:
-            raise RuntimeError(
-                f"cannot serve on {self.host}:{self.port}: {exc.strerror or exc} (another mesh or service "
-                f"may be running there); stop it, or {other_port()}"
-            ) from None
+        """Refuse, before starting anything, a REST port (or a chosen control port) another process
+        already listens on."""
+        ports = [(self.host, self.port, other_port())]
+        if self.control_port_chosen:
+            ports.append(("127.0.0.1", int(self.control.rsplit(":", 1)[1]), "pass --control-port N (or leave it out)"))
+        for host, port, remedy in ports:
+            try:
+                with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn and ZeroMQ bind
+                    probe.bind((host, port))
+            except OSError as exc:
+                raise RuntimeError(
+                    f"cannot serve on {host}:{port}: {exc.strerror or exc} (another mesh or service "
+                    f"may be running there); stop it, or {remedy}"
+                ) from None
 
     def check_handlers(self) -> None:
         """Import (not build) every stage's handler before anything starts: one ValueError naming
@@ -351,10 +377,14 @@ def run_up(
     ssl_certfile: str | None = None,
     ssl_keyfile: str | None = None,
     ready_timeout_s: float = 60.0,
+    control_port: int | None = None,
+    unresponsive_s: float = UNRESPONSIVE_S,
 ) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per /ready poll is noise
+    raise_nofile_limit()  # the children inherit it (and raise theirs again where they may)
     return Launcher(
         topology, host=host, port=port, coordinator_args=coordinator_args,
         api_key=api_key, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, ready_timeout_s=ready_timeout_s,
+        control_port=control_port, unresponsive_s=unresponsive_s,
     ).run()

@@ -9,7 +9,6 @@ shared-memory segment of the mesh has been unlinked.
 
 from __future__ import annotations
 
-import contextlib
 import html
 import inspect
 import os
@@ -25,16 +24,16 @@ from pathlib import Path
 
 import msgpack
 import pytest
-import zmq
 from support.browser import rendered
+from support.control_peer import Peer, control_endpoint, health, register_message
 from support.meshkit import Mesh, running_mesh, wait_for
 
 from omni_mesh import codec
 from omni_mesh.connectors.shm.lifecycle import shm_domain
 from omni_mesh.connectors.shm.segments import list_segments, owner_of, process_start_time
 from omni_mesh.hostinfo import machine_id, namespace
-from omni_mesh.procinfo import descendants, rss_bytes
-from omni_mesh.security import ENV_KEYS_DIR, MeshKeys, secure_client
+from omni_mesh.procinfo import rss_bytes
+from omni_mesh.security import ENV_KEYS_DIR, MeshKeys
 
 
 def _stage(stage_id: int, name: str, **more: object) -> dict:
@@ -51,7 +50,6 @@ TOPOLOGY = {
     ],
 }
 N = 50_000  # 400 KB of float64: travels through a pool segment, not inline
-SEND_TIMEOUT_MS = 2000  # a peer's send never blocks the test for ever
 
 
 def _check(body: dict, n: int = N) -> None:
@@ -86,92 +84,13 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, keys_dir: Path) -> Iterator[M
             os.environ[ENV_KEYS_DIR] = saved
 
 
-def _cmdline(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-    except OSError:
-        return []
-
-
-def control_endpoint(mesh: Mesh) -> tuple[str, int]:
-    """(the coordinator's control endpoint, the coordinator's pid), from its command line."""
-    for pid in descendants(mesh.process.pid):
-        argv = _cmdline(pid)
-        if "coordinator" in argv and "--control" in argv:
-            return argv[argv.index("--control") + 1], pid
-    raise AssertionError("no coordinator process found")
-
-
 def mesh_segments(mesh: Mesh) -> set[str]:
     mesh.remember_tree()
     return {name for name in list_segments() if (o := owner_of(name)) is not None and o.pid in mesh.processes}
 
 
-class Peer:
-    """A DEALER on the control endpoint: no keys, a key pair of its own, or the mesh keys."""
-
-    def __init__(self, endpoint: str, keys: MeshKeys | None, *, own_pair: bool = False) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
-        if keys is not None and own_pair:
-            public, secret = zmq.curve_keypair()
-            self.sock.curve_serverkey = keys.public
-            self.sock.curve_publickey = public
-            self.sock.curve_secretkey = secret
-        else:
-            secure_client(self.sock, keys)
-        self.sock.connect(endpoint)
-
-    def send(self, message: dict, *extra: bytes) -> None:
-        try:
-            self.sock.send_multipart([msgpack.packb(message), *extra])
-        except zmq.Again:
-            raise AssertionError(
-                f"a {message.get('type')!r} message was not queued within {SEND_TIMEOUT_MS} ms: "
-                "the coordinator did not take this member's connection"
-            ) from None
-
-    def offer(self, message: dict) -> None:
-        """Queue without waiting, or drop: a refused handshake leaves the DEALER no pipe, and a plain
-        send would then block forever."""
-        with contextlib.suppress(zmq.Again):
-            self.sock.send_multipart([msgpack.packb(message)], flags=zmq.NOBLOCK)
-
-    def receive(self, timeout_s: float = 2.0) -> dict | None:
-        if not self.sock.poll(int(timeout_s * 1000)):
-            return None
-        return msgpack.unpackb(self.sock.recv_multipart()[0])
-
-    def messages(self, timeout_s: float) -> list[dict]:
-        out, deadline = [], time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            message = self.receive(left)
-            if message is not None:
-                out.append(message)
-        return out
-
-    def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
-
-
-def register_message(mesh: Mesh, stage: str, replica: str, **more: object) -> dict:
-    edges = {e["label"]: e["connector_name"] for e in mesh.client.get("/v1/topology").json()["edges"]}
-    return {
-        "type": "register", "stage": stage, "replica": replica, "pid": os.getpid(), "host": "attacker",
-        "max_inflight": 8, "edges": edges, **more,
-    }
-
-
 def replica_ids(mesh: Mesh) -> dict[str, list[str]]:
     return {stage: [r["id"] for r in replicas] for stage, replicas in mesh.stages().items()}
-
-
-def health(mesh: Mesh) -> dict:
-    """The coordinator's control-plane counters (in /v1/stats: /health says only "ok")."""
-    return mesh.client.get("/v1/stats").json()["control"]
 
 
 def requests_succeed(mesh: Mesh, count: int = 4) -> None:
@@ -201,7 +120,7 @@ def test_the_coordinator_binds_its_control_plane_on_loopback_unless_told(monkeyp
 def test_a_stranger_cannot_register_or_read_work(mesh: Mesh, keys: MeshKeys, who: str) -> None:
     endpoint, _ = control_endpoint(mesh)
     before = mesh_segments(mesh)
-    refused = health(mesh)["refused_peers"]
+    refused = health(mesh)["refused_connections"]
     stranger = Peer(endpoint, keys if who == "own key pair" else None, own_pair=True)
     try:
         # Queued or not (the refused handshake may already have dropped the pipe), none must act.
@@ -215,7 +134,7 @@ def test_a_stranger_cannot_register_or_read_work(mesh: Mesh, keys: MeshKeys, who
     assert "evil" not in replica_ids(mesh)["a"]
     assert replica_ids(mesh) == {"a": ["a-0"], "d": ["d-0"]}
     if who == "own key pair":  # a plain-text peer fails the handshake before ZAP is even asked
-        wait_for(lambda: health(mesh)["refused_peers"] > refused, 5, "the coordinator to count the refusal")
+        wait_for(lambda: health(mesh)["refused_connections"] > refused, 5, "the coordinator to count the refusal")
     assert mesh_segments(mesh) >= before
     assert mesh.ready().status_code == 200
 

@@ -33,7 +33,7 @@ from omni_mesh.control import (
 )
 from omni_mesh.coordinator import events as request_events
 from omni_mesh.coordinator.dispatch import Dispatcher, RequestFailed
-from omni_mesh.coordinator.registry import Registry, Replica
+from omni_mesh.coordinator.registry import MIN_ROUTING_ID_BYTES, Registry, Replica
 from omni_mesh.coordinator.service import Coordinator
 from omni_mesh.topology import Topology, parse_topology
 
@@ -70,7 +70,7 @@ class Mesh:
     def add(self, stage: str, replica_id: str, max_inflight: int = 1) -> Replica:
         edges = {e.label: e.connector.name for e in self.topology.edges}
         message = Register(stage, replica_id, 1000 + len(self.registry.replicas), "host", max_inflight, edges)
-        replica, _ = self.registry.register(message, replica_id.encode())
+        replica, _ = self.registry.register(message, routing_id(replica_id.encode()))
         return replica
 
     def take(self, kind: type[Message], replica_id: str | None = None) -> list[Message]:
@@ -422,6 +422,11 @@ async def test_requests_still_putting_large_inputs_count_as_waiting_beyond_the_f
 # ------------------------------------------------------------------ the coordinator's identity rules
 
 
+def routing_id(name: bytes) -> bytes:
+    """A connection's routing id as long as the coordinator requires (registry.MIN_ROUTING_ID_BYTES)."""
+    return name.ljust(MIN_ROUTING_ID_BYTES, b".")
+
+
 class Wire:
     """A Coordinator whose socket is replaced: what it would send, by connection identity."""
 
@@ -431,10 +436,10 @@ class Wire:
         self.coordinator._reply = lambda identity, message: self.out.append((identity, message))  # type: ignore[method-assign]
 
     def receive(self, identity: bytes, message: Message, frame: bytes | None = None) -> None:
-        self.coordinator._handle(identity, message, frame)
+        self.coordinator._handle(routing_id(identity), message, frame)
 
     def replies(self, identity: bytes) -> list[Message]:
-        return [m for i, m in self.out if i == identity]
+        return [m for i, m in self.out if i == routing_id(identity)]
 
     def register(self, identity: bytes, stage: str, replica: str, pid: int = 1) -> None:
         edges = {e.label: e.connector.name for e in self.coordinator.topology.edges}
@@ -451,7 +456,7 @@ async def test_a_replica_id_belongs_to_its_connection() -> None:
     wire.receive(b"thief", Heartbeat("a-0", 0, draining=True))
     wire.receive(b"thief", Deregister("a-0"))
     replica = wire.coordinator.registry.replicas["a-0"]
-    assert replica.identity == b"real" and not replica.draining
+    assert replica.identity == routing_id(b"real") and not replica.draining
     assert wire.coordinator.forged.count == 3
 
 
@@ -494,3 +499,17 @@ async def test_a_draining_replica_is_released_only_once_no_running_request_needs
     assert await state.future == "ok"
     wire.receive(b"A", Heartbeat("a-0", 0, draining=True))
     assert isinstance(wire.replies(b"A")[-1], Drained)
+
+
+async def test_a_connection_under_a_guessable_routing_id_cannot_register() -> None:
+    """The control socket hands a routing id over to a new connection that presents it (a replica's
+    dropped connection coming back): one ZeroMQ made (a zero byte and a counter) or a short one could be
+    guessed and taken over, so a replica must bring its own random one."""
+    wire = Wire(chain("a"))
+    edges = {e.label: e.connector.name for e in wire.coordinator.topology.edges}
+    for identity in (b"\x00\x00\x00\x00\x01", b"short-id"):
+        wire.coordinator._handle(identity, Register("a", "a-0", 1, "host", 1, edges), None)
+        refused = [m for i, m in wire.out if i == identity][-1]
+        assert isinstance(refused, Rejected) and not refused.reregister, refused
+        assert "'a-0'" in refused.error and "routing id" in refused.error
+    assert "a-0" not in wire.coordinator.registry.replicas

@@ -759,7 +759,9 @@ class TestKeyAndTls:
 
     def test_the_counters_are_behind_the_key(self, guarded: Mesh) -> None:
         stats = guarded.client.get("/v1/stats").json()
-        assert set(stats["control"]) == {"malformed_messages", "refused_peers", "forged_messages"}, stats
+        assert set(stats["control"]) == {
+            "malformed_messages", "refused_connections", "connections_over_cap", "forged_messages"
+        }, stats
         assert stats["requests"]["inflight"] == 0 and "ingress" in stats
 
     def test_the_dashboard_loads_without_the_key_and_reads_with_the_one_in_its_fragment(self, guarded: Mesh) -> None:

@@ -85,6 +85,18 @@ def _add_coordinator(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     # = coordinator.registry.HEARTBEAT_TIMEOUT_S (not imported: parsing must stay light)
     parser.add_argument("--heartbeat-timeout-s", type=float, default=5.0, help="silence after which a replica is dead")
     parser.add_argument("--grace-s", type=float, default=10.0, help="time in-flight requests get on shutdown")
+    parser.add_argument(
+        "--max-control-connections", type=int, metavar="N",
+        default=int(_env("OMNI_MESH_MAX_CONTROL_CONNECTIONS", "0")) or None,
+        help="connections the control port holds at once; more are refused (default: a quarter of the "
+        "open-file limit, at most 1024) ($OMNI_MESH_MAX_CONTROL_CONNECTIONS)",
+    )
+    parser.add_argument(
+        "--max-rest-connections", type=int, metavar="N",
+        default=int(_env("OMNI_MESH_MAX_REST_CONNECTIONS", "0")) or None,
+        help="REST connections held at once; more are answered 503 and closed (default: half the "
+        "open-file limit) ($OMNI_MESH_MAX_REST_CONNECTIONS)",
+    )
     _add_rest_flags(parser)
     return parser
 
@@ -107,6 +119,8 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
             default_timeout_s=args.timeout_s,
             heartbeat_timeout_s=args.heartbeat_timeout_s,
             grace_s=args.grace_s,
+            max_control_connections=args.max_control_connections,
+            max_rest_connections=args.max_rest_connections,
             **rest,
         )
     )
@@ -166,6 +180,20 @@ def _add_up(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="how long the mesh may take to become ready; default 60 s, or 600 s when a stage runs an "
         "engine: (it loads its model first) ($OMNI_MESH_READY_TIMEOUT_S)",
     )
+    parser.add_argument(
+        "--control-port", type=int, default=None, metavar="N",
+        help="the control plane's port, on 127.0.0.1 (default: a free port, picked at start)",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout-s", type=float, default=5.0,
+        help="silence after which the coordinator takes a replica out",
+    )
+    # = omni_mesh.watchdog.UNRESPONSIVE_S (not imported: parsing must stay light)
+    parser.add_argument(
+        "--coordinator-watchdog-s", type=float, default=60.0, metavar="S",
+        help="the coordinator is asked /health every 2 s; silent this long, it is killed and restarted "
+        "(0: never)",
+    )
     _add_rest_flags(parser)
     return parser
 
@@ -181,8 +209,15 @@ def _cmd_up(args: argparse.Namespace) -> int:
         os.environ[ENV_API_KEY] = rest["api_key"]
     else:
         os.environ.pop(ENV_API_KEY, None)
+    if args.control_port is not None and not 0 < args.control_port < 65536:
+        raise CliError(f"--control-port must be a TCP port (1-65535), got {args.control_port}")
+    if not args.coordinator_watchdog_s >= 0:
+        raise CliError(f"--coordinator-watchdog-s must be >= 0 seconds (0: off), got {args.coordinator_watchdog_s}")
+    if not args.heartbeat_timeout_s > 0:
+        raise CliError(f"--heartbeat-timeout-s must be > 0 seconds, got {args.heartbeat_timeout_s}")
     coordinator_args = [
         "--timeout-s", str(args.timeout_s),
+        "--heartbeat-timeout-s", str(args.heartbeat_timeout_s),
         "--header-timeout-s", str(rest["header_timeout_s"]),
         "--body-timeout-s", str(rest["body_timeout_s"]),
     ]
@@ -191,6 +226,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             topology, host=args.host, port=args.port, coordinator_args=coordinator_args,
             ready_timeout_s=_ready_timeout_s(args.ready_timeout_s, topology),
             api_key=rest["api_key"], ssl_certfile=rest["ssl_certfile"], ssl_keyfile=rest["ssl_keyfile"],
+            control_port=args.control_port, unresponsive_s=args.coordinator_watchdog_s,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from None

@@ -86,5 +86,7 @@ class AccessLog:
             if self.metrics is not None:
                 label = route_label(scope, self.routes, path, root_path)
                 self.metrics.observe_http(label, scope["method"], status, elapsed)
-            log.info("%s %s %d %.1f ms", scope["method"], scope["path"], status, elapsed * 1000)
+            # `up`'s watchdog and container probes ask /health every few seconds: their answers are noise
+            quiet = scope["path"] == "/health" and status == 200
+            (log.debug if quiet else log.info)("%s %s %d %.1f ms", scope["method"], scope["path"], status, elapsed * 1000)
             logs.request_id.reset(token)

@@ -21,6 +21,7 @@ from omni_mesh.coordinator.metrics import Metrics
 from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S
 from omni_mesh.coordinator.routes import dashboard, openai, requests, status
 from omni_mesh.coordinator.service import Coordinator
+from omni_mesh.fdlimit import raise_nofile_limit
 from omni_mesh.topology import Topology
 
 log = logging.getLogger("omni_mesh.coordinator")
@@ -81,10 +82,14 @@ async def serve(
     ssl_certfile: str | None = None,
     header_timeout_s: float = HEADER_TIMEOUT_S,
     body_timeout_s: float = BODY_TIMEOUT_S,
+    max_control_connections: int | None = None,
+    max_rest_connections: int | None = None,
 ) -> None:
     """Run the coordinator until SIGINT/SIGTERM; in-flight requests get `grace_s` to finish."""
+    fd_limit = raise_nofile_limit()
     coordinator = Coordinator(
-        topology, control, default_timeout_s=default_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s
+        topology, control, default_timeout_s=default_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
+        max_connections=max_control_connections,
     )
     app = create_app(coordinator, api_key=api_key, host=host)
     config = uvicorn.Config(
@@ -94,7 +99,8 @@ async def serve(
         log_level="warning",
         timeout_graceful_shutdown=grace_s,
         access_log=False,
-        http=read_deadlines(header_timeout_s, body_timeout_s),
+        # Past the cap (default half the descriptors) a new REST connection is answered 503 at once.
+        http=read_deadlines(header_timeout_s, body_timeout_s, max_rest_connections or max(64, fd_limit // 2)),
         ws="none",  # no WebSocket routes: an upgrade request is answered as plain HTTP
         ssl_keyfile=ssl_keyfile,
         ssl_certfile=ssl_certfile,

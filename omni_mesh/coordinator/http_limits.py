@@ -46,6 +46,9 @@ class ReadDeadlines(HttpToolsProtocol):
 
     header_timeout_s: float = HEADER_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
+    #: Connections held at once; past it a new one is answered 503 and closed at once, so idle
+    #: connections cannot take every descriptor (the control plane shares them). None: no cap.
+    max_connections: int | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -57,6 +60,10 @@ class ReadDeadlines(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self.max_connections is not None and len(self.connections) > self.max_connections:
+            transport.write(error_bytes(503, f"over {self.max_connections} connections at once; try again later"))
+            transport.close()
+            return
         self._arm("headers", self.header_timeout_s)  # a client that connects and sends nothing, too
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -146,11 +153,13 @@ class ReadDeadlines(HttpToolsProtocol):
         self.transport.close()
 
 
-def read_deadlines(header_timeout_s: float, body_timeout_s: float) -> type[ReadDeadlines]:
-    """The protocol class to give `uvicorn.Config(http=...)`, with these two deadlines."""
+def read_deadlines(
+    header_timeout_s: float, body_timeout_s: float, max_connections: int | None = None
+) -> type[ReadDeadlines]:
+    """The protocol class to give `uvicorn.Config(http=...)`, with these two deadlines (and that cap)."""
     if header_timeout_s <= 0 or body_timeout_s <= 0:
         raise ValueError(f"read timeouts must be > 0 s, got headers {header_timeout_s} s, body {body_timeout_s} s")
-    attributes = {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s}
+    attributes = {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s, "max_connections": max_connections}
     return type("ReadDeadlinesProtocol", (ReadDeadlines,), attributes)
 
 

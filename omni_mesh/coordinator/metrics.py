@@ -148,7 +148,7 @@ def stats(coordinator: Coordinator, metrics: Metrics) -> dict[str, Any]:
     """The live figures behind `/dashboard` and `omni-mesh status`: totals, never rates (a reader takes
     two snapshots and divides by the time between them)."""
     registry, dispatcher = coordinator.registry, coordinator.dispatcher
-    now = time.monotonic()
+    now = registry.now()  # the coordinator's own time (stalls excluded)
     service = metrics.service_totals()
     stages = {}
     for stage in coordinator.topology.stages:
@@ -185,7 +185,7 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         registry, dispatcher = self.coordinator.registry, self.coordinator.dispatcher
-        now = time.monotonic()
+        now = registry.now()  # the coordinator's own time (stalls excluded)
         replicas = GaugeMetricFamily("omni_mesh_stage_replicas", "registered replicas per stage, by health", labels=["stage", "health"])
         inflight = GaugeMetricFamily("omni_mesh_stage_inflight_requests", "requests a stage's replicas work on", labels=["stage"])
         queued = GaugeMetricFamily("omni_mesh_stage_queued_requests", "requests waiting for a free replica", labels=["stage"])

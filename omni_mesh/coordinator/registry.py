@@ -16,6 +16,13 @@ from omni_mesh.topology import Topology
 #: intervals the coordinator announces (service.HEARTBEAT_S), so a replica busy for a few is not lost.
 #: The one default: `serve` uses it, and `omni-mesh coordinator --heartbeat-timeout-s` repeats it.
 HEARTBEAT_TIMEOUT_S = 5.0
+#: A replica connects under a random routing id of its own (stage.link.routing_id), which the control
+#: socket hands over to a new connection that presents it: one shorter, or made by ZeroMQ (a counter,
+#: starting with a zero byte), could be guessed and taken over, so it cannot register.
+MIN_ROUTING_ID_BYTES = 16
+#: The coordinator's monitor reads the clock every 50 ms (service.MONITOR_S): a longer gap between two
+#: readings means its own loop stood still (SIGSTOP, a long GC, a frozen VM), when it could hear nobody.
+STALL_S = 0.5
 
 
 class RegistrationRefused(ValueError):
@@ -39,8 +46,8 @@ class Replica:
     pidns: str
     max_inflight: int
     edges: dict[str, str]
-    registered_at: float = field(default_factory=time.monotonic)
-    last_seen: float = field(default_factory=time.monotonic)
+    registered_at: float = 0.0  # on the registry's clock (Registry.now), set by `register`
+    last_seen: float = 0.0
     inflight: set[str] = field(default_factory=set)
     processed: int = 0
     errors: int = 0
@@ -101,9 +108,32 @@ class Registry:
         self.restarts: dict[str, int] = {}
         self._last_pid: dict[str, int] = {}  # replica id -> pid of its latest registration
         self._tiebreak = itertools.count()
+        self.stalled_s = 0.0  # how long our own loop stood still, in all: no replica's silence
+        self._last_reading: float | None = None  # None until the monitor ticks (`tick`)
         self.expected_edges = {
             edge.label: edge.connector.name for edge in topology.edges
         }
+
+    # ------------------------------------------------------------------ the clock silence is judged by
+
+    def now(self) -> float:
+        """The coordinator's own time: the monotonic clock less every stretch its loop stood still. A
+        replica is silent only while we were there to hear it: after a pause of S seconds every
+        replica's deadline is S later, whichever runs first on resume (the monitor, a REST call, or
+        the queued heartbeats)."""
+        reading = time.monotonic()
+        if self._last_reading is not None:
+            gap = reading - self._last_reading
+            if gap > STALL_S:
+                self.stalled_s += gap - STALL_S
+            self._last_reading = reading
+        return reading - self.stalled_s
+
+    def tick(self) -> float:
+        """The monitor's reading, every MONITOR_S: from the first one on, gaps count as stalls."""
+        if self._last_reading is None:
+            self._last_reading = time.monotonic()
+        return self.now()
 
     # ------------------------------------------------------------------ membership
 
@@ -116,6 +146,12 @@ class Registry:
         gone (its process died on this host) or has been taken out for silence.
         """
         stage = message.stage
+        if len(identity) < MIN_ROUTING_ID_BYTES or identity[0] == 0:
+            raise RegistrationRefused(
+                f"replica {message.replica!r} of stage {stage!r} connected without a random routing id of "
+                f"at least {MIN_ROUTING_ID_BYTES} bytes (ZMQ_ROUTING_ID): another connection could take its "
+                "place; run the replica from this version of omni-mesh"
+            )
         names = {s.name for s in self.topology.stages}
         if stage not in names:
             raise RegistrationRefused(
@@ -131,7 +167,7 @@ class Registry:
         replica_id = message.replica
         previous = self.replicas.get(replica_id)
         if previous is not None and previous.identity == identity:
-            previous.last_seen = time.monotonic()  # a repeated register (sent while we were starting)
+            previous.last_seen = self.now()  # a repeated register (sent while we were starting)
             return previous, previous
         if previous is not None and not previous.local_process_gone():
             raise RegistrationRefused(
@@ -143,8 +179,11 @@ class Registry:
             self.restarts[replica_id] = self.restarts.get(replica_id, 0) + 1
         self._last_pid[replica_id] = message.pid
         self.silent.pop(replica_id, None)
+        now = self.now()
         replica = Replica(
             replica_id=replica_id,
+            registered_at=now,
+            last_seen=now,
             stage=stage,
             identity=identity,
             pid=message.pid,
@@ -165,7 +204,7 @@ class Registry:
         return replica, previous
 
     def heartbeat(self, replica: Replica, message: Heartbeat) -> None:
-        replica.last_seen = time.monotonic()
+        replica.last_seen = self.now()
         replica.processed = message.processed
         replica.errors = message.errors
         replica.malformed = message.malformed
@@ -184,7 +223,7 @@ class Registry:
 
     def dead(self) -> list[Replica]:
         """Replicas whose heartbeats stopped or whose local process is gone."""
-        now = time.monotonic()
+        now = self.now()
         return [
             r
             for r in self.replicas.values()
@@ -218,7 +257,7 @@ class Registry:
 
     def pick(self, stage: str) -> Replica | None:
         """The least-loaded healthy replica of `stage` with a free slot (ties: round robin)."""
-        now = time.monotonic()
+        now = self.now()
         candidates = [
             r
             for r in self.of_stage(stage)
@@ -231,7 +270,7 @@ class Registry:
         return tied[next(self._tiebreak) % len(tied)]
 
     def is_healthy(self, replica: Replica) -> bool:
-        return replica.health(time.monotonic(), self.heartbeat_timeout_s) == "healthy"
+        return replica.health(self.now(), self.heartbeat_timeout_s) == "healthy"
 
     def has_healthy(self, stage: str) -> bool:
         return any(self.is_healthy(r) for r in self.of_stage(stage))
@@ -254,7 +293,7 @@ class Registry:
     def _edge_problems(self, edge) -> list[str]:
         src = self.topology.stage(edge.src).name
         dst = self.topology.stage(edge.dst).name
-        now = time.monotonic()
+        now = self.now()
         senders = [r for r in self.of_stage(src) if r.health(now, self.heartbeat_timeout_s) == "healthy"]
         receivers = [r for r in self.of_stage(dst) if r.health(now, self.heartbeat_timeout_s) == "healthy"]
         name = edge.connector.name

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import resource
 import uuid
 
 import zmq
@@ -30,6 +31,7 @@ from omni_mesh.control import (
     Registered,
     Rejected,
 )
+from omni_mesh.coordinator.connection_cap import ConnectionCap, default_cap
 from omni_mesh.coordinator.dispatch import Dispatcher, RequestFailed
 from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S, RegistrationRefused, Registry, Replica
 from omni_mesh.ingress import Ingress
@@ -44,6 +46,7 @@ _FROM_STAGES = (Register, Heartbeat, Output, Error, Deregister)  # what a replic
 INSTANCE_ENV = "OMNI_MESH_INSTANCE"
 HEARTBEAT_S = 0.5  # announced to every replica at registration: the one interval the mesh uses
 MONITOR_S = 0.05
+HANDSHAKE_MS = 5000  # a replica's handshake takes milliseconds; ZeroMQ's default waits 30 s
 REAP_CHECK_S = 1.0  # how often silent replicas are checked for a process that has since died
 
 
@@ -57,6 +60,7 @@ class Coordinator:
         default_timeout_s: float = 30.0,
         max_timeout_s: float = 3600.0,
         keys: MeshKeys | None | object = ...,
+        max_connections: int | None = None,
     ) -> None:
         self.topology = topology
         self.control_endpoint = control_endpoint
@@ -70,7 +74,10 @@ class Coordinator:
         self.dispatcher = Dispatcher(topology, self.registry, self.send)
         self.malformed = 0
         self.forged = Refusals("coordinator control plane")  # messages sent in another connection's name
-        self.refused_peers = Refusals("coordinator control plane")  # handshakes without the mesh keys
+        # Every control connection refused: handshakes without the mesh keys, connections over the cap.
+        self.refused_connections = Refusals("coordinator control plane")
+        self.max_connections = max_connections or default_cap(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        self.cap: ConnectionCap | None = None
         self._garbage = Refusals("coordinator control plane")  # for rate-limited logging only
         # A failure that recurs every tick (out of file descriptors) logs its traceback once a minute.
         self._monitor_errors = Sparse(log)
@@ -86,12 +93,23 @@ class Coordinator:
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished replica must not stall us
+        # A replica's routing id is its own random secret (stage.link.routing_id): when its connection
+        # drops and comes back under the same id, the new connection takes over at once, even before
+        # we noticed the old one was gone. Only ids ZeroMQ makes itself (a counter) are guessable, and
+        # no replica uses one.
+        self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._socket.setsockopt(zmq.MAXMSGSIZE, control.MAX_FRAME_BYTES)
+        self._socket.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)  # a connection that never speaks goes soon
+        self.cap = ConnectionCap(self._socket, self.max_connections, self.refused_connections)
         secure_server(self._socket, self.keys)
         self._socket.bind(self.control_endpoint)
         self.control_endpoint = self._socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.dispatcher.ingress = Ingress(self.control_endpoint)
-        self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._monitor_loop())]
+        self._tasks = [
+            asyncio.create_task(self._receive_loop()),
+            asyncio.create_task(self._monitor_loop()),
+            asyncio.create_task(self.cap.run()),
+        ]
         if self._zap is not None:
             self._tasks.append(asyncio.create_task(self._zap_loop()))
         security = "CURVE, mesh keys only" if self.keys else "NO authentication (insecure)"
@@ -103,6 +121,8 @@ class Coordinator:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self.cap is not None and self._socket is not None:
+            self.cap.close(self._socket)
         if self._socket is not None:
             # Every request has ended by now: no replica's outputs are needed any more, so none has
             # to wait for us when it drains (`omni-mesh up` stops the replicas after us).
@@ -128,7 +148,7 @@ class Coordinator:
         assert self._zap is not None and self.keys is not None
         while True:
             request = await self._zap.recv_multipart()
-            await self._zap.send_multipart(zap_reply(request, self.keys, self.refused_peers))
+            await self._zap.send_multipart(zap_reply(request, self.keys, self.refused_connections))
 
     async def _receive_loop(self) -> None:
         assert self._socket is not None
@@ -233,6 +253,7 @@ class Coordinator:
         next_reap_check = loop.time()
         while True:
             await asyncio.sleep(MONITOR_S)
+            self.registry.tick()  # a long gap since the last tick is our own stall, nobody's silence
             try:
                 self.dispatcher.expire()
                 for replica in self.registry.dead():

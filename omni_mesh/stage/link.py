@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -43,6 +44,11 @@ class CoordinatorLink:
         self._socket.setsockopt(
             zmq.MAXMSGSIZE, control.MAX_MESSAGE_BYTES
         )  # the coordinator sends metadata only
+        # Our own random routing id (128 bits, never sent in clear: CURVE encrypts the handshake), kept
+        # across reconnects: a dropped connection that comes back is still us to the coordinator at
+        # once (it hands the id over to the new connection), while nobody else can guess it. ZeroMQ's
+        # own ids change on every connection and are a counter.
+        self._socket.setsockopt(zmq.ROUTING_ID, routing_id())
         secure_client(self._socket, mesh_keys())
         self._socket.connect(coordinator)
 
@@ -77,6 +83,11 @@ class CoordinatorLink:
     def close(self) -> None:
         self._socket.close(0)
         self._ctx.term()
+
+
+def routing_id() -> bytes:
+    """A fresh random routing id: 32 hex digits (never starts with a zero byte, which ZeroMQ reserves)."""
+    return secrets.token_hex(16).encode()
 
 
 async def _first_set(*events: asyncio.Event, timeout_s: float) -> None:

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from omni_mesh import aio
+from omni_mesh.fdlimit import raise_nofile_limit
 from omni_mesh.stage.replica import StageReplica
 from omni_mesh.topology import Topology
 
@@ -21,5 +22,6 @@ def main_stage(topology: Topology, stage_name: str, coordinator: str, **options:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {stage_name} %(levelname)s %(message)s", stream=sys.stderr
     )
+    raise_nofile_limit()
     aio.run(serve_stage(topology, stage_name, coordinator, **options))
     return 0

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
@@ -58,7 +56,7 @@ def router(coordinator: Coordinator, metrics: Metrics) -> APIRouter:
         responses=responses(401),
     )
     async def stages() -> dict:
-        now = time.monotonic()
+        now = registry.now()  # the coordinator's own time (its stalls excluded)
         return {
             "stages": [
                 {
@@ -85,7 +83,9 @@ def router(coordinator: Coordinator, metrics: Metrics) -> APIRouter:
             **stats(coordinator, metrics),
             "control": {
                 "malformed_messages": coordinator.malformed,
-                "refused_peers": coordinator.refused_peers.count,  # handshakes without this mesh's keys
+                # control connections refused: without this mesh's keys, or over the connection cap
+                "refused_connections": coordinator.refused_connections.count,
+                "connections_over_cap": coordinator.cap.over_cap if coordinator.cap else 0,
                 "forged_messages": coordinator.forged.count,  # sent in another connection's replica's name
             },
             "ingress": dispatcher.ingress.health() if dispatcher.ingress else None,  # large inputs' connector

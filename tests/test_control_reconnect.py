@@ -1,0 +1,233 @@
+"""A replica's control connection dropping, and the coordinator itself standing still: real `omni-mesh
+up`, real sockets, the connection cut by the kernel (`ss -K`) and the coordinator frozen by SIGSTOP.
+
+- A replica whose connection drops reconnects under its own random routing id: the coordinator takes
+  the new connection for the replica at once (no re-registration, no 5 s out of the rotation), while a
+  member holding the mesh keys cannot take the id, even in the moment the replica is away.
+- A coordinator paused longer than the heartbeat timeout judges silence in its own time: on resume no
+  replica is taken out and the requests in flight succeed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from support.control_peer import Peer, control_endpoint, health, register_message
+from support.meshkit import Mesh, running_mesh, up_command, wait_for, write_topology
+
+from omni_mesh.ports import free_port
+from omni_mesh.security import ENV_KEYS_DIR, MeshKeys
+
+
+def _stage(stage_id: int, name: str, **more: object) -> dict:
+    return {"stage_id": stage_id, "name": name, "handler": "mesh_handlers:step", **more}
+
+
+TOPOLOGY = {
+    "name": "reconnect",
+    "connectors": {"shm": {"name": "SharedMemoryConnector", "extra": {"memory_pool_size": 8 * 1024 * 1024}}},
+    "stages": [
+        _stage(0, "a", output_connectors={"to_stage_1": "shm"}),
+        _stage(1, "d", input_connectors={"from_stage_0": "shm"}, final_output=True),
+    ],
+}
+N = 1000
+
+
+def _check(body: dict) -> None:
+    out = body["outputs"]
+    assert out["trail"] == ["a", "d"], out
+    assert out["n"] == N and out["sum"] == 4 * (N * (N - 1) / 2) + 6 * N, out
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshKeys]:
+    directory = tmp_path_factory.mktemp("keys")
+    MeshKeys.generate().write(directory)
+    saved = os.environ.get(ENV_KEYS_DIR)
+    os.environ[ENV_KEYS_DIR] = str(directory)
+    try:
+        yield MeshKeys.load(directory)
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_KEYS_DIR, None)
+        else:
+            os.environ[ENV_KEYS_DIR] = saved
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory, keys: MeshKeys) -> Iterator[Mesh]:
+    with running_mesh(tmp_path_factory.mktemp("reconnect"), TOPOLOGY) as mesh:
+        yield mesh
+
+
+def _connections(port: int) -> dict[int, list[int]]:
+    """{pid: [local ports]} of the established TCP connections to 127.0.0.1:`port`."""
+    out = subprocess.run(
+        ["ss", "-Htnp", "state", "established", "dst", f"127.0.0.1:{port}"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    found: dict[int, list[int]] = {}
+    for line in out.splitlines():
+        local = line.split()[2]  # Recv-Q Send-Q Local Peer: a state filter leaves the state column out
+        for pid in re.findall(r"pid=(\d+)", line):
+            found.setdefault(int(pid), []).append(int(local.rsplit(":", 1)[1]))
+    return found
+
+
+def _cut(port: int, local_ports: list[int]) -> None:
+    """Destroy those TCP connections in the kernel (both ends see a reset), as a network fault would."""
+    for local in local_ports:
+        result = subprocess.run(
+            ["ss", "-K", "dst", f"127.0.0.1:{port}", "sport", "=", f":{local}"], capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stderr
+
+
+def _control_connection(mesh: Mesh, stage: str) -> tuple[int, int, list[int]]:
+    """(control port, the replica's pid, its connections' local ports to the control port)."""
+    if shutil.which("ss") is None:
+        pytest.skip("needs ss (iproute2) to cut a TCP connection")
+    endpoint, _ = control_endpoint(mesh)
+    port = int(endpoint.rsplit(":", 1)[1])
+    pid = mesh.replica(stage)["pid"]
+    local = _connections(port).get(pid)
+    if not local:
+        pytest.skip("ss -p does not show the replica's connection (no permission to see its sockets)")
+    return port, pid, local
+
+
+def _cut_or_skip(port: int, local: list[int]) -> None:
+    probe = subprocess.run(["ss", "-K", "dst", "127.0.0.1:1", "sport", "=", ":1"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"ss -K cannot destroy sockets here (needs CAP_NET_ADMIN and INET_DIAG_DESTROY): {probe.stderr}")
+    _cut(port, local)
+
+
+def test_a_replica_whose_control_connection_drops_is_back_within_a_second(mesh: Mesh) -> None:
+    """Cut stage a's only replica's control connection: within 1 s it has a new one, is listed
+    healthy with the same pid and uptime (it did not register again), and serves a request; none of
+    its heartbeats on the new connection was taken for a forgery."""
+    _check(mesh.ok({"n": N}))
+    port, pid, local = _control_connection(mesh, "a")
+    before, forged = mesh.replica("a"), health(mesh)["forged_messages"]
+    mark = len(mesh.log())
+    _cut_or_skip(port, local)
+    cut = time.monotonic()
+    wait_for(lambda: set(_connections(port).get(pid, [])) - set(local), 1.0, "the replica's new control connection")
+    body = mesh.ok({"n": N}, timeout_s=1.0)
+    back_after = time.monotonic() - cut
+    _check(body)
+    after = mesh.replica("a")
+    assert after["health"] == "healthy" and after["pid"] == pid and after["restarts"] == before["restarts"], after
+    assert after["uptime_s"] >= before["uptime_s"], f"replica a registered again: {before} -> {after}"
+    assert back_after < 1.0, f"the replica served again only {back_after:.2f} s after its connection dropped"
+    print(f"control connection cut: replica back and served a request after {back_after:.2f} s")
+    time.sleep(1.0)  # two heartbeats on the new connection
+    assert health(mesh)["forged_messages"] == forged, "the replica's own heartbeats were counted as forged"
+    assert mesh.replica("a")["last_heartbeat_s_ago"] < 0.9
+    assert "registered from" not in mesh.log()[mark:]
+
+
+def test_a_member_with_the_keys_cannot_take_a_dropped_replicas_id(mesh: Mesh, keys: MeshKeys) -> None:
+    """The moment a replica's connection drops, a member holding the mesh keys registers in its name
+    and heartbeats for it, from a routing id of its own and from one ZeroMQ would make: every attempt
+    is refused, the real replica comes back on its own connection and keeps serving."""
+    port, pid, local = _control_connection(mesh, "a")
+    forged = health(mesh)["forged_messages"]
+    endpoint, _ = control_endpoint(mesh)
+    rogues = [Peer(endpoint, keys), Peer(endpoint, keys, routing_id=b"\x00\x00\x00\x00\x01")]
+    try:
+        for rogue in rogues:  # connected and handshaken before the cut: ready to strike at once
+            rogue.send({"type": "heartbeat", "replica": "nobody", "inflight": 0})
+            assert rogue.receive(5) is not None, "the rogue member's connection was not taken"
+        _cut_or_skip(port, local)
+        for rogue in rogues:
+            rogue.send(register_message(mesh, "a", "a-0"))
+            rogue.send({"type": "heartbeat", "replica": "a-0", "inflight": 0, "draining": True})
+        answers = [rogue.receive(5) for rogue in rogues]
+        for answer in answers:
+            assert answer is not None and answer["type"] == "rejected", answers
+        assert "held by a live connection" in answers[0]["error"], answers
+        assert "routing id" in answers[1]["error"], answers
+        wait_for(lambda: set(_connections(port).get(pid, [])) - set(local), 2.0, "the replica's new connection")
+        with ThreadPoolExecutor(4) as pool:
+            for body in pool.map(lambda _: mesh.ok({"n": N}), range(4)):
+                _check(body)
+    finally:
+        for rogue in rogues:
+            rogue.close()
+    replica = mesh.replica("a")
+    assert replica["pid"] == pid and replica["health"] == "healthy", replica
+    assert [r["id"] for r in mesh.stages()["a"]] == ["a-0"]
+    assert health(mesh)["forged_messages"] > forged
+
+
+# ------------------------------------------------------------------ a coordinator that stands still
+
+HEARTBEAT_TIMEOUT_S = 1.0
+PAUSE_S = 4.0  # four heartbeat timeouts
+
+
+def test_a_paused_coordinator_takes_no_replica_out_and_finishes_its_requests(tmp_path: Path) -> None:
+    """SIGSTOP the coordinator for 4 heartbeat timeouts while requests are in flight (one waits in
+    stage a, one in stage d), then SIGCONT: on resume it reads the heartbeats queued meanwhile before
+    it judges anybody silent, and counts the pause as nobody's silence. No replica is taken out or
+    registers again, and every request in flight succeeds."""
+    extra = ("--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S))
+    with running_mesh(tmp_path, TOPOLOGY, *extra) as mesh:
+        _check(mesh.ok({"n": N}))
+        _, coordinator = control_endpoint(mesh)
+        before = {stage: [(r["id"], r["pid"]) for r in replicas] for stage, replicas in mesh.stages().items()}
+        mark = len(mesh.log())
+        with ThreadPoolExecutor(2) as pool:
+            pending = [
+                pool.submit(mesh.request, {"n": N}, params={"sleep": {stage: 1.0}}, timeout_s=30)
+                for stage in ("a", "d")
+            ]
+            time.sleep(0.3)
+            os.kill(coordinator, signal.SIGSTOP)
+            try:
+                time.sleep(PAUSE_S)
+            finally:
+                os.kill(coordinator, signal.SIGCONT)
+            for future in pending:
+                response = future.result()
+                assert response.status_code == 200, response.text
+                _check(response.json())
+        after = mesh.stages()
+        assert {stage: [(r["id"], r["pid"]) for r in replicas] for stage, replicas in after.items()} == before
+        for replicas in after.values():
+            for replica in replicas:
+                assert replica["health"] == "healthy" and replica["restarts"] == 0, replica
+        log = mesh.log()[mark:]
+        assert "stopped sending heartbeats" not in log and "registered from" not in log, log[-3000:]
+        _check(mesh.ok({"n": N}))
+
+
+def test_up_serves_its_control_plane_on_the_port_it_is_given(tmp_path: Path) -> None:
+    """`up --control-port N`: the coordinator binds 127.0.0.1:N and the replicas connect there; a port
+    another process holds is refused before anything starts, naming it."""
+    port = free_port()
+    with running_mesh(tmp_path / "one", TOPOLOGY, "--control-port", str(port)) as mesh:
+        endpoint, _ = control_endpoint(mesh)
+        assert endpoint == f"tcp://127.0.0.1:{port}"
+        replicas = {r["pid"] for replicas in mesh.stages().values() for r in replicas}
+        assert replicas <= set(_connections(port)), "a replica is not connected to the chosen control port"
+        _check(mesh.ok({"n": N}))
+        path = write_topology(tmp_path / "two", TOPOLOGY)
+        taken = subprocess.run(
+            up_command(path, free_port(), "--control-port", str(port)),
+            capture_output=True, text=True, timeout=60,
+        )
+        assert taken.returncode != 0
+        assert f"127.0.0.1:{port}" in taken.stderr and "--control-port" in taken.stderr, taken.stderr
