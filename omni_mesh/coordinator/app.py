@@ -25,8 +25,16 @@ from omni_mesh.coordinator.auth import ApiKey
 from omni_mesh.coordinator.client_gone import ClientGone, unless_client_leaves
 from omni_mesh.coordinator.dispatch import RequestFailed, RequestState
 from omni_mesh.coordinator.envelope import error_response, responses
-from omni_mesh.coordinator.http_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, BodyLimit, read_deadlines
+from omni_mesh.coordinator.http_limits import (
+    BODY_TIMEOUT_S,
+    HEADER_TIMEOUT_S,
+    WRITE_TIMEOUT_S,
+    BodyLimit,
+    read_deadlines,
+)
+from omni_mesh.coordinator.json_body import json_answer
 from omni_mesh.coordinator.jsonable import jsonable
+from omni_mesh.coordinator.memory import return_large_blocks
 from omni_mesh.coordinator.metrics import CONTENT_TYPE_LATEST, Metrics, stats
 from omni_mesh.coordinator.openai_api import openai_router
 from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S
@@ -117,7 +125,7 @@ def create_app(
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return Response(status_code=CLIENT_GONE)  # nobody reads it: for the access log
-        return _result(state, outputs)
+        return json_answer(_result(state, outputs))  # a large answer is encoded as it is sent
 
     def _full_stage() -> tuple[str, int] | None:
         """The first stage whose queue is at its limit, and the limit. Work of requests already
@@ -132,7 +140,7 @@ def create_app(
     def _result(state: RequestState, outputs: Any) -> dict:
         return {
             "request_id": state.rid,
-            "outputs": jsonable(outputs),
+            "outputs": outputs,  # as the stage made them: json_answer and _sse convert them
             "timings": state.timings,
             "latency_s": time.perf_counter() - state.created,
         }
@@ -145,7 +153,7 @@ def create_app(
                 if kind == "chunk":
                     yield _sse("chunk", {"request_id": state.rid, "stage": stage, "output": jsonable(value)})
                 elif kind == "done":
-                    yield _sse("done", _result(state, value))
+                    yield _sse("done", jsonable(_result(state, value)))
                     return
                 else:
                     yield _sse("error", {"request_id": state.rid, "stage": stage, "status": value.status, "error": value.message})
@@ -248,8 +256,10 @@ async def serve(
     ssl_certfile: str | None = None,
     header_timeout_s: float = HEADER_TIMEOUT_S,
     body_timeout_s: float = BODY_TIMEOUT_S,
+    write_timeout_s: float = WRITE_TIMEOUT_S,
 ) -> None:
     """Run the coordinator until SIGINT/SIGTERM; in-flight requests get `grace_s` to finish."""
+    return_large_blocks()  # a large answer's memory goes back to the system once it is sent
     coordinator = Coordinator(
         topology, control, default_timeout_s=default_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s
     )
@@ -261,7 +271,7 @@ async def serve(
         log_level="warning",
         timeout_graceful_shutdown=grace_s,
         access_log=False,
-        http=read_deadlines(header_timeout_s, body_timeout_s),
+        http=read_deadlines(header_timeout_s, body_timeout_s, write_timeout_s),
         ws="none",  # no WebSocket routes: an upgrade request is answered as plain HTTP
         ssl_keyfile=ssl_keyfile,
         ssl_certfile=ssl_certfile,

@@ -10,14 +10,20 @@ route, whether or not it reads the body:
   until the headers are complete;
 - body: from the end of the headers until the body is complete.
 
-A request that misses one gets 408 and its connection is closed. `BodyLimit` answers 413 to bodies
-over the size limit before anything parses them.
+A request that misses one gets 408 and its connection is closed. An answer has a deadline too: a
+client that stops reading leaves the answer in the transport's write buffer, so once the buffer is
+over its high-water mark and has not shrunk for `write_timeout_s`, the connection is aborted (its
+buffer freed at once) and the app sees the client go away (a stream ends, its request is cancelled).
+`BodyLimit` answers 413 to bodies over the size limit before anything parses them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
+import struct
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -29,18 +35,23 @@ log = logging.getLogger("omni_mesh.coordinator")
 
 HEADER_TIMEOUT_S = 5.0
 BODY_TIMEOUT_S = 10.0
+WRITE_TIMEOUT_S = 10.0
 
 
 class ReadDeadlines(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a deadline on the headers and one on the body of each request."""
+    """uvicorn's httptools protocol with a deadline on the headers and one on the body of each request,
+    and one on the client's reading of an answer."""
 
     header_timeout_s: float = HEADER_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
+    write_timeout_s: float = WRITE_TIMEOUT_S
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
         self._reading: str | None = None  # "headers" | "body" while a request is arriving
+        self._write_watch: asyncio.TimerHandle | None = None
+        self._unsent = 0  # bytes in the write buffer when the write deadline was last armed
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -48,7 +59,47 @@ class ReadDeadlines(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._stop_write_watch()
         super().connection_lost(exc)
+
+    # transport flow control: the write deadline
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_watch is None:
+            self._watch_writes()
+
+    def resume_writing(self) -> None:
+        self._stop_write_watch()
+        super().resume_writing()
+
+    def _watch_writes(self) -> None:
+        self._unsent = self.transport.get_write_buffer_size()
+        self._write_watch = self.loop.call_later(self.write_timeout_s, self._write_due)
+
+    def _stop_write_watch(self) -> None:
+        if self._write_watch is not None:
+            self._write_watch.cancel()
+        self._write_watch = None
+
+    def _write_due(self) -> None:
+        self._write_watch = None
+        unsent = self.transport.get_write_buffer_size()
+        if unsent < self._unsent:  # the client reads, if slowly: it has another period
+            self._watch_writes()
+            return
+        # Also when the transport is closing: close() waits for the buffer to drain, forever for a
+        # client that does not read. abort() drops the buffer now and reports the connection lost,
+        # so a streamed answer sees a disconnect and its request is cancelled.
+        log.info(
+            "aborted a connection from %s: the client read nothing of %d buffered bytes in %g s",
+            self.client, unsent, self.write_timeout_s,
+        )
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:  # a reset, not a FIN queued behind the kernel's copy of the answer
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
 
     # httptools parser callbacks
 
@@ -97,11 +148,17 @@ class ReadDeadlines(HttpToolsProtocol):
         self.transport.close()
 
 
-def read_deadlines(header_timeout_s: float, body_timeout_s: float) -> type[ReadDeadlines]:
-    """The protocol class to give `uvicorn.Config(http=...)`, with these two deadlines."""
+def read_deadlines(
+    header_timeout_s: float, body_timeout_s: float, write_timeout_s: float = WRITE_TIMEOUT_S
+) -> type[ReadDeadlines]:
+    """The protocol class to give `uvicorn.Config(http=...)`, with these deadlines."""
     if header_timeout_s <= 0 or body_timeout_s <= 0:
         raise ValueError(f"read timeouts must be > 0 s, got headers {header_timeout_s} s, body {body_timeout_s} s")
-    attributes = {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s}
+    if not write_timeout_s > 0:
+        raise ValueError(f"the write timeout must be > 0 s, got {write_timeout_s} s")
+    attributes = {
+        "header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s, "write_timeout_s": write_timeout_s
+    }
     return type("ReadDeadlinesProtocol", (ReadDeadlines,), attributes)
 
 
