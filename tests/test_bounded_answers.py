@@ -6,6 +6,7 @@
 - A real mesh whose stage answers 10 MB: 20 raw-socket clients that never read are all closed by the
   coordinator within the deadline, its RSS returns under 150 MiB above its baseline, and a client that
   reads meanwhile gets its whole answer.
+- A mesh-key holder's 200 MiB frames on the control socket are refused before they are buffered.
 """
 
 from __future__ import annotations
@@ -21,20 +22,23 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
 import torch
 import uvicorn
+import zmq
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from support.meshkit import Mesh, running_mesh, wait_for
 
-from omni_mesh import cli
+from omni_mesh import cli, control
 from omni_mesh.coordinator import json_body
 from omni_mesh.coordinator.http_limits import WRITE_TIMEOUT_S, read_deadlines
 from omni_mesh.coordinator.json_body import json_answer, json_chunks
 from omni_mesh.coordinator.jsonable import jsonable
 from omni_mesh.ports import free_port
+from omni_mesh.security import ENV_KEYS_DIR, MeshKeys, secure_client
 from omni_mesh.testing.processes import descendants
 
 MiB = 1 << 20
@@ -271,3 +275,56 @@ def test_20_clients_that_never_read_are_cut_and_their_memory_freed(mesh: Mesh) -
             sock.close()
     assert mesh.client.get("/health").json()["requests_inflight"] == 0
     check_answer(mesh.ok({"size": ANSWER_BYTES, "seed": 5}, timeout_s=60))
+
+
+# ================================================================== large frames on the control plane
+
+
+@pytest.fixture(scope="module")
+def keyed_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, MeshKeys]]:
+    keys_dir = tmp_path_factory.mktemp("keys")
+    MeshKeys.generate().write(keys_dir)
+    with running_mesh(tmp_path_factory.mktemp("frames"), TOPOLOGY, env={ENV_KEYS_DIR: str(keys_dir)}) as mesh:
+        yield mesh, MeshKeys.load(keys_dir)
+
+
+def control_endpoint(pid: int) -> str:
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    return argv[argv.index("--control") + 1]
+
+
+def test_a_key_holders_200_mib_frames_are_refused_and_memory_stays_near_baseline(
+    keyed_mesh: tuple[Mesh, MeshKeys],
+) -> None:
+    """Three connections holding the mesh keys each send a 200 MiB frame to the coordinator's control
+    socket (where final outputs ride inline, up to control.MAX_FRAME_BYTES): libzmq drops each peer
+    at the frame's size, before buffering it, so the coordinator never holds them; it serves on."""
+    mesh, keys = keyed_mesh
+    pid = coordinator_pid(mesh)
+    check_answer(mesh.ok({"size": ANSWER_BYTES, "seed": 1}, timeout_s=60))
+    baseline = rss_mib(pid)
+    assert 200 * MiB > control.MAX_FRAME_BYTES
+    ctx = zmq.Context()
+    peers = []
+    try:
+        huge = bytes(200 * MiB)
+        for _ in range(3):
+            peer = ctx.socket(zmq.DEALER)
+            peer.setsockopt(zmq.LINGER, 0)
+            secure_client(peer, keys)
+            peer.connect(control_endpoint(pid))
+            peer.send_multipart([msgpack.packb({"type": "heartbeat", "replica": "big-0", "inflight": 0}), huge])
+            peers.append(peer)
+        del huge
+        peak, until = baseline, time.monotonic() + 8
+        while time.monotonic() < until:
+            peak = max(peak, rss_mib(pid))
+            time.sleep(0.02)
+    finally:
+        for peer in peers:
+            peer.close(0)
+        ctx.term()
+    print(f"coordinator RSS: baseline {baseline:.0f} MiB, peak {peak:.0f} MiB under 3 x 200 MiB frames")
+    assert peak - baseline < 100, f"the coordinator grew by {peak - baseline:.0f} MiB for frames it refuses"
+    assert mesh.client.get("/health").json()["forged_messages"] == 0, "a 200 MiB frame was taken in"
+    check_answer(mesh.ok({"size": ANSWER_BYTES, "seed": 2}, timeout_s=60))
