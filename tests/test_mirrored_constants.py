@@ -12,6 +12,7 @@ def test_each_repeated_value_matches_its_original() -> None:
     assert mesh.ENV_INSECURE == security.ENV_INSECURE
     assert launcher.INSTANCE_ENV == service.INSTANCE_ENV
     assert (cli.HEADER_TIMEOUT_S, cli.BODY_TIMEOUT_S) == (http_limits.HEADER_TIMEOUT_S, http_limits.BODY_TIMEOUT_S)
+    assert cli.WRITE_TIMEOUT_S == http_limits.WRITE_TIMEOUT_S
     assert stage.HEARTBEAT_S == service.HEARTBEAT_S  # the stage's interval until the coordinator announces one
 
 

@@ -21,7 +21,7 @@ The package, one command group a module:
 from omni_mesh.cli.common import EXIT_OK, EXIT_USAGE, CliError
 from omni_mesh.cli.entry import _build_parser as _build_parser  # tests parse argv with it
 from omni_mesh.cli.entry import main
-from omni_mesh.cli.services import BODY_TIMEOUT_S, ENV_API_KEY, HEADER_TIMEOUT_S
+from omni_mesh.cli.services import BODY_TIMEOUT_S, ENV_API_KEY, HEADER_TIMEOUT_S, WRITE_TIMEOUT_S
 from omni_mesh.cli.services import _rest_settings as _rest_settings  # tests check the REST flags with it
 from omni_mesh.cli.validate import format_summary, unimportable_handlers
 
@@ -31,6 +31,7 @@ __all__ = [
     "EXIT_OK",
     "EXIT_USAGE",
     "HEADER_TIMEOUT_S",
+    "WRITE_TIMEOUT_S",
     "CliError",
     "format_summary",
     "main",

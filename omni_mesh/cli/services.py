@@ -18,6 +18,7 @@ def _env(name: str, default: str) -> str:
 ENV_API_KEY = "OMNI_MESH_API_KEY"
 HEADER_TIMEOUT_S = 5.0  # = omni_mesh.coordinator.http_limits' defaults (not imported: it loads uvicorn)
 BODY_TIMEOUT_S = 10.0
+WRITE_TIMEOUT_S = 10.0
 
 
 def _add_rest_flags(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +45,10 @@ def _add_rest_flags(parser: argparse.ArgumentParser) -> None:
         "--body-timeout-s", type=float, default=BODY_TIMEOUT_S,
         help="the same for the body, counted from the end of the headers (16 MiB in 10 s: 1.7 MB/s)",
     )
+    rest.add_argument(
+        "--write-timeout-s", type=float, default=WRITE_TIMEOUT_S,
+        help="a client that reads nothing of its answer for this long is cut off and its answer dropped",
+    )
 
 
 def _rest_settings(args: argparse.Namespace) -> dict:
@@ -55,11 +60,11 @@ def _rest_settings(args: argparse.Namespace) -> dict:
     for name, path in tls.items():
         if path and not os.access(path, os.R_OK):
             raise CliError(f"--{name.replace('_', '-')} {path}: no such readable file")
-    for name in ("header_timeout_s", "body_timeout_s"):
+    for name in ("header_timeout_s", "body_timeout_s", "write_timeout_s"):
         if not getattr(args, name) > 0:
             raise CliError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}")
     return {"api_key": key or None, **tls, "header_timeout_s": args.header_timeout_s,
-            "body_timeout_s": args.body_timeout_s}
+            "body_timeout_s": args.body_timeout_s, "write_timeout_s": args.write_timeout_s}
 
 
 def _add_coordinator(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -220,6 +225,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         "--heartbeat-timeout-s", str(args.heartbeat_timeout_s),
         "--header-timeout-s", str(rest["header_timeout_s"]),
         "--body-timeout-s", str(rest["body_timeout_s"]),
+        "--write-timeout-s", str(rest["write_timeout_s"]),
     ]
     try:
         return run_up(

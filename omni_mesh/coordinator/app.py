@@ -16,7 +16,14 @@ from omni_mesh.coordinator import docs, envelope
 from omni_mesh.coordinator.access import AccessLog
 from omni_mesh.coordinator.auth import ApiKey
 from omni_mesh.coordinator.hosts import LoopbackHosts, is_loopback
-from omni_mesh.coordinator.http_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, BodyLimit, read_deadlines
+from omni_mesh.coordinator.http_limits import (
+    BODY_TIMEOUT_S,
+    HEADER_TIMEOUT_S,
+    WRITE_TIMEOUT_S,
+    BodyLimit,
+    read_deadlines,
+)
+from omni_mesh.coordinator.memory import return_large_blocks
 from omni_mesh.coordinator.metrics import Metrics
 from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S
 from omni_mesh.coordinator.routes import dashboard, openai, requests, status
@@ -84,9 +91,11 @@ async def serve(
     body_timeout_s: float = BODY_TIMEOUT_S,
     max_control_connections: int | None = None,
     max_rest_connections: int | None = None,
+    write_timeout_s: float = WRITE_TIMEOUT_S,
 ) -> None:
     """Run the coordinator until SIGINT/SIGTERM; in-flight requests get `grace_s` to finish."""
     fd_limit = raise_nofile_limit()
+    return_large_blocks()  # a large answer's memory goes back to the system once it is sent
     coordinator = Coordinator(
         topology, control, default_timeout_s=default_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
         max_connections=max_control_connections,
@@ -100,7 +109,9 @@ async def serve(
         timeout_graceful_shutdown=grace_s,
         access_log=False,
         # Past the cap (default half the descriptors) a new REST connection is answered 503 at once.
-        http=read_deadlines(header_timeout_s, body_timeout_s, max_rest_connections or max(64, fd_limit // 2)),
+        http=read_deadlines(
+            header_timeout_s, body_timeout_s, max_rest_connections or max(64, fd_limit // 2), write_timeout_s
+        ),
         ws="none",  # no WebSocket routes: an upgrade request is answered as plain HTTP
         ssl_keyfile=ssl_keyfile,
         ssl_certfile=ssl_certfile,

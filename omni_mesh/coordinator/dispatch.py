@@ -197,7 +197,7 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ stage messages
 
-    def on_output(self, replica: Replica, message: Output, frame: bytes | None) -> None:
+    def on_output(self, replica: Replica, message: Output, frame: bytes | memoryview | None) -> None:
         stage, rid = message.stage, message.rid
         state = self.requests.get(rid)
         if state is None:
@@ -259,7 +259,7 @@ class Dispatcher:
         streamed_names = [name for name, entry in gathered.items() if entry[1]]
         self._route(state, dst, sources=sources, streamed=streamed_names)
 
-    def _final_output(self, state: RequestState, stage: str, frame: bytes, streamed: bool) -> None:
+    def _final_output(self, state: RequestState, stage: str, frame: bytes | memoryview, streamed: bool) -> None:
         try:
             value = codec.decode(frame, copy=True)
         except codec.FrameError as exc:

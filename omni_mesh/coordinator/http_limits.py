@@ -16,12 +16,20 @@ connection is closed as soon as the limit is passed, so a client sending megabyt
 neither buffered nor parsed further (50 MB of headers on one connection stalled the event loop, and
 every other client, for 12 s). `BodyLimit` answers 413 to bodies over the size limit before anything
 parses them.
+
+An answer has a deadline too: a client that stops reading leaves the answer in the transport's write
+buffer, so once the buffer is over its high-water mark and has not shrunk for `write_timeout_s`, the
+connection is aborted (its buffer freed at once) and the app sees the client go away (a stream ends,
+its request is cancelled).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
+import struct
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -39,16 +47,19 @@ MAX_URL_BYTES = 8 * 1024
 
 class _Refused(Exception):
     """Raised in a parser callback to stop parsing a request refused there (see send_400_response)."""
+WRITE_TIMEOUT_S = 10.0
 
 
 class ReadDeadlines(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a deadline on the headers and one on the body of each request."""
+    """uvicorn's httptools protocol with a deadline on the headers and one on the body of each request,
+    and one on the client's reading of an answer."""
 
     header_timeout_s: float = HEADER_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
     #: Connections held at once; past it a new one is answered 503 and closed at once, so idle
     #: connections cannot take every descriptor (the control plane shares them). None: no cap.
     max_connections: int | None = None
+    write_timeout_s: float = WRITE_TIMEOUT_S
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -57,6 +68,8 @@ class ReadDeadlines(HttpToolsProtocol):
         self._head_bytes = 0  # fed to the parser since the last head was complete
         self._heads = 0  # heads complete on this connection
         self._refusal: tuple[int, str] | None = None  # what a parser callback refused the request with
+        self._write_watch: asyncio.TimerHandle | None = None
+        self._unsent = 0  # bytes in the write buffer when the write deadline was last armed
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -68,6 +81,7 @@ class ReadDeadlines(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._stop_write_watch()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -97,6 +111,44 @@ class ReadDeadlines(HttpToolsProtocol):
         log.debug("refused a request from %s: %s", self.client, message)
         self.transport.write(error_bytes(status, message))
         self.transport.close()
+    # transport flow control: the write deadline
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_watch is None:
+            self._watch_writes()
+
+    def resume_writing(self) -> None:
+        self._stop_write_watch()
+        super().resume_writing()
+
+    def _watch_writes(self) -> None:
+        self._unsent = self.transport.get_write_buffer_size()
+        self._write_watch = self.loop.call_later(self.write_timeout_s, self._write_due)
+
+    def _stop_write_watch(self) -> None:
+        if self._write_watch is not None:
+            self._write_watch.cancel()
+        self._write_watch = None
+
+    def _write_due(self) -> None:
+        self._write_watch = None
+        unsent = self.transport.get_write_buffer_size()
+        if unsent < self._unsent:  # the client reads, if slowly: it has another period
+            self._watch_writes()
+            return
+        # Also when the transport is closing: close() waits for the buffer to drain, forever for a
+        # client that does not read. abort() drops the buffer now and reports the connection lost,
+        # so a streamed answer sees a disconnect and its request is cancelled.
+        log.info(
+            "aborted a connection from %s: the client read nothing of %d buffered bytes in %g s",
+            self.client, unsent, self.write_timeout_s,
+        )
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:  # a reset, not a FIN queued behind the kernel's copy of the answer
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
 
     # httptools parser callbacks
 
@@ -154,12 +206,22 @@ class ReadDeadlines(HttpToolsProtocol):
 
 
 def read_deadlines(
-    header_timeout_s: float, body_timeout_s: float, max_connections: int | None = None
+    header_timeout_s: float,
+    body_timeout_s: float,
+    max_connections: int | None = None,
+    write_timeout_s: float = WRITE_TIMEOUT_S,
 ) -> type[ReadDeadlines]:
-    """The protocol class to give `uvicorn.Config(http=...)`, with these two deadlines (and that cap)."""
+    """The protocol class to give `uvicorn.Config(http=...)`, with these deadlines (and that cap)."""
     if header_timeout_s <= 0 or body_timeout_s <= 0:
         raise ValueError(f"read timeouts must be > 0 s, got headers {header_timeout_s} s, body {body_timeout_s} s")
-    attributes = {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s, "max_connections": max_connections}
+    if not write_timeout_s > 0:
+        raise ValueError(f"the write timeout must be > 0 s, got {write_timeout_s} s")
+    attributes = {
+        "header_timeout_s": header_timeout_s,
+        "body_timeout_s": body_timeout_s,
+        "write_timeout_s": write_timeout_s,
+        "max_connections": max_connections,
+    }
     return type("ReadDeadlinesProtocol", (ReadDeadlines,), attributes)
 
 

@@ -153,17 +153,23 @@ class Coordinator:
     async def _receive_loop(self) -> None:
         assert self._socket is not None
         while True:
-            frames = await self._socket.recv_multipart()
+            # Not copied into bytes: a final output's frame (up to MAX_FRAME_BYTES) is decoded
+            # straight from libzmq's buffer, which goes when the frames do (before the next wait).
+            frames = await self._socket.recv_multipart(copy=False)
+            identity, output = frames[0].bytes, None
             try:
                 if len(frames) < 2:
                     raise control.MalformedMessage("control message without a body")
-                self._handle(frames[0], control.unpack(frames[1]), frames[2] if len(frames) > 2 else None)
+                output = frames[2].buffer if len(frames) > 2 else None
+                self._handle(identity, control.unpack(frames[1].bytes), output)
             except control.MalformedMessage as exc:
                 self.malformed += 1
                 self._garbage.refuse(f"a control message: {exc}")
-                self._fail_unreadable(frames[0], exc)
+                self._fail_unreadable(identity, exc)
             except Exception:
                 self._handling_errors.exception("error handling a control message")
+            finally:
+                del frames, output
 
     def _fail_unreadable(self, identity: bytes, exc: control.MalformedMessage) -> None:
         """A replica's message about a request we cannot read: fail that request now, not at its deadline."""
@@ -174,7 +180,7 @@ class Coordinator:
         message = f"stage {replica.stage!r} replica {replica.replica_id!r} sent an unreadable message: {exc}"
         self.dispatcher.fail(state, RequestFailed(502, message, replica.stage))
 
-    def _handle(self, identity: bytes, message: Message, frame: bytes | None) -> None:
+    def _handle(self, identity: bytes, message: Message, frame: memoryview | None) -> None:
         if not isinstance(message, _FROM_STAGES):
             self.malformed += 1
             self._garbage.refuse(f"a {message.TYPE} message, which only the coordinator sends")

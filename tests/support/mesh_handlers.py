@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import random
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
@@ -153,3 +154,17 @@ class Warmed:
 
     async def __call__(self, inputs: dict, ctx: Any) -> dict:
         return {"warmed": self.warmed, "engine_args": self.options.get("engine_args")}
+
+
+# ---------------------------------------------------------------------- large answers
+
+
+async def blob(inputs: dict, ctx: Any) -> dict:
+    """A large answer: `size` bytes (seeded by `seed`, so a client can check them) and their SHA-256;
+    with `"tensor": true` also a float32 tensor of `size // 4` elements (i, i+1, ...)."""
+    await _misbehave(ctx)
+    data = random.Random(int(inputs.get("seed", 0))).randbytes(int(inputs["size"]))
+    out: dict[str, Any] = {"sha256": hashlib.sha256(data).hexdigest(), "blob": data}
+    if inputs.get("tensor"):
+        out["tensor"] = torch.arange(int(inputs["size"]) // 4, dtype=torch.float32)
+    return out

@@ -16,6 +16,7 @@ from omni_mesh.coordinator.client_gone import ClientGone, unless_client_leaves
 from omni_mesh.coordinator.dispatch import RequestState
 from omni_mesh.coordinator.envelope import error_response, responses
 from omni_mesh.coordinator.failures import CLIENT_GONE, RequestFailed
+from omni_mesh.coordinator.json_body import json_answer
 from omni_mesh.coordinator.jsonable import jsonable
 from omni_mesh.coordinator.request_body import RequestBody
 from omni_mesh.coordinator.service import Coordinator
@@ -53,7 +54,7 @@ def router(coordinator: Coordinator) -> APIRouter:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return Response(status_code=CLIENT_GONE)  # nobody reads it: for the access log
-        return {**_summary(state), "outputs": jsonable(outputs)}
+        return json_answer({**_summary(state), "outputs": outputs})  # a large answer is encoded as it is sent
 
     finals = [stage.name for stage in coordinator.topology.final_stages]
 
