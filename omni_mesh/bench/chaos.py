@@ -49,20 +49,31 @@ HANDLER = "omni_mesh.bench.chaos_handlers:step"
 SIZES = (16, 4096)  # float64 elements: 128 B rides inline in the metadata, 32 KiB goes through the pool
 
 
-def default_topology(directory: Path, replicas: int = 2) -> Path:
-    """A 3-stage chain of HANDLER, `replicas` each, small shared-memory pools."""
+EDGES = {  # --edges: the connector of each edge of the default chain (first->second, second->third)
+    "shm": ("shm", "shm"),
+    "zmq": ("zmq", "zmq"),
+    "mixed": ("shm", "zmq"),  # segments to leak on one edge, data-plane TCP connections to drop on the other
+}
+
+
+def default_topology(directory: Path, replicas: int = 2, edges: str = "shm") -> Path:
+    """A 3-stage chain of HANDLER, `replicas` each, its edges' connectors as EDGES[edges] says:
+    shared memory with small pools, or ZeroMQ (TCP on loopback)."""
     names = ("first", "second", "third")
     stages = []
     for i, name in enumerate(names):
         stage: dict[str, Any] = {"stage_id": i, "name": name, "handler": HANDLER, "replicas": replicas, "max_inflight": 8}
         if i:
-            stage.update(engine_input_source=[i - 1], input_connectors={f"from_stage_{i - 1}": "shm"})
+            stage.update(engine_input_source=[i - 1], input_connectors={f"from_stage_{i - 1}": EDGES[edges][i - 1]})
         if i < len(names) - 1:
-            stage["output_connectors"] = {f"to_stage_{i + 1}": "shm"}
+            stage["output_connectors"] = {f"to_stage_{i + 1}": EDGES[edges][i]}
         stages.append(stage)
     topology = {
         "name": "chaos-chain",
-        "connectors": {"shm": {"name": "SharedMemoryConnector", "extra": {"memory_pool_size": 32 * 1024 * 1024}}},
+        "connectors": {
+            "shm": {"name": "SharedMemoryConnector", "extra": {"memory_pool_size": 32 * 1024 * 1024}},
+            "zmq": {"name": "ZmqConnector", "extra": {"host": "127.0.0.1"}},
+        },
         "stages": stages,
     }
     path = directory / "chaos-chain.yaml"
@@ -225,6 +236,7 @@ def run(
     tolerate: tuple[str, ...] = (),
     seed: int | None = None,
     replicas: int = 2,
+    edges: str = "shm",
     work_s: float = 0.02,
 ) -> dict[str, Any]:
     """Soak the mesh; a fault kind whose every_s is 0 is not injected. ValueError on a bad plan,
@@ -234,15 +246,19 @@ def run(
                          "or requests sent during it could not be answered in time")
     if unknown := set(tolerate) - {"pause", "drop"}:
         raise ValueError(f"--tolerate {','.join(sorted(unknown))}: only pause and drop failures can be tolerated")
+    if edges not in EDGES:
+        raise ValueError(f"--edges {edges}: one of {', '.join(EDGES)}")
+    if topology and edges != "shm":
+        raise ValueError("--edges picks the connectors of the default topology: it needs no --topology")
     if drop_every_s:
         chaos_faults.check_drops_work()
     seed = random.randrange(2**32) if seed is None else seed
     with tempfile.TemporaryDirectory(prefix="omni-mesh-chaos-") as directory:
-        path = Path(topology) if topology else default_topology(Path(directory), replicas)
+        path = Path(topology) if topology else default_topology(Path(directory), replicas, edges)
         loaded = load_topology(path)
         chain = chain_of(loaded)
         plan = {
-            "topology": str(topology or loaded.name), "chain": chain, "k": {name: i + 1 for i, name in enumerate(chain)},
+            "topology": str(topology or f"{loaded.name} ({edges} edges)"), "chain": chain, "k": {name: i + 1 for i, name in enumerate(chain)},
             "replicas": {s.name: s.replicas for s in loaded.stages}, "duration_s": duration_s,
             "concurrency": concurrency, "kill_every_s": kill_every_s, "pause_every_s": pause_every_s,
             "pause_s": pause_s, "drop_every_s": drop_every_s, "tolerate": sorted(tolerate), "timeout_s": timeout_s,

@@ -72,6 +72,10 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="a chain of omni_mesh.bench.chaos_handlers:step stages (default: 3 stages x --replicas, shared memory)",
     )
     chaos.add_argument("--replicas", type=int, default=2, help="replicas per stage of the default topology")
+    chaos.add_argument(
+        "--edges", choices=["shm", "zmq", "mixed"], default="shm",
+        help="connectors of the default topology's two edges: shared memory, ZeroMQ, or one of each",
+    )
     chaos.add_argument("--duration", type=float, default=180.0, help="seconds of load and kills")
     chaos.add_argument("--concurrency", type=int, default=8, help="concurrent clients")
     chaos.add_argument("--kill-every", type=float, default=4.0, help="mean seconds between replica SIGKILLs (0: none)")
@@ -135,7 +139,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                 timeout_s=args.timeout_s, kill_every_s=args.kill_every, pause_every_s=args.pause_every,
                 pause_s=args.pause_s, drop_every_s=args.drop_every,
                 tolerate=tuple(kind for kind in args.tolerate.split(",") if kind), seed=args.seed,
-                replicas=args.replicas,
+                replicas=args.replicas, edges=args.edges,
             )
         except (ValueError, RuntimeError) as exc:  # a bad plan or topology; drops this machine cannot make
             raise CliError(str(exc)) from None
