@@ -66,17 +66,18 @@ def test_the_soak_checks_outputs_and_segments_for_real() -> None:
 
 
 def test_failures_are_put_down_to_the_fault_that_explains_them() -> None:
-    log = FaultLog(started=0.0)
+    log = FaultLog(drop_aftermath_s=10.0, started=0.0)
     log.faults = [Fault("kill", 10.0, 10.0, "second"), Fault("pause", 20.0, 22.0, "coordinator"),
                   Fault("drop", 30.0, 30.1, "third")]
-    assert log.cause_of(9.5, 10.5, "502", "replica died", "second") == "kill"
-    assert log.cause_of(9.5, 10.5, "500", "StageInputError: payload gone", "third") == "kill, payload gone"
-    assert log.cause_of(9.5, 10.5, "500", "ValueError", "second") == "kill, other"
-    assert log.cause_of(10.5, 11.0, "502", "replica died", "second") == "none"  # began after the kill
-    assert log.cause_of(21.0, 23.5, "504", "deadline", "first") == "pause"  # a pause stops every request
-    assert log.cause_of(34.0, 36.0, "502", "stopped sending heartbeats", "third") == "drop"  # in its aftermath
-    assert log.cause_of(34.0, 36.0, "502", "stopped sending heartbeats", "first") == "none"  # not the dropped stage
-    assert log.cause_of(50.0, 51.0, "429", "queue full", "first") == "backpressure"
+    assert log.cause_of(9.5, 10.5, "502", "replica died") == "kill"
+    assert log.cause_of(9.5, 10.5, "500", "StageInputError: payload gone") == "kill, payload gone"
+    assert log.cause_of(9.5, 10.5, "500", "ValueError") == "kill, other"
+    assert log.cause_of(10.5, 11.0, "502", "replica died") == "none"  # began after the kill
+    assert log.cause_of(21.0, 23.5, "504", "deadline") == "pause"  # a pause stops every request
+    assert log.cause_of(23.5, 24.0, "504", "deadline") == "none"  # past the pause's aftermath
+    assert log.cause_of(36.0, 46.0, "504", "deadline") == "drop"  # began in the drop's aftermath
+    assert log.cause_of(40.5, 41.0, "502", "stopped sending heartbeats") == "none"  # past it
+    assert log.cause_of(50.0, 51.0, "429", "queue full") == "backpressure"
     result = {"failed_by_cause": {"kill": 3, "drop": 2, "none": 1}, "tolerate": ["drop"], "wrong": 0, "late": 0,
               "leftover_segments": [], "launcher_exit_status": 0}
     assert chaos.broken(result) == ["request(s) failed with no fault that legitimately fails them: none: 1"]

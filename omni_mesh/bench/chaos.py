@@ -40,6 +40,7 @@ from omni_mesh.bench.http_client import Connection
 from omni_mesh.bench.mesh import running_mesh
 from omni_mesh.bench.pipeline import percentile
 from omni_mesh.connectors.shm_segments import list_segments, owner_of
+from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S
 from omni_mesh.testing.processes import children_of
 from omni_mesh.topology import Topology, load_topology
 
@@ -264,7 +265,7 @@ def run(
             "pause_s": pause_s, "drop_every_s": drop_every_s, "tolerate": sorted(tolerate), "timeout_s": timeout_s,
             "work_s": work_s, "seed": seed,
         }
-        tally, faults = Tally(), FaultLog()
+        tally, faults = Tally(), FaultLog(drop_aftermath_s=max(timeout_s, HEARTBEAT_TIMEOUT_S + 1.0))
         with running_mesh(path, insecure=None) as mesh:
             watch = ProcessWatch(mesh.process.pid)
             try:
@@ -274,7 +275,7 @@ def run(
         watch.stop()  # after the launcher has stopped: it saw the replicas it started while stopping
         mesh_pids = watch.seen | {mesh.process.pid}
         leftovers = leftover_segments(mesh_pids)
-    causes = [faults.cause_of(f.began, f.ended, f.status, f.reason, f.stage) for f in tally.failures]
+    causes = [faults.cause_of(f.began, f.ended, f.status, f.reason) for f in tally.failures]
     examples: dict[str, str] = {}
     failure_log = []
     for failure, cause in zip(tally.failures, causes, strict=True):

@@ -37,9 +37,6 @@ from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S
 from omni_mesh.testing.processes import children_of
 
 KINDS = ("kill", "pause", "drop")
-# A dropped replica may be sent work until it has reconnected (or, until "liveness" lands, until the
-# coordinator notices its silence): a failure naming its stage this long after the drop is the drop's.
-DROP_AFTERMATH_S = HEARTBEAT_TIMEOUT_S + 1.0
 PAUSE_AFTERMATH_S = 1.0  # the coordinator catches up on what queued while it was stopped
 
 
@@ -51,17 +48,21 @@ class Fault:
     target: str  # a stage name, or "coordinator"
     detail: dict[str, Any] = field(default_factory=dict)
 
-    def explains(self, began: float, ended: float, stage: str | None) -> bool:
-        """Whether a request in flight over [began, ended] that failed at `stage` may have failed
-        because of this fault: a drop hits its stage, a pause every request, and a kill its stage or
-        the one that reads the payloads the killed replica held (any stage: the log knows no graph)."""
-        aftermath = {"kill": 0.0, "pause": PAUSE_AFTERMATH_S, "drop": DROP_AFTERMATH_S}[self.kind]
-        overlaps = began <= self.ended + aftermath and ended >= self.began
-        return overlaps and (self.kind != "drop" or stage is None or stage == self.target)
+    def explains(self, began: float, ended: float, drop_aftermath_s: float) -> bool:
+        """Whether a request in flight over [began, ended] may have failed because of this fault, at
+        any stage (a killed or dropped producer fails its consumers too; the log knows no graph). A
+        kill explains the requests in flight at its moment, a pause those in flight during it. A
+        drop's effects last longer: a dropped replica may be sent work until the coordinator notices
+        its silence, and a message lost in a reset connection leaves its request waiting up to its
+        deadline: a drop explains requests in flight within `drop_aftermath_s` after it."""
+        aftermath = {"kill": 0.0, "pause": PAUSE_AFTERMATH_S, "drop": drop_aftermath_s}[self.kind]
+        return began <= self.ended + aftermath and ended >= self.began
 
 
 @dataclass
 class FaultLog:
+    # The requests' deadline, or the heartbeat timeout if longer (Fault.explains).
+    drop_aftermath_s: float = HEARTBEAT_TIMEOUT_S + 1.0
     started: float = field(default_factory=time.monotonic)
     faults: list[Fault] = field(default_factory=list)
     skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
@@ -69,19 +70,19 @@ class FaultLog:
     def add(self, kind: str, began: float, target: str, **detail: Any) -> None:
         self.faults.append(Fault(kind, began, time.monotonic(), target, detail))
 
-    def cause_of(self, began: float, ended: float, status: str, reason: str, stage: str | None) -> str:
+    def cause_of(self, began: float, ended: float, status: str, reason: str) -> str:
         """Why a request failed: "backpressure" (429: a full queue, no fault), "kill" (a 502 while a
         replica died: the work it held had gone downstream), "kill, payload gone" (a 500 reading a
         payload whose maker was killed: its segments went with it), both legitimate; or "drop",
         "pause" (faults that should fail nothing), "kill, other", or "none" (no fault explains it)."""
         if status == "429":
             return "backpressure"
-        kinds = {f.kind for f in self.faults if f.explains(began, ended, stage)}
+        kinds = {f.kind for f in self.faults if f.explains(began, ended, self.drop_aftermath_s)}
         if "kill" in kinds and status == "502":
             return "kill"
         if "kill" in kinds and status == "500" and "StageInputError" in reason:
             return "kill, payload gone"
-        for kind in ("drop", "pause"):  # the drop names the stage that failed; a pause overlaps everything
+        for kind in ("drop", "pause"):  # a drop's aftermath outlasts a short pause: the likelier cause
             if kind in kinds:
                 return kind
         return "kill, other" if "kill" in kinds else "none"

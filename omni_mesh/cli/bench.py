@@ -87,7 +87,7 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     chaos.add_argument("--tolerate", default="",
                        help="comma-separated fault kinds (pause, drop) whose failures are reported but break nothing")
     chaos.add_argument("--timeout-s", type=float, default=10.0, help="each request's deadline")
-    chaos.add_argument("--seed", type=int, default=None, help="seed of the kill schedule (default: random, printed)")
+    chaos.add_argument("--seed", type=int, default=None, help="seed of the fault schedule (default: random, printed)")
     chaos.add_argument("--json", action="store_true", help="print the results as JSON")
     return parser
 
