@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,7 +66,7 @@ class FaultLog:
     drop_aftermath_s: float = HEARTBEAT_TIMEOUT_S + 1.0
     started: float = field(default_factory=time.monotonic)
     faults: list[Fault] = field(default_factory=list)
-    skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    skipped: Counter[str] = field(default_factory=Counter)  # "kind: why" -> times a fault could not be made
 
     def add(self, kind: str, began: float, target: str, **detail: Any) -> None:
         self.faults.append(Fault(kind, began, time.monotonic(), target, detail))
@@ -126,7 +127,7 @@ async def kill(client: httpx.AsyncClient, launcher_pid: int, rng: random.Random,
     stages = await healthy_replicas(client, launcher_pid)
     candidates = [(name, r) for name, healthy in (stages or {}).items() if len(healthy) >= 2 for r in healthy]
     if not candidates:
-        log.skipped["kill"] += 1
+        log.skipped["kill: /v1/stages did not answer" if stages is None else "kill: no stage had 2 healthy replicas"] += 1
         return
     stage, replica = rng.choice(candidates)
     began = time.monotonic()
@@ -150,7 +151,7 @@ async def pause(launcher_pid: int, pause_s: float, log: FaultLog) -> None:
     try:
         pid = coordinator_pid(launcher_pid)
     except LookupError:
-        log.skipped["pause"] += 1
+        log.skipped["pause: no coordinator process"] += 1
         return
     began = time.monotonic()
     try:
@@ -202,14 +203,14 @@ async def drop(client: httpx.AsyncClient, launcher_pid: int, rng: random.Random,
     stages = await healthy_replicas(client, launcher_pid)
     candidates = [(name, r) for name, healthy in (stages or {}).items() for r in healthy]
     if not candidates:
-        log.skipped["drop"] += 1
+        log.skipped["drop: /v1/stages did not answer" if stages is None else "drop: no healthy replica"] += 1
         return
     stage, replica = rng.choice(candidates)
     began = time.monotonic()
     ports = tcp_ports(replica["pid"])
     destroyed = await asyncio.to_thread(reset_connections, ports)
     if not destroyed:
-        log.skipped["drop"] += 1
+        log.skipped[f"drop: replica {replica['id']} had no established TCP connection"] += 1
         return
     log.add("drop", began, stage, replica=replica["id"], pid=replica["pid"], connections=destroyed)
 

@@ -70,8 +70,7 @@ def report(result: dict[str, Any]) -> str:
         + (f"   slowest: {', '.join(f'{s:.2f} s' for s in result['late_s'])}" if result["late"] else ""),
         "  faults             " + ", ".join(f"{kind} {result['faults'].get(kind, 0)}" for kind in KINDS)
         + "   (" + ", ".join(f"{target}: {n}" for target, n in sorted(result["faults_by_target"].items())) + ")",
-        "      skipped: " + ", ".join(f"{kind} {n}" for kind, n in result["faults_skipped"].items())
-        + " (a kill needs a stage with two healthy replicas; /v1/stages must answer)",
+        "      not made: " + (", ".join(f"{why} x{n}" for why, n in sorted(result["faults_skipped"].items())) or "none"),
         f"  leftover segments  {len(result['leftover_segments'])}   ({result['mesh_processes']} mesh processes held up to "
         f"{result['most_segments_held']} at once)",
         *(f"      {name}" for name in result["leftover_segments"][:10]),
