@@ -70,10 +70,11 @@ def test_failures_are_put_down_to_the_fault_that_explains_them() -> None:
     log = FaultLog(drop_aftermath_s=10.0, started=0.0)
     log.faults = [Fault("kill", 10.0, 10.0, "second"), Fault("pause", 20.0, 22.0, "coordinator"),
                   Fault("drop", 30.0, 30.1, "third")]
-    assert log.cause_of(9.5, 10.5, "502", "replica died") == "kill"
+    assert log.cause_of(9.5, 10.5, "502", "replica 'second-1' died (pid 7) while handling the request") == "kill"
+    assert log.cause_of(9.5, 10.5, "502", "replica 'second-1' stopped sending heartbeats") == "kill, other"
     assert log.cause_of(9.5, 10.5, "500", "StageInputError: payload gone") == "kill, payload gone"
     assert log.cause_of(9.5, 10.5, "500", "ValueError") == "kill, other"
-    assert log.cause_of(10.5, 11.0, "502", "replica died") == "none"  # began after the kill
+    assert log.cause_of(10.5, 11.0, "502", "replica 'second-1' died (pid 7)") == "none"  # began after the kill
     assert log.cause_of(21.0, 23.5, "504", "deadline") == "pause"  # a pause stops every request
     assert log.cause_of(23.5, 24.0, "504", "deadline") == "none"  # past the pause's aftermath
     assert log.cause_of(36.0, 46.0, "504", "deadline") == "drop"  # began in the drop's aftermath

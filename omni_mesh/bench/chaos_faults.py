@@ -72,14 +72,14 @@ class FaultLog:
         self.faults.append(Fault(kind, began, time.monotonic(), target, detail))
 
     def cause_of(self, began: float, ended: float, status: str, reason: str) -> str:
-        """Why a request failed: "backpressure" (429: a full queue, no fault), "kill" (a 502 while a
-        replica died: the work it held had gone downstream), "kill, payload gone" (a 500 reading a
+        """Why a request failed: "backpressure" (429: a full queue, no fault), "kill" (a 502 naming a
+        replica that died while the request was in flight: the work it held had gone downstream), "kill, payload gone" (a 500 reading a
         payload whose maker was killed: its segments went with it), both legitimate; or "drop",
         "pause" (faults that should fail nothing), "kill, other", or "none" (no fault explains it)."""
         if status == "429":
             return "backpressure"
         kinds = {f.kind for f in self.faults if f.explains(began, ended, self.drop_aftermath_s)}
-        if "kill" in kinds and status == "502":
+        if "kill" in kinds and status == "502" and " died " in reason:  # the coordinator saw the pid gone
             return "kill"
         if "kill" in kinds and status == "500" and "StageInputError" in reason:
             return "kill, payload gone"
