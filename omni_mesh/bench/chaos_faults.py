@@ -4,7 +4,8 @@ Three kinds, each its own loop firing every ~N s (jittered 0.5-1.5x), all at onc
 
 - **kill**: SIGKILL a healthy replica of a stage that has another healthy one (the launcher
   restarts it). Legitimately fails, with 502, the requests whose work the replica held after it had
-  sent something downstream (docs/architecture.md, "Failure handling"): nothing can redo that work.
+  sent something downstream (docs/architecture.md, "Failure handling"): nothing can redo that work;
+  and, with 500, those whose payload it had put but not yet served (its segments went with it).
 - **pause**: SIGSTOP the coordinator for `pause_s`, then SIGCONT. Legitimately fails nothing: the
   replicas' heartbeats wait in the socket, and a pause shorter than the requests' deadline leaves
   them time. A pause longer than the heartbeat timeout must evict nobody; until the coordinator
@@ -13,7 +14,9 @@ Three kinds, each its own loop firing every ~N s (jittered 0.5-1.5x), all at onc
   data-plane socket), both ends, with `ss -K` (needs CAP_NET_ADMIN and a kernel with
   CONFIG_INET_DIAG_DESTROY). ZeroMQ reconnects; legitimately fails nothing.
 
-Only the launcher's own children are ever signalled or cut.
+Only the launcher's own children are ever signalled or cut. Putting a failure down to a fault is
+by time (was the request in flight then?), so overlapping faults share the blame: `cause_of` picks
+the most specific.
 """
 
 from __future__ import annotations
