@@ -1,15 +1,18 @@
-"""`omni-mesh bench chaos`: a soak that SIGKILLs stage replicas under checked load.
+"""`omni-mesh bench chaos`: a soak that injects faults into a mesh under checked load.
 
 It starts a chain topology with `omni-mesh up` (by default 3 stages x 2 replicas of
 `chaos_handlers.step`, shared memory between them), drives N clients whose every answer is checked
 (the affine chain of `chaos_handlers` proves each stage ran once, in order, on that request's data),
-and every few seconds SIGKILLs a random replica, which the launcher restarts. A replica is killed
-only while its stage has another healthy one: the soak tests recovery and correctness, not an
-outage. At the end it stops the mesh with SIGINT and looks in /dev/shm for segments of any process
-the mesh ran.
+and mixes in faults at random times (`chaos_faults`): replica SIGKILLs (the launcher restarts them;
+only while the stage has another healthy replica: the soak tests recovery and correctness, not an
+outage), coordinator pauses (SIGSTOP/SIGCONT) and connection drops (TCP resets of a replica's
+sockets). Each failed request is put down to the fault that explains it, if any. At the end it stops
+the mesh with SIGINT and looks in /dev/shm for segments of any process the mesh ran.
 
 Invariants (a broken one makes the exit status non-zero): no wrong output, no answer later than
-the request's deadline + 1 s, no segment left behind, the launcher stops cleanly.
+the request's deadline + 1 s, no segment left behind, the launcher stops cleanly, and no request
+failed without a fault that legitimately fails it (`chaos_faults.LEGITIMATE_CAUSES`), unless the run
+tolerates pause and drop failures (`tolerate`: until the coordinator rides out those faults).
 """
 
 from __future__ import annotations
@@ -17,9 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import random
-import signal
 import tempfile
 import threading
 import time
@@ -32,32 +33,48 @@ import httpx
 import yaml
 
 from omni_mesh import aio
+from omni_mesh.bench import chaos_faults
+from omni_mesh.bench.chaos_faults import FaultLog
+from omni_mesh.bench.chaos_report import LATE_MARGIN_S, broken, report
 from omni_mesh.bench.http_client import Connection
 from omni_mesh.bench.mesh import running_mesh
 from omni_mesh.bench.pipeline import percentile
 from omni_mesh.connectors import held_by
+from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S
 from omni_mesh.procinfo import children_of
 from omni_mesh.topology import Topology, load_topology
 
+__all__ = ["broken", "expected_output", "leftover_segments", "report", "run"]
+
 HANDLER = "omni_mesh.bench.chaos_handlers:step"
 SIZES = (16, 4096)  # float64 elements: 128 B rides inline in the metadata, 32 KiB goes through the pool
-LATE_MARGIN_S = 1.0
 
 
-def default_topology(directory: Path, replicas: int = 2) -> Path:
-    """A 3-stage chain of HANDLER, `replicas` each, small shared-memory pools."""
+EDGES = {  # --edges: the connector of each edge of the default chain (first->second, second->third)
+    "shm": ("shm", "shm"),
+    "zmq": ("zmq", "zmq"),
+    "mixed": ("shm", "zmq"),  # segments to leak on one edge, data-plane TCP connections to drop on the other
+}
+
+
+def default_topology(directory: Path, replicas: int = 2, edges: str = "shm") -> Path:
+    """A 3-stage chain of HANDLER, `replicas` each, its edges' connectors as EDGES[edges] says:
+    shared memory with small pools, or ZeroMQ (TCP on loopback)."""
     names = ("first", "second", "third")
     stages = []
     for i, name in enumerate(names):
         stage: dict[str, Any] = {"stage_id": i, "name": name, "handler": HANDLER, "replicas": replicas, "max_inflight": 8}
         if i:
-            stage.update(engine_input_source=[i - 1], input_connectors={f"from_stage_{i - 1}": "shm"})
+            stage.update(engine_input_source=[i - 1], input_connectors={f"from_stage_{i - 1}": EDGES[edges][i - 1]})
         if i < len(names) - 1:
-            stage["output_connectors"] = {f"to_stage_{i + 1}": "shm"}
+            stage["output_connectors"] = {f"to_stage_{i + 1}": EDGES[edges][i]}
         stages.append(stage)
     topology = {
         "name": "chaos-chain",
-        "connectors": {"shm": {"name": "SharedMemoryConnector", "extra": {"memory_pool_size": 32 * 1024 * 1024}}},
+        "connectors": {
+            "shm": {"name": "SharedMemoryConnector", "extra": {"memory_pool_size": 32 * 1024 * 1024}},
+            "zmq": {"name": "ZmqConnector", "extra": {"host": "127.0.0.1"}},
+        },
         "stages": stages,
     }
     path = directory / "chaos-chain.yaml"
@@ -117,20 +134,26 @@ def leftover_segments(pids: set[int]) -> list[str]:
     return held_by(pids)
 
 
-# ---------------------------------------------------------------------- load and kills
+# ---------------------------------------------------------------------- load and faults
+
+
+@dataclass
+class Failure:
+    began: float  # time.monotonic()
+    ended: float
+    status: str  # the HTTP status, or the exception's name when no answer came
+    stage: str | None  # the stage the error envelope names
+    reason: str
 
 
 @dataclass
 class Tally:
     sent: int = 0
     succeeded: int = 0
-    failed: Counter[str] = field(default_factory=Counter)
-    failure_examples: dict[str, str] = field(default_factory=dict)
+    failures: list[Failure] = field(default_factory=list)
     wrong: list[str] = field(default_factory=list)
     late: list[float] = field(default_factory=list)
     latencies: list[float] = field(default_factory=list)
-    kills: list[dict[str, Any]] = field(default_factory=list)
-    kills_skipped: int = 0
 
 
 async def _client(url: str, first: int, stride: int, plan: dict[str, Any], stop_at: float, tally: Tally) -> None:
@@ -154,13 +177,12 @@ async def _client(url: str, first: int, stride: int, plan: dict[str, Any], stop_
             except (OSError, ConnectionError, asyncio.IncompleteReadError, TimeoutError) as exc:
                 outcome, headers, raw = type(exc).__name__, {}, b""
                 connection.close()
-            took = time.monotonic() - began
-            tally.latencies.append(took)
-            if took > timeout_s + LATE_MARGIN_S:
-                tally.late.append(took)
+            ended = time.monotonic()
+            tally.latencies.append(ended - began)
+            if ended - began > timeout_s + LATE_MARGIN_S:
+                tally.late.append(ended - began)
             if outcome != "200":
-                tally.failed[outcome] += 1
-                tally.failure_examples.setdefault(outcome, _reason(raw))
+                tally.failures.append(Failure(began, ended, outcome, *_envelope(raw)))
                 if outcome == "429":  # the queue is full: back off as told
                     await asyncio.sleep(min(1.0, float(headers.get("retry-after", "1"))))
                 continue
@@ -174,50 +196,32 @@ async def _client(url: str, first: int, stride: int, plan: dict[str, Any], stop_
         connection.close()
 
 
-def _reason(raw: bytes) -> str:
+def _envelope(raw: bytes) -> tuple[str | None, str]:
+    """(stage, error) of an error envelope; (None, the start of the body) when it is not one."""
     with contextlib.suppress(ValueError, AttributeError):
-        return str(json.loads(raw).get("error", ""))[:200]
-    return raw[:200].decode(errors="replace")
+        body = json.loads(raw)
+        return body.get("stage"), str(body.get("error", ""))[:200]
+    return None, raw[:200].decode(errors="replace")
 
 
-async def _killer(url: str, watch: ProcessWatch, every_s: float, rng: random.Random, stop_at: float, tally: Tally) -> None:
-    """Every ~every_s (jittered 0.5-1.5x), SIGKILL a random healthy replica of a stage that has
-    another healthy one. Only the launcher's own children are ever signalled."""
-    began = time.monotonic()
-    async with httpx.AsyncClient(base_url=url, timeout=5.0) as client:
-        while time.monotonic() + (wait := every_s * rng.uniform(0.5, 1.5)) < stop_at:
-            await asyncio.sleep(wait)
-            try:
-                stages = (await client.get("/v1/stages")).json()["stages"]
-            except (httpx.HTTPError, ValueError, KeyError):
-                tally.kills_skipped += 1
-                continue
-            ours = children_of(watch.launcher_pid)
-            candidates = [
-                (stage["name"], replica)
-                for stage in stages
-                if len(healthy := [r for r in stage["replicas"] if r["health"] == "healthy" and r["pid"] in ours]) >= 2
-                for replica in healthy
-            ]
-            if not candidates:
-                tally.kills_skipped += 1
-                continue
-            stage, replica = rng.choice(candidates)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(replica["pid"], signal.SIGKILL)
-                tally.kills.append({"at_s": round(time.monotonic() - began, 1), "stage": stage,
-                                    "replica": replica["id"], "pid": replica["pid"]})
-
-
-async def _soak(url: str, plan: dict[str, Any], watch: ProcessWatch, rng: random.Random, tally: Tally) -> float:
-    began = time.monotonic()
+async def _soak(url: str, plan: dict[str, Any], launcher_pid: int, rng: random.Random, tally: Tally,
+                faults: FaultLog) -> float:
+    began = faults.started = time.monotonic()
     stop_at = began + plan["duration_s"]
     clients = [_client(url, i, plan["concurrency"], plan, stop_at, tally) for i in range(plan["concurrency"])]
-    await asyncio.gather(_killer(url, watch, plan["kill_every_s"], rng, stop_at, tally), *clients)
+    async with httpx.AsyncClient(base_url=url, timeout=5.0) as http:
+        injectors = {
+            "kill": lambda: chaos_faults.kill(http, launcher_pid, rng, faults),
+            "pause": lambda: chaos_faults.pause(launcher_pid, plan["pause_s"], faults),
+            "drop": lambda: chaos_faults.drop(http, launcher_pid, rng, faults),
+        }
+        loops = [chaos_faults.every(plan[f"{kind}_every_s"], rng, stop_at, inject)
+                 for kind, inject in injectors.items() if plan[f"{kind}_every_s"]]
+        await asyncio.gather(*loops, *clients)
     return time.monotonic() - began
 
 
-# ---------------------------------------------------------------------- run and report
+# ---------------------------------------------------------------------- run
 
 
 def run(
@@ -225,40 +229,68 @@ def run(
     topology: str | None,
     duration_s: float,
     concurrency: int,
-    kill_every_s: float,
     timeout_s: float,
+    kill_every_s: float = 0.0,
+    pause_every_s: float = 0.0,
+    pause_s: float = 2.0,
+    drop_every_s: float = 0.0,
+    tolerate: tuple[str, ...] = (),
     seed: int | None = None,
     replicas: int = 2,
+    edges: str = "shm",
     work_s: float = 0.02,
 ) -> dict[str, Any]:
+    """Soak the mesh; a fault kind whose every_s is 0 is not injected. ValueError on a bad plan,
+    RuntimeError when drops are asked for and this machine cannot make them."""
+    if pause_every_s and not 0 < pause_s < timeout_s:
+        raise ValueError(f"--pause-s {pause_s:g}: a pause must be > 0 and shorter than --timeout-s {timeout_s:g}, "
+                         "or requests sent during it could not be answered in time")
+    if unknown := set(tolerate) - {"pause", "drop"}:
+        raise ValueError(f"--tolerate {','.join(sorted(unknown))}: only pause and drop failures can be tolerated")
+    if edges not in EDGES:
+        raise ValueError(f"--edges {edges}: one of {', '.join(EDGES)}")
+    if topology and edges != "shm":
+        raise ValueError("--edges picks the connectors of the default topology: it needs no --topology")
+    if drop_every_s:
+        chaos_faults.check_drops_work()
     seed = random.randrange(2**32) if seed is None else seed
     with tempfile.TemporaryDirectory(prefix="omni-mesh-chaos-") as directory:
-        path = Path(topology) if topology else default_topology(Path(directory), replicas)
+        path = Path(topology) if topology else default_topology(Path(directory), replicas, edges)
         loaded = load_topology(path)
         chain = chain_of(loaded)
         plan = {
-            "topology": str(topology or loaded.name), "chain": chain, "k": {name: i + 1 for i, name in enumerate(chain)},
+            "topology": str(topology or f"{loaded.name} ({edges} edges)"), "chain": chain, "k": {name: i + 1 for i, name in enumerate(chain)},
             "replicas": {s.name: s.replicas for s in loaded.stages}, "duration_s": duration_s,
-            "concurrency": concurrency, "kill_every_s": kill_every_s, "timeout_s": timeout_s, "work_s": work_s,
-            "seed": seed,
+            "concurrency": concurrency, "kill_every_s": kill_every_s, "pause_every_s": pause_every_s,
+            "pause_s": pause_s, "drop_every_s": drop_every_s, "tolerate": sorted(tolerate), "timeout_s": timeout_s,
+            "work_s": work_s, "seed": seed,
         }
-        tally = Tally()
+        tally, faults = Tally(), FaultLog(drop_aftermath_s=max(timeout_s, HEARTBEAT_TIMEOUT_S + 1.0))
         with running_mesh(path, insecure=None) as mesh:
             watch = ProcessWatch(mesh.process.pid)
             try:
-                elapsed = aio.run(_soak(mesh.url, plan, watch, random.Random(seed), tally))
+                elapsed = aio.run(_soak(mesh.url, plan, mesh.process.pid, random.Random(seed), tally, faults))
             finally:
                 watch.seen |= children_of(mesh.process.pid)
         watch.stop()  # after the launcher has stopped: it saw the replicas it started while stopping
         mesh_pids = watch.seen | {mesh.process.pid}
         leftovers = leftover_segments(mesh_pids)
+    causes = [faults.cause_of(f.began, f.ended, f.status, f.reason) for f in tally.failures]
+    examples: dict[str, str] = {}
+    failure_log = []
+    for failure, cause in zip(tally.failures, causes, strict=True):
+        examples.setdefault(f"{cause}: {failure.status}", f"{failure.stage}: {failure.reason}")
+        failure_log.append({"at_s": round(failure.began - faults.started, 2), "took_s": round(failure.ended - failure.began, 2),
+                            "status": failure.status, "stage": failure.stage, "cause": cause})
     return {
         **plan,
         "elapsed_s": elapsed,
         "sent": tally.sent,
         "succeeded": tally.succeeded,
-        "failed": dict(tally.failed),
-        "failure_examples": tally.failure_examples,
+        "failed": dict(Counter(f.status for f in tally.failures)),
+        "failed_by_cause": dict(Counter(causes)),
+        "failure_examples": examples,
+        "failure_log": failure_log[:200],
         "wrong": len(tally.wrong),
         "wrong_examples": tally.wrong[:5],
         "late": len(tally.late),
@@ -266,59 +298,12 @@ def run(
         "p50_s": percentile(tally.latencies, 0.50),
         "p99_s": percentile(tally.latencies, 0.99),
         "max_s": max(tally.latencies, default=float("nan")),
-        "kills": len(tally.kills),
-        "kills_by_stage": dict(Counter(k["stage"] for k in tally.kills)),
-        "kills_skipped": tally.kills_skipped,
-        "kill_log": tally.kills,
+        "faults": dict(Counter(f.kind for f in faults.faults)),
+        "faults_by_target": dict(Counter(f"{f.kind} {f.target}" for f in faults.faults)),
+        "faults_skipped": faults.skipped,
+        "fault_log": faults.as_list(),
         "mesh_processes": len(mesh_pids),
         "most_segments_held": watch.most_segments,
         "leftover_segments": leftovers,
         "launcher_exit_status": mesh.exit_status,
     }
-
-
-def broken(result: dict[str, Any]) -> list[str]:
-    """The invariants the result breaks (empty: all hold)."""
-    problems = []
-    if result["wrong"]:
-        problems.append(f"{result['wrong']} wrong output(s)")
-    if result["late"]:
-        problems.append(f"{result['late']} answer(s) later than the deadline + {LATE_MARGIN_S:g} s")
-    if result["leftover_segments"]:
-        problems.append(f"{len(result['leftover_segments'])} shared-memory segment(s) left in /dev/shm")
-    if result["launcher_exit_status"] != 0:
-        problems.append(f"omni-mesh up exited with status {result['launcher_exit_status']} on SIGINT")
-    return problems
-
-
-def report(result: dict[str, Any]) -> str:
-    sent = result["sent"]
-    failed = sum(result["failed"].values())
-    shape = ", ".join(f"{name} x{n}" for name, n in result["replicas"].items())
-    lines = [
-        f"chaos soak of {result['topology']} ({shape}): {result['concurrency']} clients for "
-        f"{result['elapsed_s']:.0f} s, timeout_s {result['timeout_s']:g}, a SIGKILL every ~{result['kill_every_s']:g} s "
-        f"(seed {result['seed']})",
-        f"  sent               {sent}   ({sent / result['elapsed_s']:.1f} req/s; latency p50 {result['p50_s'] * 1e3:.0f} ms, "
-        f"p99 {result['p99_s'] * 1e3:.0f} ms, max {result['max_s']:.2f} s)",
-        f"  succeeded          {result['succeeded']}   ({100 * result['succeeded'] / sent if sent else 0:.2f}%)",
-        f"  failed             {failed}" + ("   by status: " + ", ".join(
-            f"{status}: {n}" for status, n in sorted(result["failed"].items())) if failed else ""),
-    ]
-    lines += [f"      {status}: e.g. {reason}" for status, reason in sorted(result["failure_examples"].items())]
-    lines += [
-        f"  wrong outputs      {result['wrong']}",
-        *(f"      {example}" for example in result["wrong_examples"]),
-        f"  late (> deadline + {LATE_MARGIN_S:g} s) {result['late']}"
-        + (f"   slowest: {', '.join(f'{s:.2f} s' for s in result['late_s'])}" if result["late"] else ""),
-        f"  kills              {result['kills']}   ("
-        + ", ".join(f"{stage}: {n}" for stage, n in sorted(result["kills_by_stage"].items()))
-        + f"; {result['kills_skipped']} times none was eligible: no stage had two healthy replicas)",
-        f"  leftover segments  {len(result['leftover_segments'])}   ({result['mesh_processes']} mesh processes held up to "
-        f"{result['most_segments_held']} at once)",
-        *(f"      {name}" for name in result["leftover_segments"][:10]),
-        f"  launcher exit      {result['launcher_exit_status']}",
-    ]
-    problems = broken(result)
-    lines.append("BROKEN: " + "; ".join(problems) if problems else "OK: every invariant holds")
-    return "\n".join(lines)

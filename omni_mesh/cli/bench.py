@@ -72,11 +72,22 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="a chain of omni_mesh.bench.chaos_handlers:step stages (default: 3 stages x --replicas, shared memory)",
     )
     chaos.add_argument("--replicas", type=int, default=2, help="replicas per stage of the default topology")
+    chaos.add_argument(
+        "--edges", choices=["shm", "zmq", "mixed"], default="shm",
+        help="connectors of the default topology's two edges: shared memory, ZeroMQ, or one of each",
+    )
     chaos.add_argument("--duration", type=float, default=180.0, help="seconds of load and kills")
     chaos.add_argument("--concurrency", type=int, default=8, help="concurrent clients")
-    chaos.add_argument("--kill-every", type=float, default=4.0, help="mean seconds between SIGKILLs")
+    chaos.add_argument("--kill-every", type=float, default=4.0, help="mean seconds between replica SIGKILLs (0: none)")
+    chaos.add_argument("--pause-every", type=float, default=20.0,
+                       help="mean seconds between coordinator pauses, SIGSTOP then SIGCONT (0: none)")
+    chaos.add_argument("--pause-s", type=float, default=2.0, help="how long each pause lasts (< --timeout-s)")
+    chaos.add_argument("--drop-every", type=float, default=8.0,
+                       help="mean seconds between resets of a replica's TCP connections, with `ss -K` as root (0: none)")
+    chaos.add_argument("--tolerate", default="",
+                       help="comma-separated fault kinds (pause, drop) whose failures are reported but break nothing")
     chaos.add_argument("--timeout-s", type=float, default=10.0, help="each request's deadline")
-    chaos.add_argument("--seed", type=int, default=None, help="seed of the kill schedule (default: random, printed)")
+    chaos.add_argument("--seed", type=int, default=None, help="seed of the fault schedule (default: random, printed)")
     chaos.add_argument("--json", action="store_true", help="print the results as JSON")
     return parser
 
@@ -116,15 +127,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "chaos":
         from omni_mesh.bench import chaos
 
-        for flag in ("replicas", "duration", "concurrency", "kill_every", "timeout_s"):
+        for flag in ("replicas", "duration", "concurrency", "timeout_s"):
             if not getattr(args, flag) > 0:
                 raise CliError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+        for flag in ("kill_every", "pause_every", "drop_every"):
+            if not getattr(args, flag) >= 0:
+                raise CliError(f"--{flag.replace('_', '-')} must be >= 0 (0: none), got {getattr(args, flag)}")
         try:
             result = chaos.run(
                 topology=args.topology, duration_s=args.duration, concurrency=args.concurrency,
-                kill_every_s=args.kill_every, timeout_s=args.timeout_s, seed=args.seed, replicas=args.replicas,
+                timeout_s=args.timeout_s, kill_every_s=args.kill_every, pause_every_s=args.pause_every,
+                pause_s=args.pause_s, drop_every_s=args.drop_every,
+                tolerate=tuple(kind for kind in args.tolerate.split(",") if kind), seed=args.seed,
+                replicas=args.replicas, edges=args.edges,
             )
-        except ValueError as exc:  # not a chain of the chaos handler, or not a topology at all
+        except (ValueError, RuntimeError) as exc:  # a bad plan or topology; drops this machine cannot make
             raise CliError(str(exc)) from None
         print(json.dumps(result, indent=2) if args.json else chaos.report(result))
         return 1 if chaos.broken(result) else EXIT_OK  # 1: an invariant broke (the report says which)
