@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from omni_mesh.connectors import reclaim_orphans
+from omni_mesh.defaults import INSTANCE_ENV as INSTANCE_ENV
 from omni_mesh.fdlimit import raise_nofile_limit
 from omni_mesh.ports import free_port, taken_since
 from omni_mesh.security import MeshKeys, insecure_requested, keys_from_environment
@@ -34,7 +35,6 @@ from omni_mesh.watchdog import UNRESPONSIVE_S, Watchdog
 
 log = logging.getLogger("omni_mesh.launcher")
 
-INSTANCE_ENV = "OMNI_MESH_INSTANCE"  # = omni_mesh.coordinator.service.INSTANCE_ENV (not imported: heavy)
 #: A child that exits this soon after its start, more than MAX_QUICK_RESTARTS times in a row, is
 #: crash-looping: restarting it again only fills the log.
 QUICK_EXIT_S = 30.0

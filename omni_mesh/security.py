@@ -27,12 +27,13 @@ import zmq
 import zmq.auth
 import zmq.utils.z85
 
+from omni_mesh.defaults import ENV_INSECURE as ENV_INSECURE
+
 log = logging.getLogger("omni_mesh.security")
 
 ENV_PUBLIC = "OMNI_MESH_CURVE_PUBLIC_KEY"
 ENV_SECRET = "OMNI_MESH_CURVE_SECRET_KEY"
 ENV_KEYS_DIR = "OMNI_MESH_KEYS_DIR"
-ENV_INSECURE = "OMNI_MESH_INSECURE"
 KEY_BASENAME = "mesh"  # DIR/mesh.key (public) and DIR/mesh.key_secret (both keys, mode 0600)
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks every socket's context for a verdict
 ZAP_DOMAIN = b"omni-mesh"

@@ -20,13 +20,15 @@ from collections.abc import Callable
 
 import httpx
 
+from omni_mesh.defaults import COORDINATOR_UNRESPONSIVE_S
+
 log = logging.getLogger("omni_mesh.launcher")
 
 INTERVAL_S = 2.0  # how often /health is asked
 TIMEOUT_S = 2.0  # how long an answer may take (it answers in milliseconds when well)
 #: The default silence after which `up` restarts its coordinator: far longer than a GC pause or a
 #: burst of load, short enough that a frozen mesh does not stay down unnoticed.
-UNRESPONSIVE_S = 60.0
+UNRESPONSIVE_S = COORDINATOR_UNRESPONSIVE_S
 
 
 class Watchdog:

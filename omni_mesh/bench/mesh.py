@@ -21,10 +21,10 @@ from pathlib import Path
 
 import httpx
 
+from omni_mesh.defaults import ENV_INSECURE as ENV_INSECURE
 from omni_mesh.ports import free_port, taken_since
 from omni_mesh.procinfo import children_of
 
-ENV_INSECURE = "OMNI_MESH_INSECURE"  # = omni_mesh.security.ENV_INSECURE (the launcher passes it on)
 READY_TIMEOUT_S = 60.0
 PORT_ATTEMPTS = 3  # the REST port is picked before `up` binds it: another process may take it first
 

@@ -7,6 +7,10 @@ import argparse
 import os
 
 from omni_mesh.cli.common import EXIT_OK, CliError, Command, Declare, HelpWithDefaults
+from omni_mesh.defaults import BODY_TIMEOUT_S as BODY_TIMEOUT_S
+from omni_mesh.defaults import COORDINATOR_UNRESPONSIVE_S, HEARTBEAT_TIMEOUT_S
+from omni_mesh.defaults import HEADER_TIMEOUT_S as HEADER_TIMEOUT_S
+from omni_mesh.defaults import WRITE_TIMEOUT_S as WRITE_TIMEOUT_S
 from omni_mesh.topology import Topology, load_topology
 
 
@@ -16,9 +20,6 @@ def _env(name: str, default: str) -> str:
 
 # The REST front door, shared by `coordinator` and `up` (which hands them to its coordinator).
 ENV_API_KEY = "OMNI_MESH_API_KEY"
-HEADER_TIMEOUT_S = 5.0  # = omni_mesh.coordinator.http_limits' defaults (not imported: it loads uvicorn)
-BODY_TIMEOUT_S = 10.0
-WRITE_TIMEOUT_S = 10.0
 
 
 def _add_rest_flags(parser: argparse.ArgumentParser) -> None:
@@ -87,8 +88,7 @@ def _add_coordinator(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     parser.add_argument("--timeout-s", type=float, default=float(_env("OMNI_MESH_TIMEOUT_S", "30")),
                         help="deadline of requests that set no timeout_s")
-    # = coordinator.registry.HEARTBEAT_TIMEOUT_S (not imported: parsing must stay light)
-    parser.add_argument("--heartbeat-timeout-s", type=float, default=5.0, help="silence after which a replica is dead")
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=HEARTBEAT_TIMEOUT_S, help="silence after which a replica is dead")
     parser.add_argument("--grace-s", type=float, default=10.0, help="time in-flight requests get on shutdown")
     parser.add_argument(
         "--max-control-connections", type=int, metavar="N",
@@ -190,12 +190,11 @@ def _add_up(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="the control plane's port, on 127.0.0.1 (default: a free port, picked at start)",
     )
     parser.add_argument(
-        "--heartbeat-timeout-s", type=float, default=5.0,
+        "--heartbeat-timeout-s", type=float, default=HEARTBEAT_TIMEOUT_S,
         help="silence after which the coordinator takes a replica out",
     )
-    # = omni_mesh.watchdog.UNRESPONSIVE_S (not imported: parsing must stay light)
     parser.add_argument(
-        "--coordinator-watchdog-s", type=float, default=60.0, metavar="S",
+        "--coordinator-watchdog-s", type=float, default=COORDINATOR_UNRESPONSIVE_S, metavar="S",
         help="the coordinator is asked /health every 2 s; silent this long, it is killed and restarted "
         "(0: never)",
     )

@@ -36,18 +36,18 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from omni_mesh.coordinator.envelope import error_bytes, error_response
+from omni_mesh.defaults import BODY_TIMEOUT_S as BODY_TIMEOUT_S
+from omni_mesh.defaults import HEADER_TIMEOUT_S as HEADER_TIMEOUT_S
+from omni_mesh.defaults import WRITE_TIMEOUT_S as WRITE_TIMEOUT_S
 
 log = logging.getLogger("omni_mesh.coordinator")
 
-HEADER_TIMEOUT_S = 5.0
-BODY_TIMEOUT_S = 10.0
 MAX_HEAD_BYTES = 64 * 1024
 MAX_URL_BYTES = 8 * 1024
 
 
 class _Refused(Exception):
     """Raised in a parser callback to stop parsing a request refused there (see send_400_response)."""
-WRITE_TIMEOUT_S = 10.0
 
 
 class ReadDeadlines(HttpToolsProtocol):

@@ -9,13 +9,13 @@ from typing import Any
 
 from omni_mesh.connectors import ProcessFacts, colocated, connector_type, holds, reclaim
 from omni_mesh.control import Heartbeat, Register
+from omni_mesh.defaults import HEARTBEAT_TIMEOUT_S as HEARTBEAT_TIMEOUT_S
 from omni_mesh.hostinfo import machine_id, namespace, process_gone
 from omni_mesh.topology import Topology
 
 #: How long a replica may stay silent before it leaves the rotation and its requests fail: ten of the
 #: intervals the coordinator announces (service.HEARTBEAT_S), so a replica busy for a few is not lost.
 #: The one default: `serve` uses it, and `omni-mesh coordinator --heartbeat-timeout-s` repeats it.
-HEARTBEAT_TIMEOUT_S = 5.0
 #: A replica connects under a random routing id of its own (stage.link.routing_id), which the control
 #: socket hands over to a new connection that presents it: one shorter, or made by ZeroMQ (a counter,
 #: starting with a zero byte), could be guessed and taken over, so it cannot register.

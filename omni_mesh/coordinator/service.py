@@ -34,6 +34,8 @@ from omni_mesh.control import (
 from omni_mesh.coordinator.connection_cap import ConnectionCap, default_cap
 from omni_mesh.coordinator.dispatch import Dispatcher, RequestFailed
 from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S, RegistrationRefused, Registry, Replica
+from omni_mesh.defaults import HEARTBEAT_S as HEARTBEAT_S
+from omni_mesh.defaults import INSTANCE_ENV as INSTANCE_ENV
 from omni_mesh.ingress import Ingress
 from omni_mesh.logs import Sparse
 from omni_mesh.security import MeshKeys, Refusals, bind_zap, mesh_keys, secure_server, zap_reply
@@ -43,8 +45,6 @@ log = logging.getLogger("omni_mesh.coordinator")
 
 _FROM_STAGES = (Register, Heartbeat, Output, Error, Deregister)  # what a replica may send
 
-INSTANCE_ENV = "OMNI_MESH_INSTANCE"
-HEARTBEAT_S = 0.5  # announced to every replica at registration: the one interval the mesh uses
 MONITOR_S = 0.05
 HANDSHAKE_MS = 5000  # a replica's handshake takes milliseconds; ZeroMQ's default waits 30 s
 REAP_CHECK_S = 1.0  # how often silent replicas are checked for a process that has since died

@@ -22,11 +22,11 @@ import zmq.asyncio
 from omni_mesh import control
 from omni_mesh.connectors import OmniConnectorBase
 from omni_mesh.control import Message, Register, Registered
+from omni_mesh.defaults import HEARTBEAT_S as HEARTBEAT_S
 from omni_mesh.security import mesh_keys, secure_client
 
 log = logging.getLogger("omni_mesh.stage")
 
-HEARTBEAT_S = 0.5  # until the coordinator announces its interval at registration
 HEALTH_WAIT_S = 0.25  # longest a heartbeat waits for connector health (a backend RPC) before sending
 
 

@@ -1,0 +1,23 @@
+"""Values several modules and processes must agree on, kept in one module that imports nothing, so
+that the CLI parses its flags with them without loading uvicorn, zmq or the coordinator, and nothing
+has to repeat a value to stay light."""
+
+from __future__ import annotations
+
+#: Set to 1 to run a mesh without its keys (the launcher passes it on to every child).
+ENV_INSECURE = "OMNI_MESH_INSECURE"
+#: The coordinator's instance id, when the launcher or the deployment chooses it.
+INSTANCE_ENV = "OMNI_MESH_INSTANCE"
+
+#: REST deadlines: the request's head from the connection's start, its body after the head, and an
+#: answer's writes (a client that reads nothing for this long is cut off).
+HEADER_TIMEOUT_S = 5.0
+BODY_TIMEOUT_S = 10.0
+WRITE_TIMEOUT_S = 10.0
+
+#: A replica's heartbeat interval (the coordinator announces it at registration; replicas use it until then).
+HEARTBEAT_S = 0.5
+#: Silence after which the coordinator takes a replica out.
+HEARTBEAT_TIMEOUT_S = 5.0
+#: Silence after which `up` kills and restarts its coordinator.
+COORDINATOR_UNRESPONSIVE_S = 60.0
