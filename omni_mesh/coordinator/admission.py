@@ -15,9 +15,9 @@ from typing import Any
 import msgpack
 from fastapi import Request
 
-from omni_mesh.connectors import ConnectorError, ConnectorFull
+from omni_mesh.connectors import ConnectorError
 from omni_mesh.coordinator.dispatch import RequestState
-from omni_mesh.coordinator.failures import RequestFailed, memory_full
+from omni_mesh.coordinator.failures import RequestFailed, inputs_not_held
 from omni_mesh.coordinator.request_body import unpackable
 from omni_mesh.coordinator.service import Coordinator
 from omni_mesh.ingress import INLINE_MAX_BYTES
@@ -76,9 +76,7 @@ async def admit(
                 refs[name] = await dispatcher.ingress.put(rid, name, inputs)
             except ConnectorError as exc:  # nothing admitted yet: what is held goes with the rid
                 dispatcher.ingress.release(rid)
-                message = f"could not hold the request's inputs: {exc}"
-                full = isinstance(exc, ConnectorFull)
-                raise (memory_full(message, name) if full else RequestFailed(500, message, name)) from None
+                raise inputs_not_held(exc, name) from None
         return dispatcher.submit(inputs, params, timeout_s, stream, rid=rid, inputs_refs=refs)
     finally:
         for name in entries:

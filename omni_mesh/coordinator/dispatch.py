@@ -20,11 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_mesh import codec
-from omni_mesh.connectors.errors import ConnectorFull
 from omni_mesh.control import Abort, Chunk, Error, Message, Output, Work
 from omni_mesh.coordinator import events
 from omni_mesh.coordinator.access import tame_request_id
-from omni_mesh.coordinator.failures import CLIENT_GONE, RequestFailed, stage_failure
+from omni_mesh.coordinator.failures import CLIENT_GONE, RequestFailed, inputs_not_held, stage_failure
 from omni_mesh.coordinator.registry import Registry, Replica
 from omni_mesh.ingress import Ingress
 from omni_mesh.topology import Topology
@@ -383,8 +382,7 @@ class Dispatcher:
         try:
             message.inputs_ref = await self.ingress.put(state.rid, message.stage, state.large_inputs)
         except Exception as exc:
-            status = 503 if isinstance(exc, ConnectorFull) else 500
-            self.fail(state, RequestFailed(status, f"could not hold the inputs again: {exc}", message.stage))
+            self.fail(state, inputs_not_held(exc, message.stage, again=True))
             return
         if state.rid in self.requests:
             state.work[message.stage] = message

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from omni_mesh.connectors.errors import ConnectorFull
 from omni_mesh.control import Error
 
 #: Retry-After (seconds) of a 503 for full memory: payloads of requests under way go once they end.
@@ -60,6 +61,14 @@ def stage_failure(replica_id: str, message: Error) -> RequestFailed:
 def memory_full(message: str, stage: str | None) -> RequestFailed:
     """503 with Retry-After: a connector's memory (shared memory, a pool) had no room for a payload."""
     return RequestFailed(503, message, stage, headers={"retry-after": str(FULL_RETRY_AFTER_S)})
+
+
+def inputs_not_held(exc: Exception, stage: str, *, again: bool = False) -> RequestFailed:
+    """The ingress connector could not hold a request's large inputs for `stage`: 503 + Retry-After
+    when its memory was full, else 500."""
+    what = "the inputs again" if again else "the request's inputs"
+    message = f"could not hold {what}: {exc}"
+    return memory_full(message, stage) if isinstance(exc, ConnectorFull) else RequestFailed(500, message, stage)
 
 
 @dataclass(frozen=True)
