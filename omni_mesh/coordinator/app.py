@@ -149,6 +149,9 @@ def create_app(
         assert state.events is not None
         try:
             while True:
+                # A suspension at every event: with a backlog queued, get() and a send to a client
+                # that is gone never wait, so its disconnect (a cancel) would land only at the end.
+                await asyncio.sleep(0)
                 kind, stage, value = await state.events.get()
                 if kind == "chunk":
                     yield _sse("chunk", {"request_id": state.rid, "stage": stage, "output": jsonable(value)})
