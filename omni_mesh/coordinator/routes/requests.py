@@ -63,6 +63,9 @@ def router(coordinator: Coordinator) -> APIRouter:
         streamed: set[str] = set()
         try:
             while True:
+                # A suspension at every event: with a backlog queued, get() and a send to a client
+                # that is gone never wait, so its disconnect (a cancel) would land only at the end.
+                await asyncio.sleep(0)
                 event = await state.events.get()
                 if isinstance(event, events.Chunk):
                     streamed.add(event.stage)
