@@ -175,11 +175,11 @@ def test_a_member_with_the_keys_cannot_take_a_dropped_replicas_id(mesh: Mesh, ke
 # ------------------------------------------------------------------ a coordinator that stands still
 
 HEARTBEAT_TIMEOUT_S = 1.0
-PAUSE_S = 4.0  # four heartbeat timeouts
+PAUSE_S = 15.0  # the attack round's pause: fifteen heartbeat timeouts
 
 
 def test_a_paused_coordinator_takes_no_replica_out_and_finishes_its_requests(tmp_path: Path) -> None:
-    """SIGSTOP the coordinator for 4 heartbeat timeouts while requests are in flight (one waits in
+    """SIGSTOP the coordinator for 15 s (15 heartbeat timeouts) while requests are in flight (one waits in
     stage a, one in stage d), then SIGCONT: on resume it reads the heartbeats queued meanwhile before
     it judges anybody silent, and counts the pause as nobody's silence. No replica is taken out or
     registers again, and every request in flight succeeds."""
