@@ -60,6 +60,29 @@ def descriptors_free(pid: int, limit: int) -> None:
     wait_for(lambda: len(os.listdir(f"/proc/{pid}/fd")) < limit - 32, 4.0, f"the coordinator's descriptors to be free (limit {limit})")
 
 
+@contextlib.contextmanager
+def flooded(coordinator: int, port: int) -> Iterator[list[socket.socket]]:
+    """The coordinator's open-file limit lowered to HEADROOM more than it uses and FLOOD idle TCP
+    connections to `port` (those the kernel took), all closed and the limit restored on the way out."""
+    soft, hard = resource.prlimit(coordinator, resource.RLIMIT_NOFILE)
+    limit = max(int(fd) for fd in os.listdir(f"/proc/{coordinator}/fd")) + 1 + HEADROOM
+    resource.prlimit(coordinator, resource.RLIMIT_NOFILE, (limit, hard))
+    conns: list[socket.socket] = []
+    try:
+        for _ in range(FLOOD):
+            with contextlib.suppress(OSError):
+                conns.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+        # The socket accepts faster than the cap refuses, so the descriptors may run out for a moment
+        # while the listen backlog drains; then they are free, with every flooding connection still
+        # open on our side (sooner than the 5 s handshake limit would close them without the cap).
+        descriptors_free(coordinator, limit)
+        yield conns
+    finally:
+        for conn in conns:
+            conn.close()
+        resource.prlimit(coordinator, resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def _check(body: dict, n: int = 1000) -> None:
     assert body["outputs"]["trail"] == ["a", "d"] and body["outputs"]["n"] == n, body
 
@@ -70,28 +93,13 @@ def test_idle_connections_over_the_cap_are_refused_and_starve_nothing(mesh: Mesh
     _check(mesh.ok({"n": 1000}))
     before = {stage: [(r["id"], r["pid"]) for r in replicas] for stage, replicas in mesh.stages().items()}
     refused = health(mesh)["refused_connections"]
-    soft, hard = resource.prlimit(coordinator, resource.RLIMIT_NOFILE)
-    limit = max(int(fd) for fd in os.listdir(f"/proc/{coordinator}/fd")) + 1 + HEADROOM
-    resource.prlimit(coordinator, resource.RLIMIT_NOFILE, (limit, hard))
-    conns: list[socket.socket] = []
-    try:
-        for _ in range(FLOOD):
-            with contextlib.suppress(OSError):
-                conns.append(socket.create_connection(("127.0.0.1", port), timeout=2))
-        # ZeroMQ accepts faster than the cap refuses, so the descriptors may run out for a moment while
-        # the listen backlog drains; then they are free, with every flooding connection still open on
-        # our side (sooner than the 5 s handshake limit would close them without the cap).
-        descriptors_free(coordinator, limit)
+    with flooded(coordinator, port) as conns:
         for _ in range(3):  # while every flooding connection is still open on our side
             _check(mesh.ok({"n": 1000}, timeout_s=10))
         now = health(mesh)
         # Most of the flood, not all: a connection still in the listen backlog is refused later.
         assert now["connections_over_cap"] >= len(conns) // 2, now
         assert now["refused_connections"] >= refused + now["connections_over_cap"], now
-    finally:
-        for conn in conns:
-            conn.close()
-        resource.prlimit(coordinator, resource.RLIMIT_NOFILE, (soft, hard))
     after = mesh.stages()
     assert {stage: [(r["id"], r["pid"]) for r in replicas] for stage, replicas in after.items()} == before
     assert all(r["health"] == "healthy" for replicas in after.values() for r in replicas), after
@@ -104,24 +112,12 @@ def test_idle_rest_connections_over_the_cap_are_answered_503_and_closed(mesh: Me
     _, coordinator = control_endpoint(mesh)
     port = int(mesh.url.rsplit(":", 1)[1])
     before = {stage: [(r["id"], r["pid"]) for r in replicas] for stage, replicas in mesh.stages().items()}
-    soft, hard = resource.prlimit(coordinator, resource.RLIMIT_NOFILE)
-    limit = max(int(fd) for fd in os.listdir(f"/proc/{coordinator}/fd")) + 1 + HEADROOM
-    resource.prlimit(coordinator, resource.RLIMIT_NOFILE, (limit, hard))
-    conns: list[socket.socket] = []
-    try:
-        for _ in range(FLOOD):
-            with contextlib.suppress(OSError):
-                conns.append(socket.create_connection(("127.0.0.1", port), timeout=2))
-        descriptors_free(coordinator, limit)
+    with flooded(coordinator, port) as conns:
         last = conns[-1]
         last.settimeout(5)
         answer = last.recv(4096)
         assert answer.startswith(b"HTTP/1.1 503") and f"over {REST_CAP} connections".encode() in answer, answer
         assert last.recv(4096) == b"", "a connection over the cap was kept open"
-    finally:
-        for conn in conns:
-            conn.close()
-        resource.prlimit(coordinator, resource.RLIMIT_NOFILE, (soft, hard))
     _check(mesh.ok({"n": 1000}))
     after = mesh.stages()
     assert {stage: [(r["id"], r["pid"]) for r in replicas] for stage, replicas in after.items()} == before

@@ -94,17 +94,7 @@ class ShmPool:
         """The first segment, created (pre-faulted) on first use."""
         if not self.segments:
             size = round_up(self._start + max(self.cfg.memory_pool_size, SLOT_HEADER))
-            try:
-                name, mm = create_unique_segment(self._first_name, size, populate=self.cfg.prefault)
-            except ConnectorError:
-                self._counters.add("errors")
-                raise
-            except OSError as exc:
-                self._counters.add("errors")
-                raise _no_room(exc)(
-                    f"SharedMemoryConnector: no shared memory for a {size}-byte pool: {exc}; free /dev/shm, "
-                    f"raise the container's shm_size or lower memory_pool_size"
-                ) from exc
+            name, mm = self._create(self._first_name, size, self.cfg.prefault, f"a {size}-byte pool")
             segment = self._add_locked(name, mm, PoolAllocator(size, start=self._start), 0)
             self._on_first(segment)
         return self.segments[0]
@@ -150,18 +140,24 @@ class ShmPool:
         self._counters.add("pool_grown")
         return self._add_locked(name, mm, PoolAllocator(size), int(name.rsplit("_p", 1)[1]))
 
-    def _oneoff_locked(self, need: int) -> Segment:
-        """A segment for one slot past the ceiling. Its errors name no put: the put's caller does."""
+    def _create(self, names: Callable[[], str], size: int, populate: bool, what: str) -> tuple[str, Any]:
+        """A new segment of `size` bytes under a fresh name from `names`; its failure counted and said
+        (`what`: what the memory was for)."""
         try:
-            name, mm = create_unique_segment(self._numbered("x"), need, populate=False)
+            return create_unique_segment(names, size, populate=populate)
         except ConnectorError:
             self._counters.add("errors")
             raise
         except OSError as exc:
             self._counters.add("errors")
             raise _no_room(exc)(
-                f"no shared memory for {need} bytes: {exc}; free /dev/shm or raise the container's shm_size"
+                f"SharedMemoryConnector: no shared memory for {what}: {exc}; free /dev/shm, raise the "
+                "container's shm_size or lower memory_pool_size"
             ) from exc
+
+    def _oneoff_locked(self, need: int) -> Segment:
+        """A segment for one slot past the ceiling. Its errors name no put: the put's caller does."""
+        name, mm = self._create(self._numbered("x"), need, False, f"{need} bytes")
         self._counters.add("fallbacks")
         segment = Segment(name, mm, None, int(name.rsplit("_x", 1)[1]))
         self.own[name] = segment
