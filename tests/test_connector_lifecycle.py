@@ -34,6 +34,9 @@ from omni_mesh.coordinator.registry import Registry
 from omni_mesh.hostinfo import machine_id, namespace, process_start_time
 from omni_mesh.topology import parse_topology
 
+#: A replica's control connection's routing id: random and 16 bytes, as the coordinator requires.
+ROUTING_ID = b"replica-id-1-random"
+
 KiB = 1024
 
 
@@ -157,7 +160,7 @@ def test_the_coordinator_reclaims_through_any_type_once_the_process_is_gone() ->
             pidns=namespace("pid"),
             cleanup={**cleanup_tokens(["LeasingConnector"]), "NoSuchConnector": {"lease": "forged"}},
         )
-        replica, _ = registry.register(message, b"id-1")
+        replica, _ = registry.register(message, ROUTING_ID)
         assert registry.reclaim(replica) == []  # alive: nothing reclaimed, watched instead
         assert registry.silent == {"a-0": replica} and Leases.reclaimed == []
         child.kill()
@@ -188,6 +191,6 @@ def test_a_replica_on_another_machine_is_never_reclaimed_here() -> None:
         pidns=namespace("pid"),
         cleanup=cleanup_tokens(["LeasingConnector"]),
     )
-    replica, _ = registry.register(message, b"id-1")
+    replica, _ = registry.register(message, ROUTING_ID)
     assert not replica.local_process_gone()
     assert registry.reclaim(replica) == [] and Leases.reclaimed == []

@@ -56,7 +56,7 @@ class InProcessConnector(OmniConnectorBase):
         self._store = _store(self.config.namespace)
         self._closed = False
         self._id = next(_PRODUCERS)
-        self._counters = Counters("puts", "put_bytes", "gets", "get_bytes", "cleaned")
+        self._counters = Counters("puts", "bytes_put", "gets", "bytes_got", "cleaned")
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -80,7 +80,7 @@ class InProcessConnector(OmniConnectorBase):
             store.payloads[name] = (frame, self._id, put_key)
             store.held_bytes = held + len(frame)
             store.changed.notify_all()
-        self._counters.add_pair("puts", "put_bytes", len(frame))
+        self._counters.add_pair("puts", "bytes_put", len(frame))
         return True, len(frame), {"key": name, "size": len(frame)}
 
     def get(
@@ -94,7 +94,7 @@ class InProcessConnector(OmniConnectorBase):
                 return None
             store.held_bytes -= len(taken[0])
         frame = taken[0]
-        self._counters.add_pair("gets", "get_bytes", len(frame))
+        self._counters.add_pair("gets", "bytes_got", len(frame))
         return codec.decode(frame), len(frame)
 
     def _wait_once(

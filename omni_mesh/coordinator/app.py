@@ -110,7 +110,8 @@ async def serve(
         access_log=False,
         # Past the cap (default half the descriptors) a new REST connection is answered 503 at once.
         http=read_deadlines(
-            header_timeout_s, body_timeout_s, max_rest_connections or max(64, fd_limit // 2), write_timeout_s
+            header_timeout_s, body_timeout_s, write_timeout_s,
+            max_connections=max_rest_connections or max(64, fd_limit // 2),
         ),
         ws="none",  # no WebSocket routes: an upgrade request is answered as plain HTTP
         ssl_keyfile=ssl_keyfile,

@@ -208,8 +208,9 @@ class ReadDeadlines(HttpToolsProtocol):
 def read_deadlines(
     header_timeout_s: float,
     body_timeout_s: float,
-    max_connections: int | None = None,
     write_timeout_s: float = WRITE_TIMEOUT_S,
+    *,
+    max_connections: int | None = None,
 ) -> type[ReadDeadlines]:
     """The protocol class to give `uvicorn.Config(http=...)`, with these deadlines (and that cap)."""
     if header_timeout_s <= 0 or body_timeout_s <= 0:
