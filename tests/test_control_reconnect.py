@@ -231,3 +231,58 @@ def test_up_serves_its_control_plane_on_the_port_it_is_given(tmp_path: Path) -> 
         )
         assert taken.returncode != 0
         assert f"127.0.0.1:{port}" in taken.stderr and "--control-port" in taken.stderr, taken.stderr
+
+
+# ------------------------------------------------------------------ what was in flight when it dropped
+
+BURST = 16
+CUT_FOR_S = 3.0
+DEADLINE_S = 20.0
+
+
+def _cut_repeatedly(mesh: Mesh, stages: tuple[str, ...], until: float) -> int:
+    """Cut the control connections of `stages`' replicas every 0.15 s until `until`; how many cuts."""
+    endpoint, _ = control_endpoint(mesh)
+    port = int(endpoint.rsplit(":", 1)[1])
+    pids = [mesh.replica(stage)["pid"] for stage in stages]
+    cuts = 0
+    while time.monotonic() < until:
+        connections = _connections(port)
+        for pid in pids:
+            if connections.get(pid):
+                _cut(port, connections[pid])
+                cuts += 1
+        time.sleep(0.15)
+    return cuts
+
+
+def test_requests_in_flight_when_connections_drop_all_succeed_long_before_their_deadline(mesh: Mesh) -> None:
+    """A burst of requests, each sleeping 0.25 s in stage a and in stage d, while both replicas'
+    control connections are cut again and again: work sent during a drop and outputs sent just before
+    one are lost on the wire, and the replica and the coordinator reconcile after each reconnect (work
+    placed again, results asked for again). Every request succeeds with the right output, none waits
+    for its deadline."""
+    _control_connection(mesh, "a")
+    _control_connection(mesh, "d")
+    _cut_or_skip(*_control_connection(mesh, "a")[::2])
+    mark = len(mesh.log())
+
+    def one(i: int) -> tuple[int, float, str]:
+        started = time.monotonic()
+        response = mesh.request({"n": N}, params={"sleep": {"a": 0.25, "d": 0.25}}, timeout_s=DEADLINE_S)
+        took = time.monotonic() - started
+        if response.status_code == 200:
+            _check(response.json())
+        return response.status_code, took, response.text[:300]
+
+    with ThreadPoolExecutor(BURST + 1) as pool:
+        cutter = pool.submit(_cut_repeatedly, mesh, ("a", "d"), time.monotonic() + CUT_FOR_S)
+        results = list(pool.map(one, range(BURST)))
+        more = list(pool.map(one, range(BURST)))  # a second wave, while the cuts go on or just after
+        cuts = cutter.result()
+    failed = [r for r in results + more if r[0] != 200]
+    assert not failed, f"{len(failed)} of {2 * BURST} requests failed across {cuts} cuts: {failed[:3]}"
+    slowest = max(took for _, took, _ in results + more)
+    assert slowest < DEADLINE_S / 2, f"a request took {slowest:.1f} s: it waited for something lost in a drop"
+    assert "control connection back; reconciling" in mesh.log()[mark:]
+    print(f"{2 * BURST} requests across {cuts} control connection cuts: all succeeded, slowest {slowest:.2f} s")
