@@ -56,7 +56,10 @@ class Reconciler:
         for rid in held - asked:
             if rid not in self.dispatcher.requests:  # it ended, and the replica missed the Abort
                 self.recovered += 1
-                self.send(replica, Abort(rid, "request already ended (its abort was lost with a dropped connection)"))
+                self.send(
+                    replica,
+                    Abort(rid, "request already ended (its abort was lost with a dropped connection)"),
+                )
 
     def _lost(self, state: RequestState, replica: Replica) -> None:
         stage, rid = replica.stage, state.rid
@@ -71,7 +74,11 @@ class Reconciler:
             return
         log.warning(
             "request %s: its work or result at stage %r was lost when replica %s's control connection "
-            "dropped; placing it again", rid, stage, replica.replica_id, extra={"request_id": rid},
+            "dropped; placing it again",
+            rid,
+            stage,
+            replica.replica_id,
+            extra={"request_id": rid},
         )
         # Whatever the replica put for it (an output that never reached us) is released first: the
         # work may go to the same replica, under the same keys.
@@ -85,6 +92,11 @@ class Reconciler:
         again = [chunk for chunk in state.sent_chunks.get(stage, []) if chunk.seq >= expected]
         if again:
             self.recovered += 1
-            log.info("request %s: sending %d chunk(s) again to replica %s", state.rid, len(again), replica.replica_id)
+            log.info(
+                "request %s: sending %d chunk(s) again to replica %s",
+                state.rid,
+                len(again),
+                replica.replica_id,
+            )
         for chunk in again:
             self.send(replica, chunk)  # not recorded again in sent_chunks: it holds each one once
