@@ -32,11 +32,11 @@ CLI = [sys.executable, "-m", "omni_mesh.cli", "bench", "chaos"]
 def test_a_short_soak_with_every_fault_kind_keeps_every_invariant() -> None:
     # --edges mixed: shared memory on one edge (segments to leave behind), ZeroMQ on the other (data-plane
     # TCP connections for the drops to reset, besides the control plane's).
-    # --tolerate drop: until the coordinator takes back a replica whose connection was reset (the
-    # "liveness" work), a drop can fail the requests that replica held; they are counted apart.
+    # No --tolerate: a drop fails nothing (the replica and the coordinator reconcile what was in flight
+    # on the control connection when it came back: coordinator/reconcile.py).
     done = subprocess.run(
         [*CLI, "--edges", "mixed", "--duration", "15", "--kill-every", "2.5", "--pause-every", "5", "--pause-s", "1.5",
-         "--drop-every", "2.5", "--tolerate", "drop", "--json"],
+         "--drop-every", "2.5", "--json"],
         capture_output=True, text=True, timeout=300,
     )
     result = json.loads(done.stdout)
