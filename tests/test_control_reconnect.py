@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support.control_peer import Peer, control_endpoint, health, register_message
@@ -286,3 +287,47 @@ def test_requests_in_flight_when_connections_drop_all_succeed_long_before_their_
     assert slowest < DEADLINE_S / 2, f"a request took {slowest:.1f} s: it waited for something lost in a drop"
     assert "control connection back; reconciling" in mesh.log()[mark:]
     print(f"{2 * BURST} requests across {cuts} control connection cuts: all succeeded, slowest {slowest:.2f} s")
+
+
+STREAM = {
+    "name": "reconnect-stream",
+    "connectors": TOPOLOGY["connectors"],
+    "stages": [
+        {"stage_id": 0, "name": "gen", "handler": "mesh_handlers:gen", "output_connectors": {"to_stage_1": "shm"}},
+        {"stage_id": 1, "name": "relay", "handler": "mesh_handlers:relay", "engine_input_source": [0],
+         "input_connectors": {"from_stage_0": "shm"}, "final_output": True},
+    ],
+}
+CHUNKS = 200
+
+
+def test_a_stream_whose_consumer_connection_drops_gets_every_chunk_in_order_or_fails_at_once(tmp_path: Path) -> None:
+    """Streams of CHUNKS chunks into `relay` (which raises on a chunk out of order) while its control
+    connection is cut again and again: chunks relayed during a drop are sent again from the first it
+    lacks, in order; a streamed output of relay lost on its way back fails its request at once (502,
+    saying so) instead of answering with a hole or waiting for the deadline. Nothing is wrong or late."""
+    with running_mesh(tmp_path, STREAM) as mesh:
+        _control_connection(mesh, "relay")
+
+        def one(i: int) -> tuple[int, float, Any]:
+            started = time.monotonic()
+            response = mesh.request({"count": CHUNKS, "size": 4}, timeout_s=DEADLINE_S)
+            return response.status_code, time.monotonic() - started, response.json()
+
+        with ThreadPoolExecutor(BURST + 1) as pool:
+            cutter = pool.submit(_cut_repeatedly, mesh, ("relay",), time.monotonic() + CUT_FOR_S)
+            results = list(pool.map(one, range(BURST)))
+            cuts = cutter.result()
+            results += list(pool.map(one, range(4)))  # after the cuts
+        resent = mesh.log().count("chunk(s) again")
+    expected = [{"seq": i, "size": 4, "sum": 4.0 * i} for i in range(CHUNKS)]
+    for status, took, body in results:
+        assert took < DEADLINE_S / 2, f"a request took {took:.1f} s ({status}): it waited for something lost"
+        if status == 200:
+            assert body["outputs"] == expected, "a stream answered with chunks missing or out of order"
+        else:
+            assert status == 502 and "control connection dropped" in body["error"], body
+    ok = sum(status == 200 for status, _, _ in results)
+    assert ok >= 4, results
+    print(f"{len(results)} streams across {cuts} cuts: {ok} whole, {len(results) - ok} failed at once; "
+          f"chunks sent again to {resent} stream(s)")

@@ -9,7 +9,9 @@ after every work message sent before it, so its answer (`Holding`) is exact for 
   (as for a replica that died), or, when the stage already streamed part of its output, fails now;
 - one it holds whose stream lacks chunks gets them again from the first it lacks (the replica puts
   chunks in order and ignores ones it has);
-- one it holds that we no longer run (its Abort was lost) is aborted.
+- one it holds that we no longer run (its Abort was lost) is aborted;
+- a streamed output lost on its way here shows as a gap in its stage's seqs (`in_sequence`): that
+  request fails at once (its client already has the chunks before), as when the end of it was lost.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from omni_mesh.control import Abort, Holding, Message, Reconcile
+from omni_mesh.control import Abort, Holding, Message, Output, Reconcile
 from omni_mesh.coordinator.dispatch import Dispatcher, RequestFailed, RequestState
 from omni_mesh.coordinator.registry import Replica
 
@@ -60,6 +62,23 @@ class Reconciler:
                     replica,
                     Abort(rid, "request already ended (its abort was lost with a dropped connection)"),
                 )
+
+    def in_sequence(self, replica: Replica, message: Output) -> bool:
+        """Whether `message` is the output of its stage due next; if one before it was lost with a
+        dropped connection (a streamed chunk), the request fails now: the stage cannot start over."""
+        state = self.dispatcher.requests.get(message.rid)
+        if state is None:
+            return True  # the dispatcher tells the replica the request ended
+        due = state.next_seq.get(message.stage, 0)
+        if message.seq == due:
+            state.next_seq[message.stage] = due + 1
+            return True
+        error = (
+            f"stage {message.stage!r} replica {replica.replica_id!r}: output {message.seq} arrived when "
+            f"{due} was due (lost when its control connection dropped)"
+        )
+        self.dispatcher.fail(state, RequestFailed(502, error, message.stage))
+        return False
 
     def _lost(self, state: RequestState, replica: Replica) -> None:
         stage, rid = replica.stage, state.rid

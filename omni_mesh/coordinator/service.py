@@ -209,7 +209,8 @@ class Coordinator:
             if not self._sent_to(replica, message.rid, message.stage):
                 return
             if isinstance(message, Output):
-                self.dispatcher.on_output(replica, message, frame)
+                if self.reconciler.in_sequence(replica, message):
+                    self.dispatcher.on_output(replica, message, frame)
             else:
                 self.dispatcher.on_error(replica, message)
         elif isinstance(message, Resync):
