@@ -151,6 +151,7 @@ class Holding(Message):
     replica: str
     rids: list
     chunks: dict = field(default_factory=dict)
+    ask: int = 0  # the Reconcile's, echoed: an answer to an older question is not taken for a newer one's
 
 
 # ---------------------------------------------------------------- coordinator -> stage
@@ -223,6 +224,7 @@ class Reconcile(Message):
     TYPE: ClassVar[str] = "reconcile"
     replica: str
     rids: list
+    ask: int = 0  # numbers the question (the answer echoes it)
 
 
 @dataclass(slots=True)

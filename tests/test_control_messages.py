@@ -68,8 +68,8 @@ def test_the_reconcile_messages_travel_and_are_checked() -> None:
     the field."""
     for message in (
         control.Resync("a-0"),
-        control.Reconcile("a-0", ["r1", "r2"]),
-        control.Holding("a-0", ["r1"], {"r1": 3}),
+        control.Reconcile("a-0", ["r1", "r2"], ask=7),
+        control.Holding("a-0", ["r1"], {"r1": 3}, ask=7),
     ):
         assert control.unpack(control.pack(message)) == message
     raw = msgpack.packb({"type": "holding", "replica": "a-0", "rids": "r1"})

@@ -30,20 +30,23 @@ class Reconciler:
     def __init__(self, dispatcher: Dispatcher, send: Callable[[Replica, Message], None]) -> None:
         self.dispatcher = dispatcher
         self.send = send
-        self._asked: dict[str, set[str]] = {}  # replica id -> the requests its Reconcile named
+        self._asked: dict[str, tuple[int, set[str]]] = {}  # replica id -> (ask, the requests it named)
+        self._asks = 0
         self.recovered = 0  # requests placed again, chunks sent again or aborts repeated
 
     def ask(self, replica: Replica) -> None:
         """The replica's connection came back: ask it which of our requests it holds."""
         asked = set(replica.inflight)
-        self._asked[replica.replica_id] = asked
-        self.send(replica, Reconcile(replica.replica_id, sorted(asked)))
+        self._asks += 1
+        self._asked[replica.replica_id] = (self._asks, asked)
+        self.send(replica, Reconcile(replica.replica_id, sorted(asked), ask=self._asks))
 
     def settle(self, replica: Replica, message: Holding) -> None:
         """Its answer: place again what was lost, resend missing chunks, abort what ended here."""
-        asked = self._asked.pop(replica.replica_id, None)
-        if asked is None:
-            return  # not an answer to a question of ours (or to one asked before a newer one)
+        ask, asked = self._asked.get(replica.replica_id, (None, set()))
+        if ask is None or message.ask != ask:
+            return  # not an answer to our latest question (the connection dropped again meanwhile)
+        del self._asked[replica.replica_id]
         held = {rid for rid in message.rids if isinstance(rid, str)}
         for rid in sorted(asked):
             if rid not in replica.inflight:
@@ -84,8 +87,8 @@ class Reconciler:
         stage, rid = replica.stage, state.rid
         replica.inflight.discard(rid)
         self.recovered += 1
-        if stage in state.emitted:  # a stage that streamed part of its output cannot start over
-            message = (
+        if stage in state.emitted or stage not in state.work:  # a stage that streamed part of its
+            message = (  # output cannot start over
                 f"stage {stage!r} replica {replica.replica_id!r}: the end of its streamed output was lost "
                 "when its control connection dropped"
             )

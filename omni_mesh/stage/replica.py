@@ -208,7 +208,7 @@ class StageReplica:
                 self.runner.abort(message.rid)
             elif isinstance(message, Reconcile):
                 rids, chunks = self.runner.holding()
-                await self.link.send(Holding(self.replica_id, rids, chunks))
+                await self.link.send(Holding(self.replica_id, rids, chunks, ask=message.ask))
             else:
                 self.malformed += 1
 
