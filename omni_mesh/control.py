@@ -133,6 +133,27 @@ class Deregister(Message):
     replica: str
 
 
+@dataclass(slots=True)
+class Resync(Message):
+    """The replica's control connection dropped and is back: messages in flight either way may be
+    lost, so the coordinator is asked to reconcile (it answers `Reconcile`)."""
+
+    TYPE: ClassVar[str] = "resync"
+    replica: str
+
+
+@dataclass(slots=True)
+class Holding(Message):
+    """The answer to `Reconcile`: every request the replica still works on, and for each streamed
+    one the seq of the next chunk it lacks (the coordinator sends it again from there)."""
+
+    TYPE: ClassVar[str] = "holding"
+    replica: str
+    rids: list
+    chunks: dict = field(default_factory=dict)
+    ask: int = 0  # the Reconcile's, echoed: an answer to an older question is not taken for a newer one's
+
+
 # ---------------------------------------------------------------- coordinator -> stage
 
 
@@ -196,6 +217,17 @@ class Abort(Message):
 
 
 @dataclass(slots=True)
+class Reconcile(Message):
+    """The requests the coordinator believes the replica holds. Sent on the same connection after any
+    work before it, so the replica's answer (`Holding`) tells which of them were lost either way."""
+
+    TYPE: ClassVar[str] = "reconcile"
+    replica: str
+    rids: list
+    ask: int = 0  # numbers the question (the answer echoes it)
+
+
+@dataclass(slots=True)
 class Drained(Message):
     """Draining, and every request the replica took part in has ended: it may exit."""
 
@@ -205,7 +237,10 @@ class Drained(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Register, Heartbeat, Output, Error, Deregister, Registered, Rejected, Work, Chunk, Abort, Drained)
+    for cls in (
+        Register, Heartbeat, Output, Error, Deregister, Resync, Holding,
+        Registered, Rejected, Work, Chunk, Abort, Reconcile, Drained,
+    )
 }
 
 

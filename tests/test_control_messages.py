@@ -4,11 +4,14 @@ at once instead of waiting for its deadline."""
 
 from __future__ import annotations
 
+import asyncio
+
 import msgpack
 import pytest
 
 from omni_mesh import control
 from omni_mesh.control import Error, Output, Work
+from omni_mesh.stage.context import ChunkStream
 
 BIG = 1_200_000
 
@@ -58,3 +61,35 @@ def test_an_oversized_message_cut_short_names_none() -> None:
     with pytest.raises(control.MalformedMessage) as caught:
         control.unpack(raw)
     assert caught.value.rid == "rid-1"
+
+
+def test_the_reconcile_messages_travel_and_are_checked() -> None:
+    """Resync, Reconcile and Holding round-trip; a Holding whose rids is not a list is refused, naming
+    the field."""
+    for message in (
+        control.Resync("a-0"),
+        control.Reconcile("a-0", ["r1", "r2"], ask=7),
+        control.Holding("a-0", ["r1"], {"r1": 3}, ask=7),
+    ):
+        assert control.unpack(control.pack(message)) == message
+    raw = msgpack.packb({"type": "holding", "replica": "a-0", "rids": "r1"})
+    with pytest.raises(control.MalformedMessage, match="field 'rids' is not list"):
+        control.unpack(raw)
+
+
+def test_a_stream_takes_its_chunks_in_order_and_each_once() -> None:
+    """After a dropped connection chunks come again (from the first the replica lacks) and a later one
+    may come first: the handler still reads 0, 1, 2, then the end, once each."""
+
+    async def fetch(chunk: control.Chunk) -> int:
+        return chunk.seq
+
+    async def read() -> list[int]:
+        stream = ChunkStream(fetch)
+        for seq in (0, 2, 0, 1, 2, 1):
+            stream.feed(control.Chunk("r", "a", f"r/{seq}", seq, last=False))
+        assert stream.expected == 3
+        stream.feed(control.Chunk("r", "a", "", 3, last=True, end=True))
+        return [seq async for seq in stream]
+
+    assert asyncio.run(read()) == [0, 1, 2]

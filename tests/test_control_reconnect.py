@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support.control_peer import Peer, control_endpoint, health, register_message
@@ -231,3 +232,102 @@ def test_up_serves_its_control_plane_on_the_port_it_is_given(tmp_path: Path) -> 
         )
         assert taken.returncode != 0
         assert f"127.0.0.1:{port}" in taken.stderr and "--control-port" in taken.stderr, taken.stderr
+
+
+# ------------------------------------------------------------------ what was in flight when it dropped
+
+BURST = 16
+CUT_FOR_S = 3.0
+DEADLINE_S = 20.0
+
+
+def _cut_repeatedly(mesh: Mesh, stages: tuple[str, ...], until: float) -> int:
+    """Cut the control connections of `stages`' replicas every 0.15 s until `until`; how many cuts."""
+    endpoint, _ = control_endpoint(mesh)
+    port = int(endpoint.rsplit(":", 1)[1])
+    pids = [mesh.replica(stage)["pid"] for stage in stages]
+    cuts = 0
+    while time.monotonic() < until:
+        connections = _connections(port)
+        for pid in pids:
+            if connections.get(pid):
+                _cut(port, connections[pid])
+                cuts += 1
+        time.sleep(0.15)
+    return cuts
+
+
+def test_requests_in_flight_when_connections_drop_all_succeed_long_before_their_deadline(mesh: Mesh) -> None:
+    """A burst of requests, each sleeping 0.25 s in stage a and in stage d, while both replicas'
+    control connections are cut again and again: work sent during a drop and outputs sent just before
+    one are lost on the wire, and the replica and the coordinator reconcile after each reconnect (work
+    placed again, results asked for again). Every request succeeds with the right output, none waits
+    for its deadline."""
+    _control_connection(mesh, "a")
+    _control_connection(mesh, "d")
+    _cut_or_skip(*_control_connection(mesh, "a")[::2])
+    mark = len(mesh.log())
+
+    def one(i: int) -> tuple[int, float, str]:
+        started = time.monotonic()
+        response = mesh.request({"n": N}, params={"sleep": {"a": 0.25, "d": 0.25}}, timeout_s=DEADLINE_S)
+        took = time.monotonic() - started
+        if response.status_code == 200:
+            _check(response.json())
+        return response.status_code, took, response.text[:300]
+
+    with ThreadPoolExecutor(BURST + 1) as pool:
+        cutter = pool.submit(_cut_repeatedly, mesh, ("a", "d"), time.monotonic() + CUT_FOR_S)
+        results = list(pool.map(one, range(BURST)))
+        more = list(pool.map(one, range(BURST)))  # a second wave, while the cuts go on or just after
+        cuts = cutter.result()
+    failed = [r for r in results + more if r[0] != 200]
+    assert not failed, f"{len(failed)} of {2 * BURST} requests failed across {cuts} cuts: {failed[:3]}"
+    slowest = max(took for _, took, _ in results + more)
+    assert slowest < DEADLINE_S / 2, f"a request took {slowest:.1f} s: it waited for something lost in a drop"
+    assert "control connection back; reconciling" in mesh.log()[mark:]
+    print(f"{2 * BURST} requests across {cuts} control connection cuts: all succeeded, slowest {slowest:.2f} s")
+
+
+STREAM = {
+    "name": "reconnect-stream",
+    "connectors": TOPOLOGY["connectors"],
+    "stages": [
+        {"stage_id": 0, "name": "gen", "handler": "mesh_handlers:gen", "output_connectors": {"to_stage_1": "shm"}},
+        {"stage_id": 1, "name": "relay", "handler": "mesh_handlers:relay", "engine_input_source": [0],
+         "input_connectors": {"from_stage_0": "shm"}, "final_output": True},
+    ],
+}
+CHUNKS = 200
+
+
+def test_a_stream_whose_consumer_connection_drops_gets_every_chunk_in_order_or_fails_at_once(tmp_path: Path) -> None:
+    """Streams of CHUNKS chunks into `relay` (which raises on a chunk out of order) while its control
+    connection is cut again and again: chunks relayed during a drop are sent again from the first it
+    lacks, in order; a streamed output of relay lost on its way back fails its request at once (502,
+    saying so) instead of answering with a hole or waiting for the deadline. Nothing is wrong or late."""
+    with running_mesh(tmp_path, STREAM) as mesh:
+        _control_connection(mesh, "relay")
+
+        def one(i: int) -> tuple[int, float, Any]:
+            started = time.monotonic()
+            response = mesh.request({"count": CHUNKS, "size": 4}, timeout_s=DEADLINE_S)
+            return response.status_code, time.monotonic() - started, response.json()
+
+        with ThreadPoolExecutor(BURST + 1) as pool:
+            cutter = pool.submit(_cut_repeatedly, mesh, ("relay",), time.monotonic() + CUT_FOR_S)
+            results = list(pool.map(one, range(BURST)))
+            cuts = cutter.result()
+            results += list(pool.map(one, range(4)))  # after the cuts
+        resent = mesh.log().count("chunk(s) again")
+    expected = [{"seq": i, "size": 4, "sum": 4.0 * i} for i in range(CHUNKS)]
+    for status, took, body in results:
+        assert took < DEADLINE_S / 2, f"a request took {took:.1f} s ({status}): it waited for something lost"
+        if status == 200:
+            assert body["outputs"] == expected, "a stream answered with chunks missing or out of order"
+        else:
+            assert status == 502 and "control connection dropped" in body["error"], body
+    ok = sum(status == 200 for status, _, _ in results)
+    assert ok >= 4, results
+    print(f"{len(results)} streams across {cuts} cuts: {ok} whole, {len(results) - ok} failed at once; "
+          f"chunks sent again to {resent} stream(s)")

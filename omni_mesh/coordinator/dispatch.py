@@ -30,7 +30,6 @@ from omni_mesh.topology import Topology
 
 log = logging.getLogger("omni_mesh.coordinator")
 
-
 __all__ = ["Dispatcher", "RequestFailed", "RequestState"]
 
 
@@ -53,6 +52,7 @@ class RequestState:
     sent_chunks: dict[str, list[Chunk]] = field(default_factory=dict)  # dst -> chunks sent (replayed on retry)
     work: dict[str, Work] = field(default_factory=dict)  # stage -> the work message routed to it
     emitted: set[str] = field(default_factory=set)  # stages that produced output (no retry after that)
+    next_seq: dict[str, int] = field(default_factory=dict)  # stage -> seq of its next output (reconcile.py)
     retried: set[str] = field(default_factory=set)
     outputs: dict[str, Any] = field(default_factory=dict)
     chunks: dict[str, list] = field(default_factory=dict)

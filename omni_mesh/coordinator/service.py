@@ -25,14 +25,17 @@ from omni_mesh.control import (
     Drained,
     Error,
     Heartbeat,
+    Holding,
     Message,
     Output,
     Register,
     Registered,
     Rejected,
+    Resync,
 )
 from omni_mesh.coordinator.connection_cap import ConnectionCap, default_cap
 from omni_mesh.coordinator.dispatch import Dispatcher, RequestFailed
+from omni_mesh.coordinator.reconcile import Reconciler
 from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S, RegistrationRefused, Registry, Replica
 from omni_mesh.defaults import HEARTBEAT_S as HEARTBEAT_S
 from omni_mesh.defaults import INSTANCE_ENV as INSTANCE_ENV
@@ -43,7 +46,7 @@ from omni_mesh.topology import Topology
 
 log = logging.getLogger("omni_mesh.coordinator")
 
-_FROM_STAGES = (Register, Heartbeat, Output, Error, Deregister)  # what a replica may send
+_FROM_STAGES = (Register, Heartbeat, Output, Error, Deregister, Resync, Holding)  # what a replica may send
 
 MONITOR_S = 0.05
 HANDSHAKE_MS = 5000  # a replica's handshake takes milliseconds; ZeroMQ's default waits 30 s
@@ -72,6 +75,7 @@ class Coordinator:
         self.instance = os.environ.get(INSTANCE_ENV) or uuid.uuid4().hex
         self.registry = Registry(topology, heartbeat_timeout_s)
         self.dispatcher = Dispatcher(topology, self.registry, self.send)
+        self.reconciler = Reconciler(self.dispatcher, self.send)  # after a replica's connection drops
         self.malformed = 0
         self.forged = Refusals("coordinator control plane")  # messages sent in another connection's name
         # Every control connection refused: handshakes without the mesh keys, connections over the cap.
@@ -205,9 +209,15 @@ class Coordinator:
             if not self._sent_to(replica, message.rid, message.stage):
                 return
             if isinstance(message, Output):
-                self.dispatcher.on_output(replica, message, frame)
+                if self.reconciler.in_sequence(replica, message):
+                    self.dispatcher.on_output(replica, message, frame)
             else:
                 self.dispatcher.on_error(replica, message)
+        elif isinstance(message, Resync):
+            self.reconciler.ask(replica)
+        elif isinstance(message, Holding):
+            self.reconciler.settle(replica, message)
+            self.dispatcher.drain_queue(replica.stage)
         else:
             self.registry.remove(replica.replica_id)
             self.dispatcher.replica_lost(replica, "left")

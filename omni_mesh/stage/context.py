@@ -52,9 +52,20 @@ class ChunkStream:
     def __init__(self, fetch: Callable[[Chunk], Any]) -> None:
         self._fetch = fetch
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        # Chunks go to the handler in seq order, each once: after a dropped control connection the
+        # coordinator sends again from `expected`, and a chunk sent after the drop may come first.
+        self.expected = 0
+        self._early: dict[int, Chunk] = {}
 
     def feed(self, chunk_message: Chunk) -> None:
-        self._queue.put_nowait(_END if chunk_message.end else chunk_message)
+        seq = chunk_message.seq
+        if seq < self.expected or seq in self._early:
+            return  # a chunk sent again that we already have
+        self._early[seq] = chunk_message
+        while self.expected in self._early:
+            chunk = self._early.pop(self.expected)
+            self.expected += 1
+            self._queue.put_nowait(_END if chunk.end else chunk)
 
     def fail(self, error: BaseException) -> None:
         self._queue.put_nowait(error)

@@ -18,6 +18,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from omni_mesh import control
 from omni_mesh.connectors import OmniConnectorBase
@@ -38,6 +39,7 @@ class CoordinatorLink:
         self.replica_id = replica_id
         self.heartbeat_s = HEARTBEAT_S
         self.registered = asyncio.Event()
+        self._monitor: zmq.asyncio.Socket | None = None  # watches for reconnects (`reconnects`)
         self._ctx = zmq.asyncio.Context()
         self._socket = self._ctx.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -57,6 +59,24 @@ class CoordinatorLink:
 
     async def receive(self) -> list[Any]:
         return await self._socket.recv_multipart()
+
+    async def reconnects(self, back: Callable[[], Awaitable[None]]) -> None:
+        """Run `back` each time our connection comes back after it dropped (until cancelled): ZeroMQ
+        reconnects on its own, but messages in flight when it dropped are lost both ways."""
+        monitor = self._monitor = self._socket.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        )
+        dropped = False
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                dropped = True
+            elif dropped:  # the handshake on the new connection (CURVE or not) succeeded
+                dropped = False
+                try:
+                    await back()
+                except Exception:  # a failed resync must not end the watch: the next drop retries
+                    log.exception("replica %s: reconciling after a reconnect failed", self.replica_id)
 
     def accepted(self, message: Registered) -> None:
         """The coordinator registered us, and says how often to heartbeat."""
@@ -81,6 +101,10 @@ class CoordinatorLink:
                 await beat()
 
     def close(self) -> None:
+        if self._monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._socket.disable_monitor()
+            self._monitor.close(0)  # before term(), which waits for every socket
         self._socket.close(0)
         self._ctx.term()
 

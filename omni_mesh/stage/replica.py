@@ -20,9 +20,12 @@ from omni_mesh.control import (
     Drained,
     Error,
     Heartbeat,
+    Holding,
+    Reconcile,
     Register,
     Registered,
     Rejected,
+    Resync,
     Work,
 )
 from omni_mesh.hostinfo import process_info
@@ -89,6 +92,7 @@ class StageReplica:
         receiver = asyncio.create_task(self._receive_loop())
         heartbeat = asyncio.create_task(self.link.heartbeats(self._heartbeat))
         sweeper = asyncio.create_task(self.runner.sweep_loop())
+        reconnects = asyncio.create_task(self.link.reconnects(self._resync))
         try:
             producers = {self.connectors[e.connector.ref] for e in self.out_edges.values()}
             for connector in producers:
@@ -101,7 +105,7 @@ class StageReplica:
                 log.info("replica %s of stage %s ready", self.replica_id, self.stage.name)
             await self._stopped.wait()
         finally:
-            for task in (receiver, heartbeat, sweeper):
+            for task in (receiver, heartbeat, sweeper, reconnects):
                 task.cancel()
             with contextlib.suppress(Exception):
                 await self.link.send(Deregister(self.replica_id))
@@ -168,6 +172,12 @@ class StageReplica:
         if self.health_file is not None and not self.draining:
             self.health_file.touch()  # container health checks look at its age
 
+    async def _resync(self) -> None:
+        """Our control connection dropped and is back: what was in flight either way may be lost."""
+        if self.link.registered.is_set():
+            log.info("replica %s: control connection back; reconciling what is in flight", self.replica_id)
+            await self.link.send(Resync(self.replica_id))
+
     # ------------------------------------------------------------------ messages
 
     async def _receive_loop(self) -> None:
@@ -196,6 +206,9 @@ class StageReplica:
                 self._drained.set()
             elif isinstance(message, Abort):
                 self.runner.abort(message.rid)
+            elif isinstance(message, Reconcile):
+                rids, chunks = self.runner.holding()
+                await self.link.send(Holding(self.replica_id, rids, chunks, ask=message.ask))
             else:
                 self.malformed += 1
 

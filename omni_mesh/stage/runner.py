@@ -97,6 +97,7 @@ class Runner:
             allocate=self._output_allocator(),
         )
         work = _Work(rid, ctx)
+        self.aborted.pop(rid, None)  # sent again (after a dropped connection): no longer ours to sweep
         if message.stream_from:
             work.stream = ChunkStream(lambda item: self._fetch(work, message.stream_from, item))
         self.work[rid] = work
@@ -106,6 +107,11 @@ class Runner:
         work = self.work.get(message.rid)
         if work is not None and work.stream is not None:
             work.stream.feed(message)
+
+    def holding(self) -> tuple[list[str], dict[str, int]]:
+        """The requests still worked on, and per streamed one the seq of the next chunk it lacks."""
+        chunks = {rid: w.stream.expected for rid, w in self.work.items() if w.stream is not None}
+        return list(self.work), chunks
 
     def abort(self, rid: str) -> None:
         work = self.work.get(rid)

@@ -1,0 +1,106 @@
+"""Reconciling after a replica's control connection dropped (coordinator/reconcile.py), in one process
+with the dispatcher harness of test_dispatcher.py (no sockets: the end-to-end cases, with connections
+cut by the kernel, are in test_control_reconnect.py). Each case is one way a message is lost."""
+
+from __future__ import annotations
+
+from test_dispatcher import Mesh, chain, item
+
+from omni_mesh.control import Abort, Chunk, Holding, Output, Reconcile, Work
+from omni_mesh.coordinator.reconcile import Reconciler
+
+
+def _reconciler(mesh: Mesh) -> Reconciler:
+    return Reconciler(mesh.dispatcher, mesh.send)
+
+
+def _ask(mesh: Mesh, reconciler: Reconciler, replica_id: str) -> Reconcile:
+    reconciler.ask(mesh.registry.replicas[replica_id])
+    (question,) = mesh.take(Reconcile, replica_id)
+    return question
+
+
+async def test_work_the_replica_does_not_hold_is_placed_again_and_its_leftovers_released() -> None:
+    """Its work (or its output) was lost: the replica is told to let go of the request and the work is
+    placed again, the same message; the request then completes."""
+    mesh = Mesh(chain("a"))
+    mesh.add("a", "a-0")
+    reconciler = _reconciler(mesh)
+    state = mesh.dispatcher.submit({"p": 1}, {}, 10.0, False)
+    first = mesh.work_for("a-0")
+    question = _ask(mesh, reconciler, "a-0")
+    assert question.rids == [state.rid]
+    reconciler.settle(mesh.registry.replicas["a-0"], Holding("a-0", [], ask=question.ask))
+    assert [m.rid for m in mesh.take(Abort, "a-0")] == [state.rid]
+    again = mesh.work_for("a-0")
+    assert again.rid == first.rid and again.inputs == {"p": 1}
+    mesh.output("a-0", again, {}, final={"ok": 1})
+    assert await state.future == {"ok": 1}
+
+
+async def test_an_answer_to_an_older_question_changes_nothing() -> None:
+    """The connection dropped twice: the first answer may predate work sent since, so only the answer
+    to the latest question counts, and work the replica holds is never placed twice."""
+    mesh = Mesh(chain("a"))
+    mesh.add("a", "a-0")
+    reconciler = _reconciler(mesh)
+    mesh.dispatcher.submit({}, {}, 10.0, False)
+    mesh.work_for("a-0")
+    older = _ask(mesh, reconciler, "a-0")
+    newer = _ask(mesh, reconciler, "a-0")
+    reconciler.settle(mesh.registry.replicas["a-0"], Holding("a-0", [], ask=older.ask))
+    assert not mesh.take(Work) and not mesh.take(Abort)
+    reconciler.settle(mesh.registry.replicas["a-0"], Holding("a-0", newer.rids, ask=newer.ask))
+    assert not mesh.take(Work) and not mesh.take(Abort)
+
+
+async def test_a_request_the_replica_holds_that_ended_is_aborted() -> None:
+    """Its Abort was lost: the replica lists a request we no longer run, and is told again."""
+    mesh = Mesh(chain("a"))
+    mesh.add("a", "a-0")
+    reconciler = _reconciler(mesh)
+    question = _ask(mesh, reconciler, "a-0")
+    reconciler.settle(mesh.registry.replicas["a-0"], Holding("a-0", ["gone"], ask=question.ask))
+    assert [m.rid for m in mesh.take(Abort, "a-0")] == ["gone"]
+
+
+async def test_a_stream_gets_the_chunks_it_lacks_again() -> None:
+    """Chunks relayed during the drop were lost: those from the first it lacks are sent again."""
+    mesh = Mesh(chain("a", "b"))
+    mesh.add("a", "a-0")
+    mesh.add("b", "b-0")
+    reconciler = _reconciler(mesh)
+    mesh.dispatcher.submit({}, {}, 10.0, False)
+    work = mesh.work_for("a-0")
+    for seq in range(3):
+        mesh.output("a-0", work, {"b": item(f"k{seq}")}, seq=seq, last=False)
+    assert mesh.work_for("b-0").stream_from == "a"
+    assert [c.seq for c in mesh.take(Chunk, "b-0")] == [0, 1, 2]
+    question = _ask(mesh, reconciler, "b-0")
+    reconciler.settle(mesh.registry.replicas["b-0"], Holding("b-0", [work.rid], {work.rid: 1}, ask=question.ask))
+    assert [c.seq for c in mesh.take(Chunk, "b-0")] == [1, 2]
+    assert not mesh.take(Work) and not mesh.take(Abort)
+
+
+async def test_a_stage_whose_streamed_output_was_cut_short_fails_at_once() -> None:
+    """A stage that streamed part of its output cannot start over: the end of it lost (the replica no
+    longer holds the request), or a chunk of it lost (a gap in its seqs), fails the request now, 502."""
+    for lost in ("end", "chunk"):
+        mesh = Mesh(chain("a", "b"))
+        mesh.add("a", "a-0")
+        mesh.add("b", "b-0")
+        reconciler = _reconciler(mesh)
+        state = mesh.dispatcher.submit({}, {}, 10.0, False)
+        work = mesh.work_for("a-0")
+        replica = mesh.registry.replicas["a-0"]
+        assert reconciler.in_sequence(replica, Output(work.rid, "a", "a-0", {"b": item("k0")}, 0, False))
+        mesh.output("a-0", work, {"b": item("k0")}, seq=0, last=False)
+        if lost == "end":
+            question = _ask(mesh, reconciler, "a-0")
+            reconciler.settle(replica, Holding("a-0", [], ask=question.ask))
+        else:
+            skipped = Output(work.rid, "a", "a-0", {"b": item("k2")}, 2, False)
+            assert not reconciler.in_sequence(replica, skipped)
+        assert state.future.done() and state.future.exception().status == 502, lost
+        error = state.future.exception().message
+        assert "control connection dropped" in error and ("1 was due" in error or lost == "end"), error
