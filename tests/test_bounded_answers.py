@@ -30,7 +30,6 @@ import uvicorn
 import zmq
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from omni_mesh.testing.processes import descendants
 from support.meshkit import Mesh, running_mesh, wait_for
 
 from omni_mesh import cli, control
@@ -39,6 +38,7 @@ from omni_mesh.coordinator.http_limits import WRITE_TIMEOUT_S, read_deadlines
 from omni_mesh.coordinator.json_body import json_answer, json_chunks
 from omni_mesh.coordinator.jsonable import jsonable
 from omni_mesh.ports import free_port
+from omni_mesh.procinfo import descendants
 from omni_mesh.security import ENV_KEYS_DIR, MeshKeys, secure_client
 
 MiB = 1 << 20

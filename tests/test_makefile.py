@@ -44,8 +44,16 @@ def _checkout(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def _top_level_env() -> dict[str, str]:
+    """This environment less what an enclosing make passes on (`make test` runs this file): the make
+    below runs as a user's would, without "Entering directory" lines or the outer make's flags."""
+    return {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+
+
 def _plan(directory: Path, *targets: str) -> str:
-    done = subprocess.run(["make", "-n", *targets], cwd=directory, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        ["make", "-n", *targets], cwd=directory, capture_output=True, text=True, timeout=60, env=_top_level_env()
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -78,7 +86,8 @@ def test_a_later_make_test_adds_only_what_is_missing(tmp_path: Path) -> None:
 def test_a_failing_install_step_fails_make_and_leaves_no_stamp(tmp_path: Path) -> None:
     checkout = _checkout(tmp_path)
     done = subprocess.run(
-        ["make", "install", "TORCH=torch==0.0.1"], cwd=checkout, capture_output=True, text=True, timeout=240
+        ["make", "install", "TORCH=torch==0.0.1"], cwd=checkout, capture_output=True, text=True, timeout=240,
+        env=_top_level_env(),
     )
     assert done.returncode != 0, done.stdout + done.stderr
     assert "torch==0.0.1" in done.stdout + done.stderr

@@ -142,10 +142,27 @@ def test_metrics_follow_prometheus_naming_and_promtool_finds_nothing(mesh: Mesh)
     def scraped() -> str:
         return mesh.client.get("/metrics").text
 
-    # The stages' connector counters arrive with their next heartbeat.
-    wait_for(lambda: re.search(r"^omni_mesh_connector_put_bytes_total\{.*\} [1-9]", scraped(), re.M), 10,
-             "the connectors' put bytes in /metrics")
-    text = scraped()
+    def routes_of(text: str) -> list[tuple[str, str]]:
+        return re.findall(r'omni_mesh_http_requests_total\{method="GET",route="([^"]*)",status="(\d+)"\}', text)
+
+    def complete(text: str) -> bool:
+        # The stages' connector counters arrive with their next heartbeat; a request is counted once its
+        # middleware finishes, which may be a moment after its client has the whole answer.
+        served = routes_of(text)
+        return bool(re.search(r"^omni_mesh_connector_put_bytes_total\{.*\} [1-9]", text, re.M)) and all(
+            (route, "200") in served for route in ("/openapi.json", "/docs", "/redoc", "/docs-assets")
+        )
+
+    last = [""]
+
+    def ready() -> str | None:
+        last[0] = scraped()
+        return last[0] if complete(last[0]) else None
+
+    try:
+        text = wait_for(ready, 10, "the connectors' put bytes and every route's request in /metrics")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; routes counted: {routes_of(last[0])}") from None
     lint = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
     assert lint.returncode == 0 and not (lint.stdout + lint.stderr).strip(), lint.stdout + lint.stderr
     assert "_created" not in text
@@ -167,9 +184,7 @@ def test_metrics_follow_prometheus_naming_and_promtool_finds_nothing(mesh: Mesh)
     assert connectors == {"auto_shm_0_1"}, connectors
     assert 'omni_mesh_connector_info{connector="auto_shm_0_1",type="SharedMemoryConnector"} 1.0' in text
     # Every route FastAPI serves is labelled by its template; only unknown paths are `unmatched`.
-    routes = re.findall(r'omni_mesh_http_requests_total\{method="GET",route="([^"]*)",status="(\d+)"\}', text)
-    for route in ("/openapi.json", "/docs", "/redoc", "/docs-assets"):
-        assert (route, "200") in routes, routes
+    routes = routes_of(text)
     assert {status for route, status in routes if route == "unmatched"} == {"404"}, routes
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import msgpack
 import zmq
-from omni_mesh.testing.processes import descendants
 
+from omni_mesh.procinfo import descendants
 from omni_mesh.security import MeshKeys, secure_client
 from support.meshkit import Mesh
 
