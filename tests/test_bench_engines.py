@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 def test_bench_engines_reports_both_sides_in_one_run() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "omni_mesh", "bench", "engines", "--duration", "2", "--rounds", "2",
+        [sys.executable, "-m", "omni_mesh", "bench", "engines", "--duration", "6", "--rounds", "2",
          "--max-tokens", "4", "--max-audio-tokens", "30", "--json"],
         capture_output=True, text=True, timeout=240,
     )
@@ -22,6 +22,7 @@ def test_bench_engines_reports_both_sides_in_one_run() -> None:
     mono, mesh = result["monolithic"], result["mesh"]
     assert mono["rounds"] == 2 and mono["latency_s"] > 0
     assert mesh["errors"] == {}
-    assert mesh["first_audio_s"] and mesh["req_per_s_1"] > 0 and mesh["req_per_s_4"] > 0
+    # A window of 6 s: a loaded machine (the suite's other worker) must still end a streamed request in it.
+    assert mesh["first_audio_s"] is not None and mesh["first_audio_s"] > 0 and mesh["req_per_s_1"] > 0 and mesh["req_per_s_4"] > 0
     assert result["first_audio_vs_monolithic_latency"] == pytest.approx(mesh["first_audio_s"] / mono["latency_s"])
     assert result["req_per_s_4_vs_monolithic"] == pytest.approx(mesh["req_per_s_4"] * mono["latency_s"])
