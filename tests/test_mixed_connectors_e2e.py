@@ -25,7 +25,7 @@ from support.meshkit import OMNI_MESH, Mesh, running_mesh, start_mesh, wait_for
 from support.shared_worker import SharedWorker
 
 from omni_mesh.connectors import edge_key
-from omni_mesh.connectors.shm.segments import SHM_DIR, owner_of
+from omni_mesh.connectors.shm.segments import owner_of, shm_dir
 from omni_mesh.connectors.yuanrong import datasystem_key
 from omni_mesh.local_services.datasystem_worker import Worker
 
@@ -121,7 +121,7 @@ def expected(scale: float, tag: str) -> dict:
 
 def shm_entries() -> set[str]:
     """What is in /dev/shm (the datasystem's own files too) and in our segment directory."""
-    return {name for where in {SHM, SHM_DIR} if where.is_dir() for name in os.listdir(where)}
+    return {name for where in {SHM, shm_dir()} if where.is_dir() for name in os.listdir(where)}
 
 
 @dataclass

@@ -31,7 +31,7 @@ from support.meshkit import wait_for
 from support.netns import Host, TwoHosts
 from support.servicekit import COMPOSE, Api, Service, Services, compose_config, localize
 
-from omni_mesh.connectors.shm.segments import SHM_DIR
+from omni_mesh.connectors.shm.segments import shm_dir
 
 HOST_A = COMPOSE / "docker-compose.host-a.yml"
 HOST_B = COMPOSE / "docker-compose.host-b.yml"
@@ -73,7 +73,7 @@ class TwoHostMesh:
             self.hosts.b.command(["unshare", "--mount", "--propagation", "private", "sh", "-c", script]),
         )
         shm = Path(f"/proc/{self.anchor.pid}/root/dev/shm")
-        ours = os.stat(SHM_DIR).st_dev
+        ours = os.stat(shm_dir()).st_dev
 
         def mounted() -> bool:
             if not self.anchor.running():

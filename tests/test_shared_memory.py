@@ -41,12 +41,12 @@ from omni_mesh.connectors.pools.allocator import PoolAllocator, round_up
 from omni_mesh.connectors.shared_memory import SharedMemoryConnector
 from omni_mesh.connectors.shm import segments as shm_segments
 from omni_mesh.connectors.shm.segments import (
-    SHM_DIR,
     ProcessIdentity,
     list_segments,
     owner_of,
     reap_orphaned_segments,
     segment_name,
+    shm_dir,
 )
 
 KiB, MiB = 1024, 1024 * 1024
@@ -568,7 +568,7 @@ def test_segments_are_private_to_their_user() -> None:
         names = list(our_segments())
         assert len(names) == 2 and any("_x" in n for n in names)
         for name in names:
-            assert stat.S_IMODE((SHM_DIR / name).stat().st_mode) == 0o600, name
+            assert stat.S_IMODE((shm_dir() / name).stat().st_mode) == 0o600, name
             assert owner_of(name) == ProcessIdentity.current()
 
 
@@ -943,16 +943,16 @@ def test_allocator_aligns_large_frames_and_frees_all_it_took() -> None:
 
 def test_a_planted_symlink_is_never_followed(tmp_path: Path) -> None:
     """Metadata naming a segment that is a symlink (to a file of someone else's) must not map that file."""
-    from omni_mesh.connectors.shm.segments import SHM_DIR
+    from omni_mesh.connectors.shm.segments import shm_dir
 
     target = tmp_path / "secret"
     target.write_bytes(b"x" * 8192)
     name = "omnimesh_1_2_3_abcdefabcdef"
-    (SHM_DIR / name).symlink_to(target)
+    (shm_dir() / name).symlink_to(target)
     try:
         with connector(PATHS["pool"]) as conn:
             metadata = {"segment": name, "offset": 0, "generation": 1, "length": 100}
             with pytest.raises(ConnectorError, match="cannot map"):
                 conn.get("a", "b", "k", metadata)
     finally:
-        (SHM_DIR / name).unlink()
+        (shm_dir() / name).unlink()

@@ -34,11 +34,11 @@ import pytest
 import yaml
 
 from omni_mesh.connectors.shm.segments import (
-    SHM_DIR,
     list_segments,
     owner_of,
     process_start_time,
     reap_orphaned_segments,
+    shm_dir,
 )
 from omni_mesh.procinfo import descendants, die_with_parent
 from omni_mesh.security import ENV_KEYS_DIR, MeshKeys
@@ -222,10 +222,11 @@ class Services:
     def pids(self) -> set[int]:
         return {s.pid for s in self.services} | {pid for s in self.services for pid in s.children}
 
-    def our_segments(self, shm_dir: Path = SHM_DIR) -> list[str]:
-        """Segments in `shm_dir` made by one of our processes (and not there before we started)."""
+    def our_segments(self, directory: Path | None = None) -> list[str]:
+        """Segments in `directory` (default: the shared-memory directory) made by one of our processes
+        (and not there before we started)."""
         try:
-            names = sorted(p.name for p in shm_dir.iterdir())
+            names = sorted(p.name for p in (directory or shm_dir()).iterdir())
         except FileNotFoundError:
             return []
         pids = self.pids()
@@ -235,9 +236,9 @@ class Services:
             if (owner := owner_of(name)) is not None and owner.pid in pids and name not in self.shm_before
         ]
 
-    def assert_no_segments(self, shm_dir: Path = SHM_DIR) -> None:
-        leftovers = self.our_segments(shm_dir)
-        assert not leftovers, f"shared-memory segments left in {shm_dir}: {leftovers}"
+    def assert_no_segments(self, directory: Path | None = None) -> None:
+        leftovers = self.our_segments(directory)
+        assert not leftovers, f"shared-memory segments left in {directory or shm_dir()}: {leftovers}"
 
     def close(self) -> None:
         """Kill what still runs, check nothing is left, and reap what killed processes left in /dev/shm."""

@@ -23,7 +23,7 @@ import msgpack
 from omni_mesh import codec
 from omni_mesh.connectors import create_connector
 from omni_mesh.connectors.shared_memory import SharedMemoryConnector
-from omni_mesh.connectors.shm.segments import SHM_DIR, list_segments, owner_of
+from omni_mesh.connectors.shm.segments import list_segments, owner_of, shm_dir
 
 HELPER = Path(__file__).parent / "shm_consumer.py"
 LENGTH = struct.Struct("<I")
@@ -38,7 +38,7 @@ def our_segments() -> dict[str, int]:
         owner = owner_of(name)
         if owner is not None and owner.pid in pids:
             with contextlib.suppress(FileNotFoundError):
-                sizes[name] = (SHM_DIR / name).stat().st_size
+                sizes[name] = (shm_dir() / name).stat().st_size
     return sizes
 
 

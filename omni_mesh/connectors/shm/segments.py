@@ -46,11 +46,6 @@ def shm_dir() -> Path:
     return Path(os.environ.get(ENV_DIR) or DEFAULT_DIR)
 
 
-def __getattr__(name: str) -> Path:
-    if name == "SHM_DIR":  # the constant of old: `from ... import SHM_DIR` still works (read then)
-        return shm_dir()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 def check_dir(directory: Path) -> None:
     """ConnectorError unless segments may be made in `directory`: it exists, and, unless it is the
