@@ -19,7 +19,7 @@ import torch
 from support.payloads import payload
 from support.peer import Peer
 
-from omni_mesh.connectors import ConnectorConfigError, ConnectorError, create_connector
+from omni_mesh.connectors import ConnectorConfigError, ConnectorError, ConnectorUnavailable, create_connector
 from omni_mesh.connectors.yuanrong import YuanrongConnector, datasystem_key
 from omni_mesh.ports import free_port
 
@@ -111,7 +111,7 @@ def test_an_unreachable_worker_is_reported_with_its_address():
 
     port = free_port()
     started = time.monotonic()
-    with pytest.raises(ConnectorError, match=rf"datasystem worker at 127\.0\.0\.1:{port}.*dscli start"):
+    with pytest.raises(ConnectorUnavailable, match=rf"datasystem worker at 127\.0\.0\.1:{port}.*dscli start"):
         create_connector("YuanrongConnector", {"port": port, "connect_timeout_ms": 1000})
     assert time.monotonic() - started < 3
 

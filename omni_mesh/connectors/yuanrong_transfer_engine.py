@@ -21,54 +21,26 @@ shares and are tested with it.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 from typing import Any
 
 import torch
 
 from omni_mesh.codec import FramePlan, decode
-from omni_mesh.connectors.base import ConnectorError
 from omni_mesh.connectors.config import YuanrongTransferEngineConfig
-from omni_mesh.connectors.datasystem.keys import INSTALL_HINT, client_log_dir
+from omni_mesh.connectors.datasystem import errors
+from omni_mesh.connectors.datasystem.ascend import ascend_runtime_missing
+from omni_mesh.connectors.datasystem.keys import client_log_dir
+from omni_mesh.connectors.errors import ConnectorUnavailable
 from omni_mesh.connectors.served.engine_pull import EnginePullConnector
 from omni_mesh.ports import free_port
+
+__all__ = ["YuanrongTransferEngineConfig", "YuanrongTransferEngineConnector", "ascend_runtime_missing"]
 
 ALTERNATIVES = (
     "on hosts without Ascend NPUs use ZmqConnector (cross-host over TCP, nothing to deploy) or "
     "YuanrongConnector (through a datasystem worker)"
 )
-_ASCEND_HOMES = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")
-_DEFAULT_ASCEND_HOME = "/usr/local/Ascend/ascend-toolkit/latest"
-
-
-def ascend_runtime_missing() -> str | None:
-    """None if Ascend's libascendcl.so loads here, else what was looked for."""
-    candidates = ["libascendcl.so"]  # LD_LIBRARY_PATH, as CANN's set_env.sh leaves it
-    homes = [os.environ.get(name) for name in _ASCEND_HOMES] + [_DEFAULT_ASCEND_HOME]
-    candidates += [os.path.join(home, "lib64", "libascendcl.so") for home in homes if home]
-    found = ctypes.util.find_library("ascendcl")  # the ldconfig cache
-    if found:
-        candidates.append(found)
-    for path in dict.fromkeys(candidates):
-        if os.sep in path and not os.path.exists(path):
-            continue
-        try:
-            ctypes.CDLL(path)
-            return None
-        except OSError:
-            continue
-    return (
-        "libascendcl.so (Ascend CANN runtime) is not found: not on LD_LIBRARY_PATH, not in the ldconfig "
-        f"cache, not under $ASCEND_HOME_PATH/lib64 or {_DEFAULT_ASCEND_HOME}/lib64; install CANN and run "
-        "`source /usr/local/Ascend/ascend-toolkit/set_env.sh`"
-    )
-
-
-def _ok(result: Any, action: str, owner: str) -> None:
-    if not result.is_ok():
-        raise ConnectorError(f"{owner}: {action} failed: {result.to_string()}")
 
 
 class YuanrongTransferEngineConnector(EnginePullConnector):
@@ -83,16 +55,14 @@ class YuanrongTransferEngineConnector(EnginePullConnector):
         try:
             from yr.datasystem import TransferEngine
         except ImportError as exc:
-            raise ConnectorError(
-                f"{self._name}: yr.datasystem.TransferEngine is not available ({exc}); {INSTALL_HINT}"
-            ) from exc
+            raise errors.missing_library(self._name, "yr.datasystem.TransferEngine", exc) from exc
         missing = ascend_runtime_missing()
         if missing:
-            raise ConnectorError(f"{self._name} needs an Ascend NPU host: {missing}; {ALTERNATIVES}")
+            raise ConnectorUnavailable(f"{self._name} needs an Ascend NPU host: {missing}; {ALTERNATIVES}")
         try:
             import torch_npu  # noqa: F401  (registers the "npu" device with torch)
         except ImportError as exc:
-            raise ConnectorError(
+            raise ConnectorUnavailable(
                 f"{self._name}: torch_npu is not available ({exc}); install the torch-npu build matching "
                 f"your torch and CANN; {ALTERNATIVES}"
             ) from exc
@@ -105,20 +75,16 @@ class YuanrongTransferEngineConnector(EnginePullConnector):
         rpc_port = cfg.rpc_port or free_port(self.host)
         address = f"{self.host}:{rpc_port}"
         engine = TransferEngine()
-        _ok(
+        _check(
             engine.initialize(address, cfg.protocol, device),
-            f"initialize the transfer engine on {address}",
-            self._name,
+            f"{self._name}: initialize the engine on {address}",
         )
         try:
             self._rpc_port = int(engine.get_rpc_port()) or rpc_port
             self._pool = torch.empty(cfg.memory_pool_size, dtype=torch.uint8, device=pool_device)
             self._base = int(self._pool.data_ptr())
-            _ok(
-                engine.register_memory(self._base, cfg.memory_pool_size),
-                f"register the {cfg.memory_pool_size}-byte pool on {pool_device}",
-                self._name,
-            )
+            what = f"{self._name}: register the {cfg.memory_pool_size}-byte pool on {pool_device}"
+            _check(engine.register_memory(self._base, cfg.memory_pool_size), what)
         except BaseException:
             engine.finalize()
             raise
@@ -137,10 +103,7 @@ class YuanrongTransferEngineConnector(EnginePullConnector):
         target = str(metadata["target"])
         remote = int(metadata["base"]) + int(metadata["offset"])
         result = self._engine.transfer_sync_read(target, self._base + local_offset, remote, size)
-        if not result.is_ok():
-            raise ConnectorError(
-                f"transfer_sync_read of {size} bytes from {target} failed: {result.to_string()}"
-            )
+        _check(result, f"transfer_sync_read of {size} bytes from {target}")
         return None  # synchronous: done
 
     def _decode_slot(self, offset: int, size: int) -> Any:
@@ -153,3 +116,10 @@ class YuanrongTransferEngineConnector(EnginePullConnector):
             engine.unregister_memory(self._base)
             engine.finalize()
         self._pool = None
+
+
+def _check(status: Any, what: str) -> None:
+    """An engine call's Status, raised as the family's kind for it unless OK (`datasystem.errors`)."""
+    failure = errors.status_error(status, what)
+    if failure is not None:
+        raise failure

@@ -1,4 +1,4 @@
-"""The datasystem's keys and limits, where its client logs, and the error a client call raises.
+"""The datasystem's keys, and where its client logs (its errors and limits: `errors`).
 
 Keys are `<key_prefix>;<edge key>` with every character outside the datasystem's key charset
 percent-escaped (`%XX`, injective); keys longer than the 255-character limit end in `#<sha256>`.
@@ -11,9 +11,7 @@ import os
 import string
 import tempfile
 
-INSTALL_HINT = "install it with `pip install 'omni-mesh[yuanrong]'` (package openyuanrong-datasystem)"
 MAX_KEY = 255
-MAX_VALUE = 2**32 - 1  # mcreate takes uint32 sizes
 SAFE = frozenset(string.ascii_letters + string.digits + "-_!@^*()+=:;")  # the charset minus '%' and '#'
 
 
@@ -37,11 +35,3 @@ def datasystem_key(prefix: str, key: str) -> str:
     if len(name) > MAX_KEY:
         name = f"{name[: MAX_KEY - 65]}#{hashlib.sha256(key.encode()).hexdigest()}"
     return name
-
-
-class WorkerError(RuntimeError):
-    """A datasystem client call failed; the message is the client's."""
-
-
-def first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
