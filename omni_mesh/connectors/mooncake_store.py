@@ -1,22 +1,15 @@
 """MooncakeStoreConnector: payloads through a Mooncake distributed store (`mooncake_master` + clients).
 
 Every process runs one store client that may contribute `segment` bytes to the cluster-wide pool, and
-owns one local buffer (`localbuf`) registered with the store for zero-copy transfers:
-
-    put   plan the frame with the codec, lay it straight into a region of the local buffer and
-          `upsert_from` it under the store key (the store copies it into a segment, so the region is
-          free again when the call returns).
-    get   look the key up once (None if it is not there: get_with_deadline polls until its deadline,
-          the stage runtime's capped by `get_timeout_s`), `get_into` a region of the local buffer, remove
-          the key, and decode tensors as views over the region; the region goes back when the last
-          view is garbage-collected (or copy them out: `copy_on_get`).
+owns one local buffer (`localbuf`) registered with the store for zero-copy transfers: a put lays the
+frame into it and `upsert_from`s it under the store key; a get `get_into`s it there, removes the key
+and decodes tensors as views over the region (`copy_on_get` copies them out). The machinery is
+`mooncake.store_node`; the store's return codes are mapped to the connectors' exception family in
+`mooncake.errors` (no room in the store: ConnectorFull; master unreachable: ConnectorUnavailable).
 
 Store keys are `key_prefix + "from->to/put_key"`, so two edges never collide on one request key and
 omni-mesh never collides with other users of the same master. Keys nobody consumes are removed
 `ttl_s` after their put by the producer; `cleanup(request_id)` removes a request's keys now.
-
-The master is probed with a plain TCP connect before the store client starts, because the client's
-own retry loop blocks for about 90 s on an unreachable master.
 
 Metadata: {"key": store key, "length": frame bytes}. `get` also works without metadata (the key is
 derived from the edge and put_key) and then learns the length from the store.
@@ -24,32 +17,18 @@ derived from the edge and put_key) and then learns the length from the store.
 
 from __future__ import annotations
 
-import threading
-import time
-from dataclasses import dataclass
 from typing import Any
 
-from omni_mesh import codec
-from omni_mesh.connectors.base import (
-    ConnectorError,
-    Counters,
-    OmniConnectorBase,
-    edge_key,
-)
+from omni_mesh.connectors.base import OmniConnectorBase, edge_key
 from omni_mesh.connectors.config import MooncakeStoreConfig
-from omni_mesh.connectors.errors import ConnectorClosed, ConnectorUnavailable
 from omni_mesh.connectors.mooncake.common import (
     INSTALL_HINT,
-    PoolErrors,
     RegisteredPool,
     close_at_exit,
     import_mooncake,
     payload_name,
-    pool_status,
-    probe_metadata_server,
-    probe_tcp,
-    resolve_host,
 )
+from omni_mesh.connectors.mooncake.store_node import StoreNode
 
 # INSTALL_HINT, RegisteredPool and import_mooncake are public here for the raw-Mooncake bench and the
 # test master, which must not reach into the private `mooncake` package.
@@ -61,16 +40,6 @@ __all__ = [
     "import_mooncake",
 ]
 
-OWNER = "MooncakeStoreConnector"
-_OBJECT_NOT_FOUND = -704
-_BUFFER_TOO_SMALL = -600
-
-
-@dataclass
-class _Owned:
-    put_key: str
-    expires: float
-
 
 class MooncakeStoreConnector(OmniConnectorBase):
     config_class = MooncakeStoreConfig
@@ -78,229 +47,36 @@ class MooncakeStoreConnector(OmniConnectorBase):
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         super().__init__(config)  # validates before the backend is looked for
-        cfg: MooncakeStoreConfig = self.config
-        store_module = import_mooncake("mooncake.store", OWNER)
-        self.host = resolve_host(cfg.host)
-        probe_tcp(
-            cfg.master,
-            cfg.master_connect_timeout_s,
-            OWNER,
-            "Mooncake master",
-            "start `mooncake_master` there or fix `master` in the connector's extra",
-        )
-        probe_metadata_server(cfg.metadata_server, cfg.master_connect_timeout_s, OWNER)
-        self._lock = threading.Lock()
-        self._closed = False
-        self._stop = threading.Event()
-        self._owned: dict[str, _Owned] = {}  # store key -> what this process put and nobody removed yet
-        self._counters = Counters("puts", "gets", "bytes_put", "bytes_got", "errors", "expired", "cleaned")
-        self._replicate = store_module.ReplicateConfig()
-        self._replicate.replica_num = cfg.replica_num
-        self._store = store_module.MooncakeDistributedStore()
-        # The store's own staging buffer serves only its bytes API, which this connector never uses.
-        rc = self._store.setup(
-            self.host, cfg.metadata_server, cfg.segment, 0, cfg.protocol, cfg.device_name, cfg.master
-        )
-        if rc != 0:
-            self._store = None
-            raise ConnectorUnavailable(
-                f"{OWNER}: the store client did not start (rc={rc}, host={self.host}, master={cfg.master}, "
-                f"metadata_server={cfg.metadata_server!r}, segment={cfg.segment}); check the master's log"
-            )
-        errors = PoolErrors(
-            OWNER,
-            "localbuf",
-            "tensors returned from get()",
-            "drop them sooner, raise localbuf, or set copy_on_get: true",
-            lambda: self._counters.add("errors"),
-        )
-        self._pool: RegisteredPool | None = RegisteredPool(cfg.localbuf, prefault=cfg.prefault, errors=errors)
-        rc = self._store.register_buffer(self._pool.address, self._pool.size)
-        if rc != 0:
-            self._shutdown_store()
-            raise ConnectorError(
-                f"{OWNER}: registering the {cfg.localbuf}-byte local buffer failed (rc={rc}); lower localbuf "
-                "or check the RDMA device's memory-lock limit (ulimit -l)"
-            )
-        self._reaper = threading.Thread(target=self._reap_loop, name="omni-mesh-store-reaper", daemon=True)
-        self._reaper.start()
+        self._node = StoreNode(self.config)
+        self.host = self._node.host
         close_at_exit(self)
-
-    # ------------------------------------------------------------------ producer side
-
-    def _count_put_error(self) -> None:
-        self._counters.add("errors")
 
     def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
         where = payload_name(from_stage, to_stage, put_key)
-        store, pool = self._open(f"put of {where}")
-        frame = codec.plan(data)
-        size = frame.nbytes
-        key = self._store_key(from_stage, to_stage, put_key)
-        offset = pool.reserve(size, self.config.pool_wait_s, f"put of {where}")
-        try:
-            frame.write_into(pool.array, offset)
-            # upsert: a repeated put of one key replaces the payload (a plain put keeps the first one).
-            rc = store.upsert_from(key, pool.address + offset, size, self._replicate)
-        finally:
-            pool.free(offset)
-        if rc != 0:
-            raise ConnectorError(
-                f"{OWNER}: put of {where} ({size} bytes) failed with rc={rc}; the store may be out of space "
-                "(raise `segment` on the storage processes or consume payloads sooner) or the master is down"
-            )
-        with self._lock:
-            self._owned[key] = _Owned(put_key, time.monotonic() + self.config.ttl_s)
-        self._counters.add_many(puts=1, bytes_put=size)
-        return True, size, {"key": key, "length": size}
+        return self._node.put(self._store_key(from_stage, to_stage, put_key), put_key, data, where)
 
-    # ------------------------------------------------------------------ consumer side
+    def _count_put_error(self) -> None:
+        self._node.counters.add("errors")
 
     def get(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None = None
     ) -> tuple[Any, int] | None:
         where = payload_name(from_stage, to_stage, get_key)
-        store, pool = self._open(f"get of {where}")
-        key = self._store_key(from_stage, to_stage, get_key)
-        if not isinstance(metadata, dict):
-            metadata = None  # none, or not put()'s: the key alone locates the payload
-        if metadata is not None and metadata.get("key", key) != key:
-            raise ConnectorError(f"{OWNER}: metadata for {where} was made for another payload: {metadata!r}")
-        hint = metadata.get("length") if isinstance(metadata, dict) else None
-        fetched = self._fetch(store, pool, key, hint if type(hint) is int and hint > 0 else None, where)
-        if fetched is None:
-            return None
-        offset, length = fetched
-        store.remove(key, True)  # force: our own read holds a lease on it
-        with self._lock:
-            self._owned.pop(key, None)  # producer and consumer may be this instance
-        data = pool.decode(offset, length, where, copy=self.config.copy_on_get)
-        self._counters.add_many(gets=1, bytes_got=length)
-        return data, length
-
-    def _fetch(
-        self, store: Any, pool: RegisteredPool, key: str, length: int | None, where: str
-    ) -> tuple[int, int] | None:
-        """get_into a fresh region: (offset, length), or None when the key is not in the store. With
-        the length from the metadata the first try skips asking the master for the size."""
-        asked = length is None
-        if length is None:
-            length = self._size_of(store, key, where)
-        while length is not None:
-            offset = pool.reserve(length, self.config.pool_wait_s, f"get of {where}")
-            try:
-                got = store.get_into(key, pool.address + offset, length)
-            except BaseException:
-                pool.free(offset)
-                raise
-            if got == length:
-                return offset, length
-            pool.free(offset)
-            if got not in (_OBJECT_NOT_FOUND, _BUFFER_TOO_SMALL):
-                self._counters.add("errors")
-                raise ConnectorError(
-                    f"{OWNER}: get of {where} read {got} of {length} bytes (store key {key!r}); "
-                    "its holder died or the store failed"
-                )
-            if asked:  # removed between the size and the read: consumed by another getter
-                return None
-            length, asked = self._size_of(store, key, where), True
-        return None
-
-    def _size_of(self, store: Any, key: str, where: str) -> int | None:
-        """The payload's size in the store, or None when the key is not there (yet, or any more)."""
-        size = store.get_size(key)
-        if size > 0:
-            return size
-        if size not in (0, _OBJECT_NOT_FOUND):
-            self._counters.add("errors")
-            raise ConnectorError(f"{OWNER}: get of {where}: the store answered rc={size} for key {key!r}")
-        return None
-
-    # ------------------------------------------------------------------ reclaim and lifecycle
+        return self._node.get(self._store_key(from_stage, to_stage, get_key), metadata, where)
 
     def _store_key(self, from_stage: str, to_stage: str, put_key: str) -> str:
         return self.config.key_prefix + edge_key(from_stage, to_stage, put_key)
 
-    def _reap_loop(self) -> None:
-        tick = min(1.0, self.config.ttl_s / 4)
-        while not self._stop.wait(tick):
-            now = time.monotonic()
-            with self._lock:
-                expired = [key for key, owned in self._owned.items() if owned.expires <= now]
-            if expired:
-                self._remove(expired)
-                self._counters.add("expired", len(expired))
-
-    def _remove(self, keys: list[str]) -> None:
-        with self._lock:
-            for key in keys:
-                self._owned.pop(key, None)
-            store = self._store
-        if store is not None and keys:
-            store.batch_remove(keys, True)  # not-found (consumed meanwhile) is fine
-
     def reap_consumed(self) -> None:
         """Forget the keys this process put that a consumer elsewhere has taken (removed from the store)."""
-        with self._lock:
-            keys, store = list(self._owned), self._store
-        if not keys or store is None or self._closed:
-            return
-        found = store.batch_is_exist(keys)  # 1 there, 0 gone, negative: unknown (kept)
-        with self._lock:
-            for key, there in zip(keys, found, strict=False):
-                if there == 0:
-                    self._owned.pop(key, None)
+        self._node.reap_consumed()
 
     def cleanup(self, key: str) -> None:
         """Remove the keys this process put under `key` or `key/...` that nobody consumed yet."""
-        prefix = key + "/"
-        with self._lock:
-            doomed = [k for k, o in self._owned.items() if o.put_key == key or o.put_key.startswith(prefix)]
-        self._remove(doomed)
-        if doomed:
-            self._counters.add("cleaned", len(doomed))
-
-    def _open(self, what: str) -> tuple[Any, RegisteredPool]:
-        store, pool = self._store, self._pool
-        if self._closed or store is None or pool is None:
-            raise ConnectorClosed(f"{OWNER} is closed ({what})")
-        return store, pool
+        self._node.cleanup(key)
 
     def health(self) -> dict:
-        counters = self._counters.snapshot()
-        with self._lock:
-            pending = len(self._owned)
-        status, in_use, size = pool_status(self._pool, up=not self._closed and self._reaper.is_alive())
-        return {
-            "status": status,
-            **counters,
-            **self._put_health(),
-            "tracked_keys": pending,
-            "localbuf_size": size,
-            "localbuf_in_use": in_use,
-            "master": self.config.master,
-            "segment": self.config.segment,
-            "protocol": self.config.protocol,
-        }
+        return {**self._node.health(), **self._put_health()}
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            leftovers = list(self._owned)
-        self._stop.set()
-        self._reaper.join()
-        self._remove(leftovers)
-        self._shutdown_store()
-
-    def _shutdown_store(self) -> None:
-        store, pool = self._store, self._pool
-        self._store = self._pool = None
-        if store is not None and pool is not None:
-            store.unregister_buffer(pool.address)
-        if pool is not None:
-            pool.close()  # views handed out by get() keep their memory until they die
-        if store is not None:
-            store.close()  # takes 1-2 s with a mounted segment
+        self._node.close()

@@ -30,8 +30,8 @@ import numpy as np
 
 from omni_mesh import codec
 from omni_mesh.connectors._addresses import resolve_host as resolve_host  # the shared rule, re-exported
-from omni_mesh.connectors.base import ConnectorError
 from omni_mesh.connectors.config.checks import split_address
+from omni_mesh.connectors.errors import ConnectorError, ConnectorFull, ConnectorUnavailable, PayloadTooLarge
 from omni_mesh.connectors.pools import growth
 from omni_mesh.connectors.pools.allocator import PoolAllocator, frame_alignment, round_up
 
@@ -46,7 +46,7 @@ def import_mooncake(module: str, owner: str) -> ModuleType:
     # glog prints ~10 lines per engine at INFO; users can still ask for more by setting it themselves.
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     if module not in sys.modules and yuanrong_loaded_first():
-        raise ConnectorError(
+        raise ConnectorUnavailable(
             f"{owner}: mooncake cannot be loaded after openYuanrong's yr.datasystem in one process: their "
             "native libraries clash and the process would crash. Create Mooncake connectors first "
             "(`omni-mesh stage` does), or import mooncake before yr.datasystem"
@@ -56,11 +56,11 @@ def import_mooncake(module: str, owner: str) -> ModuleType:
     except ImportError as exc:
         detail = str(exc)
         if "libibverbs" in detail:
-            raise ConnectorError(
+            raise ConnectorUnavailable(
                 f"{owner}: the mooncake library cannot load ({detail}); install the RDMA userspace library "
                 "with `apt-get install -y libibverbs1` (no RDMA hardware is needed)"
             ) from exc
-        raise ConnectorError(
+        raise ConnectorUnavailable(
             f"{owner}: the mooncake library is not available ({detail}); {INSTALL_HINT}"
         ) from exc
 
@@ -96,7 +96,7 @@ def probe_tcp(address: str, timeout_s: float, owner: str, what: str, fix: str) -
         socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError as exc:
         waited = time.monotonic() - started
-        raise ConnectorError(
+        raise ConnectorUnavailable(
             f"{owner}: cannot reach the {what} at {address} (after {waited:.1f}s: {exc or 'timed out'}); {fix}"
         ) from None
 
@@ -161,7 +161,7 @@ class RegisteredPool:
     region back, so tensors decoded as views over it keep it reserved exactly as long as they live.
     Finalizers never take the lock (they may run inside a locked section of the same thread during
     GC); they queue the offset instead. `reserve`, `check_fits` and `decode` raise ConnectorErrors
-    worded by `errors`.
+    worded by `errors`: PayloadTooLarge past the ceiling, ConnectorFull when no room came free in time.
     """
 
     def __init__(
@@ -175,7 +175,9 @@ class RegisteredPool:
         unregister: Callable[[int], None] | None = None,
         idle_s: float = 30.0,
     ) -> None:
-        self.errors = errors or PoolErrors("RegisteredPool", "its size", "its users", "free regions sooner", _uncounted)
+        self.errors = errors or PoolErrors(
+            "RegisteredPool", "its size", "its users", "free regions sooner", _uncounted
+        )
         self.size = round_up(size, mmap.PAGESIZE)
         first = _Region(0, self.size, prefault)
         self._regions = [first]
@@ -279,7 +281,7 @@ class RegisteredPool:
         if nbytes > self.ceiling:
             e = self.errors
             e.count()
-            raise ConnectorError(
+            raise PayloadTooLarge(
                 f"{e.owner}: {what} needs {nbytes} bytes but {e.knob} is {self.ceiling} bytes; raise {e.knob} in "
                 f"the connector's extra to at least '{-(-nbytes // (1 << 20))}MiB' on both producer and consumer"
             )
@@ -295,7 +297,7 @@ class RegisteredPool:
         if placed is None:
             e = self.errors
             e.count()
-            raise ConnectorError(
+            raise ConnectorFull(
                 f"{e.owner}: {what} waited {timeout_s}s for {nbytes} free bytes of {e.knob} "
                 f"({self.in_use} of {self.capacity} bytes held by {e.held_by}); {e.advice}"
             )

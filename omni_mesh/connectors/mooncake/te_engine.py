@@ -13,8 +13,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from omni_mesh.connectors.base import ConnectorError
 from omni_mesh.connectors.config import P2P, MooncakeTransferEngineConfig
+from omni_mesh.connectors.errors import ConnectorUnavailable
 from omni_mesh.connectors.mooncake.common import PoolErrors, RegisteredPool
 from omni_mesh.connectors.pools import growth
 
@@ -22,7 +22,7 @@ from omni_mesh.connectors.pools import growth
 def start_engine(
     engine_module: ModuleType, owner: str, host: str, zmq_port: int, cfg: MooncakeTransferEngineConfig
 ) -> tuple[Any, str]:
-    """A started TransferEngine and its segment name; ConnectorError saying what to check otherwise."""
+    """A started TransferEngine and its segment name; ConnectorUnavailable saying what to check otherwise."""
     engine = engine_module.TransferEngine()
     if cfg.metadata_server == P2P:
         local_name = host
@@ -32,7 +32,7 @@ def start_engine(
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
     rc = engine.initialize(local_name, cfg.metadata_server, cfg.protocol, cfg.device_name)
     if rc != 0:
-        raise ConnectorError(
+        raise ConnectorUnavailable(
             f"{owner}: the transfer engine did not start on {host} (rc={rc}, metadata_server="
             f"{cfg.metadata_server!r}, protocol={cfg.protocol!r}, device_name={cfg.device_name!r}); "
             "check that the metadata server is reachable and the device exists"
@@ -58,8 +58,9 @@ def registered_pool(
     rc = engine_of().register_memory(pool.address, pool.size)
     if rc != 0:
         pool.close()
-        raise ConnectorError(
-            f"{owner}: registering the {pool.size}-byte pool with the engine failed (rc={rc}); "
-            "lower memory_pool_size or check the RDMA device's memory-lock limit (ulimit -l)"
+        raise errors.engine_error(
+            rc,
+            f"{owner}: registering the {pool.size}-byte pool with the engine failed; lower memory_pool_size "
+            "or check the RDMA device's memory-lock limit (ulimit -l)",
         )
     return pool

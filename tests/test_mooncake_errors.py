@@ -1,0 +1,123 @@
+"""Mooncake's failures surface as the connectors' typed exceptions (omni_mesh/connectors/errors.py),
+against a real `mooncake_master` and real transfer engines over TCP: a store with no room is
+ConnectorFull, a master that went away ConnectorUnavailable, a frame past a pool's ceiling
+PayloadTooLarge, a pool with no room in time ConnectorFull. A failed put still answers vllm-omni's
+(False, 0, None), its typed error kept for `put_failure()`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from support.payloads import MiB
+
+from omni_mesh.connectors import (
+    ConnectorFull,
+    ConnectorUnavailable,
+    PayloadMissing,
+    PayloadTooLarge,
+    create_connector,
+)
+from omni_mesh.local_services.mooncake_master import MooncakeMaster
+from omni_mesh.ports import free_port
+
+TE = "MooncakeTransferEngineConnector"
+STORE = "MooncakeStoreConnector"
+
+
+@pytest.fixture
+def master(tmp_path: Path) -> Iterator[MooncakeMaster]:
+    """A master of this test's own: these tests fill it, or stop it."""
+    with MooncakeMaster(log_path=str(tmp_path / "master.log")) as running:
+        yield running
+
+
+def store(master: MooncakeMaster, **extra) -> object:
+    config = {"host": "127.0.0.1", "master": master.address, "segment": "16MiB", "localbuf": "64MiB"}
+    return create_connector(STORE, {**config, "prefault": False, **extra})
+
+
+def test_a_store_with_no_room_is_connector_full_and_a_smaller_put_still_works(master) -> None:
+    connector = store(master)  # the only segment in this master: 16 MiB
+    try:
+        ok = connector.put("thinker", "talker", "big/0", torch.ones(32 * MiB, dtype=torch.uint8))
+        assert ok == (False, 0, None)
+        failure = connector.put_failure("thinker", "talker", "big/0")
+        assert isinstance(failure, ConnectorFull), repr(failure)  # room may come: the front door's 503
+        message = str(failure)
+        assert "'big/0'" in message and "thinker->talker" in message and "NO_AVAILABLE_HANDLE" in message
+        assert "raise `segment`" in message
+        assert connector.put("thinker", "talker", "small/0", torch.ones(MiB, dtype=torch.uint8))[0]
+        assert connector.health()["errors"] == 1 and connector.health()["put_failures"] == 1
+    finally:
+        connector.close()
+
+
+def test_a_master_that_went_away_is_connector_unavailable_for_put_and_get(master) -> None:
+    connector = store(master)
+    try:
+        _, _, metadata = connector.put("a", "b", "held/0", torch.ones(1024))
+        master.stop()
+        started = time.monotonic()
+        assert connector.put("a", "b", "after/0", torch.ones(1024)) == (False, 0, None)
+        failure = connector.put_failure("a", "b", "after/0")
+        assert isinstance(failure, ConnectorUnavailable), repr(failure)
+        assert "RPC_FAIL" in str(failure) and "'after/0'" in str(failure)
+        with pytest.raises(ConnectorUnavailable, match=r"'held/0' on edge a->b.*RPC_FAIL"):
+            connector.get("a", "b", "held/0", None)  # the size is asked of the master first
+        assert time.monotonic() - started < 5  # the client does not retry for long
+    finally:
+        connector.close()  # 10-20 s: the client tries to unmount its segment from the gone master
+
+
+def test_a_store_put_past_localbuf_is_payload_too_large(master) -> None:
+    connector = store(master, localbuf="16MiB")
+    try:
+        assert connector.put("a", "b", "huge/0", torch.ones(16 * MiB + 1, dtype=torch.uint8)) == (
+            False,
+            0,
+            None,
+        )
+        failure = connector.put_failure("a", "b", "huge/0")
+        assert isinstance(failure, PayloadTooLarge) and "'huge/0' on edge a->b" in str(failure), repr(failure)
+    finally:
+        connector.close()
+
+
+def test_a_store_get_of_nothing_is_none_and_by_its_deadline_payload_missing(master) -> None:
+    connector = store(master)
+    try:
+        assert connector.get("a", "b", "never/0", None) is None  # OBJECT_NOT_FOUND: a poll's None
+        with pytest.raises(PayloadMissing, match="'never/0' on edge a->b"):
+            connector.get_with_deadline("a", "b", "never/0", None, deadline=time.monotonic() + 0.3)
+    finally:
+        connector.close()
+
+
+TE_CONFIG = {"host": "127.0.0.1", "memory_pool_size": "16MiB", "max_pool_size": "16MiB", "prefault": False}
+
+
+def test_te_frames_past_the_pool_are_too_large_and_a_pool_with_no_room_in_time_is_full() -> None:
+    connector = create_connector(TE, {**TE_CONFIG, "pool_wait_s": 0.2, "zero_copy_min_bytes": 0})
+    try:
+        assert connector.put("a", "b", "huge/0", torch.ones(17 * MiB, dtype=torch.uint8)) == (False, 0, None)
+        assert isinstance(connector.put_failure("a", "b", "huge/0"), PayloadTooLarge)
+        # Held until consumed: the first 10 MiB leave no room for a second within pool_wait_s.
+        assert connector.put("a", "b", "held/0", torch.ones(10 * MiB, dtype=torch.uint8))[0]
+        assert connector.put("a", "b", "held/1", torch.ones(10 * MiB, dtype=torch.uint8)) == (False, 0, None)
+        failure = connector.put_failure("a", "b", "held/1")
+        assert isinstance(failure, ConnectorFull), repr(failure)
+        assert "waited 0.2s" in str(failure) and "'held/1' on edge a->b" in str(failure)
+        connector.cleanup("held")  # room again: the same put now works
+        assert connector.put("a", "b", "held/1", torch.ones(10 * MiB, dtype=torch.uint8))[0]
+    finally:
+        connector.close()
+
+
+def test_te_without_a_reachable_metadata_server_is_connector_unavailable() -> None:
+    with pytest.raises(ConnectorUnavailable, match="cannot reach the metadata server"):
+        create_connector(TE, {**TE_CONFIG, "metadata_server": f"http://127.0.0.1:{free_port()}/metadata"})
