@@ -25,7 +25,7 @@ import torch
 from support.meshkit import wait_until
 from support.payloads import assert_same, payload
 
-from omni_mesh.connectors import ConnectorConfigError, ConnectorError, create_connector
+from omni_mesh.connectors import ConnectorConfigError, ConnectorError, ConnectorUnavailable, create_connector
 from omni_mesh.connectors.yuanrong_transfer_engine import ascend_runtime_missing
 
 FAST_S = 5.0
@@ -49,7 +49,7 @@ def timed_failure(name: str, config: dict, error: type[Exception]) -> tuple[str,
 
 def test_yuanrong_transfer_engine_names_the_missing_ascend_runtime_and_the_alternatives():
     assert ascend_runtime_missing() is not None  # this machine has no Ascend CANN runtime
-    message, elapsed = timed_failure("YuanrongTransferEngineConnector", {}, ConnectorError)
+    message, elapsed = timed_failure("YuanrongTransferEngineConnector", {}, ConnectorUnavailable)
     assert elapsed < FAST_S
     assert "YuanrongTransferEngineConnector" in message and "libascendcl.so" in message
     assert "set_env.sh" in message and "ZmqConnector" in message and "YuanrongConnector" in message
@@ -73,7 +73,7 @@ def test_yuanrong_transfer_engine_config_errors_come_first(config, message):
 
 def test_mori_without_the_library_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "mori", None)  # `import mori` raises ImportError, as on this machine
-    message, elapsed = timed_failure("MoriTransferEngineConnector", {}, ConnectorError)
+    message, elapsed = timed_failure("MoriTransferEngineConnector", {}, ConnectorUnavailable)
     assert elapsed < FAST_S
     assert "MoriTransferEngineConnector" in message and "pip install amd-mori" in message
     assert "3.10 and 3.12" in message and "ROCm 7" in message and "ZmqConnector" in message
@@ -84,7 +84,7 @@ def test_mori_with_rocm_missing_reports_the_loader_error(monkeypatch):
         raise OSError("libhsa-runtime64.so.1: cannot open shared object file: No such file or directory")
 
     monkeypatch.setattr("omni_mesh.connectors.mori.importlib.import_module", no_rocm)
-    message, _ = timed_failure("MoriTransferEngineConnector", {}, ConnectorError)
+    message, _ = timed_failure("MoriTransferEngineConnector", {}, ConnectorUnavailable)
     assert "libhsa-runtime64.so.1" in message and "ROCm 7" in message
 
 

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from omni_mesh.codec import FramePlan, decode
-from omni_mesh.connectors.base import ConnectorError
 from omni_mesh.connectors.config import MoriConfig
+from omni_mesh.connectors.errors import ConnectorError, ConnectorUnavailable
 from omni_mesh.connectors.served.engine_pull import EnginePullConnector
 
 
@@ -59,7 +59,7 @@ class MoriTransferEngineConnector(EnginePullConnector):
         try:
             io = importlib.import_module("mori.io")
         except (ImportError, OSError) as exc:  # OSError: the ROCm shared libraries are missing
-            raise ConnectorError(
+            raise ConnectorUnavailable(
                 f"{self._name}: AMD's MORI (mori.io) cannot be imported ({type(exc).__name__}: {exc}); {install_hint()}"
             ) from exc
         self._io = io
@@ -89,8 +89,8 @@ class MoriTransferEngineConnector(EnginePullConnector):
             memory = engine.register_torch_tensor(pool)
             self._engine_desc = engine.get_engine_desc().pack()
             self._mem_desc = memory.pack()
-        except Exception as exc:
-            raise ConnectorError(
+        except Exception as exc:  # MORI raises its own kinds: the engine did not start
+            raise ConnectorUnavailable(
                 f"{self._name}: cannot start the {where}: {type(exc).__name__}: {exc}"
             ) from exc
         self._engine, self._pool, self._memory = engine, pool, memory
