@@ -23,6 +23,7 @@ from omni_mesh.connectors.config.parse import parse_size as parse_size
 from omni_mesh.connectors.counters import Counters as Counters
 from omni_mesh.connectors.errors import ConnectorConfigError as ConnectorConfigError
 from omni_mesh.connectors.errors import ConnectorError as ConnectorError
+from omni_mesh.connectors.errors import PayloadMissing
 from omni_mesh.connectors.lifecycle import Lifecycle
 from omni_mesh.connectors.put_errors import PutErrors
 from omni_mesh.connectors.waits import POLL_MAX_S as POLL_MAX_S
@@ -79,7 +80,6 @@ class OmniConnectorBase(ABC):
     def _count_put_error(self) -> None:  # noqa: B027 - optional: connectors with an error counter count it
         """Count a failed put in this connector's own health counters."""
 
-    @abstractmethod
     def get(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None = None
     ) -> tuple[Any, int] | None:
@@ -88,7 +88,18 @@ class OmniConnectorBase(ABC):
         `metadata` is what put() returned; it may be missing or partial, then the key (and the
         producer's host and port, where given) locate the payload. Real failures (a corrupt frame,
         a producer that refuses, a closed connector) raise ConnectorError.
-        """
+
+        Connectors implement `_poll`, which may raise PayloadMissing for a payload not there; or
+        override `get` itself."""
+        try:
+            return self._poll(from_stage, to_stage, get_key, metadata)
+        except PayloadMissing:  # the one place "not there" becomes vllm-omni's None
+            return None
+
+    def _poll(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None
+    ) -> tuple[Any, int] | None:
+        raise NotImplementedError(f"{type(self).__name__} implements neither get() nor _poll()")
 
     def get_with_deadline(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None = None, *, deadline: float

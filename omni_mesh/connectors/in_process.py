@@ -83,8 +83,8 @@ class InProcessConnector(OmniConnectorBase):
         self._counters.add_pair("puts", "bytes_put", len(frame))
         return True, len(frame), {"key": name, "size": len(frame)}
 
-    def get(
-        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None = None
+    def _poll(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None
     ) -> tuple[Any, int] | None:
         self._check_open(f"get of key {get_key!r} on edge {from_stage}->{to_stage}")
         store = self._store

@@ -58,8 +58,8 @@ class MooncakeStoreConnector(OmniConnectorBase):
     def _count_put_error(self) -> None:
         self._node.counters.add("errors")
 
-    def get(
-        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None = None
+    def _poll(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None
     ) -> tuple[Any, int] | None:
         where = payload_name(from_stage, to_stage, get_key)
         return self._node.get(self._store_key(from_stage, to_stage, get_key), metadata, where)

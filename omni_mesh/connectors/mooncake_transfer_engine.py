@@ -91,8 +91,8 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
     def _count_put_error(self) -> None:
         self._node.counters.add("errors")
 
-    def get(
-        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None = None
+    def _poll(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None
     ) -> tuple[Any, int] | None:
         """A poll: None when the producer has no such payload (any more) or, by key alone, cannot be
         reached within a second. A transfer under way is waited for (transfer_timeout_s)."""

@@ -49,35 +49,24 @@ class YuanrongConnector(OmniConnectorBase):
     def _count_put_error(self) -> None:
         self._node.error()
 
-    def get(
-        self,
-        from_stage: str,
-        to_stage: str,
-        get_key: str,
-        metadata: dict | None = None,
-        *,
-        timeout_s: float | None = None,
+    def _poll(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None
     ) -> tuple[Any, int] | None:
-        """A poll (one short call to the worker): None while the key is not there. Works with
-        metadata=None too (the key derives from edge and get_key). With `timeout_s` it waits that
-        long instead, then raises PayloadMissing."""
-        if timeout_s is None:
-            return self._get(from_stage, to_stage, get_key, metadata, time.monotonic(), poll=True)
-        return self._get(from_stage, to_stage, get_key, metadata, time.monotonic() + timeout_s, poll=False)
+        """One short call to the worker: None while the key is not there. Works with metadata=None too
+        (the key derives from edge and get_key)."""
+        return self._get(from_stage, to_stage, get_key, metadata, time.monotonic())
 
     def _wait_once(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None, deadline: float
     ) -> tuple[Any, int] | None:
         # Waits in slices of a second at most, so abandon_get and the deadline are noticed in time.
-        return self._get(
-            from_stage, to_stage, get_key, metadata, min(deadline, time.monotonic() + 1.0), poll=True
-        )
+        return self._get(from_stage, to_stage, get_key, metadata, min(deadline, time.monotonic() + 1.0))
 
     def _get(
-        self, from_stage: str, to_stage: str, get_key: str, metadata: Any, deadline: float, *, poll: bool
+        self, from_stage: str, to_stage: str, get_key: str, metadata: Any, deadline: float
     ) -> tuple[Any, int] | None:
         where = f"YuanrongConnector: get {from_stage}->{to_stage} key {get_key!r}"
-        return self._node.get(edge_key(from_stage, to_stage, get_key), metadata, deadline, where, poll=poll)
+        return self._node.get(edge_key(from_stage, to_stage, get_key), metadata, deadline, where)
 
     def _where_from(self) -> str:
         return f" on datasystem worker {self.worker}"

@@ -136,11 +136,8 @@ class KVNode:
 
     # ---------------------------------------------------------------- get
 
-    def get(
-        self, edge: str, metadata: Any, deadline: float, where: str, *, poll: bool
-    ) -> tuple[Any, int] | None:
-        """The payload under `edge`: None if a poll (`poll`) finds it not there by `deadline`, else
-        PayloadMissing then."""
+    def get(self, edge: str, metadata: Any, deadline: float, where: str) -> tuple[Any, int] | None:
+        """The payload under `edge`, or None if it is not there by `deadline` (time.monotonic)."""
         ds_key = datasystem_key(self.cfg.key_prefix, edge)
         if isinstance(metadata, dict) and metadata.get("key", ds_key) != ds_key:
             raise ConnectorError(
@@ -148,7 +145,7 @@ class KVNode:
             )
         if ds_key in self._taken:
             return None  # consumed here; its deletion is still on the way
-        buffers = self._wait_for(ds_key, deadline, where, poll=poll)
+        buffers = self._wait_for(ds_key, deadline, where)
         if buffers is None:
             return None
         try:
@@ -170,9 +167,8 @@ class KVNode:
         self.counters.add_many(gets=1, bytes_got=size)
         return obj, size
 
-    def _wait_for(self, ds_key: str, deadline: float, where: str, *, poll: bool) -> list | None:
+    def _wait_for(self, ds_key: str, deadline: float, where: str) -> list | None:
         sub_ms = self.cfg.get_sub_timeout_ms
-        started = time.monotonic()
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             try:
@@ -188,13 +184,7 @@ class KVNode:
                 self.error()
                 raise
             if time.monotonic() >= deadline:
-                if poll:
-                    return None
-                self.error()
-                raise PayloadMissing(
-                    f"{where}: datasystem key {ds_key!r} not on worker {self.worker} after "
-                    f"{time.monotonic() - started:.3g}s; it was never put, another consumer took it, or it expired (ttl_s)"
-                )
+                return None
             # The client held the GIL for that whole poll: give other threads as long before the next.
             time.sleep(min(sub_ms / 1000, max(0.0, deadline - time.monotonic())))
 
