@@ -52,7 +52,9 @@ def test_a_frame_past_the_value_limit_is_payload_too_large_naming_edge_key_and_s
 def test_a_key_not_there_is_none_to_a_poll_and_payload_missing_to_a_wait(connector):
     assert connector.get("a", "b", "never/0", None) is None
     started = time.monotonic()
-    with pytest.raises(PayloadMissing, match=r"'never/0' on edge a->b on datasystem worker") as caught:
+    with pytest.raises(
+        PayloadMissing, match=r"'never/0' on edge a->b: not there by the deadline on datasystem worker"
+    ) as caught:
         connector.get_with_deadline("a", "b", "never/0", None, deadline=started + 0.3)
     assert caught.type is PayloadMissing and time.monotonic() - started < 3
 
