@@ -233,3 +233,50 @@ def test_errors_about_a_key_name_its_line(tmp_path: Path) -> None:
             load_topology(path)
         assert str(caught.value).startswith(f"{path}:{line}: "), caught.value
         assert message in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "message"),
+    [
+        (
+            "stages:\n  - stage_id: 0\n    name: a\n    replicas: '2'\n",
+            4,
+            "stage 0 'a': replicas must be an integer >= 1, got '2'",
+        ),
+        (
+            "stages:\n  - stage_id: 0\n    name: a\n    input_connectors:\n      from_0: c\n",
+            5,
+            "stage 0 'a': input_connectors key 'from_0' must be from_stage_<stage id>, e.g. from_stage_0",
+        ),
+        (
+            "defaults:\n  max_inflight: 0\nstages:\n  - {stage_id: 0}\n",
+            2,
+            "defaults.max_inflight: must be an integer >= 1, got 0",
+        ),
+        (
+            "stages:\n  - {stage_id: 0, name: a}\nopenai:\n  inputs: {prompt: last_user_message}\n"
+            "  audio_output:\n    stage: a\n    field: pcm\n    sample_rate: fast\n",
+            8,
+            "openai.audio_output.sample_rate: must be a positive integer (Hz), got 'fast'",
+        ),
+        (
+            "stages:\n  - {stage_id: 0, name: a}\nopenai:\n  inputs:\n    prompt: last_user_mesage\n"
+            "  text_output: {stage: a, field: text}\n",
+            5,
+            "openai.inputs.prompt: 'last_user_mesage' is not one of last_user_message, messages, system_message; "
+            "did you mean 'last_user_message'?",
+        ),
+    ],
+)
+def test_a_wrong_value_is_named_with_its_key_path_and_line(
+    tmp_path: Path, text: str, line: int, message: str
+) -> None:
+    """Each value is checked by its section's model; the error names the file, the line, the stage or
+    section, the key path, what was expected and what the file holds."""
+    from omni_mesh.topology import load_topology
+
+    path = tmp_path / "wrong.yaml"
+    path.write_text(text)
+    with pytest.raises(TopologyError) as caught:
+        load_topology(path)
+    assert str(caught.value) == f"{path}:{line}: {message}"

@@ -16,7 +16,7 @@ from typing import Any
 from omni_mesh import vllm_omni_deploy
 from omni_mesh.topology import schema
 from omni_mesh.topology.connector_checks import check_connectors
-from omni_mesh.topology.entries import parse_connector_entry, parse_stage, positive_int
+from omni_mesh.topology.entries import parse_connector_entry, parse_stage
 from omni_mesh.topology.graph import check_graph, unconnected_warning
 from omni_mesh.topology.model import (
     AUTO_CONNECTOR,
@@ -33,11 +33,11 @@ from omni_mesh.topology.model import (
 from omni_mesh.topology.modes import modes_warning
 from omni_mesh.topology.openai import read_openai_section
 from omni_mesh.topology.sections import Sections
+from omni_mesh.topology.validation import validated
 
 # An edge entry's keys; window_size and max_inflight are vllm-omni's scheduler's (its loader reads only
 # from and to), accepted and ignored here.
 _EDGE_KEYS = schema.known_keys(schema.EdgeEntry)
-_DEFAULT_KEYS = schema.known_keys(schema.Defaults)
 _TOP_KEYS = schema.known_keys(schema.TopologyFile)
 _FROM_KEY = re.compile(schema.FROM_KEY)
 _TO_KEY = re.compile(schema.TO_KEY)
@@ -138,9 +138,8 @@ class _Parser:
 
     def _defaults(self) -> dict[str, int]:
         """`defaults: {replicas, max_inflight}` (also under runtime:, as vllm-omni writes them)."""
-        merged = self.sections.mapping("defaults", "default")
-        schema.check_spelling(merged, _DEFAULT_KEYS, "defaults", "other keys are vllm-omni's, ignored here")
-        return {key: positive_int(merged[key], f"defaults.{key}") for key in _DEFAULT_KEYS if key in merged}
+        defaults = validated(schema.Defaults, self.sections.mapping("defaults", "default"), "defaults")
+        return {key: value for key in ("replicas", "max_inflight") if (value := getattr(defaults, key))}
 
     # -- stages ------------------------------------------------------------------------------------
 
