@@ -306,8 +306,9 @@ class _Parser:
             message = f"{where}: unknown key(s) {keys} in edge entry{hint} (allowed: connector, from, to)"
             self._skip_edge(message, "ignored")
         try:
-            src = self._stage_ref(entry["from"], f"{where}: from")
-            dst = self._stage_ref(entry["to"], f"{where}: to")
+            edge = validated(schema.EdgeEntry, {key: entry[key] for key in entry if key in _EDGE_KEYS}, where)
+            src = self._stage_ref(edge.src, f"{where}: from")
+            dst = self._stage_ref(edge.dst, f"{where}: to")
         except TopologyError as exc:
             return self._skip_edge(str(exc), "skipped: vllm-omni builds no stage for it")
         return _EdgeDecl(src, dst, self._resolve_connector(entry.get("connector"), src, dst, where), where)
