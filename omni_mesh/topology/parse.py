@@ -262,31 +262,14 @@ class _Parser:
         return decls
 
     def _stage_edge_decls(self, sid: int, raw: dict) -> Iterable[_EdgeDecl]:
+        """A stage's edges; parse_stage has checked the keys' shapes (schema.StageOwnKeys)."""
         who = self.describe(sid)
-        sources = raw.get("engine_input_source")
-        if sources is not None:
-            if not isinstance(sources, list):
-                raise TopologyError(f"{who}: engine_input_source must be a list of stage ids, e.g. [0]")
-            for src_value in sources:
-                src = self._stage_ref(src_value, f"{who}: engine_input_source")
-                yield _EdgeDecl(src, sid, None, f"{who} engine_input_source")
-        for key, (pattern, example) in (
-            ("input_connectors", (_FROM_KEY, "from_stage_0")),
-            ("output_connectors", (_TO_KEY, "to_stage_1")),
-        ):
-            mapping = raw.get(key)
-            if mapping is None:
-                continue
-            if not isinstance(mapping, dict):
-                raise TopologyError(f"{who}: {key} must be a mapping such as {{{example}: <connector>}}")
-            for item, value in mapping.items():
-                match = pattern.match(str(item))
-                if not match:
-                    raise TopologyError(
-                        f"{who}: {key} key {item!r} is malformed; write {example.rsplit('_', 1)[0]}_<stage id>, "
-                        f"e.g. {example}"
-                    )
-                other = self._stage_ref(int(match.group(1)), f"{who}: {key}.{item}")
+        for src_value in raw.get("engine_input_source") or []:
+            src = self._stage_ref(src_value, f"{who}: engine_input_source")
+            yield _EdgeDecl(src, sid, None, f"{who} engine_input_source")
+        for key, pattern in (("input_connectors", _FROM_KEY), ("output_connectors", _TO_KEY)):
+            for item, value in (raw.get(key) or {}).items():
+                other = self._stage_ref(int(pattern.match(item).group(1)), f"{who}: {key}.{item}")  # type: ignore[union-attr]
                 src, dst = (other, sid) if key == "input_connectors" else (sid, other)
                 where = f"{who} {key}.{item}"
                 yield _EdgeDecl(src, dst, self._resolve_connector(value, src, dst, where), where)

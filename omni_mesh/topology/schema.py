@@ -34,12 +34,26 @@ FROM_KEY = r"^from_stage_(\d+)$"
 TO_KEY = r"^to_stage_(\d+)$"
 #: Stage names become compose service names, shared-memory name parts and keys of `outputs`.
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+NAME_RULE = "letters, digits, '_', '.' or '-' (starting with a letter or digit)"
 HANDLER = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
 
 Count = Annotated[int, Field(strict=True, ge=1), expect("must be an integer >= 1")]
+Queue = Annotated[
+    int, Field(strict=True, ge=0), expect("must be an integer >= 0 (0: never queue), or left out")
+]
 Flag = Annotated[bool, Field(strict=True), expect("must be true or false")]
+Text = Annotated[str, Field(strict=True, pattern=r"\S"), expect("must be a non-empty string")]
 FieldName = Annotated[
     str, Field(strict=True, min_length=1), expect("must name a field of the stage's output")
+]
+Name = Annotated[str, Field(strict=True, pattern=NAME), expect(f"must be {NAME_RULE}")]
+Handler = Annotated[
+    str, Field(strict=True, pattern=HANDLER), expect("must look like 'package.module:function'")
+]
+FromKey = Annotated[str, Field(pattern=FROM_KEY), expect("must be from_stage_<stage id>, e.g. from_stage_0")]
+ToKey = Annotated[str, Field(pattern=TO_KEY), expect("must be to_stage_<stage id>, e.g. to_stage_1")]
+ConnectorType = Annotated[
+    str, Field(strict=True, min_length=1), expect("must be a connector type such as 'SharedMemoryConnector'")
 ]
 
 
@@ -85,11 +99,7 @@ class _Open(BaseModel):
 
 
 class ConnectorEntry(_Closed):
-    name: Annotated[
-        str,
-        Field(strict=True, min_length=1),
-        expect("must be a connector type such as 'SharedMemoryConnector'"),
-    ] = Field(description="the connector type, e.g. SharedMemoryConnector")
+    name: ConnectorType = Field(description="the connector type, e.g. SharedMemoryConnector")
     extra: Annotated[dict[str, Any], expect("must be a mapping")] | None = Field(
         None, description="the type's settings (docs/connectors.md)"
     )
@@ -122,47 +132,16 @@ class StageOwnKeys(_Open):
     rule: ClassVar[str] = "other keys go to the stage's handler as options"
 
     stage_id: StageId
-    name: (
-        Annotated[
-            str,
-            Field(strict=True, pattern=NAME),
-            expect("must be letters, digits, '_', '.' or '-' (starting with a letter or digit)"),
-        ]
-        | None
-    ) = None
-    handler: (
-        Annotated[
-            str, Field(strict=True, pattern=HANDLER), expect("must look like 'package.module:function'")
-        ]
-        | None
-    ) = None
+    name: Name | None = None
+    handler: Handler | None = None
     engine: dict[str, Any] | None = Field(None, description="a model part to run (docs/engines.md)")
     replicas: Count | None = None
     max_inflight: Count | None = None
-    max_queued: (
-        Annotated[
-            int, Field(strict=True, ge=0), expect("must be an integer >= 0 (0: never queue), or left out")
-        ]
-        | None
-    ) = None
+    max_queued: Queue | None = None
     final_output: Flag | None = None
     engine_input_source: list[StageRef] | None = None
-    input_connectors: (
-        dict[
-            Annotated[
-                str, Field(pattern=FROM_KEY), expect("must be from_stage_<stage id>, e.g. from_stage_0")
-            ],
-            LazyConnectorRef,
-        ]
-        | None
-    ) = None
-    output_connectors: (
-        dict[
-            Annotated[str, Field(pattern=TO_KEY), expect("must be to_stage_<stage id>, e.g. to_stage_1")],
-            LazyConnectorRef,
-        ]
-        | None
-    ) = None
+    input_connectors: dict[FromKey, LazyConnectorRef] | None = None
+    output_connectors: dict[ToKey, LazyConnectorRef] | None = None
 
 
 class Stage(StageOwnKeys):
@@ -246,9 +225,7 @@ class AudioRefModel(OutputRefModel):
 class OpenAISection(_Closed):
     """The `openai:` section (omni_mesh.openai_section)."""
 
-    model: Annotated[str, Field(strict=True, pattern=r"\S"), expect("must be a non-empty string")] | None = (
-        None
-    )
+    model: Text | None = None
     inputs: dict[
         Annotated[str, Field(strict=True)], Annotated[Literal[SOURCES], one_of(SOURCES)]  # type: ignore[valid-type]
     ] = Field(min_length=1, description="input name -> source, e.g. `inputs: {prompt: last_user_message}`")

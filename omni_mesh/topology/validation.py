@@ -41,30 +41,23 @@ _SHAPES = frozenset({"model_type", "model_attributes_type", "dict_type", "list_t
 _SECTION = re.compile(r"^[\w.\[\]]+$")
 
 
-def expect(phrase: str) -> WrapValidator:
-    """A field's own phrase for a wrong value, e.g. "must be an integer >= 1"."""
-
-    def check(value: Any, handler: Any) -> Any:
-        try:
-            return handler(value)
-        except ValidationError:
-            raise PydanticCustomError("expected", phrase, {"phrase": phrase}) from None
-
-    check.phrase = phrase  # type: ignore[attr-defined]  # read back by _field_phrase
-    return WrapValidator(check)
-
-
-def one_of(choices: Iterable[str]) -> WrapValidator:
-    """A value among `choices` (a Literal's), or an error naming them and the nearest."""
+def expect(phrase: str, choices: Iterable[str] = ()) -> WrapValidator:
+    """A field's own phrase for a wrong value ("must be an integer >= 1"); with `choices` (a Literal's),
+    the error names them and the nearest."""
     names = list(choices)
 
     def check(value: Any, handler: Any) -> Any:
         try:
             return handler(value)
         except ValidationError:
-            raise PydanticCustomError("not_one_of", "not one of", {"choices": names}) from None
+            raise PydanticCustomError("expected", phrase, {"phrase": phrase, "choices": names}) from None
 
+    check.phrase = phrase  # type: ignore[attr-defined]  # read back by _phrase
     return WrapValidator(check)
+
+
+def one_of(choices: Iterable[str]) -> WrapValidator:
+    return expect("is not one of", choices)
 
 
 def misspelled(key: str, meant: str, rule: str) -> PydanticCustomError:
@@ -107,14 +100,12 @@ def topology_error(model: type[BaseModel], error: ErrorDetails, data: Any, who: 
         if _SECTION.match(who):
             return TopologyError(f"{_where(who, [*path, missing])}: missing{said}", key_of=key_of)
         return TopologyError(f"{where} has no {missing}: key{said}", key_of=key_of)
-    if kind == "not_one_of":
+    if ctx.get("choices"):
         close = difflib.get_close_matches(str(value), ctx["choices"], n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         return TopologyError(
-            f"{where}: {value!r} is not one of {', '.join(ctx['choices'])}{hint}", key_of=key_of
+            f"{where}: {value!r} {ctx['phrase']} {', '.join(ctx['choices'])}{hint}", key_of=key_of
         )
-    if kind == "value_error" and isinstance(ctx.get("error"), TopologyError):
-        return TopologyError(f"{where}: {ctx['error']}", key_of=key_of)
     phrase = ctx.get("phrase") or _EXPECTED.get(kind)
     if phrase is None:  # a check of the section's values together (a model validator), or one we do not word
         return TopologyError(f"{where}: {error['msg'][:1].lower()}{error['msg'][1:]}", key_of=key_of)
