@@ -49,7 +49,7 @@ def test_vllm_omni_aliases_and_readers_are_declared_on_the_fields() -> None:
     cfg = config.parse_config(config.SharedMemoryConfig, {"shm_threshold_bytes": "4KiB"}, owner="shm")
     assert cfg.inline_max_bytes == 4096
     with pytest.raises(
-        config.ConnectorConfigError, match=r"^shm: memory_pool_size: must not be negative, got -1$"
+        config.ConnectorConfigError, match=r"^shm: memory_pool_size must not be negative, got -1$"
     ):
         config.parse_config(config.SharedMemoryConfig, {"memory_pool_size": -1}, owner="shm")
     with pytest.raises(

@@ -10,7 +10,15 @@ import functools
 import re
 from typing import Annotated, Any, TypeVar
 
-from pydantic import AliasChoices, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo
+from pydantic import (
+    AfterValidator,
+    AliasChoices,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+)
 from pydantic.dataclasses import dataclass as typed_dataclass
 from pydantic.fields import FieldInfo
 from pydantic_core import ArgsKwargs, ErrorDetails, PydanticCustomError
@@ -70,6 +78,21 @@ Float = Annotated[float, _from_file(lambda text: float(text) if _FLOAT.match(tex
 _SIZE_READER = _from_file(_size_text)
 #: Bytes: an integer >= 0, or a string with a unit in a user's file.
 Size = Annotated[int, Field(ge=0), _SIZE_READER]
+PositiveSize = Annotated[int, Field(gt=0), _SIZE_READER]
+Positive = Annotated[Float, Field(gt=0)]
+NonNegative = Annotated[Float, Field(ge=0)]
+PositiveInt = Annotated[Int, Field(gt=0)]
+NonNegativeInt = Annotated[Int, Field(ge=0)]
+AtLeastOne = Annotated[Int, Field(ge=1)]
+
+
+def _port(value: int) -> int:
+    if not 0 <= value < 65536:
+        raise PydanticCustomError("phrase", "must be 0 (any free port) or 1-65535")
+    return value
+
+
+Port = Annotated[Int, AfterValidator(_port)]
 
 
 def vllm_omni(*names: str) -> FieldInfo:
@@ -134,8 +157,16 @@ def _config_error(cls: Any, error: ErrorDetails, owner: str) -> ConnectorConfigE
     value = error["input"]
     if error["type"] == "size":
         return ConnectorConfigError(f"{owner}: {key}: expected {_SIZE_EXAMPLE}, got {value!r}")
-    if error["type"] == "greater_than_equal":
-        return ConnectorConfigError(f"{owner}: {key}: must not be negative, got {value!r}")
+    ctx = error.get("ctx") or {}
+    phrase = {
+        "greater_than": "must be positive",
+        "greater_than_equal": "must not be negative"
+        if ctx.get("ge") == 0
+        else f"must be at least {ctx.get('ge')}",
+        "phrase": error["msg"],
+    }.get(error["type"])
+    if phrase is not None:
+        return ConnectorConfigError(f"{owner}: {key} {phrase}, got {value!r}")
     field = fields_of(cls).get(aliases(cls).get(key, key))
     kind = getattr(field.annotation, "__name__", None) if field is not None else None
     if kind is None:
