@@ -6,7 +6,7 @@ be cleaned up mid-read), pulls the bytes into its own registered pool with the e
 payload (the producer frees the slot) and decodes. Subclasses supply the engine.
 
 Config fields every subclass has: host, zmq_port, memory_pool_size, ttl_s, get_timeout_s (checked by their
-`config.checks.check_engine_pull` from each config's `check()`).
+types in config/classes.py: Port, PositiveSize, Positive, NonNegative).
 """
 
 from __future__ import annotations
