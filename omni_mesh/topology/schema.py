@@ -14,7 +14,16 @@ import difflib
 from collections.abc import Iterable
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SkipValidation, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SkipValidation,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from omni_mesh.openai_section import ENCODINGS, SOURCES
@@ -25,7 +34,7 @@ from omni_mesh.topology.validation import expect, misspelled, one_of, spelling_m
 CUTOFF = 0.85
 
 StageRef = Annotated[
-    int | str,
+    StrictInt | StrictStr,
     Field(description="a stage id, or (in edges:) a stage name"),
     expect("must be a stage id or name"),
 ]
