@@ -9,14 +9,15 @@ from omni_mesh.connectors import connector_type
 from omni_mesh.connectors.config.values import read_extra
 from omni_mesh.engines.settings import DTYPES, PART_ALIASES, PARTS, parse_engine
 from omni_mesh.topology.model import ConnectorSpec, StageSpec, TopologyError
-from omni_mesh.topology.schema import NAME, ConnectorEntry, StageOwnKeys, known_keys
+from omni_mesh.topology.schema import NAME, ConnectorEntry, Defaults, StageOwnKeys, known_keys
 from omni_mesh.topology.validation import validated
 
 _OWN_STAGE_KEYS = known_keys(StageOwnKeys)
 _NAME = re.compile(NAME)
 
 
-def parse_stage(entry: Any, index: int, defaults: dict[str, int]) -> StageSpec:
+def parse_stage(entry: Any, index: int, defaults: Defaults) -> StageSpec:
+    """One entry of stages:, its values checked by StageOwnKeys; what it leaves out comes from `defaults`."""
     if not isinstance(entry, dict):
         raise TopologyError(f"stage #{index}: a stage is a mapping with a stage_id, got {entry!r}")
     own = validated(StageOwnKeys, entry, _who(entry, index))
@@ -31,8 +32,8 @@ def parse_stage(entry: Any, index: int, defaults: dict[str, int]) -> StageSpec:
         stage_id=sid,
         name=name,
         handler=own.handler,
-        replicas=own.replicas or defaults.get("replicas", 1),
-        max_inflight=own.max_inflight or defaults.get("max_inflight", 8),
+        replicas=own.replicas or defaults.replicas or 1,
+        max_inflight=own.max_inflight or defaults.max_inflight or 8,
         max_queued=own.max_queued,
         final_output=bool(own.final_output),
         options={key: value for key, value in entry.items() if key not in _OWN_STAGE_KEYS},

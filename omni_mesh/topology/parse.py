@@ -136,14 +136,13 @@ class _Parser:
         topology.openai = read_openai_section(self.data.get("openai"), topology)
         return topology
 
-    def _defaults(self) -> dict[str, int]:
-        """`defaults: {replicas, max_inflight}` (also under runtime:, as vllm-omni writes them)."""
-        defaults = validated(schema.Defaults, self.sections.mapping("defaults", "default"), "defaults")
-        return {key: value for key in ("replicas", "max_inflight") if (value := getattr(defaults, key))}
+    def _defaults(self) -> schema.Defaults:
+        """`defaults:` (also under runtime:, as vllm-omni writes them)."""
+        return validated(schema.Defaults, self.sections.mapping("defaults", "default"), "defaults")
 
     # -- stages ------------------------------------------------------------------------------------
 
-    def _parse_stages(self, defaults: dict[str, int]) -> None:
+    def _parse_stages(self, defaults: schema.Defaults) -> None:
         raw = self._stage_list()
         names: dict[str, int] = {}
         for index, entry in enumerate(raw):
