@@ -3,7 +3,7 @@ purpose (no backend library, no torch, no zmq): `omni-mesh validate`, `up` and `
 topologies with it without importing a connector.
 
     classes         every built-in connector's config class: its keys, defaults and `check(owner)`
-    checks          the value checks those `check`s share (ports, positive numbers, addresses)
+    checks          what `check`s share beyond the field types (protocols, HOST:PORT addresses)
     fields          the fields' types (Int, Float, Size: numbers and sizes as vllm-omni's files write them)
                     and vllm-omni's aliases of a field (`vllm_omni(...)`)
     parse           `parse_config` (a user's `extra:` -> the config class), `ConnectorConfigError`
