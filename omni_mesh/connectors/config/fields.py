@@ -73,8 +73,15 @@ def _size_text(text: str) -> int:
         raise PydanticCustomError("size", f"expected {_SIZE_EXAMPLE}") from None
 
 
-Int = Annotated[int, _from_file(lambda text: int(text) if _INT.match(text) else text)]
-Float = Annotated[float, _from_file(lambda text: float(text) if _FLOAT.match(text) else text)]
+def number(value: Any, kind: Any) -> Any:
+    """`value` as the int or float `kind` where it is a string that writes one; else as it is."""
+    if isinstance(value, str) and kind in (int, float) and (_INT if kind is int else _FLOAT).match(value):
+        return kind(value)
+    return value
+
+
+Int = Annotated[int, _from_file(lambda text: number(text, int))]
+Float = Annotated[float, _from_file(lambda text: number(text, float))]
 _SIZE_READER = _from_file(_size_text)
 #: Bytes: an integer >= 0, or a string with a unit in a user's file.
 Size = Annotated[int, Field(ge=0), _SIZE_READER]
