@@ -1,6 +1,6 @@
 """The value types of connector config fields, with vllm-omni's ways of writing them declared on the
 type: a number as a string ("50051", vllm-omni reads it with int()), a size with a unit ("256MiB").
-They apply where `read_config` validates a user's `extra:` (the FROM_FILE context); a config built in
+They apply where `parse_config` validates a user's `extra:` (the FROM_FILE context); a config built in
 code stays strict. vllm-omni's other names for a field are its `vllm_omni(...)` aliases."""
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ Port = Annotated[Int, AfterValidator(_port)]
 
 
 def vllm_omni(*names: str) -> FieldInfo:
-    """vllm-omni's name(s) for the field: `extra:` may use either (read_config refuses both, disagreeing)."""
+    """vllm-omni's name(s) for the field: `extra:` may use either (parse_config refuses both when they disagree)."""
     return Field(validation_alias=AliasChoices(*names))
 
 
