@@ -33,10 +33,6 @@ SOURCES = ("last_user_message", "messages", "system_message")
 ENCODINGS = ("pcm16", "float", "wav")
 
 
-class OpenAISectionError(ValueError):
-    """The `openai:` section is wrong; the message names the key and what to write instead."""
-
-
 @dataclass(frozen=True)
 class OutputRef:
     """A field of a final stage's output (of each chunk, when the stage streams)."""

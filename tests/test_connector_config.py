@@ -37,3 +37,44 @@ def test_the_config_classes_are_still_dataclasses() -> None:
         if isinstance(value, type) and name.endswith("Config"):
             assert dataclasses.is_dataclass(value), name
             assert {f.name for f in dataclasses.fields(value)}, name
+
+
+def test_vllm_omni_aliases_and_readers_are_declared_on_the_fields() -> None:
+    """An alias is the field's (no table row), and the field's type reads what a file writes: a size
+    with a unit under vllm-omni's name too, a negative size refused naming the key."""
+    from omni_mesh.connectors.config.fields import aliases
+
+    assert aliases(config.SharedMemoryConfig) == {"shm_threshold_bytes": "inline_max_bytes"}
+    assert aliases(config.ZmqConfig) == {}  # buffer_ttl_seconds is a transfer-engine connector's key only
+    cfg = config.parse_config(config.SharedMemoryConfig, {"shm_threshold_bytes": "4KiB"}, owner="shm")
+    assert cfg.inline_max_bytes == 4096
+    with pytest.raises(
+        config.ConnectorConfigError, match=r"^shm: memory_pool_size must not be negative, got -1$"
+    ):
+        config.parse_config(config.SharedMemoryConfig, {"memory_pool_size": -1}, owner="shm")
+    with pytest.raises(
+        config.ConnectorConfigError, match=r"^shm: config key 'prefault' expects bool, got 'yes'$"
+    ):
+        config.parse_config(config.SharedMemoryConfig, {"prefault": "yes"}, owner="shm")
+
+
+def test_a_third_party_plain_dataclass_is_read_by_the_same_rules() -> None:
+    """A connector registered at run time may bring a plain dataclass: its fields are typed from their
+    defaults (sizes by name), and the config comes back as that class."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Plain:
+        host: str = "h"
+        buffer_bytes: int = 0
+        retries: int = 1
+        timeout_s: float = 1.0
+        fast: bool = False
+
+    cfg = config.parse_config(
+        Plain, {"buffer_bytes": "2MiB", "retries": "3", "timeout_s": "0.5", "fast": True}, owner="Plain"
+    )
+    assert cfg == Plain("h", 2 << 20, 3, 0.5, True) and type(cfg) is Plain
+    with pytest.raises(config.ConnectorConfigError, match=r"Plain: config key 'host' expects str, got 12"):
+        config.parse_config(Plain, {"host": 12}, owner="Plain")
+    with pytest.raises(config.ConnectorConfigError, match=r"did you mean 'retries'"):
+        config.parse_config(Plain, {"retrys": 3}, owner="Plain")

@@ -233,3 +233,87 @@ def test_errors_about_a_key_name_its_line(tmp_path: Path) -> None:
             load_topology(path)
         assert str(caught.value).startswith(f"{path}:{line}: "), caught.value
         assert message in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "message"),
+    [
+        (
+            "stages:\n  - stage_id: 0\n    name: a\n    replicas: '2'\n",
+            4,
+            "stage 0 'a': replicas must be an integer >= 1, got '2'",
+        ),
+        (
+            "stages:\n  - stage_id: 0\n    name: a\n    input_connectors:\n      from_0: c\n",
+            5,
+            "stage 0 'a': input_connectors key 'from_0' must be from_stage_<stage id>, e.g. from_stage_0",
+        ),
+        (
+            "defaults:\n  max_inflight: 0\nstages:\n  - {stage_id: 0}\n",
+            2,
+            "defaults.max_inflight: must be an integer >= 1, got 0",
+        ),
+        (
+            "stages:\n  - {stage_id: 0, name: a}\nopenai:\n  inputs: {prompt: last_user_message}\n"
+            "  audio_output:\n    stage: a\n    field: pcm\n    sample_rate: fast\n",
+            8,
+            "openai.audio_output.sample_rate: must be a positive integer (Hz), got 'fast'",
+        ),
+        (
+            "stages:\n  - {stage_id: 0, name: a}\nopenai:\n  inputs:\n    prompt: last_user_mesage\n"
+            "  text_output: {stage: a, field: text}\n",
+            5,
+            "openai.inputs.prompt: 'last_user_mesage' is not one of last_user_message, messages, system_message; "
+            "did you mean 'last_user_message'?",
+        ),
+    ],
+)
+def test_a_wrong_value_is_named_with_its_key_path_and_line(
+    tmp_path: Path, text: str, line: int, message: str
+) -> None:
+    """Each value is checked by its section's model; the error names the file, the line, the stage or
+    section, the key path, what was expected and what the file holds."""
+    from omni_mesh.topology import load_topology
+
+    path = tmp_path / "wrong.yaml"
+    path.write_text(text)
+    with pytest.raises(TopologyError) as caught:
+        load_topology(path)
+    assert str(caught.value) == f"{path}:{line}: {message}"
+
+
+def test_a_nested_section_on_a_stage_is_one_field_and_its_errors_name_the_path() -> None:
+    """A stage key holding a section of its own (as `autoscale:` will) is one field of a model: its
+    values, unknown keys and missing keys are worded like the stage's own, with the path."""
+    from pydantic import Field
+
+    from omni_mesh.topology.schema import Count, StageOwnKeys, _Closed
+    from omni_mesh.topology.validation import validated
+
+    class Scaling(_Closed):
+        min_replicas: Count
+        max_replicas: Count | None = None
+
+    class WithScaling(StageOwnKeys):
+        scaling: Scaling | None = Field(None)
+
+    def error(scaling: object, key_of: tuple | None = None) -> str:
+        entry = {"stage_id": 1, "name": "talker", "scaling": scaling}
+        with pytest.raises(TopologyError) as caught:
+            validated(WithScaling, entry, "stage 1 'talker'")
+        assert caught.value.key_of == (key_of or (entry, "scaling")), caught.value.key_of  # for the line
+        return str(caught.value)
+
+    ok = validated(WithScaling, {"stage_id": 1, "scaling": {"min_replicas": 2}}, "stage 1")
+    assert ok.scaling is not None and ok.scaling.min_replicas == 2
+    wrong = {"min_replicas": 0}
+    assert (
+        error(wrong, (wrong, "min_replicas"))
+        == "stage 1 'talker': scaling.min_replicas must be an integer >= 1, got 0"
+    )
+    misspelled = {"min_replicas": 1, "max_replica": 2}
+    assert error(misspelled, (misspelled, "max_replica")).startswith(
+        "stage 1 'talker': scaling: unknown key 'max_replica'; did you mean 'max_replicas'?"
+    )
+    assert error({}) == "stage 1 'talker': scaling has no min_replicas: key; it must be an integer >= 1"
+    assert error(3) == "stage 1 'talker': scaling must be a mapping, got int"

@@ -26,6 +26,7 @@ from omni_mesh.connectors import (
 )
 from omni_mesh.connectors.base import parse_config
 from omni_mesh.connectors.config import vllm_omni_keys as _vllm_omni_keys
+from omni_mesh.connectors.config.fields import aliases as config_aliases
 from omni_mesh.topology import TopologyError, parse_topology
 
 BUILT_IN = [
@@ -60,7 +61,7 @@ def no_effect_records(caplog: pytest.LogCaptureFixture, key: str) -> list[loggin
 # the table itself
 
 
-def test_every_built_in_connector_has_a_table_and_every_alias_names_a_real_field() -> None:
+def test_every_built_in_connector_has_a_table_and_its_aliases_are_on_its_fields() -> None:
     assert set(BUILT_IN) <= set(available_connectors())
     for name in BUILT_IN:
         cls = connector_class(name)
@@ -68,9 +69,11 @@ def test_every_built_in_connector_has_a_table_and_every_alias_names_a_real_field
         assert name in _vllm_omni_keys.KEYS, name
         for key, entry in _vllm_omni_keys.table_rows(name).items():
             assert key not in fields, f"{name}: {key} is our own field and needs no row"
-            if entry.kind == "alias":
-                assert entry.target in fields, f"{name}: {key} -> {entry.target}"
             assert entry.note, f"{name}: {key} says nothing about what it does"
+        for alias, target in config_aliases(cls.config_class).items():
+            assert alias not in fields and target in fields, f"{name}: {alias} -> {target}"
+            assert alias not in _vllm_omni_keys.table_rows(name), f"{name}: {alias} is a field's alias and a row"
+    assert config_aliases(connector_class("MooncakeConnector").config_class) == {"proto": "protocol", "rdma": "device_name"}
 
 
 @pytest.mark.parametrize("name", BUILT_IN)
@@ -336,6 +339,11 @@ def test_docs_show_every_row_of_the_table() -> None:
             part = section.split(f"### {name}", 1)[1].split("\n### ", 1)[0]
             for key in table:
                 assert f"| `{key}` |" in part, f"docs/connectors.md: {name} lacks {key}"
+    for name in BUILT_IN:
+        for alias, target in config_aliases(connector_class(name).config_class).items():
+            part = section.split(f"### {name.replace('MooncakeConnector', 'MooncakeStoreConnector')}", 1)[1]
+            part = part.split("\n### ", 1)[0]
+            assert f"| `{alias}` | read as `{target}` |" in part, f"docs/connectors.md: {name} lacks {alias}"
     every_connector = (_vllm_omni_keys._EVERY_CONNECTOR, _vllm_omni_keys._CHUNK_ADAPTER)
     for key in [name for table in (*every_connector, _vllm_omni_keys._MODEL_CODE) for name in table]:
         assert f"| `{key}` |" in section, key

@@ -17,9 +17,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
-from omni_mesh.connectors.config.parse import SIZE as SIZE
+from omni_mesh.connectors.config.fields import Size as Size
+from omni_mesh.connectors.config.fields import parse_size as parse_size
 from omni_mesh.connectors.config.parse import parse_config
-from omni_mesh.connectors.config.parse import parse_size as parse_size
 from omni_mesh.connectors.counters import Counters as Counters
 from omni_mesh.connectors.errors import ConnectorConfigError as ConnectorConfigError
 from omni_mesh.connectors.errors import ConnectorError as ConnectorError

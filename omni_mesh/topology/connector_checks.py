@@ -14,6 +14,7 @@ from omni_mesh.connectors import (
     connector_type,
     vllm_omni_keys,
 )
+from omni_mesh.connectors.config.fields import aliases
 from omni_mesh.connectors.config.values import unset_variables
 from omni_mesh.topology.model import ConnectorSpec, Edges, StageSpec, TopologyError, describe_edge
 
@@ -83,9 +84,8 @@ def _check_connector(ref: str, spec: ConnectorSpec, users: list[str], warnings: 
 
 
 def _config_field_names(kind: ConnectorType) -> set[str]:
+    """The keys the type's config class reads: its fields and their vllm-omni aliases."""
     config_class = kind.config_class
-    return (
-        {f.name for f in dataclasses.fields(config_class)}
-        if dataclasses.is_dataclass(config_class)
-        else set()
-    )
+    if not dataclasses.is_dataclass(config_class):
+        return set()
+    return {f.name for f in dataclasses.fields(config_class)} | set(aliases(config_class))

@@ -5,68 +5,52 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from omni_mesh.connectors import available_connectors, connector_type
+from omni_mesh.connectors import connector_type
 from omni_mesh.connectors.config.values import read_extra
 from omni_mesh.engines.settings import DTYPES, PART_ALIASES, PARTS, parse_engine
-from omni_mesh.topology.model import AUTO_CONNECTOR, ConnectorSpec, StageSpec, TopologyError
-from omni_mesh.topology.schema import (
-    CONNECTOR_KEYS,
-    HANDLER,
-    NAME,
-    STAGE_KEYS,
-    StageOwnKeys,
-    check_spelling,
-    known_keys,
-    near_miss,
-)
+from omni_mesh.topology.model import ConnectorSpec, StageSpec, TopologyError
+from omni_mesh.topology.schema import NAME, ConnectorEntry, Defaults, StageOwnKeys, known_keys
+from omni_mesh.topology.validation import validated
 
 _OWN_STAGE_KEYS = known_keys(StageOwnKeys)
 _NAME = re.compile(NAME)
-_HANDLER = re.compile(HANDLER)
 
 
-def parse_stage(entry: Any, index: int, defaults: dict[str, int]) -> StageSpec:
+def parse_stage(entry: Any, index: int, defaults: Defaults) -> StageSpec:
+    """One entry of stages:, its values checked by StageOwnKeys; what it leaves out comes from `defaults`."""
     if not isinstance(entry, dict):
         raise TopologyError(f"stage #{index}: a stage is a mapping with a stage_id, got {entry!r}")
-    if "stage_id" not in entry:
-        raise TopologyError(f"stage #{index} has no stage_id; give every stage an integer stage_id")
-    sid = entry["stage_id"]
-    if isinstance(sid, str) and sid.isdigit():  # vllm-omni compares stage ids as strings: "1" is 1
-        sid = int(sid)
-    if not isinstance(sid, int) or isinstance(sid, bool) or sid < 0:
-        raise TopologyError(f"stage #{index}: stage_id must be a non-negative integer, got {sid!r}")
-    name = entry.get("name", f"stage_{sid}")
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise TopologyError(
-            f"stage {sid}: name must be letters, digits, '_', '.' or '-' (starting with a letter or digit), "
-            f"got {name!r}"
-        )
+    own = validated(StageOwnKeys, entry, _who(entry, index))
+    sid, name = own.stage_id, own.name or f"stage_{own.stage_id}"
     who = f"stage {sid} {name!r}"
-    check_spelling(entry, STAGE_KEYS, who, "other keys go to the stage's handler as options")
-    handler = entry.get("handler")
-    if handler is not None and (not isinstance(handler, str) or not _HANDLER.match(handler)):
-        raise TopologyError(f"{who}: handler must look like 'package.module:function', got {handler!r}")
     engine = _engine(entry, who)
-    if engine is not None and handler is not None and "engine" in entry:
-        raise TopologyError(f"{who}: set handler: or engine:, not both (engine: runs a model part as the handler)")
-    if handler is not None:
-        engine = None  # a handler given with vllm-omni's engine_args runs the handler
-    final_output = entry.get("final_output", False)
-    if not isinstance(final_output, bool):
-        raise TopologyError(f"{who}: final_output must be true or false, got {final_output!r}")
+    if engine is not None and own.handler is not None and own.engine is not None:
+        raise TopologyError(
+            f"{who}: set handler: or engine:, not both (engine: runs a model part as the handler)"
+        )
     return StageSpec(
         stage_id=sid,
         name=name,
-        handler=handler,
-        replicas=positive_int(entry.get("replicas", defaults.get("replicas", 1)), f"{who}: replicas"),
-        max_inflight=positive_int(
-            entry.get("max_inflight", defaults.get("max_inflight", 8)), f"{who}: max_inflight"
-        ),
-        max_queued=_optional_count(entry.get("max_queued"), f"{who}: max_queued"),
-        final_output=final_output,
+        handler=own.handler,
+        replicas=own.replicas or defaults.replicas or 1,
+        max_inflight=own.max_inflight or defaults.max_inflight or 8,
+        max_queued=own.max_queued,
+        final_output=bool(own.final_output),
         options={key: value for key, value in entry.items() if key not in _OWN_STAGE_KEYS},
-        engine=engine,
+        # a handler given with vllm-omni's engine_args runs the handler
+        engine=engine if own.handler is None else None,
     )
+
+
+def _who(entry: dict, index: int) -> str:
+    """The stage as errors name it: by id and name, by id while its name is wrong, by position while its
+    id is."""
+    sid = entry.get("stage_id")
+    sid = int(sid) if isinstance(sid, str) and sid.isdigit() else sid
+    if not isinstance(sid, int) or isinstance(sid, bool) or sid < 0:
+        return f"stage #{index}"
+    name = entry.get("name", f"stage_{sid}")
+    return f"stage {sid} {name!r}" if isinstance(name, str) and _NAME.match(name) else f"stage {sid}"
 
 
 def _engine(entry: dict, who: str) -> dict | None:
@@ -101,30 +85,17 @@ def _sampling_defaults(params: Any, part: str) -> dict:
 
 
 def parse_connector_entry(entry: Any, ref: str, who: str, *, unknown_keys_ok: bool = False) -> ConnectorSpec:
-    """One connector; `extra` with variables expanded and numeric strings read as vllm-omni reads them."""
+    """One connector; `extra` with variables expanded and numeric strings read as vllm-omni reads them.
+    `unknown_keys_ok`: keys other than name and extra are left out (vllm-omni's loader reads only those)."""
     if not isinstance(entry, dict):
         raise TopologyError(
             f"{who}: a connector is a mapping {{name: <type>, extra: {{...}}}}, got {entry!r}"
         )
-    if "name" not in entry:
-        raise TopologyError(
-            f"{who} has no name: key; set it to a connector type ({', '.join(available_connectors())})"
-        )
-    name = entry["name"]
-    if not isinstance(name, str) or not name:
-        raise TopologyError(f"{who}: name must be a connector type such as {AUTO_CONNECTOR!r}, got {name!r}")
-    unknown = sorted(set(entry) - CONNECTOR_KEYS, key=str)
-    if unknown and not unknown_keys_ok:
-        meant = near_miss(unknown[0], CONNECTOR_KEYS)
-        hint = f"; did you mean {meant!r}?" if meant else ""
-        raise TopologyError(
-            f"{who}: unknown key {unknown[0]!r}{hint} (a connector has name: and extra:)", key_of=(entry, unknown[0])
-        )
-    extra = entry.get("extra") or {}
-    if not isinstance(extra, dict):
-        raise TopologyError(f"{who}: extra must be a mapping, got {extra!r}")
-    extra = read_extra(extra, _config_class_of(name))
-    return ConnectorSpec(ref=ref, name=name, extra=extra, auto=False)
+    if unknown_keys_ok:
+        entry = {key: value for key, value in entry.items() if key in known_keys(ConnectorEntry)}
+    spec = validated(ConnectorEntry, entry, who)
+    extra = read_extra(spec.extra or {}, _config_class_of(spec.name))
+    return ConnectorSpec(ref=ref, name=spec.name, extra=extra, auto=False)
 
 
 def _config_class_of(connector_name: str) -> Any:
@@ -133,20 +104,3 @@ def _config_class_of(connector_name: str) -> Any:
         return connector_type(connector_name).config_class
     except (ValueError, ImportError):
         return None  # reported with the edges that use it
-
-
-def positive_int(value: Any, what: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise TopologyError(f"{what} must be an integer >= 1, got {value!r}")
-    return value
-
-
-def _optional_count(value: Any, what: str) -> int | None:
-    """An optional integer >= 0 (null or absent: the default applies)."""
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise TopologyError(
-            f"{what} must be an integer >= 0 (0: never queue), got {value!r}; or leave it out"
-        )
-    return value

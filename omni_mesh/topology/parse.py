@@ -16,7 +16,7 @@ from typing import Any
 from omni_mesh import vllm_omni_deploy
 from omni_mesh.topology import schema
 from omni_mesh.topology.connector_checks import check_connectors
-from omni_mesh.topology.entries import parse_connector_entry, parse_stage, positive_int
+from omni_mesh.topology.entries import parse_connector_entry, parse_stage
 from omni_mesh.topology.graph import check_graph, unconnected_warning
 from omni_mesh.topology.model import (
     AUTO_CONNECTOR,
@@ -33,11 +33,11 @@ from omni_mesh.topology.model import (
 from omni_mesh.topology.modes import modes_warning
 from omni_mesh.topology.openai import read_openai_section
 from omni_mesh.topology.sections import Sections
+from omni_mesh.topology.validation import validated
 
 # An edge entry's keys; window_size and max_inflight are vllm-omni's scheduler's (its loader reads only
 # from and to), accepted and ignored here.
 _EDGE_KEYS = schema.known_keys(schema.EdgeEntry)
-_DEFAULT_KEYS = schema.known_keys(schema.Defaults)
 _TOP_KEYS = schema.known_keys(schema.TopologyFile)
 _FROM_KEY = re.compile(schema.FROM_KEY)
 _TO_KEY = re.compile(schema.TO_KEY)
@@ -136,15 +136,13 @@ class _Parser:
         topology.openai = read_openai_section(self.data.get("openai"), topology)
         return topology
 
-    def _defaults(self) -> dict[str, int]:
-        """`defaults: {replicas, max_inflight}` (also under runtime:, as vllm-omni writes them)."""
-        merged = self.sections.mapping("defaults", "default")
-        schema.check_spelling(merged, _DEFAULT_KEYS, "defaults", "other keys are vllm-omni's, ignored here")
-        return {key: positive_int(merged[key], f"defaults.{key}") for key in _DEFAULT_KEYS if key in merged}
+    def _defaults(self) -> schema.Defaults:
+        """`defaults:` (also under runtime:, as vllm-omni writes them)."""
+        return validated(schema.Defaults, self.sections.mapping("defaults", "default"), "defaults")
 
     # -- stages ------------------------------------------------------------------------------------
 
-    def _parse_stages(self, defaults: dict[str, int]) -> None:
+    def _parse_stages(self, defaults: schema.Defaults) -> None:
         raw = self._stage_list()
         names: dict[str, int] = {}
         for index, entry in enumerate(raw):
@@ -263,31 +261,14 @@ class _Parser:
         return decls
 
     def _stage_edge_decls(self, sid: int, raw: dict) -> Iterable[_EdgeDecl]:
+        """A stage's edges; parse_stage has checked the keys' shapes (schema.StageOwnKeys)."""
         who = self.describe(sid)
-        sources = raw.get("engine_input_source")
-        if sources is not None:
-            if not isinstance(sources, list):
-                raise TopologyError(f"{who}: engine_input_source must be a list of stage ids, e.g. [0]")
-            for src_value in sources:
-                src = self._stage_ref(src_value, f"{who}: engine_input_source")
-                yield _EdgeDecl(src, sid, None, f"{who} engine_input_source")
-        for key, (pattern, example) in (
-            ("input_connectors", (_FROM_KEY, "from_stage_0")),
-            ("output_connectors", (_TO_KEY, "to_stage_1")),
-        ):
-            mapping = raw.get(key)
-            if mapping is None:
-                continue
-            if not isinstance(mapping, dict):
-                raise TopologyError(f"{who}: {key} must be a mapping such as {{{example}: <connector>}}")
-            for item, value in mapping.items():
-                match = pattern.match(str(item))
-                if not match:
-                    raise TopologyError(
-                        f"{who}: {key} key {item!r} is malformed; write {example.rsplit('_', 1)[0]}_<stage id>, "
-                        f"e.g. {example}"
-                    )
-                other = self._stage_ref(int(match.group(1)), f"{who}: {key}.{item}")
+        for src_value in raw.get("engine_input_source") or []:
+            src = self._stage_ref(src_value, f"{who}: engine_input_source")
+            yield _EdgeDecl(src, sid, None, f"{who} engine_input_source")
+        for key, pattern in (("input_connectors", _FROM_KEY), ("output_connectors", _TO_KEY)):
+            for item, value in (raw.get(key) or {}).items():
+                other = self._stage_ref(int(pattern.match(item).group(1)), f"{who}: {key}.{item}")  # type: ignore[union-attr]
                 src, dst = (other, sid) if key == "input_connectors" else (sid, other)
                 where = f"{who} {key}.{item}"
                 yield _EdgeDecl(src, dst, self._resolve_connector(value, src, dst, where), where)
@@ -307,8 +288,9 @@ class _Parser:
             message = f"{where}: unknown key(s) {keys} in edge entry{hint} (allowed: connector, from, to)"
             self._skip_edge(message, "ignored")
         try:
-            src = self._stage_ref(entry["from"], f"{where}: from")
-            dst = self._stage_ref(entry["to"], f"{where}: to")
+            edge = validated(schema.EdgeEntry, {key: entry[key] for key in entry if key in _EDGE_KEYS}, where)
+            src = self._stage_ref(edge.src, f"{where}: from")
+            dst = self._stage_ref(edge.dst, f"{where}: to")
         except TopologyError as exc:
             return self._skip_edge(str(exc), "skipped: vllm-omni builds no stage for it")
         return _EdgeDecl(src, dst, self._resolve_connector(entry.get("connector"), src, dst, where), where)

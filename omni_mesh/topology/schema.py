@@ -12,23 +12,73 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Iterable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SkipValidation,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from omni_mesh.openai_section import ENCODINGS, SOURCES
 from omni_mesh.topology.model import TopologyError
+from omni_mesh.topology.validation import expect, misspelled, one_of, spelling_message
 
 #: How close (difflib's ratio) an unknown key must be to a known one to be taken as its misspelling.
 CUTOFF = 0.85
 
-StageRef = Annotated[int | str, Field(description="a stage id, or (in edges:) a stage name")]
+StageRef = Annotated[
+    StrictInt | StrictStr,
+    Field(description="a stage id, or (in edges:) a stage name"),
+    expect("must be a stage id or name"),
+]
 #: The keys of input_connectors and output_connectors (the group: the other stage's id).
 FROM_KEY = r"^from_stage_(\d+)$"
 TO_KEY = r"^to_stage_(\d+)$"
 #: Stage names become compose service names, shared-memory name parts and keys of `outputs`.
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+NAME_RULE = "letters, digits, '_', '.' or '-' (starting with a letter or digit)"
 HANDLER = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
+
+Count = Annotated[int, Field(strict=True, ge=1), expect("must be an integer >= 1")]
+Queue = Annotated[
+    int, Field(strict=True, ge=0), expect("must be an integer >= 0 (0: never queue), or left out")
+]
+Flag = Annotated[bool, Field(strict=True), expect("must be true or false")]
+Text = Annotated[str, Field(strict=True, pattern=r"\S"), expect("must be a non-empty string")]
+FieldName = Annotated[
+    str, Field(strict=True, min_length=1), expect("must name a field of the stage's output")
+]
+Name = Annotated[str, Field(strict=True, pattern=NAME), expect(f"must be {NAME_RULE}")]
+Handler = Annotated[
+    str, Field(strict=True, pattern=HANDLER), expect("must look like 'package.module:function'")
+]
+FromKey = Annotated[str, Field(pattern=FROM_KEY), expect("must be from_stage_<stage id>, e.g. from_stage_0")]
+ToKey = Annotated[str, Field(pattern=TO_KEY), expect("must be to_stage_<stage id>, e.g. to_stage_1")]
+ConnectorType = Annotated[
+    str, Field(strict=True, min_length=1), expect("must be a connector type such as 'SharedMemoryConnector'")
+]
+
+
+def _digits(value: Any) -> Any:
+    """vllm-omni compares stage ids as strings: "1" is stage 1."""
+    return int(value) if isinstance(value, str) and value.isdigit() else value
+
+
+StageId = Annotated[
+    int,
+    Field(strict=True, ge=0),
+    BeforeValidator(
+        _digits, json_schema_input_type=Annotated[int, Field(ge=0)] | Annotated[str, Field(pattern=r"^\d+$")]
+    ),
+    expect("must be a non-negative integer"),
+]
 
 
 class _Closed(BaseModel):
@@ -41,46 +91,66 @@ class _Open(BaseModel):
     """A section that also holds keys read by others (vllm-omni, a handler), minus misspellings."""
 
     model_config = ConfigDict(extra="allow", populate_by_name=True, defer_build=True)
+    #: The keys a key of the section must not be a near miss of (None: the model's own), and what the
+    #: section's other keys are, for the error.
+    spelled_as: ClassVar[frozenset[str] | None] = None
+    rule: ClassVar[str] = "other keys are vllm-omni's, ignored here"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _spelling(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in data:
+                meant = near_miss(key, cls.spelled_as or known_keys(cls))
+                if meant is not None:
+                    raise misspelled(key, meant, cls.rule)
+        return data
 
 
 class ConnectorEntry(_Closed):
-    name: str = Field(description="the connector type, e.g. SharedMemoryConnector")
-    extra: dict[str, Any] | None = Field(None, description="the type's settings (docs/connectors.md)")
+    name: ConnectorType = Field(description="the connector type, e.g. SharedMemoryConnector")
+    extra: Annotated[dict[str, Any], expect("must be a mapping")] | None = Field(
+        None, description="the type's settings (docs/connectors.md)"
+    )
 
 
 ConnectorRef = Annotated[
     str | ConnectorEntry, Field(description="a key under connectors:, or an inline {name, extra}")
 ]
+#: Read where an edge names it (parse._resolve_connector), with the edge in the error.
+LazyConnectorRef = SkipValidation[ConnectorRef | None]
 
 
 class EdgeEntry(_Closed):
     # Both required in omni-mesh's layout; vllm-omni's loader skips an entry without them (a warning here).
     src: StageRef | None = Field(None, alias="from")
     dst: StageRef | None = Field(None, alias="to")
-    connector: ConnectorRef | None = None
+    connector: LazyConnectorRef = None
     window_size: Any = Field(None, description="vllm-omni's scheduler setting; ignored here")
     max_inflight: Any = Field(None, description="vllm-omni's scheduler setting; ignored here")
 
 
 class Defaults(_Open):
-    replicas: int | None = Field(None, ge=1)
-    max_inflight: int | None = Field(None, ge=1)
+    replicas: Count | None = None
+    max_inflight: Count | None = None
 
 
 class StageOwnKeys(_Open):
     """The stage keys the topology interprets; the others are kept in StageSpec.options."""
 
-    stage_id: int | Annotated[str, Field(pattern=r"^\d+$")] = Field(ge=0)
-    name: str | None = Field(None, pattern=NAME)
-    handler: str | None = Field(None, pattern=HANDLER)
+    rule: ClassVar[str] = "other keys go to the stage's handler as options"
+
+    stage_id: StageId
+    name: Name | None = None
+    handler: Handler | None = None
     engine: dict[str, Any] | None = Field(None, description="a model part to run (docs/engines.md)")
-    replicas: int | None = Field(None, ge=1)
-    max_inflight: int | None = Field(None, ge=1)
-    max_queued: int | None = Field(None, ge=0)
-    final_output: bool | None = None
+    replicas: Count | None = None
+    max_inflight: Count | None = None
+    max_queued: Queue | None = None
+    final_output: Flag | None = None
     engine_input_source: list[StageRef] | None = None
-    input_connectors: dict[Annotated[str, Field(pattern=FROM_KEY)], ConnectorRef | None] | None = None
-    output_connectors: dict[Annotated[str, Field(pattern=TO_KEY)], ConnectorRef | None] | None = None
+    input_connectors: dict[FromKey, LazyConnectorRef] | None = None
+    output_connectors: dict[ToKey, LazyConnectorRef] | None = None
 
 
 class Stage(StageOwnKeys):
@@ -140,23 +210,46 @@ class Runtime(_Open):
 
 class OutputRefModel(_Closed):
     stage: StageRef = Field(description="a final stage, by name or id")
-    field: str = Field(min_length=1, description="the field of the stage's output")
+    field: FieldName = Field(description="the field of the stage's output")
 
 
 class AudioRefModel(OutputRefModel):
-    encoding: Literal[ENCODINGS] = "pcm16"  # type: ignore[valid-type]
-    sample_rate: int | None = Field(None, ge=1)
-    sample_rate_field: str | None = Field(None, min_length=1)
+    encoding: Annotated[Literal[ENCODINGS], one_of(ENCODINGS)] = "pcm16"  # type: ignore[valid-type]
+    sample_rate: (
+        Annotated[int, Field(strict=True, ge=1), expect("must be a positive integer (Hz)")] | None
+    ) = None
+    sample_rate_field: FieldName | None = None
+
+    @model_validator(mode="after")
+    def _rate(self) -> AudioRefModel:
+        if self.encoding != "wav" and (self.sample_rate is None) == (self.sample_rate_field is None):
+            raise PydanticCustomError(
+                "audio_rate",
+                "{encoding} audio needs its rate: set exactly one of sample_rate (Hz) and sample_rate_field",
+                {"encoding": self.encoding},
+            )
+        return self
 
 
 class OpenAISection(_Closed):
     """The `openai:` section (omni_mesh.openai_section)."""
 
-    model: str | None = Field(None, min_length=1)
-    inputs: dict[str, Literal[SOURCES]]  # type: ignore[valid-type]
+    model: Text | None = None
+    inputs: dict[
+        Annotated[str, Field(strict=True)], Annotated[Literal[SOURCES], one_of(SOURCES)]  # type: ignore[valid-type]
+    ] = Field(min_length=1, description="input name -> source, e.g. `inputs: {prompt: last_user_message}`")
     text_output: OutputRefModel | None = None
     audio_output: AudioRefModel | None = None
     usage_output: OutputRefModel | None = None
+
+    @model_validator(mode="after")
+    def _an_output(self) -> OpenAISection:
+        if self.text_output is None and self.audio_output is None:
+            raise PydanticCustomError(
+                "no_output",
+                "names neither text_output nor audio_output; add e.g. `text_output: {stage: <final stage>, field: text}`",
+            )
+        return self
 
 
 class TopologyFile(_Open):
@@ -186,6 +279,7 @@ def known_keys(model: type[BaseModel]) -> frozenset[str]:
 
 
 STAGE_KEYS = known_keys(Stage)
+StageOwnKeys.spelled_as = STAGE_KEYS  # a near miss of any stage key, vllm-omni's included, is a misspelling
 CONNECTOR_KEYS = known_keys(ConnectorEntry)
 
 
@@ -202,10 +296,7 @@ def check_spelling(section: dict, known: frozenset[str], where: str, rule: str) 
     for key in section:
         meant = near_miss(key, known)
         if meant is not None:
-            raise TopologyError(
-                f"{where}: unknown key {key!r}; did you mean {meant!r}? ({rule}, but not one this close to a known key)",
-                key_of=(section, key),
-            )
+            raise TopologyError(spelling_message(where, key, meant, rule), key_of=(section, key))
 
 
 def _typos(known: frozenset[str]) -> list[str]:

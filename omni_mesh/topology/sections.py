@@ -29,6 +29,9 @@ class Sections:
     def mapping(self, key: str, singular: str) -> dict:
         """`key` from the top level and from `runtime:`, merged; an item set differently in both is an error."""
         merged: dict = {}
+        found = [section[key] for section in (self.data, self.runtime) if section.get(key) is not None]
+        if len(found) == 1 and isinstance(found[0], dict):
+            return found[0]  # the file's own mapping, whose keys the loader knows the lines of
         for where, section in ((f"{key}:", self.data), (f"runtime.{key}:", self.runtime)):
             value = section.get(key)
             if value is None:

@@ -3,10 +3,12 @@ purpose (no backend library, no torch, no zmq): `omni-mesh validate`, `up` and `
 topologies with it without importing a connector.
 
     classes         every built-in connector's config class: its keys, defaults and `check(owner)`
-    checks          the value checks those `check`s share (ports, positive numbers, addresses)
-    parse           `parse_config` (a user's `extra:` -> the config class), `parse_size`, `ConnectorConfigError`
-    values          `$VAR` expansion and numeric strings, as vllm-omni reads its files
-    vllm_omni_keys  vllm-omni's names for connector keys: aliases, keys honoured, keys with no effect
+    checks          what `check`s share beyond the field types (protocols, HOST:PORT addresses)
+    fields          the fields' types (Int, Float, Size: numbers and sizes as vllm-omni's files write them)
+                    and vllm-omni's aliases of a field (`vllm_omni(...)`)
+    parse           `parse_config` (a user's `extra:` -> the config class), `ConnectorConfigError`
+    values          `$VAR` expansion, and numeric strings by key name for the topology's extra:
+    vllm_omni_keys  vllm-omni's other connector keys: honoured, or with no effect
 """
 
 from omni_mesh.connectors.config.classes import (
@@ -20,12 +22,15 @@ from omni_mesh.connectors.config.classes import (
     YuanrongTransferEngineConfig,
     ZmqConfig,
 )
-from omni_mesh.connectors.config.parse import SIZE, ConnectorConfigError, parse_config, parse_size
+from omni_mesh.connectors.config.fields import Float, Int, Size, parse_size, vllm_omni
+from omni_mesh.connectors.config.parse import ConnectorConfigError, parse_config
 
 __all__ = [
     "P2P",
     "InProcessConfig",
-    "SIZE",
+    "Float",
+    "Int",
+    "Size",
     "ConnectorConfigError",
     "MooncakeStoreConfig",
     "MooncakeTransferEngineConfig",
@@ -36,4 +41,5 @@ __all__ = [
     "ZmqConfig",
     "parse_config",
     "parse_size",
+    "vllm_omni",
 ]

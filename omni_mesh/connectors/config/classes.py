@@ -6,21 +6,25 @@ connector module re-exports its own (`from omni_mesh.connectors.zmq import ZmqCo
 from __future__ import annotations
 
 import re
-from dataclasses import field
+from typing import Annotated
 
-from pydantic import ConfigDict
 from pydantic.dataclasses import dataclass
 
-from omni_mesh.connectors.config.checks import (
-    check_engine_pull,
-    check_not_negative,
-    check_port,
-    check_positive,
-    check_protocol,
-    check_served,
-    split_address,
+from omni_mesh.connectors.config.checks import check_protocol, split_address
+from omni_mesh.connectors.config.fields import STRICT as _STRICT
+from omni_mesh.connectors.config.fields import (
+    AtLeastOne,
+    Int,
+    NonNegative,
+    NonNegativeInt,
+    Port,
+    Positive,
+    PositiveInt,
+    PositiveSize,
+    Size,
+    vllm_omni,
 )
-from omni_mesh.connectors.config.parse import SIZE, ConnectorConfigError
+from omni_mesh.connectors.errors import ConnectorConfigError
 
 __all__ = [
     "InProcessConfig",
@@ -33,10 +37,9 @@ __all__ = [
     "ZmqConfig",
 ]
 
-# Typed models (pydantic dataclasses: still dataclasses, so `dataclasses.fields` reads them). parse_config
-# has coerced and checked each value by the time one is built; strict mode makes a value that skipped it
-# (a config built in code) fail loudly instead of being converted quietly.
-_STRICT = ConfigDict(strict=True, extra="forbid", defer_build=True)  # built at first use, not import
+# Typed models (pydantic dataclasses: still dataclasses, so `dataclasses.fields` reads them). Int, Float
+# and Size read what vllm-omni's files write ("50051", "256MiB") where parse_config reads a user's
+# extra:; vllm_omni(...) names a field's vllm-omni alias.
 
 P2P = "P2PHANDSHAKE"  # the metadata_server value with nothing to deploy: peers exchange it point to point
 
@@ -45,9 +48,9 @@ P2P = "P2PHANDSHAKE"  # the metadata_server value with nothing to deploy: peers 
 
 @dataclass(frozen=True, config=_STRICT)
 class SharedMemoryConfig:
-    memory_pool_size: int = 256 * 1024 * 1024
+    memory_pool_size: Size = 256 * 1024 * 1024
     #: Frames up to this size travel inside the metadata instead of through shared memory.
-    inline_max_bytes: int = 16 * 1024
+    inline_max_bytes: Annotated[Size, vllm_omni("shm_threshold_bytes")] = 16 * 1024
     #: Copy tensors out on get (releasing the slot at once) instead of returning views over it.
     copy_on_get: bool = False
     #: Fault the pool's pages in when it is created, so no put pays for them.
@@ -58,14 +61,9 @@ class SharedMemoryConfig:
     #: Ceiling of the pool in bytes: it grows by segments sized for payloads that fit no free space, up
     #: to this much in all; past it, payloads take one-off segments (counted as fallbacks).
     #: 0: min(half of /dev/shm, 8 GiB), and never less than memory_pool_size.
-    max_pool_size: int = 0
+    max_pool_size: Size = 0
     #: Segments the pool grew by are returned to the system once unused for this long (seconds).
-    pool_idle_release_s: float = 30.0
-
-    def check(self, owner: str) -> None:
-        check_not_negative(
-            owner, max_pool_size=self.max_pool_size, pool_idle_release_s=self.pool_idle_release_s
-        )
+    pool_idle_release_s: NonNegative = 30.0
 
 
 # ---------------------------------------------------------------------- ZmqConnector
@@ -73,19 +71,15 @@ class SharedMemoryConfig:
 @dataclass(config=_STRICT)
 class ZmqConfig:
     host: str = "auto"  # address to bind and advertise ("auto": rule in omni_mesh.connectors._addresses)
-    port: int = 0  # 0: any free port
-    memory_pool_size: int = 1 << 30  # virtual until used; reused slots stay faulted in
+    port: Port = 0  # 0: any free port
+    memory_pool_size: Size = 1 << 30  # virtual until used; reused slots stay faulted in
     #: The pool grows by pre-faulted regions for payloads that fit no free space, up to this many bytes
     #: in all; past it a payload takes a one-off buffer (counted). 0: min(half of RAM, 8 GiB), never
     #: less than memory_pool_size.
-    max_pool_size: int = 0
-    pool_idle_release_s: float = 30.0  # regions the pool grew by go back once unused this long
-    ttl_s: float = 300.0  # unconsumed payloads are freed after this; 0 keeps them until cleanup()
-    get_timeout_s: float = 30.0  # deadline of get() when the caller gives none
-
-    def check(self, owner: str) -> None:
-        check_served(owner, "port", self.port, get_timeout_s=self.get_timeout_s, ttl_s=self.ttl_s)
-        check_not_negative(owner, max_pool_size=self.max_pool_size, pool_idle_release_s=self.pool_idle_release_s)
+    max_pool_size: Size = 0
+    pool_idle_release_s: NonNegative = 30.0  # regions the pool grew by go back once unused this long
+    ttl_s: NonNegative = 300.0  # unconsumed payloads are freed after this; 0 keeps them until cleanup()
+    get_timeout_s: Positive = 30.0  # deadline of get() when the caller gives none
 
 
 # ---------------------------------------------------------------------- MooncakeTransferEngineConnector
@@ -102,54 +96,38 @@ class MooncakeTransferEngineConfig:
     metadata_server: str = P2P
     #: The registered pool of this process, created at start. Send and receive pools alike grow by
     #: registered, pre-faulted regions for payloads that fit no free space, up to max_pool_size.
-    memory_pool_size: int = 512 * 1024 * 1024
+    memory_pool_size: PositiveSize = 512 * 1024 * 1024
     #: Ceiling of the pool (the largest payload must fit under it, on both sides); 0: min(half of
     #: RAM, 8 GiB), never less than memory_pool_size.
-    max_pool_size: int = 0
+    max_pool_size: Size = 0
     #: Regions the pool grew by are unregistered and dropped once unused this long (seconds).
-    pool_idle_release_s: float = 30.0
+    pool_idle_release_s: NonNegative = 30.0
     #: Fault the pool's pages in at start, so no transfer pays for first-touch page faults.
     prefault: bool = True
     #: Unconsumed payloads are freed this long after their put.
-    ttl_s: float = 300.0
+    ttl_s: Annotated[Positive, vllm_omni("buffer_ttl_seconds")] = 300.0
     #: TCP port of the ZeroMQ side channel consumers ask for payloads on; 0 picks a free one.
-    zmq_port: int = 0
+    zmq_port: Port = 0
     #: How long get() waits for the producer's side channel to accept a connection.
-    connect_timeout_s: float = 5.0
+    connect_timeout_s: Positive = 5.0
     #: How long get() waits for the producer to write a payload into this process's pool.
-    transfer_timeout_s: float = 60.0
+    transfer_timeout_s: Positive = 60.0
     #: How long put()/get() wait for pool space held by unconsumed payloads or live views.
-    pool_wait_s: float = 10.0
+    pool_wait_s: NonNegative = 10.0
     #: Copy tensors out of the pool on get (region freed at once) instead of returning views over it.
     copy_on_get: bool = False
     #: Concurrent outgoing transfers of this process.
-    transfer_threads: int = 4
+    transfer_threads: PositiveInt = 4
     #: Contiguous CPU tensors/arrays at least this large are sent from their own memory instead of
     #: being copied into the pool at put (protocol "tcp" only); they must not be mutated until consumed.
     #: 0 turns this off.
-    zero_copy_min_bytes: int = 1024 * 1024
+    zero_copy_min_bytes: Size = 1024 * 1024
     #: CUDA tensors go GPU to GPU, outside the frame, when the installed Mooncake wheel is the CUDA
     #: build (extra `mooncake-cuda`); false, or the non-CUDA wheel, sends them through host memory.
     device_transfer: bool = True
 
     def check(self, owner: str) -> None:
         check_protocol(owner, self.protocol)
-        check_positive(
-            owner,
-            memory_pool_size=self.memory_pool_size,
-            ttl_s=self.ttl_s,
-            connect_timeout_s=self.connect_timeout_s,
-            transfer_timeout_s=self.transfer_timeout_s,
-            transfer_threads=self.transfer_threads,
-        )
-        check_not_negative(
-            owner,
-            zero_copy_min_bytes=self.zero_copy_min_bytes,
-            pool_wait_s=self.pool_wait_s,
-            max_pool_size=self.max_pool_size,
-            pool_idle_release_s=self.pool_idle_release_s,
-        )
-        check_port(owner, "zmq_port", self.zmq_port)
         if not self.host.strip():
             raise ConnectorConfigError(f"{owner}: host must be an address or 'auto'")
 
@@ -169,26 +147,25 @@ class MooncakeStoreConfig:
     #: HOST:PORT of the mooncake_master RPC service.
     master: str = "127.0.0.1:50051"
     #: Bytes this process contributes to the store ("512MiB"); 0 makes it a pure client.
-    segment: int = field(default=_DEFAULT_SEGMENT, metadata=SIZE)
+    segment: Size = _DEFAULT_SEGMENT
     #: Registered local buffer puts are staged in and gets land in ("256MiB"); the largest frame must fit.
-    localbuf: int = field(default=_DEFAULT_LOCALBUF, metadata=SIZE)
+    localbuf: PositiveSize = _DEFAULT_LOCALBUF
     #: "tcp" or "rdma".
-    protocol: str = "tcp"
-    #: RDMA device(s), e.g. "mlx5_0"; "" lets the store choose. (vllm-omni's `proto` and `rdma` are read
-    #: as protocol and device_name: connectors/config/vllm_omni_keys.py.)
-    device_name: str = ""
+    protocol: Annotated[str, vllm_omni("proto")] = "tcp"
+    #: RDMA device(s), e.g. "mlx5_0"; "" lets the store choose.
+    device_name: Annotated[str, vllm_omni("rdma")] = ""
     #: How long to wait for the master to accept a TCP connection before giving up.
-    master_connect_timeout_s: float = 3.0
+    master_connect_timeout_s: Positive = 3.0
     #: How long the stage runtime waits (get_with_deadline) for a key that is not in the store yet.
-    get_timeout_s: float = 10.0
+    get_timeout_s: Positive = 10.0
     #: Keys nobody consumed are removed this long after their put.
-    ttl_s: float = 300.0
+    ttl_s: Positive = 300.0
     #: Copies of each payload the store keeps (on distinct segments).
-    replica_num: int = 1
+    replica_num: PositiveInt = 1
     #: Prepended to every store key, keeping omni-mesh's keys apart from other users of the master.
     key_prefix: str = "omni-mesh/"
     #: How long put()/get() wait for local buffer space held by live views.
-    pool_wait_s: float = 10.0
+    pool_wait_s: NonNegative = 10.0
     #: Copy tensors out on get (region freed at once) instead of returning views over it.
     copy_on_get: bool = False
     #: Fault the local buffer's pages in at start, so no transfer pays for first-touch page faults.
@@ -196,15 +173,6 @@ class MooncakeStoreConfig:
 
     def check(self, owner: str) -> None:
         check_protocol(owner, self.protocol)
-        check_positive(
-            owner,
-            localbuf=self.localbuf,
-            master_connect_timeout_s=self.master_connect_timeout_s,
-            get_timeout_s=self.get_timeout_s,
-            ttl_s=self.ttl_s,
-            replica_num=self.replica_num,
-        )
-        check_not_negative(owner, pool_wait_s=self.pool_wait_s)
         split_address(self.master, owner, "master")
         if not self.host.strip():
             raise ConnectorConfigError(f"{owner}: host must be an address or 'auto'")
@@ -219,12 +187,12 @@ _PREFIX = re.compile(r"^[A-Za-z0-9_\-]{0,64}$")
 @dataclass(config=_STRICT)
 class YuanrongConfig:
     host: str = "127.0.0.1"  # the datasystem worker on this host
-    port: int = 31501
-    connect_timeout_ms: int = 3000  # an unreachable worker is reported after this
-    req_timeout_ms: int = 0  # per-request limit; 0: same as connect_timeout_ms
-    get_sub_timeout_ms: int = 20  # longest single blocking call while get() waits (it holds the GIL)
-    get_timeout_s: float = 30.0  # deadline of get() when the caller gives none
-    ttl_s: float = 300.0  # the worker deletes unconsumed payloads after this; 0 keeps them until cleanup()
+    port: Int = 31501
+    connect_timeout_ms: PositiveInt = 3000  # an unreachable worker is reported after this
+    req_timeout_ms: NonNegativeInt = 0  # per-request limit; 0: same as connect_timeout_ms
+    get_sub_timeout_ms: PositiveInt = 20  # longest single blocking call while get() waits (it holds the GIL)
+    get_timeout_s: Positive = 30.0  # deadline of get() when the caller gives none
+    ttl_s: NonNegative = 300.0  # the worker deletes unconsumed payloads after this; 0 keeps them until cleanup()
     write_mode: str = "NONE_L2_CACHE"  # or WRITE_THROUGH_L2_CACHE / WRITE_BACK_L2_CACHE / NONE_L2_CACHE_EVICT
     key_prefix: str = "omni"  # namespace for pipelines sharing one worker cluster
     token: str = ""
@@ -235,13 +203,6 @@ class YuanrongConfig:
     def check(self, owner: str) -> None:
         if not 0 < self.port < 65536:
             raise ConnectorConfigError(f"{owner}: port must be the worker's port (1-65535), got {self.port}")
-        check_positive(
-            owner,
-            connect_timeout_ms=self.connect_timeout_ms,
-            get_sub_timeout_ms=self.get_sub_timeout_ms,
-            get_timeout_s=self.get_timeout_s,
-        )
-        check_not_negative(owner, req_timeout_ms=self.req_timeout_ms, ttl_s=self.ttl_s)
         if self.write_mode not in WRITE_MODES:
             raise ConnectorConfigError(
                 f"{owner}: write_mode must be one of {', '.join(WRITE_MODES)}, got {self.write_mode!r}"
@@ -257,18 +218,16 @@ class YuanrongConfig:
 @dataclass(config=_STRICT)
 class YuanrongTransferEngineConfig:
     host: str = "auto"  # address to bind and advertise (rule in omni_mesh.connectors._addresses)
-    zmq_port: int = 0  # side channel; 0 picks a free port
-    rpc_port: int = 0  # the transfer engine's RPC port; 0 picks a free port
+    zmq_port: Port = 0  # side channel; 0 picks a free port
+    rpc_port: Port = 0  # the transfer engine's RPC port; 0 picks a free port
     protocol: str = "ascend"
     device_name: str = "auto"  # "npu:N"; auto: npu:$LOCAL_RANK (0 without it)
-    memory_pool_size: int = 1 << 30
+    memory_pool_size: PositiveSize = 1 << 30
     memory_pool_device: str = "auto"  # "npu:N"; auto: the device_name's NPU
-    ttl_s: float = 300.0  # unconsumed payloads are freed after this; 0 keeps them until cleanup()
-    get_timeout_s: float = 30.0  # deadline of get() when the caller gives none
+    ttl_s: Annotated[NonNegative, vllm_omni("buffer_ttl_seconds")] = 300.0  # unconsumed payloads are freed after this; 0 keeps them until cleanup()
+    get_timeout_s: Positive = 30.0  # deadline of get() when the caller gives none
 
     def check(self, owner: str) -> None:
-        check_engine_pull(owner, self)
-        check_port(owner, "rpc_port", self.rpc_port)
         for name in ("device_name", "memory_pool_device"):
             value = getattr(self, name)
             if value != "auto" and not (value == "npu" or value.startswith("npu:")):
@@ -286,25 +245,23 @@ POLL_MODES = ("polling", "event")
 @dataclass(config=_STRICT)
 class MoriConfig:
     host: str = "auto"  # address to bind and advertise (rule in omni_mesh.connectors._addresses)
-    port: int = 0  # the IOEngine's own port (IOEngineConfig.port); 0 lets MORI pick
-    zmq_port: int = 0  # side channel; 0 picks a free port
+    port: Port = 0  # the IOEngine's own port (IOEngineConfig.port); 0 lets MORI pick
+    zmq_port: Port = 0  # side channel; 0 picks a free port
     backend_type: str = "rdma"  # rdma (NICs) | xgmi (GPU to GPU, needs a GPU pool)
     # RDMA NIC(s), e.g. "mlx5_0" or "mlx5_0,mlx5_1" (exported as MORI_RDMA_DEVICES); "": MORI's choice
     device_name: str = ""
-    memory_pool_size: int = 1 << 30
+    memory_pool_size: PositiveSize = 1 << 30
     memory_pool_device: str = "cpu"  # cpu | cuda | cuda:N (ROCm GPUs are "cuda" in torch)
-    qp_per_transfer: int = 1
-    post_batch_size: int = field(default=-1, metadata={"size": False})  # work requests per post; -1: MORI's
-    num_worker_threads: int = 1
+    qp_per_transfer: AtLeastOne = 1
+    post_batch_size: Int = -1  # work requests per post; -1: MORI's
+    num_worker_threads: AtLeastOne = 1
     poll_cq_mode: str = "polling"  # polling | event
-    xgmi_num_streams: int = 64
-    xgmi_num_events: int = 64
-    ttl_s: float = 300.0  # unconsumed payloads are freed after this; 0 keeps them until cleanup()
-    get_timeout_s: float = 30.0  # deadline of get() when the caller gives none
+    xgmi_num_streams: AtLeastOne = 64
+    xgmi_num_events: AtLeastOne = 64
+    ttl_s: Annotated[NonNegative, vllm_omni("buffer_ttl_seconds")] = 300.0  # unconsumed payloads are freed after this; 0 keeps them until cleanup()
+    get_timeout_s: Positive = 30.0  # deadline of get() when the caller gives none
 
     def check(self, owner: str) -> None:
-        check_engine_pull(owner, self)
-        check_port(owner, "port", self.port)
         if self.backend_type not in BACKENDS:
             raise ConnectorConfigError(
                 f"{owner}: backend_type must be one of {', '.join(BACKENDS)}, got {self.backend_type!r}"
@@ -320,11 +277,6 @@ class MoriConfig:
             raise ConnectorConfigError(
                 f"{owner}: backend_type xgmi links GPUs; set memory_pool_device to cuda or cuda:N"
             )
-        for field_name in ("qp_per_transfer", "num_worker_threads", "xgmi_num_streams", "xgmi_num_events"):
-            if getattr(self, field_name) < 1:
-                raise ConnectorConfigError(
-                    f"{owner}: {field_name} must be at least 1, got {getattr(self, field_name)}"
-                )
         if self.post_batch_size == 0 or self.post_batch_size < -1:
             raise ConnectorConfigError(f"{owner}: post_batch_size must be -1 (MORI's default) or positive")
 
@@ -334,9 +286,8 @@ class MoriConfig:
 @dataclass(frozen=True, config=_STRICT)
 class InProcessConfig:
     namespace: str = "default"  # connectors of one namespace in a process share their payloads
-    memory_limit: int = 1 << 30  # bytes one namespace holds at most; a put beyond it fails
+    memory_limit: PositiveInt = 1 << 30  # bytes one namespace holds at most; a put beyond it fails
 
     def check(self, owner: str) -> None:
         if not self.namespace:
             raise ConnectorConfigError(f"{owner}: namespace must not be empty")
-        check_positive(owner, memory_limit=self.memory_limit)

@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 from omni_mesh.connectors.config import vllm_omni_keys
-from omni_mesh.connectors.config.parse import is_size
+from omni_mesh.connectors.config.fields import aliases, is_size
 
 _VARIABLE = {"type": "string", "pattern": r"\$", "description": "a $VAR or ${VAR:-default}"}
 _INT_TEXT = {"type": "string", "pattern": r"^\s*[+-]?\d+\s*$"}
@@ -19,20 +19,18 @@ _SIZE_TEXT = {"type": "string", "pattern": r"(?i)^\s*\d+(\.\d+)?\s*[KMGT]?i?B?\s
 
 def extra_schema(owner: str, config_class: type) -> dict[str, Any]:
     """The schema of `extra:` for the connector type `owner`, whose config dataclass is `config_class`."""
-    properties = {field.name: _field_schema(field) for field in dataclasses.fields(config_class)}
+    properties = {
+        field.name: _field_schema(field, is_size(config_class, field.name))
+        for field in dataclasses.fields(config_class)
+    }
+    for alias, target in aliases(config_class).items():
+        properties[alias] = {**properties[target], "description": f"vllm-omni's name for {target}"}
     patterns: dict[str, Any] = {}
     for key, entry in vllm_omni_keys.table_rows(owner).items():
-        if key in properties:
-            continue
         note = f"vllm-omni's key ({entry.kind}): {entry.note}".rstrip(": ")
         if key.endswith("*"):
             patterns[f"^{re.escape(key[:-1])}"] = {"description": note}
-        elif entry.kind == "alias" and entry.target in properties:
-            properties[key] = {
-                **properties[entry.target],
-                "description": f"vllm-omni's name for {entry.target}",
-            }
-        else:
+        elif key not in properties:
             properties[key] = {"description": note}
     return {
         "type": "object",
@@ -43,11 +41,11 @@ def extra_schema(owner: str, config_class: type) -> dict[str, Any]:
     }
 
 
-def _field_schema(field: dataclasses.Field) -> dict[str, Any]:
+def _field_schema(field: dataclasses.Field, size: bool) -> dict[str, Any]:
     default = field.default
     if isinstance(default, bool):
         typed: list[dict[str, Any]] = [{"type": "boolean"}]
-    elif isinstance(default, int) and is_size(field):
+    elif isinstance(default, int) and size:
         typed = [{"type": "integer", "minimum": 0}, _SIZE_TEXT]
     elif isinstance(default, int):
         typed = [{"type": "integer"}, _INT_TEXT]

@@ -2,24 +2,24 @@
 
 vllm-omni's connectors expand `$VAR`, `${VAR}` and `${VAR:-default}` from the environment (a variable
 that is not set stays as written) and read ports and sizes with `int(...)`, so `"50051"` is a port.
-`read_extra` is the rule, applied by `parse_config` to every connector config (so also to a config
-given straight to `create_connector`) and by the topology when it loads a file, in every process that
-loads it: a stage on another host expands the variables of its own environment.
+`parse_config` expands the variables of every connector config (so also of a config given straight to
+`create_connector`) and its fields' types read the numbers (config/fields.py); `read_extra` does both
+for the topology when it loads a file, in every process that loads it: a stage on another host
+expands the variables of its own environment.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["coerce_numbers", "expand_env", "numeric_fields", "read_extra", "unset_variables"]
+from omni_mesh.connectors.config.fields import fields_of, number
+
+__all__ = ["expand_env", "read_extra", "unset_variables"]
 
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
-_INT = re.compile(r"^[+-]?\d+$")
-_FLOAT = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?$")
 # Keys vllm-omni reads with int() whatever the connector: ports and sizes (Mooncake's segment and
 # localbuf are sizes in bytes).
 _SIZE_KEYS = frozenset({"segment", "localbuf"})
@@ -28,7 +28,11 @@ _SIZE_KEYS = frozenset({"segment", "localbuf"})
 def read_extra(extra: dict[str, Any], config_class: Any = None) -> dict[str, Any]:
     """`extra` as vllm-omni reads it: variables expanded, then numeric strings read as numbers where
     a number is meant (ports, sizes and `config_class`'s numeric fields)."""
-    return coerce_numbers(expand_env(extra), numeric_fields(config_class))
+    kinds = {name: field.annotation for name, field in fields_of(config_class).items()}
+    return {
+        key: number(value, int if _is_port_or_size(key) else kinds.get(key))
+        for key, value in expand_env(extra).items()
+    }
 
 
 def expand_env(value: Any, environ: Mapping[str, str] | None = None) -> Any:
@@ -62,34 +66,7 @@ def unset_variables(value: Any) -> list[str]:
     return []
 
 
-def numeric_fields(config_class: Any) -> dict[str, type]:
-    """{field: int or float} for the numeric fields of a connector's config dataclass."""
-    if not dataclasses.is_dataclass(config_class):
-        return {}
-    kinds: dict[str, type] = {}
-    for field in dataclasses.fields(config_class):
-        default = field.default
-        if isinstance(default, (int, float)) and not isinstance(default, bool):
-            kinds[field.name] = type(default)
-    return kinds
-
-
-def coerce_numbers(extra: dict[str, Any], numeric: Mapping[str, type] | None = None) -> dict[str, Any]:
-    """`extra` with numeric strings turned into numbers where a number is meant: ports and sizes
-    (by their names, as vllm-omni reads them) and the connector's own numeric fields (`numeric`)."""
-    numeric = numeric or {}
-    coerced = dict(extra)
-    for key, value in extra.items():
-        if not isinstance(value, str) or not isinstance(key, str):
-            continue
-        text = value.strip()
-        if _is_port_or_size(key) or numeric.get(key) is int:
-            if _INT.match(text):
-                coerced[key] = int(text)
-        elif numeric.get(key) is float and _FLOAT.match(text):
-            coerced[key] = float(text)
-    return coerced
-
-
-def _is_port_or_size(key: str) -> bool:
-    return key == "port" or key.endswith(("_port", "_size", "_bytes")) or key in _SIZE_KEYS
+def _is_port_or_size(key: object) -> bool:
+    return isinstance(key, str) and (
+        key == "port" or key.endswith(("_port", "_size", "_bytes")) or key in _SIZE_KEYS
+    )

@@ -2,9 +2,9 @@
 
 vllm-omni's users bring their `extra:` mappings as they are, so every key a vllm-omni connector of
 the same name reads (its `__init__`, its stage-config YAMLs, the keys its orchestrator injects into
-every connector's config) is accepted here under that name:
+every connector's config) is accepted here under that name. A key with the meaning of one of our fields
+is that field's alias, declared on the field (`vllm_omni(...)` in config/classes.py); the others:
 
-    alias     the same meaning as one of our fields: the value is read as that field
     honoured  a meaning we have without a field of that name (the note says how), accepted silently
     no effect accepted, with one warning per key and process that names it and says it does nothing
 
@@ -26,30 +26,24 @@ __all__ = ["KEYS", "VLLM_OMNI_ONLY", "VllmKey", "did_you_mean", "known_keys", "l
 
 log = logging.getLogger("omni_mesh.connectors")
 
-Kind = Literal["alias", "honoured", "no effect"]
+Kind = Literal["honoured", "no effect"]
 
 
 @dataclass(frozen=True)
 class VllmKey:
     kind: Kind
-    #: Our field, for an alias.
-    target: str | None = None
     #: What the key means in vllm-omni and why we do what we do.
     note: str = ""
     #: Values that ask for exactly what we do anyway (no warning for these); empty: any value.
     same_as_ours: tuple[Any, ...] = ()
 
 
-def _alias(target: str, note: str = "") -> VllmKey:
-    return VllmKey("alias", target, note)
-
-
 def _honoured(note: str, same_as_ours: tuple[Any, ...] = ()) -> VllmKey:
-    return VllmKey("honoured", None, note, same_as_ours)
+    return VllmKey("honoured", note, same_as_ours)
 
 
 def _no_effect(note: str, same_as_ours: tuple[Any, ...] = ()) -> VllmKey:
-    return VllmKey("no effect", None, note, same_as_ours)
+    return VllmKey("no effect", note, same_as_ours)
 
 
 # Keys vllm-omni's orchestrator and chunk adapter put into every connector's extra.
@@ -110,17 +104,9 @@ _SENDER = {
     "sender_host": _no_effect("the producer a receiver asks when get() has no metadata; put()'s metadata names it"),
     "sender_zmq_port": _no_effect("the producer's side-channel port for a get() without metadata; see sender_host"),
 }
-_TTL = {"buffer_ttl_seconds": _alias("ttl_s", "unconsumed payloads are freed this long after their put")}
-
-_MOONCAKE_STORE: dict[str, VllmKey] = {
-    "proto": _alias("protocol", "tcp or rdma"),
-    "rdma": _alias("device_name", "the RDMA device(s)"),
-}
-
 #: connector name -> {vllm-omni key: what we do}, beyond the keys that are our own fields by name.
 KEYS: dict[str, dict[str, VllmKey]] = {
     "SharedMemoryConnector": {
-        "shm_threshold_bytes": _alias("inline_max_bytes", "payloads up to this size travel inline in the metadata"),
         "raw_tensor_shm": _no_effect(
             "vllm-omni's raw-tensor segments; our codec lays every tensor out raw already"
         ),
@@ -132,19 +118,17 @@ KEYS: dict[str, dict[str, VllmKey]] = {
             "the namespace of vllm-omni's put notifications; see shm_event_notifications"
         ),
     },
-    "MooncakeStoreConnector": _MOONCAKE_STORE,
-    "MooncakeConnector": _MOONCAKE_STORE,
+    "MooncakeStoreConnector": {},
+    "MooncakeConnector": {},
     "MooncakeTransferEngineConnector": {
-        **_TTL,
         **_SENDER,
         "memory_pool_device": _no_effect(
             "our pool is host memory; CUDA tensors go GPU to GPU outside it (device_transfer)", ("cpu",)
         ),
     },
-    "MoriTransferEngineConnector": {**_TTL, **_SENDER},
+    "MoriTransferEngineConnector": _SENDER,
     "YuanrongConnector": {},
     "YuanrongTransferEngineConnector": {
-        **_TTL,
         **_SENDER,
         "transfer_engine_python_path": _no_effect("where vllm-omni imports transfer_engine from; we import yr.datasystem"),
     },

@@ -7,7 +7,7 @@ side channel runs CURVE both ways (`served.guard`). Subclasses decide how the
 bytes move (in the reply itself, or pulled by a transfer engine) and which requests the server answers.
 
 Config fields every subclass has: host, its side-channel port (`port_field`), memory_pool_size,
-ttl_s, get_timeout_s; each config's `check()` checks them with `config.checks.check_served`.
+ttl_s, get_timeout_s; their types in config/classes.py (Port, Positive, NonNegative) check them.
 """
 
 from __future__ import annotations

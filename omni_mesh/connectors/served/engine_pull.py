@@ -5,8 +5,8 @@ its ZeroMQ side channel. The consumer claims the payload over the side channel (
 be cleaned up mid-read), pulls the bytes into its own registered pool with the engine, releases the
 payload (the producer frees the slot) and decodes. Subclasses supply the engine.
 
-Config fields every subclass has: host, zmq_port, memory_pool_size, ttl_s, get_timeout_s (checked by
-`config.checks.check_engine_pull` from each config's `check()`).
+Config fields every subclass has: host, zmq_port, memory_pool_size, ttl_s, get_timeout_s (checked by their
+types in config/classes.py: Port, PositiveSize, Positive, NonNegative).
 """
 
 from __future__ import annotations
