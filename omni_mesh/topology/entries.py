@@ -8,6 +8,7 @@ from typing import Any
 from omni_mesh.connectors import available_connectors, connector_type
 from omni_mesh.connectors.config.values import read_extra
 from omni_mesh.engines.settings import DTYPES, PART_ALIASES, PARTS, parse_engine
+from omni_mesh.topology.autoscale import read_autoscale
 from omni_mesh.topology.model import AUTO_CONNECTOR, ConnectorSpec, StageSpec, TopologyError
 from omni_mesh.topology.schema import (
     CONNECTOR_KEYS,
@@ -25,7 +26,7 @@ _NAME = re.compile(NAME)
 _HANDLER = re.compile(HANDLER)
 
 
-def parse_stage(entry: Any, index: int, defaults: dict[str, int]) -> StageSpec:
+def parse_stage(entry: Any, index: int, defaults: dict[str, Any]) -> StageSpec:
     if not isinstance(entry, dict):
         raise TopologyError(f"stage #{index}: a stage is a mapping with a stage_id, got {entry!r}")
     if "stage_id" not in entry:
@@ -54,11 +55,15 @@ def parse_stage(entry: Any, index: int, defaults: dict[str, int]) -> StageSpec:
     final_output = entry.get("final_output", False)
     if not isinstance(final_output, bool):
         raise TopologyError(f"{who}: final_output must be true or false, got {final_output!r}")
+    replicas = entry["replicas"] if "replicas" in entry else defaults.get("replicas")
+    replicas = None if "replicas" not in entry and replicas is None else positive_int(replicas, f"{who}: replicas")
+    autoscale, replicas = read_autoscale(entry.get("autoscale"), defaults.get("autoscale"), replicas, who)
     return StageSpec(
         stage_id=sid,
         name=name,
         handler=handler,
-        replicas=positive_int(entry.get("replicas", defaults.get("replicas", 1)), f"{who}: replicas"),
+        replicas=replicas or 1,
+        autoscale=autoscale,
         max_inflight=positive_int(
             entry.get("max_inflight", defaults.get("max_inflight", 8)), f"{who}: max_inflight"
         ),

@@ -136,15 +136,17 @@ class _Parser:
         topology.openai = read_openai_section(self.data.get("openai"), topology)
         return topology
 
-    def _defaults(self) -> dict[str, int]:
+    def _defaults(self) -> dict[str, Any]:
         """`defaults: {replicas, max_inflight}` (also under runtime:, as vllm-omni writes them)."""
         merged = self.sections.mapping("defaults", "default")
         schema.check_spelling(merged, _DEFAULT_KEYS, "defaults", "other keys are vllm-omni's, ignored here")
-        return {key: positive_int(merged[key], f"defaults.{key}") for key in _DEFAULT_KEYS if key in merged}
+        counts = _DEFAULT_KEYS - {"autoscale"}  # autoscale: is a mapping, read with each stage
+        out = {key: positive_int(merged[key], f"defaults.{key}") for key in counts if key in merged}
+        return {**out, "autoscale": merged["autoscale"]} if "autoscale" in merged else out
 
     # -- stages ------------------------------------------------------------------------------------
 
-    def _parse_stages(self, defaults: dict[str, int]) -> None:
+    def _parse_stages(self, defaults: dict[str, Any]) -> None:
         raw = self._stage_list()
         names: dict[str, int] = {}
         for index, entry in enumerate(raw):

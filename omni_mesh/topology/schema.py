@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from omni_mesh.openai_section import ENCODINGS, SOURCES
+from omni_mesh.topology.autoscale import AutoscaleSection
 from omni_mesh.topology.model import TopologyError
 
 #: How close (difflib's ratio) an unknown key must be to a known one to be taken as its misspelling.
@@ -65,6 +66,7 @@ class EdgeEntry(_Closed):
 class Defaults(_Open):
     replicas: int | None = Field(None, ge=1)
     max_inflight: int | None = Field(None, ge=1)
+    autoscale: AutoscaleSection | None = None
 
 
 class StageOwnKeys(_Open):
@@ -77,6 +79,7 @@ class StageOwnKeys(_Open):
     replicas: int | None = Field(None, ge=1)
     max_inflight: int | None = Field(None, ge=1)
     max_queued: int | None = Field(None, ge=0)
+    autoscale: AutoscaleSection | None = Field(None, description="replicas follow the load (docs/topology.md)")
     final_output: bool | None = None
     engine_input_source: list[StageRef] | None = None
     input_connectors: dict[Annotated[str, Field(pattern=FROM_KEY)], ConnectorRef | None] | None = None
