@@ -1,15 +1,18 @@
 """Scale to zero under `omni-mesh up`, with real processes: a stage at `min_replicas: 0` goes to zero
 replicas once idle for its downscale delay; /ready then says it is scaled to zero (200, not broken);
 the next request waits, within its deadline, while a replica starts, and succeeds; the cold start is
-reported (its time in /v1/stages, a log line)."""
+reported (its time in /v1/stages, a log line); `omni-mesh status` and the dashboard show each stage's target."""
 
 from __future__ import annotations
 
+import re
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from support.meshkit import running_mesh, wait_for
+from support.browser import rendered
+from support.meshkit import OMNI_MESH, running_mesh, wait_for
 
 pytestmark = pytest.mark.usefixtures("no_segment_left")
 
@@ -54,6 +57,11 @@ def test_an_idle_stage_goes_to_zero_and_the_next_request_starts_it(tmp_path: Pat
         assert "autoscale: idle 0 -> 1: 1 ongoing" in mesh.log()
         assert "autoscale: idle cold start" in mesh.log()
         mesh.remember_tree()
+        status = subprocess.run([str(OMNI_MESH), "status", mesh.url], capture_output=True, text=True, timeout=60)
+        assert re.search(r"^idle\s+\d/\d\s+[01]\*", status.stdout, re.M), status.stdout + status.stderr
+        assert re.search(r"^front\s+1/1\s+1\s", status.stdout, re.M), status.stdout
+        dom = rendered(f"{mesh.url}/dashboard")  # the dashboard shows now -> target (min-max)
+        assert re.search(r'data-stage="idle".*?<td>[01] → [01] \(0-2\)</td>', dom, re.S), dom[-3000:]
         # Idle again: back to zero, and what its replica held is gone with it (Mesh.stop checks /dev/shm).
         wait_for(idle, 30.0, "stage idle back at zero replicas", interval_s=0.2)
         print(f"\ncold start: {cold:.2f} s for the request, {took:.2f} s reported by the autoscaler")
