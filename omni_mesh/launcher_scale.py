@@ -73,7 +73,8 @@ class Scaler:
         self.make_replica = make_replica
         self.url = url
         self.cap = cap
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        # Its own User-Agent: the coordinator's access log leaves these polls out (coordinator/access.py).
+        headers = {"user-agent": "omni-mesh-autoscale", **({"authorization": f"Bearer {api_key}"} if api_key else {})}
         self.client = httpx.Client(timeout=2.0, headers=headers, verify=verify) if self.stages else None
         self.next_poll = 0.0
         self.short_of: dict[str, int] = {}  # stage -> replicas the cap kept it from starting (logged once)
@@ -104,6 +105,8 @@ class Scaler:
 
     def _act(self, stage: StageSpec, target: int, registered: list[dict[str, Any]]) -> None:
         active = self._active(stage)
+        if len(active) < target and any(c.stage == stage.name and c.given_up for c in self.replicas):
+            return  # its replicas crash-loop (the launcher gave up on one, and said why): more would too
         if len(active) < target:
             running = sum(1 for c in self.replicas if not c.given_up)
             room = max(0, self.cap - running)

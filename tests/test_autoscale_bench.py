@@ -19,7 +19,8 @@ def test_bench_autoscale_reports_the_whole_cycle() -> None:
     assert report["peak_target"] == 2
     assert report["back_to_min_s"] is not None and report["back_to_min_s"] >= 1.0
     assert set(report["phases"]) == {"idle", "burst", "calm"}
-    assert report["phases"]["burst"]["p50_ms"] >= 100  # the stage waits 100 ms per request
+    burst = report["phases"]["burst"]
+    assert 100 <= burst["p50_ms"] <= burst["p99_ms"]  # the stage waits 100 ms per request
     assert report["phases"]["idle"]["requests"] == 0
     assert [row["phase"] for row in report["timeline"]][0] == "idle"
     assert max(row["target"] for row in report["timeline"]) == 2

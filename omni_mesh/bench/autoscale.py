@@ -124,8 +124,8 @@ def _phase(record: _Run, start: float, end: float) -> dict[str, Any]:
         "requests": len(mine),
         "failed": len(mine) - len(ok),
         "per_s": round(len(ok) / (end - start), 2) if end > start else 0.0,
-        "p50_ms": round(percentile(ok, 50) * 1000, 1) if ok else None,
-        "p99_ms": round(percentile(ok, 99) * 1000, 1) if ok else None,
+        "p50_ms": round(percentile(ok, 0.5) * 1000, 1) if ok else None,
+        "p99_ms": round(percentile(ok, 0.99) * 1000, 1) if ok else None,
         "replicas": sorted({current for at, current, _ in record.samples if start <= at < end}),
     }
 
@@ -139,7 +139,8 @@ def _result(plan: Plan, record: _Run, t0: float, burst: float, calm: float, end:
         start = t0 + second
         inside = [(current, target) for at, current, target in record.samples if start <= at < start + 1]
         answered = sum(1 for at, status, _ in record.answers if start <= at < start + 1 and status == 200)
-        phase = "idle" if start < burst else "burst" if start < calm else "calm"
+        middle = start + 0.5  # a second is in the phase its middle is in
+        phase = "idle" if middle < burst else "burst" if middle < calm else "calm"
         if inside:
             timeline.append({"t": second, "phase": phase, "replicas": inside[-1][0], "target": inside[-1][1], "ok": answered})
     return {
