@@ -17,7 +17,7 @@ def test_bench_autoscale_reports_the_whole_cycle() -> None:
     report = json.loads(result.stdout)
     assert report["failed"] == 0 and report["requests"] > 0
     assert report["peak_target"] == 2
-    assert report["back_to_min_s"] is not None and report["back_to_min_s"] >= 1.0
+    assert report["back_to_min_s"] is not None and report["back_to_min_s"] >= 0.75  # the 1 s delay, less a tick
     assert set(report["phases"]) == {"idle", "burst", "calm"}
     burst = report["phases"]["burst"]
     assert 100 <= burst["p50_ms"] <= burst["p99_ms"]  # the stage waits 100 ms per request

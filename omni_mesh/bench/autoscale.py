@@ -70,8 +70,8 @@ def run(plan: Plan) -> dict[str, Any]:
             t0 = time.monotonic()
             time.sleep(plan.idle_s)
             burst = time.monotonic()
-            asyncio.run(_burst(mesh.url, plan, record, burst + plan.burst_s))
-            calm = time.monotonic()
+            calm = burst + plan.burst_s  # the step down: no client sends after it (the last answers drain)
+            asyncio.run(_burst(mesh.url, plan, record, calm))
             deadline = calm + plan.tail_s
             while time.monotonic() < deadline and not _at_minimum(record, plan, calm):
                 time.sleep(0.25)

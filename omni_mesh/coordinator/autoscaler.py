@@ -16,7 +16,9 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from omni_mesh.defaults import HOST_CAP_ENV
@@ -42,13 +44,15 @@ class StageScaling:
     target: int
     wanted: int
     ongoing: int = 0
-    more_since: float | None = None  # the load has asked for more than the target since then
-    fewer_since: float | None = None
-    bound: int = 0  # since then: the least it asked for (more), or the most (fewer)
+    history: deque[tuple[float, int]] = field(default_factory=deque)  # (time, wanted) over the longest delay
     reason: str = "the starting count (replicas:)"
     limited: str | None = None  # why the target is below what the load asks for (the host cap)
     cold_since: float | None = None  # a cold start under way (0 -> 1) since then
     cold_start_s: float | None = None  # how long the last one took, to a registered replica
+
+    @property
+    def horizon(self) -> float:
+        return max(self.spec.upscale_delay_s, self.spec.downscale_delay_s)
 
 
 class Autoscaler:
@@ -121,24 +125,23 @@ class Autoscaler:
         s.ongoing = self.ongoing(name)
         s.wanted = min(spec.max_replicas, max(spec.min_replicas, math.ceil(s.ongoing / spec.target_ongoing_requests)))
         self._cold_start_done(s, now)
+        s.history.append((now, s.wanted))
+        while len(s.history) > 1 and s.history[1][0] <= now - s.horizon:
+            s.history.popleft()  # keep one reading at or before the longest delay: it says the window is covered
         new = s.target
         if s.target == 0 and s.ongoing > 0:
             new = max(1, s.wanted)  # work waits on no replica at all: no delay
             s.cold_since = now
-        elif s.wanted > s.target:
-            # The least the load asked for over the whole delay: a peak alone starts nothing.
-            s.fewer_since, s.bound = None, s.wanted if s.more_since is None else min(s.bound, s.wanted)
-            s.more_since = now if s.more_since is None else s.more_since
-            if now - s.more_since >= spec.upscale_delay_s:
-                new = s.bound
-        elif s.wanted < s.target:
-            # The most the load asked for over the delay: a lull alone stops nothing.
-            s.more_since, s.bound = None, s.wanted if s.fewer_since is None else max(s.bound, s.wanted)
-            s.fewer_since = now if s.fewer_since is None else s.fewer_since
-            if now - s.fewer_since >= spec.downscale_delay_s:
-                new = s.bound
         else:
-            s.more_since = s.fewer_since = None
+            # Up only when every reading of the last upscale_delay_s asked for more, to the least of
+            # them (a peak alone starts nothing); down likewise, to the most of them (a lull alone, or
+            # the tail of a burst draining, stops nothing more than it should).
+            more = _settled(s.history, now, spec.upscale_delay_s, lambda w: w > s.target)
+            fewer = _settled(s.history, now, spec.downscale_delay_s, lambda w: w < s.target)
+            if more:
+                new = min(more)
+            elif fewer:
+                new = max(fewer)
         if new > s.target:
             new = self._within_cap(s, new)
         elif s.wanted <= s.target:
@@ -149,7 +152,7 @@ class Autoscaler:
             if new == 0:
                 s.reason += f" (idle for {spec.downscale_delay_s:g} s: scaled to zero)"
             log.info("autoscale: %s %d -> %d: %s", name, s.target, new, s.reason)
-            s.target, s.more_since, s.fewer_since = new, None, None
+            s.target = new
 
     def _within_cap(self, s: StageScaling, new: int) -> int:
         """`new`, or as much of it as the host cap leaves (never below the present target)."""
@@ -173,6 +176,14 @@ class Autoscaler:
             s.cold_start_s = now - s.cold_since
             s.cold_since = None
             log.info("autoscale: %s cold start: a replica took work %.2f s after the first request waited", s.stage.name, s.cold_start_s)
+
+
+def _settled(history: deque[tuple[float, int]], now: float, delay_s: float, asks: Callable[[int], bool]) -> list[int]:
+    """The readings of the last `delay_s` if they cover it and every one `asks`; else []."""
+    if not history or history[0][0] > now - delay_s:
+        return []  # not watched that long yet
+    window = [wanted for at, wanted in history if at >= now - delay_s] or [history[-1][1]]
+    return window if all(asks(wanted) for wanted in window) else []
 
 
 def _cap_from_env() -> int | None:
