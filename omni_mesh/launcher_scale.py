@@ -98,12 +98,14 @@ class Scaler:
         for stage in self.stages:
             entry = stages.get(stage.name)
             if isinstance(entry, dict) and isinstance(entry.get("target_replicas"), int):
-                self._act(stage, entry["target_replicas"], entry.get("replicas") or [])
+                # A coordinator that just (re)started adopts the replicas it finds: none is stopped meanwhile.
+                settling = (entry.get("autoscale") or {}).get("settling", False)
+                self._act(stage, entry["target_replicas"], entry.get("replicas") or [], settling)
 
     def _active(self, stage: StageSpec) -> list[Child]:
         return [c for c in self.replicas if c.stage == stage.name and not c.retiring and not c.given_up]
 
-    def _act(self, stage: StageSpec, target: int, registered: list[dict[str, Any]]) -> None:
+    def _act(self, stage: StageSpec, target: int, registered: list[dict[str, Any]], settling: bool) -> None:
         active = self._active(stage)
         if len(active) < target and any(c.stage == stage.name and c.given_up for c in self.replicas):
             return  # its replicas crash-loop (the launcher gave up on one, and said why): more would too
@@ -123,7 +125,7 @@ class Scaler:
                 log.warning("autoscale: %s runs %d of its target %d replicas: the host cap of %d replicas in all "
                             "is reached (--max-replicas-total)", stage.name, len(active), target, self.cap)
             self.short_of[stage.name] = short
-        elif len(active) > target:
+        elif len(active) > target and not settling:
             load = {r.get("id"): int(r.get("inflight") or 0) for r in registered if isinstance(r, dict)}
             # Not yet registered first (they serve nothing), then the least busy, then the newest.
             order = sorted(active, key=lambda c: (c.name in load, load.get(c.name, 0), -c.started_at))

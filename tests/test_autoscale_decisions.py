@@ -6,15 +6,18 @@ the real Registry and Dispatcher (work queued in the dispatcher's stage queues i
 - the tail of a burst draining does not hold the way down for another delay (back at 1 within the
   delay plus the tail);
 - a stage at zero with work waiting gets a replica at once;
-- the host cap bounds the sum of every stage's target, and the stage held back says why.
+- the host cap bounds the sum of every stage's target, and the stage held back says why;
+- a coordinator that (re)starts adopts the replicas already running, and says it is settling.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
+from omni_mesh.control import Register
 from omni_mesh.coordinator.autoscaler import Autoscaler
 from omni_mesh.coordinator.dispatch import Dispatcher
 from omni_mesh.coordinator.registry import Registry
@@ -115,3 +118,20 @@ def test_the_host_cap_bounds_the_sum_of_targets() -> None:
         scaler.tick(tick * TICK)
     assert (scaler.stages["s0"].target, scaler.stages["s1"].target) == (1, 4)
     assert scaler.stages["s1"].limited is None
+
+
+def test_a_restarted_coordinator_adopts_the_replicas_running() -> None:
+    """A coordinator that starts (again: `up`'s watchdog restarted it) while more replicas than the
+    starting count run and register takes them as its target, and says it is settling, so `up` stops
+    none of them; afterwards the load decides as usual."""
+    scaler, dispatcher = mesh(SCALE)
+    registry = scaler.registry
+    for index in range(3):
+        message = Register(stage="s0", replica=f"s0-{index}", pid=100 + index, host="h", max_inflight=1, edges={})
+        registry.register(message, b"\x01" + os.urandom(16))
+    targets = run(scaler, dispatcher, "s0", [(1.0, 0)])
+    assert targets == [3] * 4 and scaler.stages["s0"].reason.startswith("adopted the 3 replicas running")
+    assert scaler.settling(1.0) and not scaler.settling(10.5)
+    # Idle: the target comes down after the downscale delay, and no adopting brings it back.
+    targets = run(scaler, dispatcher, "s0", [(3.0, 0)], start=1.0)
+    assert targets[-1] == 1 and targets.count(3) >= 4, targets

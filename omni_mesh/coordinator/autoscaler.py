@@ -33,6 +33,10 @@ log = logging.getLogger("omni_mesh.autoscaler")
 
 #: How often targets are recomputed: often enough that a delay of 1 s means about 1 s.
 TICK_S = 0.25
+#: A coordinator that (re)starts finds replicas already running, registering again within seconds:
+#: for this long it adopts them (the target is never below the replicas registered), and says it is
+#: settling, so `up` stops none of them because a fresh coordinator only knows the starting count.
+SETTLE_S = 10.0
 
 
 @dataclass
@@ -49,6 +53,7 @@ class StageScaling:
     limited: str | None = None  # why the target is below what the load asks for (the host cap)
     cold_since: float | None = None  # a cold start under way (0 -> 1) since then
     cold_start_s: float | None = None  # how long the last one took, to a registered replica
+    decided: bool = False  # the load has moved the target once (no adopting after that)
 
     @property
     def horizon(self) -> float:
@@ -66,6 +71,7 @@ class Autoscaler:
         self.stages = {
             s.name: StageScaling(s, s.autoscale, s.replicas, s.replicas) for s in topology.stages if s.autoscale
         }
+        self.settle_until: float | None = None  # set at the first tick
 
     # ------------------------------------------------------------------ what it reads
 
@@ -103,6 +109,7 @@ class Autoscaler:
                 "scaled_to_zero": scaling.target == 0 and not self.registry.of_stage(stage.name),
                 "cold_start_s": None if scaling.cold_start_s is None else round(scaling.cold_start_s, 3),
                 "host_cap": self.host_cap,
+                "settling": self.settling(time.monotonic()),
             },
         }
 
@@ -116,7 +123,12 @@ class Autoscaler:
             except Exception:  # a bug here must not stop the coordinator; the next tick tries again
                 log.exception("autoscaler tick failed")
 
+    def settling(self, now: float) -> bool:
+        return self.settle_until is None or now < self.settle_until
+
     def tick(self, now: float) -> None:
+        if self.settle_until is None:
+            self.settle_until = now + SETTLE_S
         for scaling in self.stages.values():
             self._step(scaling, now)
 
@@ -129,7 +141,13 @@ class Autoscaler:
         while len(s.history) > 1 and s.history[1][0] <= now - s.horizon:
             s.history.popleft()  # keep one reading at or before the longest delay: it says the window is covered
         new = s.target
-        if s.target == 0 and s.ongoing > 0:
+        running = self.current(name)
+        if self.settling(now) and not s.decided and s.target < running:  # a previous coordinator's replicas
+            new = min(spec.max_replicas, running)
+            s.reason = f"adopted the {running} replicas running (the coordinator started)"
+            log.info("autoscale: %s %d -> %d: %s", name, s.target, new, s.reason)
+            s.target = new
+        elif s.target == 0 and s.ongoing > 0:
             new = max(1, s.wanted)  # work waits on no replica at all: no delay
             s.cold_since = now
         else:
@@ -152,7 +170,7 @@ class Autoscaler:
             if new == 0:
                 s.reason += f" (idle for {spec.downscale_delay_s:g} s: scaled to zero)"
             log.info("autoscale: %s %d -> %d: %s", name, s.target, new, s.reason)
-            s.target = new
+            s.target, s.decided = new, True
 
     def _within_cap(self, s: StageScaling, new: int) -> int:
         """`new`, or as much of it as the host cap leaves (never below the present target)."""
