@@ -22,6 +22,7 @@ from support.servicekit import OMNI_MESH, REPO
 
 from omni_mesh.export import ImageSource, K8sOptions, export_compose, export_k8s
 from omni_mesh.export.compose import ComposeOptions
+from omni_mesh.launcher_scale import default_host_cap, host_cap
 from omni_mesh.topology import TopologyError, load_topology
 from omni_mesh.topology.schema import json_schema
 
@@ -148,3 +149,21 @@ def test_compose_ignores_autoscale_with_a_note(tmp_path: Path) -> None:
     result = subprocess.run([str(OMNI_MESH), "export", "compose", str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "autoscale: section of s0 is ignored here" in result.stderr
+
+
+def test_validate_prints_the_section(tmp_path: Path) -> None:
+    path = _file(tmp_path, _stages({"autoscale": {"min_replicas": 0, "max_replicas": 4, "upscale_delay_s": 1}}))
+    result = subprocess.run([str(OMNI_MESH), "validate", str(path)], capture_output=True, text=True, timeout=60)
+    # (its handler m:f does not import here: validate says so after the summary)
+    assert "autoscale=0-4 (target 2 ongoing, delays 1/60 s)" in result.stdout, result.stdout
+
+
+def test_the_host_cap_of_up(tmp_path: Path) -> None:
+    topology = load_topology(_file(tmp_path, _stages({"replicas": 2, "autoscale": {"max_replicas": 4}}, {})))
+    assert host_cap(topology, None) == max(default_host_cap(), 3)
+    assert host_cap(topology, 5) == 5
+    with pytest.raises(ValueError, match=r"--max-replicas-total 2 is below the 3 replicas the topology starts with \(s0: 2, s1: 1\)"):
+        host_cap(topology, 2)
+    result = subprocess.run([str(OMNI_MESH), "up", str(tmp_path / "compose" / "t.yaml"), "--max-replicas-total", "2"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "--max-replicas-total 2 is below the 3 replicas" in result.stderr, result.stderr
