@@ -82,6 +82,8 @@ def test_the_section_merges_defaults_and_sets_the_starting_count(tmp_path: Path)
         ({"autoscale": {"max_replica": 4}}, "unknown key autoscale.max_replica; did you mean 'max_replicas'?"),
         ({"autoscale": {"max_replicas": 0}}, "autoscale.max_replicas: Input should be greater than or equal to 1"),
         ({"autoscale": 4}, "stage 0 's0': autoscale must be a mapping"),
+        ({"max_queued": 0, "autoscale": {"min_replicas": 0, "max_replicas": 2}},
+         "stage 0 's0': autoscale.min_replicas 0 (scale to zero) with max_queued 0"),
     ],
 )
 def test_bad_combinations_are_refused_naming_stage_and_key(tmp_path: Path, stage: dict, message: str) -> None:

@@ -85,7 +85,7 @@ def _section(value: Any, where: str) -> dict[str, Any]:
 
 
 def read_autoscale(
-    value: Any, defaults: Any, replicas: int | None, who: str
+    value: Any, defaults: Any, replicas: int | None, who: str, *, max_queued: Any = None
 ) -> tuple[AutoscaleSpec | None, int | None]:
     """The stage's autoscaling (its keys over `defaults:`'s) and its starting replicas: `replicas`
     when given (checked to lie within min and max), else min_replicas (at least 1)."""
@@ -98,6 +98,11 @@ def read_autoscale(
     if spec.min_replicas > spec.max_replicas:
         raise TopologyError(
             f"{who}: autoscale.min_replicas {spec.min_replicas} is above autoscale.max_replicas {spec.max_replicas}"
+        )
+    if spec.min_replicas == 0 and max_queued == 0:
+        raise TopologyError(
+            f"{who}: autoscale.min_replicas 0 (scale to zero) with max_queued 0: a request for the idle stage "
+            "waits in its queue while a replica starts; allow a queue (max_queued >= 1) or keep min_replicas >= 1"
         )
     if replicas is None:
         return spec, max(1, spec.min_replicas)

@@ -57,7 +57,9 @@ def parse_stage(entry: Any, index: int, defaults: dict[str, Any]) -> StageSpec:
         raise TopologyError(f"{who}: final_output must be true or false, got {final_output!r}")
     replicas = entry["replicas"] if "replicas" in entry else defaults.get("replicas")
     replicas = None if "replicas" not in entry and replicas is None else positive_int(replicas, f"{who}: replicas")
-    autoscale, replicas = read_autoscale(entry.get("autoscale"), defaults.get("autoscale"), replicas, who)
+    autoscale, replicas = read_autoscale(
+        entry.get("autoscale"), defaults.get("autoscale"), replicas, who, max_queued=entry.get("max_queued")
+    )
     return StageSpec(
         stage_id=sid,
         name=name,
