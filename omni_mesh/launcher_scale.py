@@ -75,7 +75,8 @@ class Scaler:
         self.cap = cap
         # Its own User-Agent: the coordinator's access log leaves these polls out (coordinator/access.py).
         headers = {"user-agent": "omni-mesh-autoscale", **({"authorization": f"Bearer {api_key}"} if api_key else {})}
-        self.client = httpx.Client(timeout=2.0, headers=headers, verify=verify) if self.stages else None
+        # A short timeout: a hung coordinator must not hold up the supervision loop (restarts) for long.
+        self.client = httpx.Client(timeout=1.0, headers=headers, verify=verify) if self.stages else None
         self.next_poll = 0.0
         self.short_of: dict[str, int] = {}  # stage -> replicas the cap kept it from starting (logged once)
 

@@ -98,6 +98,7 @@ def test_a_stage_at_zero_starts_one_replica_at_once(caplog: pytest.LogCaptureFix
     with caplog.at_level(logging.INFO, logger="omni_mesh.autoscaler"):
         targets = run(scaler, dispatcher, "s0", [(0.25, 1)], start=2.5)
     assert targets == [1]  # no upscale delay from zero: a request waits on it
+    assert scaler.scaled_to_zero() == {"s0"}  # starting from zero: /ready stays 200 meanwhile
     assert "autoscale: s0 0 -> 1: 1 ongoing, target 2 per replica" in caplog.text
 
 

@@ -89,8 +89,12 @@ class Autoscaler:
         return scaling.target if scaling is not None else stage.replicas
 
     def scaled_to_zero(self) -> set[str]:
-        """Stages whose target is 0 and that have no replica: idle by choice, not broken."""
-        return {name for name, s in self.stages.items() if s.target == 0 and not self.registry.of_stage(name)}
+        """Stages with no replica because the autoscaler took them to zero (or is starting one from
+        zero): idle by choice, not broken; a request for one waits for its replica."""
+        return {
+            name for name, s in self.stages.items()
+            if (s.target == 0 or s.cold_since is not None) and not self.registry.of_stage(name)
+        }
 
     def describe(self, stage: StageSpec) -> dict[str, Any]:
         """The stage's current and target replicas, and why (for /v1/stages)."""
@@ -106,7 +110,7 @@ class Autoscaler:
                 "wanted": scaling.wanted,
                 "reason": scaling.reason,
                 "limited": scaling.limited,
-                "scaled_to_zero": scaling.target == 0 and not self.registry.of_stage(stage.name),
+                "scaled_to_zero": stage.name in self.scaled_to_zero(),
                 "cold_start_s": None if scaling.cold_start_s is None else round(scaling.cold_start_s, 3),
                 "host_cap": self.host_cap,
                 "settling": self.settling(time.monotonic()),
