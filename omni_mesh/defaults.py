@@ -8,6 +8,8 @@ from __future__ import annotations
 ENV_INSECURE = "OMNI_MESH_INSECURE"
 #: The coordinator's instance id, when the launcher or the deployment chooses it.
 INSTANCE_ENV = "OMNI_MESH_INSTANCE"
+#: The replicas `omni-mesh up` runs on its host in all: its coordinator keeps autoscale targets within it.
+HOST_CAP_ENV = "OMNI_MESH_HOST_REPLICA_CAP"
 
 #: REST deadlines: the request's head from the connection's start, its body after the head, and an
 #: answer's writes (a client that reads nothing for this long is cut off).

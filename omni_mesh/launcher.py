@@ -25,11 +25,13 @@ from dataclasses import dataclass, field
 import httpx
 
 from omni_mesh.connectors import reclaim_orphans
+from omni_mesh.defaults import HOST_CAP_ENV
 from omni_mesh.defaults import INSTANCE_ENV as INSTANCE_ENV
 from omni_mesh.fdlimit import raise_nofile_limit
+from omni_mesh.launcher_scale import Scaler, host_cap
 from omni_mesh.ports import free_port, taken_since
 from omni_mesh.security import MeshKeys, insecure_requested, keys_from_environment
-from omni_mesh.topology import Topology
+from omni_mesh.topology import StageSpec, Topology
 from omni_mesh.topology.load import import_handler
 from omni_mesh.watchdog import UNRESPONSIVE_S, Watchdog
 
@@ -84,6 +86,8 @@ class Child:
     pids: list[int] = field(default_factory=list)
     quick_exits: int = 0  # exits in a row, each soon after its start
     given_up: bool = False
+    stage: str = ""  # a replica's stage
+    retiring: bool = False  # asked to drain and exit (autoscale): not restarted
 
     def start(self) -> None:
         # A new session: a terminal's Ctrl-C reaches only the launcher, which stops children in order.
@@ -120,6 +124,7 @@ class Launcher:
         ssl_keyfile: str | None = None,
         control_port: int | None = None,
         unresponsive_s: float = UNRESPONSIVE_S,
+        max_replicas_total: int | None = None,
     ) -> None:
         if topology.path is None:
             raise ValueError("omni-mesh up needs a topology file")
@@ -147,6 +152,7 @@ class Launcher:
         self.control = f"tcp://127.0.0.1:{control_port or free_port()}"
         self._stop = threading.Event()
         env = mesh_environment()
+        self.env, self.cap = env, host_cap(topology, max_replicas_total)
         self.instance = uuid.uuid4().hex  # its coordinator says it in /ready: no other mesh's answer counts
         path = str(topology.path)
         python = [sys.executable, "-m", "omni_mesh"]
@@ -154,18 +160,18 @@ class Launcher:
             "coordinator",
             [*python, "coordinator", path, "--host", host, "--port", str(port), "--control", self.control,
              "--grace-s", str(grace_s), *tls, *(coordinator_args or [])],
-            {**env, INSTANCE_ENV: self.instance},
+            {**env, INSTANCE_ENV: self.instance, HOST_CAP_ENV: str(self.cap)},
         )
-        self.replicas = [
-            Child(
-                f"{stage.name}-{index}",
-                [*python, "stage", path, "--stage", stage.name, "--replica", f"{stage.name}-{index}",
-                 "--coordinator", self.control],
-                env,
-            )
-            for stage in topology.stages
-            for index in range(stage.replicas)
-        ]
+        self._made: dict[str, int] = {}  # replicas made per stage: a new one gets the next index
+        self.replicas = [self.make_replica(stage) for stage in topology.stages for _ in range(stage.replicas)]
+        self.scaler = Scaler(topology, self.replicas, self.make_replica, url=self.url, cap=self.cap,
+                             api_key=api_key, verify=self._trust())
+
+    def make_replica(self, stage: StageSpec) -> Child:
+        index = self._made[stage.name] = self._made.get(stage.name, -1) + 1
+        name, path = f"{stage.name}-{index}", str(self.topology.path)
+        argv = [sys.executable, "-m", "omni_mesh", "stage", path, "--stage", stage.name, "--replica", name]
+        return Child(name, [*argv, "--coordinator", self.control], self.env, stage=stage.name)
 
     @property
     def children(self) -> list[Child]:
@@ -192,6 +198,7 @@ class Launcher:
         finally:
             if watchdog is not None:
                 watchdog.stop()
+            self.scaler.close()
             self.stop()
 
     def start(self) -> None:
@@ -310,9 +317,10 @@ class Launcher:
 
     def supervise(self) -> None:
         while not self._stop.wait(0.2):
+            self.scaler.step()
             now = time.monotonic()
             for child in self.children:
-                if child.given_up or child.running() or now < child.next_start:
+                if child.given_up or child.retiring or child.running() or now < child.next_start:
                     continue
                 if child.next_start == 0.0:  # it just exited: reap, then schedule a restart with backoff
                     reaped = reclaim_orphans(pid=child.process.pid)
@@ -379,6 +387,7 @@ def run_up(
     ready_timeout_s: float = 60.0,
     control_port: int | None = None,
     unresponsive_s: float = UNRESPONSIVE_S,
+    max_replicas_total: int | None = None,
 ) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per /ready poll is noise
@@ -386,5 +395,5 @@ def run_up(
     return Launcher(
         topology, host=host, port=port, coordinator_args=coordinator_args,
         api_key=api_key, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, ready_timeout_s=ready_timeout_s,
-        control_port=control_port, unresponsive_s=unresponsive_s,
+        control_port=control_port, unresponsive_s=unresponsive_s, max_replicas_total=max_replicas_total,
     ).run()

@@ -40,7 +40,8 @@ def render(topology: dict, stats: dict, previous: dict | None, seconds: float) -
         f"mesh {topology['name']!r}: {_rate(done, done_before, seconds):.1f} req/s, "
         f"{requests['completed']} completed, {requests['failed']} failed, {requests['inflight']} in flight",
         "",
-        f"{'stage':<16}{'healthy':>9}{'in flight':>11}{'queued':>8}{'req/s':>9}{'latency':>11}{'errors':>8}  replicas",
+        f"{'stage':<16}{'healthy':>9}{'target':>8}{'in flight':>11}{'queued':>8}{'req/s':>9}{'latency':>11}{'errors':>8}"
+        "  replicas",
     ]
     for stage in topology["stages"]:
         now = stats["stages"][stage["name"]]
@@ -51,10 +52,14 @@ def render(topology: dict, stats: dict, previous: dict | None, seconds: float) -
         replicas = ", ".join(f"{r['id']} ({r['health']})" for r in now["replicas"]) or "none"
         health = f"{healthy}/{len(now['replicas'])}"
         shown = "-" if latency is None else f"{latency * 1000:.1f} ms"
+        # The autoscaler's target (the starting count for a stage without autoscale:).
+        target = f"{now.get('target_replicas', '-')}{'*' if stage.get('autoscale') else ''}"
         lines.append(
-            f"{stage['name']:<16}{health:>9}{now['inflight']:>11}{now['queued']:>8}"
+            f"{stage['name']:<16}{health:>9}{target:>8}{now['inflight']:>11}{now['queued']:>8}"
             f"{_rate(now['processed'], before.get('processed'), seconds):>9.1f}{shown:>11}{now['errors']:>8}  {replicas}"
         )
+    if any(stage.get("autoscale") for stage in topology["stages"]):
+        lines.append("(* autoscaled: the coordinator's target; `omni-mesh up` starts or drains replicas to it)")
     lines += ["", f"{'edge':<28}{'connector':<34}{'bytes/s':>14}{'total':>14}"]
     names = {s["id"]: s["name"] for s in topology["stages"]}
     for edge in topology["edges"]:

@@ -274,6 +274,7 @@ def test_to_dict_is_json_and_complete() -> None:
         "replicas": 2,
         "max_inflight": 4,
         "max_queued": None,
+        "autoscale": None,
         "final_output": False,
         "entry": True,
         "final": False,

@@ -62,13 +62,15 @@ def launcher_environment(insecure: bool | None) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def running_mesh(topology: str | os.PathLike, *, insecure: bool | None = None) -> Iterator[RunningMesh]:
-    """Run `omni-mesh up TOPOLOGY` for the block, ready; stop it with SIGINT (Ctrl-C) after."""
+def running_mesh(
+    topology: str | os.PathLike, *, insecure: bool | None = None, extra: list[str] | None = None
+) -> Iterator[RunningMesh]:
+    """Run `omni-mesh up TOPOLOGY [extra flags]` for the block, ready; stop it with SIGINT (Ctrl-C) after."""
     for attempt in range(1, PORT_ATTEMPTS + 1):
         port = free_port()
         with tempfile.NamedTemporaryFile("w+b", prefix="omni-mesh-up-", suffix=".log", delete=False) as log_file:
             process = subprocess.Popen(
-                [sys.executable, "-m", "omni_mesh", "up", str(topology), "--port", str(port)],
+                [sys.executable, "-m", "omni_mesh", "up", str(topology), "--port", str(port), *(extra or [])],
                 stdout=log_file, stderr=subprocess.STDOUT, env=launcher_environment(insecure),
             )
         mesh = RunningMesh(f"http://127.0.0.1:{port}", process, Path(log_file.name))

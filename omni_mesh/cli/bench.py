@@ -1,4 +1,4 @@
-"""`omni-mesh bench connector|pipeline|chaos`: the benchmarks, as a user runs them."""
+"""`omni-mesh bench connector|pipeline|chaos|engines|autoscale`: the benchmarks, as a user runs them."""
 
 from __future__ import annotations
 
@@ -89,10 +89,45 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     chaos.add_argument("--timeout-s", type=float, default=10.0, help="each request's deadline")
     chaos.add_argument("--seed", type=int, default=None, help="seed of the fault schedule (default: random, printed)")
     chaos.add_argument("--json", action="store_true", help="print the results as JSON")
+    scale = kinds.add_parser(
+        "autoscale", help="a step load (idle, burst, idle) on an autoscaled slow stage under `up`: the timeline"
+    )
+    scale.add_argument("--min-replicas", type=int, default=1)
+    scale.add_argument("--max-replicas", type=int, default=4)
+    scale.add_argument("--target-ongoing-requests", type=float, default=2.0, help="in flight plus queued per replica")
+    scale.add_argument("--upscale-delay-s", type=float, default=2.0)
+    scale.add_argument("--downscale-delay-s", type=float, default=5.0)
+    scale.add_argument("--delay-s", type=float, default=0.1, help="the stage's work per request (a wait)")
+    scale.add_argument("--concurrency", type=int, default=16, help="closed-loop clients in the burst")
+    scale.add_argument("--idle-s", type=float, default=3.0, help="idle seconds before the burst")
+    scale.add_argument("--burst-s", type=float, default=20.0, help="seconds of the burst")
+    scale.add_argument("--tail-s", type=float, default=60.0, help="the most seconds to wait for the minimum again")
+    scale.add_argument("--json", action="store_true", help="print the results as JSON")
     return parser
 
 
+def _cmd_autoscale(args: argparse.Namespace) -> int:
+    from omni_mesh.bench import autoscale
+
+    plan = autoscale.Plan(
+        min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+        target_ongoing_requests=args.target_ongoing_requests, upscale_delay_s=args.upscale_delay_s,
+        downscale_delay_s=args.downscale_delay_s, delay_s=args.delay_s, concurrency=args.concurrency,
+        idle_s=args.idle_s, burst_s=args.burst_s, tail_s=args.tail_s,
+    )
+    if plan.concurrency < 1 or plan.burst_s <= 0 or not 0 <= plan.min_replicas <= plan.max_replicas:
+        raise CliError("--concurrency >= 1, --burst-s > 0 and 0 <= --min-replicas <= --max-replicas, please")
+    try:
+        result = autoscale.run(plan)
+    except RuntimeError as exc:  # the mesh did not come up
+        raise CliError(str(exc)) from None
+    print(json.dumps(result, indent=2) if args.json else autoscale.report(result))
+    return 1 if result["failed"] else EXIT_OK
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench == "autoscale":
+        return _cmd_autoscale(args)
     if args.bench == "connector":
         from omni_mesh.bench import connector, connector_report
 

@@ -198,6 +198,11 @@ def _add_up(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="the coordinator is asked /health every 2 s; silent this long, it is killed and restarted "
         "(0: never)",
     )
+    parser.add_argument(
+        "--max-replicas-total", type=int, default=None, metavar="N",
+        help="the most stage replicas to run on this host in all, autoscaled ones included (default: the "
+        "CPU count, at least the starting replicas)",
+    )
     _add_rest_flags(parser)
     return parser
 
@@ -232,6 +237,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             ready_timeout_s=_ready_timeout_s(args.ready_timeout_s, topology),
             api_key=rest["api_key"], ssl_certfile=rest["ssl_certfile"], ssl_keyfile=rest["ssl_keyfile"],
             control_port=args.control_port, unresponsive_s=args.coordinator_watchdog_s,
+            max_replicas_total=args.max_replicas_total,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from None

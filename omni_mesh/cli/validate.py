@@ -70,6 +70,8 @@ def format_summary(topology: Topology) -> str:
             f"  {stage.stage_id}  {stage.name}  replicas={stage.replicas} max_inflight={stage.max_inflight}"
             f"  {stage.describe_work()}" + (f"  [{', '.join(roles)}]" if roles else "")
             + f"  max_queued={stage.queue_limit()}" + ("" if stage.max_queued is not None else " (default)")
+            + (f"  autoscale={a.min_replicas}-{a.max_replicas} (target {a.target_ongoing_requests:g} ongoing, "
+               f"delays {a.upscale_delay_s:g}/{a.downscale_delay_s:g} s)" if (a := stage.autoscale) else "")
         )
     lines.append(f"edges ({len(topology.edges)}):")
     for edge in topology.edges:

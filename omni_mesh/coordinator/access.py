@@ -21,6 +21,7 @@ from omni_mesh import logs
 from omni_mesh.coordinator.metrics import Metrics
 
 log = logging.getLogger("omni_mesh.access")
+POLLER = b"omni-mesh-autoscale"  # the User-Agent of `up`'s poll of the autoscaling targets
 
 HEADER = b"x-request-id"
 #: A client's X-Request-Id becomes the request's id when it is this tame: it ends up in log lines and
@@ -87,6 +88,8 @@ class AccessLog:
                 label = route_label(scope, self.routes, path, root_path)
                 self.metrics.observe_http(label, scope["method"], status, elapsed)
             # `up`'s watchdog and container probes ask /health every few seconds: their answers are noise
-            quiet = scope["path"] == "/health" and status == 200
+            # and so is `up`'s autoscaling poll of /v1/stages (twice a second, launcher_scale.POLLER).
+            poll = scope["path"] == "/v1/stages" and (b"user-agent", POLLER) in scope.get("headers", ())
+            quiet = (scope["path"] == "/health" or poll) and status == 200
             (log.debug if quiet else log.info)("%s %s %d %.1f ms", scope["method"], scope["path"], status, elapsed * 1000)
             logs.request_id.reset(token)

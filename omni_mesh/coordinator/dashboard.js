@@ -86,7 +86,8 @@ function render(topology, stats, seconds) {
     g.append(el("rect", {width: BOX_W, height: BOX_H}));
     g.append(el("text", {x: 10, y: 20, class: "name"}, s.name));
     const rps = rate(st.processed, previous && previous.stages[s.name] && previous.stages[s.name].processed, seconds);
-    g.append(el("text", {x: 10, y: 40}, `${st.inflight} in flight · ${st.queued} queued`));
+    const scale = s.autoscale ? ` · ${st.current_replicas}→${st.target_replicas} replicas` : "";
+    g.append(el("text", {x: 10, y: 40, "data-target": st.target_replicas}, `${st.inflight} in flight · ${st.queued} queued${scale}`));
     g.append(el("text", {x: 10, y: 58}, `${rps.toFixed(1)} req/s · ${ms(st.mean_service_s)}`));
     st.replicas.forEach((r, i) => {
       g.append(el("circle", {cx: 16 + i * 16, cy: 78, r: 6, class: r.health, "data-replica": r.id},));
@@ -98,7 +99,9 @@ function render(topology, stats, seconds) {
     const st = stats.stages[s.name];
     const rps = rate(st.processed, previous && previous.stages[s.name] && previous.stages[s.name].processed, seconds);
     const healthy = st.replicas.filter(r => r.health === "healthy").length;
-    return cells("tr", [s.name, st.replicas.map(r => r.id).join(", "), `${healthy}/${st.replicas.length}`,
+    const target = s.autoscale ? `${st.current_replicas} → ${st.target_replicas} (${s.autoscale.min_replicas}-${s.autoscale.max_replicas})`
+                               : `${st.target_replicas}`;
+    return cells("tr", [s.name, st.replicas.map(r => r.id).join(", "), `${healthy}/${st.replicas.length}`, target,
                         st.inflight, st.queued, rps.toFixed(1), ms(st.mean_service_s), st.errors],
                  {"data-stage": s.name});
   }));

@@ -161,6 +161,8 @@ def stats(coordinator: Coordinator, metrics: Metrics) -> dict[str, Any]:
             ],
             "inflight": sum(len(r.inflight) for r in mine),
             "queued": len(dispatcher.queues[stage.name]),
+            "current_replicas": coordinator.autoscaler.current(stage.name),
+            "target_replicas": coordinator.autoscaler.target(stage),
             "processed": sum(r.processed for r in mine),
             "errors": sum(r.errors for r in mine),
             "service_seconds": seconds,
@@ -189,6 +191,9 @@ class _StateCollector(Collector):
         replicas = GaugeMetricFamily("omni_mesh_stage_replicas", "registered replicas per stage, by health", labels=["stage", "health"])
         inflight = GaugeMetricFamily("omni_mesh_stage_inflight_requests", "requests a stage's replicas work on", labels=["stage"])
         queued = GaugeMetricFamily("omni_mesh_stage_queued_requests", "requests waiting for a free replica", labels=["stage"])
+        autoscaler = self.coordinator.autoscaler
+        target = GaugeMetricFamily("omni_mesh_stage_target_replicas", "replicas the autoscaler wants per stage", labels=["stage"])
+        ongoing = GaugeMetricFamily("omni_mesh_stage_ongoing_requests", "in flight plus queued per stage (what autoscale: targets)", labels=["stage"])
         restarts = CounterMetricFamily("omni_mesh_replica_restarts", "replica restarts seen by the coordinator", labels=["stage", "replica"])
         families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
         for stage in self.coordinator.topology.stages:
@@ -205,12 +210,14 @@ class _StateCollector(Collector):
                 replicas.add_metric([stage.name, health], count)
             inflight.add_metric([stage.name], sum(len(r.inflight) for r in mine))
             queued.add_metric([stage.name], len(dispatcher.queues[stage.name]))
+            target.add_metric([stage.name], autoscaler.target(stage))
+            ongoing.add_metric([stage.name], autoscaler.ongoing(stage.name))
         info = GaugeMetricFamily("omni_mesh_connector_info", "1 per connector ref, labelled with its class", labels=["connector", "type"])
         for spec in self.coordinator.topology.connectors.values():
             info.add_metric([spec.ref, spec.name], 1)
         inflight_total = GaugeMetricFamily("omni_mesh_requests_inflight", "pipeline requests admitted and not ended")
         inflight_total.add_metric([], len(dispatcher.requests))
-        yield from (replicas, inflight, queued, restarts, info, *families.values(), inflight_total)
+        yield from (replicas, inflight, queued, target, ongoing, restarts, info, *families.values(), inflight_total)
 
 
 def _add_connector_report(

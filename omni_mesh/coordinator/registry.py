@@ -277,17 +277,20 @@ class Registry:
 
     # ------------------------------------------------------------------ readiness
 
-    def readiness(self) -> list[str]:
-        """What keeps the mesh from being ready; empty when every stage and edge can work."""
-        problems = []
+    def readiness(self, scaled_to_zero: set[str] | None = None) -> list[str]:
+        """What keeps the mesh from being ready; empty when every stage and edge can work. A stage
+        scaled to zero (autoscale:) is idle, not missing: a request starts a replica of it."""
+        problems, scaled_to_zero = [], scaled_to_zero or set()
         for stage in self.topology.stages:
-            if not self.has_healthy(stage.name):
+            if stage.name not in scaled_to_zero and not self.has_healthy(stage.name):
                 count = len(self.of_stage(stage.name))
                 problems.append(
                     f"stage {stage.name!r} ({stage.stage_id}) has no healthy replica ({count} registered)"
                 )
         for edge in self.topology.edges:
-            problems.extend(self._edge_problems(edge))
+            ends = {self.topology.stage(edge.src).name, self.topology.stage(edge.dst).name}
+            if not ends & scaled_to_zero:
+                problems.extend(self._edge_problems(edge))
         return problems
 
     def _edge_problems(self, edge) -> list[str]:

@@ -33,6 +33,7 @@ from omni_mesh.control import (
     Rejected,
     Resync,
 )
+from omni_mesh.coordinator.autoscaler import Autoscaler
 from omni_mesh.coordinator.connection_cap import ConnectionCap, default_cap
 from omni_mesh.coordinator.dispatch import Dispatcher, RequestFailed
 from omni_mesh.coordinator.reconcile import Reconciler
@@ -76,6 +77,7 @@ class Coordinator:
         self.registry = Registry(topology, heartbeat_timeout_s)
         self.dispatcher = Dispatcher(topology, self.registry, self.send)
         self.reconciler = Reconciler(self.dispatcher, self.send)  # after a replica's connection drops
+        self.autoscaler = Autoscaler(topology, self.registry, self.dispatcher)  # decides; `up` acts
         self.malformed = 0
         self.forged = Refusals("coordinator control plane")  # messages sent in another connection's name
         # Every control connection refused: handshakes without the mesh keys, connections over the cap.
@@ -113,6 +115,7 @@ class Coordinator:
             asyncio.create_task(self._receive_loop()),
             asyncio.create_task(self._monitor_loop()),
             asyncio.create_task(self.cap.run()),
+            asyncio.create_task(self.autoscaler.run()),
         ]
         if self._zap is not None:
             self._tasks.append(asyncio.create_task(self._zap_loop()))

@@ -65,6 +65,8 @@ def export_compose(
     directory = output.parent if output is not None else Path.cwd()
     builder = _Builder(topology, source, directory, options)
     warnings = crossing_warnings(topology) if options.network == "bridge" else []
+    scaled = [stage.name for stage in topology.stages if stage.autoscale is not None]
+    warnings += [autoscale_note(scaled)] if scaled else []
     text = render([builder.document()], _header(topology, source, output, options), builder.anchors)
     return Exported(text, warnings)
 
@@ -200,6 +202,9 @@ def _header(topology: Topology, source: ImageSource, output: Path | None, option
         "removes replicas of a running mesh. Each replica finds the coordinator, registers and heartbeats; "
         "stopped (SIGTERM), it finishes its work and deregisters before it exits (stop_grace_period)."
     ]
+    scaled_stages = [stage.name for stage in topology.stages if stage.autoscale is not None]
+    if scaled_stages:
+        notes.append(autoscale_note(scaled_stages))
     if shm_edges(topology):
         notes.append(
             "Shared memory: the coordinator owns an IPC namespace (`ipc: shareable`, sized by `shm_size`) and "
@@ -230,6 +235,15 @@ def _header(topology: Topology, source: ImageSource, output: Path | None, option
     for note in notes:
         lines += [*_wrap(note), ""]
     return lines[:-1]
+
+
+def autoscale_note(stages: list[str]) -> str:
+    """Why compose ignores `autoscale:`, and what to do instead (the header says it, and so does stderr)."""
+    return (
+        f"Autoscaling: compose cannot start containers by itself, so the autoscale: section of {', '.join(stages)} "
+        "is ignored here (each starts with its replicas:); scale by hand with `--scale STAGE=N`, or run the "
+        "topology with `omni-mesh up` (which acts on it) or on Kubernetes (`omni-mesh export k8s` makes HPAs)."
+    )
 
 
 def _wrap(text: str) -> list[str]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omni_mesh.export.hpa import ONGOING_METRIC, QUEUE_METRIC, hpa_spec
 from omni_mesh.export.output import Exported, render
 from omni_mesh.export.placement import SHM, crossing_warnings, describe, shm_edges, shm_groups
 from omni_mesh.export.resources import Resources, stage_resources
@@ -39,7 +40,6 @@ from omni_mesh.export.source import ExportError, ImageSource
 from omni_mesh.security import KEY_BASENAME, MeshKeyError, MeshKeys
 from omni_mesh.topology import StageSpec, Topology
 
-QUEUE_METRIC = "omni_mesh_stage_queued_requests"
 IMAGE_UID = 10001  # the user services/Dockerfile runs as
 KEYS_FILE = f"{KEY_BASENAME}.key_secret"
 DEFAULT_REQUESTS = {"cpu": "250m", "memory": "512Mi"}
@@ -64,7 +64,8 @@ def export_k8s(topology: Topology, source: ImageSource, options: K8sOptions | No
         documents += mesh.master(master)
     for pod in mesh.pods:
         documents += [mesh.stage_pod(pod), mesh.autoscaler(pod)]
-    return Exported(render(documents, mesh.header()), crossing_warnings(topology), secret=options.keys is not None)
+    warnings = crossing_warnings(topology) + mesh.warnings
+    return Exported(render(documents, mesh.header()), warnings, secret=options.keys is not None)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class _Mesh:
         for master in self.masters:
             dns_label(master.name, f"the Mooncake store master {master.name!r} (a Service of that name)", exact=True)
         self.pods = self._pods()
+        self.warnings: list[str] = []
         if options.max_replicas is not None and options.max_replicas < max(p.replicas for p in self.pods):
             raise ExportError(f"--max-replicas {options.max_replicas} is below a pod's replicas in the topology")
 
@@ -142,31 +144,16 @@ class _Mesh:
         return self._deployment(pod.name, pod.replicas, spec)
 
     def autoscaler(self, pod: _Pod) -> dict[str, Any]:
-        """Scale the pod on its stages' queues: a replica's worth of waiting work (max_inflight) per
-        replica is the target; the busiest stage of the pod decides."""
-        metrics = [
-            {
-                "type": "External",
-                "external": {
-                    "metric": {"name": QUEUE_METRIC, "selector": {"matchLabels": {"stage": stage.name}}},
-                    "target": {"type": "AverageValue", "averageValue": str(stage.max_inflight)},
-                },
-            }
-            for stage in pod.stages
-        ]
+        """The pod's HorizontalPodAutoscaler, from its stages' autoscale: (omni_mesh.export.hpa)."""
         name = self._object_name(pod.name)
+        target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
+        spec, warnings = hpa_spec(pod.stages, pod.replicas, target, self.options.max_replicas)
+        self.warnings += warnings
         return {
             "apiVersion": "autoscaling/v2",
             "kind": "HorizontalPodAutoscaler",
             "metadata": self._metadata(name, pod.name),
-            "spec": {
-                "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
-                "minReplicas": pod.replicas,
-                "maxReplicas": self.options.max_replicas or 4 * pod.replicas,
-                "metrics": metrics,
-                # A replica asked to go drains its work first (up to 30 s): scale down unhurriedly.
-                "behavior": {"scaleDown": {"stabilizationWindowSeconds": 120}},
-            },
+            "spec": spec,
         }
 
     # ---------------------------------------------------------------------------------- the coordinator
@@ -343,8 +330,8 @@ class _Mesh:
                 f"  kubectl create secret generic {self.secret_name} --from-file={KEYS_FILE}=compose/keys/{KEYS_FILE}",
             ]
         lines += [
-            f"Autoscaling reads the External metric {QUEUE_METRIC} per stage (docs/deployment.md: the",
-            "prometheus-adapter rule).",
+            f"Autoscaling reads the External metrics {ONGOING_METRIC} (stages with autoscale:) and",
+            f"{QUEUE_METRIC} (the others) per stage (docs/deployment.md: the prometheus-adapter rule).",
         ]
         return lines
 

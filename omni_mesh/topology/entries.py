@@ -8,6 +8,7 @@ from typing import Any
 from omni_mesh.connectors import connector_type
 from omni_mesh.connectors.config.values import read_extra
 from omni_mesh.engines.settings import DTYPES, PART_ALIASES, PARTS, parse_engine
+from omni_mesh.topology.autoscale import read_autoscale
 from omni_mesh.topology.model import ConnectorSpec, StageSpec, TopologyError
 from omni_mesh.topology.schema import NAME, ConnectorEntry, Defaults, StageOwnKeys, known_keys
 from omni_mesh.topology.validation import validated
@@ -24,6 +25,10 @@ def parse_stage(entry: Any, index: int, defaults: Defaults) -> StageSpec:
     sid, name = own.stage_id, own.name or f"stage_{own.stage_id}"
     who = f"stage {sid} {name!r}"
     engine = _engine(entry, who)
+    replicas = own.replicas or defaults.replicas
+    autoscale, replicas = read_autoscale(
+        own.autoscale, defaults.autoscale, replicas, who, max_queued=own.max_queued
+    )
     if engine is not None and own.handler is not None and own.engine is not None:
         raise TopologyError(
             f"{who}: set handler: or engine:, not both (engine: runs a model part as the handler)"
@@ -32,7 +37,8 @@ def parse_stage(entry: Any, index: int, defaults: Defaults) -> StageSpec:
         stage_id=sid,
         name=name,
         handler=own.handler,
-        replicas=own.replicas or defaults.replicas or 1,
+        replicas=replicas or 1,
+        autoscale=autoscale,
         max_inflight=own.max_inflight or defaults.max_inflight or 8,
         max_queued=own.max_queued,
         final_output=bool(own.final_output),

@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omni_mesh.openai_section import OpenAISpec
+
+if TYPE_CHECKING:
+    from omni_mesh.topology.autoscale import AutoscaleSpec
 
 #: The connector created for an edge that names none (unless the file sets `auto_shm: false`).
 AUTO_CONNECTOR = "SharedMemoryConnector"
@@ -51,6 +54,8 @@ class StageSpec:
     options: dict = field(default_factory=dict, hash=False)
     #: `engine:` (a real model part, omni_mesh.engines) instead of a handler; checked settings.
     engine: dict | None = field(default=None, hash=False)
+    #: `autoscale:` (omni_mesh.topology.autoscale); `replicas` is then the starting count.
+    autoscale: AutoscaleSpec | None = None
 
     @property
     def runnable(self) -> bool:
@@ -69,7 +74,8 @@ class StageSpec:
         compose `--scale` can make more than `replicas` x `max_inflight`; the larger one counts."""
         if self.max_queued is not None:
             return self.max_queued
-        return QUEUE_FACTOR * max(self.replicas * self.max_inflight, running_capacity)
+        most = self.autoscale.max_replicas if self.autoscale is not None else self.replicas
+        return QUEUE_FACTOR * max(most * self.max_inflight, running_capacity)
 
 
 @dataclass(frozen=True)
@@ -152,6 +158,7 @@ class Topology:
                     "replicas": stage.replicas,
                     "max_inflight": stage.max_inflight,
                     "max_queued": stage.max_queued,
+                    "autoscale": stage.autoscale.to_dict() if stage.autoscale is not None else None,
                     "final_output": stage.final_output,
                     "entry": stage.stage_id in entries,
                     "final": stage.stage_id in finals,

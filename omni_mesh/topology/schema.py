@@ -27,6 +27,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from omni_mesh.openai_section import ENCODINGS, SOURCES
+from omni_mesh.topology.autoscale import AutoscaleSection
 from omni_mesh.topology.model import TopologyError
 from omni_mesh.topology.validation import expect, misspelled, one_of, spelling_message
 
@@ -133,6 +134,7 @@ class EdgeEntry(_Closed):
 class Defaults(_Open):
     replicas: Count | None = None
     max_inflight: Count | None = None
+    autoscale: AutoscaleSection | None = None
 
 
 class StageOwnKeys(_Open):
@@ -147,6 +149,7 @@ class StageOwnKeys(_Open):
     replicas: Count | None = None
     max_inflight: Count | None = None
     max_queued: Queue | None = None
+    autoscale: AutoscaleSection | None = Field(None, description="replicas follow the load (docs/topology.md)")
     final_output: Flag | None = None
     engine_input_source: list[StageRef] | None = None
     input_connectors: dict[FromKey, LazyConnectorRef] | None = None

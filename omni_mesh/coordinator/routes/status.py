@@ -16,6 +16,9 @@ class ReadyBody(BaseModel):
     mesh: str = Field(description="the topology's name")
     instance: str = Field(description="this coordinator's instance id (OMNI_MESH_INSTANCE, or made at start)")
     missing: list[str] = Field(description="what keeps the mesh from serving: stages without a healthy replica, edges")
+    scaled_to_zero: list[str] = Field(
+        default_factory=list, description="stages at 0 replicas by autoscale: (a request starts one), not broken"
+    )
     error: str | None = Field(default=None, description="when not ready: the same, in one sentence")
     stage: str | None = None
     request_id: str | None = None
@@ -38,8 +41,9 @@ def router(coordinator: Coordinator, metrics: Metrics) -> APIRouter:
         responses={**responses(401), 503: {"model": ReadyBody, "description": MEANINGS[503]}},
     )
     async def ready() -> JSONResponse:
-        missing = registry.readiness()
-        mesh = {"mesh": coordinator.topology.name, "instance": coordinator.instance}
+        idle = coordinator.autoscaler.scaled_to_zero()
+        missing = registry.readiness(scaled_to_zero=idle)
+        mesh = {"mesh": coordinator.topology.name, "instance": coordinator.instance, "scaled_to_zero": sorted(idle)}
         if missing:
             error = f"not ready: {'; '.join(missing)}"
             body = ReadyBody(ready=False, missing=missing, error=error, **mesh)
@@ -63,6 +67,7 @@ def router(coordinator: Coordinator, metrics: Metrics) -> APIRouter:
                     "stage_id": stage.stage_id,
                     "name": stage.name,
                     "queued": len(dispatcher.queues[stage.name]),
+                    **coordinator.autoscaler.describe(stage),
                     "replicas": [
                         r.describe(now, registry.heartbeat_timeout_s) for r in registry.of_stage(stage.name)
                     ],
