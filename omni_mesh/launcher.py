@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from omni_mesh.connectors import reclaim_orphans
+from omni_mesh.connectors.shm.meshdir import MeshShmDir
 from omni_mesh.defaults import INSTANCE_ENV as INSTANCE_ENV
 from omni_mesh.fdlimit import raise_nofile_limit
 from omni_mesh.ports import free_port, taken_since
@@ -147,6 +148,7 @@ class Launcher:
         self.control = f"tcp://127.0.0.1:{control_port or free_port()}"
         self._stop = threading.Event()
         env = mesh_environment()
+        self.shm = MeshShmDir.for_mesh(topology.name, env)  # named in env; made at start, removed at stop
         self.instance = uuid.uuid4().hex  # its coordinator says it in /ready: no other mesh's answer counts
         path = str(topology.path)
         python = [sys.executable, "-m", "omni_mesh"]
@@ -197,6 +199,7 @@ class Launcher:
     def start(self) -> None:
         self.check_port()
         self.check_handlers()
+        self.shm.create()
         for attempt in range(1, CONTROL_PORT_ATTEMPTS + 1):
             for child in self.children:
                 child.start()
@@ -222,7 +225,7 @@ class Launcher:
         mesh that replaces them stops."""
         self._terminate(self.replicas, ABANDONED_START_GRACE_S)
         for child in self.replicas:
-            reclaim_orphans(pid=child.process.pid)
+            self.reclaim(child.process.pid)
 
     def use_control_port(self, port: int) -> None:
         """Hand the children (not yet started, or stopped) the control plane on `port`."""
@@ -315,7 +318,7 @@ class Launcher:
                 if child.given_up or child.running() or now < child.next_start:
                     continue
                 if child.next_start == 0.0:  # it just exited: reap, then schedule a restart with backoff
-                    reaped = reclaim_orphans(pid=child.process.pid)
+                    reaped = self.reclaim(child.process.pid)
                     uptime = now - child.started_at
                     child.quick_exits = child.quick_exits + 1 if uptime < QUICK_EXIT_S else 0
                     if child.quick_exits > self.max_quick_restarts:
@@ -348,9 +351,15 @@ class Launcher:
         # Coordinator first: it stops taking requests and lets in-flight ones finish (grace).
         self._terminate([self.coordinator], self.grace_s + 5)
         self._terminate(self.replicas, 15.0)
-        reaped = [name for child in self.children for pid in child.pids for name in reclaim_orphans(pid=pid)]
+        reaped = [name for child in self.children for pid in child.pids for name in self.reclaim(pid)]
+        reaped += self.shm.remove()  # what is left in the mesh's own directory, and the directory
         if reaped:
             log.warning("reclaimed %d connector resource(s) left by stopped processes: %s", len(reaped), reaped)
+
+    def reclaim(self, pid: int) -> list[str]:
+        """What the exited process `pid` held, shared memory looked for in the mesh's own directory."""
+        with self.shm.selected():
+            return reclaim_orphans(pid=pid)
 
     @staticmethod
     def _terminate(children: list[Child], timeout_s: float) -> None:
