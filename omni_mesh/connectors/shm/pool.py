@@ -1,9 +1,9 @@
 """A SharedMemoryConnector producer's pool: its segments, the slots in them, growth and idle release.
 
-The first segment (`memory_pool_size`, plus the key index and the tiny-payload cells that live at its
-start) is created on the first put. A payload that fits no free space, once released slots are
-reclaimed, adds a segment sized for it (`_p<n>`, rounded up to _growth.GROW_STEP, pre-faulted), kept for the
-next payloads, up to `max_pool_size` in all; a grown segment that held nothing for
+The first segment (small: _growth.FIRST_PART, or `memory_pool_size` if less, plus the key index and the
+tiny-payload cells that live at its start) is created on the first put. A payload that fits no free
+space, once released slots are reclaimed, adds a segment sized for it (`_p<n>`, rounded up to
+_growth.GROW_STEP, pre-faulted), kept for the next payloads, up to `max_pool_size` in all; a grown segment that held nothing for
 `pool_idle_release_s` is unlinked (checked at allocations and at `health()`). Only past the ceiling
 does a payload take a one-off segment (`_x<n>`, counted as a fallback), unlinked once it is freed.
 So the steady state creates no segment and takes no page fault at any size below the ceiling.
@@ -93,7 +93,7 @@ class ShmPool:
     def first_locked(self) -> Segment:
         """The first segment, created (pre-faulted) on first use."""
         if not self.segments:
-            size = round_up(self._start + max(self.cfg.memory_pool_size, SLOT_HEADER))
+            size = round_up(self._start + max(_growth.first_part(self.cfg.memory_pool_size, self.ceiling), SLOT_HEADER))
             name, mm = self._create(self._first_name, size, self.cfg.prefault, f"a {size}-byte pool")
             segment = self._add_locked(name, mm, PoolAllocator(size, start=self._start), 0)
             self._on_first(segment)
@@ -130,8 +130,9 @@ class ShmPool:
     def _grow_locked(self, need: int, align: int) -> Segment | None:
         """A new pre-faulted segment with room for a slot of `need` bytes; None past the ceiling, or
         when /dev/shm has no room for it (the one-off path then says so)."""
-        size = _growth.grown_size(need + align)
-        if self.pool_bytes + size > self.ceiling:
+        room = self.ceiling - self.pool_bytes
+        size = _growth.grown_size(need + align, room)
+        if size > room:
             return None
         try:
             name, mm = create_unique_segment(self._numbered("p"), size, populate=self.cfg.prefault)
