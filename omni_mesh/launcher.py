@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from omni_mesh.connectors import reclaim_orphans
-from omni_mesh.connectors.shm.meshdir import MeshShmDir
+from omni_mesh.connectors import mesh_places, reclaim_orphans
 from omni_mesh.defaults import INSTANCE_ENV as INSTANCE_ENV
 from omni_mesh.fdlimit import raise_nofile_limit
 from omni_mesh.ports import free_port, taken_since
@@ -148,7 +147,7 @@ class Launcher:
         self.control = f"tcp://127.0.0.1:{control_port or free_port()}"
         self._stop = threading.Event()
         env = mesh_environment()
-        self.shm = MeshShmDir.for_mesh(topology.name, env)  # named in env; made at start, removed at stop
+        self.shm = mesh_places(topology.name, env)  # named in env; made at start, removed at stop
         self.instance = uuid.uuid4().hex  # its coordinator says it in /ready: no other mesh's answer counts
         path = str(topology.path)
         python = [sys.executable, "-m", "omni_mesh"]
