@@ -95,6 +95,23 @@ def test_past_the_ceiling_a_put_takes_a_counted_one_off_segment(consumer: Peer) 
         assert same(consumer.get("r/again", again), values[0])
 
 
+def test_growth_at_the_ceiling_takes_back_empty_grown_segments_before_it_falls_back(consumer: Peer) -> None:
+    """A pool that grew for smaller payloads holds that segment, empty, until its idle time runs out:
+    a larger payload whose growth the ceiling refuses meanwhile must take that room back and grow, not
+    take a one-off (before, whether it fell back depended on how long ago the smaller payloads went)."""
+    with connector({**SMALL_POOL, "max_pool_size": 30 * MiB}) as conn:  # idle release: 30 s, not reached
+        small = payload(6)
+        _, _, metadata = conn.put("a", "b", "r/small", small)
+        assert kind(metadata["segment"]) == "p" and same(consumer.get("r/small", metadata), small)
+        large = payload(17)  # 2 + 16 MiB held: 17 MiB more would pass 30 MiB
+        _, _, metadata = conn.put("a", "b", "r/large", large)
+        assert kind(metadata["segment"]) == "p", metadata
+        assert same(consumer.get("r/large", metadata), large)
+        health = conn.health()
+        assert health["fallbacks"] == 0 and health["pool_grown"] == 2 and health["pool_released"] == 1, health
+        assert health["pool_size"] <= 30 * MiB
+
+
 def test_idle_grown_segments_go_back_and_the_consumer_lets_go_of_them(consumer: Peer) -> None:
     with connector({**SMALL_POOL, "pool_idle_release_s": 0.2}) as conn:
         value = payload(6)

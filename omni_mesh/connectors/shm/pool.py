@@ -164,11 +164,26 @@ class ShmPool:
         self.own[name] = segment
         return segment
 
-    def release_idle_locked(self, keep: Segment | None = None) -> None:
-        """Unlink grown segments that held nothing for pool_idle_release_s (never the first)."""
+    def _make_room_locked(self, need: int, align: int) -> tuple[Segment | None, int | None]:
+        """Growth was refused (the ceiling, or a full /dev/shm): before a one-off, take back the room the
+        pool holds for nothing. Slots a consumer released since the reclaim above, then grown segments
+        that hold nothing but wait out their idle time (a pool that grew for 256 MiB payloads had no
+        room for a 1 GiB one for 30 s, so whether a put fell back depended on timing)."""
+        self.reclaim_locked(check_takers=True)
+        segment, offset = self._fit_locked(need, align)
+        if offset is None and self.release_idle_locked(idle_s=0.0):
+            segment = self._grow_locked(need, align)
+            if segment is not None:
+                offset = segment.allocator.allocate(need, align=align, skew=SLOT_HEADER)
+        return segment, offset
+
+    def release_idle_locked(self, keep: Segment | None = None, idle_s: float | None = None) -> int:
+        """Unlink grown segments that held nothing for `idle_s` (default pool_idle_release_s; never the
+        first); returns how many."""
         if len(self.segments) < 2:
-            return
-        cutoff = time.monotonic() - self.cfg.pool_idle_release_s
+            return 0
+        released = 0
+        cutoff = time.monotonic() - (self.cfg.pool_idle_release_s if idle_s is None else idle_s)
         for segment in self.segments[1:]:
             if segment is not keep and segment.allocator.in_use == 0 and segment.last_used <= cutoff:
                 self.segments.remove(segment)
@@ -178,6 +193,8 @@ class ShmPool:
                 with contextlib.suppress(BufferError):  # views of this process keep it mapped until GC
                     segment.mm.close()
                 self._counters.add("pool_released")
+                released += 1
+        return released
 
     @property
     def pool_bytes(self) -> int:
@@ -214,7 +231,9 @@ class ShmPool:
                 return None
             if offset is None:
                 segment = self._grow_locked(need, align)
-                if segment is not None:
+                if segment is None:
+                    segment, offset = self._make_room_locked(need, align)
+                else:
                     offset = segment.allocator.allocate(need, align=align, skew=SLOT_HEADER)
             if offset is None:
                 # Past the ceiling: a one-off segment, the slot header just before its first page boundary.
