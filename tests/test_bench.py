@@ -75,10 +75,11 @@ def test_the_handoff_bench_reports_the_median_and_the_ratio_to_the_same_run_limi
     assert result["memcpy_s"] > 0 and result["round_trip_s"] > 0
     assert result["limit_s"] == pytest.approx(result["memcpy_s"] + result["round_trip_s"], rel=1e-9)
     assert result["ratio_limit"] == pytest.approx(result["handoff_s"] / result["limit_s"], rel=1e-9)
+    assert result["ratio_in_sequence"] == pytest.approx(result["handoff_s"] / result["in_sequence_s"], rel=1e-9)
     assert result["pool_grown"] == 0 and result["fallbacks"] == 0, result
     table = run_bench("--handoff", "--handoffs", "12", "--sizes", "64KiB")
     assert table.returncode == 0, table.stderr
-    assert "64 KiB hand-off" in table.stdout and "x the limit" in table.stdout, table.stdout
+    assert "64 KiB hand-off" in table.stdout and "x the limit" in table.stdout and "in sequence" in table.stdout
 
 
 def test_the_handoff_bench_takes_one_size() -> None:
