@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 from support.meshkit import Mesh, running_mesh, segments_in, write_topology
 
-from omni_mesh.connectors import create_connector
+from omni_mesh.connectors import ConnectorError, create_connector
 from omni_mesh.connectors.shm.meshdir import DIR_PREFIX
 from omni_mesh.connectors.shm.segments import ENV_DIR
 from omni_mesh.connectors.shm.wanted import WANTED_AT
 from omni_mesh.launcher import Launcher
+from omni_mesh.ports import free_port
 from omni_mesh.topology import load_topology
 
 TOPOLOGY = {
@@ -108,12 +109,15 @@ def test_two_meshes_each_keep_to_a_directory_of_their_own(
 def test_a_directory_the_user_names_wins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     mine = Path("/dev/shm") / f"omni-mesh-users-dir-{os.getpid()}"
     monkeypatch.setenv(ENV_DIR, str(mine))
-    launcher = Launcher(load_topology(write_topology(tmp_path, TOPOLOGY)))
+    launcher = Launcher(load_topology(write_topology(tmp_path, TOPOLOGY)), port=free_port())
     assert all(child.env[ENV_DIR] == str(mine) for child in launcher.children)
-    launcher.shm.create()  # the user's: neither made nor removed
-    assert not mine.exists()
+    # The user's directory is neither made nor removed; a missing one is named before anything starts.
+    with pytest.raises(ConnectorError, match=f"{ENV_DIR}={mine} does not exist"):
+        launcher.start()
+    assert not mine.exists() and all(child.process is None for child in launcher.children)
     mine.mkdir(mode=0o700)
     try:
+        launcher.shm.create()
         assert launcher.shm.remove() == [] and mine.is_dir()
     finally:
         mine.rmdir()

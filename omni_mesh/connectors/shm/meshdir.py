@@ -45,8 +45,14 @@ class MeshShmDir:
         return directory
 
     def create(self) -> None:
-        """Make our own directory, private to this user; never one that exists (someone else's)."""
+        """Make our own directory, private to this user; never one that exists (someone else's). The
+        user's must exist: said now, naming it, rather than at the first put of every stage."""
         if not self.own:
+            if not self.path.is_dir():
+                raise ConnectorError(
+                    f"shared-memory directory {ENV_DIR}={self.path} does not exist: create it (mode 0700, on "
+                    f"a tmpfs such as {DEFAULT_DIR}), or unset {ENV_DIR} and the mesh gets one of its own"
+                )
             return
         try:
             os.mkdir(self.path, 0o700)
