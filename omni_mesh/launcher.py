@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from omni_mesh.connectors import reclaim_orphans
+from omni_mesh.connectors import mesh_places, reclaim_orphans
 from omni_mesh.defaults import HOST_CAP_ENV
 from omni_mesh.defaults import INSTANCE_ENV as INSTANCE_ENV
 from omni_mesh.fdlimit import raise_nofile_limit
@@ -153,6 +153,7 @@ class Launcher:
         self._stop = threading.Event()
         env = mesh_environment()
         self.env, self.cap = env, host_cap(topology, max_replicas_total)
+        self.shm = mesh_places(topology.name, env)  # named in env; made at start, removed at stop
         self.instance = uuid.uuid4().hex  # its coordinator says it in /ready: no other mesh's answer counts
         path = str(topology.path)
         python = [sys.executable, "-m", "omni_mesh"]
@@ -164,7 +165,7 @@ class Launcher:
         )
         self._made: dict[str, int] = {}  # replicas made per stage: a new one gets the next index
         self.replicas = [self.make_replica(stage) for stage in topology.stages for _ in range(stage.replicas)]
-        self.scaler = Scaler(topology, self.replicas, self.make_replica, url=self.url, cap=self.cap,
+        self.scaler = Scaler(topology, self.replicas, self.make_replica, self.reclaim, url=self.url, cap=self.cap,
                              api_key=api_key, verify=self._trust())
 
     def make_replica(self, stage: StageSpec) -> Child:
@@ -204,6 +205,7 @@ class Launcher:
     def start(self) -> None:
         self.check_port()
         self.check_handlers()
+        self.shm.create()
         for attempt in range(1, CONTROL_PORT_ATTEMPTS + 1):
             for child in self.children:
                 child.start()
@@ -229,7 +231,7 @@ class Launcher:
         mesh that replaces them stops."""
         self._terminate(self.replicas, ABANDONED_START_GRACE_S)
         for child in self.replicas:
-            reclaim_orphans(pid=child.process.pid)
+            self.reclaim(child.process.pid)
 
     def use_control_port(self, port: int) -> None:
         """Hand the children (not yet started, or stopped) the control plane on `port`."""
@@ -323,7 +325,7 @@ class Launcher:
                 if child.given_up or child.retiring or child.running() or now < child.next_start:
                     continue
                 if child.next_start == 0.0:  # it just exited: reap, then schedule a restart with backoff
-                    reaped = reclaim_orphans(pid=child.process.pid)
+                    reaped = self.reclaim(child.process.pid)
                     uptime = now - child.started_at
                     child.quick_exits = child.quick_exits + 1 if uptime < QUICK_EXIT_S else 0
                     if child.quick_exits > self.max_quick_restarts:
@@ -356,9 +358,15 @@ class Launcher:
         # Coordinator first: it stops taking requests and lets in-flight ones finish (grace).
         self._terminate([self.coordinator], self.grace_s + 5)
         self._terminate(self.replicas, 15.0)
-        reaped = [name for child in self.children for pid in child.pids for name in reclaim_orphans(pid=pid)]
+        reaped = [name for child in self.children for pid in child.pids for name in self.reclaim(pid)]
+        reaped += self.shm.remove()  # what is left in the mesh's own directory, and the directory
         if reaped:
             log.warning("reclaimed %d connector resource(s) left by stopped processes: %s", len(reaped), reaped)
+
+    def reclaim(self, pid: int) -> list[str]:
+        """What the exited process `pid` held, shared memory looked for in the mesh's own directory."""
+        with self.shm.selected():
+            return reclaim_orphans(pid=pid)
 
     @staticmethod
     def _terminate(children: list[Child], timeout_s: float) -> None:

@@ -4,7 +4,7 @@ replica processes, or drains and stops them.
 
 A replica asked to go gets SIGTERM, the signal it already drains on: it takes no new work, finishes
 what it holds, deregisters and exits; what it leaves is reclaimed by its connector types
-(`reclaim_orphans`) and it is not restarted. The replicas the launcher runs, draining ones included,
+(the launcher's `reclaim`) and it is not restarted. The replicas the launcher runs, draining ones included,
 never exceed the host cap: autoscaling one stage cannot take every core from the others.
 """
 
@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from omni_mesh.connectors import reclaim_orphans
 from omni_mesh.topology import StageSpec, Topology
 
 if TYPE_CHECKING:
@@ -62,6 +61,7 @@ class Scaler:
         topology: Topology,
         replicas: list[Child],
         make_replica: Callable[[StageSpec], Child],
+        reclaim: Callable[[int], list[str]],
         *,
         url: str,
         cap: int,
@@ -71,6 +71,7 @@ class Scaler:
         self.stages = [stage for stage in topology.stages if stage.autoscale is not None]
         self.replicas = replicas  # the launcher's list: children are added to it and removed from it
         self.make_replica = make_replica
+        self.reclaim = reclaim  # what an exited replica held, looked for where this mesh keeps it
         self.url = url
         self.cap = cap
         # Its own User-Agent: the coordinator's access log leaves these polls out (coordinator/access.py).
@@ -142,7 +143,7 @@ class Scaler:
     def _reap_retired(self) -> None:
         for child in [c for c in self.replicas if c.retiring and not c.running()]:
             self.replicas.remove(child)
-            reaped = reclaim_orphans(pid=child.process.pid) if child.process else []
+            reaped = self.reclaim(child.process.pid) if child.process else []
             log.info("autoscale: %s %s%s", child.name, "drained and stopped" if child.process and
                      child.process.returncode == 0 else child.describe_exit(),
                      f", reclaimed {len(reaped)} connector resource(s)" if reaped else "")

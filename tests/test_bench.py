@@ -62,6 +62,31 @@ def test_the_connector_bench_prints_a_table() -> None:
     assert "x memcpy" in done.stdout and "4 KiB" in done.stdout and "in-process 4 KiB put + get" in done.stdout
 
 
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zero-copy"])
+def test_the_handoff_bench_reports_the_median_and_the_ratio_to_the_same_run_limit(zero_copy: bool) -> None:
+    """--handoff: steady-state 1 MiB hand-offs (put, get, release, answer) against one memcpy plus an
+    empty round trip between the same two processes, measured in the same run."""
+    flags = ["--zero-copy"] if zero_copy else []
+    done = run_bench("--handoff", "--handoffs", "60", *flags, "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["size"] == 1 << 20 and result["handoffs"] == 60 and result["zero_copy"] is zero_copy
+    assert 0 < result["put_s"] < result["handoff_s"] and 0 < result["get_release_s"] < result["handoff_s"]
+    assert result["memcpy_s"] > 0 and result["round_trip_s"] > 0
+    assert result["limit_s"] == pytest.approx(result["memcpy_s"] + result["round_trip_s"], rel=1e-9)
+    assert result["ratio_limit"] == pytest.approx(result["handoff_s"] / result["limit_s"], rel=1e-9)
+    assert result["ratio_in_sequence"] == pytest.approx(result["handoff_s"] / result["in_sequence_s"], rel=1e-9)
+    assert result["pool_grown"] == 0 and result["fallbacks"] == 0, result
+    table = run_bench("--handoff", "--handoffs", "12", "--sizes", "64KiB")
+    assert table.returncode == 0, table.stderr
+    assert "64 KiB hand-off" in table.stdout and "x the limit" in table.stdout and "in sequence" in table.stdout
+
+
+def test_the_handoff_bench_takes_one_size() -> None:
+    done = run_bench("--handoff", "--sizes", "1MiB,2MiB")
+    assert done.returncode != 0 and "--handoff takes one size" in done.stderr, done.stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_the_cuda_bench_without_cuda_is_a_clear_error() -> None:
     done = run_bench("--device", "cuda", "--sizes", "4KiB")

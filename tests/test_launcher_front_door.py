@@ -17,7 +17,7 @@ import pytest
 from support.meshkit import OMNI_MESH, Mesh, running_mesh, up_command, write_topology
 
 from omni_mesh import __version__
-from omni_mesh.connectors.shm.segments import list_segments, owner_of
+from omni_mesh.connectors.shm.segments import owner_of
 from omni_mesh.launcher import Launcher
 from omni_mesh.ports import free_port
 from omni_mesh.topology import load_topology
@@ -179,26 +179,32 @@ time.sleep(60)
 
 def test_the_replicas_of_an_abandoned_start_are_killed_at_once_and_their_segments_reaped(tmp_path: Path) -> None:
     """A start-up that never became ready holds no request: its replicas get a moment after SIGTERM,
-    not a drain grace, and what they leave in /dev/shm is reaped before the next start-up."""
+    not a drain grace, and what they leave in the mesh's shared-memory directory is reaped before the
+    next start-up."""
     launcher = Launcher(load_topology(write_topology(tmp_path, TOPOLOGY)), port=free_port())
     (replica,) = launcher.replicas
     replica.argv = [sys.executable, "-c", STUBBORN_REPLICA]
-    process = subprocess.Popen(replica.argv, stdout=subprocess.PIPE, text=True)
+    launcher.shm.create()
+    process = subprocess.Popen(replica.argv, stdout=subprocess.PIPE, text=True, env=replica.env)
     replica.process = process
+
+    def of_stand_in() -> list[str]:
+        return [n for n in os.listdir(launcher.shm.path) if (o := owner_of(n)) and o.pid == process.pid]
+
     try:
         assert process.stdout.readline() == "made\n"
-        pid = process.pid
-        assert [n for n in list_segments() if (o := owner_of(n)) and o.pid == pid], "the stand-in made no segment"
+        assert of_stand_in(), "the stand-in made no segment in the mesh's directory"
         started = time.monotonic()
         launcher._abandon_start()
         assert time.monotonic() - started < 5
         assert process.returncode == -signal.SIGKILL
-        assert not [n for n in list_segments() if (o := owner_of(n)) and o.pid == pid]
+        assert not of_stand_in()
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
         process.stdout.close()
+        launcher.shm.remove()
 
 
 def test_a_rest_port_taken_between_its_pick_and_up_is_picked_again(

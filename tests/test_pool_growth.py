@@ -16,6 +16,7 @@ from support.shm_kit import ShmPeer as Peer
 from support.shm_kit import connector, our_segments
 
 from omni_mesh import codec
+from omni_mesh.connectors.pools.growth import FIRST_PART
 from omni_mesh.connectors.shared_memory import AUTO_CEILING_MAX, GROW_STEP
 from omni_mesh.connectors.shm import index as shm_index
 from omni_mesh.connectors.shm import slots as shm_slots
@@ -92,6 +93,23 @@ def test_past_the_ceiling_a_put_takes_a_counted_one_off_segment(consumer: Peer) 
         _, _, again = conn.put("a", "b", "r/again", values[0])
         assert again["segment"] == metadata[0]["segment"] and conn.health()["fallbacks"] == 2
         assert same(consumer.get("r/again", again), values[0])
+
+
+def test_growth_at_the_ceiling_takes_back_empty_grown_segments_before_it_falls_back(consumer: Peer) -> None:
+    """A pool that grew for smaller payloads holds that segment, empty, until its idle time runs out:
+    a larger payload whose growth the ceiling refuses meanwhile must take that room back and grow, not
+    take a one-off (before, whether it fell back depended on how long ago the smaller payloads went)."""
+    with connector({**SMALL_POOL, "max_pool_size": 30 * MiB}) as conn:  # idle release: 30 s, not reached
+        small = payload(6)
+        _, _, metadata = conn.put("a", "b", "r/small", small)
+        assert kind(metadata["segment"]) == "p" and same(consumer.get("r/small", metadata), small)
+        large = payload(17)  # 2 + 16 MiB held: 17 MiB more would pass 30 MiB
+        _, _, metadata = conn.put("a", "b", "r/large", large)
+        assert kind(metadata["segment"]) == "p", metadata
+        assert same(consumer.get("r/large", metadata), large)
+        health = conn.health()
+        assert health["fallbacks"] == 0 and health["pool_grown"] == 2 and health["pool_released"] == 1, health
+        assert health["pool_size"] <= 30 * MiB
 
 
 def test_idle_grown_segments_go_back_and_the_consumer_lets_go_of_them(consumer: Peer) -> None:
@@ -260,3 +278,47 @@ def test_te_send_and_receive_pools_grow_for_a_payload_larger_than_them() -> None
     finally:
         producer.close()
         consumer.close()
+
+
+def test_a_default_pool_starts_small_and_grows_as_payloads_need(consumer: Peer) -> None:
+    """A producer maps what it needs, not memory_pool_size (256 MiB by default) up front: an idle mesh
+    holds little shared memory. The usual hand-offs (0.5-2 MiB) fit the first segment; larger ones grow it."""
+    with connector() as conn:
+        assert conn.config.memory_pool_size == 256 * MiB  # the default stays: it is no longer mapped at once
+        conn.warm_up()  # what a stage does at start
+        (first,) = our_segments().values()
+        assert first <= FIRST_PART + MiB, first  # the slots, plus the key index and tiny-payload cells
+        for i in range(3):
+            value = payload(2, float(i))
+            _, _, metadata = conn.put("a", "b", f"r/{i}", value)
+            assert same(consumer.get(f"r/{i}", metadata), value)
+        assert conn.health()["pool_grown"] == 0 and len(our_segments()) == 1
+        value = payload(20)
+        _, _, metadata = conn.put("a", "b", "r/big", value)
+        assert kind(metadata["segment"]) == "p" and same(consumer.get("r/big", metadata), value)
+        health = conn.health()
+        assert health["pool_grown"] == 1 and health["fallbacks"] == 0, health
+
+
+def test_a_pool_grows_into_what_its_ceiling_leaves_rather_than_fall_back(consumer: Peer) -> None:
+    """memory_pool_size 8 MiB, max_pool_size 12 MiB: the pool starts at 4 MiB, and a 6 MiB payload (no
+    room there) grows it by what the ceiling leaves, not by a whole GROW_STEP it has no room for."""
+    with connector({"memory_pool_size": 8 * MiB, "max_pool_size": 12 * MiB, "inline_max_bytes": 0}) as conn:
+        value = payload(6)
+        _, _, metadata = conn.put("a", "b", "r/0", value)
+        assert kind(metadata["segment"]) == "p", metadata
+        assert same(consumer.get("r/0", metadata), value)
+        health = conn.health()
+        assert health["fallbacks"] == 0 and health["pool_grown"] == 1, health
+        assert sum(our_segments().values()) <= 12 * MiB
+
+
+def test_a_pool_its_ceiling_cannot_grow_enough_maps_all_of_it_at_once(consumer: Peer) -> None:
+    """memory_pool_size = max_pool_size = 8 MiB: starting small would leave growth no room for a 6 MiB
+    payload, so the pool maps its 8 MiB up front, as before pools grew."""
+    with connector({"memory_pool_size": 8 * MiB, "max_pool_size": 8 * MiB, "inline_max_bytes": 0}) as conn:
+        value = payload(6)
+        _, _, metadata = conn.put("a", "b", "r/0", value)
+        assert metadata["segment"] == conn._pool.first.name
+        assert same(consumer.get("r/0", metadata), value)
+        assert conn.health()["fallbacks"] == 0

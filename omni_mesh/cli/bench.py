@@ -30,6 +30,13 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         action="store_true",
         help="allocate each payload with connector.empty() (its memory), so the put copies nothing",
     )
+    connector.add_argument(
+        "--handoff",
+        action="store_true",
+        help="steady-state hand-offs (put, get, release) of one size (--sizes, default 1MiB) vs memcpy + an "
+        "empty round trip measured in the same run",
+    )
+    connector.add_argument("--handoffs", type=int, default=600, help="--handoff: hand-offs timed (default 600)")
     connector.add_argument("--json", action="store_true", help="print the results as JSON")
     pipeline = kinds.add_parser("pipeline", help="drive a mesh over HTTP with concurrent clients")
     pipeline.add_argument("--url", default=None, help="coordinator URL of a running mesh")
@@ -125,6 +132,16 @@ def _cmd_autoscale(args: argparse.Namespace) -> int:
     return 1 if result["failed"] else EXIT_OK
 
 
+def _handoff(args: argparse.Namespace, config: dict, sizes: list[int]) -> int:
+    from omni_mesh.bench import handoff
+
+    if len(sizes) != 1 or args.device != "cpu" or args.start_worker or args.handoffs < 1:
+        raise CliError("--handoff takes one size (--sizes), on the cpu, without --start-worker; --handoffs >= 1")
+    result = handoff.run_handoff(args.connector, config, sizes[0], args.handoffs, zero_copy=args.zero_copy)
+    print(json.dumps(result, indent=2) if args.json else handoff.report(result))
+    return EXIT_OK
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "autoscale":
         return _cmd_autoscale(args)
@@ -135,6 +152,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if args.device == "cuda" and not connector.torch.cuda.is_available():
             raise CliError("--device cuda: this machine has no CUDA device")
         sizes = connector.parse_sizes(args.sizes)
+        if args.handoff:
+            return _handoff(args, config, connector.parse_sizes(args.sizes or "1MiB"))
         with contextlib.ExitStack() as stack:
             if args.start_worker:
                 if args.connector != "YuanrongConnector":

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omni_mesh.connectors.base import (
     ConnectorConfigError,
@@ -33,6 +33,9 @@ from omni_mesh.connectors.errors import (
     PayloadTooLarge,
 )
 from omni_mesh.connectors.lifecycle import Lifecycle, ProcessFacts
+
+if TYPE_CHECKING:
+    from omni_mesh.connectors.shm.meshdir import MeshShmDir
 
 __all__ = [
     "ConnectorClosed",
@@ -58,6 +61,7 @@ __all__ = [
     "held_by",
     "holds",
     "lifecycle_of",
+    "mesh_places",
     "parse_size",
     "reclaim",
     "reclaim_orphans",
@@ -250,6 +254,15 @@ def _known_lifecycles() -> list[type[Lifecycle]]:
 def reclaim_orphans(pid: int) -> list[str]:
     """What process `pid` (a child this host started) left behind, if it is gone, in every type."""
     return [item for lifecycle in _known_lifecycles() for item in lifecycle.reclaim_orphans(pid)]
+
+
+def mesh_places(mesh: str, env: dict[str, str]) -> MeshShmDir:
+    """What the connectors keep per mesh on this host, for `up`: a shared-memory directory of mesh
+    `mesh`'s own, named in `env` for every process it starts (unless `env` names one already); made
+    by `create()`, taken away with what is left in it by `remove()`; `selected()` around reclaims."""
+    from omni_mesh.connectors.shm.meshdir import MeshShmDir
+
+    return MeshShmDir.for_mesh(mesh, env)
 
 
 def held_by(pids: set[int]) -> list[str]:

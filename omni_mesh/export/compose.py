@@ -208,9 +208,9 @@ def _header(topology: Topology, source: ImageSource, output: Path | None, option
     if shm_edges(topology):
         notes.append(
             "Shared memory: the coordinator owns an IPC namespace (`ipc: shareable`, sized by `shm_size`) and "
-            "every stage joins it, so SharedMemoryConnector works between containers. Each producing replica "
-            "maps a pool (memory_pool_size, 256 MiB by default) in it: raise OMNI_MESH_SHM_SIZE when you scale "
-            "producers far."
+            "every stage joins it, so SharedMemoryConnector works between containers; no other mesh sees its "
+            "segments. Each producing replica maps a pool in it (4 MiB at start, grown as payloads need): raise "
+            "OMNI_MESH_SHM_SIZE when you scale producers far."
         )
     notes += [f"{m.name}: the Mooncake store's master, named by this service in the topology." for m in store_masters(topology)]
     variables = [

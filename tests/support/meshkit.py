@@ -3,7 +3,8 @@
 `start_mesh` writes the topology into a directory (next to a copy of `mesh_handlers.py`, so the
 stage processes import it from the topology's directory), starts the launcher on a free port and
 waits for `/ready`. `Mesh.stop` sends a signal, waits for the launcher to exit, and checks that no
-process of the mesh remains and that nothing the mesh's processes made is left in /dev/shm.
+process of the mesh remains and that nothing the mesh's processes made is left in /dev/shm, nor the
+mesh's own shared-memory directory (`up` makes one per run: OMNI_MESH_SHM_DIR of its processes).
 Everything a mesh starts is killed on every path, also when a check fails.
 """
 
@@ -24,7 +25,7 @@ from typing import Any, TypeVar
 import httpx
 import yaml
 
-from omni_mesh.connectors.shm.segments import list_segments, owner_of, process_start_time
+from omni_mesh.connectors.shm.segments import ENV_DIR, PREFIX, owner_of, process_start_time, shm_dir
 from omni_mesh.ports import free_port, taken_since
 from omni_mesh.procinfo import descendants, die_with_parent
 
@@ -80,9 +81,11 @@ class Mesh:
         self.log_path = log
         # headers: e.g. the API key; verify: the context that trusts a mesh's self-signed certificate.
         self.client = httpx.Client(base_url=url, timeout=60.0, headers=headers, verify=verify)
-        self.shm_before = set(list_segments())
+        self.inherited_shm_dir = shm_dir()  # OMNI_MESH_SHM_DIR of `up`: the test session's, or /dev/shm
+        self.shm_before = set(segments_in(self.inherited_shm_dir))
         # pid -> start time of every process of this mesh we have seen (a restarted stage adds one).
         self.processes: dict[int, int] = {}
+        self.shm_dirs: set[Path] = {self.inherited_shm_dir}  # where its processes keep segments
         self.stopped = False
 
     # ------------------------------------------------------------------ HTTP
@@ -144,6 +147,15 @@ class Mesh:
         start = process_start_time(pid)
         if start is not None:
             self.processes.setdefault(pid, start)
+            directory = shm_dir_of(pid)
+            if directory is not None:
+                self.shm_dirs.add(directory)
+
+    def own_shm_dir(self) -> Path | None:
+        """The shared-memory directory `up` made for this mesh (None: its processes use the one `up` was given)."""
+        own = [d for d in self.shm_dirs if d != self.inherited_shm_dir]
+        assert len(own) <= 1, f"the processes of one mesh use several shared-memory directories: {own}"
+        return own[0] if own else None
 
     def remember_tree(self) -> None:
         self._remember(self.process.pid)
@@ -155,12 +167,13 @@ class Mesh:
         return [pid for pid, start in self.processes.items() if process_start_time(pid) == start]
 
     def our_segments(self) -> list[str]:
-        """Segments in /dev/shm made by a process of this mesh."""
+        """Segments made by a process of this mesh, in /dev/shm or in the mesh's own directory."""
         ours = []
-        for name in list_segments():
-            owner = owner_of(name)
-            if owner is not None and owner.pid in self.processes and name not in self.shm_before:
-                ours.append(name)
+        for directory in sorted(self.shm_dirs):
+            for name in segments_in(directory):
+                owner = owner_of(name)
+                if owner is not None and owner.pid in self.processes and name not in self.shm_before:
+                    ours.append(name)
         return ours
 
     def stop(self, sig: signal.Signals = signal.SIGINT, timeout_s: float = STOP_TIMEOUT_S) -> int:
@@ -182,6 +195,8 @@ class Mesh:
             wait_for(lambda: not self.alive(), 5.0, f"the processes of the mesh to exit after {sig.name}")
             leftovers = self.our_segments()
             assert not leftovers, f"omni-mesh up left shared-memory segments in /dev/shm: {leftovers}"
+            own = self.own_shm_dir()
+            assert own is None or not own.exists(), f"omni-mesh up left its shared-memory directory {own}"
             assert code == 0, f"omni-mesh up exited with {code} after {sig.name}:\n{self.log()[-4000:]}"
             return code
         finally:
@@ -199,6 +214,24 @@ class Mesh:
             self.process.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(10)
+
+
+def segments_in(directory: Path) -> list[str]:
+    try:
+        return sorted(name for name in os.listdir(directory) if name.startswith(PREFIX))
+    except FileNotFoundError:
+        return []
+
+
+def shm_dir_of(pid: int) -> Path | None:
+    """OMNI_MESH_SHM_DIR in the environment process `pid` started with (None: unset or unreadable)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    prefix = f"{ENV_DIR}=".encode()
+    found = [entry[len(prefix) :].decode() for entry in environ if entry.startswith(prefix)]
+    return Path(found[-1]) if found and found[-1] else None
 
 
 def write_topology(directory: Path, topology: dict | str | Path, *, handlers: bool = True) -> Path:

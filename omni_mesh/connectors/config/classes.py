@@ -48,6 +48,7 @@ P2P = "P2PHANDSHAKE"  # the metadata_server value with nothing to deploy: peers 
 
 @dataclass(frozen=True, config=_STRICT)
 class SharedMemoryConfig:
+    #: The pool maps min(this, 4 MiB) up front and grows by segments as payloads need (up to max_pool_size).
     memory_pool_size: Size = 256 * 1024 * 1024
     #: Frames up to this size travel inside the metadata instead of through shared memory.
     inline_max_bytes: Annotated[Size, vllm_omni("shm_threshold_bytes")] = 16 * 1024

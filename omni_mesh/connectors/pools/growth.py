@@ -3,7 +3,8 @@
 A pool grows by segments or regions sized for the payload that did not fit, rounded up to GROW_STEP,
 up to a ceiling: the config's `max_pool_size`, or by default a share of the memory the pool takes
 from (half of /dev/shm, or of RAM for anonymous memory), at most AUTO_CEILING_MAX, and never less
-than the pool's first part. Half leaves the rest to the host's other stage processes (each with a
+than the pool's configured size. A pool maps little up front (FIRST_PART, or its configured size if
+smaller) and grows as payloads need: an idle mesh holds little memory. Half leaves the rest to the host's other stage processes (each with a
 pool of its own) and to one-off buffers; 8 GiB holds several of the largest payloads seen in
 practice (~1-2 GiB of hidden states) without one process taking a big host's memory.
 """
@@ -16,13 +17,27 @@ import os
 from omni_mesh.connectors.pools.allocator import PAGE, round_up
 
 GROW_STEP = 16 << 20
+#: What a pool maps up front at most (its configured size if smaller): enough for a few of the usual
+#: 0.5-2 MiB hand-offs; larger or more payloads grow it.
+FIRST_PART = 4 << 20
 AUTO_CEILING_SHARE = 0.5
 AUTO_CEILING_MAX = 8 << 30
 
 
-def grown_size(nbytes: int) -> int:
-    """The size of a part added for `nbytes` (which include the part's own headers and alignment)."""
-    return round_up(nbytes, GROW_STEP)
+def grown_size(nbytes: int, room: int | None = None) -> int:
+    """The size of a part added for `nbytes` (which include the part's own headers and alignment):
+    rounded up to GROW_STEP, but within `room` (what the ceiling leaves) where `nbytes` fit in it."""
+    size = round_up(nbytes, GROW_STEP)
+    if room is not None and nbytes <= room < size:
+        return round_up(nbytes, PAGE)
+    return size
+
+
+def first_part(configured: int, ceiling: int) -> int:
+    """What a pool of `configured` bytes maps up front: FIRST_PART at most, unless growth under
+    `ceiling` would then have too little room for a payload of `configured` bytes (all of it then)."""
+    small = min(configured, FIRST_PART)
+    return small if ceiling - small >= configured else configured
 
 
 def ceiling(first: int, max_pool_size: int, capacity: int) -> int:

@@ -1,9 +1,9 @@
 """A SharedMemoryConnector producer's pool: its segments, the slots in them, growth and idle release.
 
-The first segment (`memory_pool_size`, plus the key index and the tiny-payload cells that live at its
-start) is created on the first put. A payload that fits no free space, once released slots are
-reclaimed, adds a segment sized for it (`_p<n>`, rounded up to _growth.GROW_STEP, pre-faulted), kept for the
-next payloads, up to `max_pool_size` in all; a grown segment that held nothing for
+The first segment (small: _growth.FIRST_PART, or `memory_pool_size` if less, plus the key index and the
+tiny-payload cells that live at its start) is created on the first put. A payload that fits no free
+space, once released slots are reclaimed, adds a segment sized for it (`_p<n>`, rounded up to
+_growth.GROW_STEP, pre-faulted), kept for the next payloads, up to `max_pool_size` in all; a grown segment that held nothing for
 `pool_idle_release_s` is unlinked (checked at allocations and at `health()`). Only past the ceiling
 does a payload take a one-off segment (`_x<n>`, counted as a fallback), unlinked once it is freed.
 So the steady state creates no segment and takes no page fault at any size below the ceiling.
@@ -93,7 +93,7 @@ class ShmPool:
     def first_locked(self) -> Segment:
         """The first segment, created (pre-faulted) on first use."""
         if not self.segments:
-            size = round_up(self._start + max(self.cfg.memory_pool_size, SLOT_HEADER))
+            size = round_up(self._start + max(_growth.first_part(self.cfg.memory_pool_size, self.ceiling), SLOT_HEADER))
             name, mm = self._create(self._first_name, size, self.cfg.prefault, f"a {size}-byte pool")
             segment = self._add_locked(name, mm, PoolAllocator(size, start=self._start), 0)
             self._on_first(segment)
@@ -130,8 +130,9 @@ class ShmPool:
     def _grow_locked(self, need: int, align: int) -> Segment | None:
         """A new pre-faulted segment with room for a slot of `need` bytes; None past the ceiling, or
         when /dev/shm has no room for it (the one-off path then says so)."""
-        size = _growth.grown_size(need + align)
-        if self.pool_bytes + size > self.ceiling:
+        room = self.ceiling - self.pool_bytes
+        size = _growth.grown_size(need + align, room)
+        if size > room:
             return None
         try:
             name, mm = create_unique_segment(self._numbered("p"), size, populate=self.cfg.prefault)
@@ -163,11 +164,26 @@ class ShmPool:
         self.own[name] = segment
         return segment
 
-    def release_idle_locked(self, keep: Segment | None = None) -> None:
-        """Unlink grown segments that held nothing for pool_idle_release_s (never the first)."""
+    def _make_room_locked(self, need: int, align: int) -> tuple[Segment | None, int | None]:
+        """Growth was refused (the ceiling, or a full /dev/shm): before a one-off, take back the room the
+        pool holds for nothing. Slots a consumer released since the reclaim above, then grown segments
+        that hold nothing but wait out their idle time (a pool that grew for 256 MiB payloads had no
+        room for a 1 GiB one for 30 s, so whether a put fell back depended on timing)."""
+        self.reclaim_locked(check_takers=True)
+        segment, offset = self._fit_locked(need, align)
+        if offset is None and self.release_idle_locked(idle_s=0.0):
+            segment = self._grow_locked(need, align)
+            if segment is not None:
+                offset = segment.allocator.allocate(need, align=align, skew=SLOT_HEADER)
+        return segment, offset
+
+    def release_idle_locked(self, keep: Segment | None = None, idle_s: float | None = None) -> int:
+        """Unlink grown segments that held nothing for `idle_s` (default pool_idle_release_s; never the
+        first); returns how many."""
         if len(self.segments) < 2:
-            return
-        cutoff = time.monotonic() - self.cfg.pool_idle_release_s
+            return 0
+        released = 0
+        cutoff = time.monotonic() - (self.cfg.pool_idle_release_s if idle_s is None else idle_s)
         for segment in self.segments[1:]:
             if segment is not keep and segment.allocator.in_use == 0 and segment.last_used <= cutoff:
                 self.segments.remove(segment)
@@ -177,6 +193,8 @@ class ShmPool:
                 with contextlib.suppress(BufferError):  # views of this process keep it mapped until GC
                     segment.mm.close()
                 self._counters.add("pool_released")
+                released += 1
+        return released
 
     @property
     def pool_bytes(self) -> int:
@@ -213,7 +231,9 @@ class ShmPool:
                 return None
             if offset is None:
                 segment = self._grow_locked(need, align)
-                if segment is not None:
+                if segment is None:
+                    segment, offset = self._make_room_locked(need, align)
+                else:
                     offset = segment.allocator.allocate(need, align=align, skew=SLOT_HEADER)
             if offset is None:
                 # Past the ceiling: a one-off segment, the slot header just before its first page boundary.

@@ -145,4 +145,7 @@ def metadata_problem(metadata: dict) -> str:
 
 def names_a_payload(metadata: object) -> bool:
     """Whether `metadata` is what a put returned (else the payload is looked for by its key)."""
-    return type(metadata) is dict and any(name in metadata for name in ("segment", "frame", "inline", "refs"))
+    # Spelled out, not any() over a generator: this runs on every get.
+    return type(metadata) is dict and (
+        "segment" in metadata or "frame" in metadata or "inline" in metadata or "refs" in metadata
+    )

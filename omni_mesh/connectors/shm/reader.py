@@ -1,0 +1,142 @@
+"""SharedMemoryConnector's consumer side: a get maps the producer's segment once and decodes views.
+
+Tensors and arrays come back as views over the slot: no copy at all. When the last view is
+garbage-collected, the slot is marked RELEASED in its header (`shm.slots`) and the producer reuses it
+at its next put. The generation and the digest of `from->to/key` make stale or foreign metadata
+detectable: a get then answers None rather than another request's data. A get without metadata finds
+the payload by its key (`lookup`); tiny payloads come from their metadata (`shm.tiny`), payloads of
+`empty()` outputs from each of their slots (`shm.outputs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from omni_mesh import codec, cuda_ipc
+from omni_mesh.connectors.base import ConnectorError, Counters, edge_key
+from omni_mesh.connectors.shm import lookup
+from omni_mesh.connectors.shm import tiny as shm_tiny
+from omni_mesh.connectors.shm.maps import Mappings
+from omni_mesh.connectors.shm.outputs import get_parts
+from omni_mesh.connectors.shm.segments import ProcessIdentity
+from omni_mesh.connectors.shm.slots import (
+    digest,
+    hold_until_dead,
+    metadata_problem,
+    names_a_payload,
+    ready,
+    take,
+)
+
+Got = tuple[Any, int]
+
+
+def where(from_stage: str, to_stage: str, key: str) -> str:
+    return f"key {key!r} on edge {from_stage}->{to_stage}"
+
+
+class ShmReader:
+    """Gets for one connector. `own_exports(name, offset)` gives the CUDA tensors of a payload this
+    process put itself; `own_first()` the name of its pool's first segment, if any (searched first by key)."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        identity: ProcessIdentity,
+        counters: Counters,
+        maps: Mappings,
+        own_exports: Callable[[str, int], list[Any] | None],
+        own_first: Callable[[], str | None],
+    ) -> None:
+        self._copy = cfg.copy_on_get
+        self._identity = identity
+        self._counters = counters
+        self._maps = maps
+        self._own_exports = own_exports
+        self._own_first = own_first
+
+    def get(self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None) -> Got | None:
+        if type(metadata) is dict and metadata.get("frame") is not None:  # a tiny payload: the usual get
+            got = shm_tiny.get(from_stage, to_stage, get_key, metadata, self._maps, self._counters)
+            return got if got is not None else self._stale()
+        if not names_a_payload(metadata):
+            return self._get_by_key(from_stage, to_stage, get_key)  # no (or partial) metadata: the key alone
+        if metadata.get("inline") is not None:
+            got = shm_tiny.get(from_stage, to_stage, get_key, metadata, self._maps, self._counters)
+            return got if got is not None else self._stale()
+        if "refs" in metadata:
+            return self._get_parts(from_stage, to_stage, get_key, metadata)
+        name, offset = metadata.get("segment"), metadata.get("offset")
+        generation, length = metadata.get("generation"), metadata.get("length")
+        if (
+            type(name) is not str
+            or type(offset) is not int
+            or type(generation) is not int
+            or type(length) is not int
+            or offset < 0
+            or length < 0
+        ):
+            raise ConnectorError(
+                f"SharedMemoryConnector: metadata for {where(from_stage, to_stage, get_key)} "
+                f"{metadata_problem(metadata)}"
+            )
+        mm = self._maps.get(name) or self._maps.map(name, where(from_stage, to_stage, get_key))
+        if mm is None or not ready(mm, offset, generation, length, digest(from_stage, to_stage, get_key)):
+            return self._stale()
+        base = take(mm, offset, length, self._identity)
+        try:
+            data = codec.decode(base, copy=self._copy, cuda_local=self._own_exports(name, offset))
+        except codec.FrameError as exc:
+            self._counters.add("errors")
+            raise ConnectorError(
+                f"SharedMemoryConnector: bad frame for {where(from_stage, to_stage, get_key)}: {exc}"
+            ) from None
+        except cuda_ipc.CudaIpcUnavailable as exc:
+            self._counters.add("errors")
+            raise ConnectorError(
+                f"SharedMemoryConnector: cannot map the CUDA tensors of {where(from_stage, to_stage, get_key)}: {exc}"
+            ) from None
+        finally:
+            # With views alive, the slot goes back when they die; otherwise right now.
+            hold_until_dead(base, mm, offset, generation)
+            del base
+        self._counters.add_pair("gets", "bytes_got", length)
+        return data, length
+
+    def _get_parts(self, from_stage: str, to_stage: str, get_key: str, metadata: dict) -> Got | None:
+        """A payload holding empty() outputs (shm_outputs): views over each of its slots."""
+        if metadata.get("key") != edge_key(from_stage, to_stage, get_key):
+            return self._stale()  # metadata of another key or edge: never hand out its data
+        said = where(from_stage, to_stage, get_key)
+        try:
+            got = get_parts(
+                metadata,
+                said,
+                digest(from_stage, to_stage, get_key),
+                self._maps.mapper(said),
+                self._identity,
+                self._copy,
+            )
+        except ConnectorError:
+            self._counters.add("errors")
+            raise
+        if got is None:
+            return self._stale()
+        self._counters.add_pair("gets", "bytes_got", got[1])
+        return got
+
+    def _get_by_key(self, from_stage: str, to_stage: str, get_key: str) -> Got | None:
+        """Find the payload in the cells and the key index of every pool in the directory (lookup);
+        None if none has it."""
+        return lookup.find_by_key(
+            self._own_first(),
+            self._maps,
+            where(from_stage, to_stage, get_key),
+            digest(from_stage, to_stage, get_key),
+            lambda metadata: self.get(from_stage, to_stage, get_key, metadata),
+        )
+
+    def _stale(self) -> None:
+        self._counters.add("stale_gets")
+        return None
