@@ -41,10 +41,18 @@ from omni_mesh.connectors.config import ZmqConfig
 from omni_mesh.connectors.pools import growth as _growth
 from omni_mesh.connectors.pools import outputs
 from omni_mesh.connectors.pools.held import Held
+from omni_mesh.connectors.served import seal
+from omni_mesh.connectors.served.bulk_client import BulkError, pull
+from omni_mesh.connectors.served.bulk_server import BulkServer
 from omni_mesh.connectors.served.channel import OK, Handler, Reply, frame_text
 from omni_mesh.connectors.served.connector import GONE, ServedConnector
+from omni_mesh.connectors.served.dealers import DealerPool
 
 PARTS = b"P"  # the reply's third frame when the payload follows in the parts form
+SEALED = b"S"  # ... when it follows on the bulk socket (the fourth: the transfer's description)
+#: With mesh keys, payloads from this size on leave CURVE for the bulk socket (sealed, served.seal);
+#: smaller ones ride in the CURVE reply, where one round trip beats the bulk socket's two.
+BULK_MIN_BYTES = 256 * 1024
 
 
 class _Region:
@@ -98,12 +106,19 @@ class ZmqConnector(ServedConnector):
         self._dead: collections.deque[tuple[int, _Region]] = collections.deque()
         # empty() slots laid out for the put their kind last had alone: (size, parts, [its region])
         self._ready = outputs.ReadyPuts()
+        # Payload bytes off CURVE (with mesh keys only: the session key needs CURVE to travel secretly).
+        self._algorithm = seal.resolve(cfg.encryption)
+        self._bulk: BulkServer | None = None
+        self._bulk_dealers = DealerPool(self._ctx, None) if self._keys is not None else None
 
     # ---------------------------------------------------------------- producer side
 
     def _serving_handlers(self) -> dict[bytes, Handler]:
         if self._slots.size:
             self._pool = self._maps[0] = _anonymous_map(self._slots.size)
+        if self._keys is not None:
+            self._bulk = BulkServer(self._ctx, self._bind_host, self._name)
+            self._bulk.start()
         return {b"GET": self._serve}
 
     def _region(self, offset: int, length: int) -> memoryview:
@@ -293,6 +308,11 @@ class ZmqConnector(ServedConnector):
                 self._in_flight -= 1
             self._release(held)
 
+        if len(args) > 2 and self._bulk is not None and held.size >= BULK_MIN_BYTES:
+            session = seal.Session.from_offer(bytes(args[2]))  # CURVE brought it: from a mesh member
+            form = frames[:1] if frames[0] is PARTS else []
+            desc = self._bulk.offer(session, self._algorithm, frame_text(key), frames[len(form) :], sent)
+            return [OK, key, SEALED, desc, *form], None
         return [OK, key, *frames], sent
 
     # ---------------------------------------------------------------- consumer side
@@ -307,8 +327,18 @@ class ZmqConnector(ServedConnector):
         )
         token = str(metadata.get("token", ""))
         parts = [b"GET", key.encode(), token.encode()]
+        session = None
+        if self._bulk_dealers is not None:  # a large payload may come sealed on the bulk socket
+            session = seal.Session.fresh()
+            parts.append(session.offer())
         # The answer carries the payload: a poll that gives up keeps waiting for it in the background.
         reply = self._ask(endpoint, parts, timeout_s, where, late, late_key=key, keep_late=poll)
+        if len(reply) in (4, 5) and reply[2].bytes == SEALED:
+            parts_form = len(reply) == 5 and reply[4].bytes == PARTS
+            deadline_s = max(
+                timeout_s, self.config.get_timeout_s
+            )  # the payload left the producer: wait for it
+            return self._pull(endpoint, key, session, reply[3].bytes, parts_form, deadline_s, where)
         parts_form = len(reply) >= 4 and reply[2].bytes == PARTS
         if len(reply) != 3 and not parts_form:
             self._error()
@@ -325,13 +355,56 @@ class ZmqConnector(ServedConnector):
             raise ConnectorError(f"{where}: corrupt frame: {exc}") from None
         return obj, len(frame.buffer)
 
+    def _pull(
+        self,
+        endpoint: str,
+        key: str,
+        session: seal.Session | None,
+        desc: bytes,
+        parts_form: bool,
+        timeout_s: float,
+        where: str,
+    ) -> tuple[Any, int]:
+        """The payload the producer answered SEALED for: pulled from its bulk socket, opened, decoded."""
+        if session is None or self._bulk_dealers is None:  # a late answer to an old request of the key
+            self._error()
+            raise ConnectorError(f"{where}: a sealed answer to a request that offered no session")
+        try:
+            buffers = pull(self._bulk_dealers, endpoint, session, key, desc, timeout_s)
+        except BulkError as exc:
+            self._error()
+            raise ConnectorError(
+                f"{where}: refused the payload's bytes: {exc}; nothing was returned"
+            ) from None
+        except Exception as exc:
+            raise self._dealer_failure(
+                exc, f"{where} (bulk socket)", "the payload's bytes stopped coming"
+            ) from None
+        size = sum(len(b) for b in buffers)
+        try:
+            obj = decode_parts(bytes(buffers[0]), buffers[1:]) if parts_form else decode(buffers[0])
+        except FrameError as exc:
+            self._error()
+            raise ConnectorError(f"{where}: corrupt frame: {exc}") from None
+        return obj, size
+
     # ---------------------------------------------------------------- lifecycle
 
     def health(self) -> dict:
         self._release_idle()
         report = super().health()
         report.update(in_flight=self._in_flight, pool_regions=self._slots.regions, max_pool_size=self._ceiling)
+        report.update(encryption=self._algorithm if self._keys is not None else "curve-off")
+        if self._bulk is not None:
+            report["refused_peers"] += self._bulk.refused.count
         return report
+
+    def close(self) -> None:
+        if self._bulk is not None:  # its socket closes before the context ends
+            self._bulk.stop()
+        if self._bulk_dealers is not None:
+            self._bulk_dealers.close()
+        super().close()
 
     def _close_backend(self) -> None:
         self._pool = None  # unmapped once every frame sent from it is released

@@ -38,6 +38,7 @@ __all__ = [
 # (a config built in code) fail loudly instead of being converted quietly.
 _STRICT = ConfigDict(strict=True, extra="forbid", defer_build=True)  # built at first use, not import
 
+ENCRYPTIONS = ("auto", "aes-256-gcm", "chacha20-poly1305", "none")  # ZmqConfig.encryption (served.seal)
 P2P = "P2PHANDSHAKE"  # the metadata_server value with nothing to deploy: peers exchange it point to point
 
 
@@ -82,10 +83,17 @@ class ZmqConfig:
     pool_idle_release_s: float = 30.0  # regions the pool grew by go back once unused this long
     ttl_s: float = 300.0  # unconsumed payloads are freed after this; 0 keeps them until cleanup()
     get_timeout_s: float = 30.0  # deadline of get() when the caller gives none
+    #: With mesh keys, payloads of 256 KiB and up travel sealed with this AEAD on a bulk socket, off
+    #: CURVE: auto (AES-256-GCM where the CPU has AES instructions, else ChaCha20-Poly1305),
+    #: aes-256-gcm, chacha20-poly1305, or none: peers still authenticated, but the payload bytes
+    #: cross the network IN CLEAR (anyone on the path reads them) - only for networks you trust.
+    encryption: str = "auto"
 
     def check(self, owner: str) -> None:
         check_served(owner, "port", self.port, get_timeout_s=self.get_timeout_s, ttl_s=self.ttl_s)
         check_not_negative(owner, max_pool_size=self.max_pool_size, pool_idle_release_s=self.pool_idle_release_s)
+        if self.encryption not in ENCRYPTIONS:
+            raise ConnectorConfigError(f"{owner}: encryption must be one of {', '.join(ENCRYPTIONS)}, got {self.encryption!r}")
 
 
 # ---------------------------------------------------------------------- MooncakeTransferEngineConnector
