@@ -1,0 +1,223 @@
+"""ZmqConnector's payload bytes off CURVE, sealed (served.seal): real sockets, a real packet capture.
+
+With mesh keys a large payload leaves the producer on its plain bulk socket, in AEAD-sealed chunks.
+A loopback capture of a put -> get shows none of its plaintext (and, with `encryption: none`, does:
+the capture would see it). A chunk flipped in flight, a chunk replayed in place of the next, and a
+stream cut short are each refused with an error naming the edge and key, and no data. A stranger on
+the bulk port, and a replayed pull, get nothing and leave the payload where it was.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+import zmq
+from support.meshkit import wait_for
+from support.zmtp_proxy import ZmtpProxy
+
+from omni_mesh.connectors import ConnectorError, create_connector
+from omni_mesh.connectors.served import seal
+from omni_mesh.security import MeshKeys, reset_mesh_keys, set_mesh_keys
+
+EDGE = ("thinker", "talker")
+MARKER = b"OMNI-MESH-PLAINTEXT-MARKER-0123456789"
+MiB = 1 << 20
+
+
+@pytest.fixture
+def keys() -> Iterator[MeshKeys]:
+    mesh = MeshKeys.generate()
+    set_mesh_keys(mesh)
+    yield mesh
+    reset_mesh_keys()
+
+
+def marked(size: int) -> dict:
+    """A payload whose bytes repeat MARKER: any stretch of its plaintext on the wire shows it."""
+    raw = (MARKER * (size // len(MARKER) + 1))[:size]
+    return {"blob": torch.frombuffer(bytearray(raw), dtype=torch.uint8)}
+
+
+def pair(encryption: str = "auto") -> tuple:
+    producer = create_connector("ZmqConnector", {"host": "127.0.0.1", "encryption": encryption})
+    consumer = create_connector("ZmqConnector", {"host": "127.0.0.1", "get_timeout_s": 10})
+    return producer, consumer
+
+
+def get(consumer, key: str, meta: dict):
+    return consumer.get_with_deadline(*EDGE, key, meta, deadline=time.monotonic() + 10)
+
+
+# --------------------------------------------------------------------------- what the wire shows
+
+
+class LoopbackCapture:
+    """The loopback packets of some TCP ports, captured from the kernel (tcpdump's AF_PACKET socket,
+    read here directly: root only) while the `with` block runs."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self._ports = set(ports)
+        self._sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))  # ETH_P_ALL
+        self._sock.bind(("lo", 0))
+        self._sock.settimeout(0.1)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * MiB)
+        self._stop = threading.Event()
+        self.packets: list[bytes] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                frame, address = self._sock.recvfrom(1 << 18)
+            except TimeoutError:
+                continue
+            if address[2] == socket.PACKET_OUTGOING:  # loopback shows each packet twice
+                continue
+            ip = frame[14:]
+            if frame[12:14] != b"\x08\x00" or ip[9] != 6:  # IPv4, TCP
+                continue
+            tcp = ip[(ip[0] & 0x0F) * 4 :]
+            if {int.from_bytes(tcp[0:2], "big"), int.from_bytes(tcp[2:4], "big")} & self._ports:
+                self.packets.append(frame)
+
+    def __enter__(self) -> LoopbackCapture:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        time.sleep(0.3)  # the last packets reach the socket
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close()
+
+
+def captured(producer, consumer, key: str) -> bytes:
+    """The loopback bytes of one get (side channel and bulk socket), as captured."""
+    _, _, meta = producer.put(*EDGE, key, marked(4 * MiB))
+    ports = [int(meta["endpoint"].rsplit(":", 1)[1]), producer._bulk.port]
+    with LoopbackCapture(ports) as capture:
+        got, _ = get(consumer, key, meta)
+        assert bytes(got["blob"].numpy()) == bytes(marked(4 * MiB)["blob"].numpy())
+    data = b"".join(capture.packets)
+    assert len(data) > 4 * MiB, f"the capture holds {len(data)} bytes: it missed the transfer"
+    return data
+
+
+@pytest.mark.skipif(not hasattr(socket, "AF_PACKET") or os.geteuid() != 0, reason="a packet capture needs root")
+def test_a_capture_of_put_get_shows_no_plaintext_and_with_none_it_does(keys: MeshKeys) -> None:
+    for encryption, shows in (("auto", False), ("none", True)):
+        producer, consumer = pair(encryption)
+        try:
+            data = captured(producer, consumer, f"req/{encryption}")
+            assert (MARKER in data) is shows, f"encryption {encryption}: plaintext on the wire is {not shows}"
+            assert producer.health()["encryption"] == seal.resolve(encryption)
+        finally:
+            producer.close()
+            consumer.close()
+
+
+# --------------------------------------------------------------------------- altered in flight
+
+
+@pytest.mark.parametrize(
+    "mode, says",
+    [("flip", "failed authentication"), ("replay", "failed authentication"), ("cut", "no answer will come")],
+)
+def test_a_chunk_altered_replayed_or_cut_short_is_refused_naming_edge_and_key(
+    keys: MeshKeys, mode: str, says: str
+) -> None:
+    producer, consumer = pair()
+    proxy = None
+    try:
+        _, _, meta = producer.put(*EDGE, "req-7/hidden", marked(8 * MiB))
+        proxy = ZmtpProxy(producer._bulk.port, mode, after=2)
+        producer._bulk.port = proxy.port  # the description sends the consumer through the proxy
+        with pytest.raises(ConnectorError) as caught:
+            get(consumer, "req-7/hidden", meta)
+        message = str(caught.value)
+        assert proxy.altered.is_set()
+        assert says in message and "thinker->talker" in message and "req-7/hidden" in message, message
+    finally:
+        if proxy is not None:
+            proxy.close()
+        producer.close()
+        consumer.close()
+
+
+def test_unaltered_through_the_same_proxy_arrives_intact(keys: MeshKeys) -> None:
+    """The proxy itself is faithful: the refusals above are the alterations'."""
+    producer, consumer = pair()
+    proxy = None
+    try:
+        _, _, meta = producer.put(*EDGE, "req-8/hidden", marked(8 * MiB))
+        proxy = ZmtpProxy(producer._bulk.port, "flip", after=10**6)
+        producer._bulk.port = proxy.port
+        got, size = get(consumer, "req-8/hidden", meta)
+        assert bytes(got["blob"].numpy()) == bytes(marked(8 * MiB)["blob"].numpy()) and size > 8 * MiB
+    finally:
+        if proxy is not None:
+            proxy.close()
+        producer.close()
+        consumer.close()
+
+
+# --------------------------------------------------------------------------- strangers on the bulk port
+
+
+def test_a_stranger_on_the_bulk_port_gets_nothing_and_a_replayed_pull_neither(keys: MeshKeys) -> None:
+    producer, consumer = pair()
+    ctx = zmq.Context()
+    try:
+        _, _, meta = producer.put(*EDGE, "req-9/x", marked(2 * MiB))
+        bulk = f"tcp://127.0.0.1:{producer._bulk.port}"
+        session = seal.Session.fresh()  # a pull for a session the producer never offered
+        stranger = ctx.socket(zmq.DEALER)
+        stranger.linger = 0
+        stranger.connect(bulk)
+        for request in ([b"PULL", session.sid, session.proof()], [b"PULL", b"x" * 16, b"y" * 32], [b"GET"]):
+            stranger.send_multipart(request)
+        assert not stranger.poll(1000), "the bulk port answered a stranger"
+        wait_for(lambda: producer.health()["refused_peers"] >= 3, 5, "three refusals")
+        assert producer.health()["held"] == 1  # nothing served
+        # The mesh's consumer still gets it; its pull, replayed by someone who saw it, gets nothing.
+        seen: list[list[bytes]] = []
+        real_stream = consumer._bulk_dealers.stream
+
+        def watched(endpoint, parts, timeout_s, take):
+            seen.append(list(parts))
+            return real_stream(endpoint, parts, timeout_s, take)
+
+        consumer._bulk_dealers.stream = watched
+        got, _ = get(consumer, "req-9/x", meta)
+        assert bytes(got["blob"].numpy()) == bytes(marked(2 * MiB)["blob"].numpy())
+        assert seen and seen[0][0] == b"PULL"
+        stranger.send_multipart(seen[0])
+        assert not stranger.poll(1000), "a replayed pull was served"
+        stranger.close()
+    finally:
+        ctx.destroy(linger=0)
+        producer.close()
+        consumer.close()
+
+
+def test_small_payloads_stay_in_the_curve_reply(keys: MeshKeys) -> None:
+    producer, consumer = pair()
+    try:
+        _, _, meta = producer.put(*EDGE, "small", {"t": torch.arange(1000)})
+        got, _ = get(consumer, "small", meta)
+        assert torch.equal(got["t"], torch.arange(1000))
+        assert producer._bulk is not None and not producer._bulk._active
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_encryption_must_be_a_known_algorithm() -> None:
+    with pytest.raises(ValueError, match="encryption must be one of"):
+        create_connector("ZmqConnector", {"encryption": "rot13"})
