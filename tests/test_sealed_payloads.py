@@ -66,7 +66,7 @@ class LoopbackCapture:
         self._sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))  # ETH_P_ALL
         self._sock.bind(("lo", 0))
         self._sock.settimeout(0.1)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * MiB)
+        self._sock.setsockopt(socket.SOL_SOCKET, 33, 256 * MiB)  # SO_RCVBUFFORCE (root): no drops
         self._stop = threading.Event()
         self.packets: list[bytes] = []
         self._thread = threading.Thread(target=self._run, daemon=True)

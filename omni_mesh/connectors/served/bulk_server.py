@@ -23,16 +23,26 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
+import numpy as np
 import zmq
 
 from omni_mesh.connectors._addresses import tcp_endpoint
 from omni_mesh.connectors.base import ConnectorError
-from omni_mesh.connectors.served.seal import CHUNK_BYTES, NONE, TAG_BYTES, Sealer, Session, chunk_id, plan
+from omni_mesh.connectors.served.seal import (
+    MAX_CHUNK_BYTES,
+    NONE,
+    TAG_BYTES,
+    Sealer,
+    Session,
+    chunk_id,
+    chunk_size,
+    plan,
+)
 from omni_mesh.security import Refusals
 
 PULL = b"PULL"
 PULL_WAIT_S = 60.0  # a transfer offered but not pulled this long is dropped (its consumer is gone)
-BUFFERS = 8  # sealed chunks in flight, all transfers together (BUFFERS x CHUNK_BYTES of memory)
+BUFFERS = 8  # sealed chunks in flight, all transfers together (each up to MAX_CHUNK_BYTES: touched as used)
 _MAX_REQUEST_BYTES = 256  # a pull is 4 + 16 + 32 bytes: anything larger is not one of ours
 _IDLE_POLL_MS = 50
 
@@ -85,8 +95,8 @@ class BulkServer:
         self._offered: dict[bytes, _Transfer] = {}  # by session id, until pulled
         self._offered_lock = threading.Lock()
         self._active: collections.deque[_Transfer] = collections.deque()
-        self._free: list[bytearray] = []
-        self._busy: collections.deque[tuple[zmq.MessageTracker, bytearray]] = collections.deque()
+        self._free: list[np.ndarray] = []
+        self._busy: collections.deque[tuple[zmq.MessageTracker, np.ndarray]] = collections.deque()
         self._made = 0
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -117,7 +127,8 @@ class BulkServer:
     ) -> bytes:
         """Hold `parts` (the payload's bytes, in order) for the consumer of `session`; the description
         the side channel answers with. `on_done` runs once the parts are no longer read."""
-        chunk = CHUNK_BYTES if algorithm != NONE else max(1, max((len(p) for p in parts), default=1))
+        total = sum(len(p) for p in parts)
+        chunk = chunk_size(total) if algorithm != NONE else max(1, max((len(p) for p in parts), default=1))
         transfer = _Transfer(session, None, parts, chunk, on_done)
         if algorithm != NONE:
             transfer.sealer = Sealer(algorithm, session, key, len(transfer.chunks))
@@ -193,14 +204,14 @@ class BulkServer:
         for transfer in dropped:
             transfer.release()
 
-    def _buffer(self) -> bytearray | None:
+    def _buffer(self) -> np.ndarray | None:
         while self._busy and self._busy[0][0].done:
             self._free.append(self._busy.popleft()[1])
         if self._free:
             return self._free.pop()
         if self._made < BUFFERS:
             self._made += 1
-            return bytearray(CHUNK_BYTES + TAG_BYTES)  # zero-filled once, then reused warm
+            return np.empty(MAX_CHUNK_BYTES + TAG_BYTES, np.uint8)  # faulted in as used, then reused warm
         return None
 
     def _pump(self, sock: zmq.Socket) -> bool:

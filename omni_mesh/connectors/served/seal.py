@@ -20,7 +20,6 @@ import hashlib
 import hmac
 import os
 import struct
-from collections.abc import Iterator
 from typing import Any
 
 from cryptography.exceptions import InvalidTag
@@ -34,9 +33,11 @@ CHOICES = (AUTO, AES, CHACHA, NONE)
 _CIPHERS: dict[str, Any] = {AES: AESGCM, CHACHA: ChaCha20Poly1305}
 
 TAG_BYTES = 16
-#: Sealed chunks: large enough that per-message costs vanish, small enough that sealing, the socket
-#: and opening overlap from the first megabytes on.
-CHUNK_BYTES = 1 << 20
+#: Sealed chunks: about 1/16 of the payload, within these bounds. Large enough that per-message costs
+#: vanish, small enough that sealing, the socket and opening overlap from the first chunks on (the
+#: first chunk's sealing and the last one's opening are the only time they do not).
+MIN_CHUNK_BYTES = 256 << 10
+MAX_CHUNK_BYTES = 4 << 20
 OFFER_VERSION = b"\x01"
 SID_BYTES = 16
 KEY_BYTES = 32
@@ -101,6 +102,14 @@ def chunk_id(sid: bytes, index: int) -> bytes:
     return sid + _CHUNK_ID.pack(index)
 
 
+def chunk_size(total: int) -> int:
+    """The chunk size for a payload of `total` bytes (a power of two, see MIN_/MAX_CHUNK_BYTES)."""
+    size = MIN_CHUNK_BYTES
+    while size < MAX_CHUNK_BYTES and size * 16 < total:
+        size *= 2
+    return size
+
+
 def plan(lengths: list[int], chunk: int) -> list[tuple[int, int, int]]:
     """The chunks of a transfer: (part, offset, length), parts in order; empty parts have none."""
     chunks = []
@@ -134,9 +143,3 @@ class Sealer:
             self._aead.decrypt_into(nonce, sealed, aad, out)
         except (InvalidTag, ValueError) as exc:
             raise SealError(str(exc) or type(exc).__name__) from None
-
-
-def chunks(lengths: list[int], chunk: int) -> Iterator[tuple[int, int, int, int]]:
-    """(index, part, offset, length) of every chunk of a transfer."""
-    for index, (part, offset, length) in enumerate(plan(lengths, chunk)):
-        yield index, part, offset, length
