@@ -2,9 +2,10 @@
 
 `pull()` proves the session on the producer's bulk socket and opens each chunk, as it arrives, straight
 into the payload's buffers (OpenSSL writes there: no copy beside the decryption), checking that it is
-the chunk expected next of this transfer. With `none` the received messages are the parts themselves
-(views over them, no copy). Any chunk that is not what it must be stops the transfer with a
-`BulkError` saying which and why: the caller never sees bytes that failed their check.
+the chunk expected next of this transfer. With `none` each chunk is copied there as it arrives (into
+memory that comes back warm, where one large message would take fresh pages). Any chunk that is not
+what it must be stops the transfer with a `BulkError` saying which and why: the caller never sees
+bytes that failed their check.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def pull(
     algorithm, port, chunk, lengths = describe(desc)
     host = endpoint.rsplit(":", 1)[0]
     chunks = plan(lengths, chunk)
-    parts: list[Any] = [b""] * len(lengths) if algorithm == NONE else _buffers(lengths)
+    parts: list[Any] = _buffers(lengths)
     sealer = None if algorithm == NONE else Sealer(algorithm, session, key, len(chunks))
     received = 0
 
@@ -85,10 +86,10 @@ def pull(
         if len(message) != 2 or message[0].bytes != chunk_id(session.sid, index):
             raise BulkError(f"chunk {index} of {len(chunks)} is missing or out of order (another arrived)")
         body = message[1].buffer
-        if sealer is None:
+        if sealer is None:  # copied as it arrives, like opening: no fresh allocation per message
             if len(body) != length:
-                raise BulkError(f"part {part} came with {len(body)} bytes, not {length}")
-            parts[part] = body  # a view over the received message: it lives as long as the view
+                raise BulkError(f"chunk {index} of {len(chunks)} came with {len(body)} bytes, not {length}")
+            parts[part][offset : offset + length] = body
         else:
             if len(body) != length + TAG_BYTES:
                 raise BulkError(

@@ -127,8 +127,7 @@ class BulkServer:
     ) -> bytes:
         """Hold `parts` (the payload's bytes, in order) for the consumer of `session`; the description
         the side channel answers with. `on_done` runs once the parts are no longer read."""
-        total = sum(len(p) for p in parts)
-        chunk = chunk_size(total) if algorithm != NONE else max(1, max((len(p) for p in parts), default=1))
+        chunk = chunk_size(sum(len(p) for p in parts))
         transfer = _Transfer(session, None, parts, chunk, on_done)
         if algorithm != NONE:
             transfer.sealer = Sealer(algorithm, session, key, len(transfer.chunks))
