@@ -212,7 +212,10 @@ def test_small_payloads_stay_in_the_curve_reply(keys: MeshKeys) -> None:
         _, _, meta = producer.put(*EDGE, "small", {"t": torch.arange(1000)})
         got, _ = get(consumer, "small", meta)
         assert torch.equal(got["t"], torch.arange(1000))
-        assert producer._bulk is not None and not producer._bulk._active
+        assert producer.health()["bulk_transfers"] == 0  # it came in the CURVE reply
+        _, _, meta = producer.put(*EDGE, "large", marked(MiB))
+        get(consumer, "large", meta)
+        assert producer.health()["bulk_transfers"] == 1
     finally:
         producer.close()
         consumer.close()

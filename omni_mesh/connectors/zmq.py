@@ -68,6 +68,7 @@ class ZmqConnector(ZmqWire, PoolProducer, ServedConnector):
         report = super().health()
         report.update(self._pool_health())
         report.update(encryption=self._algorithm if self._keys is not None else "curve-off")
+        report["bulk_transfers"] = self._bulk.pulled if self._bulk is not None else 0
         if self._bulk is not None:
             report["refused_peers"] += self._bulk.refused.count
         return report

@@ -92,6 +92,7 @@ class BulkServer:
         self._bind = tcp_endpoint(bind_host, "*")
         self._owner = owner
         self.refused = Refusals(f"{owner} bulk socket")
+        self.pulled = 0  # transfers a consumer proved its session for (health: bulk_transfers)
         self._offered: dict[bytes, _Transfer] = {}  # by session id, until pulled
         self._offered_lock = threading.Lock()
         self._active: collections.deque[_Transfer] = collections.deque()
@@ -194,6 +195,7 @@ class BulkServer:
             self.refused.refuse("a pull without a valid session proof (a stranger, or a replay)")
             return
         transfer.identity = identity
+        self.pulled += 1
         self._active.append(transfer)
 
     def _expire(self, now: float) -> None:
