@@ -10,15 +10,19 @@ the bulk port, and a replayed pull, get nothing and leave the payload where it w
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 import zmq
 from support.meshkit import wait_for
+from support.payloads import assert_same, payload
+from support.peer import Peer
 from support.zmtp_proxy import ZmtpProxy
 
 from omni_mesh.connectors import ConnectorError, create_connector
@@ -204,6 +208,26 @@ def test_a_stranger_on_the_bulk_port_gets_nothing_and_a_replayed_pull_neither(ke
         ctx.destroy(linger=0)
         producer.close()
         consumer.close()
+
+
+def test_a_poll_that_gave_up_is_resumed_with_its_own_session(keys: MeshKeys, tmp_path: Path) -> None:
+    """vllm-omni's get() gives up after about a second and the next get waits on the same request:
+    the transfer its late answer describes was sealed for that request's session, not a new one."""
+    producer = Peer("ZmqConnector", {"host": "127.0.0.1"}, log=tmp_path / "producer.log", env=keys.to_env())
+    consumer = create_connector("ZmqConnector", {"host": "127.0.0.1", "get_timeout_s": 10})
+    try:
+        meta = producer.put("late/x", payload="every_kind", **{"from": EDGE[0], "to": EDGE[1]})
+        os.kill(producer.pid, signal.SIGSTOP)  # its answer comes after the poll gave up
+        try:
+            assert consumer.get(*EDGE, "late/x", meta) is None
+        finally:
+            os.kill(producer.pid, signal.SIGCONT)
+        got, _ = get(consumer, "late/x", meta)
+        assert_same(got, payload("every_kind"))
+        assert consumer.health()["errors"] == 0
+    finally:
+        consumer.close()
+        producer.close()
 
 
 def test_small_payloads_stay_in_the_curve_reply(keys: MeshKeys) -> None:

@@ -56,6 +56,7 @@ class ZmqConnector(ZmqWire, PoolProducer, ServedConnector):
         self._algorithm = seal.resolve(self.config.encryption)
         self._bulk: BulkServer | None = None
         self._bulk_dealers = DealerPool(self._ctx, None) if self._keys is not None else None
+        self._late_sessions: dict[str, seal.Session] = {}  # of polls left waiting (ZmqWire._fetch)
 
     def _serving_handlers(self) -> dict[bytes, Handler]:
         self._open_pool()

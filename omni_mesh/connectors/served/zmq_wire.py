@@ -19,7 +19,8 @@ from omni_mesh.connectors.base import ConnectorError
 from omni_mesh.connectors.served import seal
 from omni_mesh.connectors.served.bulk_client import BulkError, pull
 from omni_mesh.connectors.served.channel import OK, Reply, frame_text
-from omni_mesh.connectors.served.connector import GONE
+from omni_mesh.connectors.served.connector import GONE, NoAnswer
+from omni_mesh.connectors.served.late_gets import LateGets
 
 PARTS = b"P"  # the reply's third frame when the payload follows in the parts form
 SEALED = b"S"  # ... when it follows on the bulk socket (the fourth: the transfer's description)
@@ -34,6 +35,8 @@ class ZmqWire:
     def _serve(self, args: list[bytes]) -> Reply:
         """GET key token -> OK key frame (runs on the server thread)."""
         key, token = args[0], frame_text(args[1])
+        # The offer is read before the payload is taken: a malformed one consumes nothing.
+        session = seal.Session.from_offer(bytes(args[2])) if len(args) > 2 and self._bulk is not None else None
         held = self._held.take(frame_text(key), token)
         if isinstance(held, str):  # not (or no more) there: the consumer's get() answers None
             return [GONE, key, held.encode()], None
@@ -51,8 +54,7 @@ class ZmqWire:
                 self._in_flight -= 1
             self._release(held)
 
-        if len(args) > 2 and self._bulk is not None and held.size >= BULK_MIN_BYTES:
-            session = seal.Session.from_offer(bytes(args[2]))  # CURVE brought it: from a mesh member
+        if session is not None and held.size >= BULK_MIN_BYTES:  # CURVE brought the offer: a mesh member's
             form = frames[:1] if frames[0] is PARTS else []
             desc = self._bulk.offer(session, self._algorithm, frame_text(key), frames[len(form) :], sent)
             return [OK, key, SEALED, desc, *form], None
@@ -71,10 +73,19 @@ class ZmqWire:
         parts = [b"GET", key.encode(), token.encode()]
         session = None
         if self._bulk_dealers is not None:  # a large payload may come sealed on the bulk socket
-            session = seal.Session.fresh()
+            # A poll's request still waiting for its answer is resumed, not sent again: its session
+            # is the one its answer was sealed for. Every new request offers a fresh one.
+            resumed = self._late.has(key, endpoint)
+            session = self._late_sessions.pop(key, None) if resumed else None
+            session = session or seal.Session.fresh()
             parts.append(session.offer())
         # The answer carries the payload: a poll that gives up keeps waiting for it in the background.
-        reply = self._ask(endpoint, parts, timeout_s, where, late, late_key=key, keep_late=poll)
+        try:
+            reply = self._ask(endpoint, parts, timeout_s, where, late, late_key=key, keep_late=poll)
+        except NoAnswer:
+            if poll and session is not None:
+                self._keep_session(key, session)
+            raise
         if len(reply) in (4, 5) and reply[2].bytes == SEALED:
             parts_form = len(reply) == 5 and reply[4].bytes == PARTS
             deadline_s = max(
@@ -96,6 +107,14 @@ class ZmqWire:
             self._error()
             raise ConnectorError(f"{where}: corrupt frame: {exc}") from None
         return obj, len(frame.buffer)
+
+    def _keep_session(self, key: str, session: seal.Session) -> None:
+        """The session of a poll left waiting (LateGets), for the get that resumes it."""
+        sessions = self._late_sessions
+        with self._lock:
+            sessions[key] = session
+            while len(sessions) > 2 * LateGets.MAX:  # those of requests LateGets dropped since
+                del sessions[next(iter(sessions))]
 
     def _pull(
         self,
