@@ -248,3 +248,21 @@ def test_small_payloads_stay_in_the_curve_reply(keys: MeshKeys) -> None:
 def test_encryption_must_be_a_known_algorithm() -> None:
     with pytest.raises(ValueError, match="encryption must be one of"):
         create_connector("ZmqConnector", {"encryption": "rot13"})
+    with pytest.raises(ValueError, match="bulk_port"):
+        create_connector("ZmqConnector", {"bulk_port": 70000})
+
+
+def test_the_bulk_socket_binds_bulk_port(keys: MeshKeys) -> None:
+    with socket.socket() as probe:  # a port free a moment ago
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    producer = create_connector("ZmqConnector", {"host": "127.0.0.1", "bulk_port": port})
+    consumer = create_connector("ZmqConnector", {"host": "127.0.0.1"})
+    try:
+        _, _, meta = producer.put(*EDGE, "fixed", marked(MiB))
+        assert producer._bulk.port == port
+        got, _ = get(consumer, "fixed", meta)
+        assert bytes(got["blob"].numpy()) == bytes(marked(MiB)["blob"].numpy())
+    finally:
+        producer.close()
+        consumer.close()

@@ -61,7 +61,7 @@ class ZmqConnector(ZmqWire, PoolProducer, ServedConnector):
     def _serving_handlers(self) -> dict[bytes, Handler]:
         self._open_pool()
         if self._keys is not None:
-            self._bulk = BulkServer(self._ctx, self._bind_host, self._name)
+            self._bulk = BulkServer(self._ctx, self._bind_host, self._name, self.config.bulk_port)
             self._bulk.start()
         return {b"GET": self._serve}
 

@@ -88,10 +88,12 @@ class ZmqConfig:
     #: aes-256-gcm, chacha20-poly1305, or none: peers still authenticated, but the payload bytes
     #: cross the network IN CLEAR (anyone on the path reads them) - only for networks you trust.
     encryption: str = "auto"
+    bulk_port: int = 0  # with mesh keys: the port sealed payloads leave from (0: any free port)
 
     def check(self, owner: str) -> None:
         check_served(owner, "port", self.port, get_timeout_s=self.get_timeout_s, ttl_s=self.ttl_s)
         check_not_negative(owner, max_pool_size=self.max_pool_size, pool_idle_release_s=self.pool_idle_release_s)
+        check_port(owner, "bulk_port", self.bulk_port)
         if self.encryption not in ENCRYPTIONS:
             raise ConnectorConfigError(f"{owner}: encryption must be one of {', '.join(ENCRYPTIONS)}, got {self.encryption!r}")
 

@@ -87,9 +87,9 @@ class _Transfer:
 class BulkServer:
     """A plain ROUTER socket streaming offered transfers to consumers that prove their session."""
 
-    def __init__(self, ctx: zmq.Context, bind_host: str, owner: str) -> None:
+    def __init__(self, ctx: zmq.Context, bind_host: str, owner: str, port: int = 0) -> None:
         self._ctx = ctx
-        self._bind = tcp_endpoint(bind_host, "*")
+        self._bind = tcp_endpoint(bind_host, port or "*")
         self._owner = owner
         self.refused = Refusals(f"{owner} bulk socket")
         self.pulled = 0  # transfers a consumer proved its session for (health: bulk_transfers)
@@ -110,7 +110,8 @@ class BulkServer:
         self._ready.wait(10)
         if self.error is not None or not self.port:
             raise ConnectorError(
-                f"{self._owner}: cannot serve bulk bytes on {self._bind}: {self.error or 'bind timed out'}"
+                f"{self._owner}: cannot serve bulk bytes on {self._bind}: {self.error or 'bind timed out'}; "
+                "set `bulk_port` to a free port (0 picks any)"
             )
         return self.port
 
