@@ -27,7 +27,7 @@ from support.zmtp_proxy import ZmtpProxy
 
 from omni_mesh.connectors import ConnectorError, create_connector
 from omni_mesh.connectors.served import seal
-from omni_mesh.security import MeshKeys, reset_mesh_keys, set_mesh_keys
+from omni_mesh.security import MeshKeys, reset_mesh_keys, secure_client, set_mesh_keys
 
 EDGE = ("thinker", "talker")
 MARKER = b"OMNI-MESH-PLAINTEXT-MARKER-0123456789"
@@ -54,8 +54,8 @@ def pair(encryption: str = "auto") -> tuple:
     return producer, consumer
 
 
-def get(consumer, key: str, meta: dict):
-    return consumer.get_with_deadline(*EDGE, key, meta, deadline=time.monotonic() + 10)
+def get(consumer, key: str, meta: dict, within_s: float = 10):
+    return consumer.get_with_deadline(*EDGE, key, meta, deadline=time.monotonic() + within_s)
 
 
 # --------------------------------------------------------------------------- what the wire shows
@@ -228,6 +228,44 @@ def test_a_poll_that_gave_up_is_resumed_with_its_own_session(keys: MeshKeys, tmp
     finally:
         consumer.close()
         producer.close()
+
+
+def test_a_consumer_that_stops_reading_holds_up_nobody_else(keys: MeshKeys) -> None:
+    """A mesh member pulls a 64 MiB payload and never reads it: its chunks back up in its socket, and
+    the producer's other consumers still get theirs (it holds a few sealing buffers, not all)."""
+    producer, consumer = pair()
+    ctx = zmq.Context()
+    try:
+        _, _, stuck_meta = producer.put(*EDGE, "stuck", marked(64 * MiB))
+        session = seal.Session.fresh()
+        side = ctx.socket(zmq.DEALER)
+        side.linger = 0
+        secure_client(side, keys)  # a mesh member
+        side.connect(stuck_meta["endpoint"])
+        side.send_multipart([b"GET", b"thinker->talker/stuck", stuck_meta["token"].encode(), session.offer()])
+        assert side.poll(5000), "no answer to the GET"
+        reply = side.recv_multipart()
+        assert reply[0] == b"OK" and reply[2] == b"S", reply[:3]
+        bulk = ctx.socket(zmq.DEALER)
+        bulk.linger = 0
+        bulk.setsockopt(zmq.RCVHWM, 1)  # reads nothing: what it was sent backs up at once
+        bulk.connect(f"tcp://127.0.0.1:{producer._bulk.port}")
+        bulk.send_multipart([b"PULL", session.sid, session.proof()])
+        wait_for(lambda: producer.health()["bulk_transfers"] == 1, 5, "the stuck pull")
+        time.sleep(0.5)  # its chunks fill the socket buffers
+        expected = bytes(marked(16 * MiB)["blob"].numpy())
+        for i in range(3):  # more sealed chunks than the producer has buffers
+            _, _, meta = producer.put(*EDGE, f"other/{i}", marked(16 * MiB))
+            started = time.monotonic()
+            got, _ = get(consumer, f"other/{i}", meta)
+            assert time.monotonic() - started < 4, f"get {i} waited for the stuck consumer's buffers"
+            assert bytes(got["blob"].numpy()) == expected
+        bulk.close()
+        side.close()
+    finally:
+        ctx.destroy(linger=0)
+        producer.close()
+        consumer.close()
 
 
 def test_small_payloads_stay_in_the_curve_reply(keys: MeshKeys) -> None:

@@ -72,6 +72,8 @@ class ZmqConnector(ZmqWire, PoolProducer, ServedConnector):
         report["bulk_transfers"] = self._bulk.pulled if self._bulk is not None else 0
         if self._bulk is not None:
             report["refused_peers"] += self._bulk.refused.count
+            if self._bulk.error is not None:  # its thread stopped: large payloads cannot leave
+                report.update(status="unhealthy", error=f"bulk socket thread stopped: {self._bulk.error}")
         return report
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -40,9 +41,13 @@ from omni_mesh.connectors.served.seal import (
 )
 from omni_mesh.security import Refusals
 
+log = logging.getLogger("omni_mesh.connectors")
+
 PULL = b"PULL"
 PULL_WAIT_S = 60.0  # a transfer offered but not pulled this long is dropped (its consumer is gone)
-BUFFERS = 8  # sealed chunks in flight, all transfers together (each up to MAX_CHUNK_BYTES: touched as used)
+BUFFERS = 16  # sealed chunks in flight, all transfers together (each up to MAX_CHUNK_BYTES: touched as used)
+PER_TRANSFER = 4  # ... of one transfer: a consumer that stops reading holds no more than these
+HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 1000, 10_000  # a frozen consumer is dropped (its buffers freed)
 _MAX_REQUEST_BYTES = 256  # a pull is 4 + 16 + 32 bytes: anything larger is not one of ours
 _IDLE_POLL_MS = 50
 
@@ -97,7 +102,7 @@ class BulkServer:
         self._offered_lock = threading.Lock()
         self._active: collections.deque[_Transfer] = collections.deque()
         self._free: list[np.ndarray] = []
-        self._busy: collections.deque[tuple[zmq.MessageTracker, np.ndarray]] = collections.deque()
+        self._busy: list[tuple[zmq.MessageTracker, np.ndarray]] = []
         self._made = 0
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -145,9 +150,9 @@ class BulkServer:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone consumer is an error, not a silent drop
-            sock.setsockopt(
-                zmq.SNDHWM, 0
-            )  # flow control is the buffer pool's (and `none`'s parts are the payload)
+            sock.setsockopt(zmq.SNDHWM, 0)  # flow control is the buffers' (`none`: the parts are the payload's)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
             if self._bind.startswith("tcp://["):
                 sock.setsockopt(zmq.IPV6, 1)
             sock.bind(self._bind)
@@ -168,7 +173,7 @@ class BulkServer:
             moved = self._pump(sock)
             if not moved and self._active and self._busy:  # every transfer waits for a buffer
                 with contextlib.suppress(zmq.NotDone):
-                    self._busy[0][0].wait(0.002)
+                    self._busy[0][0].wait(0.002)  # the oldest: usually the first let go of
             if sock.poll(0 if self._active else _IDLE_POLL_MS, zmq.POLLIN):
                 for _ in range(64):
                     try:
@@ -207,8 +212,13 @@ class BulkServer:
             transfer.release()
 
     def _buffer(self) -> np.ndarray | None:
-        while self._busy and self._busy[0][0].done:
-            self._free.append(self._busy.popleft()[1])
+        if not self._free and self._busy:  # those libzmq let go of (any order: consumers differ in speed)
+            busy, self._busy = self._busy, []
+            for tracker, buffer in busy:
+                if tracker.done:
+                    self._free.append(buffer)
+                else:
+                    self._busy.append((tracker, buffer))
         if self._free:
             return self._free.pop()
         if self._made < BUFFERS:
@@ -224,6 +234,10 @@ class BulkServer:
             try:
                 moved |= self._advance(sock, transfer)
             except zmq.ZMQError:  # the consumer is gone (EHOSTUNREACH): what it would have had is dropped
+                transfer.release()
+                continue
+            except Exception:  # one transfer's failure must not stop the others: its consumer times out
+                log.exception("%s: a transfer failed on the bulk socket; it is dropped", self._owner)
                 transfer.release()
                 continue
             if transfer.pending is not None or transfer.next < len(transfer.chunks):
@@ -247,7 +261,8 @@ class BulkServer:
                 if transfer.sealer is None:
                     transfer.pending = (chunk_id(transfer.session.sid, index), data, None)
                 else:
-                    buffer = self._buffer()
+                    transfer.trackers = [t for t in transfer.trackers if not t.done]
+                    buffer = self._buffer() if len(transfer.trackers) < PER_TRANSFER else None
                     if buffer is None:
                         break
                     out = memoryview(buffer)[: length + TAG_BYTES]
@@ -272,6 +287,5 @@ class BulkServer:
             moved = True
             if buffer is not None:
                 self._busy.append((tracker, buffer))
-            else:
-                transfer.trackers.append(tracker)
+            transfer.trackers.append(tracker)  # `none`: the parts it reads; sealed: its buffers in flight
         return moved
