@@ -23,7 +23,7 @@ import zmq
 
 from omni_mesh.connectors._addresses import bind_and_advertise, tcp_endpoint
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
-from omni_mesh.connectors.errors import ConnectorClosed, PayloadMissing
+from omni_mesh.connectors.errors import ConnectorClosed, ConnectorUnavailable, PayloadMissing
 from omni_mesh.connectors.pools.held import Held, HeldTable, SlotPool
 from omni_mesh.connectors.served.channel import OK, Handler, RouterServer, frame_text
 from omni_mesh.connectors.served.dealers import ChannelClosed, DealerPool, LateReply, PeerLost
@@ -303,11 +303,11 @@ class ServedConnector(OmniConnectorBase):
             return ConnectorClosed(f"{where}: the connector was closed")
         self._error()
         if isinstance(exc, PeerLost):  # before the deadline: heartbeats and connection events said so
-            return ConnectorError(f"{where}: no answer will come: {exc}")
+            return PayloadMissing(f"{where}: no answer will come: {exc}")
         if isinstance(exc, TimeoutError):  # LateReply and NotConnected too
             return NoAnswer(f"{where}: {late}")
         if isinstance(exc, zmq.ZMQError):
-            return ConnectorError(f"{where}: {exc}")
+            return ConnectorUnavailable(f"{where}: {exc}")
         return ConnectorError(f"{where}: {type(exc).__name__}: {exc}")
 
     def abandon_get(self, key: str) -> None:
