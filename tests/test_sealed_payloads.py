@@ -113,7 +113,9 @@ def captured(producer, consumer, key: str) -> bytes:
     return data
 
 
-@pytest.mark.skipif(not hasattr(socket, "AF_PACKET") or os.geteuid() != 0, reason="a packet capture needs root")
+@pytest.mark.skipif(
+    not hasattr(socket, "AF_PACKET") or os.geteuid() != 0, reason="a packet capture needs root"
+)
 def test_a_capture_of_put_get_shows_no_plaintext_and_with_none_it_does(keys: MeshKeys) -> None:
     for encryption, shows in (("auto", False), ("none", True)):
         producer, consumer = pair(encryption)

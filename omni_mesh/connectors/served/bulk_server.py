@@ -138,8 +138,11 @@ class BulkServer:
         transfer = _Transfer(session, None, parts, chunk, on_done)
         if algorithm != NONE:
             transfer.sealer = Sealer(algorithm, session, key, len(transfer.chunks))
-        with self._offered_lock:
+        with self._offered_lock:  # a session offered twice (a consumer reusing its offer) keeps the last
+            replaced = self._offered.pop(session.sid, None)
             self._offered[session.sid] = transfer
+        if replaced is not None:
+            replaced.release()
         return msgpack.packb({"a": algorithm, "p": self.port, "c": chunk, "l": [len(p) for p in parts]})
 
     # ---------------------------------------------------------------- the thread
@@ -150,7 +153,8 @@ class BulkServer:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone consumer is an error, not a silent drop
-            sock.setsockopt(zmq.SNDHWM, 0)  # flow control is the buffers' (`none`: the parts are the payload's)
+            # Flow control is the buffers' (with `none`, the parts are the payload's own memory).
+            sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
             if self._bind.startswith("tcp://["):

@@ -243,10 +243,13 @@ class PoolProducer:
                 self._slots.free(region.offset)
         held.regions = []
 
-
     def _pool_health(self) -> dict:
         self._release_idle()
-        return {"in_flight": self._in_flight, "pool_regions": self._slots.regions, "max_pool_size": self._ceiling}
+        return {
+            "in_flight": self._in_flight,
+            "pool_regions": self._slots.regions,
+            "max_pool_size": self._ceiling,
+        }
 
     def _close_pool(self) -> None:
         self._pool = None  # unmapped once every frame sent from it is released

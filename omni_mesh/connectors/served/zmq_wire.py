@@ -36,7 +36,9 @@ class ZmqWire:
         """GET key token -> OK key frame (runs on the server thread)."""
         key, token = args[0], frame_text(args[1])
         # The offer is read before the payload is taken: a malformed one consumes nothing.
-        session = seal.Session.from_offer(bytes(args[2])) if len(args) > 2 and self._bulk is not None else None
+        session = (
+            seal.Session.from_offer(bytes(args[2])) if len(args) > 2 and self._bulk is not None else None
+        )
         held = self._held.take(frame_text(key), token)
         if isinstance(held, str):  # not (or no more) there: the consumer's get() answers None
             return [GONE, key, held.encode()], None
@@ -59,7 +61,6 @@ class ZmqWire:
             desc = self._bulk.offer(session, self._algorithm, frame_text(key), frames[len(form) :], sent)
             return [OK, key, SEALED, desc, *form], None
         return [OK, key, *frames], sent
-
 
     def _fetch(
         self, endpoint: str, key: str, metadata: dict, timeout_s: float, where: str, *, poll: bool = False
@@ -148,4 +149,3 @@ class ZmqWire:
             self._error()
             raise ConnectorError(f"{where}: corrupt frame: {exc}") from None
         return obj, size
-
