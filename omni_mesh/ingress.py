@@ -2,7 +2,8 @@
 
 A control message carries metadata only (`control.MAX_MESSAGE_BYTES`), but a request body may be up
 to the REST limit (16 MiB). Inputs whose msgpack form exceeds `INLINE_MAX_BYTES` are put into a
-`ZmqConnector` the coordinator owns (CURVE-protected with the mesh keys like every side channel), and
+`ZmqConnector` the coordinator owns (CURVE-protected with the mesh keys like every side channel, its
+large payloads sealed per transfer on its bulk socket: docs/security.md), and
 the entry stage's work message carries only the reference; the stage fetches them like any other
 payload. The coordinator releases what it holds when the request ends.
 """

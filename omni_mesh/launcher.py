@@ -9,7 +9,6 @@ stragglers are killed; whatever any child left behind is reclaimed, so the host 
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -20,10 +19,10 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import httpx
 
+from omni_mesh.children import Child
 from omni_mesh.connectors import mesh_places, reclaim_orphans
 from omni_mesh.defaults import HOST_CAP_ENV
 from omni_mesh.defaults import INSTANCE_ENV as INSTANCE_ENV
@@ -48,15 +47,6 @@ CONTROL_PORT_ATTEMPTS = 3
 #: register would only sit out the whole wait.
 ABANDONED_START_GRACE_S = 1.0
 
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """Runs in a child before exec (`preexec_fn`): if its parent is killed outright, it gets SIGTERM."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def mesh_environment() -> dict[str, str]:
     """The children's environment: this one, plus mesh keys. Keys the environment already names
     (a deployment's) are used as they are; otherwise a fresh pair is made for this run alone, so a
@@ -72,39 +62,6 @@ def other_port() -> str:
     """How to pick another REST port: `PORT=N` under make (which sets MAKELEVEL: `make run` passes
     $(PORT) on), else `--port N`."""
     return "run make with PORT=N" if os.environ.get("MAKELEVEL") else "pass --port N"
-
-
-@dataclass
-class Child:
-    name: str
-    argv: list[str]
-    env: dict[str, str] | None = None
-    process: subprocess.Popen | None = None
-    restarts: int = 0
-    started_at: float = 0.0
-    next_start: float = 0.0
-    pids: list[int] = field(default_factory=list)
-    quick_exits: int = 0  # exits in a row, each soon after its start
-    given_up: bool = False
-    stage: str = ""  # a replica's stage
-    retiring: bool = False  # asked to drain and exit (autoscale): not restarted
-
-    def start(self) -> None:
-        # A new session: a terminal's Ctrl-C reaches only the launcher, which stops children in order.
-        self.process = subprocess.Popen(
-            self.argv, env=self.env, start_new_session=True, preexec_fn=die_with_parent
-        )
-        self.pids.append(self.process.pid)
-        self.started_at = time.monotonic()
-
-    def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def describe_exit(self) -> str:
-        code = self.process.returncode if self.process else None
-        if code is None:
-            return "is running"
-        return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
 
 
 class Launcher:

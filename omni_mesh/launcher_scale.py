@@ -23,7 +23,7 @@ import httpx
 from omni_mesh.topology import StageSpec, Topology
 
 if TYPE_CHECKING:
-    from omni_mesh.launcher import Child
+    from omni_mesh.children import Child
 
 log = logging.getLogger("omni_mesh.launcher")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from omni_mesh.launcher import die_with_parent as die_with_parent  # the one prctl, re-exported
+from omni_mesh.children import die_with_parent as die_with_parent  # the one prctl, re-exported
 
 
 def stat_fields(pid: int) -> list[str] | None:

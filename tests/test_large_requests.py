@@ -62,6 +62,9 @@ def test_the_coordinator_holds_nothing_after_large_requests(mesh: Mesh) -> None:
     stats = mesh.client.get("/v1/stats").json()
     assert stats["requests"]["inflight"] == 0
     assert stats["ingress"]["held"] == 0 and stats["ingress"]["puts"] >= 6, stats["ingress"]
+    # The mesh runs with keys: the inputs left CURVE for the ingress's bulk socket, sealed.
+    assert stats["ingress"]["encryption"] in ("aes-256-gcm", "chacha20-poly1305"), stats["ingress"]
+    assert stats["ingress"]["bulk_transfers"] >= 6, stats["ingress"]
 
 
 def test_an_output_whose_metadata_outgrows_a_control_message_fails_at_once(tmp_path: Path) -> None:

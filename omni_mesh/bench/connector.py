@@ -331,12 +331,14 @@ def measure_size(
             if has_raw:
                 raw_s += raw_seconds(name, size, max(3, repeats // rounds), config) or []
         grown_after, fallbacks_after = pool_counters(connector)
+        encryption = connector.health().get("encryption")
     finally:
         connector.close()
     result = summarize(size, put_s, get_s, e2e_s, raw_s, memcpy_s)
     result.pool_grown = grown_after - grown_before
     result.fallbacks = fallbacks_after - fallbacks_before
     result.fallbacks_after_first = fallbacks_after - fallbacks_first
+    result.encryption = encryption
     return result
 
 

@@ -25,6 +25,7 @@ class SizeResult:
     pool_grown: int = 0  # segments the producer's pool grew by during this size
     fallbacks: int = 0  # one-off buffers taken during this size
     fallbacks_after_first: int = 0  # ... after the first put of this size
+    encryption: str | None = None  # what sealed the payload bytes (ZmqConnector's health), if reported
 
 
 def summarize(
@@ -70,7 +71,8 @@ def _fmt_time(seconds: float) -> str:
 def report(result: dict[str, Any]) -> str:
     lines = [
         f"connector {result['connector']}  config {json.dumps(result['config'])}  payload on {result['device']}"
-        f"  mesh keys {'set (CURVE side channels)' if result.get('mesh_keys') else 'none'}",
+        f"  mesh keys {'set (CURVE side channels)' if result.get('mesh_keys') else 'none'}"
+        + "".join(sorted({f"  payload bytes sealed: {s['encryption']}" for s in result["sizes"] if s.get("encryption")})),
         "medians; put->get = producer put + consumer get; e2e adds the metadata hop between the processes"
         + ("; payloads allocated by connector.empty() (--zero-copy)" if result.get("zero_copy") else ""),
         "put/memcpy: the put alone against a memcpy of the same bytes; grown: segments the producer's pool "

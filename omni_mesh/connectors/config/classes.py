@@ -6,7 +6,7 @@ connector module re-exports its own (`from omni_mesh.connectors.zmq import ZmqCo
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic.dataclasses import dataclass
 
@@ -41,6 +41,7 @@ __all__ = [
 # and Size read what vllm-omni's files write ("50051", "256MiB") where parse_config reads a user's
 # extra:; vllm_omni(...) names a field's vllm-omni alias.
 
+ENCRYPTIONS = ("auto", "aes-256-gcm", "chacha20-poly1305", "none")  # ZmqConfig.encryption (served.seal)
 P2P = "P2PHANDSHAKE"  # the metadata_server value with nothing to deploy: peers exchange it point to point
 
 
@@ -81,6 +82,12 @@ class ZmqConfig:
     pool_idle_release_s: NonNegative = 30.0  # regions the pool grew by go back once unused this long
     ttl_s: NonNegative = 300.0  # unconsumed payloads are freed after this; 0 keeps them until cleanup()
     get_timeout_s: Positive = 30.0  # deadline of get() when the caller gives none
+    #: With mesh keys, payloads of 256 KiB and up travel sealed with this AEAD on a bulk socket, off
+    #: CURVE: auto (AES-256-GCM where the CPU has AES instructions, else ChaCha20-Poly1305),
+    #: aes-256-gcm, chacha20-poly1305, or none: peers still authenticated, but the payload bytes
+    #: cross the network IN CLEAR (anyone on the path reads them) - only for networks you trust.
+    encryption: Literal[ENCRYPTIONS] = "auto"  # type: ignore[valid-type]
+    bulk_port: Port = 0  # with mesh keys: the port sealed payloads leave from (0: any free port)
 
 
 # ---------------------------------------------------------------------- MooncakeTransferEngineConnector

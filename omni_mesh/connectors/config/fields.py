@@ -171,6 +171,7 @@ def _config_error(cls: Any, error: ErrorDetails, owner: str) -> ConnectorConfigE
         if ctx.get("ge") == 0
         else f"must be at least {ctx.get('ge')}",
         "phrase": error["msg"],
+        "literal_error": f"must be one of {ctx.get('expected')}",
     }.get(error["type"])
     if phrase is not None:
         return ConnectorConfigError(f"{owner}: {key} {phrase}, got {value!r}")

@@ -23,7 +23,7 @@ import zmq
 
 from omni_mesh.connectors._addresses import bind_and_advertise, tcp_endpoint
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
-from omni_mesh.connectors.errors import ConnectorClosed, PayloadMissing
+from omni_mesh.connectors.errors import ConnectorClosed, ConnectorUnavailable, PayloadMissing
 from omni_mesh.connectors.pools.held import Held, HeldTable, SlotPool
 from omni_mesh.connectors.served.channel import OK, Handler, RouterServer, frame_text
 from omni_mesh.connectors.served.dealers import ChannelClosed, DealerPool, LateReply, PeerLost
@@ -279,25 +279,14 @@ class ServedConnector(OmniConnectorBase):
                 reply = self._dealers.resume(endpoint, waiting, timeout_s)
             else:
                 reply = self._dealers.request(endpoint, parts, timeout_s, keep_late=keep_late)
-        except PeerLost as exc:  # before the deadline: heartbeats and connection events said so
-            exc.close()
-            self._error()
-            raise ConnectorError(f"{where}: no answer will come: {exc}") from None
         except LateReply as exc:  # the answer may still come: the next get of the key waits for it
-            if keep_late and late_key is not None:
+            if keep_late and late_key is not None and not isinstance(exc, PeerLost):
                 self._late.keep(late_key, endpoint, exc)
-            else:
-                exc.close()
-                self._error()
-            raise NoAnswer(f"{where}: {late}") from None
-        except TimeoutError:
-            self._error()
-            raise NoAnswer(f"{where}: {late}") from None
-        except ChannelClosed:
-            raise ConnectorClosed(f"{where}: the connector was closed") from None
-        except zmq.ZMQError as exc:
-            self._error()
-            raise ConnectorError(f"{where}: {exc}") from None
+                raise NoAnswer(f"{where}: {late}") from None
+            exc.close()
+            raise self._dealer_failure(exc, where, late) from None
+        except (TimeoutError, ChannelClosed, zmq.ZMQError) as exc:
+            raise self._dealer_failure(exc, where, late) from None
         if len(reply) < 2 or reply[1].bytes != parts[1]:
             self._error()
             raise ConnectorError(f"{where}: malformed reply")
@@ -307,6 +296,19 @@ class ServedConnector(OmniConnectorBase):
             self._error()
             raise ConnectorError(f"{where}: {frame_text(reply[2]) if len(reply) > 2 else 'refused'}")
         return reply
+
+    def _dealer_failure(self, exc: BaseException, where: str, late: str) -> ConnectorError:
+        """A DealerPool exception as the connector error family (the one place they are mapped)."""
+        if isinstance(exc, ChannelClosed):
+            return ConnectorClosed(f"{where}: the connector was closed")
+        self._error()
+        if isinstance(exc, PeerLost):  # before the deadline: heartbeats and connection events said so
+            return PayloadMissing(f"{where}: no answer will come: {exc}")
+        if isinstance(exc, TimeoutError):  # LateReply and NotConnected too
+            return NoAnswer(f"{where}: {late}")
+        if isinstance(exc, zmq.ZMQError):
+            return ConnectorUnavailable(f"{where}: {exc}")
+        return ConnectorError(f"{where}: {type(exc).__name__}: {exc}")
 
     def abandon_get(self, key: str) -> None:
         super().abandon_get(key)

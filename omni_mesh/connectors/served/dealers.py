@@ -21,6 +21,7 @@ import errno
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -190,6 +191,36 @@ class DealerPool:
             raise
         self._checkin(endpoint, link)
         return reply
+
+    def stream(
+        self, endpoint: str, parts: list[bytes], timeout_s: float, take: Callable[[list[zmq.Frame]], bool]
+    ) -> None:
+        """Send `parts`, then hand each reply message to `take` until it returns True (the stream is
+        complete), all within `timeout_s`. Errors as in `request` (never LateReply: a late stream is a
+        TimeoutError); an exception from `take` closes the socket and propagates."""
+        link = self._checkout(endpoint)
+        sock = link.sock
+        deadline = time.monotonic() + timeout_s
+        try:
+            link.arm()
+            sock.send_multipart(parts, zmq.NOBLOCK)
+            done = False
+            while not done:
+                self._wait_reply(link, deadline, timeout_s, False)
+                done = take(sock.recv_multipart(copy=False))
+        except LateReply as exc:
+            link.close()
+            if isinstance(exc, PeerLost):
+                raise
+            raise TimeoutError(str(exc)) from None
+        except BaseException as exc:
+            link.close()
+            if isinstance(exc, zmq.ZMQError) and exc.errno in (errno.ENOTSOCK, zmq.ETERM):
+                raise ChannelClosed() from None
+            if isinstance(exc, zmq.Again):
+                raise TimeoutError("the send queue is full") from None
+            raise
+        self._checkin(endpoint, link)
 
     def resume(self, endpoint: str, late: LateReply, timeout_s: float) -> list[zmq.Frame]:
         """Wait again, up to `timeout_s`, for the answer to a request that was late (`keep_late`):

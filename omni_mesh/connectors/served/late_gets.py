@@ -44,6 +44,12 @@ class LateGets:
             return None
         return entry[1]
 
+    def has(self, key: str, endpoint: str) -> bool:
+        """Whether a late request for `key` to `endpoint` waits here (the next get resumes it)."""
+        with self._lock:
+            entry = self._waiting.get(key)
+        return entry is not None and entry[0] == endpoint
+
     def drop(self, get_key: str) -> None:
         """Drop the late requests of `get_key` on any edge (abandon_get names the key alone)."""
         suffix = "/" + get_key

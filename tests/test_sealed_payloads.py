@@ -1,0 +1,310 @@
+"""ZmqConnector's payload bytes off CURVE, sealed (served.seal): real sockets, a real packet capture.
+
+With mesh keys a large payload leaves the producer on its plain bulk socket, in AEAD-sealed chunks.
+A loopback capture of a put -> get shows none of its plaintext (and, with `encryption: none`, does:
+the capture would see it). A chunk flipped in flight, a chunk replayed in place of the next, and a
+stream cut short are each refused with an error naming the edge and key, and no data. A stranger on
+the bulk port, and a replayed pull, get nothing and leave the payload where it was.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+from support.meshkit import wait_for
+from support.payloads import assert_same, payload
+from support.peer import Peer
+from support.zmtp_proxy import ZmtpProxy
+
+from omni_mesh.connectors import ConnectorError, PayloadMissing, create_connector
+from omni_mesh.connectors.served import seal
+from omni_mesh.security import MeshKeys, reset_mesh_keys, secure_client, set_mesh_keys
+
+EDGE = ("thinker", "talker")
+MARKER = b"OMNI-MESH-PLAINTEXT-MARKER-0123456789"
+MiB = 1 << 20
+
+
+@pytest.fixture
+def keys() -> Iterator[MeshKeys]:
+    mesh = MeshKeys.generate()
+    set_mesh_keys(mesh)
+    yield mesh
+    reset_mesh_keys()
+
+
+def marked(size: int) -> dict:
+    """A payload whose bytes repeat MARKER: any stretch of its plaintext on the wire shows it."""
+    raw = (MARKER * (size // len(MARKER) + 1))[:size]
+    return {"blob": torch.frombuffer(bytearray(raw), dtype=torch.uint8)}
+
+
+def pair(encryption: str = "auto") -> tuple:
+    producer = create_connector("ZmqConnector", {"host": "127.0.0.1", "encryption": encryption})
+    consumer = create_connector("ZmqConnector", {"host": "127.0.0.1", "get_timeout_s": 10})
+    return producer, consumer
+
+
+def get(consumer, key: str, meta: dict, within_s: float = 10):
+    return consumer.get_with_deadline(*EDGE, key, meta, deadline=time.monotonic() + within_s)
+
+
+# --------------------------------------------------------------------------- what the wire shows
+
+
+class LoopbackCapture:
+    """The loopback packets of some TCP ports, captured from the kernel (tcpdump's AF_PACKET socket,
+    read here directly: root only) while the `with` block runs."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self._ports = set(ports)
+        self._sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))  # ETH_P_ALL
+        self._sock.bind(("lo", 0))
+        self._sock.settimeout(0.1)
+        self._sock.setsockopt(socket.SOL_SOCKET, 33, 256 * MiB)  # SO_RCVBUFFORCE (root): no drops
+        self._stop = threading.Event()
+        self.packets: list[bytes] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                frame, address = self._sock.recvfrom(1 << 18)
+            except TimeoutError:
+                continue
+            if address[2] == socket.PACKET_OUTGOING:  # loopback shows each packet twice
+                continue
+            ip = frame[14:]
+            if frame[12:14] != b"\x08\x00" or ip[9] != 6:  # IPv4, TCP
+                continue
+            tcp = ip[(ip[0] & 0x0F) * 4 :]
+            if {int.from_bytes(tcp[0:2], "big"), int.from_bytes(tcp[2:4], "big")} & self._ports:
+                self.packets.append(frame)
+
+    def __enter__(self) -> LoopbackCapture:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        time.sleep(0.3)  # the last packets reach the socket
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close()
+
+
+def captured(producer, consumer, key: str) -> bytes:
+    """The loopback bytes of one get (side channel and bulk socket), as captured."""
+    _, _, meta = producer.put(*EDGE, key, marked(4 * MiB))
+    ports = [int(meta["endpoint"].rsplit(":", 1)[1]), producer._bulk.port]
+    with LoopbackCapture(ports) as capture:
+        got, _ = get(consumer, key, meta)
+        assert bytes(got["blob"].numpy()) == bytes(marked(4 * MiB)["blob"].numpy())
+    data = b"".join(capture.packets)
+    assert len(data) > 4 * MiB, f"the capture holds {len(data)} bytes: it missed the transfer"
+    return data
+
+
+@pytest.mark.skipif(
+    not hasattr(socket, "AF_PACKET") or os.geteuid() != 0, reason="a packet capture needs root"
+)
+def test_a_capture_of_put_get_shows_no_plaintext_and_with_none_it_does(keys: MeshKeys) -> None:
+    for encryption, shows in (("auto", False), ("none", True)):
+        producer, consumer = pair(encryption)
+        try:
+            data = captured(producer, consumer, f"req/{encryption}")
+            assert (MARKER in data) is shows, f"encryption {encryption}: plaintext on the wire is {not shows}"
+            assert producer.health()["encryption"] == seal.resolve(encryption)
+        finally:
+            producer.close()
+            consumer.close()
+
+
+# --------------------------------------------------------------------------- altered in flight
+
+
+@pytest.mark.parametrize(
+    "mode, says",
+    [("flip", "failed authentication"), ("replay", "failed authentication"), ("cut", "no answer will come")],
+)
+def test_a_chunk_altered_replayed_or_cut_short_is_refused_naming_edge_and_key(
+    keys: MeshKeys, mode: str, says: str
+) -> None:
+    producer, consumer = pair()
+    proxy = None
+    try:
+        _, _, meta = producer.put(*EDGE, "req-7/hidden", marked(8 * MiB))
+        proxy = ZmtpProxy(producer._bulk.port, mode, after=2)
+        producer._bulk.port = proxy.port  # the description sends the consumer through the proxy
+        with pytest.raises(ConnectorError) as caught:
+            get(consumer, "req-7/hidden", meta)
+        message = str(caught.value)
+        assert proxy.altered.is_set()
+        # A stream cut short: the producer is gone as far as this get knows (the errors family's kind).
+        assert isinstance(caught.value, PayloadMissing) is (mode == "cut"), type(caught.value)
+        assert says in message and "thinker->talker" in message and "req-7/hidden" in message, message
+    finally:
+        if proxy is not None:
+            proxy.close()
+        producer.close()
+        consumer.close()
+
+
+def test_unaltered_through_the_same_proxy_arrives_intact(keys: MeshKeys) -> None:
+    """The proxy itself is faithful: the refusals above are the alterations'."""
+    producer, consumer = pair()
+    proxy = None
+    try:
+        _, _, meta = producer.put(*EDGE, "req-8/hidden", marked(8 * MiB))
+        proxy = ZmtpProxy(producer._bulk.port, "flip", after=10**6)
+        producer._bulk.port = proxy.port
+        got, size = get(consumer, "req-8/hidden", meta)
+        assert bytes(got["blob"].numpy()) == bytes(marked(8 * MiB)["blob"].numpy()) and size > 8 * MiB
+    finally:
+        if proxy is not None:
+            proxy.close()
+        producer.close()
+        consumer.close()
+
+
+# --------------------------------------------------------------------------- strangers on the bulk port
+
+
+def test_a_stranger_on_the_bulk_port_gets_nothing_and_a_replayed_pull_neither(keys: MeshKeys) -> None:
+    producer, consumer = pair()
+    ctx = zmq.Context()
+    try:
+        _, _, meta = producer.put(*EDGE, "req-9/x", marked(2 * MiB))
+        bulk = f"tcp://127.0.0.1:{producer._bulk.port}"
+        session = seal.Session.fresh()  # a pull for a session the producer never offered
+        stranger = ctx.socket(zmq.DEALER)
+        stranger.linger = 0
+        stranger.connect(bulk)
+        for request in ([b"PULL", session.sid, session.proof()], [b"PULL", b"x" * 16, b"y" * 32], [b"GET"]):
+            stranger.send_multipart(request)
+        assert not stranger.poll(1000), "the bulk port answered a stranger"
+        wait_for(lambda: producer.health()["refused_peers"] >= 3, 5, "three refusals")
+        assert producer.health()["held"] == 1  # nothing served
+        # The mesh's consumer still gets it; its pull, replayed by someone who saw it, gets nothing.
+        seen: list[list[bytes]] = []
+        real_stream = consumer._bulk_dealers.stream
+
+        def watched(endpoint, parts, timeout_s, take):
+            seen.append(list(parts))
+            return real_stream(endpoint, parts, timeout_s, take)
+
+        consumer._bulk_dealers.stream = watched
+        got, _ = get(consumer, "req-9/x", meta)
+        assert bytes(got["blob"].numpy()) == bytes(marked(2 * MiB)["blob"].numpy())
+        assert seen and seen[0][0] == b"PULL"
+        stranger.send_multipart(seen[0])
+        assert not stranger.poll(1000), "a replayed pull was served"
+        stranger.close()
+    finally:
+        ctx.destroy(linger=0)
+        producer.close()
+        consumer.close()
+
+
+def test_a_poll_that_gave_up_is_resumed_with_its_own_session(keys: MeshKeys, tmp_path: Path) -> None:
+    """vllm-omni's get() gives up after about a second and the next get waits on the same request:
+    the transfer its late answer describes was sealed for that request's session, not a new one."""
+    producer = Peer("ZmqConnector", {"host": "127.0.0.1"}, log=tmp_path / "producer.log", env=keys.to_env())
+    consumer = create_connector("ZmqConnector", {"host": "127.0.0.1", "get_timeout_s": 10})
+    try:
+        meta = producer.put("late/x", payload="every_kind", **{"from": EDGE[0], "to": EDGE[1]})
+        os.kill(producer.pid, signal.SIGSTOP)  # its answer comes after the poll gave up
+        try:
+            assert consumer.get(*EDGE, "late/x", meta) is None
+        finally:
+            os.kill(producer.pid, signal.SIGCONT)
+        got, _ = get(consumer, "late/x", meta)
+        assert_same(got, payload("every_kind"))
+        assert consumer.health()["errors"] == 0
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_a_consumer_that_stops_reading_holds_up_nobody_else(keys: MeshKeys) -> None:
+    """A mesh member pulls a 64 MiB payload and never reads it: its chunks back up in its socket, and
+    the producer's other consumers still get theirs (it holds a few sealing buffers, not all)."""
+    producer, consumer = pair()
+    ctx = zmq.Context()
+    try:
+        _, _, stuck_meta = producer.put(*EDGE, "stuck", marked(64 * MiB))
+        session = seal.Session.fresh()
+        side = ctx.socket(zmq.DEALER)
+        side.linger = 0
+        secure_client(side, keys)  # a mesh member
+        side.connect(stuck_meta["endpoint"])
+        side.send_multipart([b"GET", b"thinker->talker/stuck", stuck_meta["token"].encode(), session.offer()])
+        assert side.poll(5000), "no answer to the GET"
+        reply = side.recv_multipart()
+        assert reply[0] == b"OK" and reply[2] == b"S", reply[:3]
+        bulk = ctx.socket(zmq.DEALER)
+        bulk.linger = 0
+        bulk.setsockopt(zmq.RCVHWM, 1)  # reads nothing: what it was sent backs up at once
+        bulk.connect(f"tcp://127.0.0.1:{producer._bulk.port}")
+        bulk.send_multipart([b"PULL", session.sid, session.proof()])
+        wait_for(lambda: producer.health()["bulk_transfers"] == 1, 5, "the stuck pull")
+        time.sleep(0.5)  # its chunks fill the socket buffers
+        expected = bytes(marked(16 * MiB)["blob"].numpy())
+        for i in range(3):  # more sealed chunks than the producer has buffers
+            _, _, meta = producer.put(*EDGE, f"other/{i}", marked(16 * MiB))
+            started = time.monotonic()
+            got, _ = get(consumer, f"other/{i}", meta)
+            assert time.monotonic() - started < 4, f"get {i} waited for the stuck consumer's buffers"
+            assert bytes(got["blob"].numpy()) == expected
+        bulk.close()
+        side.close()
+    finally:
+        ctx.destroy(linger=0)
+        producer.close()
+        consumer.close()
+
+
+def test_small_payloads_stay_in_the_curve_reply(keys: MeshKeys) -> None:
+    producer, consumer = pair()
+    try:
+        _, _, meta = producer.put(*EDGE, "small", {"t": torch.arange(1000)})
+        got, _ = get(consumer, "small", meta)
+        assert torch.equal(got["t"], torch.arange(1000))
+        assert producer.health()["bulk_transfers"] == 0  # it came in the CURVE reply
+        _, _, meta = producer.put(*EDGE, "large", marked(MiB))
+        get(consumer, "large", meta)
+        assert producer.health()["bulk_transfers"] == 1
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_encryption_must_be_a_known_algorithm() -> None:
+    with pytest.raises(ValueError, match="encryption must be one of"):
+        create_connector("ZmqConnector", {"encryption": "rot13"})
+    with pytest.raises(ValueError, match="bulk_port"):
+        create_connector("ZmqConnector", {"bulk_port": 70000})
+
+
+def test_the_bulk_socket_binds_bulk_port(keys: MeshKeys) -> None:
+    with socket.socket() as probe:  # a port free a moment ago
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    producer = create_connector("ZmqConnector", {"host": "127.0.0.1", "bulk_port": port})
+    consumer = create_connector("ZmqConnector", {"host": "127.0.0.1"})
+    try:
+        _, _, meta = producer.put(*EDGE, "fixed", marked(MiB))
+        assert producer._bulk.port == port
+        got, _ = get(consumer, "fixed", meta)
+        assert bytes(got["blob"].numpy()) == bytes(marked(MiB)["blob"].numpy())
+    finally:
+        producer.close()
+        consumer.close()
