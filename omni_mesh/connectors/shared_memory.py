@@ -102,8 +102,8 @@ class SharedMemoryConnector(OmniConnectorBase):
 
     # ------------------------------------------------------------------ consumer side
 
-    def get(
-        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None = None
+    def _poll(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None
     ) -> tuple[Any, int] | None:
         if self._pool.closed:
             raise ConnectorClosed(

@@ -190,11 +190,11 @@ class ServedConnector(OmniConnectorBase):
     #: Whether get() can find a payload by its key at an endpoint alone (partial or no metadata).
     by_key: ClassVar[bool] = True
 
-    def get(
-        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None = None
+    def _poll(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None
     ) -> tuple[Any, int] | None:
-        """Ask the producer once, waiting at most POLL_S: None if it has no such payload (yet, or any
-        more) or does not answer in time."""
+        """Ask the producer once, waiting at most POLL_S: PayloadMissing (get's None, in the base) if it
+        has no such payload (yet, or any more) or does not answer in time."""
         return self._get(from_stage, to_stage, get_key, metadata, min(POLL_S, self.config.get_timeout_s), poll=True)
 
     def _wait_once(
@@ -217,11 +217,10 @@ class ServedConnector(OmniConnectorBase):
         try:
             obj, size = self._fetch(endpoint, key, metadata, timeout, f"{where} from {endpoint}", poll=poll)
         except NotThere:
-            return None
-        except NoAnswer:
             if poll:
-                return None
-            raise
+                raise  # PayloadMissing: the base's get says None
+            return None  # not yet: the deadline's wait asks again
+        # NoAnswer (a PayloadMissing): None for a poll, in the base; past the deadline, the wait's error
         self._counters.add_many(gets=1, bytes_got=size)
         return obj, size
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from omni_mesh.codec import FrameError, FramePlan, plan
 from omni_mesh.connectors.base import ConnectorError, edge_key
+from omni_mesh.connectors.errors import retold
 from omni_mesh.connectors.pools.held import PendingReleases
 from omni_mesh.connectors.served.channel import ERR, OK, Handler, Reply, frame_text
 from omni_mesh.connectors.served.connector import GONE, ServedConnector
@@ -129,7 +130,7 @@ class EnginePullConnector(ServedConnector):
                 unfinished = self._pull(metadata, offset, size, deadline)
             except ConnectorError as exc:  # the engine's reason, here with edge, key and endpoint
                 self._error()
-                raise ConnectorError(f"{where}: {exc}") from exc
+                raise retold(exc, f"{where}: {exc}") from exc  # keeps its kind (ConnectorUnavailable, ...)
             if unfinished is not None:
                 self._error()
                 raise ConnectorError(f"{where}: the transfer did not finish by the deadline")
