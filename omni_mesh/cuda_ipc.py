@@ -18,9 +18,12 @@ A mapped tensor must not outlive its producer process; a consumer that keeps dat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from omni_mesh.lazy_torch import import_torch
+
+if TYPE_CHECKING:
+    import torch
 
 # The IPC fields after the dtype name, in the order the header carries them.
 FIELDS = (
@@ -53,7 +56,7 @@ class Exported:
         """Give back the reference the export counted, for a payload that no consumer mapped."""
         named = dict(zip(FIELDS, self.fields, strict=True))
         if named["handle"] is not None:
-            torch.UntypedStorage._release_ipc_counter(
+            import_torch().UntypedStorage._release_ipc_counter(
                 named["ref_counter_handle"], named["ref_counter_offset"], device=self.tensor.device
             )
 
@@ -85,6 +88,7 @@ def export(tensor: torch.Tensor) -> Exported:
 
 def open_tensor(dtype: torch.dtype, fields: dict[str, Any]) -> torch.Tensor:
     """Map a tensor exported by `export` in another process (fields already validated by the decoder)."""
+    torch = import_torch()
     if not torch.cuda.is_available():
         raise CudaIpcUnavailable(
             f"the payload holds a CUDA tensor (cuda:{fields['device']}) passed by IPC handle, and this process "

@@ -40,7 +40,7 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Data type alias:DeprecationWarning",  # numpy, for dtype names in forged frames
 )
 FAST = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-DTYPE_NAMES = sorted(codec.TORCH_DTYPES)
+DTYPE_NAMES = sorted(codec.torch_dtypes())
 LAYOUTS = ["contiguous", "scalar", "empty", "transposed", "stepped", "expanded", "reversed_dims", "offset"]
 
 # --------------------------------------------------------------------------- expected values
@@ -165,7 +165,7 @@ def raw_for(dtype: torch.dtype, nbytes: int, seed: int) -> bytes:
 
 def layout_tensor(name: str, layout: str, seed: int = 0) -> torch.Tensor:
     """A tensor of dtype `name` in the given memory layout, filled with arbitrary bits."""
-    dtype = codec.TORCH_DTYPES[name]
+    dtype = codec.torch_dtypes()[name]
 
     def base(*shape: int) -> torch.Tensor:
         return make_tensor(dtype, shape, raw_for(dtype, math.prod(shape) * dtype.itemsize, seed))
@@ -198,7 +198,7 @@ NUMPY_DTYPES = [
 
 @st.composite
 def torch_tensors(draw: st.DrawFn) -> torch.Tensor:
-    dtype = codec.TORCH_DTYPES[draw(st.sampled_from(DTYPE_NAMES))]
+    dtype = codec.torch_dtypes()[draw(st.sampled_from(DTYPE_NAMES))]
     layout = draw(st.sampled_from(LAYOUTS + ["conj"]))
     if layout in ("scalar", "empty", "transposed", "stepped", "expanded", "reversed_dims", "offset"):
         seed = draw(st.integers(0, 2**32 - 1))
@@ -354,7 +354,7 @@ def test_every_torch_dtype_in_every_layout(name: str, layout: str) -> None:
 
 
 def test_torch_dtype_table_is_complete() -> None:
-    names = set(codec.TORCH_DTYPES)
+    names = set(codec.torch_dtypes())
     wanted = {"bfloat16", "bool", "complex32", "complex64", "complex128", "float16", "float64", "int8"}
     assert wanted | {"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "uint16", "uint64"} <= names
     assert not any(name.startswith(("q", "bits")) for name in names)

@@ -45,11 +45,11 @@ from omni_mesh.codec.format import (
     PAGE,
     PAGE_MATCH_MIN,
     PREFIX,
-    TORCH_DTYPES,
     VERSION,
     FrameError,
     UnsupportedTypeError,
     align,
+    torch_dtypes,
 )
 from omni_mesh.codec.frame import FramePlan, Piece, leaf_buffers
 
@@ -73,7 +73,7 @@ __all__ = [
     "PAGE",
     "PAGE_MATCH_MIN",
     "PREFIX",
-    "TORCH_DTYPES",
+    "torch_dtypes",
     "VERSION",
     "CudaIpcExports",
     "DeviceLeaves",

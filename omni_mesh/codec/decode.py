@@ -7,14 +7,16 @@ as FrameError.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from omni_mesh import cuda_ipc
 from omni_mesh.codec.format import MAGIC, PREFIX, VERSION, FrameError, buffer_offsets, buffer_table
 from omni_mesh.codec.nodes import Buffers, DictNode, Parts, TensorSlot
 from omni_mesh.codec.template import TEMPLATE_CACHE_SIZE, template_of
+from omni_mesh.lazy_torch import import_torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 def frame_length(buffer: Any, offset: int = 0) -> int:
@@ -69,6 +71,7 @@ def _known_flat(frame: bytes) -> tuple | None:
 
 def _flat_views(buffer: Any, offset: int, flat: tuple) -> dict:
     """A dict of tensors as views straight off `buffer`, its layout already checked against its head."""
+    torch = import_torch()  # loaded already: the head's dtypes named it
     out = {}
     for key, dtype, count, at, shape in flat:
         if count:

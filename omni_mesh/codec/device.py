@@ -7,14 +7,17 @@ leaves it out of the frame for a transport that moves it device to device itself
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-import torch
 
 from omni_mesh import cuda_ipc
 from omni_mesh.codec.format import EXT_CUDA_IPC, EXT_DEVICE_TENSOR, FrameError, pack
 from omni_mesh.codec.nodes import Buffers, TensorSlot, checked_shape, ext_fields, torch_dtype
+from omni_mesh.lazy_torch import import_torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 class CudaIpcExports:
@@ -110,6 +113,7 @@ class DeviceTensorSlot(TensorSlot):
         if self.index >= len(received):
             raise FrameError(f"device tensor {self.index} has no received buffer ({len(received)} given)")
         raw = received[self.index]
+        torch = import_torch()  # loaded already: torch_dtype() built this slot's dtype
         if raw.dtype is not torch.uint8 or raw.dim() != 1 or raw.numel() != self.nbytes:
             raise FrameError(f"device buffer {self.index} holds {raw.numel()} bytes, its tensor needs {self.nbytes}")
         if not self.nbytes:

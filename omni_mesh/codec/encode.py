@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
-import torch
 
 from omni_mesh.codec import image
 from omni_mesh.codec.device import CudaIpcExports, DeviceLeaves
 from omni_mesh.codec.format import (
     ALIGN,
-    DTYPE_NAMES,
     EXT_BYTES,
     EXT_FROZENSET,
     EXT_IMAGE,
@@ -35,10 +33,15 @@ from omni_mesh.codec.format import (
     PAGE,
     PAGE_MATCH_MIN,
     UnsupportedTypeError,
+    dtype_names,
     pack,
     tuple_budget,
 )
 from omni_mesh.codec.frame import LAYOUT_CACHE_SIZE, FramePlan, PagePad
+from omni_mesh.lazy_torch import NoTensor, import_torch, tensor_class
+
+if TYPE_CHECKING:
+    import torch
 
 
 def split(obj: Any, *, device: CudaIpcExports | DeviceLeaves | None = None) -> tuple[bytes, list[Any], list[int]]:
@@ -89,13 +92,17 @@ def plan_flat(obj: Any) -> FramePlan | None:
 
 def _flat_plan(obj: dict) -> FramePlan | None:
     """The plan of a dict of contiguous CPU tensors with str keys, from the cache; None for anything else."""
+    tensor = tensor_class()
+    if tensor is NoTensor:
+        return None  # no torch here, so no tensor either
+    strided = import_torch().strided
     signature: list[Any] = []
     tensors = []
     for key, value in obj.items():
         if (
             type(key) is not str
-            or type(value) is not torch.Tensor
-            or not (value.is_cpu and value.layout is torch.strided and value.is_contiguous())
+            or type(value) is not tensor
+            or not (value.is_cpu and value.layout is strided and value.is_contiguous())
             or value.is_nested
             or value.is_conj()
             or value.is_neg()
@@ -107,7 +114,8 @@ def _flat_plan(obj: dict) -> FramePlan | None:
     key = tuple(signature)
     cached = _FLAT_PLANS.get(key)
     if cached is None:
-        if any(DTYPE_NAMES.get(t.dtype) is None for t in tensors):
+        names = dtype_names()
+        if any(names.get(t.dtype) is None for t in tensors):
             return None  # the general path names the dtype it cannot carry
         model = FramePlan(*split(obj))
         pads = tuple(leaf if type(leaf) is PagePad else None for leaf in model.leaves)
@@ -150,6 +158,7 @@ class _Walker:
 
     def __init__(self, device: CudaIpcExports | DeviceLeaves | None = None) -> None:
         self.device = device
+        self.tensor_class = tensor_class()  # NoTensor where torch was never imported: nothing is a tensor
         self.leaves: list[Any] = []
         self.lengths: list[int] = []
         self.depth = 0  # of tuples and sets, as the decoder counts them
@@ -174,7 +183,7 @@ class _Walker:
         kind = type(value)
         if kind in _NATIVE:
             return value
-        if kind is torch.Tensor:  # the usual leaf, ahead of the container checks
+        if kind is self.tensor_class:  # the usual leaf, ahead of the container checks
             return self.tensor(value)
         if kind is int:
             if not -(2**63) <= value < 2**64:
@@ -190,7 +199,7 @@ class _Walker:
             if len(value) <= INLINE_BYTES_MAX:
                 return value
             return msgpack.ExtType(EXT_BYTES, pack(self.leaf(value, len(value))))
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, self.tensor_class):
             return self.tensor(value)
         if isinstance(value, np.ndarray):
             return self.ndarray(value)
@@ -263,13 +272,14 @@ class _Walker:
         return msgpack.ExtType(EXT_IMAGE, pack([mode, size, index, palette]))
 
     def tensor(self, tensor: torch.Tensor) -> msgpack.ExtType:
-        name = DTYPE_NAMES.get(tensor.dtype)
+        name = dtype_names().get(tensor.dtype)
+        strided = import_torch().strided
         if self.device is not None and name is not None and self.device.wants(tensor):
             return self.device_entry(name, tensor)
         if (
             name is not None
             and tensor.is_cpu
-            and tensor.layout is torch.strided
+            and tensor.layout is strided
             and not (tensor.is_nested or tensor.is_conj() or tensor.is_neg())
             and tensor.is_contiguous()
         ):  # the common case, checked in one go: the leaf is copied from data_ptr as it stands
@@ -277,7 +287,7 @@ class _Walker:
             return _tensor_ext(name, tensor.shape, index)
         if name is None:
             raise UnsupportedTypeError(f"cannot encode a tensor of dtype {tensor.dtype}; convert it first")
-        if tensor.layout is not torch.strided or tensor.is_nested:
+        if tensor.layout is not strided or tensor.is_nested:
             if tensor.is_nested:
                 raise UnsupportedTypeError("cannot encode a nested tensor; send the list .unbind() gives")
             raise UnsupportedTypeError(f"cannot encode a {tensor.layout} tensor; convert it with .to_dense()")
@@ -296,7 +306,7 @@ class _Walker:
     def device_entry(self, name: str, tensor: torch.Tensor) -> msgpack.ExtType:
         if self.in_key:
             raise UnsupportedTypeError(f"cannot encode a {tensor.device} tensor in a dict key")
-        if tensor.layout is not torch.strided or tensor.is_nested:
+        if tensor.layout is not import_torch().strided or tensor.is_nested:
             raise UnsupportedTypeError(f"cannot send a {tensor.layout} tensor device to device; convert it first")
         tensor = tensor.detach()
         if tensor.is_conj() or tensor.is_neg():

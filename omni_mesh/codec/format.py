@@ -20,10 +20,14 @@ import functools
 import re
 import struct
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-import torch
+
+from omni_mesh.lazy_torch import import_torch
+
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"OMF1"
 VERSION = 1
@@ -61,7 +65,11 @@ class UnsupportedTypeError(TypeError):
 _NOT_CARRIED = re.compile(r"q\w+|bits\w+|u?int[1-7]")
 
 
-def _torch_dtypes() -> dict[str, torch.dtype]:
+@functools.cache
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """Carried tensor dtypes by name. Built (and torch imported) on first use: by a tensor to encode,
+    or a frame whose header names one, never by a process that only moves plain values."""
+    torch = import_torch()
     table = {}
     for name in dir(torch):
         value = getattr(torch, name)
@@ -74,8 +82,10 @@ def _torch_dtypes() -> dict[str, torch.dtype]:
     return table
 
 
-TORCH_DTYPES: dict[str, torch.dtype] = _torch_dtypes()
-DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+@functools.cache
+def dtype_names() -> dict[torch.dtype, str]:
+    """The names of `torch_dtypes()`, by dtype."""
+    return {dtype: name for name, dtype in torch_dtypes().items()}
 
 
 def tuple_budget(header_len: int) -> int:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from omni_mesh.codec.format import ALIGN, MAGIC, PAGE, PREFIX, VERSION, align
+from omni_mesh.lazy_torch import import_torch, tensor_class
 
 
 class PagePad:
@@ -111,13 +111,14 @@ class FramePlan:
         out = [self.head]
         at = len(self.head)
         leaves, offsets, lengths = self.leaves, self.offsets, self.lengths
+        tensor = tensor_class()
         for index in range(len(leaves)):  # not zip(): its strict= keyword alone costs more than a tiny leaf
             leaf, offset, length = leaves[index], offsets[index], lengths[index]
             if not length or type(leaf) is PagePad:
                 continue
             if offset > at:
                 out.append(bytes(offset - at))
-            if type(leaf) is torch.Tensor and leaf.is_contiguous():
+            if type(leaf) is tensor and leaf.is_contiguous():
                 out.append(ctypes.string_at(leaf.data_ptr(), length))  # the common case, one copy
             else:
                 out.append(leaf_buffers([leaf], [length])[0])
@@ -130,11 +131,12 @@ class FramePlan:
         # Not zip(): its strict= keyword alone costs more than copying a tiny leaf (leaves, offsets and
         # lengths are built together).
         leaves, offsets, lengths = self.leaves, self.offsets, self.lengths
+        tensor = tensor_class()
         for index in range(len(leaves)):
             leaf, off, length = leaves[index], offsets[index], lengths[index]
             if not length or type(leaf) is PagePad:
                 continue
-            if type(leaf) is torch.Tensor and leaf.is_contiguous():
+            if type(leaf) is tensor and leaf.is_contiguous():
                 ctypes.memmove(address + off, leaf.data_ptr(), length)  # the common case, without dispatch
             else:
                 view = memoryview((ctypes.c_char * length).from_address(address + off)).cast("B")
@@ -168,11 +170,11 @@ def _layout(header: bytes, leaves: list[Any], lengths: list[int]) -> tuple[list[
 
 def copy_leaf(leaf: Any, view: memoryview, address: int, offset: int, length: int) -> None:
     # ctypes.memmove releases the GIL and runs at memcpy speed; strided sources go through torch/numpy.
-    if isinstance(leaf, torch.Tensor):
+    if isinstance(leaf, tensor_class()):
         if leaf.is_contiguous():
             ctypes.memmove(address + offset, leaf.data_ptr(), length)
         else:
-            dest = torch.frombuffer(view, dtype=leaf.dtype, count=leaf.numel(), offset=offset)
+            dest = import_torch().frombuffer(view, dtype=leaf.dtype, count=leaf.numel(), offset=offset)
             dest.view(leaf.shape).copy_(leaf)
     elif isinstance(leaf, np.ndarray):
         if leaf.flags.c_contiguous:
@@ -186,11 +188,12 @@ def copy_leaf(leaf: Any, view: memoryview, address: int, offset: int, length: in
 def leaf_buffers(leaves: list[Any], lengths: list[int]) -> list[bytearray]:
     """Each leaf of `split` as its own buffer: the parts form of a payload, for tiny ones sent inline."""
     parts = []
+    tensor = tensor_class()
     for leaf, length in zip(leaves, lengths, strict=True):
         part = bytearray(length)
         if length and type(leaf) is not PagePad:
             address = ctypes.addressof(ctypes.c_char.from_buffer(part))
-            if type(leaf) is torch.Tensor and leaf.is_contiguous():
+            if type(leaf) is tensor and leaf.is_contiguous():
                 ctypes.memmove(address, leaf.data_ptr(), length)  # the common case, without dispatch
             else:
                 copy_leaf(leaf, memoryview(part), address, 0, length)
@@ -227,7 +230,7 @@ class Piece:
 
 def contiguous_address(leaf: Any) -> int | None:
     """The address of a leaf whose bytes are one contiguous CPU run, else None."""
-    if isinstance(leaf, torch.Tensor):
+    if isinstance(leaf, tensor_class()):
         return leaf.data_ptr() if leaf.is_cpu and leaf.is_contiguous() else None
     if isinstance(leaf, np.ndarray):
         return leaf.__array_interface__["data"][0] if leaf.flags.c_contiguous else None

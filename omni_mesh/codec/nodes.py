@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from omni_mesh.codec.format import MAX_NDIM, NUMPY_KINDS, TORCH_DTYPES, FrameError
+from omni_mesh.codec.format import MAX_NDIM, NUMPY_KINDS, FrameError, torch_dtypes
+from omni_mesh.lazy_torch import import_torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Buffers:
@@ -148,6 +151,7 @@ class TensorSlot:
 
     def build(self, buffers: Buffers) -> torch.Tensor:
         whole, start = buffers.locate(self.index, self.nbytes)
+        torch = import_torch()  # loaded already: torch_dtype() built this slot's dtype
         if self.numel == 0:
             return torch.empty(self.shape, dtype=self.dtype)
         tensor = torch.frombuffer(whole, dtype=self.dtype, count=self.numel, offset=start)
@@ -188,7 +192,8 @@ class BytesSlot:
 
 
 def torch_dtype(name: Any) -> torch.dtype:
-    dtype = TORCH_DTYPES.get(name) if type(name) is str else None
+    """The dtype a header names; the first frame that names one imports torch (see omni_mesh.lazy_torch)."""
+    dtype = torch_dtypes().get(name) if type(name) is str else None
     if dtype is None:
         raise FrameError(f"unknown tensor dtype {name!r}")
     return dtype

@@ -1,0 +1,38 @@
+"""torch where a tensor is, and nowhere else: importing it costs seconds of CPU, which the coordinator,
+the launcher and stages whose handlers hold no tensor never need to pay.
+
+A process that never imported torch cannot hold a tensor, so asking "is this a tensor?" imports
+nothing: `tensor_class()` is `torch.Tensor` once torch is in `sys.modules`, else a class no value is an
+instance of. Code that builds or reads a tensor (a frame whose header names one, a connector's
+`empty()`) calls `import_torch()`, which imports torch the first time and is a global read after.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+
+
+class NoTensor:
+    """Stands for torch.Tensor in a process without torch: no value is an instance of it."""
+
+    __slots__ = ()
+
+
+def tensor_class() -> type:
+    """torch.Tensor if torch is imported here, else NoTensor. Cheap (a dict lookup): walkers call it
+    once per payload, never per leaf."""
+    return getattr(sys.modules.get("torch"), "Tensor", NoTensor)
+
+
+_TORCH: ModuleType | None = None
+
+
+def import_torch() -> ModuleType:
+    """The torch module, imported on first use."""
+    global _TORCH
+    if _TORCH is None:
+        import torch
+
+        _TORCH = torch
+    return _TORCH
