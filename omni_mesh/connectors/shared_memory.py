@@ -22,9 +22,7 @@ mesh a directory of its own, `shm.meshdir`), else /dev/shm.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from omni_mesh import codec, cuda_ipc
 from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase
@@ -36,6 +34,9 @@ from omni_mesh.connectors.shm.producer import ShmProducer
 from omni_mesh.connectors.shm.reader import ShmReader, where
 from omni_mesh.connectors.shm.segments import ProcessIdentity
 from omni_mesh.connectors.shm.slots import names_a_payload
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["AUTO_CEILING_MAX", "GROW_STEP", "SharedMemoryConfig", "SharedMemoryConnector"]
 

@@ -14,20 +14,24 @@ import itertools
 import math
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from omni_mesh import codec
+from omni_mesh.lazy_torch import import_torch, tensor_class
+
+if TYPE_CHECKING:
+    import torch
 
 #: empty() tensors smaller than this are ordinary ones: copying them costs less than a region.
 MIN_BYTES = 64 * 1024
 #: Leaf types the codec moves out of band; any other leaf of a frame is its padding (never referenced).
-_DATA = (torch.Tensor, np.ndarray, bytes, bytearray, memoryview)
+_DATA = (np.ndarray, bytes, bytearray, memoryview)  # and tensors (tensor_class(): torch stays unimported)
 
 
 def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    torch = import_torch()  # empty() makes a tensor: torch is needed anyway
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"empty(): dtype must be a torch.dtype, got {dtype!r}")
     if any(n < 0 for n in shape):
@@ -41,7 +45,7 @@ def tensor_over(
     """A tensor over `nbytes_of(shape, dtype)` bytes of `buffer` at `offset`, and the array it views
     (its garbage collection says the tensor and all its views are gone)."""
     base = np.frombuffer(buffer, dtype=np.uint8, count=nbytes_of(shape, dtype), offset=offset)
-    return torch.from_numpy(base).view(dtype).view(shape), base
+    return import_torch().from_numpy(base).view(dtype).view(shape), base
 
 
 class Kinds:
@@ -134,7 +138,7 @@ KINDS = Kinds()
 
 #: What a connector keeps for each empty() tensor not put yet, by the tensor's address: (its owner
 #: (region, slot, ...), dtype and shape as empty() made them, kind).
-Entry = tuple[Any, torch.dtype, torch.Size, int]
+Entry = tuple[Any, "torch.dtype", "torch.Size", int]
 
 
 def match_whole(data: dict, live: dict[int, Entry]) -> tuple[tuple, list[int], list[Entry]] | None:
@@ -146,8 +150,9 @@ def match_whole(data: dict, live: dict[int, Entry]) -> tuple[tuple, list[int], l
     signature: list[Any] = []
     addresses = []
     entries = []
+    tensor = tensor_class()
     for key, value in data.items():
-        if type(value) is not torch.Tensor:
+        if type(value) is not tensor:
             return None
         address = value.data_ptr()
         entry = live.get(address)
@@ -167,8 +172,9 @@ def take_resident(frame: codec.FramePlan, unsent: dict[int, Entry]) -> dict[int,
     (the caller holds its lock). Views, slices and copies of them, and a second leaf of the same
     tensor, are ordinary leaves (copied)."""
     resident = {}
+    tensor = tensor_class()
     for index, leaf in enumerate(frame.leaves):
-        if type(leaf) is torch.Tensor:
+        if type(leaf) is tensor:
             address = leaf.data_ptr()
             found = unsent.get(address)
             if (
@@ -215,7 +221,7 @@ def take_outputs(
 
 
 def is_padding(leaf: Any) -> bool:
-    return not isinstance(leaf, _DATA)
+    return not isinstance(leaf, (tensor_class(), *_DATA))
 
 
 def leaf_bytes(leaf: Any, length: int) -> bytearray:

@@ -15,15 +15,17 @@ import functools
 import mmap
 import threading
 import weakref
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from omni_mesh.codec import FramePlan, plan
 from omni_mesh.connectors.base import edge_key
 from omni_mesh.connectors.pools import growth as _growth
 from omni_mesh.connectors.pools import outputs
 from omni_mesh.connectors.pools.held import Held
+from omni_mesh.lazy_torch import import_torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 class _Region:
@@ -150,11 +152,11 @@ class PoolProducer:
         shape = tuple(int(n) for n in shape)
         nbytes = outputs.nbytes_of(shape, dtype)
         if nbytes < outputs.MIN_BYTES:
-            return torch.empty(shape, dtype=dtype)
+            return import_torch().empty(shape, dtype=dtype)
         self._start_server()  # the pool comes with it
         offset = self._allocate(nbytes)
         if offset is None:  # past the ceiling: an ordinary tensor, copied at put as any other
-            return torch.empty(shape, dtype=dtype)
+            return import_torch().empty(shape, dtype=dtype)
         view = self._region(offset, nbytes)
         tensor, base = outputs.tensor_over(view, 0, shape, dtype)
         region = _Region(offset, view, tensor)

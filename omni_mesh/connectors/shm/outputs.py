@@ -22,9 +22,7 @@ import ctypes
 import functools
 import mmap
 import weakref
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from omni_mesh import codec
 from omni_mesh.codec.frame import contiguous_address
@@ -44,6 +42,10 @@ from omni_mesh.connectors.shm.slots import (
     ready,
     take,
 )
+from omni_mesh.lazy_torch import import_torch
+
+if TYPE_CHECKING:
+    import torch
 
 PART_INLINE_MAX = 1024  # in the parts form, leaves up to this size ride inline in the metadata
 PARTS_METADATA_MAX = 64 * 1024  # larger parts-form metadata: the payload goes as a whole frame
@@ -80,7 +82,7 @@ class PoolOutputs:
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = _pool_outputs.nbytes_of(shape, dtype)
         if nbytes < _pool_outputs.MIN_BYTES:
-            return torch.empty(shape, dtype=dtype)
+            return import_torch().empty(shape, dtype=dtype)
         slot = self._pool.allocate(nbytes, UNSENT_KEY, "empty()")
         try:
             tensor, base = _pool_outputs.tensor_over(slot.segment.mm, slot.offset + SLOT_HEADER, shape, dtype)

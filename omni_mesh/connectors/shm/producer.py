@@ -10,9 +10,7 @@ its own segments are never mapped twice.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from omni_mesh import codec, cuda_ipc
 from omni_mesh.connectors.base import Counters, edge_key
@@ -34,6 +32,9 @@ from omni_mesh.connectors.shm.slots import (
     digest,
 )
 from omni_mesh.connectors.shm.tiny import FrameBytes, TinyPayloads
+
+if TYPE_CHECKING:
+    import torch
 
 POOL_RESERVED = shm_index.INDEX_BYTES  # the first segment: header, key index, tiny-payload cells, slots
 
