@@ -16,13 +16,16 @@ import contextlib
 import functools
 import json
 from collections.abc import Generator, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from omni_mesh.coordinator.jsonable import jsonable
+from omni_mesh.lazy_torch import tensor_class
+
+if TYPE_CHECKING:
+    import torch
 
 #: Answers with fewer bytes than this in large leaves are encoded whole (one write, a Content-Length).
 STREAM_FROM_BYTES = 1 << 20
@@ -36,7 +39,6 @@ ITEMS_SLICE = 8 * 1024  # about 200 KB of text for float64 values at worst
 # JSONResponse's own encoding, so a streamed answer reads exactly as a whole one.
 _dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 _BYTES = (bytes, bytearray, memoryview)
-_ARRAYS = (torch.Tensor, np.ndarray)
 
 
 def json_answer(content: Any) -> Response:
@@ -86,7 +88,7 @@ def _leaf_bytes(value: Any) -> int:
         return sum(_leaf_bytes(v) for v in value)
     if isinstance(value, _BYTES):
         return memoryview(value).nbytes
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, tensor_class()):
         return value.numel() * value.element_size()
     if isinstance(value, np.ndarray):
         return value.nbytes
@@ -109,7 +111,7 @@ def _pieces(value: Any) -> Iterator[str]:
         yield "]"
     elif isinstance(value, _BYTES) and memoryview(value).nbytes > BASE64_SLICE:
         yield from _base64(value)
-    elif isinstance(value, _ARRAYS) and value.ndim > 0 and _numel(value) > ITEMS_SLICE:
+    elif isinstance(value, (tensor_class(), np.ndarray)) and value.ndim > 0 and _numel(value) > ITEMS_SLICE:
         yield from _array(value)
     else:  # small, or a kind jsonable converts as a whole (sets, images, numbers, text)
         yield _dumps(jsonable(value))
@@ -146,4 +148,4 @@ def _array(value: torch.Tensor | np.ndarray) -> Iterator[str]:
 
 
 def _numel(value: torch.Tensor | np.ndarray) -> int:
-    return value.numel() if isinstance(value, torch.Tensor) else int(value.size)
+    return int(value.size) if isinstance(value, np.ndarray) else value.numel()

@@ -13,7 +13,8 @@ import sys
 from typing import Any
 
 import numpy as np
-import torch
+
+from omni_mesh.lazy_torch import tensor_class
 
 
 def jsonable(value: Any) -> Any:
@@ -29,7 +30,7 @@ def jsonable(value: Any) -> Any:
         return [jsonable(v) for v in members]
     if isinstance(value, slice):
         return {"start": jsonable(value.start), "stop": jsonable(value.stop), "step": jsonable(value.step)}
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, tensor_class()):  # not an import: a process without torch holds no tensor
         if value.dtype.is_floating_point and value.element_size() == 1:
             value = value.float()  # float8 has no Python conversion of its own
         return jsonable(value.tolist())

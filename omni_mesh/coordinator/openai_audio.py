@@ -14,7 +14,8 @@ import wave
 from typing import Any
 
 import numpy as np
-import torch
+
+from omni_mesh.lazy_torch import tensor_class
 
 FORMATS = ("wav", "pcm16")
 
@@ -62,8 +63,8 @@ def _raw_bytes(value: Any) -> bytes:
 
 
 def _float_pcm16(value: Any) -> bytes:
-    if isinstance(value, torch.Tensor):
-        value = value.detach().to("cpu", torch.float32).numpy()
+    if isinstance(value, tensor_class()):
+        value = value.detach().float().cpu().numpy()
     try:
         samples = np.asarray(value, dtype=np.float32)
     except (TypeError, ValueError) as exc:
