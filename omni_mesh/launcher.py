@@ -31,6 +31,7 @@ from omni_mesh.launcher_scale import Scaler, host_cap
 from omni_mesh.ports import free_port, taken_since
 from omni_mesh.security import MeshKeys, insecure_requested, keys_from_environment
 from omni_mesh.topology import StageSpec, Topology
+from omni_mesh.topology.handler_source import handler_in_source
 from omni_mesh.topology.load import import_handler
 from omni_mesh.watchdog import UNRESPONSIVE_S, Watchdog
 
@@ -214,11 +215,12 @@ class Launcher:
                 ) from None
 
     def check_handlers(self) -> None:
-        """Import (not build) every stage's handler before anything starts: one ValueError naming
-        each that fails, rather than a traceback from every replica of its stage."""
+        """Check every stage's handler before anything starts: one ValueError naming each that fails,
+        rather than a traceback from every replica of its stage. A handler its source shows is not
+        imported here: the launcher stays without what handlers import (torch)."""
         problems = []
         for stage in self.topology.stages:
-            if stage.handler:
+            if stage.handler and not handler_in_source(self.topology, stage):
                 try:
                     import_handler(self.topology, stage)
                 except ValueError as exc:
