@@ -8,11 +8,16 @@ imports under `if TYPE_CHECKING:` aside, as they never run) and three rules are 
 (b) the coordinator and the launcher import nothing of shared memory: reclaiming goes through the
     connector types' lifecycles;
 (c) no import cycle among `omni_mesh` modules, but for the known ones listed below with their owners.
+And, by importing them in a fresh process: (d) the coordinator, the launcher, the CLI (but its bench
+and engine commands), the stage runtime and the codec do not import torch at module level.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -176,3 +181,61 @@ def test_the_cycle_finder_finds_cycles() -> None:
     }
     assert find_cycles(graph) == [frozenset({"a", "b", "c"})]
     assert find_cycles({"a": frozenset({"b"}), "b": frozenset()}) == []
+
+
+#: Modules that import torch: where tensors are made (engines, device transfer engines, benches).
+#: Everything else a light process runs must not, at module level, transitively (test below).
+LIGHT_PACKAGES = ("omni_mesh.coordinator", "omni_mesh.cli", "omni_mesh.stage", "omni_mesh.codec")
+LIGHT_MODULES = (
+    "omni_mesh.launcher",
+    "omni_mesh.connectors",
+    "omni_mesh.connectors.shared_memory",
+    "omni_mesh.connectors.zmq",
+    "omni_mesh.connectors.in_process",
+    "omni_mesh.cuda_ipc",
+)
+#: The bench and engine commands: they time and build tensors.
+HEAVY_COMMANDS = ("omni_mesh.cli.bench", "omni_mesh.cli.models")
+_FIRST_TO_IMPORT_TORCH = """
+import importlib, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+    if "torch" in sys.modules:
+        print(name)
+        break
+"""
+
+
+def light_modules() -> list[str]:
+    names = [
+        name
+        for name in modules()
+        if name.startswith(tuple(f"{package}." for package in LIGHT_PACKAGES)) or name in LIGHT_PACKAGES
+    ]
+    names = [n for n in names if n not in HEAVY_COMMANDS and not n.endswith(".__main__")]
+    return sorted(names) + list(LIGHT_MODULES)
+
+
+def first_to_import_torch(names: list[str]) -> str:
+    """Import `names` in order in a fresh `python -c`: the first after which torch is in sys.modules."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT.parent), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-c", _FIRST_TO_IMPORT_TORCH, *names],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=ROOT.parent,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.strip()
+
+
+def test_the_coordinator_launcher_cli_stage_and_codec_do_not_import_torch() -> None:
+    """Module level, transitively: a process that only imports these never loads torch (2-3 s of CPU);
+    the codec and connectors import it when a tensor shows up (omni_mesh.lazy_torch)."""
+    names = light_modules()
+    assert "omni_mesh.coordinator.app" in names and "omni_mesh.cli.validate" in names and len(names) > 60
+    assert first_to_import_torch(names) == "", "this module imports torch at import time; import it lazily"
+    # The control: the check sees a module that does import torch.
+    assert first_to_import_torch(["omni_mesh.codec", "omni_mesh.bench.connector"]) == "omni_mesh.bench.connector"
