@@ -17,9 +17,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.meshkit import Mesh, running_mesh
+from support.meshkit import Mesh, running_mesh, write_topology
 
+from omni_mesh.launcher import Launcher
+from omni_mesh.ports import free_port
 from omni_mesh.procinfo import descendants
+from omni_mesh.topology import load_topology
+from omni_mesh.topology.handler_source import binds_handler
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "compose" / "omni-demo.yaml"
@@ -143,3 +147,137 @@ def test_validate_status_and_export_do_not_import_torch(light_mesh: Mesh, tmp_pa
     result, modules = imported_modules("validate", str(DEMO))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "torch" in modules and "services.omni_demo.stages" in modules
+
+
+_LAZY_CODEC = r"""
+import ctypes, sys
+import numpy as np
+from omni_mesh import codec
+
+def same(a, b):
+    torch = sys.modules.get("torch")  # not imported here: comparing plain values must not load it
+    if torch is not None and isinstance(a, torch.Tensor):
+        return type(b) is torch.Tensor and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return type(b) is dict and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+# Plain values and numpy arrays: no torch, in a process that never loaded it.
+plain = {"a": [1, 2.5, "x", None, True], "t": (1, (2, 3)), "s": {1, 2}, "b": b"x" * 2000, "n": np.arange(6.0).reshape(2, 3)}
+assert same(plain, codec.decode(codec.encode(plain)))
+assert codec.plan_flat({"n": np.arange(3)}) is None
+assert "torch" not in sys.modules, "plain values loaded torch"
+
+# A frame from another process naming tensors: decoding it imports torch.
+received = codec.decode(sys.stdin.buffer.read())
+assert "torch" in sys.modules
+import torch
+assert same(received, {"x": torch.arange(5, dtype=torch.int16), "h": torch.ones(2, 3, dtype=torch.bfloat16)}), received
+
+flat = {"x": torch.arange(70_000, dtype=torch.float32), "y": torch.ones(3, 4, dtype=torch.bfloat16), "z": torch.zeros(0)}
+nested = {
+    "list": [torch.tensor(3.5), torch.arange(12).view(3, 4).t()],  # 0-d, non-contiguous
+    "tuple": (torch.ones(2, dtype=torch.bool), np.arange(4)),
+    "cplx": torch.tensor([1 + 2j]).conj(),
+    "meta": "text",
+}
+expected_nested = {**nested, "cplx": torch.tensor([1 - 2j])}
+paths = 0
+for payload, expected in ((flat, flat), (nested, expected_nested)):
+    assert same(expected, codec.decode(codec.encode(payload))); paths += 1            # encode / write_into
+    assert same(expected, codec.decode(codec.encode(payload), copy=True)); paths += 1  # copies
+    frame = codec.plan(payload)
+    whole = frame.to_bytes()
+    assert same(expected, codec.decode(whole)) and same(expected, codec.decode(whole)); paths += 1  # bytes (cached head)
+    header, leaves, lengths = codec.split(payload)
+    assert same(expected, codec.decode_parts(header, codec.leaf_buffers(leaves, lengths))); paths += 1
+    region = bytearray(frame.nbytes)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    for piece in frame.pieces():
+        piece.write_at(base + piece.offset)
+    assert same(expected, codec.decode(region)); paths += 1
+    region = bytearray(frame.nbytes)
+    frame.write_at(ctypes.addressof(ctypes.c_char.from_buffer(region)))
+    assert same(expected, codec.decode(region)); paths += 1
+    device = codec.DeviceLeaves(host_min_bytes=1)
+    header, leaves, lengths = codec.split(payload, device=device)
+    received = [t.reshape(-1).view(torch.uint8) for t in device.tensors]
+    assert device.tensors
+    whole = bytearray(codec.FramePlan(header, leaves, lengths).nbytes)
+    codec.FramePlan(header, leaves, lengths).write_into(whole)
+    assert same(expected, codec.decode(whole, device_buffers=received)); paths += 1
+flat_plan = codec.plan_flat(flat)
+assert flat_plan is not None
+region = bytearray(flat_plan.nbytes)
+flat_plan.write_into(region)
+assert same(flat, codec.decode(region)); paths += 1
+print(paths)
+"""
+
+
+def test_tensors_round_trip_through_every_codec_path_after_a_lazy_import() -> None:
+    """In a process that has not imported torch: plain values and arrays leave it unloaded; a frame
+    naming tensors loads it; then tensors (dtypes, 0-d, empty, non-contiguous, conjugate) round-trip
+    through every encode and decode path: whole frame, copies, bytes, parts, pieces, raw address,
+    device leaves, the cached flat plan."""
+    import torch
+
+    from omni_mesh import codec
+
+    frame = bytes(
+        codec.encode({"x": torch.arange(5, dtype=torch.int16), "h": torch.ones(2, 3, dtype=torch.bfloat16)})
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-c", _LAZY_CODEC], input=frame, capture_output=True, timeout=120, cwd=ROOT, env=env
+    )
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    assert result.stdout.decode().split() == ["15"]
+
+
+def test_the_launcher_sees_handlers_in_their_source_without_running_them(tmp_path: Path) -> None:
+    """binds_handler finds a handler's module as import would, without running a package __init__
+    (this one would fail), and reads its top-level names; what it cannot see is left to an import."""
+    package = tmp_path / "pkg_light"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise RuntimeError('a package __init__ ran')\n")
+    (package / "handlers.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import json as alias_of_json\n"
+        "async def step(inputs, ctx): return inputs\n"
+        "class Built: pass\n"
+        "assigned = step\n"
+        "typed: int\n"
+        "try:\n    from os import sep as in_try\nexcept ImportError:\n    in_except = None\n"
+        "if TYPE_CHECKING:\n    from os import getcwd as only_for_types\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        for name in ("step", "Built", "assigned", "alias_of_json", "in_try", "in_except"):
+            assert binds_handler("pkg_light.handlers", name), name
+        for name in ("nope", "typed", "only_for_types"):
+            assert not binds_handler("pkg_light.handlers", name), name
+        assert not binds_handler("pkg_light.missing", "step") and not binds_handler("no_such_top_level", "x")
+        assert "pkg_light" not in sys.modules  # nothing ran
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+def test_up_still_names_a_handler_its_module_lacks_and_starts_nothing(tmp_path: Path) -> None:
+    """A name the source does not bind falls back to importing the module, whose error `up` reports."""
+    shutil.copyfile(LIGHT_HANDLERS, tmp_path / LIGHT_HANDLERS.name)
+    topology = {"name": "typo", "stages": [{"stage_id": 0, "name": "a", "handler": "light_handlers:numbrs"}]}
+    path = write_topology(tmp_path, topology, handlers=False)
+    with pytest.raises(ValueError) as caught:
+        Launcher(load_topology(path), port=free_port()).check_handlers()
+    assert str(caught.value) == (
+        "stage 'a': cannot load handler 'light_handlers:numbrs': module 'light_handlers' has no attribute "
+        "'numbrs' (nothing started)"
+    )
+    Launcher(
+        load_topology(write_topology(tmp_path, TOPOLOGY, handlers=False)), port=free_port()
+    ).check_handlers()
