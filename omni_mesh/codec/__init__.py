@@ -10,6 +10,10 @@ torch.Size arrives as a tuple), numpy arrays and scalars, PIL images (pixels out
 optional, see `image`), dataclass instances (they arrive as dicts of their fields, as vllm-omni
 sends them) and subclasses of the base types (they arrive as their base).
 
+torch is imported only where a tensor is: encoding looks for tensors once torch is loaded (a process
+without it holds none), decoding loads it for a frame whose header names a tensor dtype
+(`omni_mesh.lazy_torch`); plain values and numpy arrays never need it.
+
 The package, one concept a module:
 
     format    the frame layout, constants, error types, the shared msgpack packer
