@@ -19,13 +19,20 @@ class NoTensor:
     __slots__ = ()
 
 
-def tensor_class() -> type:
-    """torch.Tensor if torch is imported here, else NoTensor. Cheap (a dict lookup): walkers call it
-    once per payload, never per leaf."""
-    return getattr(sys.modules.get("torch"), "Tensor", NoTensor)
-
-
+_TENSOR: type | None = None  # torch.Tensor, once seen
 _TORCH: ModuleType | None = None
+
+
+def tensor_class() -> type:
+    """torch.Tensor if torch is imported here, else NoTensor. Cheap (a global read, or a dict lookup
+    while torch is not there): walkers call it once per payload, never per leaf."""
+    global _TENSOR
+    if _TENSOR is None:
+        found = getattr(sys.modules.get("torch"), "Tensor", None)
+        if found is None:
+            return NoTensor
+        _TENSOR = found
+    return _TENSOR
 
 
 def import_torch() -> ModuleType:
