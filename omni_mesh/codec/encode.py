@@ -159,6 +159,8 @@ class _Walker:
     def __init__(self, device: CudaIpcExports | DeviceLeaves | None = None) -> None:
         self.device = device
         self.tensor_class = tensor_class()  # NoTensor where torch was never imported: nothing is a tensor
+        if self.tensor_class is not NoTensor:  # what tensor() reads per leaf, looked up once
+            self.strided, self.dtype_names = import_torch().strided, dtype_names()
         self.leaves: list[Any] = []
         self.lengths: list[int] = []
         self.depth = 0  # of tuples and sets, as the decoder counts them
@@ -272,8 +274,8 @@ class _Walker:
         return msgpack.ExtType(EXT_IMAGE, pack([mode, size, index, palette]))
 
     def tensor(self, tensor: torch.Tensor) -> msgpack.ExtType:
-        name = dtype_names().get(tensor.dtype)
-        strided = import_torch().strided
+        name = self.dtype_names.get(tensor.dtype)
+        strided = self.strided
         if self.device is not None and name is not None and self.device.wants(tensor):
             return self.device_entry(name, tensor)
         if (
@@ -306,7 +308,7 @@ class _Walker:
     def device_entry(self, name: str, tensor: torch.Tensor) -> msgpack.ExtType:
         if self.in_key:
             raise UnsupportedTypeError(f"cannot encode a {tensor.device} tensor in a dict key")
-        if tensor.layout is not import_torch().strided or tensor.is_nested:
+        if tensor.layout is not self.strided or tensor.is_nested:
             raise UnsupportedTypeError(f"cannot send a {tensor.layout} tensor device to device; convert it first")
         tensor = tensor.detach()
         if tensor.is_conj() or tensor.is_neg():
