@@ -35,6 +35,11 @@ def tensor_class() -> type:
     return _TENSOR
 
 
+def loaded_torch() -> ModuleType | None:
+    """The torch module if it is imported here (its Tensor class defined), else None: never imports."""
+    return _TORCH if _TORCH is not None or tensor_class() is NoTensor else import_torch()
+
+
 def import_torch() -> ModuleType:
     """The torch module, imported on first use."""
     global _TORCH

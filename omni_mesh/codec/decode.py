@@ -71,9 +71,9 @@ def _known_flat(frame: bytes) -> tuple | None:
 
 def _flat_views(buffer: Any, offset: int, flat: tuple) -> dict:
     """A dict of tensors as views straight off `buffer`, its layout already checked against its head."""
-    torch = import_torch()  # loaded already: the head's dtypes named it
+    torch, items = flat
     out = {}
-    for key, dtype, count, at, shape in flat:
+    for key, dtype, count, at, shape in items:
         if count:
             tensor = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset + at)
             out[key] = tensor if shape is None else tensor.view(shape)  # view() costs as much again
@@ -155,8 +155,9 @@ def _read_head(
 
 
 def _flat_tensors(template: Any, offsets: list[int], lengths: list[int]) -> tuple | None:
-    """For a dict whose values are all tensors: (key, dtype, element count, buffer offset, shape or None
-    for 1-D) per item, with every buffer already checked to hold exactly its tensor; else None."""
+    """For a dict whose values are all tensors: (torch, items), items (key, dtype, element count, buffer
+    offset, shape or None for 1-D) per item, with every buffer already checked to hold exactly its
+    tensor; else None. The torch module rides along: the hot path gets it without a call."""
     if type(template) is not DictNode:
         return None
     flat = []
@@ -165,7 +166,7 @@ def _flat_tensors(template: Any, offsets: list[int], lengths: list[int]) -> tupl
             return None  # the general path decodes it, or raises the precise error
         shape = None if len(slot.shape) == 1 else slot.shape  # 1-D: frombuffer's result as it is
         flat.append((key, slot.dtype, slot.numel, offsets[slot.index], shape))
-    return tuple(flat)
+    return (import_torch(), tuple(flat)) if flat else None  # (tensor slots: torch is loaded already)
 
 
 def decode_parts(header: bytes, parts: list[Any], *, copy: bool = False) -> Any:

@@ -38,7 +38,7 @@ from omni_mesh.codec.format import (
     tuple_budget,
 )
 from omni_mesh.codec.frame import LAYOUT_CACHE_SIZE, FramePlan, PagePad
-from omni_mesh.lazy_torch import NoTensor, import_torch, tensor_class
+from omni_mesh.lazy_torch import NoTensor, import_torch, loaded_torch, tensor_class
 
 if TYPE_CHECKING:
     import torch
@@ -92,10 +92,10 @@ def plan_flat(obj: Any) -> FramePlan | None:
 
 def _flat_plan(obj: dict) -> FramePlan | None:
     """The plan of a dict of contiguous CPU tensors with str keys, from the cache; None for anything else."""
-    tensor = tensor_class()
-    if tensor is NoTensor:
+    torch = loaded_torch()
+    if torch is None:
         return None  # no torch here, so no tensor either
-    strided = import_torch().strided
+    tensor, strided = torch.Tensor, torch.strided
     signature: list[Any] = []
     tensors = []
     for key, value in obj.items():
