@@ -9,6 +9,7 @@ has its positive control (a stage or a command that does load torch), so it can 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -265,6 +266,30 @@ def test_the_launcher_sees_handlers_in_their_source_without_running_them(tmp_pat
         assert "pkg_light" not in sys.modules  # nothing ran
     finally:
         sys.path.remove(str(tmp_path))
+    # A package an editable install maps with a finder of its own (not on sys.path): found the same way.
+    finder = _MappedPackage("pkg_light", package)
+    sys.meta_path.insert(0, finder)
+    try:
+        assert binds_handler("pkg_light.handlers", "step") and not binds_handler("pkg_light.handlers", "nope")
+        assert "pkg_light" not in sys.modules
+    finally:
+        sys.meta_path.remove(finder)
+
+
+class _MappedPackage:
+    """A meta path finder mapping one top-level package to a directory, as setuptools' editable
+    installs do (`__editable___*_finder`)."""
+
+    def __init__(self, name: str, directory: Path) -> None:
+        self.name, self.directory = name, directory
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
+        if fullname != self.name:
+            return None
+        init = self.directory / "__init__.py"
+        return importlib.util.spec_from_file_location(
+            fullname, init, submodule_search_locations=[str(self.directory)]
+        )
 
 
 def test_up_still_names_a_handler_its_module_lacks_and_starts_nothing(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import importlib.machinery
+import importlib.util
 from pathlib import Path
 
 from omni_mesh.topology.load import add_to_sys_path
@@ -43,12 +44,20 @@ def binds_handler(module_name: str, attr: str) -> bool:
 
 def _module_origin(module_name: str) -> str | None:
     """The .py file of `module_name`, located through its parents' search paths without running
-    them; None where that does not find a plain source file (import decides then)."""
-    search: list[str] | None = None  # sys.path
+    them; None where that does not find a plain source file (import decides then). The top-level
+    name goes through every finder (an editable install maps it with one of its own); finding a
+    top-level name imports nothing."""
+    search: list[str] | None = None
     spec = None
     parts = module_name.split(".")
     for depth in range(1, len(parts) + 1):
-        spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:depth]), search)
+        if depth == 1:
+            try:
+                spec = importlib.util.find_spec(parts[0])
+            except (ImportError, ValueError):
+                return None
+        else:
+            spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:depth]), search)
         if spec is None or (depth < len(parts) and spec.submodule_search_locations is None):
             return None
         if spec.submodule_search_locations is not None:
