@@ -74,6 +74,7 @@ class Mesh:
         *,
         headers: dict[str, str] | None = None,
         verify: ssl.SSLContext | bool = True,
+        given_shm_dir: str | None = None,
     ) -> None:
         self.process = process
         self.url = url
@@ -81,7 +82,8 @@ class Mesh:
         self.log_path = log
         # headers: e.g. the API key; verify: the context that trusts a mesh's self-signed certificate.
         self.client = httpx.Client(base_url=url, timeout=60.0, headers=headers, verify=verify)
-        self.inherited_shm_dir = shm_dir()  # OMNI_MESH_SHM_DIR of `up`: the test session's, or /dev/shm
+        # OMNI_MESH_SHM_DIR of `up`: the one the test gave it, else the test session's, or /dev/shm
+        self.inherited_shm_dir = Path(given_shm_dir) if given_shm_dir else shm_dir()
         self.shm_before = set(segments_in(self.inherited_shm_dir))
         # pid -> start time of every process of this mesh we have seen (a restarted stage adds one).
         self.processes: dict[int, int] = {}
@@ -281,7 +283,8 @@ def start_mesh(
                 stderr=subprocess.STDOUT,
                 preexec_fn=die_with_parent,
             )
-        mesh = Mesh(process, f"{scheme}://127.0.0.1:{port}", path, log, headers=headers, verify=verify)
+        mesh = Mesh(process, f"{scheme}://127.0.0.1:{port}", path, log, headers=headers, verify=verify,
+                    given_shm_dir=(env or {}).get("OMNI_MESH_SHM_DIR"))
         try:
             mesh.wait_ready()
             mesh.remember_tree()
