@@ -31,7 +31,6 @@ import hashlib
 import importlib
 import json
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -40,17 +39,16 @@ from typing import Any
 
 import msgpack
 import torch
-import zmq
 
 from omni_mesh import codec
 from omni_mesh.bench.connector_report import SizeResult, summarize
+from omni_mesh.bench.peer import PeerProcess, consumer_socket
 from omni_mesh.connectors import connector_class, create_connector, parse_size
 from omni_mesh.connectors.base import parse_config
 from omni_mesh.security import mesh_keys
 
 DEFAULT_SIZES = ["4KiB", "1MiB", "16MiB", "256MiB"]
 EDGE = ("producer", "consumer")
-REPLY_TIMEOUT_MS = 120_000
 
 # Raw baselines by connector: "module:function(size, repeats, ...) -> list[seconds]".
 RAW_BASELINES: dict[str, str] = {
@@ -141,43 +139,24 @@ def in_process_seconds(
     return times
 
 
-class ConsumerProcess:
+class ConsumerProcess(PeerProcess):
     """The other side of the benchmark: builds the connector from the same config, gets, reports."""
 
     def __init__(self, name: str, config: dict) -> None:
-        self.ctx = zmq.Context()
-        self.socket = self.ctx.socket(zmq.PAIR)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
-        argv = [sys.executable, "-m", "omni_mesh.bench.connector", "--consumer", name, json.dumps(config), str(port)]
-        self.process = subprocess.Popen(argv)
+        super().__init__("omni_mesh.bench.connector", name, config)
 
     def ask(self, message: dict) -> dict:
-        self.socket.send(msgpack.packb(message, use_bin_type=True))
-        if not self.socket.poll(REPLY_TIMEOUT_MS):
-            raise RuntimeError(f"consumer process did not answer within {REPLY_TIMEOUT_MS / 1000:g} s (exit {self.process.poll()})")
-        reply = msgpack.unpackb(self.socket.recv(), raw=False)
+        reply = msgpack.unpackb(self.exchange(msgpack.packb(message, use_bin_type=True), "consumer process"), raw=False)
         if "error" in reply:
             raise RuntimeError(f"consumer: {reply['error']}")
         return reply
 
-    def close(self) -> None:
-        try:
-            if self.process.poll() is None:
-                self.socket.send(msgpack.packb({"stop": True}))
-                self.process.wait(10)
-        except (subprocess.TimeoutExpired, zmq.ZMQError):
-            self.process.kill()
-            self.process.wait()
-        self.socket.close(0)
-        self.ctx.term()
+    def close(self) -> None:  # type: ignore[override]
+        super().close(msgpack.packb({"stop": True}))
 
 
 def consumer_main(name: str, config_json: str, port: int) -> int:
-    ctx = zmq.Context()
-    socket = ctx.socket(zmq.PAIR)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(f"tcp://127.0.0.1:{port}")
+    ctx, socket = consumer_socket(port)
     connector = create_connector(name, json.loads(config_json))
     try:
         while True:

@@ -17,24 +17,22 @@ import ctypes
 import json
 import statistics
 import struct
-import subprocess
 import sys
 import time
 from typing import Any
 
 import msgpack
 import torch
-import zmq
 
 from omni_mesh import codec
 from omni_mesh.bench.connector import (
     EDGE,
-    REPLY_TIMEOUT_MS,
     make_payload,
     memcpy_seconds,
     payload,
     pool_counters,
 )
+from omni_mesh.bench.peer import PeerProcess, consumer_socket
 from omni_mesh.connectors import create_connector
 
 HANDOFFS = 600
@@ -43,51 +41,24 @@ ROUNDS = 6
 _SECONDS = struct.Struct("<d")
 
 
-class HandoffConsumer:
+class HandoffConsumer(PeerProcess):
     """The consumer process: gets each payload by its metadata, drops it, answers with its own time."""
 
     def __init__(self, name: str, config: dict) -> None:
-        self.ctx = zmq.Context()
-        self.socket = self.ctx.socket(zmq.PAIR)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
-        argv = [
-            sys.executable,
-            "-m",
-            "omni_mesh.bench.handoff",
-            "--consumer",
-            name,
-            json.dumps(config),
-            str(port),
-        ]
-        self.process = subprocess.Popen(argv)
+        super().__init__("omni_mesh.bench.handoff", name, config)
 
     def ask(self, message: bytes) -> bytes:
-        self.socket.send(message, copy=False)
-        if not self.socket.poll(REPLY_TIMEOUT_MS):
-            raise RuntimeError(f"hand-off consumer did not answer within {REPLY_TIMEOUT_MS / 1000:g} s")
-        reply = self.socket.recv()
+        reply = self.exchange(message, "hand-off consumer")
         if reply[:1] == b"!":
             raise RuntimeError(f"hand-off consumer: {reply[1:].decode(errors='replace')}")
         return reply
 
-    def close(self) -> None:
-        try:
-            if self.process.poll() is None:
-                self.socket.send(b"stop")
-                self.process.wait(10)
-        except (subprocess.TimeoutExpired, zmq.ZMQError):
-            self.process.kill()
-            self.process.wait()
-        self.socket.close(0)
-        self.ctx.term()
+    def close(self) -> None:  # type: ignore[override]
+        super().close(b"stop")
 
 
 def consumer_main(name: str, config_json: str, port: int) -> int:
-    ctx = zmq.Context()
-    socket = ctx.socket(zmq.PAIR)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(f"tcp://127.0.0.1:{port}")
+    ctx, socket = consumer_socket(port)
     connector = create_connector(name, json.loads(config_json))
     try:
         while True:

@@ -175,20 +175,8 @@ class DealerPool:
             sock.send_multipart(parts, zmq.NOBLOCK)
             self._wait_reply(link, time.monotonic() + timeout_s, timeout_s, keep_late)
             reply = sock.recv_multipart(copy=False)
-        except LateReply as exc:
-            if not keep_late:
-                link.close()
-                if isinstance(exc, PeerLost):
-                    raise
-                raise TimeoutError(str(exc)) from None
-            raise
         except BaseException as exc:
-            link.close()
-            if isinstance(exc, zmq.ZMQError) and exc.errno in (errno.ENOTSOCK, zmq.ETERM):
-                raise ChannelClosed() from None
-            if isinstance(exc, zmq.Again):
-                raise TimeoutError("the send queue is full") from None
-            raise
+            raise _failed(link, exc, keep_late) from None
         self._checkin(endpoint, link)
         return reply
 
@@ -208,18 +196,8 @@ class DealerPool:
             while not done:
                 self._wait_reply(link, deadline, timeout_s, False)
                 done = take(sock.recv_multipart(copy=False))
-        except LateReply as exc:
-            link.close()
-            if isinstance(exc, PeerLost):
-                raise
-            raise TimeoutError(str(exc)) from None
         except BaseException as exc:
-            link.close()
-            if isinstance(exc, zmq.ZMQError) and exc.errno in (errno.ENOTSOCK, zmq.ETERM):
-                raise ChannelClosed() from None
-            if isinstance(exc, zmq.Again):
-                raise TimeoutError("the send queue is full") from None
-            raise
+            raise _failed(link, exc, keep_late=False) from None
         self._checkin(endpoint, link)
 
     def resume(self, endpoint: str, late: LateReply, timeout_s: float) -> list[zmq.Frame]:
@@ -323,3 +301,19 @@ class DealerPool:
             self._used.clear()
         for sock in sockets:
             sock.close()
+
+
+def _failed(link: _Link, exc: BaseException, keep_late: bool) -> BaseException:
+    """What a failed request or stream raises: its socket closed (a late answer must never be taken for
+    the next one's) unless a late reply is kept; a late reply as TimeoutError unless kept (PeerLost
+    stays itself); a closed context as ChannelClosed; a full send queue as TimeoutError."""
+    if isinstance(exc, LateReply) and keep_late:
+        return exc
+    link.close()
+    if isinstance(exc, LateReply):
+        return exc if isinstance(exc, PeerLost) else TimeoutError(str(exc))
+    if isinstance(exc, zmq.ZMQError) and exc.errno in (errno.ENOTSOCK, zmq.ETERM):
+        return ChannelClosed()
+    if isinstance(exc, zmq.Again):
+        return TimeoutError("the send queue is full")
+    return exc
