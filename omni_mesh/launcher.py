@@ -324,8 +324,7 @@ class Launcher:
 
     def reclaim(self, pid: int) -> list[str]:
         """What the exited process `pid` held, shared memory looked for in the mesh's own directory."""
-        with self.shm.selected():
-            return reclaim_orphans(pid=pid)
+        return reclaim_orphans(pid=pid, env=self.env)
 
     @staticmethod
     def _terminate(children: list[Child], timeout_s: float) -> None:

@@ -7,8 +7,12 @@ the coordinator checked itself. A third-party type's hook is called the same way
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -101,6 +105,28 @@ def test_the_launcher_reclaims_what_a_dead_child_left_without_a_token() -> None:
         assert sorted(reclaim_orphans(pid=producer.pid)) == names
     finally:
         producer.kill()
+
+
+def test_orphans_are_reclaimed_in_the_directory_the_child_ran_with() -> None:
+    """`up` gives its children a shared-memory directory of the mesh's own: it reclaims there, naming the
+    child's environment, without switching its own (a process-wide variable other threads read)."""
+    directory = Path(tempfile.mkdtemp(prefix="omni-mesh-lifecycle-", dir="/dev/shm"))
+    os.chmod(directory, 0o700)
+    env = {"OMNI_MESH_SHM_DIR": str(directory)}
+    producer = ShmPeer({"inline_max_bytes": 0, "max_pool_size": 1, "memory_pool_size": 256 * KiB}, env=env)
+    try:
+        producer.call(
+            "put", from_stage="a", to_stage="b", put_key="k", frame=bytes(codec.encode(torch.ones(10)))
+        )
+        names = sorted(path.name for path in directory.iterdir())
+        assert names
+        producer.kill()
+        assert reclaim_orphans(pid=producer.pid) == []  # this process's directory holds none of them
+        assert sorted(reclaim_orphans(pid=producer.pid, env=env)) == names
+        assert list(directory.iterdir()) == []
+    finally:
+        producer.kill()
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 class Leases(Lifecycle):

@@ -11,6 +11,7 @@ Third-party connectors register through the `omni_mesh.connectors` entry-point g
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
@@ -251,15 +252,16 @@ def _known_lifecycles() -> list[type[Lifecycle]]:
     return sorted(found - {Lifecycle}, key=lambda lifecycle: lifecycle.__qualname__)
 
 
-def reclaim_orphans(pid: int) -> list[str]:
-    """What process `pid` (a child this host started) left behind, if it is gone, in every type."""
-    return [item for lifecycle in _known_lifecycles() for item in lifecycle.reclaim_orphans(pid)]
+def reclaim_orphans(pid: int, env: Mapping[str, str] | None = None) -> list[str]:
+    """What process `pid` (a child this host started, with environment `env` where given) left behind,
+    if it is gone, in every type."""
+    return [item for lifecycle in _known_lifecycles() for item in lifecycle.reclaim_orphans(pid, env)]
 
 
 def mesh_places(mesh: str, env: dict[str, str]) -> MeshShmDir:
     """What the connectors keep per mesh on this host, for `up`: a shared-memory directory of mesh
     `mesh`'s own, named in `env` for every process it starts (unless `env` names one already); made
-    by `create()`, taken away with what is left in it by `remove()`; `selected()` around reclaims."""
+    by `create()`, taken away with what is left in it by `remove()`."""
     from omni_mesh.connectors.shm.meshdir import MeshShmDir
 
     return MeshShmDir.for_mesh(mesh, env)

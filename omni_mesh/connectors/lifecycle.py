@@ -14,6 +14,7 @@ from the verified facts, never from the token alone. The registry functions that
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,9 +51,10 @@ class Lifecycle:
         return []
 
     @classmethod
-    def reclaim_orphans(cls, pid: int) -> list[str]:
+    def reclaim_orphans(cls, pid: int, env: Mapping[str, str] | None = None) -> list[str]:
         """What process `pid`, a child this host started, left behind if it is gone (found on this host
-        alone, no token); the names of what was released. Leaves a live process's things alone."""
+        alone, no token); the names of what was released. Leaves a live process's things alone. `env`:
+        the environment `pid` ran with, where it names where its things are (default: this process's)."""
         return []
 
     @classmethod

@@ -51,11 +51,12 @@ def connector(config: dict | None = None) -> SharedMemoryConnector:
 class ShmPeer:
     """A helper process running tests/support/shm_consumer.py, driven through its stdin and stdout."""
 
-    def __init__(self, config: dict | None = None) -> None:
+    def __init__(self, config: dict | None = None, *, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, str(HELPER), msgpack.packb(config or {}).hex()],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            env={**os.environ, **env} if env else None,
         )
         SPAWNED.add(self.proc.pid)
         self.pid = self._receive(timeout=120)["pid"]

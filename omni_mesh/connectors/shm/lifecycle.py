@@ -9,10 +9,14 @@ token, so a replica cannot make the coordinator unlink another process's memory.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from omni_mesh.connectors.lifecycle import Lifecycle, ProcessFacts
 from omni_mesh.connectors.shm.segments import (
+    DEFAULT_DIR,
+    ENV_DIR,
     ProcessIdentity,
     list_segments,
     owner_of,
@@ -65,8 +69,9 @@ class SharedMemoryLifecycle(Lifecycle):
         return [name for name in list_segments() if name.startswith(prefix) and unlink_segment(name)]
 
     @classmethod
-    def reclaim_orphans(cls, pid: int) -> list[str]:
-        return reap_orphaned_segments(pid=pid)
+    def reclaim_orphans(cls, pid: int, env: Mapping[str, str] | None = None) -> list[str]:
+        directory = Path(env.get(ENV_DIR) or DEFAULT_DIR) if env is not None else None
+        return reap_orphaned_segments(pid=pid, directory=directory)
 
     @classmethod
     def held_by(cls, pids: set[int]) -> list[str]:

@@ -13,7 +13,6 @@ import contextlib
 import os
 import re
 import secrets
-from collections.abc import Iterator
 from pathlib import Path
 
 from omni_mesh.connectors.errors import ConnectorError
@@ -77,20 +76,6 @@ class MeshShmDir:
             with contextlib.suppress(OSError):
                 os.rmdir(self.path)
         return removed
-
-    @contextlib.contextmanager
-    def selected(self) -> Iterator[None]:
-        """This process looks for segments in the directory meanwhile (the launcher reaps what its
-        children left)."""
-        before = os.environ.get(ENV_DIR)
-        os.environ[ENV_DIR] = str(self.path)
-        try:
-            yield
-        finally:
-            if before is None:
-                os.environ.pop(ENV_DIR, None)
-            else:
-                os.environ[ENV_DIR] = before
 
 
 def mesh_dirs(parent: Path = Path(DEFAULT_DIR)) -> list[Path]:

@@ -190,32 +190,34 @@ def open_segment(name: str) -> mmap.mmap:
         os.close(fd)
 
 
-def unlink_segment(name: str) -> bool:
+def unlink_segment(name: str, directory: Path | None = None) -> bool:
     try:
-        os.unlink(shm_dir() / name)
+        os.unlink((directory or shm_dir()) / name)
         return True
     except FileNotFoundError:
         return False
 
 
-def list_segments() -> list[str]:
+def list_segments(directory: Path | None = None) -> list[str]:
+    """Our segments in `directory` (default: this process's, `shm_dir()`)."""
     try:
-        return sorted(p.name for p in shm_dir().iterdir() if p.name.startswith(PREFIX))
+        return sorted(p.name for p in (directory or shm_dir()).iterdir() if p.name.startswith(PREFIX))
     except FileNotFoundError:
         return []
 
 
-def reap_orphaned_segments(*, pid: int | None = None) -> list[str]:
-    """Unlink segments whose creator is gone (optionally only those of `pid`); returns their names.
+def reap_orphaned_segments(*, pid: int | None = None, directory: Path | None = None) -> list[str]:
+    """Unlink segments whose creator is gone (optionally only those of `pid`; in `directory`, default
+    this process's); returns their names.
 
     The launcher and the coordinator call this when a stage process exits or dies. Segments made in
     another PID namespace are left alone: their creator may well be alive there.
     """
     reaped = []
-    for name in list_segments():
+    for name in list_segments(directory):
         owner = owner_of(name)
         if owner is None or (pid is not None and owner.pid != pid):
             continue
-        if not owner.is_alive() and unlink_segment(name):
+        if not owner.is_alive() and unlink_segment(name, directory):
             reaped.append(name)
     return reaped
