@@ -31,10 +31,10 @@ from typing import Any
 
 from omni_mesh.connectors.config import ZmqConfig
 from omni_mesh.connectors.served import seal
+from omni_mesh.connectors.served.bulk_client import BulkLinks
 from omni_mesh.connectors.served.bulk_server import BulkServer
 from omni_mesh.connectors.served.channel import Handler
 from omni_mesh.connectors.served.connector import ServedConnector
-from omni_mesh.connectors.served.dealers import DealerPool
 from omni_mesh.connectors.served.zmq_pool import PoolProducer
 from omni_mesh.connectors.served.zmq_wire import ZmqWire
 
@@ -55,13 +55,13 @@ class ZmqConnector(ZmqWire, PoolProducer, ServedConnector):
         # Payload bytes off CURVE (with mesh keys only: the session key needs CURVE to travel secretly).
         self._algorithm = seal.resolve(self.config.encryption)
         self._bulk: BulkServer | None = None
-        self._bulk_dealers = DealerPool(self._ctx, None) if self._keys is not None else None
+        self._bulk_links = BulkLinks() if self._keys is not None else None
         self._late_sessions: dict[str, seal.Session] = {}  # of polls left waiting (ZmqWire._fetch)
 
     def _serving_handlers(self) -> dict[bytes, Handler]:
         self._open_pool()
         if self._keys is not None:
-            self._bulk = BulkServer(self._ctx, self._bind_host, self._name, self.config.bulk_port)
+            self._bulk = BulkServer(self._bind_host, self._name, self.config.bulk_port)
             self._bulk.start()
         return {b"GET": self._serve}
 
@@ -77,10 +77,10 @@ class ZmqConnector(ZmqWire, PoolProducer, ServedConnector):
         return report
 
     def close(self) -> None:
-        if self._bulk is not None:  # its socket closes before the context ends
+        if self._bulk is not None:  # its connections close before the context ends
             self._bulk.stop()
-        if self._bulk_dealers is not None:
-            self._bulk_dealers.close()
+        if self._bulk_links is not None:
+            self._bulk_links.close()
         super().close()
 
     def _close_backend(self) -> None:

@@ -1,70 +1,69 @@
-"""The producer's bulk socket: payload bytes sealed per transfer (`served.seal`), off CURVE.
+"""The producer's bulk socket: payload bytes sealed per transfer (`served.seal`), off CURVE, on plain TCP.
 
-The side channel (CURVE) hands a transfer over with `offer()`: it waits, under its session id, for
-the consumer to pull it on this plain ROUTER socket with the session's proof. A pull without a valid
-proof is refused (counted, logged rate-limited) and answered with nothing: a stranger who connects
-here learns nothing and makes nothing be written. A transfer not pulled within `PULL_WAIT_S` is
-dropped (its payload freed, as an expired one).
+The side channel (CURVE) hands a transfer over with `offer()`: it waits, under its session id, for the
+consumer to pull it on this plain TCP port with the session's proof. The wire, per connection:
 
-One thread serves every transfer, round-robin: it seals the next chunk of each into a buffer of a small
-reused pool and queues it zero-copy; libzmq's I/O thread writes it while the next one is sealed, and
-the consumer opens chunk k while chunk k+1 is on the wire. A buffer is reused once libzmq let go of
-it, so a slow consumer holds a few megabytes, never a copy of its payload. The payload's own memory
-is released once its last chunk is sealed (with `none`: once its parts have been sent from it).
+    consumer -> PULL: b"OMB1" sid(16) proof(32)                      (PULL_BYTES)
+    producer -> per chunk: CHUNK_HEADER (sid, index, body length), then the body (sealed: + 16-byte tag)
+    ... the connection stays open for the consumer's next pull
+
+A connection whose first PULL_BYTES are not a pull of an offered session with a valid proof (or that
+sends none within STRANGER_WAIT_S) is refused (counted, logged rate-limited) and closed with nothing
+written: a stranger learns nothing and makes nothing be written. A pull is served once: replayed, it
+finds nothing. A transfer not pulled within PULL_WAIT_S is dropped (its payload freed, as an expired one).
+
+Not ZeroMQ, on purpose: a plain stream costs this host about half the CPU of libzmq's per byte (no I/O
+thread between the Python thread and the kernel, the consumer reads straight into the payload's memory),
+and on a small machine the CPU is what bounds a transfer. Each connection has its own thread, which
+seals chunk k, hands it to the kernel and seals chunk k+1 while the consumer opens chunk k; its one
+chunk buffer is reused, warm. A consumer that stops reading stalls only its own connection and is
+dropped after SEND_STALL_S. The payload's memory is released once its last chunk is sealed (with `none`:
+once its last byte is in the kernel's hands).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
+import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import msgpack
 import numpy as np
-import zmq
 
-from omni_mesh.connectors._addresses import tcp_endpoint
 from omni_mesh.connectors.base import ConnectorError
 from omni_mesh.connectors.served.seal import (
-    MAX_CHUNK_BYTES,
     NONE,
+    SID_BYTES,
     TAG_BYTES,
     Sealer,
     Session,
-    chunk_id,
     chunk_size,
     plan,
 )
+from omni_mesh.ports import WILDCARDS
 from omni_mesh.security import Refusals
 
 log = logging.getLogger("omni_mesh.connectors")
 
-PULL = b"PULL"
+PULL = b"OMB1"
+PULL_BYTES = len(PULL) + SID_BYTES + 32  # + the proof, an HMAC-SHA256
+CHUNK_HEADER = struct.Struct(">16sII")  # the transfer's sid, the chunk's index, the body's length
 PULL_WAIT_S = 60.0  # a transfer offered but not pulled this long is dropped (its consumer is gone)
-BUFFERS = 16  # sealed chunks in flight, all transfers together (each up to MAX_CHUNK_BYTES: touched as used)
-PER_TRANSFER = 4  # ... of one transfer: a consumer that stops reading holds no more than these
-HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 1000, 10_000  # a frozen consumer is dropped (its buffers freed)
-_MAX_REQUEST_BYTES = 256  # a pull is 4 + 16 + 32 bytes: anything larger is not one of ours
-_IDLE_POLL_MS = 50
+STRANGER_WAIT_S = 5.0  # a new connection must pull within this
+IDLE_LINK_S = 120.0  # a proven connection may wait this long for its next pull (consumers pool them)
+SEND_STALL_S = 10.0  # a consumer that takes no bytes for this long is dropped (its buffer freed)
+MAX_LINKS = 256  # connections served at once; more are closed at once (counted as refused)
+#: Kernel socket buffers of a bulk connection: larger than the default start, so the kernel moves a
+#: chunk in a few large steps instead of waking both sides per 64 KiB.
+SOCKET_BUFFER_BYTES = 1 << 20
 
 
 class _Transfer:
-    __slots__ = (
-        "session",
-        "sealer",
-        "parts",
-        "chunks",
-        "next",
-        "identity",
-        "pending",
-        "trackers",
-        "on_done",
-        "expires",
-    )
+    __slots__ = ("session", "sealer", "parts", "chunks", "on_done", "expires")
 
     def __init__(
         self, session: Session, sealer: Sealer | None, parts: list, chunk: int, on_done: Callable[[], None]
@@ -73,12 +72,6 @@ class _Transfer:
         self.sealer = sealer  # None: `none`, the parts are sent as they are
         self.parts = parts
         self.chunks = plan([len(p) for p in parts], chunk)
-        self.next = 0  # the next chunk to seal (or part to send)
-        self.identity = b""
-        self.pending: tuple[bytes, Any, bytearray | None] | None = (
-            None  # sealed, not yet queued (socket full)
-        )
-        self.trackers: list[zmq.MessageTracker] = []  # `none`: parts libzmq may still send from
         self.on_done: Callable[[], None] | None = on_done
         self.expires = time.monotonic() + PULL_WAIT_S
 
@@ -89,43 +82,90 @@ class _Transfer:
             done()
 
 
-class BulkServer:
-    """A plain ROUTER socket streaming offered transfers to consumers that prove their session."""
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on `host` (a wildcard: every interface) and `port` (0: any free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    address = {"*": "0.0.0.0"}.get(host, host) if host in WILDCARDS else host
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
-    def __init__(self, ctx: zmq.Context, bind_host: str, owner: str, port: int = 0) -> None:
-        self._ctx = ctx
-        self._bind = tcp_endpoint(bind_host, port or "*")
+
+def tune(sock: socket.socket) -> None:
+    """A bulk connection's options: no Nagle delay for the last bytes of a chunk, larger buffers."""
+    sock.settimeout(None)  # blocking; deadlines are SO_RCVTIMEO / SO_SNDTIMEO (see `wait_limit`)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+
+
+def wait_limit(sock: socket.socket, option: int, seconds: float) -> None:
+    """How long one blocking receive (SO_RCVTIMEO) or send (SO_SNDTIMEO) of `sock` may wait."""
+    whole = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
+
+
+def recv_exactly(sock: socket.socket, view: memoryview) -> int:
+    """Fill `view` from `sock` (MSG_WAITALL: one wake-up when it is all there); the bytes received
+    before the peer closed or the wait limit passed, if fewer."""
+    got, size = 0, len(view)
+    while got < size:
+        try:
+            n = sock.recv_into(view[got:], size - got, socket.MSG_WAITALL)
+        except (BlockingIOError, InterruptedError):  # SO_RCVTIMEO passed
+            return got
+        if n == 0:
+            return got
+        got += n
+    return got
+
+
+class BulkServer:
+    """A plain TCP port streaming offered transfers to consumers that prove their session."""
+
+    def __init__(self, bind_host: str, owner: str, port: int = 0) -> None:
+        self._bind = (bind_host, port)
         self._owner = owner
         self.refused = Refusals(f"{owner} bulk socket")
         self.pulled = 0  # transfers a consumer proved its session for (health: bulk_transfers)
         self._offered: dict[bytes, _Transfer] = {}  # by session id, until pulled
-        self._offered_lock = threading.Lock()
-        self._active: collections.deque[_Transfer] = collections.deque()
-        self._free: list[np.ndarray] = []
-        self._busy: list[tuple[zmq.MessageTracker, np.ndarray]] = []
-        self._made = 0
+        self._lock = threading.Lock()  # the offered table, the links, the counters
+        self._links: set[socket.socket] = set()
         self._stop = threading.Event()
-        self._ready = threading.Event()
+        self._listener: socket.socket | None = None
         self.port = 0
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"{owner}-bulk", daemon=True)
+        self._thread = threading.Thread(target=self._accept, name=f"{owner}-bulk", daemon=True)
 
     def start(self) -> int:
-        self._thread.start()
-        self._ready.wait(10)
-        if self.error is not None or not self.port:
+        try:
+            self._listener = listening_socket(*self._bind)
+        except OSError as exc:
             raise ConnectorError(
-                f"{self._owner}: cannot serve bulk bytes on {self._bind}: {self.error or 'bind timed out'}; "
+                f"{self._owner}: cannot serve bulk bytes on {self._bind[0]}:{self._bind[1]}: {exc}; "
                 "set `bulk_port` to a free port (0 picks any)"
-            )
+            ) from None
+        self._listener.settimeout(0.5)  # the accept loop also expires transfers nobody pulled
+        self.port = int(self._listener.getsockname()[1])
+        self._thread.start()
         return self.port
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(5)
-        with self._offered_lock:
+        with self._lock:
+            links, self._links = list(self._links), set()
             left, self._offered = list(self._offered.values()), {}
+        for link in links:  # wakes its thread out of a blocking send or receive
+            with contextlib.suppress(OSError):
+                link.shutdown(socket.SHUT_RDWR)
         for transfer in left:
             transfer.release()
 
@@ -138,158 +178,124 @@ class BulkServer:
         transfer = _Transfer(session, None, parts, chunk, on_done)
         if algorithm != NONE:
             transfer.sealer = Sealer(algorithm, session, key, len(transfer.chunks))
-        with self._offered_lock:  # a session offered twice (a consumer reusing its offer) keeps the last
+        with self._lock:  # a session offered twice (a consumer reusing its offer) keeps the last
             replaced = self._offered.pop(session.sid, None)
             self._offered[session.sid] = transfer
         if replaced is not None:
             replaced.release()
         return msgpack.packb({"a": algorithm, "p": self.port, "c": chunk, "l": [len(p) for p in parts]})
 
-    # ---------------------------------------------------------------- the thread
+    # ---------------------------------------------------------------- accepting
 
-    def _run(self) -> None:
-        sock = self._ctx.socket(zmq.ROUTER)
-        try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone consumer is an error, not a silent drop
-            # Flow control is the buffers' (with `none`, the parts are the payload's own memory).
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-            if self._bind.startswith("tcp://["):
-                sock.setsockopt(zmq.IPV6, 1)
-            sock.bind(self._bind)
-            self.port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
-            self._ready.set()
-            self._serve(sock)
-        except BaseException as exc:  # surfaced by start() and by the owner's health()
-            self.error = exc
-        finally:
-            self._ready.set()
-            for transfer in self._active:
-                transfer.release()
-            sock.close(linger=0)
-
-    def _serve(self, sock: zmq.Socket) -> None:
+    def _accept(self) -> None:
+        listener = self._listener
+        assert listener is not None
         next_expiry = time.monotonic()
-        while not self._stop.is_set():
-            moved = self._pump(sock)
-            if not moved and self._active and self._busy:  # every transfer waits for a buffer
-                with contextlib.suppress(zmq.NotDone):
-                    self._busy[0][0].wait(0.002)  # the oldest: usually the first let go of
-            if sock.poll(0 if self._active else _IDLE_POLL_MS, zmq.POLLIN):
-                for _ in range(64):
-                    try:
-                        request = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._pull(request)
-            now = time.monotonic()
-            if now >= next_expiry:
-                next_expiry = now + 0.5
-                self._expire(now)
+        try:
+            while not self._stop.is_set():
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    conn = None
+                if conn is not None:
+                    self._admit(conn)
+                now = time.monotonic()
+                if now >= next_expiry:
+                    next_expiry = now + 0.5
+                    self._expire(now)
+        except BaseException as exc:  # surfaced by the owner's health()
+            if not self._stop.is_set():
+                self.error = exc
+        finally:
+            listener.close()
 
-    def _pull(self, request: list[bytes]) -> None:
-        if len(request) != 4 or request[1] != PULL:
-            self.refused.refuse("a message that is not a pull")
+    def _admit(self, conn: socket.socket) -> None:
+        with self._lock:
+            full = len(self._links) >= MAX_LINKS
+            if not full:
+                self._links.add(conn)
+        if full:
+            conn.close()
+            self._refuse(f"a connection past the {MAX_LINKS} served at once")
             return
-        identity, _, sid, proof = request
-        with self._offered_lock:
-            transfer = self._offered.get(sid)
-            if transfer is not None and transfer.session.proves(proof):
-                del self._offered[sid]  # served once: a replayed pull finds nothing
-            else:
-                transfer = None
-        if transfer is None:
-            self.refused.refuse("a pull without a valid session proof (a stranger, or a replay)")
-            return
-        transfer.identity = identity
-        self.pulled += 1
-        self._active.append(transfer)
+        threading.Thread(
+            target=self._serve, args=(conn,), name=f"{self._owner}-bulk-link", daemon=True
+        ).start()
+
+    def _refuse(self, what: str) -> None:
+        with self._lock:
+            self.refused.refuse(what)
 
     def _expire(self, now: float) -> None:
-        with self._offered_lock:
+        with self._lock:
             gone = [sid for sid, t in self._offered.items() if t.expires <= now]
             dropped = [self._offered.pop(sid) for sid in gone]
         for transfer in dropped:
             transfer.release()
 
-    def _buffer(self) -> np.ndarray | None:
-        if not self._free and self._busy:  # those libzmq let go of (any order: consumers differ in speed)
-            busy, self._busy = self._busy, []
-            for tracker, buffer in busy:
-                if tracker.done:
-                    self._free.append(buffer)
-                else:
-                    self._busy.append((tracker, buffer))
-        if self._free:
-            return self._free.pop()
-        if self._made < BUFFERS:
-            self._made += 1
-            return np.empty(MAX_CHUNK_BYTES + TAG_BYTES, np.uint8)  # faulted in as used, then reused warm
-        return None
+    # ---------------------------------------------------------------- one connection
 
-    def _pump(self, sock: zmq.Socket) -> bool:
-        """Queue what each active transfer can send now; whether anything moved."""
-        moved = False
-        for _ in range(len(self._active)):
-            transfer = self._active.popleft()
-            try:
-                moved |= self._advance(sock, transfer)
-            except zmq.ZMQError:  # the consumer is gone (EHOSTUNREACH): what it would have had is dropped
-                transfer.release()
-                continue
-            except Exception:  # one transfer's failure must not stop the others: its consumer times out
-                log.exception("%s: a transfer failed on the bulk socket; it is dropped", self._owner)
-                transfer.release()
-                continue
-            if transfer.pending is not None or transfer.next < len(transfer.chunks):
-                self._active.append(transfer)
-            elif transfer.sealer is None and not all(t.done for t in transfer.trackers):
-                self._active.append(transfer)  # `none`: the parts are read until libzmq lets go
-            else:
-                transfer.release()
-        return moved
+    def _serve(self, conn: socket.socket) -> None:
+        """Pulls and their transfers, one after the other, until the consumer leaves or misbehaves."""
+        pull = memoryview(bytearray(PULL_BYTES))
+        buffer: np.ndarray | None = None  # this connection's chunk buffer, reused (warm)
+        proven = False
+        try:
+            tune(conn)
+            while not self._stop.is_set():
+                wait_limit(conn, socket.SO_RCVTIMEO, IDLE_LINK_S if proven else STRANGER_WAIT_S)
+                got = recv_exactly(conn, pull)
+                if got < PULL_BYTES:
+                    if got or not proven:  # a proven consumer closing its idle link is no stranger
+                        self._refuse("a connection that sent no pull" if not got else "a truncated pull")
+                    return
+                transfer = self._claim(bytes(pull))
+                if transfer is None:
+                    self._refuse("a pull without a valid session proof (a stranger, or a replay)")
+                    return
+                proven = True
+                buffer = self._stream(conn, transfer, buffer)
+        except OSError:  # the consumer went away or stalled: what it would have had is dropped
+            pass
+        except Exception:  # one connection's failure must not stop the others: its consumer times out
+            log.exception("%s: a transfer failed on the bulk socket; it is dropped", self._owner)
+        finally:
+            with self._lock:
+                self._links.discard(conn)
+            conn.close()
 
-    def _advance(self, sock: zmq.Socket, transfer: _Transfer) -> bool:
-        """Seal and queue chunks of `transfer` (up to 4 per turn, so transfers share the thread)."""
-        moved = False
-        for _ in range(4):
-            if transfer.pending is None:
-                if transfer.next >= len(transfer.chunks):
-                    break
-                index = transfer.next
-                part, offset, length = transfer.chunks[index]
+    def _claim(self, pull: bytes) -> _Transfer | None:
+        if pull[: len(PULL)] != PULL:
+            return None
+        sid, proof = pull[len(PULL) : len(PULL) + SID_BYTES], pull[len(PULL) + SID_BYTES :]
+        with self._lock:
+            transfer = self._offered.get(sid)
+            if transfer is None or not transfer.session.proves(proof):
+                return None
+            del self._offered[sid]  # served once: a replayed pull finds nothing
+            self.pulled += 1
+        return transfer
+
+    def _stream(
+        self, conn: socket.socket, transfer: _Transfer, buffer: np.ndarray | None
+    ) -> np.ndarray | None:
+        """Every chunk of `transfer`, in order (sealed into `buffer` first); the buffer, for the next."""
+        sid, sealer, last = transfer.session.sid, transfer.sealer, len(transfer.chunks) - 1
+        wait_limit(conn, socket.SO_SNDTIMEO, SEND_STALL_S)
+        try:
+            for index, (part, offset, length) in enumerate(transfer.chunks):
                 data = memoryview(transfer.parts[part])[offset : offset + length]
-                if transfer.sealer is None:
-                    transfer.pending = (chunk_id(transfer.session.sid, index), data, None)
+                if sealer is None:
+                    body = data
                 else:
-                    transfer.trackers = [t for t in transfer.trackers if not t.done]
-                    buffer = self._buffer() if len(transfer.trackers) < PER_TRANSFER else None
-                    if buffer is None:
-                        break
-                    out = memoryview(buffer)[: length + TAG_BYTES]
-                    transfer.sealer.seal_into(index, part, offset, data, out)
-                    transfer.pending = (chunk_id(transfer.session.sid, index), out, buffer)
-                transfer.next += 1
-                if transfer.sealer is not None and transfer.next == len(transfer.chunks):
-                    transfer.release()  # every byte is sealed: the payload's memory goes back now
-            header, body, buffer = transfer.pending
-            try:
-                tracker = sock.send_multipart(
-                    [transfer.identity, header, body], zmq.NOBLOCK, copy=False, track=True
-                )
-            except zmq.Again:
-                break
-            except zmq.ZMQError:
-                if buffer is not None:
-                    self._free.append(buffer)
-                transfer.pending = None
-                raise
-            transfer.pending = None
-            moved = True
-            if buffer is not None:
-                self._busy.append((tracker, buffer))
-            transfer.trackers.append(tracker)  # `none`: the parts it reads; sealed: its buffers in flight
-        return moved
+                    if buffer is None or len(buffer) < length + TAG_BYTES:
+                        buffer = np.empty(length + TAG_BYTES, np.uint8)
+                    body = memoryview(buffer)[: length + TAG_BYTES]
+                    sealer.seal_into(index, part, offset, data, body)
+                    if index == last:
+                        transfer.release()  # every byte is sealed: the payload's memory goes back now
+                conn.sendall(CHUNK_HEADER.pack(sid, index, len(body)), socket.MSG_MORE)
+                conn.sendall(body)
+        finally:
+            transfer.release()
+        return buffer

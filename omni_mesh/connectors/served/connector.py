@@ -301,7 +301,8 @@ class ServedConnector(OmniConnectorBase):
         if isinstance(exc, ChannelClosed):
             return ConnectorClosed(f"{where}: the connector was closed")
         self._error()
-        if isinstance(exc, PeerLost):  # before the deadline: heartbeats and connection events said so
+        # Before the deadline: heartbeats and connection events said so, or the bulk stream ended early.
+        if isinstance(exc, (PeerLost, ConnectionError)):
             return PayloadMissing(f"{where}: no answer will come: {exc}")
         if isinstance(exc, TimeoutError):  # LateReply and NotConnected too
             return NoAnswer(f"{where}: {late}")

@@ -33,11 +33,12 @@ CHOICES = (AUTO, AES, CHACHA, NONE)
 _CIPHERS: dict[str, Any] = {AES: AESGCM, CHACHA: ChaCha20Poly1305}
 
 TAG_BYTES = 16
-#: Sealed chunks: about 1/16 of the payload, within these bounds. Large enough that per-message costs
+#: Sealed chunks: about 1/16 of the payload, within these bounds. Large enough that per-chunk costs
 #: vanish, small enough that sealing, the socket and opening overlap from the first chunks on (the
-#: first chunk's sealing and the last one's opening are the only time they do not).
+#: first chunk's sealing and the last one's opening are the only time they do not), and that a chunk
+#: and its sealed copy stay in a core's L2 cache (2 MiB chunks were 10-25 % slower at 16 MiB here).
 MIN_CHUNK_BYTES = 256 << 10
-MAX_CHUNK_BYTES = 4 << 20
+MAX_CHUNK_BYTES = 1 << 20
 OFFER_VERSION = b"\x01"
 SID_BYTES = 16
 KEY_BYTES = 32

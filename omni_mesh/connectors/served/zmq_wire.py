@@ -73,7 +73,7 @@ class ZmqWire:
         token = str(metadata.get("token", ""))
         parts = [b"GET", key.encode(), token.encode()]
         session = None
-        if self._bulk_dealers is not None:  # a large payload may come sealed on the bulk socket
+        if self._bulk_links is not None:  # a large payload may come sealed on the bulk socket
             # A poll's request still waiting for its answer is resumed, not sent again: its session
             # is the one its answer was sealed for. Every new request offers a fresh one.
             resumed = self._late.has(key, endpoint)
@@ -128,11 +128,11 @@ class ZmqWire:
         where: str,
     ) -> tuple[Any, int]:
         """The payload the producer answered SEALED for: pulled from its bulk socket, opened, decoded."""
-        if session is None or self._bulk_dealers is None:  # a late answer to an old request of the key
+        if session is None or self._bulk_links is None:  # a late answer to an old request of the key
             self._error()
             raise ConnectorError(f"{where}: a sealed answer to a request that offered no session")
         try:
-            buffers = pull(self._bulk_dealers, endpoint, session, key, desc, timeout_s)
+            buffers = pull(self._bulk_links, endpoint, session, key, desc, timeout_s)
         except BulkError as exc:
             self._error()
             raise ConnectorError(
