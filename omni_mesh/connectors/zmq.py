@@ -6,7 +6,7 @@ Data path of one payload:
           -> metadata {"endpoint", "key", "token", "size"}
     get   DEALER ["GET", key, token, offer] over the side channel (CURVE with mesh keys), answered with
           the payload itself (small ones; every one without mesh keys), or, with mesh keys, from 256 KiB
-          on, streamed on the producer's bulk socket in chunks sealed with a key the offer carried
+          on, streamed on the producer's bulk socket (plain TCP) in chunks sealed with a key the offer carried
           (AES-256-GCM / ChaCha20-Poly1305, `encryption`), opened by the consumer as they arrive
 
 The producer's memory (the pool, one-off buffers past its ceiling, `empty()` outputs sent from where
