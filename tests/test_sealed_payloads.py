@@ -4,7 +4,8 @@ With mesh keys a large payload leaves the producer on its plain bulk socket, in 
 A loopback capture of a put -> get shows none of its plaintext (and, with `encryption: none`, does:
 the capture would see it). A chunk flipped in flight, a chunk replayed in place of the next, and a
 stream cut short are each refused with an error naming the edge and key, and no data. A stranger on
-the bulk port, and a replayed pull, get nothing and leave the payload where it was.
+the bulk port (plain TCP), a replayed pull and a silent connection get nothing, are closed, and leave
+the payload where it was.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
+from support.bulk_proxy import BulkProxy
 from support.meshkit import wait_for
 from support.payloads import assert_same, payload
 from support.peer import Peer
-from support.zmtp_proxy import ZmtpProxy
 
 from omni_mesh.connectors import ConnectorError, PayloadMissing, create_connector
-from omni_mesh.connectors.served import seal
+from omni_mesh.connectors.served import bulk_client, bulk_server, seal
 from omni_mesh.security import MeshKeys, reset_mesh_keys, secure_client, set_mesh_keys
 
 EDGE = ("thinker", "talker")
@@ -142,7 +143,7 @@ def test_a_chunk_altered_replayed_or_cut_short_is_refused_naming_edge_and_key(
     proxy = None
     try:
         _, _, meta = producer.put(*EDGE, "req-7/hidden", marked(8 * MiB))
-        proxy = ZmtpProxy(producer._bulk.port, mode, after=2)
+        proxy = BulkProxy(producer._bulk.port, mode, after=2)
         producer._bulk.port = proxy.port  # the description sends the consumer through the proxy
         with pytest.raises(ConnectorError) as caught:
             get(consumer, "req-7/hidden", meta)
@@ -164,7 +165,7 @@ def test_unaltered_through_the_same_proxy_arrives_intact(keys: MeshKeys) -> None
     proxy = None
     try:
         _, _, meta = producer.put(*EDGE, "req-8/hidden", marked(8 * MiB))
-        proxy = ZmtpProxy(producer._bulk.port, "flip", after=10**6)
+        proxy = BulkProxy(producer._bulk.port, "flip", after=10**6)
         producer._bulk.port = proxy.port
         got, size = get(consumer, "req-8/hidden", meta)
         assert bytes(got["blob"].numpy()) == bytes(marked(8 * MiB)["blob"].numpy()) and size > 8 * MiB
@@ -178,38 +179,92 @@ def test_unaltered_through_the_same_proxy_arrives_intact(keys: MeshKeys) -> None
 # --------------------------------------------------------------------------- strangers on the bulk port
 
 
-def test_a_stranger_on_the_bulk_port_gets_nothing_and_a_replayed_pull_neither(keys: MeshKeys) -> None:
+def refused(port: int, data: bytes, within_s: float = 5) -> bytes:
+    """What the bulk port answers `data` with before it closes the connection (fails if it does not
+    close it within `within_s`): a refused peer must get b"" back."""
+    with socket.create_connection(("127.0.0.1", port), timeout=within_s) as sock:
+        sock.sendall(data)
+        answer = b""
+        try:
+            while more := sock.recv(1 << 16):
+                answer += more
+        except ConnectionResetError:  # closed with bytes of ours unread: a close all the same
+            pass
+        except TimeoutError:
+            raise AssertionError(
+                f"the bulk port kept a connection open {within_s} s after {data[:8]!r}"
+            ) from None
+        return answer
+
+
+def test_a_stranger_on_the_bulk_port_gets_nothing_and_a_replayed_pull_neither(
+    keys: MeshKeys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bulk_server, "STRANGER_WAIT_S", 1.0)  # the short message's wait
     producer, consumer = pair()
-    ctx = zmq.Context()
     try:
         _, _, meta = producer.put(*EDGE, "req-9/x", marked(2 * MiB))
-        bulk = f"tcp://127.0.0.1:{producer._bulk.port}"
+        port = producer._bulk.port
         session = seal.Session.fresh()  # a pull for a session the producer never offered
-        stranger = ctx.socket(zmq.DEALER)
-        stranger.linger = 0
-        stranger.connect(bulk)
-        for request in ([b"PULL", session.sid, session.proof()], [b"PULL", b"x" * 16, b"y" * 32], [b"GET"]):
-            stranger.send_multipart(request)
-        assert not stranger.poll(1000), "the bulk port answered a stranger"
-        wait_for(lambda: producer.health()["refused_peers"] >= 3, 5, "three refusals")
+        strangers = {
+            "a pull for a session never offered": bulk_server.PULL + session.sid + session.proof(),
+            "a pull of garbage": bulk_server.PULL + b"x" * 16 + b"y" * 32,
+            "52 bytes of garbage": b"GET " * 13,
+            "a short message, then silence": b"GET",
+        }
+        assert all(len(data) == bulk_server.PULL_BYTES for data in list(strangers.values())[:3])
+        for what, data in strangers.items():
+            assert refused(port, data) == b"", f"the bulk port answered {what}"
+        wait_for(lambda: producer.health()["refused_peers"] >= len(strangers), 5, "a refusal per stranger")
         assert producer.health()["held"] == 1  # nothing served
         # The mesh's consumer still gets it; its pull, replayed by someone who saw it, gets nothing.
-        seen: list[list[bytes]] = []
-        real_stream = consumer._bulk_dealers.stream
+        seen: list[bytes] = []
+        real_send_pull = bulk_client.BulkLinks.send_pull
 
-        def watched(endpoint, parts, timeout_s, take):
-            seen.append(list(parts))
-            return real_stream(endpoint, parts, timeout_s, take)
+        def watched(self, sock: socket.socket, pull: bytes) -> None:
+            seen.append(bytes(pull))
+            real_send_pull(self, sock, pull)
 
-        consumer._bulk_dealers.stream = watched
+        monkeypatch.setattr(bulk_client.BulkLinks, "send_pull", watched)
         got, _ = get(consumer, "req-9/x", meta)
         assert bytes(got["blob"].numpy()) == bytes(marked(2 * MiB)["blob"].numpy())
-        assert seen and seen[0][0] == b"PULL"
-        stranger.send_multipart(seen[0])
-        assert not stranger.poll(1000), "a replayed pull was served"
-        stranger.close()
+        assert len(seen) == 1 and seen[0].startswith(bulk_server.PULL), seen
+        before = producer.health()["refused_peers"]
+        assert refused(port, seen[0]) == b"", "a replayed pull was served"
+        wait_for(lambda: producer.health()["refused_peers"] == before + 1, 5, "the replay's refusal")
     finally:
-        ctx.destroy(linger=0)
+        producer.close()
+        consumer.close()
+
+
+def test_a_silent_connection_is_dropped(keys: MeshKeys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection that never sends its pull is closed after STRANGER_WAIT_S, and meanwhile holds
+    up no one: the mesh's consumer gets its payload while it waits."""
+    wait_s = 3.0
+    monkeypatch.setattr(bulk_server, "STRANGER_WAIT_S", wait_s)
+    producer, consumer = pair()
+    try:
+        _, _, meta = producer.put(*EDGE, "req-10/x", marked(2 * MiB))
+        started = time.monotonic()
+        with socket.create_connection(("127.0.0.1", producer._bulk.port), timeout=wait_s + 5) as silent:
+            got, _ = get(consumer, "req-10/x", meta)
+            assert bytes(got["blob"].numpy()) == bytes(marked(2 * MiB)["blob"].numpy())
+            silent.setblocking(False)
+            with pytest.raises(BlockingIOError):  # still open (nothing to read): it held up no one
+                silent.recv(1)
+            assert time.monotonic() - started < wait_s, "the get was not done before the silence ended"
+            silent.settimeout(wait_s + 5)
+            try:
+                answer = silent.recv(1 << 16)
+            except TimeoutError:
+                raise AssertionError(
+                    f"a silent connection is still open {wait_s + 5} s after the get"
+                ) from None
+            waited = time.monotonic() - started
+        assert answer == b"", "the bulk port wrote to a connection that never pulled"
+        assert waited >= wait_s - 0.05, f"dropped after {waited:.2f} s, before STRANGER_WAIT_S ({wait_s} s)"
+        wait_for(lambda: producer.health()["refused_peers"] == 1, 5, "the silent connection's refusal")
+    finally:
         producer.close()
         consumer.close()
 
@@ -239,6 +294,7 @@ def test_a_consumer_that_stops_reading_holds_up_nobody_else(keys: MeshKeys) -> N
     the producer's other consumers still get theirs (it holds a few sealing buffers, not all)."""
     producer, consumer = pair()
     ctx = zmq.Context()
+    bulk = socket.socket()
     try:
         _, _, stuck_meta = producer.put(*EDGE, "stuck", marked(64 * MiB))
         session = seal.Session.fresh()
@@ -250,11 +306,9 @@ def test_a_consumer_that_stops_reading_holds_up_nobody_else(keys: MeshKeys) -> N
         assert side.poll(5000), "no answer to the GET"
         reply = side.recv_multipart()
         assert reply[0] == b"OK" and reply[2] == b"S", reply[:3]
-        bulk = ctx.socket(zmq.DEALER)
-        bulk.linger = 0
-        bulk.setsockopt(zmq.RCVHWM, 1)  # reads nothing: what it was sent backs up at once
-        bulk.connect(f"tcp://127.0.0.1:{producer._bulk.port}")
-        bulk.send_multipart([b"PULL", session.sid, session.proof()])
+        bulk.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # reads nothing: what it is sent backs up
+        bulk.connect(("127.0.0.1", producer._bulk.port))
+        bulk.sendall(bulk_server.PULL + session.sid + session.proof())
         wait_for(lambda: producer.health()["bulk_transfers"] == 1, 5, "the stuck pull")
         time.sleep(0.5)  # its chunks fill the socket buffers
         expected = bytes(marked(16 * MiB)["blob"].numpy())
@@ -264,9 +318,9 @@ def test_a_consumer_that_stops_reading_holds_up_nobody_else(keys: MeshKeys) -> N
             got, _ = get(consumer, f"other/{i}", meta)
             assert time.monotonic() - started < 4, f"get {i} waited for the stuck consumer's buffers"
             assert bytes(got["blob"].numpy()) == expected
-        bulk.close()
         side.close()
     finally:
+        bulk.close()
         ctx.destroy(linger=0)
         producer.close()
         consumer.close()
