@@ -111,11 +111,16 @@ def wait_limit(sock: socket.socket, option: int, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
 
 
-def recv_exactly(sock: socket.socket, view: memoryview) -> int:
+def recv_exactly(sock: socket.socket, view: memoryview, deadline: float | None = None) -> int:
     """Fill `view` from `sock` (MSG_WAITALL: one wake-up when it is all there); the bytes received
-    before the peer closed or the wait limit passed, if fewer."""
+    before the peer closed or the wait limit (or `deadline`, monotonic: for all of it) passed, if fewer."""
     got, size = 0, len(view)
     while got < size:
+        if deadline is not None:  # a peer sending a byte now and then must not restart the wait
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return got
+            wait_limit(sock, socket.SO_RCVTIMEO, max(0.001, left))  # 0 would mean: wait forever
         try:
             n = sock.recv_into(view[got:], size - got, socket.MSG_WAITALL)
         except (BlockingIOError, InterruptedError):  # SO_RCVTIMEO passed
@@ -243,8 +248,9 @@ class BulkServer:
         try:
             tune(conn)
             while not self._stop.is_set():
-                wait_limit(conn, socket.SO_RCVTIMEO, IDLE_LINK_S if proven else STRANGER_WAIT_S)
-                got = recv_exactly(conn, pull)
+                got = recv_exactly(
+                    conn, pull, time.monotonic() + (IDLE_LINK_S if proven else STRANGER_WAIT_S)
+                )
                 if got < PULL_BYTES:
                     if got or not proven:  # a proven consumer closing its idle link is no stranger
                         self._refuse("a connection that sent no pull" if not got else "a truncated pull")
