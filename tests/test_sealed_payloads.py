@@ -179,22 +179,25 @@ def test_unaltered_through_the_same_proxy_arrives_intact(keys: MeshKeys) -> None
 # --------------------------------------------------------------------------- strangers on the bulk port
 
 
+def until_closed(sock: socket.socket, within_s: float) -> bytes:
+    """What `sock` receives until the bulk port closes it; fails if that takes over `within_s`."""
+    sock.settimeout(within_s)
+    answer = b""
+    try:
+        while more := sock.recv(1 << 16):
+            answer += more
+    except ConnectionResetError:  # closed with bytes of ours unread: a close all the same
+        pass
+    except TimeoutError:
+        raise AssertionError(f"the bulk port kept a connection open {within_s} s") from None
+    return answer
+
+
 def refused(port: int, data: bytes, within_s: float = 5) -> bytes:
-    """What the bulk port answers `data` with before it closes the connection (fails if it does not
-    close it within `within_s`): a refused peer must get b"" back."""
+    """What the bulk port answers `data` with before it closes the connection (a stranger: b"")."""
     with socket.create_connection(("127.0.0.1", port), timeout=within_s) as sock:
         sock.sendall(data)
-        answer = b""
-        try:
-            while more := sock.recv(1 << 16):
-                answer += more
-        except ConnectionResetError:  # closed with bytes of ours unread: a close all the same
-            pass
-        except TimeoutError:
-            raise AssertionError(
-                f"the bulk port kept a connection open {within_s} s after {data[:8]!r}"
-            ) from None
-        return answer
+        return until_closed(sock, within_s)
 
 
 def test_a_stranger_on_the_bulk_port_gets_nothing_and_a_replayed_pull_neither(
@@ -253,13 +256,7 @@ def test_a_silent_connection_is_dropped(keys: MeshKeys, monkeypatch: pytest.Monk
             with pytest.raises(BlockingIOError):  # still open (nothing to read): it held up no one
                 silent.recv(1)
             assert time.monotonic() - started < wait_s, "the get was not done before the silence ended"
-            silent.settimeout(wait_s + 5)
-            try:
-                answer = silent.recv(1 << 16)
-            except TimeoutError:
-                raise AssertionError(
-                    f"a silent connection is still open {wait_s + 5} s after the get"
-                ) from None
+            answer = until_closed(silent, wait_s + 5)
             waited = time.monotonic() - started
         assert answer == b"", "the bulk port wrote to a connection that never pulled"
         assert waited >= wait_s - 0.05, f"dropped after {waited:.2f} s, before STRANGER_WAIT_S ({wait_s} s)"
