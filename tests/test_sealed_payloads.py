@@ -266,45 +266,6 @@ def test_a_silent_connection_is_dropped(keys: MeshKeys, monkeypatch: pytest.Monk
         consumer.close()
 
 
-def test_a_pull_dripped_a_byte_at_a_time_is_dropped_after_stranger_wait_s(
-    keys: MeshKeys, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """STRANGER_WAIT_S bounds the whole pull, not each wait for more of it: a peer sending one byte
-    now and then cannot hold a connection (one of the few served at once) for long."""
-    wait_s = 1.0
-    monkeypatch.setattr(bulk_server, "STRANGER_WAIT_S", wait_s)
-    producer = create_connector("ZmqConnector", {"host": "127.0.0.1"})
-    try:
-        producer.put(*EDGE, "req-11/x", marked(2 * MiB))
-        session = seal.Session.fresh()
-        pull = bulk_server.PULL + session.sid + session.proof()
-        started, answer, closed = time.monotonic(), b"", False
-        with socket.create_connection(("127.0.0.1", producer._bulk.port), timeout=5) as drip:
-            drip.settimeout(wait_s / 4)
-            for byte in pull[:-1]:  # never the whole pull
-                try:
-                    drip.sendall(bytes([byte]))
-                    answer = drip.recv(1 << 16)
-                    closed = True  # b"": the close; bytes: an answer (the assertion below)
-                except TimeoutError:
-                    continue
-                except (BrokenPipeError, ConnectionResetError):
-                    closed = True
-                if closed:
-                    break
-        waited = time.monotonic() - started
-        assert closed and answer == b"", (
-            f"a dripped pull was kept (or answered) after {waited:.1f} s ({answer!r})"
-        )
-        assert waited < wait_s + 2, (
-            f"a dripped pull held its connection {waited:.1f} s (STRANGER_WAIT_S {wait_s})"
-        )
-        wait_for(lambda: producer.health()["refused_peers"] == 1, 5, "the dripped pull's refusal")
-        assert producer.health()["held"] == 1
-    finally:
-        producer.close()
-
-
 def test_a_poll_that_gave_up_is_resumed_with_its_own_session(keys: MeshKeys, tmp_path: Path) -> None:
     """vllm-omni's get() gives up after about a second and the next get waits on the same request:
     the transfer its late answer describes was sealed for that request's session, not a new one."""

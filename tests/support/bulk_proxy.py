@@ -8,7 +8,9 @@ is (once, across all connections):
 - `flip`: sent with one byte in the middle of its body flipped;
 - `replay`: replaced by the previous chunk's body under the header expected now (the index
   rewritten), as an attacker replaying a chunk would;
-- `cut`: not sent: both connections are closed (the stream is cut short).
+- `cut`: not sent: both connections are closed (the stream is cut short);
+- `trickle`: sent, with all that follows on its connection, a few hundred bytes at a time (a path
+  so congested that the stream, never cut, would take hours).
 
 It serves any number of connections (a consumer may open more than one) and chunks of any size.
 """
@@ -18,10 +20,12 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 
 from omni_mesh.connectors.served.bulk_server import CHUNK_HEADER
 
-MODES = ("flip", "replay", "cut")
+MODES = ("flip", "replay", "cut", "trickle")
+TRICKLE_BYTES, TRICKLE_PAUSE_S = 512, 0.05  # about 10 KB/s
 
 
 def _read_into(sock: socket.socket, view: memoryview) -> bool:
@@ -90,6 +94,9 @@ class BulkProxy:
                 if chunks >= self.after and self._take_turn():
                     if self.mode == "cut":
                         break
+                    if self.mode == "trickle":
+                        self._trickle(server, client, bytes(header) + bytes(view))
+                        break
                     if self.mode == "replay" and previous is not None:
                         out_body = memoryview(previous)  # an earlier chunk under the index expected now
                         out_header = CHUNK_HEADER.pack(sid, index, len(previous))
@@ -101,6 +108,15 @@ class BulkProxy:
                 previous = bytes(out_body) if self.mode == "replay" else None  # only replay needs a copy
         _close(server)
         _close(client)
+
+    @staticmethod
+    def _trickle(server: socket.socket, client: socket.socket, data: bytes) -> None:
+        """`data` and the rest of what the producer sends, slowly, until either side closes."""
+        while data:
+            for start in range(0, len(data), TRICKLE_BYTES):
+                client.sendall(data[start : start + TRICKLE_BYTES])
+                time.sleep(TRICKLE_PAUSE_S)
+            data = server.recv(1 << 16)
 
     def _take_turn(self) -> bool:
         """Whether this chunk is the one altered (the first from `after` on, of all connections)."""

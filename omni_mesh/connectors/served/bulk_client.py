@@ -30,7 +30,6 @@ from omni_mesh.connectors.served.bulk_server import (
     PULL,
     recv_exactly,
     tune,
-    wait_limit,
 )
 from omni_mesh.connectors.served.dealers import ChannelClosed
 from omni_mesh.connectors.served.seal import (
@@ -193,8 +192,7 @@ def pull(
     count = len(chunks)
 
     def receive(sock: socket.socket, view: memoryview, what: str, first: bool) -> None:
-        wait_limit(sock, socket.SO_RCVTIMEO, max(0.001, deadline - time.monotonic()))
-        got = recv_exactly(sock, view)
+        got = recv_exactly(sock, view, deadline)  # a trickling stream must not outlast the deadline
         if got == len(view):
             return
         if time.monotonic() >= deadline:
