@@ -46,7 +46,7 @@ _CONNECTOR_COUNTERS = {
     **{name: name for name in (
         "puts", "gets", "errors", "expired", "cleaned", "deleted", "oneoff", "fallbacks", "put_failures",
         "inline_puts", "stale_gets", "unindexed_puts", "cuda_ipc_tensors", "zero_copy_leaves", "pool_grown",
-        "pool_released", "local_gets", "device_tensors", "refused_peers", "malformed_requests",
+        "pool_released", "local_gets", "device_tensors", "refused_peers", "malformed_requests", "bulk_transfers",
     )},
 }
 _CONNECTOR_GAUGE_UNITS = {
