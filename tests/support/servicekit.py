@@ -14,6 +14,7 @@ each service are mapped to 127.0.0.1 and free ports (see `localize`).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
@@ -325,6 +326,7 @@ def docker_compose() -> str:
 def test_keys_file() -> Path:
     """One mesh key pair for the whole test session: the file compose mounts as its `mesh_keys` secret."""
     directory = Path(tempfile.mkdtemp(prefix="omni-mesh-test-keys-"))
+    atexit.register(shutil.rmtree, directory, True)  # a secret key: not left in /tmp after the run
     return MeshKeys.generate().write(directory)
 
 
