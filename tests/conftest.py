@@ -154,3 +154,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(SEGMENT_DIR, ignore_errors=True)
     if left:
         print(f"\nerror: segments left in {SEGMENT_DIR} at the end of the run: {left}", file=sys.stderr)
+
+
+@pytest.fixture
+def keys() -> Iterator[object]:
+    """This process's mesh keys while the test runs (connectors read them when they are built): a
+    fresh pair, reset after it. Modules that need another kind of `keys` define their own."""
+    from omni_mesh.security import MeshKeys, reset_mesh_keys, set_mesh_keys
+
+    mesh = MeshKeys.generate()
+    set_mesh_keys(mesh)
+    yield mesh
+    reset_mesh_keys()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,18 +16,10 @@ from support.meshkit import wait_for
 
 from omni_mesh.connectors import PayloadMissing, create_connector
 from omni_mesh.connectors.served import bulk_server, seal
-from omni_mesh.security import MeshKeys, reset_mesh_keys, set_mesh_keys
+from omni_mesh.security import MeshKeys
 
 EDGE = ("thinker", "talker")
 MiB = 1 << 20
-
-
-@pytest.fixture
-def keys() -> Iterator[MeshKeys]:
-    mesh = MeshKeys.generate()
-    set_mesh_keys(mesh)
-    yield mesh
-    reset_mesh_keys()
 
 
 def test_a_pull_dripped_a_byte_at_a_time_is_dropped_after_stranger_wait_s(

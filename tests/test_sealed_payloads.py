@@ -15,7 +15,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,19 +27,11 @@ from support.peer import Peer
 
 from omni_mesh.connectors import ConnectorError, PayloadMissing, create_connector
 from omni_mesh.connectors.served import bulk_client, bulk_server, seal
-from omni_mesh.security import MeshKeys, reset_mesh_keys, secure_client, set_mesh_keys
+from omni_mesh.security import MeshKeys, secure_client
 
 EDGE = ("thinker", "talker")
 MARKER = b"OMNI-MESH-PLAINTEXT-MARKER-0123456789"
 MiB = 1 << 20
-
-
-@pytest.fixture
-def keys() -> Iterator[MeshKeys]:
-    mesh = MeshKeys.generate()
-    set_mesh_keys(mesh)
-    yield mesh
-    reset_mesh_keys()
 
 
 def marked(size: int) -> dict:

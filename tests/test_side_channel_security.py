@@ -17,7 +17,6 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from omni_mesh.connectors import ConnectorError, create_connector
 from omni_mesh.procinfo import rss_bytes
-from omni_mesh.security import ENV_PUBLIC, MeshKeys, reset_mesh_keys, secure_client, set_mesh_keys
+from omni_mesh.security import ENV_PUBLIC, MeshKeys, reset_mesh_keys, secure_client
 
 ZMQ = "ZmqConnector"
 TE = "MooncakeTransferEngineConnector"
@@ -49,15 +48,6 @@ EDGE = ("thinker", "talker")
 PAYLOAD_OF = {ZMQ: "every_kind", TE: "mixed"}  # names in support.payloads.PAYLOADS
 NO_ANSWER_S = 1.0
 MiB = 1 << 20
-
-
-@pytest.fixture
-def keys() -> Iterator[MeshKeys]:
-    """This process's mesh keys while the test runs (connectors read them when they are built)."""
-    mesh = MeshKeys.generate()
-    set_mesh_keys(mesh)
-    yield mesh
-    reset_mesh_keys()
 
 
 def data_for(name: str) -> Any:
