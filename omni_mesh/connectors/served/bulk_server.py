@@ -163,6 +163,9 @@ class BulkServer:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._listener is not None:  # wakes the accept loop now, not at its next timeout
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(5)
         with self._lock:
