@@ -4,11 +4,11 @@ media naming the message and part; canonical parts, in order, for an engine that
 from __future__ import annotations
 
 import pytest
+from support import media_files as mf
 
 from omni_mesh.engines.text import chat_messages
 from omni_mesh.errors import InvalidInput
 from omni_mesh.media import MediaError
-from tests.support import media_files as mf
 
 
 def test_a_text_only_engine_refuses_a_media_part_naming_message_and_part() -> None:

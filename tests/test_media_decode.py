@@ -10,12 +10,12 @@ import tracemalloc
 import av
 import numpy as np
 import pytest
+from support import media_files as mf
 
 from omni_mesh import media
 from omni_mesh.errors import InvalidInput
 from omni_mesh.media import MediaError, MediaLimits
 from omni_mesh.media.limits import ENV
-from tests.support import media_files as mf
 
 LIMITS = MediaLimits()
 

@@ -24,19 +24,26 @@ Limits (MediaLimits) come from the environment, the same in the coordinator and 
 
 from __future__ import annotations
 
-from omni_mesh.media.containers import (
-    DEFAULT_RATE,
-    Video,
-    decode_audio,
-    decode_video,
-    probe_audio,
-    probe_video,
-)
+from importlib import import_module
+from typing import Any
+
 from omni_mesh.media.errors import MediaError
-from omni_mesh.media.image import decode_image, probe_image
 from omni_mesh.media.limits import MediaLimits
 from omni_mesh.media.parts import CANONICAL, MEDIA_PARTS, canonical
 from omni_mesh.media.sniff import sniff
+
+# PyAV and Pillow load on first use: parsing and checking parts' shape needs neither.
+_LAZY = {
+    "DEFAULT_RATE": "containers", "Video": "containers", "decode_audio": "containers", "decode_video": "containers",
+    "probe_audio": "containers", "probe_video": "containers", "decode_image": "image", "probe_image": "image",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(f"omni_mesh.media.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'omni_mesh.media' has no attribute {name!r}")
+
 
 __all__ = [
     "CANONICAL", "DEFAULT_RATE", "MEDIA_PARTS", "MediaError", "MediaLimits", "Video", "canonical", "decode",
@@ -46,19 +53,23 @@ __all__ = [
 
 def probe(kind: str, data: bytes, fmt: str, limits: MediaLimits) -> None:
     """The cheap checks of one part's bytes (no pixels, no samples decoded); MediaError if it fails one."""
+    from omni_mesh.media import containers, image
+
     if kind == "image":
-        probe_image(data, fmt, limits)
+        image.probe_image(data, fmt, limits)
     elif kind == "audio":
-        probe_audio(data, fmt, limits)
+        containers.probe_audio(data, fmt, limits)
     else:
-        probe_video(data, fmt, limits)
+        containers.probe_video(data, fmt, limits)
 
 
 def decode(part: dict, limits: MediaLimits | None = None):  # noqa: ANN201 - ndarray or Video
     """A canonical media part decoded: audio samples at DEFAULT_RATE, image pixels, or a Video."""
+    from omni_mesh.media import containers, image
+
     kind, data, fmt = part["type"], part["data"], part["format"]
     if kind == "audio":
-        return decode_audio(data, fmt, DEFAULT_RATE, limits)
+        return containers.decode_audio(data, fmt, containers.DEFAULT_RATE, limits)
     if kind == "image":
-        return decode_image(data, fmt, limits)
-    return decode_video(data, fmt, limits)
+        return image.decode_image(data, fmt, limits)
+    return containers.decode_video(data, fmt, limits)
