@@ -172,7 +172,7 @@ class Dispatcher:
         for stage in self.topology.stages:
             replicas = self.registry.of_stage(stage.name)
             limit = stage.queue_limit(sum(replica.max_inflight for replica in replicas))
-            free = sum(max(0, r.max_inflight - len(r.inflight)) for r in replicas if self.registry.is_healthy(r))
+            free = sum(max(0, r.max_inflight - r.busy) for r in replicas if self.registry.is_healthy(r))
             waiting = len(self.queues[stage.name]) + max(0, self.arriving.get(stage.name, 0) - free)
             if waiting >= limit:
                 return stage.name, limit
@@ -318,7 +318,7 @@ class Dispatcher:
         for replica_id in state.touched:
             replica = self.registry.replicas.get(replica_id)
             if replica is not None:
-                replica.inflight.discard(state.rid)
+                replica.stop(state.rid)  # busy until it has stopped computing for it (its heartbeat says)
                 try:
                     self.send(replica, Abort(state.rid, error.message))
                 except Exception:
