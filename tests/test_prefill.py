@@ -174,3 +174,31 @@ def test_a_prompt_past_the_context_is_refused_before_any_compute(q25: Path, q3: 
         q3_thinker.generate(
             torch.ones(1, q3_thinker.context + 5, dtype=torch.long), max_tokens=4, for_talker=False
         )
+
+
+def test_max_prompt_tokens_is_checked_and_refuses_longer_prompts(q25: Path) -> None:
+    from omni_mesh.engines.models import open_model
+    from omni_mesh.engines.settings import parse_engine
+
+    with pytest.raises(
+        ValueError, match="stage 0 'thinker': engine.max_prompt_tokens must be an integer >= 1"
+    ):
+        parse_engine({"part": "thinker", "model": str(q25), "max_prompt_tokens": 0}, "stage 0 'thinker'")
+    with pytest.raises(ValueError, match="engine.prefill_tokens must be an integer >= 1"):
+        parse_engine({"part": "thinker", "model": str(q25), "prefill_tokens": 0}, "stage 0 'thinker'")
+    parts = open_model(
+        parse_engine({"part": "thinker", "model": str(q25), "max_prompt_tokens": 10}, "stage 0")
+    )
+    thinker = parts.load("thinker")
+    parts.check_prompt(thinker, 10)
+    with pytest.raises(
+        InvalidInput, match="the prompt is 11 tokens, more than this stage's engine.max_prompt_tokens of 10"
+    ):
+        parts.check_prompt(thinker, 11)
+    talker = qwen2_5_omni.Talker.load(q25, F32, "cpu")
+    out = thinker.generate(ids_of(q25, "Hi"), max_tokens=3)
+    with pytest.raises(
+        InvalidInput,
+        match=r"talker: the prompt is \d+ tokens, more than this stage.s engine.max_prompt_tokens of 4",
+    ):
+        talker.generate(out, max_codes=4, max_input_tokens=4)

@@ -36,7 +36,9 @@ def mesh(tmp_path_factory: pytest.TempPathFactory):
     config = json.loads((checkpoint / "config.json").read_text())
     config["thinker_config"]["text_config"]["max_position_embeddings"] = CONTEXT
     (checkpoint / "config.json").write_text(json.dumps(config))
-    with running_mesh(tmp_path_factory.mktemp("prefill_mesh"), TOPOLOGY, env={"OMNI_MESH_MODEL": str(checkpoint)}) as running:
+    with running_mesh(
+        tmp_path_factory.mktemp("prefill_mesh"), TOPOLOGY, env={"OMNI_MESH_MODEL": str(checkpoint)}
+    ) as running:
         yield running
 
 
@@ -53,7 +55,9 @@ def assert_stops_within_a_second(mesh, ended: float) -> None:
     spent = cpu_seconds({pid}) - before
     assert spent < 0.3, f"the thinker spent {spent:.2f} s of CPU from 1 s to 3 s after the request ended"
     assert thinker(mesh)["inflight"] == 0
-    reply = mesh.ok({"prompt": "Hello"}, params={"temperature": 0, "max_tokens": 3, "max_audio_tokens": 20}, timeout_s=60)
+    reply = mesh.ok(
+        {"prompt": "Hello"}, params={"temperature": 0, "max_tokens": 3, "max_audio_tokens": 20}, timeout_s=60
+    )
     assert reply["outputs"]["audio_wav_base64"]
 
 
@@ -61,7 +65,9 @@ def test_a_prompt_past_the_context_is_a_4xx_at_once(mesh) -> None:
     pid = thinker(mesh)["pid"]
     before = cpu_seconds({pid})
     started = time.monotonic()
-    response = mesh.client.post("/v1/requests", json={"inputs": {"prompt": PAST}, "timeout_s": 10}, timeout=30)
+    response = mesh.client.post(
+        "/v1/requests", json={"inputs": {"prompt": PAST}, "timeout_s": 10}, timeout=30
+    )
     took = time.monotonic() - started
     assert response.status_code == 422, response.text
     assert f"context of {CONTEXT} tokens" in response.text and "thinker" in response.text

@@ -156,8 +156,9 @@ class Dispatcher:
                 state.stream_targets[stage] = replica.replica_id
                 for chunk in state.stream_buffer.pop(stage, []):
                     self._send_chunk(state, stage, replica, chunk)
-        except Exception as exc:
+        except Exception as exc:  # it never got the work: nothing to wait for it to stop
             log.exception("request %s: sending work to replica %s failed", state.rid, replica.replica_id)
+            replica.inflight.discard(state.rid)
             self.fail(state, RequestFailed(500, f"could not send the request to stage {stage!r}: {exc}", stage))
 
     def _send_chunk(self, state: RequestState, dst: str, replica: Replica, chunk: Chunk) -> None:
@@ -165,10 +166,9 @@ class Dispatcher:
         self.send(replica, chunk)
 
     def full_stage(self) -> tuple[str, int] | None:
-        """The first stage whose queue is at its limit (max_queued), and the limit: a new request is
-        refused (429) then. Requests still putting their large inputs count as waiting, beyond the
-        free slots they may take. Work of requests already admitted may still push a queue past its
-        limit: they are never refused midway."""
+        """The first stage whose queue is at its limit (max_queued), and the limit: a new request is refused
+        (429) then. Requests still putting their large inputs count as waiting, beyond the free slots they
+        may take. Work of requests already admitted may still push a queue past its limit: never refused midway."""
         for stage in self.topology.stages:
             replicas = self.registry.of_stage(stage.name)
             limit = stage.queue_limit(sum(replica.max_inflight for replica in replicas))
