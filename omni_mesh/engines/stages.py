@@ -77,6 +77,7 @@ class ThinkerStage(EngineStage):
         assert self.model is not None
         sampling = Sampling.of(self.spec, getattr(ctx, "params", None))
         ids = prompt_ids(self.model.tokenizer, inputs)
+        self.model.check_prompt(thinker, int(ids.shape[-1]))  # a 4xx before any compute
         eos = set(self.model.eos_token_ids(thinker))
 
         def run(push: Any, should_stop: Any) -> Any:
@@ -93,7 +94,7 @@ class ThinkerStage(EngineStage):
                     yield {"text": delta}
             output = await generation.result()
         finally:
-            generation.cancel()
+            await generation.settle()
         reply = [int(t) for t in self.model.reply_ids(output).tolist()]
         stopped = bool(reply) and reply[-1] in eos
         yield {
@@ -145,7 +146,7 @@ class TalkerStage(EngineStage):
                     pending, size = [], self.spec.chunk_codes
             await generation.result()
         finally:
-            generation.cancel()
+            await generation.settle()
         if pending:
             yield {"codes": self.model.codes_tensor(pending)}
         yield tail

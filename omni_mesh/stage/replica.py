@@ -81,6 +81,7 @@ class StageReplica:
             is_final=self.is_final,
             executor=self.executor,
             send=self.link.send,
+            released=self._heartbeat,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -167,6 +168,7 @@ class StageReplica:
                 malformed=self.malformed,
                 draining=self.draining,
                 connectors=await self.health.latest(),
+                working=list(self.runner.work),
             )
         )
         if self.health_file is not None and not self.draining:
