@@ -20,11 +20,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
 import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,7 @@ from omni_mesh.bench.chaos_report import LATE_MARGIN_S, broken, report
 from omni_mesh.bench.http_client import Connection
 from omni_mesh.bench.mesh import running_mesh
 from omni_mesh.bench.pipeline import percentile
-from omni_mesh.connectors import held_by
+from omni_mesh.connectors import held_by, mesh_places
 from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S
 from omni_mesh.procinfo import children_of
 from omni_mesh.topology import Topology, load_topology
@@ -127,6 +129,27 @@ class ProcessWatch:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+@contextlib.contextmanager
+def segment_dir() -> Iterator[None]:
+    """Where the mesh keeps its segments, named in this process's environment for the block, so the
+    leftover check looks there: the one already named, else a private one of the bench's own (left
+    to itself, `up` would make one and remove it, with any leak in it, as it stops)."""
+    env = dict(os.environ)
+    places = mesh_places("chaos-soak", env)
+    if not places.own:
+        yield
+        return
+    places.create()
+    named = {key: value for key, value in env.items() if os.environ.get(key) != value}
+    os.environ.update(named)
+    try:
+        yield
+    finally:
+        for key in named:
+            del os.environ[key]
+        places.remove()  # after the check: what is left was counted
 
 
 def leftover_segments(pids: set[int]) -> list[str]:
@@ -256,7 +279,7 @@ def run(
     if drop_every_s:
         chaos_faults.check_drops_work()
     seed = random.randrange(2**32) if seed is None else seed
-    with tempfile.TemporaryDirectory(prefix="omni-mesh-chaos-") as directory:
+    with tempfile.TemporaryDirectory(prefix="omni-mesh-chaos-") as directory, segment_dir():
         path = Path(topology) if topology else default_topology(Path(directory), replicas, edges)
         loaded = load_topology(path)
         chain = chain_of(loaded)

@@ -169,14 +169,23 @@ async def pause(launcher_pid: int, pause_s: float, log: FaultLog) -> None:
     log.add("pause", began, "coordinator", pid=pid)
 
 
-async def stop(client: httpx.AsyncClient, launcher_pid: int, pause_s: float, rng: random.Random, log: FaultLog) -> None:
-    """SIGSTOP a random healthy replica for pause_s; SIGCONT it whatever happens meanwhile."""
+async def any_replica(
+    client: httpx.AsyncClient, launcher_pid: int, rng: random.Random, log: FaultLog, kind: str
+) -> tuple[str, dict[str, Any]] | None:
+    """(stage, replica) of a random healthy replica the launcher runs; None, noted as skipped, if none."""
     stages = await healthy_replicas(client, launcher_pid)
     candidates = [(name, r) for name, healthy in (stages or {}).items() for r in healthy]
     if not candidates:
-        log.skipped["stop: /v1/stages did not answer" if stages is None else "stop: no healthy replica"] += 1
+        log.skipped[f"{kind}: /v1/stages did not answer" if stages is None else f"{kind}: no healthy replica"] += 1
+        return None
+    return rng.choice(candidates)
+
+
+async def stop(client: httpx.AsyncClient, launcher_pid: int, pause_s: float, rng: random.Random, log: FaultLog) -> None:
+    """SIGSTOP a random healthy replica for pause_s; SIGCONT it whatever happens meanwhile."""
+    if (picked := await any_replica(client, launcher_pid, rng, log, "stop")) is None:
         return
-    stage, replica = rng.choice(candidates)
+    stage, replica = picked
     began = time.monotonic()
     try:
         os.kill(replica["pid"], signal.SIGSTOP)
@@ -236,12 +245,9 @@ def reset_connections(ports: set[int]) -> int:
 
 async def drop(client: httpx.AsyncClient, launcher_pid: int, rng: random.Random, log: FaultLog) -> None:
     """Reset every TCP connection of a random healthy replica."""
-    stages = await healthy_replicas(client, launcher_pid)
-    candidates = [(name, r) for name, healthy in (stages or {}).items() for r in healthy]
-    if not candidates:
-        log.skipped["drop: /v1/stages did not answer" if stages is None else "drop: no healthy replica"] += 1
+    if (picked := await any_replica(client, launcher_pid, rng, log, "drop")) is None:
         return
-    stage, replica = rng.choice(candidates)
+    stage, replica = picked
     began = time.monotonic()
     ports = tcp_ports(replica["pid"])
     destroyed = await asyncio.to_thread(reset_connections, ports)
