@@ -151,6 +151,6 @@ def test_a_load_oscillating_around_the_target_does_not_flap(caplog: pytest.LogCa
     assert scaler.stages["s0"].down_delay == 4.0
     assert "went back up" in caplog.text and "it now waits 4 s of lower load" in caplog.text
     assert scaler.describe(scaler.stages["s0"].stage)["autoscale"]["downscale_delay_now_s"] == 4.0
-    targets = run(scaler, dispatcher, "s0", [(10.0, 0)], start=120.0)
+    targets = run(scaler, dispatcher, "s0", [(20.0, 0)], start=120.0)
     assert targets[-1] == 1 and targets.index(1) * TICK >= 4.0 - TICK, targets
     assert scaler.stages["s0"].down_delay == SCALE["downscale_delay_s"]  # the move down held

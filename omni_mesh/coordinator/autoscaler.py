@@ -10,7 +10,7 @@ set by `up`) bounds the sum of every stage's target; a stage it holds back says 
 
 A load that oscillates around what N replicas carry, slower than the delays, would take the stage
 down and up again each period, a process start and a drain every time: a stage that goes back up
-within a flap window (its upscale delay plus its downscale delay) of going down has flapped, and its
+within a flap window (twice its upscale delay plus its downscale delay) of going down has flapped, and its
 downscale delay doubles (up to FLAP_CAP times the configured one); once a move down holds for the
 window, it is the configured one again.
 """
@@ -46,6 +46,9 @@ SETTLE_S = 10.0
 #: A flapping stage's downscale delay doubles up to this many times the configured one (at least
 #: FLAP_FLOOR_S, so that a delay of 0 grows too).
 FLAP_CAP = 8
+#: A stage that goes back up within this many times its upscale plus downscale delay of going down
+#: has flapped: a square wave of half-period H comes back H + up - down after the move down.
+FLAP_WINDOW = 2
 FLAP_FLOOR_S = 1.0
 
 
@@ -75,7 +78,7 @@ class StageScaling:
         return max(self.spec.upscale_delay_s, self.down_delay)
 
     def flap_window(self) -> float:
-        return self.spec.upscale_delay_s + self.down_delay
+        return FLAP_WINDOW * (self.spec.upscale_delay_s + self.down_delay)
 
 
 class Autoscaler:
