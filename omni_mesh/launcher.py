@@ -24,7 +24,7 @@ import httpx
 
 from omni_mesh.children import Child
 from omni_mesh.connectors import mesh_places, reclaim_orphans
-from omni_mesh.defaults import HOST_CAP_ENV
+from omni_mesh.defaults import CONNECTOR_HOST_ENV, HOST_CAP_ENV
 from omni_mesh.defaults import INSTANCE_ENV as INSTANCE_ENV
 from omni_mesh.fdlimit import raise_nofile_limit
 from omni_mesh.launcher_scale import Scaler, host_cap
@@ -83,6 +83,7 @@ class Launcher:
         control_port: int | None = None,
         unresponsive_s: float = UNRESPONSIVE_S,
         max_replicas_total: int | None = None,
+        connector_host: str = "127.0.0.1",
     ) -> None:
         if topology.path is None:
             raise ValueError("omni-mesh up needs a topology file")
@@ -109,7 +110,11 @@ class Launcher:
         self.control_port_chosen = control_port is not None
         self.control = f"tcp://127.0.0.1:{control_port or free_port()}"
         self._stop = threading.Event()
-        env = mesh_environment()
+        # Every replica runs here: connectors' `host: auto` binds loopback too (an address the topology
+        # writes is its own choice), so nothing of the mesh listens beyond this machine unasked.
+        env = {**mesh_environment(), CONNECTOR_HOST_ENV: connector_host}
+        if connector_host == "auto":  # asked for: the connectors' own rule (the default route's address)
+            del env[CONNECTOR_HOST_ENV]
         self.env, self.cap = env, host_cap(topology, max_replicas_total)
         self.shm = mesh_places(topology.name, env)  # named in env; made at start, removed at stop
         self.instance = uuid.uuid4().hex  # its coordinator says it in /ready: no other mesh's answer counts
@@ -354,6 +359,7 @@ def run_up(
     control_port: int | None = None,
     unresponsive_s: float = UNRESPONSIVE_S,
     max_replicas_total: int | None = None,
+    connector_host: str = "127.0.0.1",
 ) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per /ready poll is noise
@@ -362,4 +368,5 @@ def run_up(
         topology, host=host, port=port, coordinator_args=coordinator_args,
         api_key=api_key, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, ready_timeout_s=ready_timeout_s,
         control_port=control_port, unresponsive_s=unresponsive_s, max_replicas_total=max_replicas_total,
+        connector_host=connector_host,
     ).run()
