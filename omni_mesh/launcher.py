@@ -47,6 +47,8 @@ CONTROL_PORT_ATTEMPTS = 3
 #: hold no request (the mesh never served one), so there is nothing to drain; a replica still waiting to
 #: register would only sit out the whole wait.
 ABANDONED_START_GRACE_S = 1.0
+#: Connector types whose library binds ports of its own on every interface, whatever `host` says.
+WIDE_OPEN = ("MooncakeTransferEngineConnector", "MooncakeStoreConnector", "MooncakeConnector")
 
 def mesh_environment() -> dict[str, str]:
     """The children's environment: this one, plus mesh keys. Keys the environment already names
@@ -168,6 +170,7 @@ class Launcher:
     def start(self) -> None:
         self.check_port()
         self.check_handlers()
+        self.warn_wide_open()
         self.shm.create()
         for attempt in range(1, CONTROL_PORT_ATTEMPTS + 1):
             for child in self.children:
@@ -218,6 +221,16 @@ class Launcher:
                     f"cannot serve on {host}:{port}: {exc.strerror or exc} (another mesh or service "
                     f"may be running there); stop it, or {remedy}"
                 ) from None
+
+    def warn_wide_open(self) -> None:
+        """Say so when a connector's library listens beyond loopback: `up` cannot keep it on it."""
+        for ref, spec in self.topology.connectors.items():
+            if spec.name in WIDE_OPEN:
+                log.warning(
+                    "connector %r (%s): Mooncake's transfer engine listens on every interface, whatever `host` "
+                    "says, and does not check its peers; on one machine prefer SharedMemoryConnector or "
+                    "ZmqConnector (docs/security.md, 'What listens where')", ref, spec.name,
+                )
 
     def check_handlers(self) -> None:
         """Check every stage's handler before anything starts: one ValueError naming each that fails,

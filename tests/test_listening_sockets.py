@@ -177,6 +177,10 @@ def test_the_mooncake_engine_ports_are_the_documented_exception(tmp_path: Path) 
     with running_mesh(tmp_path, MOONCAKE, sig=signal.SIGINT) as mesh:
         _serve_one(mesh)
         found = labelled(mesh)
+        assert (
+            "connector 'net' (MooncakeTransferEngineConnector): Mooncake's transfer engine listens"
+            in mesh.log()
+        )
     labels = {(process, label) for process, label, _ in found}
     assert labels >= {("a", "transfer-engine side channel"), ("a", "Mooncake transfer engine")}, found
     check_against_docs(found)
