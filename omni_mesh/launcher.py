@@ -24,7 +24,7 @@ import httpx
 
 from omni_mesh.children import Child
 from omni_mesh.connectors import mesh_places, reclaim_orphans
-from omni_mesh.defaults import HOST_CAP_ENV
+from omni_mesh.defaults import CONNECTOR_HOST_ENV, HOST_CAP_ENV
 from omni_mesh.defaults import INSTANCE_ENV as INSTANCE_ENV
 from omni_mesh.fdlimit import raise_nofile_limit
 from omni_mesh.launcher_scale import Scaler, host_cap
@@ -47,6 +47,8 @@ CONTROL_PORT_ATTEMPTS = 3
 #: hold no request (the mesh never served one), so there is nothing to drain; a replica still waiting to
 #: register would only sit out the whole wait.
 ABANDONED_START_GRACE_S = 1.0
+#: Connector types whose library binds ports of its own on every interface, whatever `host` says.
+WIDE_OPEN = ("MooncakeTransferEngineConnector", "MooncakeStoreConnector", "MooncakeConnector")
 
 def mesh_environment() -> dict[str, str]:
     """The children's environment: this one, plus mesh keys. Keys the environment already names
@@ -84,6 +86,7 @@ class Launcher:
         unresponsive_s: float = UNRESPONSIVE_S,
         max_replicas_total: int | None = None,
         min_free_memory: int | None = None,
+        connector_host: str = "127.0.0.1",
     ) -> None:
         if topology.path is None:
             raise ValueError("omni-mesh up needs a topology file")
@@ -110,7 +113,11 @@ class Launcher:
         self.control_port_chosen = control_port is not None
         self.control = f"tcp://127.0.0.1:{control_port or free_port()}"
         self._stop = threading.Event()
-        env = mesh_environment()
+        # Every replica runs here: connectors' `host: auto` binds loopback too (an address the topology
+        # writes is its own choice), so nothing of the mesh listens beyond this machine unasked.
+        env = {**mesh_environment(), CONNECTOR_HOST_ENV: connector_host}
+        if connector_host == "auto":  # asked for: the connectors' own rule (the default route's address)
+            del env[CONNECTOR_HOST_ENV]
         self.env, self.cap = env, host_cap(topology, max_replicas_total)
         self.shm = mesh_places(topology.name, env)  # named in env; made at start, removed at stop
         self.instance = uuid.uuid4().hex  # its coordinator says it in /ready: no other mesh's answer counts
@@ -164,6 +171,7 @@ class Launcher:
     def start(self) -> None:
         self.check_port()
         self.check_handlers()
+        self.warn_wide_open()
         self.shm.create()
         for attempt in range(1, CONTROL_PORT_ATTEMPTS + 1):
             for child in self.children:
@@ -214,6 +222,16 @@ class Launcher:
                     f"cannot serve on {host}:{port}: {exc.strerror or exc} (another mesh or service "
                     f"may be running there); stop it, or {remedy}"
                 ) from None
+
+    def warn_wide_open(self) -> None:
+        """Say so when a connector's library listens beyond loopback: `up` cannot keep it on it."""
+        for ref, spec in self.topology.connectors.items():
+            if spec.name in WIDE_OPEN:
+                log.warning(
+                    "connector %r (%s): Mooncake's transfer engine listens on every interface, whatever `host` "
+                    "says, and does not check its peers; on one machine prefer SharedMemoryConnector or "
+                    "ZmqConnector (docs/security.md, 'What listens where')", ref, spec.name,
+                )
 
     def check_handlers(self) -> None:
         """Check every stage's handler before anything starts: one ValueError naming each that fails,
@@ -356,6 +374,7 @@ def run_up(
     unresponsive_s: float = UNRESPONSIVE_S,
     max_replicas_total: int | None = None,
     min_free_memory: int | None = None,
+    connector_host: str = "127.0.0.1",
 ) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per /ready poll is noise
@@ -365,4 +384,5 @@ def run_up(
         api_key=api_key, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, ready_timeout_s=ready_timeout_s,
         control_port=control_port, unresponsive_s=unresponsive_s, max_replicas_total=max_replicas_total,
         min_free_memory=min_free_memory,
+        connector_host=connector_host,
     ).run()

@@ -4,12 +4,13 @@ replica as local processes), with the REST front door's flags `coordinator` and 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 from typing import TYPE_CHECKING
 
 from omni_mesh.cli.common import EXIT_OK, CliError, Command, Declare, HelpWithDefaults
 from omni_mesh.defaults import BODY_TIMEOUT_S as BODY_TIMEOUT_S
-from omni_mesh.defaults import COORDINATOR_UNRESPONSIVE_S, HEARTBEAT_TIMEOUT_S
+from omni_mesh.defaults import CONNECTOR_HOST_ENV, COORDINATOR_UNRESPONSIVE_S, HEARTBEAT_TIMEOUT_S
 from omni_mesh.defaults import HEADER_TIMEOUT_S as HEADER_TIMEOUT_S
 from omni_mesh.defaults import WRITE_TIMEOUT_S as WRITE_TIMEOUT_S
 from omni_mesh.topology import Topology, load_topology
@@ -232,6 +233,12 @@ def _add_up(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="the control plane's port, on 127.0.0.1 (default: a free port, picked at start)",
     )
     parser.add_argument(
+        "--connector-host", metavar="ADDR", default=_env(CONNECTOR_HOST_ENV, "127.0.0.1"),
+        help="where connectors with `host: auto` bind and advertise (ZmqConnector, the transfer engines' side "
+        "channels); `auto`: the default route's interface; an address the topology writes wins "
+        f"(${CONNECTOR_HOST_ENV})",
+    )
+    parser.add_argument(
         "--heartbeat-timeout-s", type=float, default=HEARTBEAT_TIMEOUT_S,
         help="silence after which the coordinator takes a replica out",
     )
@@ -287,6 +294,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             api_key=rest["api_key"], ssl_certfile=rest["ssl_certfile"], ssl_keyfile=rest["ssl_keyfile"],
             control_port=args.control_port, unresponsive_s=args.coordinator_watchdog_s,
             max_replicas_total=args.max_replicas_total, min_free_memory=_min_free_memory(args.min_free_memory),
+            connector_host=_connector_host(args.connector_host),
         )
     except ValueError as exc:
         raise CliError(str(exc)) from None
@@ -297,6 +305,20 @@ def _min_free_memory(value: str | None) -> int | None:
     from omni_mesh.connectors.config.fields import parse_size
 
     return None if value is None else parse_size(int(value) if value.isdigit() else value, what="--min-free-memory")
+
+
+def _connector_host(value: str) -> str:
+    """--connector-host, checked: an IP address, or `auto` (the connectors' own rule)."""
+    value = value.strip()
+    if value.lower() == "auto":
+        return "auto"
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        raise CliError(
+            f"--connector-host must be an IP address (127.0.0.1, 0.0.0.0 for every interface, this host's "
+            f"address) or auto (the address of the default route's interface), got {value!r}"
+        ) from None
 
 
 def _ready_timeout_s(value: float | str | None, topology: Topology) -> float:
