@@ -76,7 +76,7 @@ class FaultLog:
 
     def cause_of(self, began: float, ended: float, status: str, reason: str) -> str:
         """Why a request failed: "backpressure" (429: a full queue, no fault), "kill" (a 502 naming a
-        replica that died while the request was in flight: the work it held had gone downstream), "kill, payload gone" (a 500 reading a
+        replica that died while the request was in flight: the work it held had gone downstream), "kill, payload gone" (a 502 reading a
         payload whose maker was killed: its segments went with it), both legitimate; or "drop",
         "pause" (faults that should fail nothing), "kill, other", or "none" (no fault explains it)."""
         if status == "429":
@@ -84,7 +84,7 @@ class FaultLog:
         kinds = {f.kind for f in self.faults if f.explains(began, ended, self.drop_aftermath_s)}
         if "kill" in kinds and status == "502" and " died " in reason:  # the coordinator saw the pid gone
             return "kill"
-        if "kill" in kinds and status == "500" and "StageInputError" in reason:
+        if "kill" in kinds and status == "502" and " on edge " in reason:  # a stage's input: `StageInputError`
             return "kill, payload gone"
         for kind in ("drop", "pause"):  # a drop's aftermath outlasts a short pause: the likelier cause
             if kind in kinds:

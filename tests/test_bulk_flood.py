@@ -1,0 +1,121 @@
+"""Strangers on a stage's bulk port cannot starve its consumers (issue 37, finding 1).
+
+A real `omni-mesh up` (mesh keys: payloads from 256 KiB on are pulled from the producer's bulk port),
+a keyless client on loopback holding 320 idle TCP connections to stage a's bulk port and opening a new
+one whenever one is closed, and meanwhile 8 concurrent requests whose 700 KB tensors cross the
+ZmqConnector edge a->d: every one succeeds, the flood holds no thread each in the stage, and the
+stage counts the strangers it closed. A connector failure on an edge is a 502 naming it, never a 500.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from support.bulk_flood import Flooder
+from support.meshkit import Mesh, running_mesh, start_mesh, wait_for
+
+N = 87_500  # float64 elements: 700 KB on the edge a->d, over the bulk socket's 256 KiB threshold
+FLOOD = 320
+REQUESTS = 8
+THREADS_MAX = 80  # the stage's threads during the flood (a thread per stranger: 266 and more)
+
+
+def _topology(name: str, extra: dict, d: dict | None = None) -> dict:
+    return {
+        "name": name,
+        "connectors": {"side": {"name": "ZmqConnector", "extra": extra}},
+        "stages": [
+            {
+                "stage_id": 0,
+                "name": "a",
+                "handler": "mesh_handlers:step",
+                "output_connectors": {"to_stage_1": "side"},
+            },
+            {
+                "stage_id": 1,
+                "name": "d",
+                "handler": "mesh_handlers:step",
+                "input_connectors": {"from_stage_0": "side"},
+                "final_output": True,
+                **(d or {}),
+            },
+        ],
+    }
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    mesh = start_mesh(
+        tmp_path_factory.mktemp("flood"), _topology("flood", {"memory_pool_size": 32 * 1024 * 1024})
+    )
+    try:
+        yield mesh
+    except BaseException:
+        mesh.kill()
+        raise
+    mesh.stop()
+
+
+def _check(body: dict) -> None:
+    assert body["outputs"]["trail"] == ["a", "d"] and body["outputs"]["n"] == N, body
+
+
+def _threads(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no thread count for process {pid}")
+
+
+def test_a_flood_of_strangers_on_the_bulk_port_starves_no_consumer(mesh: Mesh) -> None:
+    _check(mesh.ok({"n": N}))  # the first put starts stage a's bulk port
+    a = mesh.replica("a")
+    assert a is not None
+    side = a["connectors"]["side"]
+    assert side["bulk_transfers"] >= 1, side  # the edge's payloads take the bulk port
+    host = side["endpoint"].removeprefix("tcp://").rsplit(":", 1)[0]  # the bulk port's host
+    port, pid, refused = side["bulk_port"], a["pid"], side["refused_peers"]
+
+    with Flooder(host, port, FLOOD, limit_s=90) as flood:
+        wait_for(lambda: flood.reopened >= FLOOD, 20, f"the bulk port to close {FLOOD} strangers")
+        threads: list[int] = []
+        with ThreadPoolExecutor(REQUESTS) as pool:
+            pending = [pool.submit(mesh.request, {"n": N}, timeout_s=30) for _ in range(REQUESTS)]
+            while not all(p.done() for p in pending):
+                threads.append(_threads(pid))
+                time.sleep(0.05)
+            responses = [p.result() for p in pending]
+        pressed = flood.reopened
+    ok = [r for r in responses if r.status_code == 200]
+    assert len(ok) == REQUESTS, [(r.status_code, r.text[:300]) for r in responses if r.status_code != 200]
+    for response in ok:
+        _check(response.json())
+    assert max(threads) <= THREADS_MAX, f"stage a ran {max(threads)} threads during the flood"
+    assert pressed >= 2 * FLOOD, f"the flood was not pressing: {pressed} connections closed"
+    wait_for(  # health comes with the replica's heartbeats
+        lambda: mesh.connector_health("a")["side"]["refused_peers"] >= refused + FLOOD,
+        10,
+        "the strangers counted",
+    )
+    _check(mesh.ok({"n": N}))  # and after it
+
+
+def test_a_connector_failure_on_an_edge_is_a_502_naming_the_edge(tmp_path: Path) -> None:
+    """Stage d works on one request at a time: the second's payload waits at stage a past its ttl_s and
+    is dropped there, so d's get finds nothing by get_timeout_s. The connector failed, not a handler:
+    502 naming the stage, the edge and the key (it was a 500 'StageInputError')."""
+    topology = _topology("lost", {"ttl_s": 0.5, "get_timeout_s": 1.5}, {"max_inflight": 1})
+    with running_mesh(tmp_path, topology) as mesh, ThreadPoolExecutor(2) as pool:
+        busy = pool.submit(mesh.request, {"n": 10}, params={"sleep": {"d": 2.5}}, timeout_s=30)
+        time.sleep(0.3)
+        lost = mesh.request({"n": 10}, timeout_s=30)
+        assert busy.result().status_code == 200, busy.result().text
+        assert lost.status_code == 502, lost.text
+        body = lost.json()
+        assert body["stage"] == "d" and "edge 0->1 (ZmqConnector)" in body["error"], body
+        assert body["request_id"] in body["error"], body  # the payload's key
+        assert "StageInputError" not in body["error"], body
