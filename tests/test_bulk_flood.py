@@ -1,5 +1,8 @@
 """Strangers on a stage's bulk port cannot starve its consumers (issue 37, finding 1).
 
+In one process, real sockets from several loopback addresses: strangers are capped per address and in
+all, the oldest closed first, and hold no thread.
+
 A real `omni-mesh up` (mesh keys: payloads from 256 KiB on are pulled from the producer's bulk port),
 a keyless client on loopback holding 320 idle TCP connections to stage a's bulk port and opening a new
 one whenever one is closed, and meanwhile 8 concurrent requests whose 700 KB tensors cross the
@@ -9,14 +12,23 @@ stage counts the strangers it closed. A connector failure on an edge is a 502 na
 
 from __future__ import annotations
 
+import contextlib
+import select
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 from support.bulk_flood import Flooder
 from support.meshkit import Mesh, running_mesh, start_mesh, wait_for
+
+from omni_mesh.connectors import create_connector
+from omni_mesh.connectors.served import bulk_door, bulk_server
+from omni_mesh.security import MeshKeys
 
 N = 87_500  # float64 elements: 700 KB on the edge a->d, over the bulk socket's 256 KiB threshold
 FLOOD = 320
@@ -119,3 +131,66 @@ def test_a_connector_failure_on_an_edge_is_a_502_naming_the_edge(tmp_path: Path)
         assert body["stage"] == "d" and "edge 0->1 (ZmqConnector)" in body["error"], body
         assert body["request_id"] in body["error"], body  # the payload's key
         assert "StageInputError" not in body["error"], body
+
+
+def _strangers(source: str, port: int, count: int) -> list[socket.socket]:
+    """`count` idle connections to the bulk port from `source`, opened one after the other."""
+    conns = []
+    for _ in range(count):
+        conn = socket.socket()
+        conn.bind((source, 0))
+        conn.connect(("127.0.0.1", port))
+        conns.append(conn)
+        time.sleep(0.01)  # accepted in this order
+    return conns
+
+
+def _closed(conns: list[socket.socket]) -> list[bool]:
+    """Which of `conns` the server closed (EOF or reset), without waiting."""
+    readable = set(select.select(conns, [], [], 0)[0])
+    out = []
+    for conn in conns:
+        gone = False
+        if conn in readable:
+            try:
+                gone = conn.recv(1, socket.MSG_DONTWAIT) == b""
+            except OSError:
+                gone = True
+        out.append(gone)
+    return out
+
+
+def test_strangers_are_capped_per_address_and_in_all_oldest_first(
+    keys: MeshKeys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bulk_server, "STRANGER_WAIT_S", 30.0)  # only the caps close them here
+    per, total = bulk_door.MAX_STRANGERS_PER_SOURCE, bulk_door.MAX_STRANGERS
+    producer = create_connector("ZmqConnector", {"host": "127.0.0.1"})
+    consumer = create_connector("ZmqConnector", {"host": "127.0.0.1", "get_timeout_s": 10})
+    conns: list[socket.socket] = []
+    try:
+        producer.put("a", "d", "r/0", torch.ones(1 << 20, dtype=torch.uint8))  # starts the bulk port
+        port, threads = producer._bulk.port, threading.active_count()
+        first = _strangers("127.0.0.2", port, per + 4)  # one address past its cap: its 4 oldest go
+        conns += first
+        wait_for(
+            lambda: _closed(first) == [True] * 4 + [False] * per, 5, "the 4 oldest from one address closed"
+        )
+        # More addresses, each within its cap: past the cap in all, the oldest of all go (127.0.0.2's).
+        others = [_strangers(f"127.0.0.{3 + i}", port, per) for i in range(total // per)]
+        conns += [c for group in others for c in group]
+        wait_for(lambda: not any(_closed(others[-1])) and all(_closed(first)), 5, "the oldest of all closed")
+        assert not any(c for group in others for c in _closed(group)), (
+            "a stranger newer than others was closed"
+        )
+        assert threading.active_count() <= threads + 1, "the strangers got threads"
+        assert producer.health()["refused_peers"] == len(first)
+        _, _, meta = producer.put("a", "d", "r/1", torch.arange(1 << 18, dtype=torch.int32))
+        got, _ = consumer.get_with_deadline("a", "d", "r/1", meta, deadline=time.monotonic() + 10)
+        assert torch.equal(got, torch.arange(1 << 18, dtype=torch.int32))  # the consumer was served meanwhile
+    finally:
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.close()
+        consumer.close()
+        producer.close()
