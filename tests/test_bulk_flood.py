@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.bulk_flood import Flooder
-from support.meshkit import Mesh, running_mesh, start_mesh, wait_for
+from support.meshkit import Mesh, running_mesh, wait_for
 
 from omni_mesh.connectors import create_connector
 from omni_mesh.connectors.served import bulk_door, bulk_server
@@ -37,39 +37,21 @@ THREADS_MAX = 80  # the stage's threads during the flood (a thread per stranger:
 
 
 def _topology(name: str, extra: dict, d: dict | None = None) -> dict:
-    return {
-        "name": name,
-        "connectors": {"side": {"name": "ZmqConnector", "extra": extra}},
-        "stages": [
-            {
-                "stage_id": 0,
-                "name": "a",
-                "handler": "mesh_handlers:step",
-                "output_connectors": {"to_stage_1": "side"},
-            },
-            {
-                "stage_id": 1,
-                "name": "d",
-                "handler": "mesh_handlers:step",
-                "input_connectors": {"from_stage_0": "side"},
-                "final_output": True,
-                **(d or {}),
-            },
-        ],
-    }
+    """Stage a -> stage d (`d`: more of d's settings) over one ZmqConnector (`extra`)."""
+    edge = {"output_connectors": {"to_stage_1": "side"}}, {"input_connectors": {"from_stage_0": "side"}}
+    stages = [
+        {"stage_id": i, "name": stage, "handler": "mesh_handlers:step", **edge[i]}
+        for i, stage in enumerate("ad")
+    ]
+    stages[1].update(final_output=True, **(d or {}))
+    return {"name": name, "connectors": {"side": {"name": "ZmqConnector", "extra": extra}}, "stages": stages}
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    mesh = start_mesh(
-        tmp_path_factory.mktemp("flood"), _topology("flood", {"memory_pool_size": 32 * 1024 * 1024})
-    )
-    try:
+    topology = _topology("flood", {"memory_pool_size": 32 * 1024 * 1024})
+    with running_mesh(tmp_path_factory.mktemp("flood"), topology) as mesh:
         yield mesh
-    except BaseException:
-        mesh.kill()
-        raise
-    mesh.stop()
 
 
 def _check(body: dict) -> None:
