@@ -27,7 +27,7 @@ from support.bulk_flood import Flooder
 from support.meshkit import Mesh, running_mesh, wait_for
 
 from omni_mesh.connectors import create_connector
-from omni_mesh.connectors.served import bulk_door, bulk_server
+from omni_mesh.connectors.served import bulk_client, bulk_door, bulk_server
 from omni_mesh.security import MeshKeys
 
 N = 87_500  # float64 elements: 700 KB on the edge a->d, over the bulk socket's 256 KiB threshold
@@ -174,5 +174,35 @@ def test_strangers_are_capped_per_address_and_in_all_oldest_first(
         for conn in conns:
             with contextlib.suppress(OSError):
                 conn.close()
+        consumer.close()
+        producer.close()
+
+
+def test_a_consumer_whose_fresh_connection_is_closed_unanswered_pulls_again_on_another(
+    keys: MeshKeys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The door closes a stranger that is slow to pull (here: the consumer's first connection, its
+    pull held back past STRANGER_WAIT_S). Nothing was served, so the consumer pulls once more on a
+    fresh connection and gets the payload (it used to fail: only kept connections were retried)."""
+    monkeypatch.setattr(bulk_server, "STRANGER_WAIT_S", 0.1)
+    real_send_pull = bulk_client.BulkLinks.send_pull
+    sent: list[socket.socket] = []
+
+    def slow_first(self: bulk_client.BulkLinks, sock: socket.socket, pull: bytes) -> None:
+        sent.append(sock)
+        if len(sent) == 1:
+            wait_for(lambda: _closed([sock]) == [True], 5, "the door to close the slow stranger")
+        real_send_pull(self, sock, pull)
+
+    monkeypatch.setattr(bulk_client.BulkLinks, "send_pull", slow_first)
+    producer = create_connector("ZmqConnector", {"host": "127.0.0.1"})
+    consumer = create_connector("ZmqConnector", {"host": "127.0.0.1", "get_timeout_s": 10})
+    try:
+        _, _, meta = producer.put("a", "d", "r/0", torch.arange(1 << 18, dtype=torch.int32))
+        got, _ = consumer.get_with_deadline("a", "d", "r/0", meta, deadline=time.monotonic() + 10)
+        assert torch.equal(got, torch.arange(1 << 18, dtype=torch.int32))
+        assert len(sent) == 2 and sent[0] is not sent[1], sent
+        assert producer.health()["refused_peers"] == 1  # the first connection, closed as a stranger
+    finally:
         consumer.close()
         producer.close()
