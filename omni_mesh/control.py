@@ -126,7 +126,8 @@ class Error(Message):
     error: str
     timeout: bool = False  # the request's deadline passed in the stage
     status: int = 500  # 500: the handler failed; 422: it refused the request's inputs (InvalidInput);
-    # 400: the stage could not read the work it was sent; 503: a connector's memory was full (ConnectorFull)
+    # 400: the stage could not read the work it was sent; 503: a connector's memory was full (ConnectorFull);
+    # 502: a connector failed to bring an input (or to carry an output): the message names the edge
 
 
 @dataclass(slots=True)

@@ -97,7 +97,9 @@ def test_failures_are_put_down_to_the_fault_that_explains_them() -> None:
                   Fault("drop", 30.0, 30.1, "third")]
     assert log.cause_of(9.5, 10.5, "502", "replica 'second-1' died (pid 7) while handling the request") == "kill"
     assert log.cause_of(9.5, 10.5, "502", "replica 'second-1' stopped sending heartbeats") == "kill, other"
-    assert log.cause_of(9.5, 10.5, "500", "StageInputError: payload gone") == "kill, payload gone"
+    gone = "stage 'b' failed: stage 'b': payload 'r/0' on edge 0->1 (SharedMemoryConnector): gone"
+    assert log.cause_of(9.5, 10.5, "502", gone) == "kill, payload gone"
+    assert log.cause_of(9.5, 10.5, "500", "StageInputError: payload gone") == "kill, other"  # no more a 500
     assert log.cause_of(9.5, 10.5, "500", "ValueError") == "kill, other"
     assert log.cause_of(10.5, 11.0, "502", "replica 'second-1' died (pid 7)") == "none"  # began after the kill
     assert log.cause_of(21.0, 23.5, "504", "deadline") == "pause"  # a pause stops every request

@@ -5,7 +5,7 @@ Four kinds, each its own loop firing every ~N s (jittered 0.5-1.5x), all at once
 - **kill**: SIGKILL a healthy replica of a stage that has another healthy one (the launcher
   restarts it). Legitimately fails, with 502, the requests whose work the replica held after it had
   sent something downstream (docs/architecture.md, "Failure handling"): nothing can redo that work;
-  and, with 500, those whose payload it had put but not yet served (its segments went with it).
+  and, with 502 naming the edge, those whose payload it had put but not yet served (its segments went with it).
 - **pause**: SIGSTOP the coordinator for `pause_s`, then SIGCONT. Legitimately fails nothing: the
   replicas' heartbeats wait in the socket, and a pause shorter than the requests' deadline leaves
   them time. A pause longer than the heartbeat timeout must evict nobody; until the coordinator
@@ -79,7 +79,7 @@ class FaultLog:
 
     def cause_of(self, began: float, ended: float, status: str, reason: str) -> str:
         """Why a request failed: "backpressure" (429: a full queue, no fault), "kill" (a 502 naming a
-        replica that died while the request was in flight: the work it held had gone downstream), "kill, payload gone" (a 500 reading a
+        replica that died while the request was in flight: the work it held had gone downstream), "kill, payload gone" (a 502 reading a
         payload whose maker was killed: its segments went with it), both legitimate; or "drop",
         "pause" (faults that should fail nothing), "kill, other", or "none" (no fault explains it)."""
         if status == "429":
@@ -87,7 +87,7 @@ class FaultLog:
         kinds = {f.kind for f in self.faults if f.explains(began, ended, self.drop_aftermath_s)}
         if "kill" in kinds and status == "502" and " died " in reason:  # the coordinator saw the pid gone
             return "kill"
-        if "kill" in kinds and status == "500" and "StageInputError" in reason:
+        if "kill" in kinds and status == "502" and " on edge " in reason:  # a stage's input: `StageInputError`
             return "kill, payload gone"
         for kind in ("drop", "pause", "stop"):  # a drop's aftermath outlasts a short pause: the likelier cause
             if kind in kinds:

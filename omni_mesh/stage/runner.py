@@ -24,7 +24,7 @@ import msgpack
 
 from omni_mesh import codec, control, ingress, logs
 from omni_mesh.connectors import ConnectorError, OmniConnectorBase
-from omni_mesh.connectors.errors import ConnectorFull
+from omni_mesh.connectors.errors import ConnectorClosed, ConnectorFull, ConnectorUnavailable, PayloadMissing
 from omni_mesh.control import Chunk, Error, Message, Output, Work
 from omni_mesh.errors import InvalidInput
 from omni_mesh.stage.context import ChunkStream, StageContext, StageInputError
@@ -50,6 +50,15 @@ class _Work:
     transfer_s: float = 0.0
     edges: dict[str, dict[str, float]] = field(default_factory=dict)  # dst -> {bytes, put_s} put so far
     started: float = field(default_factory=time.perf_counter)
+
+
+def connector_status(exc: ConnectorError) -> int:
+    """What a request failed by a connector is answered: 503 when it had no room (the same request may
+    pass later), 502 when the data plane failed (a payload gone or cut short, a peer unreachable, the
+    connector closed), 500 when it refused what the handler gave it (an output it cannot carry)."""
+    if isinstance(exc, ConnectorFull):
+        return 503
+    return 502 if isinstance(exc, (PayloadMissing, ConnectorUnavailable, ConnectorClosed)) else 500
 
 
 class Runner:
@@ -198,9 +207,10 @@ class Runner:
             elif isinstance(exc, InvalidInput):  # the request is at fault, not the stage: 422
                 log.info("stage %s refused request %s: %s", self.stage, work.rid, exc)
                 await self._fail(work, str(exc), status=422)
-            elif isinstance(exc, ConnectorError):  # it names connector, edge and key: no type to add
+            elif isinstance(exc, (ConnectorError, StageInputError)):  # it names the edge: no type to add
                 log.warning("stage %s failed request %s: %s", self.stage, work.rid, exc)
-                await self._fail(work, str(exc), status=503 if isinstance(exc, ConnectorFull) else 500)
+                status = exc.status if isinstance(exc, StageInputError) else connector_status(exc)
+                await self._fail(work, str(exc), status=status)
             else:
                 log.exception("stage %s failed request %s", self.stage, work.rid)
                 await self._fail(work, f"{type(exc).__name__}: {exc}")
@@ -281,7 +291,8 @@ class Runner:
             )
         except ConnectorError as exc:  # it names stage names and key; add the edge as the graph has it
             raise StageInputError(
-                f"stage {self.stage!r}: payload {key!r} on edge {edge.label} ({edge.connector.name}): {exc}"
+                f"stage {self.stage!r}: payload {key!r} on edge {edge.label} ({edge.connector.name}): {exc}",
+                503 if isinstance(exc, ConnectorFull) else 502,
             ) from None
         finally:
             work.transfer_s += time.perf_counter() - started
