@@ -219,6 +219,12 @@ def _add_up(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         formatter_class=HelpWithDefaults,
     )
     parser.add_argument("topology", metavar="TOPOLOGY")
+    add_up_flags(parser)
+    return parser
+
+
+def add_up_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of `up` but its TOPOLOGY (`serve` takes them too)."""
     parser.add_argument("--host", default="127.0.0.1", help="REST bind address")
     parser.add_argument("--port", type=int, default=8000, help="REST port")
     parser.add_argument("--timeout-s", type=float, default=30.0, help="deadline of requests that set no timeout_s")
@@ -246,13 +252,16 @@ def _add_up(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "CPU count, at least the starting replicas)",
     )
     _add_rest_flags(parser)
-    return parser
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    return run_topology(load_topology(args.topology), args)
+
+
+def run_topology(topology: Topology, args: argparse.Namespace) -> int:
+    """`up` of a loaded topology with add_up_flags' arguments: until a signal stops it."""
     from omni_mesh.launcher import run_up
 
-    topology = load_topology(args.topology)
     rest = _rest_settings(args)
     # The coordinator reads the key from its environment, which it inherits: never from its argv,
     # which ps shows to every user of the machine.
