@@ -22,7 +22,7 @@ import yaml
 openai = pytest.importorskip("openai")
 pytest.importorskip("transformers")
 
-from support.meshkit import OMNI_MESH, Mesh, start_command  # noqa: E402
+from support.meshkit import OMNI_MESH, Mesh, start_command, stopped_after  # noqa: E402
 
 from omni_mesh.engines.tiny import build_tiny  # noqa: E402
 from omni_mesh.topology import load_topology  # noqa: E402
@@ -58,13 +58,8 @@ def serve(directory: Path, model: str, *flags: str, env: dict[str, str] | None =
 
 @pytest.fixture(scope="module")
 def by_id(hub_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    mesh = serve(tmp_path_factory.mktemp("by_id"), HUB_ID, env=hub_env)
-    try:
+    with stopped_after(serve(tmp_path_factory.mktemp("by_id"), HUB_ID, env=hub_env)) as mesh:
         yield mesh
-    except BaseException:
-        mesh.kill()
-        raise
-    mesh.stop()
 
 
 def check_answers(mesh: Mesh, name: str) -> None:
@@ -97,15 +92,10 @@ def test_serve_a_cached_hub_id_offline_answers_the_openai_client(by_id: Mesh) ->
 
 
 def test_serve_a_directory_under_a_served_name_with_replicas(checkpoint: Path, tmp_path: Path) -> None:
-    mesh = serve(tmp_path, str(checkpoint), "--served-model-name", "tiny-omni", "--replicas", "talker=2",
-                 "--max-model-len", "4096")
-    try:
+    flags = ("--served-model-name", "tiny-omni", "--replicas", "talker=2", "--max-model-len", "4096")
+    with stopped_after(serve(tmp_path, str(checkpoint), *flags)) as mesh:
         check_answers(mesh, "tiny-omni")
         assert len(mesh.stages()["talker"]) == 2
-    except BaseException:
-        mesh.kill()
-        raise
-    mesh.stop()
 
 
 def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -151,3 +141,17 @@ def test_an_engine_topology_without_openai_section_serves_the_api_named_after_it
         del os.environ["OMNI_MESH_TEST_SERVE_MODEL"]
     assert spec is not None and spec.model == HUB_ID
     assert (spec.text_output.stage, spec.audio_output.stage, spec.audio_output.field) == ("code2wav", "code2wav", "audio_pcm16")
+
+
+def test_max_model_len_cuts_the_reply_to_fit_and_refuses_a_prompt_that_fills_it() -> None:
+    from omni_mesh.engines.settings import Sampling, parse_engine, within_model_len
+    from omni_mesh.errors import InvalidInput
+
+    spec = parse_engine({"part": "thinker", "model": HUB_ID, "max_tokens": 100, "max_model_len": 120}, "stage 'thinker'")
+    sampling = Sampling.of(spec, {})
+    assert within_model_len(spec, sampling, 15).max_tokens == 100  # fits as it is
+    assert within_model_len(spec, sampling, 50).max_tokens == 70  # cut, as vLLM cuts it
+    with pytest.raises(InvalidInput, match="the prompt is 120 tokens, and this model's max_model_len is 120"):
+        within_model_len(spec, sampling, 120)
+    with pytest.raises(ValueError, match="engine.max_model_len must be an integer >= 1"):
+        parse_engine({"part": "thinker", "model": HUB_ID, "max_model_len": 0}, "stage 'thinker'")

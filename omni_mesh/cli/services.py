@@ -12,6 +12,7 @@ from omni_mesh.defaults import BODY_TIMEOUT_S as BODY_TIMEOUT_S
 from omni_mesh.defaults import COORDINATOR_UNRESPONSIVE_S, HEARTBEAT_TIMEOUT_S
 from omni_mesh.defaults import HEADER_TIMEOUT_S as HEADER_TIMEOUT_S
 from omni_mesh.defaults import WRITE_TIMEOUT_S as WRITE_TIMEOUT_S
+from omni_mesh.port_checks import check_ports
 from omni_mesh.topology import Topology, load_topology
 
 if TYPE_CHECKING:
@@ -271,8 +272,10 @@ def run_topology(topology: Topology, args: argparse.Namespace) -> int:
         os.environ[ENV_API_KEY] = rest["api_key"]
     else:
         os.environ.pop(ENV_API_KEY, None)
-    if args.control_port is not None and not 0 < args.control_port < 65536:
-        raise CliError(f"--control-port must be a TCP port (1-65535), got {args.control_port}")
+    try:
+        check_ports(args.host, args.port, args.control_port)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     if not args.coordinator_watchdog_s >= 0:
         raise CliError(f"--coordinator-watchdog-s must be >= 0 seconds (0: off), got {args.coordinator_watchdog_s}")
     if not args.heartbeat_timeout_s > 0:

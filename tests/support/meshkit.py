@@ -321,7 +321,13 @@ def running_mesh(
 ) -> Iterator[Mesh]:
     """A mesh for a `with` block or a fixture: stopped with `sig` and checked afterwards.
     `options` are start_mesh's keywords (env, headers, verify, scheme)."""
-    mesh = start_mesh(directory, topology, *extra, **options)
+    with stopped_after(start_mesh(directory, topology, *extra, **options), sig) as mesh:
+        yield mesh
+
+
+@contextlib.contextmanager
+def stopped_after(mesh: Mesh, sig: signal.Signals = signal.SIGINT) -> Iterator[Mesh]:
+    """`mesh` for a `with` block: stopped with `sig` and checked at its end, killed if the block fails."""
     try:
         yield mesh
     except BaseException:
