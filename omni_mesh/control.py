@@ -96,6 +96,8 @@ class Heartbeat(Message):
     malformed: int = 0
     draining: bool = False
     connectors: dict = field(default_factory=dict)
+    #: the requests it still works on: one the coordinator ended counts as busy until it is gone from here
+    working: list = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -83,6 +83,7 @@ class Launcher:
         control_port: int | None = None,
         unresponsive_s: float = UNRESPONSIVE_S,
         max_replicas_total: int | None = None,
+        min_free_memory: int | None = None,
     ) -> None:
         if topology.path is None:
             raise ValueError("omni-mesh up needs a topology file")
@@ -124,7 +125,7 @@ class Launcher:
         self._made: dict[str, int] = {}  # replicas made per stage: a new one gets the next index
         self.replicas = [self.make_replica(stage) for stage in topology.stages for _ in range(stage.replicas)]
         self.scaler = Scaler(topology, self.replicas, self.make_replica, self.reclaim, url=self.url, cap=self.cap,
-                             api_key=api_key, verify=self._trust())
+                             api_key=api_key, verify=self._trust(), min_free_memory=min_free_memory)
 
     def make_replica(self, stage: StageSpec) -> Child:
         index = self._made[stage.name] = self._made.get(stage.name, -1) + 1
@@ -355,6 +356,7 @@ def run_up(
     control_port: int | None = None,
     unresponsive_s: float = UNRESPONSIVE_S,
     max_replicas_total: int | None = None,
+    min_free_memory: int | None = None,
 ) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per /ready poll is noise
@@ -363,4 +365,5 @@ def run_up(
         topology, host=host, port=port, coordinator_args=coordinator_args,
         api_key=api_key, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, ready_timeout_s=ready_timeout_s,
         control_port=control_port, unresponsive_s=unresponsive_s, max_replicas_total=max_replicas_total,
+        min_free_memory=min_free_memory,
     ).run()

@@ -252,6 +252,11 @@ def add_up_flags(parser: argparse.ArgumentParser) -> None:
         help="the most stage replicas to run on this host in all, autoscaled ones included (default: the "
         "CPU count, at least the starting replicas)",
     )
+    parser.add_argument(
+        "--min-free-memory", default=None, metavar="SIZE",
+        help="memory autoscaling leaves free: no replica starts where the host's available memory, less "
+        "the replica's size, would fall below it (e.g. 2GiB; default: 10%% of the host's memory)",
+    )
     _add_rest_flags(parser)
 
 
@@ -293,10 +298,17 @@ def run_topology(topology: Topology, args: argparse.Namespace) -> int:
             ready_timeout_s=_ready_timeout_s(args.ready_timeout_s, topology),
             api_key=rest["api_key"], ssl_certfile=rest["ssl_certfile"], ssl_keyfile=rest["ssl_keyfile"],
             control_port=args.control_port, unresponsive_s=args.coordinator_watchdog_s,
-            max_replicas_total=args.max_replicas_total,
+            max_replicas_total=args.max_replicas_total, min_free_memory=_min_free_memory(args.min_free_memory),
         )
     except ValueError as exc:
         raise CliError(str(exc)) from None
+
+
+def _min_free_memory(value: str | None) -> int | None:
+    """`--min-free-memory` in bytes (a ValueError naming the flag where it is not a size)."""
+    from omni_mesh.connectors.config.fields import parse_size
+
+    return None if value is None else parse_size(int(value) if value.isdigit() else value, what="--min-free-memory")
 
 
 def _ready_timeout_s(value: float | str | None, topology: Topology) -> float:

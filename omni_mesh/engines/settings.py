@@ -41,6 +41,8 @@ class EngineSpec:
     context_codes: int = 25  # code2wav streaming: codes of left context decoded again with each chunk
     num_steps: int = 10  # Qwen2.5-Omni token2wav: ODE steps of its DiT
     max_model_len: int | None = None  # thinker: prompt + reply tokens (vLLM's); None: no limit but max_tokens
+    max_prompt_tokens: int | None = None  # thinker: prompt tokens, talker: input rows; None: the model's context
+    prefill_tokens: int = 512  # a prompt goes through in pieces this long: a cancel stops within one piece
 
     def model_dir(self) -> Path:
         """The checkpoint directory: a directory, or a hub id resolved through huggingface_hub's cache
@@ -72,11 +74,12 @@ def parse_engine(raw: Any, who: str) -> EngineSpec:
     _check(values, "arch", lambda v: v is None or v in ARCHS, f"one of {', '.join(ARCHS)}", who)
     _check(values, "dtype", lambda v: v in DTYPES, f"one of {', '.join(DTYPES)}", who)
     _check(values, "device", lambda v: isinstance(v, str) and bool(_DEVICE.match(v)), "cpu or cuda:N", who)
-    for name in ("max_tokens", "max_audio_tokens", "chunk_codes", "first_chunk_codes", "num_steps"):
+    for name in ("max_tokens", "max_audio_tokens", "chunk_codes", "first_chunk_codes", "num_steps", "prefill_tokens"):
         _check(values, name, _positive_int, "an integer >= 1", who)
     _check(values, "max_model_len", lambda v: v is None or _positive_int(v), "an integer >= 1", who)
     _check(values, "context_codes", lambda v: _int(v) and v >= 0, "an integer >= 0", who)
     _check(values, "threads", lambda v: v is None or _positive_int(v), "an integer >= 1", who)
+    _check(values, "max_prompt_tokens", lambda v: v is None or _positive_int(v), "an integer >= 1", who)
     _check(values, "temperature", lambda v: _number(v) and v >= 0, "a number >= 0", who)
     _check(values, "top_p", lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]", who)
     _check(values, "speaker", lambda v: v is None or isinstance(v, str), "a speaker name", who)

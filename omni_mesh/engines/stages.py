@@ -77,6 +77,7 @@ class ThinkerStage(EngineStage):
         assert self.model is not None
         sampling = Sampling.of(self.spec, getattr(ctx, "params", None))
         ids = prompt_ids(self.model.tokenizer, inputs)
+        self.model.check_prompt(thinker, int(ids.shape[-1]))  # a 4xx before any compute
         sampling = within_model_len(self.spec, sampling, int(ids.shape[-1]))
         eos = set(self.model.eos_token_ids(thinker))
 
@@ -94,7 +95,7 @@ class ThinkerStage(EngineStage):
                     yield {"text": delta}
             output = await generation.result()
         finally:
-            generation.cancel()
+            await generation.settle()
         reply = [int(t) for t in self.model.reply_ids(output).tolist()]
         stopped = bool(reply) and reply[-1] in eos
         yield {
@@ -149,7 +150,7 @@ class TalkerStage(EngineStage):
                     pending, size = [], self.spec.chunk_codes
             await generation.result()
         finally:
-            generation.cancel()
+            await generation.settle()
         if pending:
             yield {"codes": self.model.codes_tensor(pending)}
         yield tail

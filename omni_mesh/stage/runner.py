@@ -67,6 +67,7 @@ class Runner:
         is_final: bool,
         executor: ThreadPoolExecutor,
         send: Callable[..., Awaitable[None]],
+        released: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.stage = stage
         self.replica_id = replica_id
@@ -76,6 +77,7 @@ class Runner:
         self.is_final = is_final
         self.executor = executor
         self._send = send  # a control message (and frames) to the coordinator
+        self._released = released  # says at once that a request which ended unfinished has let go
         self.ingress: OmniConnectorBase | None = None  # fetches request inputs too large to ride inline
         self.work: dict[str, _Work] = {}
         self.aborted: dict[str, float] = {}  # rid -> until when (loop time) to sweep what we put for it
@@ -162,21 +164,26 @@ class Runner:
     async def _run(self, work: _Work, message: Work) -> None:
         logs.request_id.set(work.rid)  # this task's own context: every line logged for it names the request
         deadline = asyncio.timeout_at(work.ctx.deadline)
+        finished = False
         try:
             async with deadline:
                 inputs = await self._inputs(work, message)
                 result = self.handler(inputs, work.ctx)
                 if inspect.isasyncgen(result):
                     seq = 0
-                    async for chunk in result:
-                        await self._emit(work, chunk, seq, streaming=True)
-                        seq += 1
+                    try:
+                        async for chunk in result:
+                            await self._emit(work, chunk, seq, streaming=True)
+                            seq += 1
+                    finally:  # its cleanup runs now, while the request still counts as in flight here
+                        await result.aclose()
                     await self._emit(work, None, seq, streaming=True, end=True)
                 else:
                     if inspect.isawaitable(result):
                         result = await result
                     await self._emit(work, result, 0, streaming=False)
             self.processed += 1
+            finished = True
             log.debug(
                 "stage %s finished request %s in %.1f ms",
                 self.stage,
@@ -199,6 +206,13 @@ class Runner:
                 await self._fail(work, f"{type(exc).__name__}: {exc}")
         finally:
             self.work.pop(work.rid, None)
+            if not finished:  # it ended unfinished: the coordinator may count it busy here
+                self._let_go()
+
+    def _let_go(self) -> None:
+        """The coordinator counts an aborted request busy here until a heartbeat no longer names it."""
+        if self._released is not None:
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._released()))
 
     async def _fail(self, work: _Work, error: str, *, timeout: bool = False, status: int = 500) -> None:
         self.errors += 1
