@@ -2,7 +2,7 @@
 
 Start order: coordinator, then replicas; then wait for `/ready`. A process that exits unexpectedly is
 restarted with backoff and what it held is reclaimed by its connector types (`reclaim_orphans`); the
-coordinator reports the restart in `/v1/stages`. Shutdown (Ctrl-C or SIGTERM): the coordinator first,
+coordinator reports the restart in `/v1/stages`. Shutdown (Ctrl-C, SIGTERM, or SIGHUP when the terminal closes): the coordinator first,
 so in-flight requests finish while every stage still runs; then the replicas drain and exit;
 stragglers are killed; whatever any child left behind is reclaimed, so the host ends as it began.
 """
@@ -146,7 +146,8 @@ class Launcher:
 
     def run(self) -> int:
         """Start everything, supervise until a signal, stop everything. Returns the exit status."""
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        # SIGHUP: the terminal closed. The children have sessions of their own and never see it.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, lambda *_: self._stop.set())
         watchdog: Watchdog | None = None
         try:

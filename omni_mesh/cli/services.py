@@ -13,6 +13,7 @@ from omni_mesh.defaults import BODY_TIMEOUT_S as BODY_TIMEOUT_S
 from omni_mesh.defaults import CONNECTOR_HOST_ENV, COORDINATOR_UNRESPONSIVE_S, HEARTBEAT_TIMEOUT_S
 from omni_mesh.defaults import HEADER_TIMEOUT_S as HEADER_TIMEOUT_S
 from omni_mesh.defaults import WRITE_TIMEOUT_S as WRITE_TIMEOUT_S
+from omni_mesh.port_checks import check_ports
 from omni_mesh.topology import Topology, load_topology
 
 if TYPE_CHECKING:
@@ -220,6 +221,12 @@ def _add_up(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         formatter_class=HelpWithDefaults,
     )
     parser.add_argument("topology", metavar="TOPOLOGY")
+    add_up_flags(parser)
+    return parser
+
+
+def add_up_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of `up` but its TOPOLOGY (`serve` takes them too)."""
     parser.add_argument("--host", default="127.0.0.1", help="REST bind address")
     parser.add_argument("--port", type=int, default=8000, help="REST port")
     parser.add_argument("--timeout-s", type=float, default=30.0, help="deadline of requests that set no timeout_s")
@@ -258,13 +265,16 @@ def _add_up(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "the replica's size, would fall below it (e.g. 2GiB; default: 10%% of the host's memory)",
     )
     _add_rest_flags(parser)
-    return parser
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    return run_topology(load_topology(args.topology), args)
+
+
+def run_topology(topology: Topology, args: argparse.Namespace) -> int:
+    """`up` of a loaded topology with add_up_flags' arguments: until a signal stops it."""
     from omni_mesh.launcher import run_up
 
-    topology = load_topology(args.topology)
     rest = _rest_settings(args)
     # The coordinator reads the key from its environment, which it inherits: never from its argv,
     # which ps shows to every user of the machine.
@@ -274,8 +284,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
         os.environ[ENV_API_KEY] = rest["api_key"]
     else:
         os.environ.pop(ENV_API_KEY, None)
-    if args.control_port is not None and not 0 < args.control_port < 65536:
-        raise CliError(f"--control-port must be a TCP port (1-65535), got {args.control_port}")
+    try:
+        check_ports(args.host, args.port, args.control_port)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     if not args.coordinator_watchdog_s >= 0:
         raise CliError(f"--coordinator-watchdog-s must be >= 0 seconds (0: off), got {args.coordinator_watchdog_s}")
     if not args.heartbeat_timeout_s > 0:
