@@ -31,6 +31,7 @@ log = logging.getLogger("omni_mesh.stage")
 
 _STATUSES = ("healthy", "degraded", "unhealthy")  # a connector's health()["status"] (connectors.base)
 
+CONNECT_TIMEOUT_MS = 1000  # a TCP connect to the coordinator, across any network we run on: milliseconds
 HEALTH_WAIT_S = 0.25  # longest a heartbeat waits for connector health (a backend RPC) before sending
 
 
@@ -54,6 +55,10 @@ class CoordinatorLink:
         # once (it hands the id over to the new connection), while nobody else can guess it. ZeroMQ's
         # own ids change on every connection and are a counter.
         self._socket.setsockopt(zmq.ROUTING_ID, routing_id())
+        # A connect unanswered this long is given up and made again: a SYN dropped by a full accept
+        # queue (a flood, a coordinator standing still) is otherwise retried by the kernel at doubling
+        # intervals, for minutes (issue 29), however soon the queue has room again.
+        self._socket.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
         secure_client(self._socket, mesh_keys())
         self._socket.connect(coordinator)
 
