@@ -7,7 +7,8 @@ codec frame. Stage replicas talk to the coordinator over one DEALER socket each;
 a ROUTER. Payloads between stages never travel here: only the connector metadata that locates them.
 
 `unpack` checks every field's type (a bool is not an int) and rejects unknown types, missing fields
-and oversized messages with `MalformedMessage`, naming the request (`rid`) whenever it can be read, so
+and oversized messages (registers and heartbeats, kept while their replica lives, have a lower limit)
+with `MalformedMessage`, naming the request (`rid`) whenever it can be read, so
 the receiver fails that request at once; fields it does not know are ignored, so a newer peer can add
 some. `pack` refuses to make a message the receiver would refuse (`MessageTooLarge`): the sender fails
 the request with that error instead of sending it.
@@ -31,18 +32,22 @@ MAX_MESSAGE_BYTES = 1 << 20
 #: It bounds what one connection makes the coordinator hold: at 256 MiB, three 200 MiB frames from
 #: a key holder took it to +740 MiB. 64 MiB is an answer of 85 MB of base64 JSON, past any REST client.
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+#: A register or heartbeat: what it says the coordinator keeps for as long as the replica lives and
+#: shows on /v1/stages (its connectors' health, their lifecycle tokens), so it is held far below
+#: MAX_MESSAGE_BYTES. Real ones are under 1 KiB (a replica with two connectors: 0.6 KiB).
+MAX_STATE_BYTES = 64 * 1024
 
 
 class MessageTooLarge(ValueError):
-    """A message that packs to more than MAX_MESSAGE_BYTES: its receiver would refuse it, so it is not
-    sent. `rid` names its request, if it has one."""
+    """A message that packs to more than its type's limit (`Message.MAX_BYTES`): its receiver would
+    refuse it, so it is not sent. `rid` names its request, if it has one."""
 
     def __init__(self, message: Message, size: int) -> None:
         self.rid: str | None = getattr(message, "rid", None)
         about = f" for request {self.rid}" if self.rid else ""
         super().__init__(
             f"the {message.TYPE} message{about} is {size} bytes, over the control plane's limit of "
-            f"{MAX_MESSAGE_BYTES} bytes (control messages carry metadata only)"
+            f"{message.MAX_BYTES} bytes for it (control messages carry metadata only)"
         )
         self.size = size
 
@@ -59,6 +64,7 @@ class MalformedMessage(ValueError):
 @dataclass(slots=True)
 class Message:
     TYPE: ClassVar[str] = ""
+    MAX_BYTES: ClassVar[int] = MAX_MESSAGE_BYTES  # the largest one of this type, packed
 
     def to_map(self) -> dict[str, Any]:
         return {"type": self.TYPE, **{name: getattr(self, name) for name in _FIELDS[self.TYPE]}}
@@ -70,6 +76,7 @@ class Message:
 @dataclass(slots=True)
 class Register(Message):
     TYPE: ClassVar[str] = "register"
+    MAX_BYTES: ClassVar[int] = MAX_STATE_BYTES
     stage: str
     replica: str
     pid: int
@@ -89,6 +96,7 @@ class Register(Message):
 @dataclass(slots=True)
 class Heartbeat(Message):
     TYPE: ClassVar[str] = "heartbeat"
+    MAX_BYTES: ClassVar[int] = MAX_STATE_BYTES
     replica: str
     inflight: int
     processed: int = 0
@@ -271,9 +279,9 @@ _FIELDS = {kind: tuple(name for name, _, _ in table) for kind, table in _TABLES.
 
 
 def pack(message: Message) -> bytes:
-    """The message on the wire; MessageTooLarge when it would be over MAX_MESSAGE_BYTES."""
+    """The message on the wire; MessageTooLarge when it would be over its type's MAX_BYTES."""
     raw = msgpack.packb(message.to_map(), use_bin_type=True)
-    if len(raw) > MAX_MESSAGE_BYTES:
+    if len(raw) > message.MAX_BYTES:
         raise MessageTooLarge(message, len(raw))
     return raw
 
@@ -314,6 +322,8 @@ def unpack(raw: bytes | memoryview) -> Message:
     if cls is None:
         raise MalformedMessage(f"unknown control message type {str(kind)[:40]!r}")
     rid = data.get("rid") if isinstance(data.get("rid"), str) else None
+    if len(raw) > cls.MAX_BYTES:
+        raise MalformedMessage(f"{kind} message of {len(raw)} bytes exceeds its limit of {cls.MAX_BYTES}", rid)
     values = {}
     for name, accepted, required in _TABLES[kind]:
         if name not in data:

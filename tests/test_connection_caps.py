@@ -124,6 +124,30 @@ def test_idle_rest_connections_over_the_cap_are_answered_503_and_closed(mesh: Me
     assert all(r["health"] == "healthy" for replicas in after.values() for r in replicas), after
 
 
+def test_at_the_rest_cap_an_idle_kept_alive_connection_makes_room(mesh: Mesh) -> None:
+    """REST_CAP connections, each kept alive after one request: a new client is served, not answered
+    503, and the connection idle longest is the one closed for it (its client would reconnect)."""
+    port = int(mesh.url.rsplit(":", 1)[1])
+    head = b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n"
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(REST_CAP):
+            conn = socket.create_connection(("127.0.0.1", port), timeout=5)
+            idle.append(conn)
+            conn.sendall(head)
+            assert conn.recv(4096).startswith(b"HTTP/1.1 200 ")
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as newcomer:
+            newcomer.sendall(head)
+            answer = newcomer.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 200 "), answer
+        assert idle[0].recv(4096) == b"", "the connection idle longest was not the one closed"
+        idle[-1].sendall(head)
+        assert idle[-1].recv(4096).startswith(b"HTTP/1.1 200 "), "a recently used connection was closed"
+    finally:
+        for conn in idle:
+            conn.close()
+
+
 def test_every_process_of_the_mesh_raised_its_open_file_limit(mesh: Mesh) -> None:
     """The mesh was started with a soft RLIMIT_NOFILE of 1,024 (the common default, which let a
     thousand idle connections starve the coordinator): `up`, the coordinator and every replica raise

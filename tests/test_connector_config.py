@@ -78,3 +78,17 @@ def test_a_third_party_plain_dataclass_is_read_by_the_same_rules() -> None:
         config.parse_config(Plain, {"host": 12}, owner="Plain")
     with pytest.raises(config.ConnectorConfigError, match=r"did you mean 'retries'"):
         config.parse_config(Plain, {"retrys": 3}, owner="Plain")
+
+
+def test_inline_payloads_are_bounded_by_the_control_message_they_ride() -> None:
+    """A frame under `inline_max_bytes` travels in its metadata, on a control message of at most 1 MiB:
+    a larger setting is refused when the topology is read, naming the key, instead of failing every
+    request whose payload falls in between."""
+    cfg = config.parse_config(config.SharedMemoryConfig, {"inline_max_bytes": "1MiB"}, owner="shm")
+    assert cfg.inline_max_bytes == 1 << 20
+    for key, value in (("inline_max_bytes", "2MiB"), ("shm_threshold_bytes", (1 << 20) + 1)):
+        refused = rf"^shm: {key} must be at most 1048576 \(1 MiB\)"
+        with pytest.raises(config.ConnectorConfigError, match=refused):
+            config.parse_config(config.SharedMemoryConfig, {key: value}, owner="shm")
+    with pytest.raises(pydantic.ValidationError, match="inline_max_bytes"):
+        config.SharedMemoryConfig(inline_max_bytes=1 << 30)

@@ -10,7 +10,7 @@ import msgpack
 import pytest
 
 from omni_mesh import control
-from omni_mesh.control import Error, Output, Work
+from omni_mesh.control import Error, Heartbeat, Output, Register, Work
 from omni_mesh.stage.context import ChunkStream
 
 BIG = 1_200_000
@@ -61,6 +61,42 @@ def test_an_oversized_message_cut_short_names_none() -> None:
     with pytest.raises(control.MalformedMessage) as caught:
         control.unpack(raw)
     assert caught.value.rid == "rid-1"
+
+
+def test_registers_and_heartbeats_have_the_lower_limit_of_what_is_kept() -> None:
+    """A register or heartbeat is kept while its replica lives: over MAX_STATE_BYTES neither is made,
+    nor taken, though far under the limit of other messages."""
+    pad = {"shm": {"status": "healthy", "pad": "x" * control.MAX_STATE_BYTES}}
+    beat = Heartbeat("a-0", 0, connectors=pad)
+    register = Register("a", "a-0", 1, "host", 1, {}, connectors=pad)
+    for message in (beat, register):
+        with pytest.raises(control.MessageTooLarge, match=f"limit of {control.MAX_STATE_BYTES} bytes"):
+            control.pack(message)
+        raw = msgpack.packb(message.to_map(), use_bin_type=True)
+        assert len(raw) < control.MAX_MESSAGE_BYTES
+        with pytest.raises(control.MalformedMessage, match=f"{message.TYPE} message of .* exceeds its limit"):
+            control.unpack(raw)
+    assert control.unpack(control.pack(Heartbeat("a-0", 0, connectors={"shm": {"status": "healthy"}}))).inflight == 0
+
+
+class _Chatty:
+    """A (third-party) connector whose health report is long: a log in it."""
+
+    def health(self) -> dict:
+        return {"status": "degraded", "log": "x" * control.MAX_STATE_BYTES}
+
+
+def test_a_replica_sends_only_the_status_of_a_health_report_too_large_for_a_heartbeat() -> None:
+    """Otherwise its heartbeats would be refused and the coordinator would take it for dead."""
+    from omni_mesh.stage.link import ConnectorHealth
+
+    health = ConnectorHealth({"chatty": _Chatty()}, "a-0", "test-health")  # type: ignore[dict-item]
+    try:
+        report = asyncio.run(health.read())
+    finally:
+        health.close()
+    assert report["chatty"]["status"] == "degraded" and "only its status is sent" in report["chatty"]["error"]
+    assert control.unpack(control.pack(Heartbeat("a-0", 0, connectors=report))).connectors == report
 
 
 def test_the_reconcile_messages_travel_and_are_checked() -> None:

@@ -351,6 +351,31 @@ def test_an_oversized_frame_is_refused_not_buffered(mesh: Mesh, keys: MeshKeys) 
     assert grown < 100 * 1024 * 1024, f"the coordinator grew by {grown >> 20} MiB"
 
 
+def test_registers_and_heartbeats_over_their_size_limit_are_dropped_not_kept(mesh: Mesh, keys: MeshKeys) -> None:
+    """What a register or heartbeat says, the coordinator keeps while its replica lives and shows on
+    /v1/stages: a member padding them to 200 KB (under the 1 MiB of other control messages) is not
+    registered, and its heartbeat is dropped and counted, the replica keeping what it said before."""
+    endpoint, _ = control_endpoint(mesh)
+    padded = {"side": {"status": "healthy", "pad": "x" * 200_000}}
+    malformed = health(mesh)["malformed_messages"]
+    member = Peer(endpoint, keys)
+    try:
+        member.send(register_message(mesh, "a", "padded-0", connectors=padded))
+        assert member.receive(2) is None, "an oversized register was answered"
+        assert "padded-0" not in replica_ids(mesh)["a"]
+        member.send(register_message(mesh, "a", "small-0", connectors={"side": {"status": "healthy"}}))
+        assert member.receive(5)["type"] == "registered"
+        member.send({"type": "heartbeat", "replica": "small-0", "inflight": 0, "connectors": padded})
+        wait_for(lambda: health(mesh)["malformed_messages"] >= malformed + 2, 5, "both to be counted")
+        small = next(r for r in mesh.stages()["a"] if r["id"] == "small-0")
+        assert small["connectors"] == {"side": {"status": "healthy"}}, str(small)[:300]
+        member.send({"type": "deregister", "replica": "small-0"})
+        wait_for(lambda: "small-0" not in replica_ids(mesh)["a"], 5, "small-0 to deregister")
+    finally:
+        member.close()
+    requests_succeed(mesh)
+
+
 def test_a_garbage_flood_is_counted_and_logged_sparingly(mesh: Mesh, keys: MeshKeys) -> None:
     endpoint, _ = control_endpoint(mesh)
     log_before = mesh.log().count("refused")

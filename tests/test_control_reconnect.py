@@ -1,5 +1,6 @@
 """A replica's control connection dropping, and the coordinator itself standing still: real `omni-mesh
 up`, real sockets, the connection cut by the kernel (`ss -K`) and the coordinator frozen by SIGSTOP.
+A replica connecting while a flood fills the accept queue is registered as soon as it drains.
 
 - A replica whose connection drops reconnects under its own random routing id: the coordinator takes
   the new connection for the replica at once (no re-registration, no 5 s out of the rotation), while a
@@ -10,10 +11,12 @@ up`, real sockets, the connection cut by the kernel (`ss -K`) and the coordinato
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -331,3 +334,96 @@ def test_a_stream_whose_consumer_connection_drops_gets_every_chunk_in_order_or_f
     assert ok >= 4, results
     print(f"{len(results)} streams across {cuts} cuts: {ok} whole, {len(results) - ok} failed at once; "
           f"chunks sent again to {resent} stream(s)")
+
+
+
+def _state(pid: int) -> str:
+    """The process's state letter (/proc/PID/stat): T when stopped."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def _listen_backlog(port: int) -> int:
+    """The accept queue's length of the socket listening on `port` (ss shows it as Send-Q)."""
+    out = subprocess.run(["ss", "-Hltn", "sport", "=", f":{port}"], capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[2])
+
+
+async def _registered_at(endpoint: str, replica: str, timeout_s: float) -> float | None:
+    """When (time.monotonic()) a replica's real link (stage.link) got registered; None if not within
+    `timeout_s`. It deregisters at once."""
+    from omni_mesh.control import Deregister, Register, Registered, unpack
+    from omni_mesh.stage.link import CoordinatorLink
+
+    link = CoordinatorLink(endpoint, replica)
+
+    async def answers() -> None:
+        while True:
+            message = unpack((await link.receive())[0])
+            if isinstance(message, Registered):
+                link.accepted(message)
+
+    listening = asyncio.create_task(answers())
+    try:
+        register = Register("a", replica, os.getpid(), "test", 1, {})
+        await asyncio.wait_for(link.register(register, asyncio.Event()), timeout_s)
+        at = time.monotonic()
+        await link.send(Deregister(replica))
+        await asyncio.sleep(0.1)  # the deregister leaves before the socket closes
+        return at
+    except TimeoutError:
+        return None
+    finally:
+        listening.cancel()
+        link.close()
+
+
+#: How long into a connect whose SYNs are dropped the queue frees: well after a kernel retry. Linux
+#: retries a SYN at 1, 3, 7, 15, 31, 63 s (since 6.5: 1, 2, 3, 4, 5, 7, 11, 19.5, 35.5, 67.5 s, late
+#: by the timers' slack), so the next one comes 9 s later (13.5 s since 6.5).
+PAUSED_S = 22.0
+
+
+def test_a_replica_connecting_through_a_full_accept_queue_is_registered_soon_after_it_frees(
+    mesh: Mesh, keys: MeshKeys
+) -> None:
+    """The coordinator stands still (SIGSTOP) while a flood of connections fills its control port's
+    accept queue; a replica connecting meanwhile has its SYNs dropped. The flood goes and the
+    coordinator resumes PAUSED_S into the replica's attempt: it is registered within seconds, not at
+    the kernel's next SYN retry (9 s later or more; the retries double up to two minutes)."""
+    from omni_mesh.security import reset_mesh_keys, set_mesh_keys
+
+    endpoint, coordinator = control_endpoint(mesh)
+    port = int(endpoint.rsplit(":", 1)[1])
+    flood: list[socket.socket] = []
+
+    async def attempt() -> tuple[float | None, float]:
+        """(when the replica got registered, when the coordinator resumed)"""
+        registering = asyncio.create_task(_registered_at(endpoint, "honest-0", 45.0))
+        await asyncio.sleep(PAUSED_S)
+        for conn in flood:
+            conn.close()
+        os.kill(coordinator, signal.SIGCONT)
+        resumed = time.monotonic()
+        return await registering, resumed
+
+    set_mesh_keys(keys)
+    os.kill(coordinator, signal.SIGSTOP)
+    try:
+        wait_for(lambda: _state(coordinator) == "T", 5, "the coordinator to stop")  # kill() does not wait
+        for _ in range(_listen_backlog(port) + 1 + 16):  # the queue full, and a few SYNs dropped
+            conn = socket.socket()
+            conn.setblocking(False)
+            conn.connect_ex(("127.0.0.1", port))
+            flood.append(conn)
+        time.sleep(0.5)
+        registered, resumed = asyncio.run(attempt())
+    finally:
+        for conn in flood:
+            conn.close()
+        os.kill(coordinator, signal.SIGCONT)
+        reset_mesh_keys()
+    assert registered is not None, "the replica was not registered within 45 s"
+    after = registered - resumed
+    print(f"registered {after:.2f} s after the coordinator resumed, {PAUSED_S:g} s into its connect")
+    assert after < 4.0, f"registered {after:.1f} s after the coordinator resumed with room in its queue"
+    _check(mesh.ok({"n": N}))

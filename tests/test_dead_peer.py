@@ -4,6 +4,7 @@ connection or before the get connects. Real producer processes, real sockets."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -155,3 +157,60 @@ def test_a_poll_that_gives_up_before_the_answer_does_not_lose_the_payload(produc
     assert got is not None, "the payload was lost with the poll that gave up"
     assert torch.equal(got[0]["x"], torch.full((1 << 18,), 1.0))
     assert consumer.get("a", "b", "r/1", metadata[1]) is None  # handed over once
+
+
+@contextlib.contextmanager
+def _dropped(port: int) -> Iterator[Callable[[], None]]:
+    """Packets to 127.0.0.1:`port` dropped (a network fault: nothing is refused, nothing arrives)
+    until the yielded function is called, or the block ends."""
+    rule = ["OUTPUT", "-p", "tcp", "-d", "127.0.0.1", "--dport", str(port), "-j", "DROP"]
+    added = subprocess.run(["iptables", "-w", "-I", *rule], capture_output=True, text=True)
+    if added.returncode != 0:
+        pytest.skip(f"needs iptables (root) to drop packets: {added.stderr.strip()[:200]}")
+    removed = False
+
+    def restore() -> None:
+        nonlocal removed
+        if not removed:
+            subprocess.run(["iptables", "-w", "-D", *rule], capture_output=True, check=True)
+            removed = True
+
+    try:
+        yield restore
+    finally:
+        restore()
+
+
+def test_a_get_whose_connection_breaks_before_the_producer_heard_it_is_asked_again(producer, consumer) -> None:
+    """The consumer's GET is lost on the way (packets dropped), then its connection is reset (`ss -K`),
+    as a flaky network does: the producer never heard it and still holds the payload. The get asks
+    again on a new connection and brings the payload, instead of failing the request with "no answer
+    will come"."""
+    proc, metadata = producer
+    obj, _ = _get(consumer, "r/0", metadata[0])  # the consumer's socket is connected and idle now
+    assert torch.equal(obj["x"], torch.zeros(1 << 18))
+    port = int(metadata[1]["endpoint"].rsplit(":", 1)[1])
+    outcome: dict = {}
+
+    def get() -> None:
+        try:
+            outcome["x"] = _get(consumer, "r/1", metadata[1])[0]["x"]
+        except ConnectorError as exc:
+            outcome["error"] = str(exc)
+
+    with _dropped(port) as restore:
+        waiter = threading.Thread(target=get)
+        waiter.start()
+        time.sleep(0.5)  # the GET left, and was dropped
+        assert waiter.is_alive(), f"the get ended while its request could not arrive: {outcome}"
+        cut = subprocess.run(["ss", "-K", "dst", f"127.0.0.1:{port}"], capture_output=True, text=True)
+        if cut.returncode != 0:
+            pytest.skip(f"ss -K cannot destroy sockets here: {cut.stderr.strip()[:200]}")
+        time.sleep(0.3)
+        restore()  # the network is back: the new connection's SYN gets through at its next retry
+        waiter.join(DEADLINE_S + 5)
+    assert not waiter.is_alive()
+    assert "error" not in outcome, outcome["error"]
+    assert torch.equal(outcome["x"], torch.full((1 << 18,), 1.0))
+    health = consumer.health()
+    assert health["asked_again"] == 1 and health["errors"] == 0, health

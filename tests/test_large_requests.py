@@ -68,11 +68,11 @@ def test_the_coordinator_holds_nothing_after_large_requests(mesh: Mesh) -> None:
 
 
 def test_an_output_whose_metadata_outgrows_a_control_message_fails_at_once(tmp_path: Path) -> None:
-    """A connector set to carry payloads up to 2 MiB in their metadata (`inline_max_bytes`): a 1.2 MB
-    output would make a control message over 1 MiB, which the coordinator refuses. The stage checks
+    """A connector set to carry payloads up to 1 MiB (its ceiling) in their metadata (`inline_max_bytes`):
+    a 1.04 MB output, with the rest of its message, would make a control message over 1 MiB, which the coordinator refuses. The stage checks
     what it sends: the request fails at once with the reason, naming the stage and the edge (not at
     its deadline), and the mesh serves smaller requests as before."""
-    inline = {"name": "SharedMemoryConnector", "extra": {"inline_max_bytes": 2 * 1024 * 1024}}
+    inline = {"name": "SharedMemoryConnector", "extra": {"inline_max_bytes": 1024 * 1024}}
     topology = {
         "name": "large-metadata",
         "connectors": {"inline": inline},
@@ -83,7 +83,8 @@ def test_an_output_whose_metadata_outgrows_a_control_message_fails_at_once(tmp_p
     }
     with running_mesh(tmp_path, topology) as mesh:
         started = time.monotonic()
-        response = mesh.request({"n": 150_000}, timeout_s=30)  # 1.2 MB of float64
+        # 1.04 MB of float64, a frame just under 1 MiB: inline, but its message is over 1 MiB
+        response = mesh.request({"n": 130_550}, timeout_s=30)
         assert time.monotonic() - started < 10, "the request waited for its deadline"
         assert response.status_code == 500, response.text
         error = response.json()["error"]

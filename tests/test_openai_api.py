@@ -17,6 +17,7 @@ import sys
 import time
 import wave
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import av
@@ -24,7 +25,8 @@ import numpy as np
 import openai
 import pytest
 import torch
-from support.meshkit import Mesh, running_mesh
+import yaml
+from support.meshkit import Mesh, running_mesh, wait_for
 
 from omni_mesh.coordinator.openai_audio import encode
 from omni_mesh.coordinator.openai_reply import Reply, ReplyError
@@ -346,3 +348,40 @@ def test_compressed_audio_without_pyav_is_refused_501_before_admission(monkeypat
         call("opus")
     assert (refused.value.status, refused.value.param) == (501, "audio.format")
     assert call("wav").audio_format == "wav" and call("pcm16").audio_format == "pcm16"
+
+
+# ------------------------------------------------------------------ backpressure
+
+
+def test_a_full_queue_is_openais_rate_limit_error_with_retry_after(tmp_path: Path) -> None:
+    """The talker takes one request at a time and lets one wait: with one request in it (its stream
+    under way) and one waiting, the next chat completion is refused at once with OpenAI's 429
+    (`rate_limit_error`, code `queue_full`, naming the stage, with Retry-After), which the real client
+    raises as RateLimitError; the two admitted ones finish, and the mesh serves again after them."""
+    topology = yaml.safe_load(DEMO.read_text())
+    talker = next(stage for stage in topology["stages"] if stage["name"] == "talker")
+    talker.update(max_inflight=1, max_queued=1)
+    slow = {"params": {"decode_delay_s": 0.05, "chunk_tokens": 4}}  # ~1 s for the prompt's tokens
+    with running_mesh(tmp_path, topology) as mesh, openai.OpenAI(
+        base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=60
+    ) as client:
+        first = audio_chat(client, "pcm16", stream=True, extra_body=slow)
+        pieces = iter(first)
+        next(pieces)  # its stream has begun: it holds the talker's one slot
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(audio_chat, client, "pcm16", extra_body=slow)
+            stats = mesh.client.get
+            wait_for(lambda: stats("/v1/stats").json()["stages"]["talker"]["queued"] == 1, 10, "one queued")
+            started = time.monotonic()
+            with pytest.raises(openai.RateLimitError) as refused:
+                audio_chat(client, "pcm16")
+            took = time.monotonic() - started
+            assert took < 2.0, f"refused after {took:.1f} s, not at once"
+            error = refused.value.body
+            assert refused.value.status_code == 429 and refused.value.code == "queue_full", error
+            assert error["type"] == "rate_limit_error" and "stage 'talker'" in error["message"], error
+            assert int(refused.value.response.headers["retry-after"]) >= 1
+            rest = list(pieces)
+            assert rest and rest[-1].choices[0].finish_reason == "stop"
+            assert waiting.result().choices[0].finish_reason == "stop"
+        assert audio_chat(client, "pcm16").choices[0].finish_reason == "stop"

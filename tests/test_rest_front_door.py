@@ -553,6 +553,18 @@ class TestHeadLimits:
                 sock.sendall(head)
                 assert read_response(sock).startswith(b"HTTP/1.1 200 ")
 
+    def test_a_kept_alive_connection_serves_again_after_a_7_s_pause(self, front: Mesh) -> None:
+        """The coordinator keeps an idle connection longer than clients do (KEEP_ALIVE_S): a client
+        that pauses 7 s between two requests finds it open (uvicorn's 5 s closed it under the client,
+        a reset when the close and the next request cross)."""
+        head = b"GET /v1/stages HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", _port(front.url)), timeout=10) as sock:
+            sock.sendall(head)
+            assert read_response(sock).startswith(b"HTTP/1.1 200 ")
+            time.sleep(7.0)
+            sock.sendall(head)
+            assert read_response(sock).startswith(b"HTTP/1.1 200 ")
+
     def test_clients_sending_megabytes_of_headers_are_cut_off_and_others_served(self, front: Mesh) -> None:
         def flood() -> tuple[float, bytes]:
             """Send up to 50 MB of one header; (seconds until the server closed, what it answered)."""

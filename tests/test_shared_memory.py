@@ -51,7 +51,7 @@ from omni_mesh.connectors.shm.segments import (
 
 KiB, MiB = 1024, 1024 * 1024
 PATHS = {
-    "inline": {"inline_max_bytes": 8 * MiB, "max_pool_size": 1, "memory_pool_size": MiB},
+    "inline": {"inline_max_bytes": MiB, "max_pool_size": 1, "memory_pool_size": MiB},
     "pool": {"inline_max_bytes": 0, "max_pool_size": 1, "memory_pool_size": 4 * MiB},
     "fallback": {"inline_max_bytes": 0, "max_pool_size": 1, "memory_pool_size": 0},
 }
@@ -71,7 +71,7 @@ def payload_kinds() -> dict[str, Any]:
         "float8 tensor": torch.arange(16, dtype=torch.uint8).view(torch.float8_e4m3fn),
         "bool tensor": torch.tensor([True, False, True]),
         "complex tensor": torch.randn(5, dtype=torch.complex64, generator=gen),
-        "large tensor": torch.arange(300_000, dtype=torch.float32),
+        "large tensor": torch.arange(200_000, dtype=torch.float32),  # 0.8 MB: inline fits 1 MiB
         "big-endian array": np.arange(12, dtype=">i4").reshape(3, 4)[:, ::2],
         "float16 array": np.linspace(0, 1, 7, dtype=np.float16),
         "str array": np.array(["a", "bcd"]),

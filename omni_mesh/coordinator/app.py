@@ -19,6 +19,7 @@ from omni_mesh.coordinator.hosts import LoopbackHosts, is_loopback
 from omni_mesh.coordinator.http_limits import (
     BODY_TIMEOUT_S,
     HEADER_TIMEOUT_S,
+    KEEP_ALIVE_S,
     WRITE_TIMEOUT_S,
     BodyLimit,
     read_deadlines,
@@ -110,6 +111,7 @@ async def serve(
         log_level="warning",
         timeout_graceful_shutdown=grace_s,
         access_log=False,
+        timeout_keep_alive=KEEP_ALIVE_S,  # the client closes an idle connection first (http_limits)
         # Past the cap (default half the descriptors) a new REST connection is answered 503 at once.
         http=read_deadlines(
             header_timeout_s, body_timeout_s, write_timeout_s,

@@ -44,6 +44,12 @@ log = logging.getLogger("omni_mesh.coordinator")
 
 MAX_HEAD_BYTES = 64 * 1024
 MAX_URL_BYTES = 8 * 1024
+#: How long a kept-alive connection may wait for its next request: nginx's 75 s, not uvicorn's 5 s.
+#: Longer than most clients keep an idle connection (httpx 5 s, aiohttp 15 s), so the client closes
+#: first: a server closing just as the client sends on the connection is a reset, which the client
+#: sees as a failed request (one came after a 7 s pause, issue 29). At the connection cap the
+#: longest idle one is closed to make room (`_close_an_idle_one`): idle ones never lock clients out.
+KEEP_ALIVE_S = 75.0
 
 
 class _Refused(Exception):
@@ -73,11 +79,24 @@ class ReadDeadlines(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if self.max_connections is not None and len(self.connections) > self.max_connections:
+        over = self.max_connections is not None and len(self.connections) > self.max_connections
+        if over and not self._close_an_idle_one():
             transport.write(error_bytes(503, f"over {self.max_connections} connections at once; try again later"))
             transport.close()
             return
         self._arm("headers", self.header_timeout_s)  # a client that connects and sends nothing, too
+
+    def _close_an_idle_one(self) -> bool:
+        """Make room at the cap by closing a kept-alive connection waiting for its next request (the
+        one idle longest): its client reconnects when it has one, as it would after the keep-alive
+        timeout, while a new client would otherwise be refused. False if every connection is busy."""
+        idle = [c for c in self.connections if c is not self and c.timeout_keep_alive_task is not None]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda c: c.timeout_keep_alive_task.when())  # type: ignore[union-attr]
+        oldest._unset_keepalive_if_required()
+        oldest.transport.close()
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

@@ -34,7 +34,7 @@ from omni_mesh.control import (
     Resync,
 )
 from omni_mesh.coordinator.autoscaler import Autoscaler
-from omni_mesh.coordinator.connection_cap import ConnectionCap, default_cap
+from omni_mesh.coordinator.connection_cap import MAX_CONTROL_CONNECTIONS, ConnectionCap, default_cap
 from omni_mesh.coordinator.dispatch import Dispatcher, RequestFailed
 from omni_mesh.coordinator.reconcile import Reconciler
 from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S, RegistrationRefused, Registry, Replica
@@ -110,6 +110,9 @@ class Coordinator:
         self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._socket.setsockopt(zmq.MAXMSGSIZE, control.MAX_FRAME_BYTES)
         self._socket.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)  # a connection that never speaks goes soon
+        # Room in the accept queue for every replica reconnecting at once (ZeroMQ's default is 100;
+        # the kernel caps it at net.core.somaxconn): past it their SYNs are dropped until it drains.
+        self._socket.setsockopt(zmq.BACKLOG, MAX_CONTROL_CONNECTIONS)
         self.cap = ConnectionCap(self._socket, self.max_connections, self.refused_connections)
         secure_server(self._socket, self.keys)
         self._socket.bind(self.control_endpoint)

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import msgpack
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
@@ -28,6 +29,9 @@ from omni_mesh.security import mesh_keys, secure_client
 
 log = logging.getLogger("omni_mesh.stage")
 
+_STATUSES = ("healthy", "degraded", "unhealthy")  # a connector's health()["status"] (connectors.base)
+
+CONNECT_TIMEOUT_MS = 1000  # a TCP connect to the coordinator, across any network we run on: milliseconds
 HEALTH_WAIT_S = 0.25  # longest a heartbeat waits for connector health (a backend RPC) before sending
 
 
@@ -51,6 +55,10 @@ class CoordinatorLink:
         # once (it hands the id over to the new connection), while nobody else can guess it. ZeroMQ's
         # own ids change on every connection and are a counter.
         self._socket.setsockopt(zmq.ROUTING_ID, routing_id())
+        # A connect unanswered this long is given up and made again: a SYN dropped by a full accept
+        # queue (a flood, a coordinator standing still) is otherwise retried by the kernel at doubling
+        # intervals, for minutes (issue 29), however soon the queue has room again.
+        self._socket.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
         secure_client(self._socket, mesh_keys())
         self._socket.connect(coordinator)
 
@@ -140,9 +148,26 @@ class ConnectorHealth:
     async def read(self) -> dict[str, dict]:
         """In the thread pool: some connectors ask their backend (a datasystem worker RPC)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
+        report = await loop.run_in_executor(
             self._executor, lambda: {ref: c.health() for ref, c in self._connectors.items()}
         )
+        return self._bounded(report)
+
+    def _bounded(self, report: dict[str, Any]) -> dict[str, Any]:
+        """The report, or only each connector's status where it is too large for a heartbeat
+        (control.MAX_STATE_BYTES, half of it for the health): the coordinator would drop it, and
+        the replica would go silent."""
+        size = len(msgpack.packb(report, default=repr))
+        if size <= control.MAX_STATE_BYTES // 2:
+            return report
+        log.warning("replica %s: connector health of %d bytes is too large for heartbeats; sending only "
+                    "each connector's status", self._replica_id, size)
+        note = f"health report of {size} bytes, over {control.MAX_STATE_BYTES // 2}: only its status is sent"
+        statuses = {ref: h.get("status") if isinstance(h, dict) else None for ref, h in report.items()}
+        return {
+            ref: {"status": status if status in _STATUSES else "unknown", "error": note}
+            for ref, status in statuses.items()
+        }
 
     async def latest(self) -> dict[str, dict]:
         """Fresh connector health, or the last one read if the read stalls: a heartbeat waits for it

@@ -8,7 +8,9 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
+from pydantic import AfterValidator
 from pydantic.dataclasses import dataclass
+from pydantic_core import PydanticCustomError
 
 from omni_mesh.connectors.config.checks import check_protocol, split_address
 from omni_mesh.connectors.config.fields import STRICT as _STRICT
@@ -25,6 +27,7 @@ from omni_mesh.connectors.config.fields import (
     vllm_omni,
 )
 from omni_mesh.connectors.errors import ConnectorConfigError
+from omni_mesh.control import MAX_MESSAGE_BYTES
 
 __all__ = [
     "InProcessConfig",
@@ -47,12 +50,29 @@ P2P = "P2PHANDSHAKE"  # the metadata_server value with nothing to deploy: peers 
 
 # ---------------------------------------------------------------------- SharedMemoryConnector
 
+
+def _inline_bound(value: int) -> int:
+    """An inline frame rides a control message, which takes at most MAX_MESSAGE_BYTES: a larger
+    setting would only turn every payload in between into a failed request (and each replica keeps
+    up to shm.recent.RECENT_MAX such frames)."""
+    if value > MAX_MESSAGE_BYTES:
+        raise PydanticCustomError(
+            "phrase",
+            f"must be at most {MAX_MESSAGE_BYTES} (1 MiB): inline payloads ride a control message, which "
+            "carries at most that; larger payloads belong in shared memory",
+        )
+    return value
+
+
 @dataclass(frozen=True, config=_STRICT)
 class SharedMemoryConfig:
     #: The pool maps min(this, 4 MiB) up front and grows by segments as payloads need (up to max_pool_size).
     memory_pool_size: Size = 256 * 1024 * 1024
     #: Frames up to this size travel inside the metadata instead of through shared memory.
-    inline_max_bytes: Annotated[Size, vllm_omni("shm_threshold_bytes")] = 16 * 1024
+    #: At most 1 MiB (control.MAX_MESSAGE_BYTES), the whole control message they ride in.
+    inline_max_bytes: Annotated[
+        Size, AfterValidator(_inline_bound), vllm_omni("shm_threshold_bytes")
+    ] = 16 * 1024
     #: Copy tensors out on get (releasing the slot at once) instead of returning views over it.
     copy_on_get: bool = False
     #: Fault the pool's pages in when it is created, so no put pays for them.

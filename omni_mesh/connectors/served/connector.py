@@ -72,7 +72,9 @@ class ServedConnector(OmniConnectorBase):
     #: The metadata fields get() needs from put().
     metadata_fields: ClassVar[tuple[str, ...]] = ("endpoint",)
     #: The counters health() reports.
-    counter_names: ClassVar[tuple[str, ...]] = ("puts", "gets", "bytes_put", "bytes_got", "errors", "expired")
+    counter_names: ClassVar[tuple[str, ...]] = (
+        "puts", "gets", "bytes_put", "bytes_got", "errors", "expired", "asked_again"
+    )
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         super().__init__(config)
@@ -264,20 +266,35 @@ class ServedConnector(OmniConnectorBase):
         *,
         late_key: str | None = None,
         keep_late: bool = False,
+        again_if_broken: bool = False,
     ) -> list[zmq.Frame]:
         """One side-channel request `[op, key, *args]`; the reply frames if the producer answered OK.
 
         Anything else is a ConnectorError starting with `where`; `late` says what no answer means.
         With `late_key` (a request whose answer carries the payload), a late request of that key
         kept earlier is waited on instead of a new one, and with `keep_late` one that is late now is
-        kept (_late_gets).
+        kept (_late_gets). `again_if_broken` (a request the producer answers at most once, and
+        GONE after): a request whose connection broke is sent once more on a new one, within
+        `timeout_s`. A dropped connection loses only requests that had not reached the producer yet;
+        one whose answer was under way is lost with it, and the second answer (GONE) says so.
         """
+        deadline = time.monotonic() + timeout_s
         waiting = self._late.take(late_key, endpoint) if late_key is not None else None
+        again = False
         try:
             if waiting is not None:  # a poll's request still waiting for its answer: wait on it again
                 reply = self._dealers.resume(endpoint, waiting, timeout_s)
             else:
-                reply = self._dealers.request(endpoint, parts, timeout_s, keep_late=keep_late)
+                try:
+                    reply = self._dealers.request(endpoint, parts, timeout_s, keep_late=keep_late)
+                except PeerLost as exc:
+                    left = deadline - time.monotonic()
+                    if not (again_if_broken and exc.broke and left > 0):
+                        raise
+                    exc.close()
+                    again = True
+                    self._counters.add("asked_again")
+                    reply = self._dealers.request(endpoint, parts, left, keep_late=keep_late)
         except LateReply as exc:  # the answer may still come: the next get of the key waits for it
             if keep_late and late_key is not None and not isinstance(exc, PeerLost):
                 self._late.keep(late_key, endpoint, exc)
@@ -290,7 +307,15 @@ class ServedConnector(OmniConnectorBase):
             self._error()
             raise ConnectorError(f"{where}: malformed reply")
         if reply[0].bytes == GONE:
-            raise NotThere(f"{where}: {frame_text(reply[2]) if len(reply) > 2 else 'not there'}")
+            reason = frame_text(reply[2]) if len(reply) > 2 else "not there"
+            if again:  # most likely taken by the request the broken connection lost
+                self._error()
+                raise PayloadMissing(
+                    f"{where}: the connection to the producer broke while the payload was asked for, and "
+                    f"asked again the producer no longer holds it ({reason}): it was on its way over the "
+                    "broken connection and is lost with it"
+                )
+            raise NotThere(f"{where}: {reason}")
         if reply[0].bytes != OK:
             self._error()
             raise ConnectorError(f"{where}: {frame_text(reply[2]) if len(reply) > 2 else 'refused'}")

@@ -80,7 +80,7 @@ class _Link:
     def lost(self) -> str | None:
         """Why the request in flight will not be answered, or None while it may be."""
         if self.broke:
-            return "the connection to the producer broke (its process died, or it stopped answering heartbeats)"
+            return "the connection to the producer broke (a network fault, or its process died or stopped answering heartbeats)"
         if self.refused_since is not None and time.monotonic() - self.refused_since >= PEER_REFUSED_S:
             return f"the producer refuses connections (for {PEER_REFUSED_S:g}s): its process is gone"
         return None
@@ -112,7 +112,13 @@ class LateReply(TimeoutError):
 
 class PeerLost(LateReply):
     """The producer went away while the request waited (see the module docstring): no answer will come.
-    With `keep_late` the caller still owns the socket (a producer cut off by the network may yet write)."""
+    With `keep_late` the caller still owns the socket (a producer cut off by the network may yet write).
+    `broke`: the connection broke (the producer may still be there: asking again may be answered),
+    rather than the producer refusing connections (its process is gone)."""
+
+    def __init__(self, message: str, link: _Link) -> None:
+        super().__init__(message, link)
+        self.broke = link.broke
 
 
 class DealerPool:

@@ -82,7 +82,9 @@ class ZmqWire:
             parts.append(session.offer())
         # The answer carries the payload: a poll that gives up keeps waiting for it in the background.
         try:
-            reply = self._ask(endpoint, parts, timeout_s, where, late, late_key=key, keep_late=poll)
+            reply = self._ask(
+                endpoint, parts, timeout_s, where, late, late_key=key, keep_late=poll, again_if_broken=True
+            )
         except NoAnswer:
             if poll and session is not None:
                 self._keep_session(key, session)
