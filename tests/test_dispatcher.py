@@ -409,6 +409,15 @@ async def test_a_full_queue_is_reported_for_new_requests_only() -> None:
     assert mesh.dispatcher.full_stage() == ("a", 1)
 
 
+async def test_max_queued_0_takes_a_free_slot_and_refuses_only_what_would_wait() -> None:
+    topology = parse_topology({"name": "q", "stages": [{"stage_id": 0, "name": "a", "max_queued": 0}]})
+    mesh = Mesh(topology)
+    mesh.add("a", "a-0")
+    assert mesh.dispatcher.full_stage() is None  # a free slot: "never queue" is not "never serve"
+    mesh.dispatcher.submit({}, {}, 10.0, False)  # takes the slot
+    assert mesh.dispatcher.full_stage() == ("a", 0)
+
+
 async def test_requests_still_putting_large_inputs_count_as_waiting_beyond_the_free_slots() -> None:
     topology = parse_topology({"name": "q", "stages": [{"stage_id": 0, "name": "a", "max_queued": 1}]})
     mesh = Mesh(topology)

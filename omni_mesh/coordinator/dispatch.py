@@ -168,13 +168,13 @@ class Dispatcher:
     def full_stage(self) -> tuple[str, int] | None:
         """The first stage whose queue is at its limit (max_queued), and the limit: a new request is refused
         (429) then. Requests still putting their large inputs count as waiting, beyond the free slots they
-        may take. Work of requests already admitted may still push a queue past its limit: never refused midway."""
+        may take (`max_queued: 0` still takes a free slot). Admitted work may still push a queue past it."""
         for stage in self.topology.stages:
             replicas = self.registry.of_stage(stage.name)
             limit = stage.queue_limit(sum(replica.max_inflight for replica in replicas))
             free = sum(max(0, r.max_inflight - r.busy) for r in replicas if self.registry.is_healthy(r))
-            waiting = len(self.queues[stage.name]) + max(0, self.arriving.get(stage.name, 0) - free)
-            if waiting >= limit:
+            waiting = len(self.queues[stage.name]) + max(0, self.arriving.get(stage.name, 0) + 1 - free)  # + the new one
+            if waiting > limit:
                 return stage.name, limit
         return None
 
