@@ -130,3 +130,31 @@ def test_validate_imports_handlers_and_names_the_ones_that_fail(tmp_path: Path) 
     assert "stage 'bad': cannot load handler 'nosuchmodule:fn'" in result.stderr
     skipped = omni_mesh("validate", "--no-import", path, cwd=REPO)
     assert skipped.returncode == 0, skipped.stderr
+
+
+def test_validate_names_the_vllm_omni_settings_that_have_no_effect(tmp_path: Path) -> None:
+    """devices, gpu_memory_utilization & co. are vLLM's placement: here each is named, per stage."""
+    result = omni_mesh("validate", TOPOLOGIES / "vllm_omni_three_stage.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stdout.splitlines() if "no effect here" in line]
+    thinker, talker, code2wav = warnings
+    assert thinker.startswith("warning: stage 0 'stage_0': ")
+    assert "runtime.devices, engine_args.gpu_memory_utilization, engine_args.tensor_parallel_size " in thinker
+    assert "custom_process_input_func" in talker and "default_sampling_params.stop_token_ids" in talker
+    assert "temperature" not in talker  # the talker takes it
+    assert code2wav.startswith("warning: stage 2 'stage_2': ") and "runtime.devices" in code2wav
+    # the thinker takes vLLM's sampling from default_sampling_params as its engine defaults
+    config = tmp_path / "sampling.yaml"
+    config.write_text(
+        "stage_args:\n"
+        "  - stage_id: 0\n"
+        "    engine_args: {model_stage: thinker, model: /models/x, max_model_len: 512}\n"
+        "    final_output: true\n"
+        "    default_sampling_params: {temperature: 0.0, top_k: -1, seed: 42, detokenize: true,\n"
+        "                              repetition_penalty: 1.1, stop: [\"\\n\\n\"], stop_token_ids: [7]}\n"
+    )
+    result = omni_mesh("validate", config, cwd=tmp_path)
+    assert result.returncode == 0 and "no effect" not in result.stdout, result.stdout + result.stderr
+    engine = load_topology(config).stages[0].engine
+    assert (engine["top_k"], engine["seed"], engine["repetition_penalty"]) == (-1, 42, 1.1)
+    assert (engine["stop"], engine["stop_token_ids"], engine["max_model_len"]) == (["\n\n"], [7], 512)
