@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
 from support.meshkit import running_mesh  # noqa: E402
-from support.replies import sse_events  # noqa: E402
+from support.replies import streamed_outputs  # noqa: E402
 
 from omni_mesh.engines.generation import Penalties  # noqa: E402
 from omni_mesh.engines.stops import StopText  # noqa: E402
@@ -171,15 +171,8 @@ def test_stop_ids_and_stop_strings_end_the_reply_as_vllm_does(mesh, reference) -
     assert ours["text"] == hf_text[: -len(word)] == full[: full.index(word)]
     assert ours["finish_reason"] == "stop" and ours["usage"]["completion_tokens"] == len(with_stop)
 
-    body = {"inputs": {"prompt": PROMPT}, "params": {"stop": [word]}, "timeout_s": 60, "stream": True}
-    deltas = []
-    with mesh.client.stream("POST", "/v1/requests", json=body, timeout=90) as response:
-        assert response.status_code == 200
-        for kind, event in sse_events(response):
-            assert kind != "error", event
-            if kind == "done":
-                break
-            deltas.append(event["output"].get("text") or "")
+    body = {"inputs": {"prompt": PROMPT}, "params": {"stop": [word]}, "timeout_s": 60}
+    deltas = [output.get("text") or "" for output in streamed_outputs(mesh.client, body)]
     assert "".join(deltas) == ours["text"] and word not in "".join(deltas)
 
 
