@@ -24,6 +24,10 @@ class ModelNotFound(ValueError):
     """The model is neither a directory nor a resolvable hub id; the message says which and why."""
 
 
+class NotCached(ModelNotFound):
+    """A hub id that is not in the cache, and the hub may not be asked (offline)."""
+
+
 def expand(model: str) -> str:
     """`model` with `$VAR`/`${VAR}` from the environment; ModelNotFound naming a variable that is unset."""
 
@@ -41,18 +45,19 @@ def is_hub_id(model: str) -> bool:
     return bool(_HUB_ID.match(model)) and not model.startswith((".", "~")) and ".." not in model
 
 
-def resolve(model: str) -> Path:
-    """The checkpoint directory of `model` (a directory, or a hub id from the cache or downloaded)."""
+def resolve(model: str, *, download: bool = True) -> Path:
+    """The checkpoint directory of `model` (a directory, or a hub id from the cache or downloaded;
+    `download=False`: from the cache only, as if offline)."""
     expanded = expand(model)
     path = Path(expanded).expanduser()
     if path.is_dir():
         return path
     if not is_hub_id(expanded):
         raise ModelNotFound(f"model {model!r}: {path} is not a directory")
-    return _from_hub(expanded, model)
+    return _from_hub(expanded, model, download)
 
 
-def _from_hub(repo_id: str, given: str) -> Path:
+def _from_hub(repo_id: str, given: str, download: bool = True) -> Path:
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
@@ -60,12 +65,12 @@ def _from_hub(repo_id: str, given: str) -> Path:
         raise ModelNotFound(
             f"model {given!r} is not a directory, and a hub id needs huggingface_hub: pip install 'omni-mesh[engines]'"
         ) from None
-    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    offline = not download or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=PATTERNS))
+        return Path(snapshot_download(repo_id, allow_patterns=PATTERNS, local_files_only=offline))
     except LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached"
-        raise ModelNotFound(
+        raise NotCached(
             f"model {given!r}: not a directory, and the hub id is not in the cache ({_cache()}) and {why}; "
             "download it once online, or point at a checkpoint directory"
         ) from None

@@ -17,6 +17,16 @@ REPO = Path(__file__).resolve().parents[1]
 OMNI_MESH = Path(sys.executable).with_name("omni-mesh")  # the console script next to this venv's python
 
 
+@pytest.fixture(autouse=True)
+def model(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """OMNI_MESH_MODEL, which vllm-omni's stage configs leave to the command line: a directory with a
+    Qwen2.5-Omni config (validate reads the config, never the weights)."""
+    directory = tmp_path_factory.mktemp("model")
+    (directory / "config.json").write_text(json.dumps({"model_type": "qwen2_5_omni"}))
+    monkeypatch.setenv("OMNI_MESH_MODEL", str(directory))
+    return directory
+
+
 def omni_mesh(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
     assert OMNI_MESH.exists(), f"{OMNI_MESH} missing: install the package (pip install -e .)"
     return subprocess.run(
@@ -130,3 +140,53 @@ def test_validate_imports_handlers_and_names_the_ones_that_fail(tmp_path: Path) 
     assert "stage 'bad': cannot load handler 'nosuchmodule:fn'" in result.stderr
     skipped = omni_mesh("validate", "--no-import", path, cwd=REPO)
     assert skipped.returncode == 0, skipped.stderr
+
+
+def test_validate_names_the_vllm_omni_settings_that_have_no_effect(tmp_path: Path, model: Path) -> None:
+    """devices, gpu_memory_utilization & co. are vLLM's placement: here each is named, per stage."""
+    result = omni_mesh("validate", TOPOLOGIES / "vllm_omni_three_stage.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stdout.splitlines() if "no effect here" in line]
+    thinker, talker, code2wav = warnings
+    assert thinker.startswith("warning: stage 0 'stage_0': ")
+    assert "runtime.devices, engine_args.gpu_memory_utilization, engine_args.tensor_parallel_size " in thinker
+    assert "custom_process_input_func" in talker and "default_sampling_params.stop_token_ids" in talker
+    assert "temperature" not in talker  # the talker takes it
+    assert code2wav.startswith("warning: stage 2 'stage_2': ") and "runtime.devices" in code2wav
+    # the thinker takes vLLM's sampling from default_sampling_params as its engine defaults
+    config = tmp_path / "sampling.yaml"
+    config.write_text(
+        "stage_args:\n"
+        "  - stage_id: 0\n"
+        f"    engine_args: {{model_stage: thinker, model: {model}, max_model_len: 512}}\n"
+        "    final_output: true\n"
+        "    default_sampling_params: {temperature: 0.0, top_k: -1, seed: 42, detokenize: true,\n"
+        "                              repetition_penalty: 1.1, stop: [\"\\n\\n\"], stop_token_ids: [7]}\n"
+    )
+    result = omni_mesh("validate", config, cwd=tmp_path)
+    assert result.returncode == 0 and "no effect" not in result.stdout, result.stdout + result.stderr
+    engine = load_topology(config).stages[0].engine
+    assert (engine["top_k"], engine["seed"], engine["repetition_penalty"]) == (-1, 42, 1.1)
+    assert (engine["stop"], engine["stop_token_ids"], engine["max_model_len"]) == (["\n\n"], [7], 512)
+
+
+def test_validate_checks_each_engines_model_and_names_the_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = TOPOLOGIES / "vllm_omni_three_stage.yaml"
+    monkeypatch.delenv("OMNI_MESH_MODEL")
+    result = omni_mesh("validate", path, cwd=tmp_path)
+    assert result.returncode == 2
+    errors = result.stderr.splitlines()
+    assert errors[0] == (
+        "error: stage 0 'stage_0': engine.model: model '${OMNI_MESH_MODEL}': environment variable "
+        "OMNI_MESH_MODEL is not set"
+    )
+    assert len(errors) == 3 and errors[2].startswith("error: stage 2 'stage_2': ")
+    monkeypatch.setenv("OMNI_MESH_MODEL", str(tmp_path / "absent"))
+    result = omni_mesh("validate", path, cwd=tmp_path)
+    assert result.returncode == 2 and f"{tmp_path / 'absent'} is not a directory" in result.stderr
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    monkeypatch.setenv("OMNI_MESH_MODEL", str(tmp_path / "llama"))
+    result = omni_mesh("validate", path, cwd=tmp_path)
+    assert result.returncode == 2 and "model_type 'llama' has no engine here" in result.stderr
+    assert omni_mesh("validate", "--no-import", path, cwd=tmp_path).returncode == 0  # the file alone

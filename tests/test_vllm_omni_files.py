@@ -93,7 +93,11 @@ def test_unset_variables_leave_the_value_unchecked_with_a_warning(monkeypatch: p
     assert any("connector 'engine' (used by edge 1->2" in w and "extra.zmq_port" in w for w in topo.warnings)
 
 
-def test_connector_keys_under_vllm_omnis_names_validate(capsys: pytest.CaptureFixture[str]) -> None:
+def test_connector_keys_under_vllm_omnis_names_validate(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2_5_omni"}')  # validate reads the engines' config
+    monkeypatch.setenv("OMNI_MESH_MODEL", str(tmp_path))
     topo = load_topology(FILES / "vllm_omni_keys.yaml")
     assert edges_of(topo) == [("0->1", "store"), ("1->2", "rdma")]
     assert topo.connectors["rdma"].extra["zmq_port"] == 50051  # a port written as a string, read as one

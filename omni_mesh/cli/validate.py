@@ -20,14 +20,15 @@ def _add_validate(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     parser.add_argument("--json", action="store_true", help="print the validated topology as JSON")
     parser.add_argument(
         "--no-import", action="store_true",
-        help="check the file only; by default each stage's handler is imported, as its stage would",
+        help="check the file only; by default each stage's handler is imported, as its stage would, and "
+        "each engine's model is found and its config read",
     )
     return parser
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     topology = load_topology(args.topology)
-    broken = [] if args.no_import else unimportable_handlers(topology)
+    broken = [] if args.no_import else unimportable_handlers(topology) + engine_model_problems(topology)
     if args.json:
         print(json.dumps(topology.to_dict(), indent=2, sort_keys=False, default=str))
     else:
@@ -49,6 +50,32 @@ def unimportable_handlers(topology: Topology) -> list[str]:
                 load_handler(topology, stage)
             except ValueError as exc:
                 problems.append(str(exc))
+    return problems
+
+
+def engine_model_problems(topology: Topology) -> list[str]:
+    """Each engine's model as its stage would find it: the variables set, the directory or hub id there
+    (a hub id from the cache only: `up` downloads what is missing), a config of an architecture with
+    engines; what fails, one message each naming the stage."""
+    from omni_mesh.engines.checkpoint import CheckpointError, read_config
+    from omni_mesh.engines.settings import ARCHS
+    from omni_mesh.model_source import ModelNotFound, NotCached, resolve
+
+    problems = []
+    for stage in topology.stages:
+        if stage.engine is None:
+            continue
+        who = f"stage {stage.stage_id} {stage.name!r}: engine.model"
+        try:
+            config = read_config(resolve(stage.engine["model"], download=False))
+        except NotCached:
+            continue  # `up` downloads it
+        except (ModelNotFound, CheckpointError) as exc:
+            problems.append(f"{who}: {exc}")
+            continue
+        arch = stage.engine.get("arch") or config.get("model_type")
+        if arch not in ARCHS:
+            problems.append(f"{who}: model_type {arch!r} has no engine here; engines exist for: {', '.join(ARCHS)}")
     return problems
 
 

@@ -24,7 +24,7 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 #: Sampling fields passed to the stages as params, under these names.
 SAMPLING = (
     "temperature", "top_p", "seed", "stop", "frequency_penalty", "presence_penalty", "logit_bias",
-    "top_k", "min_p", "repetition_penalty",
+    "top_k", "min_p", "repetition_penalty", "stop_token_ids",
 )
 
 
@@ -81,6 +81,7 @@ class ChatRequest(BaseModel):
     top_k: int | None = None  # vLLM's extensions, which its clients send
     min_p: Probability | None = None
     repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     n: int | None = Field(default=None, description="only 1")
     logprobs: StrictBool | None = None
     top_logprobs: int | None = None

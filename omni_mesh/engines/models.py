@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from omni_mesh.engines.checkpoint import CheckpointError, read_config
+from omni_mesh.engines.generation import decoding_args
 from omni_mesh.engines.prefill import check_prompt
 from omni_mesh.engines.settings import ARCHS, EngineSpec, Sampling
 
@@ -55,7 +56,7 @@ class ModelParts(ABC):
 
     @abstractmethod
     def think(self, thinker: Any, ids: torch.Tensor, sampling: Sampling, on_token: Any, should_stop: Any) -> Any:
-        ...
+        """The thinker's reply; `should_stop` may be a StopWatch (generation.StopWhen shows it each token)."""
 
     @abstractmethod
     def talk(self, talker: Any, payload: dict, sampling: Sampling, on_code: Any, should_stop: Any) -> Any:
@@ -134,6 +135,7 @@ class Qwen2_5Omni(ModelParts):
         return thinker.generate(
             ids, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             speaker=sampling.speaker, on_token=on_token, should_stop=should_stop, prefill_chunk=self.spec.prefill_tokens,
+            options=decoding_args(sampling, int(ids.shape[-1])),
         )
 
     def talk(self, talker: Any, payload: dict, sampling: Sampling, on_code: Any, should_stop: Any) -> Any:
@@ -179,6 +181,7 @@ class Qwen3Omni(ModelParts):
         return thinker.generate(
             ids, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             on_token=on_token, should_stop=should_stop, prefill_chunk=self.spec.prefill_tokens,
+            options=decoding_args(sampling, int(ids.shape[-1])),
         )
 
     def talk(self, talker: Any, payload: dict, sampling: Sampling, on_code: Any, should_stop: Any) -> Any:

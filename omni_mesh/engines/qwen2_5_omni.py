@@ -125,6 +125,7 @@ class Thinker:
         on_token: Callable[[int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         prefill_chunk: int | None = DEFAULT_CHUNK,
+        options: dict[str, Any] | None = None,
     ) -> ThinkerOutput:
         """The reply; `prefill_chunk` tokens of the prompt at a time, the stop flag checked between
         (None: the prompt in one call, as generate() alone does it)."""
@@ -146,6 +147,7 @@ class Thinker:
             **prefilled,
             **streaming(on_token, should_stop),
             **sampling_kwargs(temperature, top_p),
+            **(options or {}),  # generation.decoding_args: top_k, penalties, ...
         )
         steps = result.hidden_states  # one tuple of per-layer states per generation step
         embeds = [whole_prompt(hidden, 0, steps[0][0])] + [step[0] for step in steps[1:]]

@@ -128,6 +128,7 @@ class Qwen3OmniThinker:
         should_stop: Callable[[], bool] | None = None,
         for_talker: bool = True,
         prefill_chunk: int | None = DEFAULT_CHUNK,
+        options: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The reply (module docstring: the dict), made as generate() makes it. `for_talker=False`
         returns only `reply_ids` (a text-only stage: no hidden states are kept). The prompt goes through
@@ -161,6 +162,7 @@ class Qwen3OmniThinker:
                 **prefilled,
                 **streaming(on_token, should_stop),
                 **sampling_kwargs(temperature, top_p),
+                **(options or {}),  # generation.decoding_args: top_k, penalties, ...
             )
         sequence = result.sequences[0]
         reply_ids = sequence[input_ids.shape[1] :]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,15 @@ class EngineSpec:
     max_audio_tokens: int = 2048  # talker: codec codes
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
+    # thinker sampling as vLLM has it (docs/engines.md); None: the checkpoint's generation_config decides
+    top_k: int | None = None  # -1 or 0: every token
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()  # strings that end the reply (left out of its text)
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the reply besides the model's eos
+    seed: int | None = None
     speaker: str | None = None  # None: the model's default voice
     chunk_codes: int = 25  # talker -> code2wav: codes per streamed chunk
     first_chunk_codes: int = 10  # the first chunk is shorter: the first audio comes sooner
@@ -80,9 +90,13 @@ def parse_engine(raw: Any, who: str) -> EngineSpec:
     _check(values, "context_codes", lambda v: _int(v) and v >= 0, "an integer >= 0", who)
     _check(values, "threads", lambda v: v is None or _positive_int(v), "an integer >= 1", who)
     _check(values, "max_prompt_tokens", lambda v: v is None or _positive_int(v), "an integer >= 1", who)
-    _check(values, "temperature", lambda v: _number(v) and v >= 0, "a number >= 0", who)
-    _check(values, "top_p", lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]", who)
     _check(values, "speaker", lambda v: v is None or isinstance(v, str), "a speaker name", who)
+    defaults = {f.name: f.default for f in fields(EngineSpec)}
+    for name in SAMPLING_CHECKS.keys() & known - {"max_tokens", "max_audio_tokens", "speaker"}:
+        if name in values and not (values[name] is None and defaults[name] is None):
+            ok, what = SAMPLING_CHECKS[name]
+            _check(values, name, ok, what, who)
+            values[name] = _normal(name, values[name])
     return EngineSpec(**values)
 
 
@@ -96,24 +110,26 @@ class Sampling:
     top_p: float
     seed: int | None
     speaker: str | None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token id, added to its logit)
 
     @classmethod
     def of(cls, spec: EngineSpec, params: dict | None) -> Sampling:
         params = params or {}
-        sampling = cls(spec.max_tokens, spec.max_audio_tokens, spec.temperature, spec.top_p, None, spec.speaker)
+        defaults = {f.name: getattr(spec, f.name) for f in fields(cls) if hasattr(spec, f.name)}
+        sampling = cls(**defaults)
         changes: dict[str, Any] = {}
-        for name, ok, what in (
-            ("max_tokens", _positive_int, "an integer >= 1"),
-            ("max_audio_tokens", _positive_int, "an integer >= 1"),
-            ("temperature", lambda v: _number(v) and v >= 0, "a number >= 0 (0: greedy)"),
-            ("top_p", lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]"),
-            ("seed", lambda v: _int(v) and 0 <= v < 2**63, "an integer >= 0"),
-            ("speaker", lambda v: isinstance(v, str) and v != "", "a speaker name"),
-        ):
+        for name, (ok, what) in SAMPLING_CHECKS.items():
             if params.get(name) is not None:
                 if not ok(params[name]):
                     raise InvalidInput(f"param {name!r} must be {what}, got {params[name]!r}")
-                changes[name] = params[name]
+                changes[name] = _normal(name, params[name])
         if "speaker" not in changes and isinstance(params.get("voice"), str):  # OpenAI's audio.voice
             changes["speaker"] = params["voice"]
         return replace(sampling, **changes)
@@ -132,6 +148,32 @@ def within_model_len(spec: EngineSpec, sampling: Sampling, prompt_tokens: int) -
     return replace(sampling, max_tokens=spec.max_model_len - prompt_tokens)
 
 
+def _strings(value: Any) -> bool:
+    items = [value] if isinstance(value, str) else value
+    return isinstance(items, (list, tuple)) and all(isinstance(s, str) and s for s in items)
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(_int(t) and t >= 0 for t in value)
+
+
+def _bias(value: Any) -> bool:
+    return isinstance(value, dict) and all(
+        str(k).isdigit() and _number(v) and -100 <= v <= 100 for k, v in value.items()
+    )
+
+
+def _normal(name: str, value: Any) -> Any:
+    """A checked setting as Sampling keeps it: stop always a tuple, ids a tuple, logit_bias pairs."""
+    if name == "stop":
+        return (value,) if isinstance(value, str) else tuple(value)
+    if name == "stop_token_ids":
+        return tuple(value)
+    if name == "logit_bias":
+        return tuple((int(k), float(v)) for k, v in value.items())
+    return value
+
+
 def _check(values: dict, key: str, ok: Any, what: str, who: str) -> None:
     if key in values and not ok(values[key]):
         raise ValueError(f"{who}: engine.{key} must be {what}, got {values[key]!r}")
@@ -147,3 +189,22 @@ def _positive_int(value: Any) -> bool:
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+#: Sampling settings an engine takes as defaults and a request as params: vLLM's names and ranges.
+SAMPLING_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "max_tokens": (_positive_int, "an integer >= 1"),
+    "max_audio_tokens": (_positive_int, "an integer >= 1"),
+    "temperature": (lambda v: _number(v) and v >= 0, "a number >= 0 (0: greedy)"),
+    "top_p": (lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": (lambda v: _int(v) and v >= -1, "an integer >= 1 (-1 or 0: every token)"),
+    "min_p": (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "repetition_penalty": (lambda v: _number(v) and v > 0, "a number > 0 (1: none)"),
+    "presence_penalty": (lambda v: _number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+    "frequency_penalty": (lambda v: _number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+    "stop": (_strings, "a non-empty string or a list of them"),
+    "stop_token_ids": (_token_ids, "a list of token ids (integers >= 0)"),
+    "logit_bias": (_bias, 'a mapping of token id to a number in [-100, 100], such as {"42": -100}'),
+    "seed": (lambda v: _int(v) and 0 <= v < 2**63, "an integer >= 0"),
+    "speaker": (lambda v: isinstance(v, str) and v != "", "a speaker name"),
+}

@@ -31,6 +31,7 @@ from omni_mesh.audio import SAMPLE_RATE, pcm16_bytes, wav_base64
 from omni_mesh.engines.bridge import Generation
 from omni_mesh.engines.models import ModelParts, open_model
 from omni_mesh.engines.settings import EngineSpec, Sampling, parse_engine, within_model_len
+from omni_mesh.engines.stops import StopText, StopWatch
 from omni_mesh.engines.text import Detokenizer, prompt_ids
 
 log = logging.getLogger("omni_mesh.engines")
@@ -80,26 +81,30 @@ class ThinkerStage(EngineStage):
         self.model.check_prompt(thinker, int(ids.shape[-1]))  # a 4xx before any compute
         sampling = within_model_len(self.spec, sampling, int(ids.shape[-1]))
         eos = set(self.model.eos_token_ids(thinker))
+        stops = StopWatch(self.model.tokenizer, sampling.stop, sampling.stop_token_ids)
 
         def run(push: Any, should_stop: Any) -> Any:
             self.model.seed(sampling.seed)
-            return self.model.think(thinker, ids, sampling, push, should_stop)
+            return self.model.think(thinker, ids, sampling, push, stops.until(should_stop))
 
         generation = Generation(self.executor, run)
         # A client reading a stream gets the text token by token; for any other the text goes with the
         # talker's inputs in one chunk (a chunk per token would cost every stage a hop per token).
         detok = Detokenizer(self.model.tokenizer) if _client_streams(ctx) else None
+        text = StopText(sampling.stop)  # the reply's text ends before a stop string
         try:
             async for token in generation:
-                if detok is not None and (delta := detok.add(token)):
+                if detok is not None and (delta := text.add(detok.add(token))):
                     yield {"text": delta}
             output = await generation.result()
         finally:
             await generation.settle()
         reply = [int(t) for t in self.model.reply_ids(output).tolist()]
-        stopped = bool(reply) and reply[-1] in eos
+        stopped = stops.hit or (bool(reply) and reply[-1] in eos)
         yield {
-            "text": detok.flush() if detok else self.model.tokenizer.decode(reply, skip_special_tokens=True),
+            "text": text.add(detok.flush()) + text.flush()
+            if detok
+            else text.whole(self.model.tokenizer.decode(reply, skip_special_tokens=True)),
             "talker": self.model.talker_payload(output),
             "usage": {"prompt_tokens": int(ids.shape[-1]), "completion_tokens": len(reply)},
             "finish_reason": "stop" if stopped or len(reply) < sampling.max_tokens else "length",

@@ -16,6 +16,7 @@ The package, one concept a module:
     parse             `parse_topology`: stages, connectors and the edges declared between them
     sections          the top level and `runtime:`, where vllm-omni's files put connectors:, edges:, defaults:
     entries           one stage or connector entry, read and checked on its own
+    no_effect         the vllm-omni settings of an engine stage that do nothing here, named in a warning
     graph             the order of the stages; cycles, stages that reach no final one, no edges at all
     connector_checks  each connector against its type and its type's `validate_config`
     openai            the `openai:` section, read into `omni_mesh.openai_section`'s specs

@@ -71,23 +71,29 @@ def _engine(entry: dict, who: str) -> dict | None:
         raw = {"part": stage, "model": args.get("model") or "${OMNI_MESH_MODEL}"}
         if args.get("dtype") in DTYPES:
             raw["dtype"] = args["dtype"]
+        if args.get("max_model_len") is not None and PART_ALIASES.get(stage, stage) == "thinker":
+            raw["max_model_len"] = args["max_model_len"]
         raw.update(_sampling_defaults(entry.get("default_sampling_params"), PART_ALIASES.get(stage, stage)))
     try:
         spec = parse_engine(raw, who)
     except ValueError as exc:
         raise TopologyError(str(exc)) from None
-    return dict(vars(spec))
+    return {key: list(value) if isinstance(value, tuple) else value for key, value in vars(spec).items()}
 
 
 def _sampling_defaults(params: Any, part: str) -> dict:
-    """vllm-omni's `default_sampling_params` as engine defaults: temperature, top_p, and max_tokens (the
-    talker's counts codes). Others (seed, stop ids, ...) have no engine default here and are left out."""
+    """vllm-omni's `default_sampling_params` as engine defaults: the thinker takes vLLM's sampling
+    (temperature, top_p, top_k, penalties, stop, stop_token_ids, seed, max_tokens), the talker
+    temperature, top_p and max_tokens (its codes); what a part does not take is warned about
+    (topology.no_effect)."""
     if not isinstance(params, dict):
         return {}
-    out = {key: params[key] for key in ("temperature", "top_p") if key in params}
-    if "max_tokens" in params:
+    from omni_mesh.topology.no_effect import SAMPLING_TAKEN
+
+    out = {key: params[key] for key in SAMPLING_TAKEN.get(part, ()) if key in params and key != "max_tokens"}
+    if "max_tokens" in params and part != "code2wav":
         out["max_audio_tokens" if part == "talker" else "max_tokens"] = params["max_tokens"]
-    return out if part != "code2wav" else {}
+    return out
 
 
 def parse_connector_entry(entry: Any, ref: str, who: str, *, unknown_keys_ok: bool = False) -> ConnectorSpec:

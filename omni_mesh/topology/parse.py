@@ -31,6 +31,7 @@ from omni_mesh.topology.model import (
     stage_list,
 )
 from omni_mesh.topology.modes import modes_warning
+from omni_mesh.topology.no_effect import no_effect_warning
 from omni_mesh.topology.openai import read_openai_section
 from omni_mesh.topology.sections import Sections
 from omni_mesh.topology.validation import validated
@@ -161,6 +162,8 @@ class _Parser:
             names[stage.name] = stage.stage_id
             self.stages[stage.stage_id] = stage
             self.raw_stages[stage.stage_id] = entry
+            if warning := no_effect_warning(entry, stage):
+                self.warnings.append(warning)
         if self.prepared.missing_graph:
             raise TopologyError(self.prepared.missing_graph)
 

@@ -343,6 +343,9 @@ def _engine_schema() -> dict[str, Any]:
     properties["model_stage"] = {**properties["part"], "description": "vllm-omni's name for part"}
     properties["arch"] = {"enum": [*ARCHS, None], "default": None}
     properties["dtype"] = {"enum": list(DTYPES), "default": "auto"}
+    strings = {"type": "array", "items": {"type": "string", "minLength": 1}}
+    properties["stop"] = {"anyOf": [{"type": "string", "minLength": 1}, strings], "default": []}
+    properties["stop_token_ids"] = {"type": "array", "items": {"type": "integer", "minimum": 0}, "default": []}
     return {
         "anyOf": [
             {"type": "object", "properties": properties, "additionalProperties": False},

@@ -24,6 +24,19 @@ def sse_events(response: Any) -> Iterator[tuple[str, dict]]:
             kind = "message"
 
 
+def streamed_outputs(client: Any, body: dict, timeout_s: float = 90) -> list[dict]:
+    """The `output` of each event of a streamed POST /v1/requests, up to `done`; an error event fails."""
+    outputs = []
+    with client.stream("POST", "/v1/requests", json={**body, "stream": True}, timeout=timeout_s) as response:
+        assert response.status_code == 200, response.read()
+        for kind, event in sse_events(response):
+            assert kind != "error", event
+            if kind == "done":
+                break
+            outputs.append(event["output"])
+    return outputs
+
+
 def wav_samples(b64: str) -> np.ndarray:
     """The 16-bit samples of a base64 24 kHz mono WAV (int32, so differences do not wrap)."""
     with wave.open(io.BytesIO(base64.b64decode(b64))) as wav:
