@@ -1,6 +1,6 @@
 """`omni-mesh up` acting on the coordinator's autoscaling: the coordinator decides each stage's target
-replicas (omni_mesh.coordinator.autoscaler), the launcher reads them from /v1/stages and starts
-replica processes, or drains and stops them.
+replicas (omni_mesh.coordinator.autoscaler: from the load, or `omni-mesh scale` for a stage without
+autoscale:), the launcher reads them from /v1/stages and starts replica processes, or drains and stops them.
 
 A replica asked to go gets SIGTERM, the signal it already drains on: it takes no new work, finishes
 what it holds, deregisters and exits; what it leaves is reclaimed by its connector types
@@ -56,7 +56,7 @@ def host_cap(topology: Topology, given: int | None) -> int:
 
 
 class Scaler:
-    """Brings each autoscaled stage's replica processes to the coordinator's target."""
+    """Brings each stage's replica processes to the coordinator's target."""
 
     def __init__(
         self,
@@ -71,7 +71,7 @@ class Scaler:
         verify: ssl.SSLContext | bool,
         min_free_memory: int | None = None,
     ) -> None:
-        self.stages = [stage for stage in topology.stages if stage.autoscale is not None]
+        self.stages = list(topology.stages)  # autoscaled, or set by `omni-mesh scale`
         self.replicas = replicas  # the launcher's list: children are added to it and removed from it
         self.make_replica = make_replica
         self.reclaim = reclaim  # what an exited replica held, looked for where this mesh keeps it

@@ -1,17 +1,22 @@
 """The first hour with `omni-mesh up` (issue 41 item 5), run as a user runs it: the real CLI in a
-subprocess. Ports are checked before anything starts (one line, no traceback, no process left), and
-closing the terminal (SIGHUP) stops the mesh as Ctrl-C does, leaving nothing in /dev/shm."""
+subprocess. Ports are checked before anything starts (one line, no traceback, no process left),
+closing the terminal (SIGHUP) stops the mesh as Ctrl-C does, leaving nothing in /dev/shm, a stream
+still running past the grace ends with an error event saying the server stops, and `omni-mesh scale`
+changes a running stage's replicas."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
+import threading
 from pathlib import Path
 
+import httpx
 import pytest
-from support.meshkit import OMNI_MESH, running_mesh, write_topology
+from support.meshkit import OMNI_MESH, running_mesh, start_mesh, stopped_after, wait_for, write_topology
 
 from omni_mesh.ports import free_port
 
@@ -79,3 +84,65 @@ def test_transformers_chatter_is_quiet_at_the_default_log_level(tmp_path: Path) 
     assert done.returncode == 0, done.stderr
     # The tiny config's out-of-vocabulary warnings and the shard-writing progress bar, before the fix.
     assert "[transformers]" not in done.stderr and "it/s]" not in done.stderr, done.stderr
+
+
+def scale(mesh_url: str, *args: str, key: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "OMNI_MESH_API_KEY"}
+    flags = ["--api-key", key] if key else []
+    return subprocess.run(
+        [str(OMNI_MESH), "scale", *args, "--url", mesh_url.removeprefix("http://"), *flags],
+        capture_output=True, text=True, timeout=60, env=env,
+    )
+
+
+def test_scale_a_stage_of_a_running_mesh(tmp_path: Path) -> None:
+    key = "scale-test-key"
+    with running_mesh(tmp_path, CHAIN, "--max-replicas-total", "4", env={"OMNI_MESH_API_KEY": key}, headers={"authorization": f"Bearer {key}"}) as mesh:
+        pids = lambda: sorted(r["pid"] for r in mesh.stages()["b"] if r["health"] == "healthy")  # noqa: E731
+        first = pids()
+        assert len(first) == 1
+        done = scale(mesh.url, "b", "2", key=key)
+        assert done.returncode == 0, done.stderr
+        assert "b: 1 -> 2 replicas" in done.stdout
+        two = wait_for(lambda: (lambda p: p if len(p) == 2 else None)(pids()), 60, "b at 2 replicas")
+        assert set(first) < set(two)
+        assert mesh.ok({"n": 4})["outputs"]["trail"] == ["a", "b"]
+        assert scale(mesh.url, "b", "1", key=key).returncode == 0
+        wait_for(lambda: len(mesh.stages()["b"]) == 1, 60, "b back at 1 replica")
+        assert mesh.ok({"n": 4})["outputs"]["trail"] == ["a", "b"]
+        # Refusals: one line each, naming what is wrong, and nothing changes.
+        for args, key_given, words in [
+            (("c", "2"), key, ["no stage 'c'", "its stages: a, b"]),
+            (("b", "0"), key, ["replicas must be at least 1"]),
+            (("b", "4"), key, ["past the host cap of 4", "--max-replicas-total"]),
+            (("b", "2"), None, ["missing or wrong API key"]),
+        ]:
+            done = scale(mesh.url, *args, key=key_given)
+            assert done.returncode == 2 and done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done
+            assert "Traceback" not in done.stderr and all(w in done.stderr for w in words), done.stderr
+        assert [s["target_replicas"] for s in mesh.client.get("/v1/stages").json()["stages"]] == [1, 1]
+
+
+def test_a_stream_past_the_grace_ends_saying_the_server_stops(tmp_path: Path) -> None:
+    mesh = start_mesh(tmp_path, CHAIN)  # `up` gives the coordinator a grace of 10 s
+    lines: list[str] = []
+    payload = {"inputs": {"n": 4}, "params": {"hang": "b"}, "timeout_s": 120, "stream": True}
+
+    def read() -> None:
+        with httpx.stream("POST", f"{mesh.url}/v1/requests", json=payload, timeout=60) as response:
+            lines.extend(response.iter_lines())
+
+    reader = threading.Thread(target=read)
+    with stopped_after(mesh):
+        reader.start()
+        wait_for(lambda: any(r["inflight"] for r in mesh.stages()["b"]), 20, "the request at b")
+    reader.join(30)
+    assert not reader.is_alive()
+    events = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    data = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
+    assert events[-1:] == ["error"], lines
+    assert data[-1]["status"] == 503 and "the server is stopping" in data[-1]["error"], data
+    log = mesh.log()
+    assert "server stopping" in log, log[-4000:]
+    assert "went away" not in log and " 499 " not in log and "CancelledError" not in log, log[-4000:]
+    assert "Traceback" not in log, log[-4000:]

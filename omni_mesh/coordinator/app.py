@@ -29,6 +29,7 @@ from omni_mesh.coordinator.metrics import Metrics
 from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S
 from omni_mesh.coordinator.routes import dashboard, openai, requests, status
 from omni_mesh.coordinator.service import Coordinator
+from omni_mesh.coordinator.stopping import StoppingServer
 from omni_mesh.fdlimit import raise_nofile_limit
 from omni_mesh.media.limits import MediaLimits
 from omni_mesh.topology import Topology
@@ -121,7 +122,7 @@ async def serve(
         ssl_keyfile=ssl_keyfile,
         ssl_certfile=ssl_certfile,
     )
-    server = uvicorn.Server(config)
+    server = StoppingServer(config, coordinator.dispatcher)  # past the grace, requests end saying so
     scheme = "https" if ssl_certfile else "http"
     log.info(
         "coordinator for topology %r on %s://%s:%d (API key %s)",

@@ -13,6 +13,11 @@ down and up again each period, a process start and a drain every time: a stage t
 within a flap window (twice its upscale delay plus its downscale delay) of going down has flapped, and its
 downscale delay doubles (up to FLAP_CAP times the configured one); once a move down holds for the
 window, it is the configured one again.
+
+`omni-mesh scale STAGE N` (POST /v1/stages/{name}/replicas) sets the target of a stage without
+`autoscale:` the same way: `up`'s launcher starts or drains replicas to it. An autoscaled stage is
+refused (409): its target follows the load, within its `autoscale:` bounds, and a count set by hand
+would be undone at the next decision.
 """
 
 from __future__ import annotations
@@ -50,6 +55,14 @@ FLAP_CAP = 8
 #: has flapped: a square wave of half-period H comes back H + up - down after the move down.
 FLAP_WINDOW = 2
 FLAP_FLOOR_S = 1.0
+
+
+class ScaleRefused(ValueError):
+    """A replica count `omni-mesh scale` asked for that cannot be: `status` is the HTTP answer."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -93,6 +106,7 @@ class Autoscaler:
             s.name: StageScaling(s, s.autoscale, s.replicas, s.replicas) for s in topology.stages if s.autoscale
         }
         self.settle_until: float | None = None  # set at the first tick
+        self.fixed: dict[str, int] = {}  # stage without autoscale: -> replicas set by `omni-mesh scale`
 
     # ------------------------------------------------------------------ what it reads
 
@@ -107,7 +121,34 @@ class Autoscaler:
 
     def target(self, stage: StageSpec) -> int:
         scaling = self.stages.get(stage.name)
-        return scaling.target if scaling is not None else stage.replicas
+        return scaling.target if scaling is not None else self.fixed.get(stage.name, stage.replicas)
+
+    def set_replicas(self, name: str, replicas: int) -> int:
+        """`omni-mesh scale`: the target of stage `name` (without autoscale:) from now on; returns the
+        previous one. ScaleRefused names the stage and why not."""
+        stage = next((s for s in self.topology.stages if s.name == name), None)
+        if stage is None:
+            names = ", ".join(s.name for s in self.topology.stages)
+            raise ScaleRefused(404, f"no stage {name!r} in mesh {self.topology.name!r}; its stages: {names}")
+        if stage.autoscale is not None:
+            spec = stage.autoscale
+            raise ScaleRefused(409, f"stage {name!r} is autoscaled (min_replicas {spec.min_replicas}, max_replicas "
+                                    f"{spec.max_replicas}): its target follows the load; change its autoscale: "
+                                    "section to change its bounds")
+        if self.host_cap is None:
+            raise ScaleRefused(409, "no launcher acts on this coordinator's targets (only `omni-mesh up` starts "
+                                    "and stops replicas); scale the deployment that runs them instead")
+        if replicas < 1:
+            raise ScaleRefused(422, f"stage {name!r}: replicas must be at least 1, got {replicas}")
+        others = sum(self.target(s) for s in self.topology.stages if s.name != name)
+        if others + replicas > self.host_cap:
+            raise ScaleRefused(422, f"stage {name!r}: {replicas} replicas is past the host cap of {self.host_cap} "
+                                    f"replicas in all (the other stages run {others}, leaving {self.host_cap - others}); "
+                                    "raise it with `omni-mesh up --max-replicas-total N`")
+        before = self.target(stage)
+        self.fixed[name] = replicas
+        log.info("scale: %s %d -> %d (omni-mesh scale)", name, before, replicas)
+        return before
 
     def scaled_to_zero(self) -> set[str]:
         """Stages with no replica because the autoscaler took them to zero (or is starting one from

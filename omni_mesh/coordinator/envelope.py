@@ -28,7 +28,9 @@ _MAX_KEY_CHARS = 64  # a field name is echoed in the error: keep a huge one from
 #: What each error status means on our routes (the OpenAPI document lists them).
 MEANINGS: dict[int, str] = {
     401: "missing or wrong API key, when the coordinator has one (send `Authorization: Bearer <key>`)",
+    404: "no such stage (the error names the stages there are)",
     408: "the request's headers or body did not arrive in time",
+    409: "the stage's replicas are not set by hand here (autoscaled, or no `omni-mesh up` runs them)",
     413: "request body too large",
     421: "the Host header names another server (a coordinator on loopback answers loopback names only)",
     422: "invalid request; `field` names what to fix",

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictInt
 
-from omni_mesh.coordinator.envelope import MEANINGS, responses
+from omni_mesh.coordinator.autoscaler import ScaleRefused
+from omni_mesh.coordinator.envelope import MEANINGS, error_response, responses
 from omni_mesh.coordinator.metrics import CONTENT_TYPE_LATEST, Metrics, stats
 from omni_mesh.coordinator.service import Coordinator
 
@@ -22,6 +23,10 @@ class ReadyBody(BaseModel):
     error: str | None = Field(default=None, description="when not ready: the same, in one sentence")
     stage: str | None = None
     request_id: str | None = None
+
+
+class ReplicasBody(BaseModel):
+    replicas: StrictInt = Field(description="the replicas the stage runs from now on (at least 1)")
 
 
 def router(coordinator: Coordinator, metrics: Metrics) -> APIRouter:
@@ -75,6 +80,18 @@ def router(coordinator: Coordinator, metrics: Metrics) -> APIRouter:
                 for stage in coordinator.topology.stages
             ]
         }
+
+    @routes.post(
+        "/v1/stages/{name}/replicas",
+        summary="`omni-mesh scale`: set the replicas of a stage without autoscale: (`omni-mesh up` acts on it)",
+        responses=responses(401, 404, 409, 422),
+    )
+    async def scale(name: str, body: ReplicasBody) -> JSONResponse:
+        try:
+            before = coordinator.autoscaler.set_replicas(name, body.replicas)
+        except ScaleRefused as exc:
+            return error_response(exc.status, str(exc), stage=name if exc.status != 404 else None)
+        return JSONResponse(content={"stage": name, "target_replicas": body.replicas, "previous": before})
 
     @routes.get(
         "/metrics", summary="Prometheus metrics (omni_mesh_*)", response_class=Response, responses=responses(401)
