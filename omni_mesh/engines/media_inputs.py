@@ -18,17 +18,23 @@ import torch
 ENCODED_KEY = "encoded"  # the encoder stage's output: {"encoded": Encoded}
 
 
+def prompt_ids(encoded: dict[str, Any]) -> torch.Tensor:
+    """The expanded prompt, int64 [1, P]."""
+    return torch.as_tensor(encoded["input_ids"]).reshape(1, -1).to(torch.long)
+
+
 def thinker_kwargs(thinker_model: Any, encoded: dict[str, Any]) -> dict[str, Any]:
-    """generate() arguments for `thinker_model` (a `...ThinkerForConditionalGeneration`) from `Encoded`."""
+    """generate() arguments for `thinker_model` (a `...ThinkerForConditionalGeneration`) from `Encoded`,
+    besides `input_ids` (`prompt_ids(encoded)`, which the caller passes)."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
     device = thinker_model.device
     config = thinker_model.config
-    input_ids = torch.as_tensor(encoded["input_ids"]).reshape(1, -1).to(device=device, dtype=torch.long)
+    input_ids = prompt_ids(encoded).to(device)
+    thinker_model.model.rope_deltas = None  # per-call state of the model object: never the last request's
     table = thinker_model.get_input_embeddings()
     inputs_embeds = table(input_ids)
     kwargs: dict[str, Any] = {
-        "input_ids": input_ids,
         "attention_mask": torch.ones_like(input_ids),
         "use_audio_in_video": bool(encoded.get("use_audio_in_video", False)),
     }

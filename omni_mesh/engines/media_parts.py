@@ -9,7 +9,8 @@ A media part holds its media decoded (numpy):
     {"type": "audio", "audio": float32 [samples] mono at 16 kHz}
     {"type": "image", "image": uint8 [H, W, 3] RGB}
     {"type": "video", "video": uint8 [T, H, W, 3], "fps": float, "audio": float32 [samples] (optional)}
-An encoded part (bytes of a file, a data URL) is decoded before it gets here, by the entry stage.
+or encoded, as the coordinator passes it on (`omni_mesh.media`'s canonical part: `{"type", "data": bytes,
+"format"}`), decoded here by the stage that runs the processor.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def _part(part: Any, media: Media, where: str) -> dict:
         if not isinstance(part.get("text"), str):
             raise InvalidInput(f"{where}: a text part needs a string 'text'")
         return {"type": "text", "text": part["text"]}
+    if kind in MEDIA_KINDS and isinstance(part.get("data"), (bytes, bytearray, memoryview)):
+        part = _decoded(kind, part, where)
     if kind == "audio":
         media.audios.append(_audio(part.get("audio"), where))
     elif kind == "image":
@@ -103,6 +106,25 @@ def _part(part: Any, media: Media, where: str) -> dict:
         raise InvalidInput(f"{where}: part type {part.get('type')!r} is not one this model reads "
                            f"(text, audio, image, video, input_audio, image_url, video_url, audio_url)")
     return {"type": kind}
+
+
+def _decoded(kind: str, part: dict, where: str) -> dict:
+    """An encoded canonical part decoded (omni_mesh.media); its errors name the part."""
+    from omni_mesh import media
+
+    data, fmt = bytes(part["data"]), part.get("format")
+    try:
+        if kind == "audio":
+            return {"audio": media.decode_audio(data, fmt, rate=AUDIO_RATE)}
+        if kind == "image":
+            return {"image": media.decode_image(data, fmt)}
+        video = media.decode_video(data, fmt)
+        track = video.audio
+        if track is not None and getattr(video, "audio_rate", AUDIO_RATE) != AUDIO_RATE:
+            track = media.decode_audio(data, fmt, rate=AUDIO_RATE)
+        return {"video": video.frames, "fps": video.fps, "audio": track}
+    except media.MediaError as exc:
+        raise InvalidInput(f"{where}: {exc}") from None
 
 
 def _audio(value: Any, where: str) -> np.ndarray:

@@ -91,11 +91,12 @@ class Thinker:
         self.speakers = speakers
 
     @classmethod
-    def load(cls, model_dir: Path, dtype: torch.dtype, device: str) -> Thinker:
+    def load(cls, model_dir: Path, dtype: torch.dtype, device: str, skip: tuple[str, ...] = ()) -> Thinker:
+        """`skip`: the towers' prefixes when an encoder stage runs them (`omni_mesh.engines.encoder`)."""
         config = load_config(model_dir)
         model = load_part(
             Qwen2_5OmniThinkerForConditionalGeneration, config.thinker_config, model_dir, "thinker.",
-            dtype=dtype, device=device,
+            dtype=dtype, device=device, skip=skip,
         )
         return cls(model, config, load_speakers(model_dir))
 
@@ -115,7 +116,9 @@ class Thinker:
         speaker: str | None = None,
         on_token: Callable[[int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        media: dict[str, Any] | None = None,
     ) -> ThinkerOutput:
+        """`media`: generate() arguments for the prompt's encoded media (`media_inputs.thinker_kwargs`)."""
         device = self.model.device
         input_ids = prompt_ids.reshape(1, -1).to(device)
         bos_token = speaker_entry(self.speakers, speaker)["bos_token"]
@@ -126,6 +129,7 @@ class Thinker:
             return_dict_in_generate=True,
             **streaming(on_token, should_stop),
             **sampling_kwargs(temperature, top_p),
+            **(media or {}),
         )
         steps = result.hidden_states  # one tuple of per-layer states per generation step
         embeds = [step[0] for step in steps]

@@ -98,11 +98,12 @@ class Qwen3OmniThinker:
         self._lock = threading.Lock()  # the thinker keeps per-call state (rope deltas): one call at a time
 
     @classmethod
-    def load(cls, model_dir: Path, dtype: torch.dtype, device: str) -> Qwen3OmniThinker:
+    def load(cls, model_dir: Path, dtype: torch.dtype, device: str, skip: tuple[str, ...] = ()) -> Qwen3OmniThinker:
+        """`skip`: the towers' prefixes when an encoder stage runs them (`omni_mesh.engines.encoder`)."""
         config = load_config(model_dir)
         model = load_part(
             Qwen3OmniMoeThinkerForConditionalGeneration, config.thinker_config, Path(model_dir), "thinker.",
-            dtype=dtype, device=device,
+            dtype=dtype, device=device, skip=skip,
         )
         return cls(model, config)
 
@@ -117,9 +118,11 @@ class Qwen3OmniThinker:
         on_token: Callable[[int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         for_talker: bool = True,
+        media: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The reply (module docstring: the dict), made as generate() makes it. `for_talker=False`
-        returns only `reply_ids` (a text-only stage: no hidden states are kept)."""
+        returns only `reply_ids` (a text-only stage: no hidden states are kept). `media`: generate()
+        arguments for the prompt's encoded media (`media_inputs.thinker_kwargs`)."""
         if max_tokens < 1:
             raise ValueError(f"Qwen3-Omni thinker: max_tokens must be >= 1, got {max_tokens}")
         device = self.model.device
@@ -134,11 +137,11 @@ class Qwen3OmniThinker:
                 input_ids=input_ids,
                 max_new_tokens=max_tokens,
                 eos_token_id=self.eos_token_ids,
-                use_audio_in_video=False,
                 output_hidden_states=placeholders,
                 return_dict_in_generate=True,
                 **streaming(on_token, should_stop),
                 **sampling_kwargs(temperature, top_p),
+                **{"use_audio_in_video": False, **(media or {})},
             )
         sequence = result.sequences[0]
         reply_ids = sequence[input_ids.shape[1] :]

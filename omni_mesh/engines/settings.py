@@ -13,7 +13,7 @@ from typing import Any
 from omni_mesh.errors import InvalidInput
 
 #: The parts a model is split into; vllm-omni's `model_stage` names (token2wav: Qwen2.5-Omni's name).
-PARTS = ("thinker", "talker", "code2wav")
+PARTS = ("encoder", "thinker", "talker", "code2wav")
 PART_ALIASES = {"token2wav": "code2wav"}
 #: Architectures by the checkpoint's config.json `model_type`.
 ARCHS = ("qwen2_5_omni", "qwen3_omni_moe")
@@ -41,6 +41,7 @@ class EngineSpec:
     first_chunk_codes: int = 10  # the first chunk is shorter: the first audio comes sooner
     context_codes: int = 25  # code2wav streaming: codes of left context decoded again with each chunk
     num_steps: int = 10  # Qwen2.5-Omni token2wav: ODE steps of its DiT
+    encoder_cache: int = 256  # encoder (or a thinker that encodes): media items whose embeddings are kept
 
     def model_dir(self) -> Path:
         """The checkpoint directory, variables expanded; ValueError naming a variable that is unset."""
@@ -79,7 +80,8 @@ def parse_engine(raw: Any, who: str) -> EngineSpec:
     _check(values, "device", lambda v: isinstance(v, str) and bool(_DEVICE.match(v)), "cpu or cuda:N", who)
     for name in ("max_tokens", "max_audio_tokens", "chunk_codes", "first_chunk_codes", "num_steps"):
         _check(values, name, _positive_int, "an integer >= 1", who)
-    _check(values, "context_codes", lambda v: _int(v) and v >= 0, "an integer >= 0", who)
+    for name in ("context_codes", "encoder_cache"):
+        _check(values, name, lambda v: _int(v) and v >= 0, "an integer >= 0", who)
     _check(values, "threads", lambda v: v is None or _positive_int(v), "an integer >= 1", who)
     _check(values, "temperature", lambda v: _number(v) and v >= 0, "a number >= 0", who)
     _check(values, "top_p", lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]", who)
