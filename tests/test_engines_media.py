@@ -70,9 +70,10 @@ class Split:
 
     def through(self, thinker: object, parts: object, inputs: dict) -> tuple[list[int], list]:
         ids, media = parts.prompt(thinker, inputs)
+        if "2_5" not in type(thinker.model).__name__:
+            media = {"use_audio_in_video": False, **media}
         out = thinker.model.generate(input_ids=ids, **media, max_new_tokens=TOKENS, do_sample=False,
-                                     output_logits=True, return_dict_in_generate=True,
-                                     **({} if "2_5" in type(thinker.model).__name__ else {"use_audio_in_video": False}))
+                                     output_logits=True, return_dict_in_generate=True)
         return out.sequences[0, ids.shape[1] :].tolist(), list(out.logits)
 
     def fed_by_encoder(self, inputs: dict) -> tuple[list[int], list]:
