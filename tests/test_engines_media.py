@@ -100,7 +100,7 @@ def test_encoder_stage_and_self_encoding_thinker_equal_one_call_generate(split: 
     for path in (split.fed_by_encoder(inputs), split.through(split.whole, split.self_parts, inputs)):
         assert path[0] == tokens
         assert len(path[1]) == len(logits)
-        for ours, theirs in zip(path[1], logits):
+        for ours, theirs in zip(path[1], logits, strict=True):
             assert torch.equal(ours, theirs), float((ours - theirs).abs().max())
     # the stage stops at the thinker's eos, where the bare generate() may go on
     reply = split.reply(inputs)
