@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
 
 from omni_mesh.cli.common import EXIT_OK, CliError, Command, Declare, HelpWithDefaults
 from omni_mesh.defaults import BODY_TIMEOUT_S as BODY_TIMEOUT_S
@@ -12,6 +13,9 @@ from omni_mesh.defaults import COORDINATOR_UNRESPONSIVE_S, HEARTBEAT_TIMEOUT_S
 from omni_mesh.defaults import HEADER_TIMEOUT_S as HEADER_TIMEOUT_S
 from omni_mesh.defaults import WRITE_TIMEOUT_S as WRITE_TIMEOUT_S
 from omni_mesh.topology import Topology, load_topology
+
+if TYPE_CHECKING:
+    from omni_mesh.media.limits import MediaLimits
 
 
 def _env(name: str, default: str) -> str:
@@ -50,6 +54,43 @@ def _add_rest_flags(parser: argparse.ArgumentParser) -> None:
         "--write-timeout-s", type=float, default=WRITE_TIMEOUT_S,
         help="a client that reads nothing of its answer for this long is cut off and its answer dropped",
     )
+    _add_media_flags(parser)
+
+
+def _add_media_flags(parser: argparse.ArgumentParser) -> None:
+    from omni_mesh.media.limits import ENV, MediaLimits
+
+    try:
+        env = MediaLimits.from_env()
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    media = parser.add_argument_group("media in requests (also read by every stage from the environment)")
+    for flag, name, kind, what in (
+        ("--media-max-bytes", "max_bytes", int, "bytes of one media part"),
+        ("--media-max-image-pixels", "max_image_pixels", int, "width x height of an image or video frame"),
+        ("--media-max-audio-s", "max_audio_s", float, "seconds of one audio clip or audio track"),
+        ("--media-max-video-frames", "max_video_frames", int, "frames of one video"),
+        ("--media-fetch-timeout-s", "fetch_timeout_s", float, "one remote media download"),
+    ):
+        media.add_argument(flag, type=kind, default=getattr(env, name), help=f"at most: {what} (${ENV[name]})")
+    media.add_argument(
+        "--allowed-media-domains", metavar="D1,D2", default=",".join(env.allowed_domains),
+        help="domains (and their subdomains) whose http(s) media URLs the coordinator fetches; empty: remote "
+        f"media off, no connection is made (${ENV['allowed_domains']})",
+    )
+
+
+def _media_limits(args: argparse.Namespace) -> MediaLimits:
+    from omni_mesh.media.limits import MediaLimits, domains
+
+    try:
+        return MediaLimits(
+            max_bytes=args.media_max_bytes, max_image_pixels=args.media_max_image_pixels,
+            max_audio_s=args.media_max_audio_s, max_video_frames=args.media_max_video_frames,
+            allowed_domains=domains(args.allowed_media_domains), fetch_timeout_s=args.media_fetch_timeout_s,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
 
 
 def _rest_settings(args: argparse.Namespace) -> dict:
@@ -65,7 +106,8 @@ def _rest_settings(args: argparse.Namespace) -> dict:
         if not getattr(args, name) > 0:
             raise CliError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}")
     return {"api_key": key or None, **tls, "header_timeout_s": args.header_timeout_s,
-            "body_timeout_s": args.body_timeout_s, "write_timeout_s": args.write_timeout_s}
+            "body_timeout_s": args.body_timeout_s, "write_timeout_s": args.write_timeout_s,
+            "media_limits": _media_limits(args)}
 
 
 def _add_coordinator(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -214,6 +256,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     rest = _rest_settings(args)
     # The coordinator reads the key from its environment, which it inherits: never from its argv,
     # which ps shows to every user of the machine.
+    # The media limits too, for the coordinator and every stage (which decodes media) alike.
+    os.environ.update(rest.pop("media_limits").env())
     if rest["api_key"]:
         os.environ[ENV_API_KEY] = rest["api_key"]
     else:

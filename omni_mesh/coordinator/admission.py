@@ -2,7 +2,7 @@
 
 A request is checked in this order, each refusal a RequestFailed naming what was wrong: its deadline
 (422 over the coordinator's maximum), that its inputs and params can travel to a stage (422 naming
-the field), the size of its params (413), then the queues (429 with Retry-After while a stage's
+the field), its media parts (422 naming the message and part), the size of its params (413), then the queues (429 with Retry-After while a stage's
 queue is at its limit). Then it gets its id and goes to the entry stages: inputs too large for a
 control message go through the ingress connector first, counted against the queue limit meanwhile
 (Dispatcher.arriving), so concurrent large requests cannot overshoot it.
@@ -18,6 +18,7 @@ from fastapi import Request
 from omni_mesh.connectors import ConnectorError
 from omni_mesh.coordinator.dispatch import RequestState
 from omni_mesh.coordinator.failures import RequestFailed, inputs_not_held
+from omni_mesh.coordinator.media_check import check_media
 from omni_mesh.coordinator.request_body import unpackable
 from omni_mesh.coordinator.service import Coordinator
 from omni_mesh.ingress import INLINE_MAX_BYTES
@@ -37,9 +38,12 @@ async def admit(
     *,
     timeout_s: float | None,
     stream: bool,
+    messages: dict[str, str] | None = None,
 ) -> RequestState:
     """The admitted request (its id is the access log's: the client's X-Request-Id when usable), or
-    RequestFailed saying why it was refused."""
+    RequestFailed saying why it was refused. `messages` maps the inputs that hold chat messages to the
+    field an error names (default: `inputs.messages`): their media parts are checked
+    (coordinator.media_check) before the request takes a place in a queue."""
     timeout_s = timeout_s or coordinator.default_timeout_s
     if timeout_s > coordinator.max_timeout_s:
         message = f"timeout_s: {timeout_s:g} s exceeds the maximum of {coordinator.max_timeout_s:g} s"
@@ -47,6 +51,7 @@ async def admit(
     bad = unpackable(inputs, params)
     if bad is not None:
         raise RequestFailed(422, f"{bad[0]}: {bad[1]}", field=bad[0])
+    inputs = await check_media(inputs, messages or {"messages": "inputs.messages"}, coordinator.media_limits)
     params_size = len(msgpack.packb(params))
     if params_size > MAX_PARAMS_BYTES:
         raise RequestFailed(

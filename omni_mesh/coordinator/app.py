@@ -29,6 +29,7 @@ from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S
 from omni_mesh.coordinator.routes import dashboard, openai, requests, status
 from omni_mesh.coordinator.service import Coordinator
 from omni_mesh.fdlimit import raise_nofile_limit
+from omni_mesh.media.limits import MediaLimits
 from omni_mesh.topology import Topology
 
 log = logging.getLogger("omni_mesh.coordinator")
@@ -92,13 +93,14 @@ async def serve(
     max_control_connections: int | None = None,
     max_rest_connections: int | None = None,
     write_timeout_s: float = WRITE_TIMEOUT_S,
+    media_limits: MediaLimits | None = None,
 ) -> None:
     """Run the coordinator until SIGINT/SIGTERM; in-flight requests get `grace_s` to finish."""
     fd_limit = raise_nofile_limit()
     return_large_blocks()  # a large answer's memory goes back to the system once it is sent
     coordinator = Coordinator(
         topology, control, default_timeout_s=default_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
-        max_connections=max_control_connections,
+        max_connections=max_control_connections, media_limits=media_limits,
     )
     app = create_app(coordinator, api_key=api_key, host=host)
     config = uvicorn.Config(

@@ -88,6 +88,9 @@ class ChatRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     store: StrictBool | None = None
     service_tier: str | None = None
+    mm_processor_kwargs: dict[str, Any] | None = Field(
+        default=None, description="vLLM's: passed to the stages as params.mm_processor_kwargs (use_audio_in_video)"
+    )
     params: dict[str, Any] = Field(default_factory=dict, description="omni-mesh: more params for the stages")
 
 
@@ -110,7 +113,8 @@ def chat_call(body: ChatRequest, spec: OpenAISpec) -> ChatCall:
         raise ChatRequestError(f"model {spec.model!r} has no audio output; ask for modalities [\"text\"]", "modalities")
     audio_format = (body.audio.format if body.audio else "wav") if "audio" in modalities else None
     params = _params(body, modalities)
-    inputs = {name: _source(body.messages, source) for name, source in spec.inputs.items()}
+    media = "messages" in spec.inputs.values()  # the whole messages go on: the entry stage reads the media
+    inputs = {name: _source(body.messages, source, media) for name, source in spec.inputs.items()}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return ChatCall(inputs, params, "text" in modalities, audio_format, include_usage)
 
@@ -145,6 +149,13 @@ def _params(body: ChatRequest, modalities: list[str]) -> dict[str, Any]:
         ours["audio_format"] = body.audio.format if body.audio else "wav"
         if body.audio and body.audio.voice is not None:
             ours["voice"] = body.audio.voice
+    if body.mm_processor_kwargs is not None:
+        use = body.mm_processor_kwargs.get("use_audio_in_video")
+        if use is not None and not isinstance(use, bool):
+            raise ChatRequestError(
+                "mm_processor_kwargs.use_audio_in_video must be true or false", "mm_processor_kwargs.use_audio_in_video"
+            )
+        ours["mm_processor_kwargs"] = body.mm_processor_kwargs
     ours["stream"] = True
     for name, value in ours.items():
         if name in body.params and body.params[name] != value:
@@ -152,9 +163,12 @@ def _params(body: ChatRequest, modalities: list[str]) -> dict[str, Any]:
     return {**body.params, **ours}
 
 
-def _source(messages: list[Message], source: str) -> Any:
+def _source(messages: list[Message], source: str, media: bool) -> Any:
     if source == "messages":
         return [message.model_dump(exclude_none=True) for message in messages]
+    if not media:  # only text reaches the pipeline: a media part anywhere would be lost
+        for index, message in enumerate(messages):
+            _text(message, index, strict=True)
     if source == "system_message":
         return "\n".join(_text(m, i) for i, m in enumerate(messages) if m.role in ("system", "developer"))
     users = [(i, m) for i, m in enumerate(messages) if m.role == "user"]
@@ -167,8 +181,9 @@ def _source(messages: list[Message], source: str) -> Any:
     return text
 
 
-def _text(message: Message, index: int) -> str:
-    """A message's text: its content string, or its text parts joined by newlines."""
+def _text(message: Message, index: int, *, strict: bool = False) -> str:
+    """A message's text: its content string, or its text parts joined by newlines; `strict`: a part
+    of another type is refused (the pipeline would never see it)."""
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
     texts = []
@@ -179,4 +194,10 @@ def _text(message: Message, index: int) -> str:
                 where = f"messages[{index}].content[{part_index}].text"
                 raise ChatRequestError(f"{where}: a text part needs a string `text`", where)
             texts.append(text)
+        elif strict:
+            where = f"messages[{index}].content[{part_index}]"
+            raise ChatRequestError(
+                f"{where}: a {part.get('type')!r} part, but this model takes only text (its openai.inputs pass "
+                "no `messages` on); send text parts", where,
+            )
     return "\n".join(texts)

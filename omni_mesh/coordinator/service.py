@@ -42,6 +42,7 @@ from omni_mesh.defaults import HEARTBEAT_S as HEARTBEAT_S
 from omni_mesh.defaults import INSTANCE_ENV as INSTANCE_ENV
 from omni_mesh.ingress import Ingress
 from omni_mesh.logs import Sparse
+from omni_mesh.media.limits import MediaLimits
 from omni_mesh.security import MeshKeys, Refusals, bind_zap, mesh_keys, secure_server, zap_reply
 from omni_mesh.topology import Topology
 
@@ -65,8 +66,11 @@ class Coordinator:
         max_timeout_s: float = 3600.0,
         keys: MeshKeys | None | object = ...,
         max_connections: int | None = None,
+        media_limits: MediaLimits | None = None,
     ) -> None:
         self.topology = topology
+        #: What one media part may cost (the operator's; OMNI_MESH_MEDIA_* unless given).
+        self.media_limits = media_limits or MediaLimits.from_env()
         self.control_endpoint = control_endpoint
         self.default_timeout_s = default_timeout_s
         self.max_timeout_s = max_timeout_s

@@ -9,8 +9,10 @@ A media part holds its media decoded (numpy):
     {"type": "audio", "audio": float32 [samples] mono at 16 kHz}
     {"type": "image", "image": uint8 [H, W, 3] RGB}
     {"type": "video", "video": uint8 [T, H, W, 3], "fps": float, "audio": float32 [samples] (optional)}
-or encoded, as the coordinator passes it on (`omni_mesh.media`'s canonical part: `{"type", "data": bytes,
-"format"}`), decoded here by the stage that runs the processor.
+or encoded: an OpenAI part as the coordinator passes it on (`input_audio`, `image_url`, ... with base64
+data; the coordinator has checked it and inlined any remote URL), or `omni_mesh.media`'s canonical part
+(`{"type", "data": bytes, "format"}`). Both are read and decoded by `omni_mesh.media` (the one decoder), here,
+in the stage that runs the processor.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from omni_mesh.errors import InvalidInput
 MEDIA_KINDS = ("audio", "image", "video")
 #: OpenAI's part types -> the template's.
 PART_TYPES = {"input_audio": "audio", "audio_url": "audio", "image_url": "image", "video_url": "video"}
-AUDIO_RATE = 16_000
 
 
 @dataclass
@@ -84,7 +85,9 @@ def chat_and_media(inputs: Any) -> tuple[list[dict], Media, bool]:
 def _part(part: Any, media: Media, where: str) -> dict:
     if not isinstance(part, dict):
         raise InvalidInput(f"{where}: a content part must be a mapping with a type")
-    kind = PART_TYPES.get(part.get("type"), part.get("type"))
+    if part.get("type") in PART_TYPES:  # an OpenAI part: its bytes, checked, as the canonical part
+        part = _canonical(part, where)
+    kind = part.get("type")
     if kind == "text":
         if not isinstance(part.get("text"), str):
             raise InvalidInput(f"{where}: a text part needs a string 'text'")
@@ -108,23 +111,28 @@ def _part(part: Any, media: Media, where: str) -> dict:
     return {"type": kind}
 
 
+def _canonical(part: dict, where: str) -> dict:
+    from omni_mesh import media
+
+    try:
+        return media.canonical(part)
+    except media.MediaError as exc:
+        raise InvalidInput(f"{where}: {exc}") from None
+
+
 def _decoded(kind: str, part: dict, where: str) -> dict:
     """An encoded canonical part decoded (omni_mesh.media); its errors name the part."""
     from omni_mesh import media
 
-    data, fmt = bytes(part["data"]), part.get("format")
     try:
-        if kind == "audio":
-            return {"audio": media.decode_audio(data, fmt, rate=AUDIO_RATE)}
-        if kind == "image":
-            return {"image": media.decode_image(data, fmt)}
-        video = media.decode_video(data, fmt)
-        track = video.audio
-        if track is not None and getattr(video, "audio_rate", AUDIO_RATE) != AUDIO_RATE:
-            track = media.decode_audio(data, fmt, rate=AUDIO_RATE)
-        return {"video": video.frames, "fps": video.fps, "audio": track}
+        decoded = media.decode({"type": kind, "data": bytes(part["data"]), "format": part.get("format")})
     except media.MediaError as exc:
         raise InvalidInput(f"{where}: {exc}") from None
+    if kind == "audio":
+        return {"audio": decoded}
+    if kind == "image":
+        return {"image": decoded}
+    return {"video": decoded.frames, "fps": decoded.fps, "audio": decoded.audio}
 
 
 def _audio(value: Any, where: str) -> np.ndarray:

@@ -8,8 +8,15 @@ from typing import Any
 from omni_mesh.errors import InvalidInput
 
 
-def chat_messages(inputs: Any) -> list[dict[str, str]]:
-    """`{"prompt": str, "system"?: str}` or `{"messages": [{"role", "content"}, ...]}` -> chat messages."""
+def chat_messages(inputs: Any, *, media: bool = False) -> list[dict[str, Any]]:
+    """`{"prompt": str, "system"?: str}` or `{"messages": [{"role", "content"}, ...]}` -> chat messages.
+
+    A message's content is a string, or a list of OpenAI content parts. Without `media` (an engine
+    with no processor that takes media) every content becomes its text, and a media part is refused
+    (InvalidInput naming the message and the part). With `media`, a content of parts becomes a list of
+    canonical parts (omni_mesh.media: text, audio, image, video, bytes decoded from base64), in order;
+    a message of media alone is valid. A part of any other type is refused either way, never dropped.
+    """
     if not isinstance(inputs, dict):
         raise InvalidInput(f'inputs must be a mapping such as {{"prompt": "Hello"}}, got {type(inputs).__name__}')
     if "messages" in inputs:
@@ -19,9 +26,9 @@ def chat_messages(inputs: Any) -> list[dict[str, str]]:
         out = []
         for index, message in enumerate(messages):
             content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, list):  # OpenAI content parts: the text ones
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-            if not isinstance(content, str) or not isinstance(message.get("role"), str):
+            if isinstance(content, list):
+                content = _parts(content, f"inputs.messages[{index}].content", media)
+            if not isinstance(content, (str, list)) or not isinstance(message.get("role"), str):
                 raise InvalidInput(f"inputs.messages[{index}] must have a string role and text content")
             out.append({"role": message["role"], "content": content})
         return out
@@ -36,6 +43,39 @@ def chat_messages(inputs: Any) -> list[dict[str, str]]:
         messages.append({"role": "system", "content": system})
     messages.append({"role": "user", "content": prompt})
     return messages
+
+
+def _parts(content: list[Any], where: str, media: bool) -> str | list[dict[str, Any]]:
+    """OpenAI content parts -> their text (not `media`), or canonical parts."""
+    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
+    for index, part in enumerate(content):
+        at = f"{where}[{index}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise InvalidInput(f"{at}.text: a text part needs a string `text`")
+            texts.append(text)
+            parts.append({"type": "text", "text": text})
+            continue
+        from omni_mesh.media.parts import MEDIA_PARTS
+
+        if kind not in MEDIA_PARTS:
+            known = ", ".join(["text", *MEDIA_PARTS])
+            raise InvalidInput(f"{at}: a part of type {kind!r} cannot be used here (part types: {known})")
+        if not media:
+            raise InvalidInput(
+                f"{at}: a {kind} part, but this model's engine takes text only (no processor that takes media); "
+                "send text, or serve a model with audio and vision inputs"
+            )
+        from omni_mesh.media import MediaError, canonical
+
+        try:
+            parts.append(canonical(part))
+        except MediaError as exc:
+            raise MediaError(f"{at}: {exc}") from None
+    return parts if media else "".join(texts)
 
 
 def prompt_ids(tokenizer: Any, inputs: Any) -> Any:

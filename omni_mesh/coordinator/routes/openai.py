@@ -107,7 +107,10 @@ def router(coordinator: Coordinator) -> APIRouter:
         except ChatRequestError as exc:
             return openai_error(400, exc.message, exc.param)
         try:
-            state = await admit(coordinator, request, call.inputs, call.params, timeout_s=None, stream=True)
+            messages = {name: "messages" for name, source in spec.inputs.items() if source == "messages"}
+            state = await admit(
+                coordinator, request, call.inputs, call.params, timeout_s=None, stream=True, messages=messages
+            )
         except RequestFailed as exc:
             return failed(exc)
         answer = Answer(coordinator, state, spec, call)
