@@ -256,9 +256,9 @@ class Qwen3Omni(ModelParts):
         return output["reply_ids"]
 
     def talker_payload(self, output: Any) -> dict:
-        from omni_mesh.engines.qwen3_omni import TALKER_INPUT_KEYS
+        from omni_mesh.engines.qwen3_omni import TALKER_GRID_KEYS, TALKER_INPUT_KEYS
 
-        return {key: output[key] for key in TALKER_INPUT_KEYS}
+        return {key: output[key] for key in (*TALKER_INPUT_KEYS, *TALKER_GRID_KEYS) if key in output}
 
 
 #: Architectures by config.json model_type.

@@ -53,6 +53,10 @@ REFERENCE_CHUNK_FRAMES = 300
 TALKER_INPUT_KEYS = (
     "user_ids", "user_rows", "user_multimodal", "assistant_rows", "tts_rows", "text_end",
 )
+#: The prompt's image and video grids, where it has any: the talker's 3-D positions read them, as in generate().
+#: Not with audio in the prompt too: transformers 5.25's talker then fails placing it (it reads an audio_config
+#: its config lacks), in generate() as here; without the grids it gets 1-D positions, and speaks.
+TALKER_GRID_KEYS = ("image_grid_thw", "video_grid_thw", "video_second_per_grid")
 
 
 def load_config(model_dir: Path) -> Qwen3OmniMoeConfig:
@@ -150,6 +154,8 @@ class Qwen3OmniThinker:
             layer = self.config.talker_config.accept_hidden_layer
             prompt_hidden = result.hidden_states[0][layer][0] if placeholders else None  # [P, H]
             output.update(self._talker_inputs(sequence, len(input_ids[0]), user, assistant_start, prompt_hidden))
+            if not bool((input_ids == self.config.thinker_config.audio_token_id).any()):
+                output.update({key: media[key].cpu() for key in TALKER_GRID_KEYS if key in (media or {})})
         return output
 
     def _assistant_start(self, ids: torch.Tensor) -> int:
@@ -341,4 +347,5 @@ class Qwen3OmniTalker:
             "tts_pad_embed": tts_pad,
             "talker_input_ids": torch.cat((user_ids, assistant_ids), dim=1),
             "attention_mask": torch.ones(inputs_embeds.shape[:2], dtype=torch.long, device=device),
+            **{key: thinker_output[key].to(device) for key in TALKER_GRID_KEYS if key in thinker_output},
         }
