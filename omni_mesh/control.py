@@ -96,6 +96,7 @@ class Heartbeat(Message):
     malformed: int = 0
     draining: bool = False
     connectors: dict = field(default_factory=dict)
+    counters: dict = field(default_factory=dict)  # the handler's own numbers (handler_counters), name -> value
 
 
 @dataclass(slots=True)

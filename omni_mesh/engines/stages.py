@@ -67,6 +67,16 @@ class EngineStage:
             self.stage, self.spec.part, self.model.directory, self.model.arch, time.perf_counter() - started,
         )
 
+    def counters(self) -> dict[str, int]:
+        """The encoder cache's hits, misses and items, where this stage encodes media (an encoder, or a
+        thinker with its towers); sent with every heartbeat (omni_mesh.stage.counters)."""
+        cache = getattr(self.model, "towers_cache", None)
+        if cache is None or self.spec.part not in ("encoder", "thinker") or self.fed_by_encoder:
+            return {}
+        stats = cache.stats()
+        return {"encoder_cache_hits_total": stats["hits"], "encoder_cache_misses_total": stats["misses"],
+                "encoder_cache_items": stats["items"]}
+
     def _loaded(self) -> Any:
         if self.part is None:
             raise RuntimeError(f"stage {self.stage!r}: its model is not loaded (warm() was not awaited)")
