@@ -16,7 +16,9 @@ PORT   ?= 8000
 TORCH  ?= torch==2.13.0
 # What the demo imports: checked after the install so that a broken one fails here, not at `ready`.
 RUN_IMPORTS  := torch, numpy, zmq, cryptography, msgpack, yaml, fastapi, fastapi_offline, uvicorn, httpx, prometheus_client
-TEST_IMPORTS := pytest, xdist, hypothesis, openai, mooncake.engine, mooncake.store, yr.datasystem, transformers, av, PIL
+# torchvision after omni_mesh.engines: importing it makes torchvision importable next to a CPU torch (vision_ops).
+TEST_IMPORTS := pytest, xdist, hypothesis, openai, mooncake.engine, mooncake.store, yr.datasystem, transformers, av, PIL, \
+                omni_mesh.engines, torchvision
 # Only the tests use these: libibverbs1 (Mooncake's wheels link it); iproute2 (multi-host tests, ip
 # netns); docker-compose, docker.io and mmdebstrap (the compose files, the engine and the base image of
 # tests/test_docker_compose.py); prometheus and chromium (the observability tests scrape /metrics with a
