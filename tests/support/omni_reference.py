@@ -73,6 +73,6 @@ class Reference:
                     thinker_eos_token_id=model.config.im_end_token_id, thinker_do_sample=False,
                     talker_do_sample=False, talker_max_new_tokens=max_codes + 1, return_audio=talks,
                 )
-                sequences, wav = out if talks else (out.sequences, None)
+                sequences, wav = out if talks else (out, None)  # the thinker's sequences alone
         text = self.processor.tokenizer.decode(sequences[0, ids.shape[1] :], skip_special_tokens=True)
         return text, None if wav is None else wav.reshape(-1).float().numpy()
