@@ -96,6 +96,8 @@ class Heartbeat(Message):
     malformed: int = 0
     draining: bool = False
     connectors: dict = field(default_factory=dict)
+    #: the requests it still works on: one the coordinator ended counts as busy until it is gone from here
+    working: list = field(default_factory=list)
     counters: dict = field(default_factory=dict)  # the handler's own numbers (handler_counters), name -> value
 
 
@@ -125,7 +127,8 @@ class Error(Message):
     error: str
     timeout: bool = False  # the request's deadline passed in the stage
     status: int = 500  # 500: the handler failed; 422: it refused the request's inputs (InvalidInput);
-    # 400: the stage could not read the work it was sent; 503: a connector's memory was full (ConnectorFull)
+    # 400: the stage could not read the work it was sent; 503: a connector's memory was full (ConnectorFull);
+    # 502: a connector failed to bring an input (or to carry an output): the message names the edge
 
 
 @dataclass(slots=True)

@@ -8,6 +8,9 @@ from __future__ import annotations
 ENV_INSECURE = "OMNI_MESH_INSECURE"
 #: The coordinator's instance id, when the launcher or the deployment chooses it.
 INSTANCE_ENV = "OMNI_MESH_INSTANCE"
+#: What a connector's `host: auto` binds and advertises in this process (omni_mesh.connectors._addresses);
+#: `omni-mesh up` sets it for its children: 127.0.0.1 unless `--connector-host` says otherwise.
+CONNECTOR_HOST_ENV = "OMNI_MESH_CONNECTOR_HOST"
 #: The replicas `omni-mesh up` runs on its host in all: its coordinator keeps autoscale targets within it.
 HOST_CAP_ENV = "OMNI_MESH_HOST_REPLICA_CAP"
 

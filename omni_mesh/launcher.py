@@ -2,7 +2,7 @@
 
 Start order: coordinator, then replicas; then wait for `/ready`. A process that exits unexpectedly is
 restarted with backoff and what it held is reclaimed by its connector types (`reclaim_orphans`); the
-coordinator reports the restart in `/v1/stages`. Shutdown (Ctrl-C or SIGTERM): the coordinator first,
+coordinator reports the restart in `/v1/stages`. Shutdown (Ctrl-C, SIGTERM, or SIGHUP when the terminal closes): the coordinator first,
 so in-flight requests finish while every stage still runs; then the replicas drain and exit;
 stragglers are killed; whatever any child left behind is reclaimed, so the host ends as it began.
 """
@@ -24,7 +24,7 @@ import httpx
 
 from omni_mesh.children import Child
 from omni_mesh.connectors import mesh_places, reclaim_orphans
-from omni_mesh.defaults import HOST_CAP_ENV
+from omni_mesh.defaults import CONNECTOR_HOST_ENV, HOST_CAP_ENV
 from omni_mesh.defaults import INSTANCE_ENV as INSTANCE_ENV
 from omni_mesh.fdlimit import raise_nofile_limit
 from omni_mesh.launcher_scale import Scaler, host_cap
@@ -47,6 +47,8 @@ CONTROL_PORT_ATTEMPTS = 3
 #: hold no request (the mesh never served one), so there is nothing to drain; a replica still waiting to
 #: register would only sit out the whole wait.
 ABANDONED_START_GRACE_S = 1.0
+#: Connector types whose library binds ports of its own on every interface, whatever `host` says.
+WIDE_OPEN = ("MooncakeTransferEngineConnector", "MooncakeStoreConnector", "MooncakeConnector")
 
 def mesh_environment() -> dict[str, str]:
     """The children's environment: this one, plus mesh keys. Keys the environment already names
@@ -83,6 +85,8 @@ class Launcher:
         control_port: int | None = None,
         unresponsive_s: float = UNRESPONSIVE_S,
         max_replicas_total: int | None = None,
+        min_free_memory: int | None = None,
+        connector_host: str = "127.0.0.1",
     ) -> None:
         if topology.path is None:
             raise ValueError("omni-mesh up needs a topology file")
@@ -109,7 +113,11 @@ class Launcher:
         self.control_port_chosen = control_port is not None
         self.control = f"tcp://127.0.0.1:{control_port or free_port()}"
         self._stop = threading.Event()
-        env = mesh_environment()
+        # Every replica runs here: connectors' `host: auto` binds loopback too (an address the topology
+        # writes is its own choice), so nothing of the mesh listens beyond this machine unasked.
+        env = {**mesh_environment(), CONNECTOR_HOST_ENV: connector_host}
+        if connector_host == "auto":  # asked for: the connectors' own rule (the default route's address)
+            del env[CONNECTOR_HOST_ENV]
         self.env, self.cap = env, host_cap(topology, max_replicas_total)
         self.shm = mesh_places(topology.name, env)  # named in env; made at start, removed at stop
         self.instance = uuid.uuid4().hex  # its coordinator says it in /ready: no other mesh's answer counts
@@ -124,7 +132,7 @@ class Launcher:
         self._made: dict[str, int] = {}  # replicas made per stage: a new one gets the next index
         self.replicas = [self.make_replica(stage) for stage in topology.stages for _ in range(stage.replicas)]
         self.scaler = Scaler(topology, self.replicas, self.make_replica, self.reclaim, url=self.url, cap=self.cap,
-                             api_key=api_key, verify=self._trust())
+                             api_key=api_key, verify=self._trust(), min_free_memory=min_free_memory)
 
     def make_replica(self, stage: StageSpec) -> Child:
         index = self._made[stage.name] = self._made.get(stage.name, -1) + 1
@@ -138,7 +146,8 @@ class Launcher:
 
     def run(self) -> int:
         """Start everything, supervise until a signal, stop everything. Returns the exit status."""
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        # SIGHUP: the terminal closed. The children have sessions of their own and never see it.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, lambda *_: self._stop.set())
         watchdog: Watchdog | None = None
         try:
@@ -163,6 +172,7 @@ class Launcher:
     def start(self) -> None:
         self.check_port()
         self.check_handlers()
+        self.warn_wide_open()
         self.shm.create()
         for attempt in range(1, CONTROL_PORT_ATTEMPTS + 1):
             for child in self.children:
@@ -213,6 +223,16 @@ class Launcher:
                     f"cannot serve on {host}:{port}: {exc.strerror or exc} (another mesh or service "
                     f"may be running there); stop it, or {remedy}"
                 ) from None
+
+    def warn_wide_open(self) -> None:
+        """Say so when a connector's library listens beyond loopback: `up` cannot keep it on it."""
+        for ref, spec in self.topology.connectors.items():
+            if spec.name in WIDE_OPEN:
+                log.warning(
+                    "connector %r (%s): Mooncake's transfer engine listens on every interface, whatever `host` "
+                    "says, and does not check its peers; on one machine prefer SharedMemoryConnector or "
+                    "ZmqConnector (docs/security.md, 'What listens where')", ref, spec.name,
+                )
 
     def check_handlers(self) -> None:
         """Check every stage's handler before anything starts: one ValueError naming each that fails,
@@ -354,6 +374,8 @@ def run_up(
     control_port: int | None = None,
     unresponsive_s: float = UNRESPONSIVE_S,
     max_replicas_total: int | None = None,
+    min_free_memory: int | None = None,
+    connector_host: str = "127.0.0.1",
 ) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per /ready poll is noise
@@ -362,4 +384,6 @@ def run_up(
         topology, host=host, port=port, coordinator_args=coordinator_args,
         api_key=api_key, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, ready_timeout_s=ready_timeout_s,
         control_port=control_port, unresponsive_s=unresponsive_s, max_replicas_total=max_replicas_total,
+        min_free_memory=min_free_memory,
+        connector_host=connector_host,
     ).run()

@@ -5,7 +5,8 @@ replica processes, or drains and stops them.
 A replica asked to go gets SIGTERM, the signal it already drains on: it takes no new work, finishes
 what it holds, deregisters and exits; what it leaves is reclaimed by its connector types
 (the launcher's `reclaim`) and it is not restarted. The replicas the launcher runs, draining ones included,
-never exceed the host cap: autoscaling one stage cannot take every core from the others.
+never exceed the host cap: autoscaling one stage cannot take every core from the others; nor does a
+new one start where the host's memory has no room for it (`launcher_memory`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from omni_mesh.launcher_memory import MemoryRoom
 from omni_mesh.topology import StageSpec, Topology
 
 if TYPE_CHECKING:
@@ -67,6 +69,7 @@ class Scaler:
         cap: int,
         api_key: str | None,
         verify: ssl.SSLContext | bool,
+        min_free_memory: int | None = None,
     ) -> None:
         self.stages = [stage for stage in topology.stages if stage.autoscale is not None]
         self.replicas = replicas  # the launcher's list: children are added to it and removed from it
@@ -74,6 +77,7 @@ class Scaler:
         self.reclaim = reclaim  # what an exited replica held, looked for where this mesh keeps it
         self.url = url
         self.cap = cap
+        self.memory = MemoryRoom(min_free_memory)  # nor past the memory the host has
         # Its own User-Agent: the coordinator's access log leaves these polls out (coordinator/access.py).
         headers = {"user-agent": "omni-mesh-autoscale", **({"authorization": f"Bearer {api_key}"} if api_key else {})}
         # A short timeout: a hung coordinator must not hold up the supervision loop (restarts) for long.
@@ -114,7 +118,8 @@ class Scaler:
         if len(active) < target:
             running = sum(1 for c in self.replicas if not c.given_up)
             room = max(0, self.cap - running)
-            start = min(target - len(active), room)
+            fits, memory = self.memory.replicas(stage.name, self.replicas)
+            start = min(target - len(active), room, fits)
             for _ in range(start):
                 child = self.make_replica(stage)
                 self.replicas.append(child)
@@ -124,8 +129,9 @@ class Scaler:
                 active.append(child)
             short = target - len(active)
             if short > 0 and self.short_of.get(stage.name) != short:
-                log.warning("autoscale: %s runs %d of its target %d replicas: the host cap of %d replicas in all "
-                            "is reached (--max-replicas-total)", stage.name, len(active), target, self.cap)
+                why = (f"the host cap of {self.cap} replicas in all is reached (--max-replicas-total)" if fits > room
+                       else f"the host's memory has no room for more: {memory}")
+                log.warning("autoscale: %s runs %d of its target %d replicas: %s", stage.name, len(active), target, why)
             self.short_of[stage.name] = short
         elif len(active) > target and not settling:
             load = {r.get("id"): int(r.get("inflight") or 0) for r in registered if isinstance(r, dict)}

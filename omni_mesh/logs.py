@@ -87,6 +87,23 @@ def configure(service: str, level: str | None = None, fmt: str | None = None) ->
     root.addHandler(handler)
     root.setLevel(level.upper())
     logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))  # a line per poll is noise
+    quiet_libraries(level)
+
+
+#: What transformers and huggingface_hub read at import: their advice, warnings and progress bars.
+_QUIET = {"TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+def quiet_libraries(level: str) -> None:
+    """transformers' and the hub's chatter (config warnings, load reports, progress bars) off below
+    debug, in this process and its children (the variables are read at import, which comes later);
+    a variable the user set is theirs."""
+    if level == "debug":
+        return
+    for name, value in _QUIET.items():
+        os.environ.setdefault(name, value)
+    for name in ("transformers", "huggingface_hub"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 class Sparse:

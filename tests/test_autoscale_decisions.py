@@ -136,3 +136,21 @@ def test_a_restarted_coordinator_adopts_the_replicas_running() -> None:
     # Idle: the target comes down after the downscale delay, and no adopting brings it back.
     targets = run(scaler, dispatcher, "s0", [(3.0, 0)], start=1.0)
     assert targets[-1] == 1 and targets.count(3) >= 4, targets
+
+
+def test_a_load_oscillating_around_the_target_does_not_flap(caplog: pytest.LogCaptureFixture) -> None:
+    """Ongoing 3 and 5 by turns, 3 s each (slower than both delays), around the 4 that 2 replicas carry:
+    the stage goes up, down and up again once (a flap), then its downscale delay doubles past the lulls
+    and it holds 3 replicas for the rest of the 2 minutes; a real lull later brings it down, and the
+    configured delay is back once that move has held."""
+    scaler, dispatcher = mesh(SCALE)
+    with caplog.at_level(logging.INFO, logger="omni_mesh.autoscaler"):
+        targets = run(scaler, dispatcher, "s0", [(3.0, 5), (3.0, 3)] * 20)
+    moves = [(i, t) for i, t in enumerate(targets) if i and t != targets[i - 1]]
+    assert len(moves) <= 3 and targets[-40:] == [3] * 40, moves
+    assert scaler.stages["s0"].down_delay == 4.0
+    assert "went back up" in caplog.text and "it now waits 4 s of lower load" in caplog.text
+    assert scaler.describe(scaler.stages["s0"].stage)["autoscale"]["downscale_delay_now_s"] == 4.0
+    targets = run(scaler, dispatcher, "s0", [(20.0, 0)], start=120.0)
+    assert targets[-1] == 1 and targets.index(1) * TICK >= 4.0 - TICK, targets
+    assert scaler.stages["s0"].down_delay == SCALE["downscale_delay_s"]  # the move down held

@@ -122,3 +122,30 @@ def test_the_host_cap_bounds_every_stage_together(tmp_path: Path) -> None:
         assert "host cap of 3 replicas" in limited[0], limited
         assert "cannot reach its target" in mesh.log()
         assert load.failed() == [], load.failed()[:3]
+
+
+def test_a_flood_starts_no_replica_the_host_has_no_memory_for(tmp_path: Path) -> None:
+    """`--min-free-memory` as large as the host's memory: however many replicas a flood of 48 clients
+    makes the coordinator want, `up` starts none beyond the starting one, and says why (memory, not the
+    host cap, which leaves room for 8); the requests wait their turn and succeed."""
+    scale = {"min_replicas": 1, "max_replicas": 6, "target_ongoing_requests": 1, **FAST}
+    topology = {
+        "name": "autoscale-memory",
+        "stages": [{"stage_id": 0, "name": "a", "handler": HANDLER, "max_inflight": 4, "max_queued": 256,
+                    "autoscale": scale}],
+    }
+    total = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                 if line.startswith("MemTotal:"))
+    body = {"inputs": {}, "params": {"delay_s": 0.05}, "timeout_s": 60}
+    with running_mesh(tmp_path, topology, "--max-replicas-total", "8", "--min-free-memory", str(total)) as mesh:
+        load = Load(mesh.url, body, clients=48).start()
+        try:
+            wanted = wait_for(lambda: [s for s in mesh.client.get("/v1/stages").json()["stages"]
+                                       if s["target_replicas"] == 6], 30.0, "the target at max_replicas")
+            time.sleep(3.0)  # the launcher polls every 0.5 s: time for it to start what it would
+            assert len(stage_processes(mesh).get("a", [])) == 1, stage_processes(mesh)
+        finally:
+            load.stop()
+        assert wanted[0]["current_replicas"] == 1
+        assert "a runs 1 of its target 6 replicas: the host's memory has no room for more" in mesh.log()
+        assert load.failed() == [] and len(load.done) > 48, load.failed()[:3]

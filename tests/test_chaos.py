@@ -27,6 +27,9 @@ from omni_mesh.connectors.shm.segments import (
 )
 
 CLI = [sys.executable, "-m", "omni_mesh.cli", "bench", "chaos"]
+#: No shared-memory directory named (the suite names one for every test): `up` would make its own,
+#: and the soak must still find the segments its mesh makes.
+AS_A_USER = {key: value for key, value in os.environ.items() if key != "OMNI_MESH_SHM_DIR"}
 
 
 def test_a_short_soak_with_every_fault_kind_keeps_every_invariant() -> None:
@@ -37,15 +40,17 @@ def test_a_short_soak_with_every_fault_kind_keeps_every_invariant() -> None:
     # The control plane alone fails nothing on a drop (the next test).
     done = subprocess.run(
         [*CLI, "--edges", "mixed", "--duration", "15", "--kill-every", "2.5", "--pause-every", "5", "--pause-s", "1.5",
-         "--drop-every", "2.5", "--tolerate", "drop", "--json"],
-        capture_output=True, text=True, timeout=300,
+         "--stop-every", "4", "--drop-every", "2.5", "--tolerate", "drop", "--json"],
+        capture_output=True, text=True, timeout=300, env=AS_A_USER,
     )
     result = json.loads(done.stdout)
     why = f"{chaos.report(result)}\nfaults: {result['fault_log']}\nfailures: {result['failure_log'][:20]}"
     assert chaos.broken(result) == [] and done.returncode == 0, why
     assert result["wrong"] == 0 and result["late"] == 0 and result["leftover_segments"] == [], why
+    assert result["leftover_processes"] == [] and result["mesh_processes"] >= 7, why  # coordinator, 6 replicas
     faults = result["faults"]
     assert faults.get("kill", 0) >= 2 and faults.get("pause", 0) >= 1 and faults.get("drop", 0) >= 1, why
+    assert faults.get("stop", 0) >= 1, why
     assert all(f["connections"] >= 1 for f in result["fault_log"] if f["kind"] == "drop"), why
     assert result["max_s"] >= 1.0, why  # a request sent during a pause waited for it: the pause stopped the coordinator
     assert result["succeeded"] >= 0.8 * result["sent"] > 0, why
@@ -73,6 +78,10 @@ def test_the_soak_checks_outputs_and_segments_for_real() -> None:
     right = chaos.expected_output(10, 4, ["a", "b"], {"a": 1, "b": 2})
     assert right["head"] == [44.0, 48.0, 52.0] and right["sum"] == 44 + 48 + 52 + 56  # 4 (10 + j) + 4
     assert chaos.expected_output(10, 4, ["b", "a"], {"a": 1, "b": 2})["head"] != right["head"]
+    assert chaos_faults.alive({os.getpid()}) == [os.getpid()]  # a process left running is caught
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert chaos_faults.alive({gone.pid}) == []
     name = segment_name(ProcessIdentity.current(), new_token())
     create_segment(name, 4096, populate=False).close()
     try:
@@ -88,7 +97,9 @@ def test_failures_are_put_down_to_the_fault_that_explains_them() -> None:
                   Fault("drop", 30.0, 30.1, "third")]
     assert log.cause_of(9.5, 10.5, "502", "replica 'second-1' died (pid 7) while handling the request") == "kill"
     assert log.cause_of(9.5, 10.5, "502", "replica 'second-1' stopped sending heartbeats") == "kill, other"
-    assert log.cause_of(9.5, 10.5, "500", "StageInputError: payload gone") == "kill, payload gone"
+    gone = "stage 'b' failed: stage 'b': payload 'r/0' on edge 0->1 (SharedMemoryConnector): gone"
+    assert log.cause_of(9.5, 10.5, "502", gone) == "kill, payload gone"
+    assert log.cause_of(9.5, 10.5, "500", "StageInputError: payload gone") == "kill, other"  # no more a 500
     assert log.cause_of(9.5, 10.5, "500", "ValueError") == "kill, other"
     assert log.cause_of(10.5, 11.0, "502", "replica 'second-1' died (pid 7)") == "none"  # began after the kill
     assert log.cause_of(21.0, 23.5, "504", "deadline") == "pause"  # a pause stops every request
@@ -96,13 +107,18 @@ def test_failures_are_put_down_to_the_fault_that_explains_them() -> None:
     assert log.cause_of(36.0, 46.0, "504", "deadline") == "drop"  # began in the drop's aftermath
     assert log.cause_of(40.5, 41.0, "502", "stopped sending heartbeats") == "none"  # past it
     assert log.cause_of(50.0, 51.0, "429", "queue full") == "backpressure"
+    assert log.cause_of(9.5, 10.5, "504", "deadline") == "kill, other"
+    log.faults.append(Fault("stop", 60.0, 61.5, "first"))
+    assert log.cause_of(60.5, 62.0, "504", "deadline") == "stop"  # reported, not excused
     result = {"failed_by_cause": {"kill": 3, "drop": 2, "none": 1}, "tolerate": ["drop"], "wrong": 0, "late": 0,
-              "leftover_segments": [], "launcher_exit_status": 0}
+              "leftover_segments": [], "leftover_processes": [], "launcher_exit_status": 0}
     assert chaos.broken(result) == ["request(s) failed with no fault that legitimately fails them: none: 1"]
     result["failed_by_cause"].pop("none")
     assert chaos.broken(result) == []
     result["tolerate"] = []
     assert chaos.broken(result) == ["request(s) failed with no fault that legitimately fails them: drop: 2"]
+    result.update(tolerate=["drop"], leftover_processes=[4242])
+    assert chaos.broken(result) == ["1 mesh process(es) still running after the mesh stopped"]
 
 
 def test_a_drop_resets_both_ends_of_a_real_connection() -> None:

@@ -1,5 +1,6 @@
-"""The Makefile as a newcomer meets it (issue 29): `make run` needs no root and installs nothing only
-the tests use; `make test` adds the rest under its own stamp; a failing install step fails make.
+"""The Makefile as a newcomer meets it (issues 29, 41): `make run` serves a model (a tiny random one
+built offline by default), needs no root and installs nothing only the tests use; `make demo` runs
+the toy pipeline; `make test` adds the rest under its own stamp; a failing install step fails make.
 
 The plans are read with `make -n` (what make would run); the failing step and, with
 OMNI_MESH_SLOW_TESTS=1, a whole `make run` from a fresh clone (pip installs torch: minutes) run for
@@ -65,8 +66,15 @@ def test_make_run_installs_no_system_package_and_no_test_extra(tmp_path: Path) -
     for word in ("apt-get", "dpkg", "sudo", "id -u", *TEST_PACKAGES):
         assert not re.search(rf"(?<![\w.-]){re.escape(word)}(?![\w.-])", plan), f"`make -n run` mentions {word}:\n{plan}"
     installs = [line for line in plan.splitlines() if "pip install" in line]
-    assert not any("[" in line for line in installs), f"`make run` installs extras: {installs}"
-    assert plan.rstrip().endswith("omni-mesh up compose/omni-demo.yaml --port 8000"), plan
+    extras = [line for line in installs if "[" in line]
+    assert all("-e '.[engines]'" in line for line in extras), f"`make run` installs test extras: {installs}"
+    assert extras, f"`make run` does not install the engines extra serve needs: {installs}"
+    # The tiny model is built offline once, then served; real weights by MODEL=.
+    assert "omni-mesh models tiny qwen2_5_omni .cache/tiny-qwen2_5_omni.partial" in plan, plan
+    assert plan.rstrip().endswith("omni-mesh serve .cache/tiny-qwen2_5_omni --port 8000 --max-audio-tokens 200"), plan
+    real = _plan(tmp_path, "run", "MODEL=Qwen/Qwen2.5-Omni-3B")
+    assert "models tiny" not in real and real.rstrip().endswith("omni-mesh serve Qwen/Qwen2.5-Omni-3B --port 8000"), real
+    assert _plan(tmp_path, "demo").rstrip().endswith("omni-mesh up compose/omni-demo.yaml --port 8000")
 
 
 def test_a_later_make_test_adds_only_what_is_missing(tmp_path: Path) -> None:
@@ -123,8 +131,9 @@ def test_make_run_from_a_fresh_clone_without_the_test_tools_reaches_ready(tmp_pa
                 pass
             assert time.monotonic() < deadline, (tmp_path / "make.log").read_text()[-3000:]
             time.sleep(1)
-        reply = httpx.post(f"http://127.0.0.1:{port}/v1/requests", json={"inputs": {"prompt": "Hi"}}, timeout=60)
-        assert reply.status_code == 200 and reply.json()["outputs"]["text"], reply.text
+        body = {"inputs": {"prompt": "Hi"}, "params": {"max_tokens": 4, "max_audio_tokens": 20}, "timeout_s": 120}
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/requests", json=body, timeout=180)
+        assert reply.status_code == 200 and reply.json()["outputs"]["audio_wav_base64"], reply.text
     finally:
         os.killpg(make.pid, signal.SIGINT)
         make.wait(60)
@@ -132,5 +141,6 @@ def test_make_run_from_a_fresh_clone_without_the_test_tools_reaches_ready(tmp_pa
     venv = tmp_path / "omni-mesh" / ".venv"
     listed = subprocess.run([str(venv / "bin" / "pip"), "list", "--format=json"], capture_output=True, text=True)
     names = {p["name"].lower() for p in json.loads(listed.stdout)}
-    assert not names & {"pytest", "transformers", "openai", "hypothesis", "openyuanrong-datasystem"}, names
+    assert not names & {"pytest", "openai", "hypothesis", "openyuanrong-datasystem"}, names
+    assert {"transformers", "av"} <= names, names  # what serve needs
     assert (venv / ".installed-run").exists() and not (venv / ".installed-test").exists()

@@ -277,9 +277,9 @@ def test_shm_edge_wired_across_hosts_is_reported_by_ready(tmp_path: Path) -> Non
             "ZmqConnector",
         ):
             assert part in problem, (part, problem)
-        # A request cannot cross that edge: it fails at the talker, naming the edge.
+        # A request cannot cross that edge: it fails at the talker, naming the edge (the data plane's fault).
         response = _demo(mesh.api, "over the wrong edge", 20)
-        assert response.status_code == 500, response.text
+        assert response.status_code == 502, response.text
         body = response.json()
         assert body["stage"] == "talker" and "0->1" in body["error"], body
         mesh.stop()

@@ -13,11 +13,13 @@ import io
 import json
 import re
 import signal
+import sys
 import time
 import wave
 from collections.abc import Iterator
 from pathlib import Path
 
+import av
 import numpy as np
 import openai
 import pytest
@@ -26,6 +28,7 @@ from support.meshkit import Mesh, running_mesh
 
 from omni_mesh.coordinator.openai_audio import encode
 from omni_mesh.coordinator.openai_reply import Reply, ReplyError
+from omni_mesh.coordinator.openai_request import ChatRequest, ChatRequestError, chat_call
 from omni_mesh.openai_section import AudioRef, OpenAISpec, OutputRef
 from services.omni_demo.audio import GROUP_SAMPLES
 
@@ -198,6 +201,38 @@ def test_streamed_wav_deltas_are_whole_files_of_the_same_audio(client: openai.Op
     assert len(pieces) > 1 and np.array_equal(np.concatenate(pieces), whole)
 
 
+def decoded(data: str) -> tuple[str, int, int, np.ndarray]:
+    """(container, rate, channels, samples as floats in [-1, 1]) of a base64 audio file, decoded by
+    FFmpeg (PyAV) with the demuxer it probes itself, as a player would."""
+    with av.open(io.BytesIO(base64.b64decode(data))) as container:
+        frames = list(container.decode(audio=0))
+        layout = {(frame.sample_rate, frame.layout.nb_channels) for frame in frames}
+        assert len(layout) == 1, layout
+        samples = np.concatenate([frame.to_ndarray().reshape(-1) for frame in frames])
+        if samples.dtype == np.int16:  # FLAC decodes to 16-bit integers, the lossy codecs to floats
+            samples = samples / 32768.0
+        return container.format.name, *layout.pop(), samples
+
+
+#: format -> (the container FFmpeg finds, the rate it decodes at: Opus always plays at 48 kHz).
+COMPRESSED = {"flac": ("flac", RATE), "mp3": ("mp3", RATE), "opus": ("ogg", 48_000)}
+
+
+@pytest.mark.parametrize("fmt", sorted(COMPRESSED))
+def test_compressed_audio_decodes_to_the_wavs_length_whole_and_streamed(client: openai.OpenAI, fmt: str) -> None:
+    _, wav = read_wav(base64.b64decode(audio_chat(client).choices[0].message.audio.data))
+    container, rate = COMPRESSED[fmt]
+    whole = decoded(audio_chat(client, fmt).choices[0].message.audio.data)
+    assert whole[:3] == (container, rate, 1)
+    assert len(whole[3]) == len(wav) * rate // RATE  # encoders' priming and padding trimmed: the same duration
+    assert np.abs(whole[3]).max() > 0.03, f"the {fmt} is silent"
+    if fmt == "flac":  # lossless: the very samples
+        assert np.array_equal(np.round(whole[3] * 32768).astype(np.int16), wav)
+    pieces = [decoded(data) for chunk in audio_chat(client, fmt, stream=True) if (data := audio_data(chunk))]
+    assert len(pieces) > 1 and {piece[:3] for piece in pieces} == {(container, rate, 1)}
+    assert abs(sum(len(piece[3]) for piece in pieces) - len(whole[3])) <= len(pieces) * rate // 100  # each delta a whole file
+
+
 def test_v1_requests_streams_the_demo_progressively(demo: Mesh) -> None:
     body = {"inputs": {"prompt": PROMPT}, "params": {"stream": True, **PACED["params"]}, "stream": True, "timeout_s": 30}
     started, arrivals = time.perf_counter(), []
@@ -221,8 +256,8 @@ def test_v1_requests_streams_the_demo_progressively(demo: Mesh) -> None:
 
 
 def test_bad_requests_get_a_bad_request_error_naming_the_field(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError, match="audio.format: Input should be 'wav' or 'pcm16'") as bad:
-        audio_chat(client, "mp3")
+    with pytest.raises(openai.BadRequestError, match="audio.format: Input should be 'wav', 'pcm16', 'flac'") as bad:
+        audio_chat(client, "aac")
     assert bad.value.body["param"] == "audio.format" and bad.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="no user message to reply to"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be brief."}])
@@ -297,3 +332,17 @@ def test_reply_refuses_a_sample_rate_that_changes_mid_reply() -> None:
     reply.chunk("voice", {"audio": b"ab", "rate": 24_000})
     with pytest.raises(ReplyError, match="changed its audio sample rate mid-reply"):
         reply.chunk("voice", {"audio": b"cd", "rate": 16_000})
+
+
+def test_compressed_audio_without_pyav_is_refused_501_before_admission(monkeypatch: pytest.MonkeyPatch) -> None:
+    def call(fmt: str) -> object:
+        body = ChatRequest(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], modalities=["text", "audio"], audio={"format": fmt}
+        )
+        return chat_call(body, spec())
+
+    monkeypatch.setitem(sys.modules, "av", None)  # as if PyAV were not installed: find_spec finds nothing
+    with pytest.raises(ChatRequestError, match="audio format 'opus' needs PyAV") as refused:
+        call("opus")
+    assert (refused.value.status, refused.value.param) == (501, "audio.format")
+    assert call("wav").audio_format == "wav" and call("pcm16").audio_format == "pcm16"

@@ -5,12 +5,12 @@ It starts a chain topology with `omni-mesh up` (by default 3 stages x 2 replicas
 (the affine chain of `chaos_handlers` proves each stage ran once, in order, on that request's data),
 and mixes in faults at random times (`chaos_faults`): replica SIGKILLs (the launcher restarts them;
 only while the stage has another healthy replica: the soak tests recovery and correctness, not an
-outage), coordinator pauses (SIGSTOP/SIGCONT) and connection drops (TCP resets of a replica's
+outage), coordinator pauses and replica stops (SIGSTOP/SIGCONT) and connection drops (TCP resets of a replica's
 sockets). Each failed request is put down to the fault that explains it, if any. At the end it stops
 the mesh with SIGINT and looks in /dev/shm for segments of any process the mesh ran.
 
 Invariants (a broken one makes the exit status non-zero): no wrong output, no answer later than
-the request's deadline + 1 s, no segment left behind, the launcher stops cleanly, and no request
+the request's deadline + 1 s (hung), no segment and no process left behind, the launcher stops cleanly, and no request
 failed without a fault that legitimately fails it (`chaos_faults.LEGITIMATE_CAUSES`), unless the run
 tolerates pause and drop failures (`tolerate`: until the coordinator rides out those faults).
 """
@@ -20,11 +20,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
 import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,7 @@ from omni_mesh.bench.chaos_report import LATE_MARGIN_S, broken, report
 from omni_mesh.bench.http_client import Connection
 from omni_mesh.bench.mesh import running_mesh
 from omni_mesh.bench.pipeline import percentile
-from omni_mesh.connectors import held_by
+from omni_mesh.connectors import held_by, mesh_places
 from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S
 from omni_mesh.procinfo import children_of
 from omni_mesh.topology import Topology, load_topology
@@ -129,6 +131,27 @@ class ProcessWatch:
         self._thread.join()
 
 
+@contextlib.contextmanager
+def segment_dir() -> Iterator[None]:
+    """Where the mesh keeps its segments, named in this process's environment for the block, so the
+    leftover check looks there: the one already named, else a private one of the bench's own (left
+    to itself, `up` would make one and remove it, with any leak in it, as it stops)."""
+    env = dict(os.environ)
+    places = mesh_places("chaos-soak", env)
+    if not places.own:
+        yield
+        return
+    places.create()
+    named = {key: value for key, value in env.items() if os.environ.get(key) != value}
+    os.environ.update(named)
+    try:
+        yield
+    finally:
+        for key in named:
+            del os.environ[key]
+        places.remove()  # after the check: what is left was counted
+
+
 def leftover_segments(pids: set[int]) -> list[str]:
     """What any of `pids` holds in a connector beyond its own memory (shared-memory segments)."""
     return held_by(pids)
@@ -213,6 +236,7 @@ async def _soak(url: str, plan: dict[str, Any], launcher_pid: int, rng: random.R
         injectors = {
             "kill": lambda: chaos_faults.kill(http, launcher_pid, rng, faults),
             "pause": lambda: chaos_faults.pause(launcher_pid, plan["pause_s"], faults),
+            "stop": lambda: chaos_faults.stop(http, launcher_pid, plan["pause_s"], rng, faults),
             "drop": lambda: chaos_faults.drop(http, launcher_pid, rng, faults),
         }
         loops = [chaos_faults.every(plan[f"{kind}_every_s"], rng, stop_at, inject)
@@ -234,6 +258,7 @@ def run(
     pause_every_s: float = 0.0,
     pause_s: float = 2.0,
     drop_every_s: float = 0.0,
+    stop_every_s: float = 0.0,
     tolerate: tuple[str, ...] = (),
     seed: int | None = None,
     replicas: int = 2,
@@ -242,7 +267,7 @@ def run(
 ) -> dict[str, Any]:
     """Soak the mesh; a fault kind whose every_s is 0 is not injected. ValueError on a bad plan,
     RuntimeError when drops are asked for and this machine cannot make them."""
-    if pause_every_s and not 0 < pause_s < timeout_s:
+    if (pause_every_s or stop_every_s) and not 0 < pause_s < timeout_s:
         raise ValueError(f"--pause-s {pause_s:g}: a pause must be > 0 and shorter than --timeout-s {timeout_s:g}, "
                          "or requests sent during it could not be answered in time")
     if unknown := set(tolerate) - {"pause", "drop"}:
@@ -254,7 +279,7 @@ def run(
     if drop_every_s:
         chaos_faults.check_drops_work()
     seed = random.randrange(2**32) if seed is None else seed
-    with tempfile.TemporaryDirectory(prefix="omni-mesh-chaos-") as directory:
+    with tempfile.TemporaryDirectory(prefix="omni-mesh-chaos-") as directory, segment_dir():
         path = Path(topology) if topology else default_topology(Path(directory), replicas, edges)
         loaded = load_topology(path)
         chain = chain_of(loaded)
@@ -262,7 +287,7 @@ def run(
             "topology": str(topology or f"{loaded.name} ({edges} edges)"), "chain": chain, "k": {name: i + 1 for i, name in enumerate(chain)},
             "replicas": {s.name: s.replicas for s in loaded.stages}, "duration_s": duration_s,
             "concurrency": concurrency, "kill_every_s": kill_every_s, "pause_every_s": pause_every_s,
-            "pause_s": pause_s, "drop_every_s": drop_every_s, "tolerate": sorted(tolerate), "timeout_s": timeout_s,
+            "pause_s": pause_s, "drop_every_s": drop_every_s, "stop_every_s": stop_every_s, "tolerate": sorted(tolerate), "timeout_s": timeout_s,
             "work_s": work_s, "seed": seed,
         }
         tally, faults = Tally(), FaultLog(drop_aftermath_s=max(timeout_s, HEARTBEAT_TIMEOUT_S + 1.0))
@@ -275,6 +300,7 @@ def run(
         watch.stop()  # after the launcher has stopped: it saw the replicas it started while stopping
         mesh_pids = watch.seen | {mesh.process.pid}
         leftovers = leftover_segments(mesh_pids)
+        left_running = chaos_faults.alive(mesh_pids)
     causes = [faults.cause_of(f.began, f.ended, f.status, f.reason) for f in tally.failures]
     examples: dict[str, str] = {}
     failure_log = []
@@ -305,5 +331,6 @@ def run(
         "mesh_processes": len(mesh_pids),
         "most_segments_held": watch.most_segments,
         "leftover_segments": leftovers,
+        "leftover_processes": left_running,
         "launcher_exit_status": mesh.exit_status,
     }

@@ -1,15 +1,18 @@
 """The faults `omni-mesh bench chaos` injects into a running mesh, and which failures each explains.
 
-Three kinds, each its own loop firing every ~N s (jittered 0.5-1.5x), all at once:
+Four kinds, each its own loop firing every ~N s (jittered 0.5-1.5x), all at once:
 
 - **kill**: SIGKILL a healthy replica of a stage that has another healthy one (the launcher
   restarts it). Legitimately fails, with 502, the requests whose work the replica held after it had
   sent something downstream (docs/architecture.md, "Failure handling"): nothing can redo that work;
-  and, with 500, those whose payload it had put but not yet served (its segments went with it).
+  and, with 502 naming the edge, those whose payload it had put but not yet served (its segments went with it).
 - **pause**: SIGSTOP the coordinator for `pause_s`, then SIGCONT. Legitimately fails nothing: the
   replicas' heartbeats wait in the socket, and a pause shorter than the requests' deadline leaves
   them time. A pause longer than the heartbeat timeout must evict nobody; until the coordinator
   holds that ("liveness"), failures it causes are reported, not excused.
+- **stop**: SIGSTOP a healthy replica for `pause_s`, then SIGCONT: a replica that hangs a while
+  (swapping, a debugger). Shorter than the heartbeat timeout, it is not taken out; its requests wait
+  for it within their deadline. Legitimately fails nothing.
 - **drop**: reset every established TCP connection of a replica (its control-plane DEALER and any
   data-plane socket), both ends, with `ss -K` (needs CAP_NET_ADMIN and a kernel with
   CONFIG_INET_DIAG_DESTROY). ZeroMQ reconnects; legitimately fails nothing.
@@ -40,7 +43,7 @@ import httpx
 from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S
 from omni_mesh.procinfo import children_of
 
-KINDS = ("kill", "pause", "drop")
+KINDS = ("kill", "pause", "stop", "drop")
 PAUSE_AFTERMATH_S = 1.0  # the coordinator catches up on what queued while it was stopped
 
 
@@ -59,7 +62,7 @@ class Fault:
         drop's effects last longer: a dropped replica may be sent work until the coordinator notices
         its silence, and a message lost in a reset connection leaves its request waiting up to its
         deadline: a drop explains requests in flight within `drop_aftermath_s` after it."""
-        aftermath = {"kill": 0.0, "pause": PAUSE_AFTERMATH_S, "drop": drop_aftermath_s}[self.kind]
+        aftermath = {"kill": 0.0, "pause": PAUSE_AFTERMATH_S, "stop": PAUSE_AFTERMATH_S, "drop": drop_aftermath_s}[self.kind]
         return began <= self.ended + aftermath and ended >= self.began
 
 
@@ -76,7 +79,7 @@ class FaultLog:
 
     def cause_of(self, began: float, ended: float, status: str, reason: str) -> str:
         """Why a request failed: "backpressure" (429: a full queue, no fault), "kill" (a 502 naming a
-        replica that died while the request was in flight: the work it held had gone downstream), "kill, payload gone" (a 500 reading a
+        replica that died while the request was in flight: the work it held had gone downstream), "kill, payload gone" (a 502 reading a
         payload whose maker was killed: its segments went with it), both legitimate; or "drop",
         "pause" (faults that should fail nothing), "kill, other", or "none" (no fault explains it)."""
         if status == "429":
@@ -84,9 +87,9 @@ class FaultLog:
         kinds = {f.kind for f in self.faults if f.explains(began, ended, self.drop_aftermath_s)}
         if "kill" in kinds and status == "502" and " died " in reason:  # the coordinator saw the pid gone
             return "kill"
-        if "kill" in kinds and status == "500" and "StageInputError" in reason:
+        if "kill" in kinds and status == "502" and " on edge " in reason:  # a stage's input: `StageInputError`
             return "kill, payload gone"
-        for kind in ("drop", "pause"):  # a drop's aftermath outlasts a short pause: the likelier cause
+        for kind in ("drop", "pause", "stop"):  # a drop's aftermath outlasts a short pause: the likelier cause
             if kind in kinds:
                 return kind
         return "kill, other" if "kill" in kinds else "none"
@@ -166,6 +169,45 @@ async def pause(launcher_pid: int, pause_s: float, log: FaultLog) -> None:
     log.add("pause", began, "coordinator", pid=pid)
 
 
+async def any_replica(
+    client: httpx.AsyncClient, launcher_pid: int, rng: random.Random, log: FaultLog, kind: str
+) -> tuple[str, dict[str, Any]] | None:
+    """(stage, replica) of a random healthy replica the launcher runs; None, noted as skipped, if none."""
+    stages = await healthy_replicas(client, launcher_pid)
+    candidates = [(name, r) for name, healthy in (stages or {}).items() for r in healthy]
+    if not candidates:
+        log.skipped[f"{kind}: /v1/stages did not answer" if stages is None else f"{kind}: no healthy replica"] += 1
+        return None
+    return rng.choice(candidates)
+
+
+async def stop(client: httpx.AsyncClient, launcher_pid: int, pause_s: float, rng: random.Random, log: FaultLog) -> None:
+    """SIGSTOP a random healthy replica for pause_s; SIGCONT it whatever happens meanwhile."""
+    if (picked := await any_replica(client, launcher_pid, rng, log, "stop")) is None:
+        return
+    stage, replica = picked
+    began = time.monotonic()
+    try:
+        os.kill(replica["pid"], signal.SIGSTOP)
+        await asyncio.sleep(pause_s)
+    except ProcessLookupError:
+        return
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(replica["pid"], signal.SIGCONT)
+    log.add("stop", began, stage, replica=replica["id"], pid=replica["pid"])
+
+
+def alive(pids: set[int]) -> list[int]:
+    """Those of `pids` that still run (not zombies: a zombie holds nothing but its pid)."""
+    left = []
+    for pid in sorted(pids):
+        with contextlib.suppress(OSError, IndexError):
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                left.append(pid)
+    return left
+
+
 def tcp_ports(pid: int) -> set[int]:
     """Local ports of the established TCP connections (IPv4 and IPv6) that process `pid` holds."""
     inodes = set()
@@ -203,12 +245,9 @@ def reset_connections(ports: set[int]) -> int:
 
 async def drop(client: httpx.AsyncClient, launcher_pid: int, rng: random.Random, log: FaultLog) -> None:
     """Reset every TCP connection of a random healthy replica."""
-    stages = await healthy_replicas(client, launcher_pid)
-    candidates = [(name, r) for name, healthy in (stages or {}).items() for r in healthy]
-    if not candidates:
-        log.skipped["drop: /v1/stages did not answer" if stages is None else "drop: no healthy replica"] += 1
+    if (picked := await any_replica(client, launcher_pid, rng, log, "drop")) is None:
         return
-    stage, replica = rng.choice(candidates)
+    stage, replica = picked
     began = time.monotonic()
     ports = tcp_ports(replica["pid"])
     destroyed = await asyncio.to_thread(reset_connections, ports)

@@ -21,10 +21,12 @@ def broken(result: dict[str, Any]) -> list[str]:
     if result["wrong"]:
         problems.append(f"{result['wrong']} wrong output(s)")
     if result["late"]:
-        problems.append(f"{result['late']} answer(s) later than the deadline + {LATE_MARGIN_S:g} s")
+        problems.append(f"{result['late']} request(s) hung: no answer by the deadline + {LATE_MARGIN_S:g} s")
     if bad := illegitimate_failures(result):
         problems.append("request(s) failed with no fault that legitimately fails them: "
                         + ", ".join(f"{cause}: {n}" for cause, n in sorted(bad.items())))
+    if result.get("leftover_processes"):
+        problems.append(f"{len(result['leftover_processes'])} mesh process(es) still running after the mesh stopped")
     if result["leftover_segments"]:
         problems.append(f"{len(result['leftover_segments'])} shared-memory segment(s) left in /dev/shm")
     if result["launcher_exit_status"] != 0:
@@ -38,6 +40,8 @@ def _plan(result: dict[str, Any]) -> str:
         kinds.append(f"a replica SIGKILL every ~{result['kill_every_s']:g} s")
     if result["pause_every_s"]:
         kinds.append(f"a {result['pause_s']:g} s coordinator pause every ~{result['pause_every_s']:g} s")
+    if result.get("stop_every_s"):
+        kinds.append(f"a {result['pause_s']:g} s replica SIGSTOP every ~{result['stop_every_s']:g} s")
     if result["drop_every_s"]:
         kinds.append(f"a replica's connections reset every ~{result['drop_every_s']:g} s")
     return ", ".join(kinds) or "no faults"
@@ -66,7 +70,7 @@ def report(result: dict[str, Any]) -> str:
     lines += [
         f"  wrong outputs      {result['wrong']}",
         *(f"      {example}" for example in result["wrong_examples"]),
-        f"  late (> deadline + {LATE_MARGIN_S:g} s) {result['late']}"
+        f"  hung (no answer by deadline + {LATE_MARGIN_S:g} s) {result['late']}"
         + (f"   slowest: {', '.join(f'{s:.2f} s' for s in result['late_s'])}" if result["late"] else ""),
         "  faults             " + ", ".join(f"{kind} {result['faults'].get(kind, 0)}" for kind in KINDS)
         + "   (" + ", ".join(f"{target}: {n}" for target, n in sorted(result["faults_by_target"].items())) + ")",
@@ -74,6 +78,8 @@ def report(result: dict[str, Any]) -> str:
         f"  leftover segments  {len(result['leftover_segments'])}   ({result['mesh_processes']} mesh processes held up to "
         f"{result['most_segments_held']} at once)",
         *(f"      {name}" for name in result["leftover_segments"][:10]),
+        f"  leftover processes {len(result.get('leftover_processes', []))}"
+        + (f"   pids: {result['leftover_processes'][:10]}" if result.get("leftover_processes") else ""),
         f"  launcher exit      {result['launcher_exit_status']}",
     ]
     problems = broken(result)

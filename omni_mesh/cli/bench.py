@@ -94,6 +94,8 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     chaos.add_argument("--pause-every", type=float, default=20.0,
                        help="mean seconds between coordinator pauses, SIGSTOP then SIGCONT (0: none)")
     chaos.add_argument("--pause-s", type=float, default=2.0, help="how long each pause lasts (< --timeout-s)")
+    chaos.add_argument("--stop-every", type=float, default=15.0,
+                       help="mean seconds between replica stops, SIGSTOP for --pause-s then SIGCONT (0: none)")
     chaos.add_argument("--drop-every", type=float, default=8.0,
                        help="mean seconds between resets of a replica's TCP connections, with `ss -K` as root (0: none)")
     chaos.add_argument("--tolerate", default="",
@@ -198,14 +200,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         for flag in ("replicas", "duration", "concurrency", "timeout_s"):
             if not getattr(args, flag) > 0:
                 raise CliError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
-        for flag in ("kill_every", "pause_every", "drop_every"):
+        for flag in ("kill_every", "pause_every", "stop_every", "drop_every"):
             if not getattr(args, flag) >= 0:
                 raise CliError(f"--{flag.replace('_', '-')} must be >= 0 (0: none), got {getattr(args, flag)}")
         try:
             result = chaos.run(
                 topology=args.topology, duration_s=args.duration, concurrency=args.concurrency,
                 timeout_s=args.timeout_s, kill_every_s=args.kill_every, pause_every_s=args.pause_every,
-                pause_s=args.pause_s, drop_every_s=args.drop_every,
+                pause_s=args.pause_s, drop_every_s=args.drop_every, stop_every_s=args.stop_every,
                 tolerate=tuple(kind for kind in args.tolerate.split(",") if kind), seed=args.seed,
                 replicas=args.replicas, edges=args.edges,
             )

@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from omni_mesh.cli import bench, export, keys, models, schema, services, status, validate
+from omni_mesh.cli import bench, export, keys, models, schema, serve, services, status, validate
 from omni_mesh.cli.common import EXIT_OK, EXIT_USAGE, CliError, Command, Declare, HelpWithDefaults
 from omni_mesh.topology import TopologyError
 
@@ -17,6 +17,7 @@ _COMMANDS: dict[str, tuple[Declare, Command]] = {
     **validate.COMMANDS,
     **schema.COMMANDS,
     **services.COMMANDS,
+    **serve.COMMANDS,
     **bench.COMMANDS,
     **keys.COMMANDS,
     **status.COMMANDS,
@@ -66,7 +67,7 @@ def _service_name(args: argparse.Namespace) -> str:
     """How this process names itself in log lines."""
     if args.command == "stage" and args.stage:
         return args.replica or args.stage
-    return {"up": "launcher"}.get(args.command, args.command)
+    return {"up": "launcher", "serve": "launcher"}.get(args.command, args.command)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

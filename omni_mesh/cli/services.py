@@ -4,14 +4,16 @@ replica as local processes), with the REST front door's flags `coordinator` and 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 from typing import TYPE_CHECKING
 
 from omni_mesh.cli.common import EXIT_OK, CliError, Command, Declare, HelpWithDefaults
 from omni_mesh.defaults import BODY_TIMEOUT_S as BODY_TIMEOUT_S
-from omni_mesh.defaults import COORDINATOR_UNRESPONSIVE_S, HEARTBEAT_TIMEOUT_S
+from omni_mesh.defaults import CONNECTOR_HOST_ENV, COORDINATOR_UNRESPONSIVE_S, HEARTBEAT_TIMEOUT_S
 from omni_mesh.defaults import HEADER_TIMEOUT_S as HEADER_TIMEOUT_S
 from omni_mesh.defaults import WRITE_TIMEOUT_S as WRITE_TIMEOUT_S
+from omni_mesh.port_checks import check_ports
 from omni_mesh.topology import Topology, load_topology
 
 if TYPE_CHECKING:
@@ -219,6 +221,12 @@ def _add_up(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         formatter_class=HelpWithDefaults,
     )
     parser.add_argument("topology", metavar="TOPOLOGY")
+    add_up_flags(parser)
+    return parser
+
+
+def add_up_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of `up` but its TOPOLOGY (`serve` takes them too)."""
     parser.add_argument("--host", default="127.0.0.1", help="REST bind address")
     parser.add_argument("--port", type=int, default=8000, help="REST port")
     parser.add_argument("--timeout-s", type=float, default=30.0, help="deadline of requests that set no timeout_s")
@@ -230,6 +238,12 @@ def _add_up(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument(
         "--control-port", type=int, default=None, metavar="N",
         help="the control plane's port, on 127.0.0.1 (default: a free port, picked at start)",
+    )
+    parser.add_argument(
+        "--connector-host", metavar="ADDR", default=_env(CONNECTOR_HOST_ENV, "127.0.0.1"),
+        help="where connectors with `host: auto` bind and advertise (ZmqConnector, the transfer engines' side "
+        "channels); `auto`: the default route's interface; an address the topology writes wins "
+        f"(${CONNECTOR_HOST_ENV})",
     )
     parser.add_argument(
         "--heartbeat-timeout-s", type=float, default=HEARTBEAT_TIMEOUT_S,
@@ -245,14 +259,22 @@ def _add_up(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="the most stage replicas to run on this host in all, autoscaled ones included (default: the "
         "CPU count, at least the starting replicas)",
     )
+    parser.add_argument(
+        "--min-free-memory", default=None, metavar="SIZE",
+        help="memory autoscaling leaves free: no replica starts where the host's available memory, less "
+        "the replica's size, would fall below it (e.g. 2GiB; default: 10%% of the host's memory)",
+    )
     _add_rest_flags(parser)
-    return parser
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    return run_topology(load_topology(args.topology), args)
+
+
+def run_topology(topology: Topology, args: argparse.Namespace) -> int:
+    """`up` of a loaded topology with add_up_flags' arguments: until a signal stops it."""
     from omni_mesh.launcher import run_up
 
-    topology = load_topology(args.topology)
     rest = _rest_settings(args)
     # The coordinator reads the key from its environment, which it inherits: never from its argv,
     # which ps shows to every user of the machine.
@@ -262,8 +284,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
         os.environ[ENV_API_KEY] = rest["api_key"]
     else:
         os.environ.pop(ENV_API_KEY, None)
-    if args.control_port is not None and not 0 < args.control_port < 65536:
-        raise CliError(f"--control-port must be a TCP port (1-65535), got {args.control_port}")
+    try:
+        check_ports(args.host, args.port, args.control_port)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     if not args.coordinator_watchdog_s >= 0:
         raise CliError(f"--coordinator-watchdog-s must be >= 0 seconds (0: off), got {args.coordinator_watchdog_s}")
     if not args.heartbeat_timeout_s > 0:
@@ -281,10 +305,32 @@ def _cmd_up(args: argparse.Namespace) -> int:
             ready_timeout_s=_ready_timeout_s(args.ready_timeout_s, topology),
             api_key=rest["api_key"], ssl_certfile=rest["ssl_certfile"], ssl_keyfile=rest["ssl_keyfile"],
             control_port=args.control_port, unresponsive_s=args.coordinator_watchdog_s,
-            max_replicas_total=args.max_replicas_total,
+            max_replicas_total=args.max_replicas_total, min_free_memory=_min_free_memory(args.min_free_memory),
+            connector_host=_connector_host(args.connector_host),
         )
     except ValueError as exc:
         raise CliError(str(exc)) from None
+
+
+def _min_free_memory(value: str | None) -> int | None:
+    """`--min-free-memory` in bytes (a ValueError naming the flag where it is not a size)."""
+    from omni_mesh.connectors.config.fields import parse_size
+
+    return None if value is None else parse_size(int(value) if value.isdigit() else value, what="--min-free-memory")
+
+
+def _connector_host(value: str) -> str:
+    """--connector-host, checked: an IP address, or `auto` (the connectors' own rule)."""
+    value = value.strip()
+    if value.lower() == "auto":
+        return "auto"
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        raise CliError(
+            f"--connector-host must be an IP address (127.0.0.1, 0.0.0.0 for every interface, this host's "
+            f"address) or auto (the address of the default route's interface), got {value!r}"
+        ) from None
 
 
 def _ready_timeout_s(value: float | str | None, topology: Topology) -> float:

@@ -1,6 +1,9 @@
 """How a connector names this host to its peers: the `host: auto` rule, bind vs advertise, endpoints.
 
 `host: auto` resolves, in order, to:
+  0. $OMNI_MESH_CONNECTOR_HOST where it is set: `omni-mesh up` sets it (127.0.0.1 unless
+     `--connector-host` says otherwise), as its peers all run on this machine; a deployment may set
+     it to name one address for every connector of a process;
   1. the source address the kernel picks for a route to the outside world (a UDP `connect`, which
      sends nothing), so a multi-homed host advertises the interface its default route uses;
   2. else (no default route, e.g. an isolated network namespace) the first IPv4 address of an
@@ -14,9 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
 import socket
 import struct
 
+from omni_mesh.defaults import CONNECTOR_HOST_ENV
 from omni_mesh.ports import WILDCARDS as WILDCARDS  # re-exported: the connectors' name for it
 
 _SIOCGIFFLAGS = 0x8913
@@ -52,19 +57,26 @@ def _interface_address(name: str) -> str | None:
             return None
 
 
+def _chosen(value: str) -> str:
+    """`value`, or for "auto" the address $OMNI_MESH_CONNECTOR_HOST names (still "auto" without it)."""
+    value = value.strip()
+    if value.lower() == "auto":
+        return os.environ.get(CONNECTOR_HOST_ENV, "").strip() or "auto"
+    return value
+
+
 def resolve_host(value: str) -> str:
     """The one address to bind and advertise: `value` itself unless it is "auto" (module docstring)."""
-    value = value.strip()
-    return outward_address() if value.lower() == "auto" else value
+    return bind_and_advertise(value)[1]
 
 
 def bind_and_advertise(value: str) -> tuple[str, str]:
     """(address to bind, address to advertise) for a `host` value; a wildcard binds every interface
-    and advertises the `auto` address."""
-    value = value.strip()
+    and advertises the address `auto` finds without $OMNI_MESH_CONNECTOR_HOST."""
+    value = _chosen(value)
     if value in WILDCARDS:
         return value, outward_address()
-    address = resolve_host(value)
+    address = outward_address() if value.lower() == "auto" else value
     return address, address
 
 

@@ -71,6 +71,7 @@ class ZmqConnector(ZmqWire, PoolProducer, ServedConnector):
         report.update(encryption=self._algorithm if self._keys is not None else "curve-off")
         report["bulk_transfers"] = self._bulk.pulled if self._bulk is not None else 0
         if self._bulk is not None:
+            report["bulk_port"] = self._bulk.port
             report["refused_peers"] += self._bulk.refused.count
             if self._bulk.error is not None:  # its thread stopped: large payloads cannot leave
                 report.update(status="unhealthy", error=f"bulk socket thread stopped: {self._bulk.error}")

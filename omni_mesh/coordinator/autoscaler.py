@@ -7,6 +7,12 @@ The target follows only once the stage has wanted more for `upscale_delay_s`, or
 `downscale_delay_s`, so one burst or one lull moves nothing; a stage at zero replicas with work
 waiting gets one at once (a cold start, timed and logged). The host cap (OMNI_MESH_HOST_REPLICA_CAP,
 set by `up`) bounds the sum of every stage's target; a stage it holds back says so.
+
+A load that oscillates around what N replicas carry, slower than the delays, would take the stage
+down and up again each period, a process start and a drain every time: a stage that goes back up
+within a flap window (twice its upscale delay plus its downscale delay) of going down has flapped, and its
+downscale delay doubles (up to FLAP_CAP times the configured one); once a move down holds for the
+window, it is the configured one again.
 """
 
 from __future__ import annotations
@@ -37,6 +43,13 @@ TICK_S = 0.25
 #: for this long it adopts them (the target is never below the replicas registered), and says it is
 #: settling, so `up` stops none of them because a fresh coordinator only knows the starting count.
 SETTLE_S = 10.0
+#: A flapping stage's downscale delay doubles up to this many times the configured one (at least
+#: FLAP_FLOOR_S, so that a delay of 0 grows too).
+FLAP_CAP = 8
+#: A stage that goes back up within this many times its upscale plus downscale delay of going down
+#: has flapped: a square wave of half-period H comes back H + up - down after the move down.
+FLAP_WINDOW = 2
+FLAP_FLOOR_S = 1.0
 
 
 @dataclass
@@ -54,10 +67,18 @@ class StageScaling:
     cold_since: float | None = None  # a cold start under way (0 -> 1) since then
     cold_start_s: float | None = None  # how long the last one took, to a registered replica
     decided: bool = False  # the load has moved the target once (no adopting after that)
+    down_delay: float = -1.0  # the downscale delay in force: the configured one, longer after flaps
+    last_down_at: float | None = None  # when the target last moved down, while a flap may follow
+
+    def __post_init__(self) -> None:
+        self.down_delay = self.spec.downscale_delay_s
 
     @property
     def horizon(self) -> float:
-        return max(self.spec.upscale_delay_s, self.spec.downscale_delay_s)
+        return max(self.spec.upscale_delay_s, self.down_delay)
+
+    def flap_window(self) -> float:
+        return FLAP_WINDOW * (self.spec.upscale_delay_s + self.down_delay)
 
 
 class Autoscaler:
@@ -114,6 +135,7 @@ class Autoscaler:
                 "cold_start_s": None if scaling.cold_start_s is None else round(scaling.cold_start_s, 3),
                 "host_cap": self.host_cap,
                 "settling": self.settling(time.monotonic()),
+                "downscale_delay_now_s": scaling.down_delay,
             },
         }
 
@@ -159,7 +181,7 @@ class Autoscaler:
             # them (a peak alone starts nothing); down likewise, to the most of them (a lull alone, or
             # the tail of a burst draining, stops nothing more than it should).
             more = _settled(s.history, now, spec.upscale_delay_s, lambda w: w > s.target)
-            fewer = _settled(s.history, now, spec.downscale_delay_s, lambda w: w < s.target)
+            fewer = _settled(s.history, now, s.down_delay, lambda w: w < s.target)
             if more:
                 new = min(more)
             elif fewer:
@@ -168,13 +190,33 @@ class Autoscaler:
             new = self._within_cap(s, new)
         elif s.wanted <= s.target:
             s.limited = None
+        self._damp(s, now, new)
         if new != s.target:
             per = f"{spec.target_ongoing_requests:g}"
             s.reason = f"{s.ongoing} ongoing, target {per} per replica"
             if new == 0:
-                s.reason += f" (idle for {spec.downscale_delay_s:g} s: scaled to zero)"
+                s.reason += f" (idle for {s.down_delay:g} s: scaled to zero)"
             log.info("autoscale: %s %d -> %d: %s", name, s.target, new, s.reason)
             s.target, s.decided = new, True
+
+    def _damp(self, s: StageScaling, now: float, new: int) -> None:
+        """Lengthen the downscale delay of a stage going back up soon after it went down (a flap);
+        give it back its configured delay once a move down has held for the flap window."""
+        if new < s.target:
+            s.last_down_at = now
+        elif s.last_down_at is not None and now - s.last_down_at > s.flap_window():
+            s.last_down_at = None  # the move down held
+            if s.down_delay != s.spec.downscale_delay_s:
+                s.down_delay = s.spec.downscale_delay_s
+                log.info("autoscale: %s held its move down: downscale delay back to %g s", s.stage.name, s.down_delay)
+        elif new > s.target and s.last_down_at is not None:
+            back_s, s.last_down_at = now - s.last_down_at, None
+            cap = max(FLAP_CAP * s.spec.downscale_delay_s, FLAP_FLOOR_S)
+            longer = min(cap, max(2 * s.down_delay, FLAP_FLOOR_S))
+            if longer > s.down_delay:
+                s.down_delay = longer
+                log.info("autoscale: %s went back up %.1f s after going down (the load oscillates): it now "
+                         "waits %g s of lower load before scaling down", s.stage.name, back_s, longer)
 
     def _within_cap(self, s: StageScaling, new: int) -> int:
         """`new`, or as much of it as the host cap leaves (never below the present target)."""

@@ -156,8 +156,9 @@ class Dispatcher:
                 state.stream_targets[stage] = replica.replica_id
                 for chunk in state.stream_buffer.pop(stage, []):
                     self._send_chunk(state, stage, replica, chunk)
-        except Exception as exc:
+        except Exception as exc:  # it never got the work: nothing to wait for it to stop
             log.exception("request %s: sending work to replica %s failed", state.rid, replica.replica_id)
+            replica.inflight.discard(state.rid)
             self.fail(state, RequestFailed(500, f"could not send the request to stage {stage!r}: {exc}", stage))
 
     def _send_chunk(self, state: RequestState, dst: str, replica: Replica, chunk: Chunk) -> None:
@@ -165,14 +166,13 @@ class Dispatcher:
         self.send(replica, chunk)
 
     def full_stage(self) -> tuple[str, int] | None:
-        """The first stage whose queue is at its limit (max_queued), and the limit: a new request is
-        refused (429) then. Requests still putting their large inputs count as waiting, beyond the
-        free slots they may take. Work of requests already admitted may still push a queue past its
-        limit: they are never refused midway."""
+        """The first stage whose queue is at its limit (max_queued), and the limit: a new request is refused
+        (429) then. Requests still putting their large inputs count as waiting, beyond the free slots they
+        may take. Work of requests already admitted may still push a queue past its limit: never refused midway."""
         for stage in self.topology.stages:
             replicas = self.registry.of_stage(stage.name)
             limit = stage.queue_limit(sum(replica.max_inflight for replica in replicas))
-            free = sum(max(0, r.max_inflight - len(r.inflight)) for r in replicas if self.registry.is_healthy(r))
+            free = sum(max(0, r.max_inflight - r.busy) for r in replicas if self.registry.is_healthy(r))
             waiting = len(self.queues[stage.name]) + max(0, self.arriving.get(stage.name, 0) - free)
             if waiting >= limit:
                 return stage.name, limit
@@ -318,7 +318,7 @@ class Dispatcher:
         for replica_id in state.touched:
             replica = self.registry.replicas.get(replica_id)
             if replica is not None:
-                replica.inflight.discard(state.rid)
+                replica.stop(state.rid)  # busy until it has stopped computing for it (its heartbeat says)
                 try:
                     self.send(replica, Abort(state.rid, error.message))
                 except Exception:

@@ -55,6 +55,8 @@ def stage_failure(replica_id: str, message: Error) -> RequestFailed:
         return RequestFailed(422, f"stage {stage!r}: {message.error}", stage)
     if message.status == 503:  # a connector's memory is full: the same request may pass later
         return memory_full(f"stage {stage!r} failed: {message.error}", stage)
+    if message.status == 502:  # a connector failed on an edge (named in the error): the data plane's fault
+        return RequestFailed(502, f"stage {stage!r} failed: {message.error}", stage)
     return RequestFailed(500, f"stage {stage!r} failed: {message.error}", stage)
 
 

@@ -156,10 +156,10 @@ def stats(coordinator: Coordinator, metrics: Metrics) -> dict[str, Any]:
         seconds, count = service.get(stage.name, (0.0, 0.0))
         stages[stage.name] = {
             "replicas": [
-                {"id": r.replica_id, "health": r.health(now, registry.heartbeat_timeout_s), "inflight": len(r.inflight)}
+                {"id": r.replica_id, "health": r.health(now, registry.heartbeat_timeout_s), "inflight": r.busy}
                 for r in mine
             ],
-            "inflight": sum(len(r.inflight) for r in mine),
+            "inflight": sum(r.busy for r in mine),
             "queued": len(dispatcher.queues[stage.name]),
             "current_replicas": coordinator.autoscaler.current(stage.name),
             "target_replicas": coordinator.autoscaler.target(stage),
@@ -209,7 +209,7 @@ class _StateCollector(Collector):
                 _add_handler_counters(families, [stage.name, replica.replica_id], replica.counters)
             for health, count in by_health.items():
                 replicas.add_metric([stage.name, health], count)
-            inflight.add_metric([stage.name], sum(len(r.inflight) for r in mine))
+            inflight.add_metric([stage.name], sum(r.busy for r in mine))
             queued.add_metric([stage.name], len(dispatcher.queues[stage.name]))
             target.add_metric([stage.name], autoscaler.target(stage))
             ongoing.add_metric([stage.name], autoscaler.ongoing(stage.name))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 from collections.abc import AsyncIterator
@@ -13,7 +14,7 @@ from fastapi.responses import JSONResponse
 from omni_mesh.coordinator import events
 from omni_mesh.coordinator.dispatch import RequestState
 from omni_mesh.coordinator.failures import RequestFailed, openai_body
-from omni_mesh.coordinator.openai_audio import encode
+from omni_mesh.coordinator.openai_audio import COMPRESSED, encode
 from omni_mesh.coordinator.openai_reply import Piece, Reply, ReplyError
 from omni_mesh.coordinator.openai_request import ChatCall
 from omni_mesh.coordinator.service import Coordinator
@@ -92,7 +93,7 @@ class Answer:
         if self.call.audio_format is not None:
             message["audio"] = {
                 "id": self.audio_id,
-                "data": self._audio(bytes(self.reply.pcm)),
+                "data": await self._audio(bytes(self.reply.pcm)),
                 "expires_at": self.created + AUDIO_EXPIRES_S,
                 "transcript": self.reply.text,
             }
@@ -103,7 +104,7 @@ class Answer:
         try:
             yield self._chunk({"role": "assistant", "content": "" if self.content else None})
             async for piece in self.pieces(first):
-                delta = self._delta(piece)
+                delta = await self._delta(piece)
                 if delta:
                     yield self._chunk(delta)
             expires_at = self.created + AUDIO_EXPIRES_S
@@ -117,7 +118,7 @@ class Answer:
         finally:
             self.abandon()  # a no-op once the request is done
 
-    def _delta(self, piece: Piece) -> dict[str, Any]:
+    async def _delta(self, piece: Piece) -> dict[str, Any]:
         delta: dict[str, Any] = {}
         if piece.text and self.content:
             delta["content"] = piece.text
@@ -126,14 +127,17 @@ class Answer:
             if piece.text:
                 audio["transcript"] = piece.text
             if piece.pcm:
-                audio["data"] = self._audio(piece.pcm)
+                audio["data"] = await self._audio(piece.pcm)
             if audio:
                 delta["audio"] = {"id": self.audio_id, **audio}
         return delta
 
-    def _audio(self, pcm: bytes) -> str:
-        assert self.call.audio_format is not None
-        data = encode(pcm, self.reply.sample_rate or DEFAULT_SAMPLE_RATE, self.call.audio_format)
+    async def _audio(self, pcm: bytes) -> str:
+        fmt = self.call.audio_format
+        assert fmt is not None
+        rate = self.reply.sample_rate or DEFAULT_SAMPLE_RATE
+        # FFmpeg's encoders take milliseconds a second of audio: off the event loop, as other requests wait on it.
+        data = await asyncio.to_thread(encode, pcm, rate, fmt) if fmt in COMPRESSED else encode(pcm, rate, fmt)
         return base64.b64encode(data).decode("ascii")
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> str:

@@ -1,14 +1,19 @@
-"""Audio between a stage's output and an OpenAI client: anything a stage may hold -> 16-bit PCM -> wav or pcm16.
+"""Audio between a stage's output and an OpenAI client: anything a stage may hold -> 16-bit PCM ->
+wav, pcm16, flac, mp3 or opus.
 
 A stage's audio field holds one of `omni_mesh.openai_section.ENCODINGS`; the client asks for one of
 FORMATS. 16-bit little-endian mono PCM is the common ground: pieces are joined as PCM, and each
-answer (or streamed delta) is encoded on its own, so every `wav` delta is a whole, playable file.
+answer (or streamed delta) is encoded on its own, so every `wav` (flac, mp3, opus) delta is a whole,
+playable file. WAV and PCM are written here; the COMPRESSED formats through PyAV
+(omni_mesh.media.audio_out), imported on first use: a coordinator without PyAV serves wav and pcm16,
+and answers 501 for the others (audio_unavailable says so before the request is admitted).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import importlib.util
 import io
 import wave
 from typing import Any
@@ -17,7 +22,9 @@ import numpy as np
 
 from omni_mesh.lazy_torch import tensor_class
 
-FORMATS = ("wav", "pcm16")
+#: Encoded by FFmpeg (Ogg Opus for `opus`, as OpenAI's); wav and pcm16 need nothing but the standard library.
+COMPRESSED = ("flac", "mp3", "opus")
+FORMATS = ("wav", "pcm16", *COMPRESSED)
 
 
 class AudioError(ValueError):
@@ -36,10 +43,24 @@ def to_pcm16(value: Any, encoding: str) -> tuple[bytes, int | None]:
     return _wav_pcm16(data)
 
 
+def audio_unavailable(fmt: str) -> str | None:
+    """Why `fmt` cannot be encoded here (PyAV missing), or None when it can."""
+    if fmt in COMPRESSED and importlib.util.find_spec("av") is None:
+        return (
+            f"audio format {fmt!r} needs PyAV, which this coordinator lacks (pip install 'omni-mesh[engines]'); "
+            "ask for wav or pcm16"
+        )
+    return None
+
+
 def encode(pcm: bytes, sample_rate: int, fmt: str) -> bytes:
-    """`pcm` (16-bit mono) in the client's format: a whole WAV file, or the PCM itself."""
+    """`pcm` (16-bit mono) in the client's format: a whole WAV, FLAC, mp3 or Ogg Opus file, or the PCM itself."""
     if fmt == "pcm16":
         return pcm
+    if fmt in COMPRESSED:
+        from omni_mesh.media.audio_out import encode_pcm16  # PyAV: loaded only when a client asks for it
+
+        return encode_pcm16(pcm, sample_rate, fmt)
     buf = io.BytesIO()
     with wave.open(buf, "wb") as out:
         out.setnchannels(1)

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
+from omni_mesh.coordinator.openai_audio import audio_unavailable
 from omni_mesh.openai_section import OpenAISpec
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
@@ -30,10 +31,11 @@ SAMPLING = (
 class ChatRequestError(ValueError):
     """A request the mesh cannot serve as asked: `param` names the field (OpenAI's error `param`)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.status = status
 
 
 class Message(BaseModel):
@@ -47,7 +49,9 @@ class AudioOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     voice: str | dict[str, Any] | None = Field(default=None, description="passed to the stages as params.voice")
-    format: Literal["wav", "pcm16"] = Field(default="wav", description="of message.audio.data and each audio delta")
+    format: Literal["wav", "pcm16", "flac", "mp3", "opus"] = Field(
+        default="wav", description="of message.audio.data and of each audio delta (each a whole file but pcm16)"
+    )
 
 
 class StreamOptions(BaseModel):
@@ -112,6 +116,8 @@ def chat_call(body: ChatRequest, spec: OpenAISpec) -> ChatCall:
     if "audio" in modalities and spec.audio_output is None:
         raise ChatRequestError(f"model {spec.model!r} has no audio output; ask for modalities [\"text\"]", "modalities")
     audio_format = (body.audio.format if body.audio else "wav") if "audio" in modalities else None
+    if audio_format is not None and (why := audio_unavailable(audio_format)):
+        raise ChatRequestError(why, "audio.format", status=501)
     params = _params(body, modalities)
     media = "messages" in spec.inputs.values()  # the whole messages go on: the entry stage reads the media
     inputs = {name: _source(body.messages, source, media) for name, source in spec.inputs.items()}

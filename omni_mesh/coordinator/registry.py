@@ -49,6 +49,8 @@ class Replica:
     registered_at: float = 0.0  # on the registry's clock (Registry.now), set by `register`
     last_seen: float = 0.0
     inflight: set[str] = field(default_factory=set)
+    #: requests that ended (deadline, abort) while it worked on them, until its heartbeat says it let go
+    stopping: set[str] = field(default_factory=set)
     processed: int = 0
     errors: int = 0
     malformed: int = 0
@@ -60,6 +62,17 @@ class Replica:
 
     def sick_connectors(self) -> list[str]:
         return [ref for ref, h in self.connectors.items() if isinstance(h, dict) and h.get("status") == "unhealthy"]
+
+    @property
+    def busy(self) -> int:
+        """Its slots taken: the requests it works on, and ended ones whose compute it is still stopping."""
+        return len(self.inflight) + len(self.stopping)
+
+    def stop(self, rid: str) -> None:
+        """Request `rid` ended: if this replica was working on it, it stays busy until it has let go."""
+        if rid in self.inflight:
+            self.inflight.discard(rid)
+            self.stopping.add(rid)
 
     def health(self, now: float, timeout_s: float) -> str:
         if now - self.last_seen > timeout_s:
@@ -86,7 +99,8 @@ class Replica:
             "host": self.host,
             "pid": self.pid,
             "health": self.health(now, timeout_s),
-            "inflight": len(self.inflight),
+            "inflight": self.busy,
+            "stopping": len(self.stopping),
             "max_inflight": self.max_inflight,
             "processed": self.processed,
             "errors": self.errors,
@@ -212,6 +226,7 @@ class Registry:
         replica.malformed = message.malformed
         replica.draining = message.draining
         replica.connectors = message.connectors
+        replica.stopping &= {rid for rid in message.working if isinstance(rid, str)}
         replica.counters = message.counters
 
     def remove(self, replica_id: str) -> Replica | None:
@@ -264,12 +279,12 @@ class Registry:
         candidates = [
             r
             for r in self.of_stage(stage)
-            if r.health(now, self.heartbeat_timeout_s) == "healthy" and len(r.inflight) < r.max_inflight
+            if r.health(now, self.heartbeat_timeout_s) == "healthy" and r.busy < r.max_inflight
         ]
         if not candidates:
             return None
-        least = min(len(r.inflight) for r in candidates)
-        tied = [r for r in candidates if len(r.inflight) == least]
+        least = min(r.busy for r in candidates)
+        tied = [r for r in candidates if r.busy == least]
         return tied[next(self._tiebreak) % len(tied)]
 
     def is_healthy(self, replica: Replica) -> bool:

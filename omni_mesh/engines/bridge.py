@@ -44,3 +44,20 @@ class Generation:
 
     def cancel(self) -> None:
         self.stop.set()
+
+    async def settle(self) -> None:
+        """Stop the generation and wait until the model thread has really let go of it (the prefill
+        stops within a piece, a generate() step within a step), even when this task is cancelled
+        meanwhile: until then the replica counts the request in flight, so no new work is promised the
+        model while it still computes. Its outcome is not read (the request ended)."""
+        self.stop.set()
+        cancelled = False
+        while not self.future.done():
+            try:
+                await asyncio.wait([self.future])
+            except asyncio.CancelledError:
+                cancelled = True  # cancelled again (an abort after a deadline): still wait, then say so
+        if not self.future.cancelled():
+            self.future.exception()  # retrieved: a cancelled request's PrefillStopped is no error
+        if cancelled:
+            raise asyncio.CancelledError

@@ -4,7 +4,7 @@ part whose weights are missing is an error naming them, never a silent random in
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 #: Where a checkpoint's weights may live (save_pretrained writes one of them).
@@ -31,16 +31,59 @@ def read_config(model_dir: Path) -> dict:
 
 
 def weight_files(model_dir: Path, prefix: str) -> list[Path]:
-    """The safetensors files holding tensors under `prefix` (a sharded checkpoint: only those shards)."""
+    """The safetensors files holding tensors under `prefix` (a sharded checkpoint: only those shards).
+    Every one lies inside the checkpoint directory (`_inside`)."""
     index = model_dir / _INDEX
     if index.exists():
-        weight_map: dict[str, str] = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        weight_map = _weight_map(index)
         files = sorted({name for key, name in weight_map.items() if key.startswith(prefix)})
-        return [model_dir / name for name in files]
+        return [_inside(model_dir, name, index) for name in files]
     single = model_dir / _SINGLE
     if single.exists():
-        return [single]
+        return [_inside(model_dir, _SINGLE, single)]
     raise CheckpointError(f"{model_dir}: no {_SINGLE} or {_INDEX}: the checkpoint has no safetensors weights")
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's `weight_map` (tensor key -> shard file name), checked for its shape."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+    except (OSError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{index}: cannot read the index: {exc}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+        raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
+    return weight_map
+
+
+def _inside(model_dir: Path, name: str, named_by: Path) -> Path:
+    """`model_dir / name`, refused (naming the file that names it and the shard) unless it stays inside
+    the checkpoint directory: a relative name without `..`, and no symlink leading out of it. A
+    checkpoint is data from whoever published it; it must not make a stage read other files."""
+    relative = PurePosixPath(name)
+    if not name or relative.is_absolute() or ".." in relative.parts:
+        raise CheckpointError(
+            f"{named_by}: shard {name!r} names a file outside the checkpoint directory {model_dir} (shard names "
+            "are relative to it, without '..'); refusing to read it"
+        )
+    path = model_dir / relative
+    resolved = path.resolve()
+    if not any(resolved.is_relative_to(root) for root in _roots(model_dir)):
+        raise CheckpointError(
+            f"{named_by}: shard {name!r} is a symlink to {resolved}, outside the checkpoint directory "
+            f"{model_dir}; refusing to read it (copy the file into the directory)"
+        )
+    return path
+
+
+def _roots(model_dir: Path) -> list[Path]:
+    """Where a checkpoint's files may resolve to: its own directory, and for a Hugging Face cache
+    snapshot (models--ORG--NAME/snapshots/REV, whose files are symlinks into the repository's blobs/)
+    that blobs/ directory."""
+    real = model_dir.resolve()
+    roots = [real]
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        roots.append(real.parent.parent / "blobs")
+    return roots
 
 
 def read_part(model_dir: Path, prefix: str, skip: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from omni_mesh.engines.checkpoint import CheckpointError, read_config
+from omni_mesh.engines.prefill import check_prompt
 from omni_mesh.engines.settings import ARCHS, EngineSpec, Sampling
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -122,6 +123,15 @@ class ModelParts(ABC):
     def stream_decoder(self, decoder: Any, sampling: Sampling) -> Any:
         """An object with `feed(codes) -> samples` and `finish() -> samples`, for one request."""
 
+    def check_prompt(self, thinker: Any, tokens: int) -> None:
+        """InvalidInput (4xx) when a prompt of `tokens` does not fit the thinker's context or the stage's
+        `max_prompt_tokens`: checked before any compute."""
+        check_prompt(tokens, context=thinker.context, limit=self.spec.max_prompt_tokens, who="prompt too long")
+
+    def _prefill_args(self) -> dict[str, Any]:
+        """A talker's: its input in pieces of `prefill_tokens`, at most `max_prompt_tokens` of it."""
+        return {"prefill_chunk": self.spec.prefill_tokens, "max_input_tokens": self.spec.max_prompt_tokens}
+
     @staticmethod
     def seed(seed: int | None) -> None:
         if seed is not None:
@@ -185,12 +195,13 @@ class Qwen2_5Omni(ModelParts):
         return thinker.generate(
             ids, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             speaker=sampling.speaker, on_token=on_token, should_stop=should_stop, media=media,
+            prefill_chunk=self.spec.prefill_tokens,
         )
 
     def talk(self, talker: Any, payload: dict, sampling: Sampling, on_code: Any, should_stop: Any) -> Any:
         return talker.generate(
             payload, max_codes=sampling.max_audio_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-            on_code=on_code, should_stop=should_stop,
+            on_code=on_code, should_stop=should_stop, **self._prefill_args(),
         )
 
     def decode(self, decoder: Any, codes: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -237,12 +248,13 @@ class Qwen3Omni(ModelParts):
         return thinker.generate(
             ids, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             on_token=on_token, should_stop=should_stop, media=media,
+            prefill_chunk=self.spec.prefill_tokens,
         )
 
     def talk(self, talker: Any, payload: dict, sampling: Sampling, on_code: Any, should_stop: Any) -> Any:
         return talker.generate(
             payload, max_codes=sampling.max_audio_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-            speaker=sampling.speaker, on_codes=on_code, should_stop=should_stop,
+            speaker=sampling.speaker, on_codes=on_code, should_stop=should_stop, **self._prefill_args(),
         )
 
     def decode(self, decoder: Any, codes: torch.Tensor, sampling: Sampling) -> torch.Tensor:

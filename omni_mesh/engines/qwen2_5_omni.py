@@ -30,6 +30,14 @@ from transformers import (
 
 from omni_mesh.engines.checkpoint import CheckpointError, load_part
 from omni_mesh.engines.generation import sampling_kwargs, streaming
+from omni_mesh.engines.prefill import (
+    DEFAULT_CHUNK,
+    check_prompt,
+    new_cache,
+    prefill,
+    thinker_prefill,
+    whole_prompt,
+)
 
 SAMPLE_RATE = 24_000
 #: generate()'s talker defaults (its signature): sampling and the repetition penalty it applies even greedy.
@@ -89,6 +97,7 @@ class Thinker:
         self.model = model
         self.config = config
         self.speakers = speakers
+        self.context = config.thinker_config.text_config.max_position_embeddings
 
     @classmethod
     def load(cls, model_dir: Path, dtype: torch.dtype, device: str, skip: tuple[str, ...] = ()) -> Thinker:
@@ -116,24 +125,37 @@ class Thinker:
         speaker: str | None = None,
         on_token: Callable[[int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        prefill_chunk: int | None = DEFAULT_CHUNK,
         media: dict[str, Any] | None = None,
     ) -> ThinkerOutput:
-        """`media`: generate() arguments for the prompt's encoded media (`media_inputs.thinker_kwargs`)."""
+        """The reply; `prefill_chunk` tokens of the prompt at a time, the stop flag checked between
+        (None: the prompt in one call, as generate() alone does it). `media`: generate() arguments for the
+        prompt's encoded media (`media_inputs.thinker_kwargs`): such a prompt goes in one call."""
         device = self.model.device
         input_ids = prompt_ids.reshape(1, -1).to(device)
         bos_token = speaker_entry(self.speakers, speaker)["bos_token"]
+        check_prompt(input_ids.shape[1], context=self.context, limit=None, who="Qwen2.5-Omni thinker")
+        if media:  # chunked prefill does not take encoder outputs (yet): the prompt in one call
+            prefill_chunk = None
+        prefilled: dict[str, Any] = {}
+        hidden: list[torch.Tensor] = []  # the prefilled tokens' embeddings and last hidden states
+        if prefill_chunk is not None:
+            prefilled, hidden = thinker_prefill(
+                self.model, input_ids, chunk=prefill_chunk, should_stop=should_stop, layers=(0, -1)
+            )
         result = self.model.generate(
             input_ids=input_ids,
             max_new_tokens=max_tokens,
             output_hidden_states=True,
             return_dict_in_generate=True,
+            **prefilled,
             **streaming(on_token, should_stop),
             **sampling_kwargs(temperature, top_p),
             **(media or {}),
         )
         steps = result.hidden_states  # one tuple of per-layer states per generation step
-        embeds = [step[0] for step in steps]
-        last = [step[-1] for step in steps]
+        embeds = [whole_prompt(hidden, 0, steps[0][0])] + [step[0] for step in steps[1:]]
+        last = [whole_prompt(hidden, 1, steps[0][-1])] + [step[-1] for step in steps[1:]]
         prompt_embeds = embeds[0][0].clone()
         # generate() blanks the embeddings of audio, image and video placeholders before the talker
         placeholders = (self.config.thinker_config.audio_token_index, self.config.thinker_config.image_token_index,
@@ -169,6 +191,7 @@ class Talker:
         self.suppressed = [i for i in range(talker.vocab_size) if i >= speech and i not in (self.codec_pad, self.codec_eos)]
         if self.codec_bos not in self.suppressed:
             self.suppressed.append(self.codec_bos)
+        self.context = talker.max_position_embeddings
 
     @classmethod
     def load(cls, model_dir: Path, dtype: torch.dtype, device: str) -> Talker:
@@ -198,9 +221,12 @@ class Talker:
         speaker: str | None = None,
         on_code: Callable[[int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        prefill_chunk: int | None = DEFAULT_CHUNK,
+        max_input_tokens: int | None = None,
     ) -> torch.Tensor:
         """The codes (int64 [n], stop id excluded), as generate() builds the talker's inputs. The voice
-        comes with the thinker's output (its text bos), so `speaker` changes nothing here."""
+        comes with the thinker's output (its text bos), so `speaker` changes nothing here. The input goes
+        through in pieces of `prefill_chunk` rows (None: in one call), the stop flag checked between."""
         del speaker
         if isinstance(thinker, dict):
             thinker = ThinkerOutput.from_payload(thinker)
@@ -218,6 +244,14 @@ class Talker:
         )
         inputs_embeds = torch.cat([prompt_rows, bos_embed, reply_rows[:, :1]], dim=1)
         reply_part = torch.cat([reply_rows[:, 1:], eos_embed, pad_embed], dim=1)
+        check_prompt(inputs_embeds.shape[1], context=self.context, limit=max_input_tokens, who="Qwen2.5-Omni talker")
+        prefilled: dict[str, Any] = {}
+        if prefill_chunk is not None:
+            # generate() gives the talker no attention mask: its forward takes positions from the cache
+            cache = new_cache(self.model)
+            prefill(inputs_embeds.shape[1] - 1, chunk=prefill_chunk, should_stop=should_stop,
+                    step=lambda start, end: self.model(inputs_embeds=inputs_embeds[:, start:end], cache=cache, use_cache=True))
+            prefilled = {"cache": cache}
         result = self.model.generate(
             input_ids=input_ids,
             input_text_ids=input_text_ids,
@@ -228,6 +262,7 @@ class Talker:
             pad_token_id=self.codec_pad,
             repetition_penalty=TALKER_REPETITION_PENALTY,
             logits_processor=self.logits_processor(),
+            **prefilled,
             **streaming(on_code, should_stop),
             **sampling_kwargs(temperature, top_p, TALKER_TOP_K),
         )

@@ -36,6 +36,15 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 
 from omni_mesh.engines.checkpoint import CheckpointError, load_part, read_config
 from omni_mesh.engines.generation import sampling_kwargs, streaming
+from omni_mesh.engines.prefill import (
+    DEFAULT_CHUNK,
+    check_prompt,
+    generation_positions,
+    new_cache,
+    prefill,
+    thinker_prefill,
+    whole_prompt,
+)
 
 SAMPLE_RATE = 24_000
 #: generate()'s talker defaults (its signature).
@@ -99,6 +108,7 @@ class Qwen3OmniThinker:
         self.config = config
         # generate()'s thinker_eos_token_id defaults to the real model's <|im_end|>: this is that id here
         self.eos_token_ids = [config.im_end_token_id]
+        self.context = config.thinker_config.text_config.max_position_embeddings
         self._lock = threading.Lock()  # the thinker keeps per-call state (rope deltas): one call at a time
 
     @classmethod
@@ -122,11 +132,14 @@ class Qwen3OmniThinker:
         on_token: Callable[[int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         for_talker: bool = True,
+        prefill_chunk: int | None = DEFAULT_CHUNK,
         media: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The reply (module docstring: the dict), made as generate() makes it. `for_talker=False`
-        returns only `reply_ids` (a text-only stage: no hidden states are kept). `media`: generate()
-        arguments for the prompt's encoded media (`media_inputs.thinker_kwargs`)."""
+        returns only `reply_ids` (a text-only stage: no hidden states are kept). The prompt goes through
+        in pieces of `prefill_chunk` tokens (None: in one call), the stop flag checked between. `media`:
+        generate() arguments for the prompt's encoded media (`media_inputs.thinker_kwargs`): such a prompt
+        goes in one call."""
         if max_tokens < 1:
             raise ValueError(f"Qwen3-Omni thinker: max_tokens must be >= 1, got {max_tokens}")
         device = self.model.device
@@ -136,13 +149,25 @@ class Qwen3OmniThinker:
         # hidden states only where the talker reads them (audio/image/video placeholders in user turns);
         # generate() keeps every layer of every step, which for a long reply of a big thinker is a lot
         placeholders = user is not None and bool(self._multimodal(input_ids[0][user]).any())
+        check_prompt(input_ids.shape[1], context=self.context, limit=None, who="Qwen3-Omni thinker")
+        if media:  # chunked prefill does not take encoder outputs (yet): the prompt in one call
+            prefill_chunk = None
+        layer = self.config.talker_config.accept_hidden_layer
         with self._lock:
+            prefilled: dict[str, Any] = {}
+            hidden: list[torch.Tensor] = []  # the prefilled tokens' hidden states of `layer`
+            if prefill_chunk is not None:
+                prefilled, hidden = thinker_prefill(
+                    self.model, input_ids, chunk=prefill_chunk, should_stop=should_stop,
+                    layers=(layer,) if placeholders else (),
+                )
             result = self.model.generate(
                 input_ids=input_ids,
                 max_new_tokens=max_tokens,
                 eos_token_id=self.eos_token_ids,
                 output_hidden_states=placeholders,
                 return_dict_in_generate=True,
+                **prefilled,
                 **streaming(on_token, should_stop),
                 **sampling_kwargs(temperature, top_p),
                 **{"use_audio_in_video": False, **(media or {})},
@@ -151,8 +176,7 @@ class Qwen3OmniThinker:
         reply_ids = sequence[input_ids.shape[1] :]
         output: dict[str, Any] = {"reply_ids": reply_ids.cpu()}
         if user is not None:
-            layer = self.config.talker_config.accept_hidden_layer
-            prompt_hidden = result.hidden_states[0][layer][0] if placeholders else None  # [P, H]
+            prompt_hidden = whole_prompt(hidden, 0, result.hidden_states[0][layer])[0] if placeholders else None  # [P, H]
             output.update(self._talker_inputs(sequence, len(input_ids[0]), user, assistant_start, prompt_hidden))
             if not bool((input_ids == self.config.thinker_config.audio_token_id).any()):
                 output.update({key: media[key].cpu() for key in TALKER_GRID_KEYS if key in (media or {})})
@@ -220,6 +244,7 @@ class Qwen3OmniTalker:
         self.codec_eos = talker.codec_eos_token_id
         vocab = talker.text_config.vocab_size
         self.suppressed = [i for i in range(vocab - TALKER_SUPPRESSED_TOP, vocab) if i != self.codec_eos]
+        self.context = talker.text_config.max_position_embeddings
         self._lock = threading.Lock()  # per-call state (rope deltas, the code predictor's do_sample, a hook)
 
     @classmethod
@@ -261,10 +286,13 @@ class Qwen3OmniTalker:
         speaker: str | None = None,
         on_codes: Callable[[torch.Tensor], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        prefill_chunk: int | None = DEFAULT_CHUNK,
+        max_input_tokens: int | None = None,
     ) -> torch.Tensor:
         """int64 [T, G] codes, T <= max_codes, as generate() makes them; `on_codes` gets each frame
         ([1, G], on the CPU) as soon as the code predictor has completed it. Greedy when temperature is 0
-        (the code predictor follows: generate() mirrors the talker's do_sample onto it)."""
+        (the code predictor follows: generate() mirrors the talker's do_sample onto it). The input goes
+        through in pieces of `prefill_chunk` rows (None: in one call), the stop flag checked between."""
         missing = [key for key in TALKER_INPUT_KEYS if key not in thinker_output]
         if missing:
             raise ValueError(f"Qwen3-Omni talker: the thinker's output lacks {missing}: is the upstream stage a "
@@ -277,6 +305,9 @@ class Qwen3OmniTalker:
             return empty
         with self._lock:
             inputs = self._inputs(thinker_output, speaker_id)
+            check_prompt(inputs["inputs_embeds"].shape[1], context=self.context, limit=max_input_tokens,
+                         who="Qwen3-Omni talker")
+            prefilled = self._prefill(inputs, prefill_chunk, should_stop) if prefill_chunk is not None else {}
             frames: list[torch.Tensor] = []
 
             def before_forward(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
@@ -301,12 +332,28 @@ class Qwen3OmniTalker:
                     # each step reads the last step's hidden states (the code predictor's input)
                     output_hidden_states=True,
                     return_dict_in_generate=True,
+                    **prefilled,
                     **streaming(None, should_stop),  # frames come from the hook above
                     **sampling_kwargs(temperature, top_p, TALKER_TOP_K),
                 )
             finally:
                 hook.remove()
         return torch.cat(frames) if frames else empty
+
+    def _prefill(self, inputs: dict[str, Any], chunk: int, should_stop: Callable[[], bool] | None) -> dict[str, Any]:
+        """All but the last 2 input rows through the talker in pieces: its forward takes a call with more
+        than one row for the prefill (and returns the step count generate() goes on with)."""
+        embeds = inputs["inputs_embeds"]
+        cache = new_cache(self.model)
+        grids = {key: inputs[key] for key in TALKER_GRID_KEYS if key in inputs}  # the 3-D positions of media
+        positions = generation_positions(self.model, embeds, talker_input_ids=inputs["talker_input_ids"], **grids)
+
+        def step(start: int, end: int) -> None:
+            self.model(inputs_embeds=embeds[:, start:end], position_ids=positions[..., start:end], cache=cache,
+                       use_cache=True, talker_input_ids=inputs["talker_input_ids"], generation_step=-1)
+
+        prefill(embeds.shape[1] - 2, chunk=chunk, should_stop=should_stop, step=step)
+        return {"cache": cache, "position_ids": positions}
 
     def _inputs(self, thinker_output: dict[str, Any], speaker_id: int) -> dict[str, Any]:
         """The talker's prefill as generate() assembles it (`_get_talker_user_parts`,

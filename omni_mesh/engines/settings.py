@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from omni_mesh.errors import InvalidInput
+from omni_mesh.model_source import resolve
 
 #: The parts a model is split into; vllm-omni's `model_stage` names (token2wav: Qwen2.5-Omni's name).
 PARTS = ("encoder", "thinker", "talker", "code2wav")
@@ -19,7 +19,6 @@ PART_ALIASES = {"token2wav": "code2wav"}
 ARCHS = ("qwen2_5_omni", "qwen3_omni_moe")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
-_VAR = re.compile(r"\$(\w+)|\$\{(\w+)\}")
 
 
 @dataclass(frozen=True)
@@ -27,7 +26,7 @@ class EngineSpec:
     """What a stage's `engine:` says (docs/engines.md)."""
 
     part: str
-    model: str  # a checkpoint directory; `$VAR`/`${VAR}` expanded when the stage loads it
+    model: str  # a checkpoint directory or a hub id; `$VAR`/`${VAR}` expanded when the stage loads it
     arch: str | None = None  # None: the checkpoint's config.json says
     dtype: str = "auto"  # auto: the checkpoint's (token2wav/code2wav always run in float32)
     device: str = "cpu"
@@ -42,16 +41,14 @@ class EngineSpec:
     context_codes: int = 25  # code2wav streaming: codes of left context decoded again with each chunk
     num_steps: int = 10  # Qwen2.5-Omni token2wav: ODE steps of its DiT
     encoder_cache: int = 256  # encoder (or a thinker that encodes): media items whose embeddings are kept
+    max_model_len: int | None = None  # thinker: prompt + reply tokens (vLLM's); None: no limit but max_tokens
+    max_prompt_tokens: int | None = None  # thinker: prompt tokens, talker: input rows; None: the model's context
+    prefill_tokens: int = 512  # a prompt goes through in pieces this long: a cancel stops within one piece
 
     def model_dir(self) -> Path:
-        """The checkpoint directory, variables expanded; ValueError naming a variable that is unset."""
-        def expand(match: re.Match) -> str:
-            name = match.group(1) or match.group(2)
-            if name not in os.environ:
-                raise ValueError(f"engine.model {self.model!r}: environment variable {name} is not set")
-            return os.environ[name]
-
-        return Path(_VAR.sub(expand, self.model)).expanduser()
+        """The checkpoint directory: a directory, or a hub id resolved through huggingface_hub's cache
+        (omni_mesh.model_source), variables expanded; ModelNotFound (a ValueError) saying why not."""
+        return resolve(self.model)
 
 
 def parse_engine(raw: Any, who: str) -> EngineSpec:
@@ -74,15 +71,17 @@ def parse_engine(raw: Any, who: str) -> EngineSpec:
         raise ValueError(f"{who}: engine.part must be one of {', '.join(PARTS)} (or token2wav), got {values.get('part')!r}")
     values["part"] = part
     if not isinstance(values.get("model"), str) or not values["model"]:
-        raise ValueError(f"{who}: engine.model must be a checkpoint directory (or ${{OMNI_MESH_MODEL}}), got {values.get('model')!r}")
+        raise ValueError(f"{who}: engine.model must be a checkpoint directory or a hub id (or ${{OMNI_MESH_MODEL}}), got {values.get('model')!r}")
     _check(values, "arch", lambda v: v is None or v in ARCHS, f"one of {', '.join(ARCHS)}", who)
     _check(values, "dtype", lambda v: v in DTYPES, f"one of {', '.join(DTYPES)}", who)
     _check(values, "device", lambda v: isinstance(v, str) and bool(_DEVICE.match(v)), "cpu or cuda:N", who)
-    for name in ("max_tokens", "max_audio_tokens", "chunk_codes", "first_chunk_codes", "num_steps"):
+    for name in ("max_tokens", "max_audio_tokens", "chunk_codes", "first_chunk_codes", "num_steps", "prefill_tokens"):
         _check(values, name, _positive_int, "an integer >= 1", who)
+    _check(values, "max_model_len", lambda v: v is None or _positive_int(v), "an integer >= 1", who)
     for name in ("context_codes", "encoder_cache"):
         _check(values, name, lambda v: _int(v) and v >= 0, "an integer >= 0", who)
     _check(values, "threads", lambda v: v is None or _positive_int(v), "an integer >= 1", who)
+    _check(values, "max_prompt_tokens", lambda v: v is None or _positive_int(v), "an integer >= 1", who)
     _check(values, "temperature", lambda v: _number(v) and v >= 0, "a number >= 0", who)
     _check(values, "top_p", lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]", who)
     _check(values, "speaker", lambda v: v is None or isinstance(v, str), "a speaker name", who)
@@ -120,6 +119,19 @@ class Sampling:
         if "speaker" not in changes and isinstance(params.get("voice"), str):  # OpenAI's audio.voice
             changes["speaker"] = params["voice"]
         return replace(sampling, **changes)
+
+
+def within_model_len(spec: EngineSpec, sampling: Sampling, prompt_tokens: int) -> Sampling:
+    """`sampling` with max_tokens cut to what engine.max_model_len leaves after the prompt (as vLLM
+    does); InvalidInput (4xx) when the prompt alone fills it."""
+    if spec.max_model_len is None or prompt_tokens + sampling.max_tokens <= spec.max_model_len:
+        return sampling
+    if prompt_tokens >= spec.max_model_len:
+        raise InvalidInput(
+            f"the prompt is {prompt_tokens} tokens, and this model's max_model_len is {spec.max_model_len}: "
+            "shorten the messages"
+        )
+    return replace(sampling, max_tokens=spec.max_model_len - prompt_tokens)
 
 
 def _check(values: dict, key: str, ok: Any, what: str, who: str) -> None:

@@ -32,7 +32,7 @@ from omni_mesh.audio import SAMPLE_RATE, pcm16_bytes, wav_base64
 from omni_mesh.engines.bridge import Generation
 from omni_mesh.engines.media_inputs import ENCODED_KEY
 from omni_mesh.engines.models import ModelParts, open_model
-from omni_mesh.engines.settings import EngineSpec, Sampling, parse_engine
+from omni_mesh.engines.settings import EngineSpec, Sampling, parse_engine, within_model_len
 from omni_mesh.engines.text import Detokenizer
 
 log = logging.getLogger("omni_mesh.engines")
@@ -105,6 +105,8 @@ class ThinkerStage(EngineStage):
         loop = asyncio.get_running_loop()
         # media: the processor and towers (no encoder stage), or the embeddings laid out: model-thread work
         ids, media = await loop.run_in_executor(self.executor, self.model.prompt, thinker, inputs)
+        self.model.check_prompt(thinker, int(ids.shape[-1]))  # a 4xx before any generation
+        sampling = within_model_len(self.spec, sampling, int(ids.shape[-1]))
         eos = set(self.model.eos_token_ids(thinker))
 
         def run(push: Any, should_stop: Any) -> Any:
@@ -121,7 +123,7 @@ class ThinkerStage(EngineStage):
                     yield {"text": delta}
             output = await generation.result()
         finally:
-            generation.cancel()
+            await generation.settle()
         reply = [int(t) for t in self.model.reply_ids(output).tolist()]
         stopped = bool(reply) and reply[-1] in eos
         yield {
@@ -153,6 +155,9 @@ class TalkerStage(EngineStage):
                 tail = {key: chunk[key] for key in ("usage", "finish_reason") if key in chunk}
         if thinker_output is None:
             raise ValueError(f"stage {self.stage!r}: the thinker's stream ended without the talker's inputs")
+        if not _wants_audio(ctx):  # modalities ["text"]: no codes, code2wav passes the text on
+            yield tail
+            return
 
         def run(push: Any, should_stop: Any) -> Any:
             self.model.seed(sampling.seed)
@@ -173,7 +178,7 @@ class TalkerStage(EngineStage):
                     pending, size = [], self.spec.chunk_codes
             await generation.result()
         finally:
-            generation.cancel()
+            await generation.settle()
         if pending:
             yield {"codes": self.model.codes_tensor(pending)}
         yield tail
@@ -198,8 +203,10 @@ class Code2WavStage(EngineStage):
             tail.update({key: chunk[key] for key in ("usage", "finish_reason") if key in chunk})
         all_codes = self.model.join_codes(codes)
         loop = asyncio.get_running_loop()
-        wav = await loop.run_in_executor(self.executor, self.model.decode, decoder, all_codes, sampling)
-        samples = wav.numpy().astype(np.float32, copy=False)
+        samples = np.zeros(0, dtype=np.float32)  # no codes (a text-only request): no audio
+        if codes:
+            wav = await loop.run_in_executor(self.executor, self.model.decode, decoder, all_codes, sampling)
+            samples = wav.numpy().astype(np.float32, copy=False)
         return {
             "text": "".join(text),
             "sample_rate": SAMPLE_RATE,
@@ -217,22 +224,30 @@ class Code2WavStage(EngineStage):
         streaming = self.model.stream_decoder(decoder, sampling)
         loop = asyncio.get_running_loop()
         tail: dict = {}
+        fed = False
         async for chunk in _chunks(inputs, "code2wav"):
             if chunk.get("text"):
                 yield {"text": chunk["text"], "audio_pcm16": b"", "sample_rate": SAMPLE_RATE}
             if chunk.get("codes") is not None:
+                fed = True
                 wav = await loop.run_in_executor(self.executor, streaming.feed, chunk["codes"])
                 if len(wav):
                     yield {"text": "", "audio_pcm16": pcm16_bytes(wav.numpy()), "sample_rate": SAMPLE_RATE}
             tail.update({key: chunk[key] for key in ("usage", "finish_reason") if key in chunk})
-        rest = await loop.run_in_executor(self.executor, streaming.finish)
+        rest = await loop.run_in_executor(self.executor, streaming.finish) if fed else None
         yield {
             "text": "",
-            "audio_pcm16": pcm16_bytes(rest.numpy()),
+            "audio_pcm16": pcm16_bytes(rest.numpy()) if rest is not None else b"",
             "sample_rate": SAMPLE_RATE,
             "usage": tail.get("usage"),
             "finish_reason": tail.get("finish_reason", "stop"),
         }
+
+
+def _wants_audio(ctx: Any) -> bool:
+    """False when the request's params.modalities (OpenAI's) leave audio out."""
+    modalities = (getattr(ctx, "params", None) or {}).get("modalities")
+    return not isinstance(modalities, list) or "audio" in modalities
 
 
 def _client_streams(ctx: Any) -> bool:

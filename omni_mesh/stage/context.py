@@ -40,7 +40,13 @@ class StageContext:
 
 
 class StageInputError(RuntimeError):
-    """An input payload could not be fetched (gone, stale, or the connector failed)."""
+    """An input payload could not be fetched (gone, stale, or the connector failed). `status` is what
+    its request is answered: 502 (the mesh's data plane failed, not the handler; the message names the
+    edge), 503 when a connector had no room (the same request may pass later)."""
+
+    def __init__(self, message: str, status: int = 502) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 _END = object()

@@ -37,6 +37,10 @@ from omni_mesh.topology import StageSpec, Topology, load_handler
 
 log = logging.getLogger("omni_mesh.stage")
 
+#: A draining replica stays this long past the latest deadline of its requests: their answers (or
+#: errors) go out, and downstream fetches what it put for them, before it exits.
+DRAIN_MARGIN_S = 2.0
+
 
 class StageReplica:
     def __init__(
@@ -69,6 +73,7 @@ class StageReplica:
         self.health = ConnectorHealth(self.connectors, self.replica_id, f"{stage.name}-health")
         self.malformed = 0
         self.draining = False
+        self.last_deadline = 0.0  # loop time: the latest deadline of any request we took part in
         self._drained = asyncio.Event()  # the coordinator says no running request needs us any more
         self._stopped = asyncio.Event()
         self.link = CoordinatorLink(coordinator, self.replica_id)
@@ -82,6 +87,7 @@ class StageReplica:
             is_final=self.is_final,
             executor=self.executor,
             send=self.link.send,
+            released=self._heartbeat,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -125,7 +131,10 @@ class StageReplica:
     async def _drain(self) -> None:
         await self._heartbeat()  # tell the coordinator at once so no new work arrives
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.drain_grace_s
+        # Every request has a deadline: waiting for the latest one (and a moment for its answer to go
+        # out) never cuts a request short, however long it runs; the grace bounds the wait for the
+        # coordinator's `drained` when no request needs us (or none answers).
+        deadline = max(loop.time() + self.drain_grace_s, self.last_deadline + DRAIN_MARGIN_S)
         # Finishing our own work is not enough: what we put may still wait for a downstream replica
         # to fetch it, and exiting takes it along. The coordinator answers our (draining) heartbeats
         # with `drained` once every request we took part in has ended (and tells every replica so
@@ -168,6 +177,7 @@ class StageReplica:
                 malformed=self.malformed,
                 draining=self.draining,
                 connectors=await self.health.latest(),
+                working=list(self.runner.work),
                 counters=handler_counters(self.handler, self.stage.name),
             )
         )
@@ -200,6 +210,7 @@ class StageReplica:
             elif isinstance(message, Rejected):
                 self._rejected(message)
             elif isinstance(message, Work):
+                self.last_deadline = max(self.last_deadline, asyncio.get_running_loop().time() + message.remaining_s)
                 self.runner.start(message)
                 self._drained.clear()  # a new request may need what we put for it
             elif isinstance(message, Chunk):

@@ -24,7 +24,7 @@ import msgpack
 
 from omni_mesh import codec, control, ingress, logs
 from omni_mesh.connectors import ConnectorError, OmniConnectorBase
-from omni_mesh.connectors.errors import ConnectorFull
+from omni_mesh.connectors.errors import ConnectorClosed, ConnectorFull, ConnectorUnavailable, PayloadMissing
 from omni_mesh.control import Chunk, Error, Message, Output, Work
 from omni_mesh.errors import InvalidInput
 from omni_mesh.stage.context import ChunkStream, StageContext, StageInputError
@@ -52,6 +52,15 @@ class _Work:
     started: float = field(default_factory=time.perf_counter)
 
 
+def connector_status(exc: ConnectorError) -> int:
+    """What a request failed by a connector is answered: 503 when it had no room (the same request may
+    pass later), 502 when the data plane failed (a payload gone or cut short, a peer unreachable, the
+    connector closed), 500 when it refused what the handler gave it (an output it cannot carry)."""
+    if isinstance(exc, ConnectorFull):
+        return 503
+    return 502 if isinstance(exc, (PayloadMissing, ConnectorUnavailable, ConnectorClosed)) else 500
+
+
 class Runner:
     """The requests one replica works on (module docstring)."""
 
@@ -67,6 +76,7 @@ class Runner:
         is_final: bool,
         executor: ThreadPoolExecutor,
         send: Callable[..., Awaitable[None]],
+        released: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.stage = stage
         self.replica_id = replica_id
@@ -76,6 +86,7 @@ class Runner:
         self.is_final = is_final
         self.executor = executor
         self._send = send  # a control message (and frames) to the coordinator
+        self._released = released  # says at once that a request which ended unfinished has let go
         self.ingress: OmniConnectorBase | None = None  # fetches request inputs too large to ride inline
         self.work: dict[str, _Work] = {}
         self.aborted: dict[str, float] = {}  # rid -> until when (loop time) to sweep what we put for it
@@ -162,21 +173,26 @@ class Runner:
     async def _run(self, work: _Work, message: Work) -> None:
         logs.request_id.set(work.rid)  # this task's own context: every line logged for it names the request
         deadline = asyncio.timeout_at(work.ctx.deadline)
+        finished = False
         try:
             async with deadline:
                 inputs = await self._inputs(work, message)
                 result = self.handler(inputs, work.ctx)
                 if inspect.isasyncgen(result):
                     seq = 0
-                    async for chunk in result:
-                        await self._emit(work, chunk, seq, streaming=True)
-                        seq += 1
+                    try:
+                        async for chunk in result:
+                            await self._emit(work, chunk, seq, streaming=True)
+                            seq += 1
+                    finally:  # its cleanup runs now, while the request still counts as in flight here
+                        await result.aclose()
                     await self._emit(work, None, seq, streaming=True, end=True)
                 else:
                     if inspect.isawaitable(result):
                         result = await result
                     await self._emit(work, result, 0, streaming=False)
             self.processed += 1
+            finished = True
             log.debug(
                 "stage %s finished request %s in %.1f ms",
                 self.stage,
@@ -191,14 +207,22 @@ class Runner:
             elif isinstance(exc, InvalidInput):  # the request is at fault, not the stage: 422
                 log.info("stage %s refused request %s: %s", self.stage, work.rid, exc)
                 await self._fail(work, str(exc), status=422)
-            elif isinstance(exc, ConnectorError):  # it names connector, edge and key: no type to add
+            elif isinstance(exc, (ConnectorError, StageInputError)):  # it names the edge: no type to add
                 log.warning("stage %s failed request %s: %s", self.stage, work.rid, exc)
-                await self._fail(work, str(exc), status=503 if isinstance(exc, ConnectorFull) else 500)
+                status = exc.status if isinstance(exc, StageInputError) else connector_status(exc)
+                await self._fail(work, str(exc), status=status)
             else:
                 log.exception("stage %s failed request %s", self.stage, work.rid)
                 await self._fail(work, f"{type(exc).__name__}: {exc}")
         finally:
             self.work.pop(work.rid, None)
+            if not finished:  # it ended unfinished: the coordinator may count it busy here
+                self._let_go()
+
+    def _let_go(self) -> None:
+        """The coordinator counts an aborted request busy here until a heartbeat no longer names it."""
+        if self._released is not None:
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._released()))
 
     async def _fail(self, work: _Work, error: str, *, timeout: bool = False, status: int = 500) -> None:
         self.errors += 1
@@ -267,7 +291,8 @@ class Runner:
             )
         except ConnectorError as exc:  # it names stage names and key; add the edge as the graph has it
             raise StageInputError(
-                f"stage {self.stage!r}: payload {key!r} on edge {edge.label} ({edge.connector.name}): {exc}"
+                f"stage {self.stage!r}: payload {key!r} on edge {edge.label} ({edge.connector.name}): {exc}",
+                503 if isinstance(exc, ConnectorFull) else 502,
             ) from None
         finally:
             work.transfer_s += time.perf_counter() - started

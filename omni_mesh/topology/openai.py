@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from omni_mesh.model_graph import AUDIO_OUTPUT
+from omni_mesh.model_source import ModelNotFound, expand
 from omni_mesh.openai_section import AudioRef, OpenAISpec, OutputRef
 from omni_mesh.topology.model import Topology, TopologyError
 from omni_mesh.topology.schema import OpenAISection, OutputRefModel, StageRef
@@ -12,9 +14,9 @@ from omni_mesh.topology.validation import validated
 
 
 def read_openai_section(raw: Any, topology: Topology) -> OpenAISpec | None:
-    """The validated `openai:` section of `topology` (None when the file has none)."""
+    """The validated `openai:` section of `topology`; without one, engine_openai's (None if not that either)."""
     if raw is None:
-        return None
+        return engine_openai(topology)
     section = validated(OpenAISection, raw, "openai")
     audio = section.audio_output
     return OpenAISpec(
@@ -48,3 +50,24 @@ def _final_stage(stage_ref: StageRef, key: str, topology: Topology) -> str:
             f"reach the coordinator; final stages: {', '.join(finals)}"
         )
     return stage.name
+
+
+def engine_openai(topology: Topology) -> OpenAISpec | None:
+    """The OpenAI API of a topology without an `openai:` section whose one final stage runs an engine
+    (vllm-omni's stage configs are such): named after its model (variables expanded where they are
+    set), the chat's messages in, the engine's text, audio (code2wav) and usage out, as `serve` writes
+    them (omni_mesh.model_graph). None for a topology of handlers: its outputs are its own."""
+    finals = topology.final_stages
+    engine = finals[0].engine if len(finals) == 1 else None
+    if engine is None or engine["part"] not in ("thinker", "code2wav"):
+        return None
+    stage = finals[0].name
+    try:
+        model = expand(engine["model"])
+    except ModelNotFound:  # the coordinator may lack the variable the stages get: the topology's name
+        model = topology.name
+    audio = AudioRef(stage=stage, **AUDIO_OUTPUT) if engine["part"] == "code2wav" else None
+    return OpenAISpec(
+        model=model, inputs={"messages": "messages"}, text_output=OutputRef(stage, "text"), audio_output=audio,
+        usage_output=OutputRef(stage, "usage"),
+    )

@@ -270,12 +270,28 @@ def start_mesh(
     `env` is added to this process's environment for `up`; `headers` and `verify` go to the mesh's
     HTTP client and `scheme` into its URL (an API key, a mesh serving HTTPS)."""
     path = write_topology(directory, topology)
+    command = lambda port: up_command(path, port, *extra)  # noqa: E731
+    return start_command(directory, command, path, env=env, headers=headers, verify=verify, scheme=scheme)
+
+
+def start_command(
+    directory: Path,
+    command: Callable[[int], list[str]],
+    topology: Path,
+    *,
+    env: dict[str, str] | None = None,
+    headers: dict[str, str] | None = None,
+    verify: ssl.SSLContext | bool = True,
+    scheme: str = "http",
+) -> Mesh:
+    """A mesh started by `command(port)` (`omni-mesh up ...`, `omni-mesh serve ...`) in `directory`,
+    ready to serve; its output goes to directory/mesh.log."""
     log = directory / "mesh.log"
     for attempt in range(1, PORT_ATTEMPTS + 1):
         port = free_port()
         with log.open("wb") as out:
             process = subprocess.Popen(
-                up_command(path, port, *extra),
+                command(port),
                 env={**os.environ, **env} if env else None,
                 cwd=directory,
                 stdin=subprocess.DEVNULL,
@@ -283,7 +299,7 @@ def start_mesh(
                 stderr=subprocess.STDOUT,
                 preexec_fn=die_with_parent,
             )
-        mesh = Mesh(process, f"{scheme}://127.0.0.1:{port}", path, log, headers=headers, verify=verify,
+        mesh = Mesh(process, f"{scheme}://127.0.0.1:{port}", topology, log, headers=headers, verify=verify,
                     given_shm_dir=(env or {}).get("OMNI_MESH_SHM_DIR"))
         try:
             mesh.wait_ready()
@@ -305,7 +321,13 @@ def running_mesh(
 ) -> Iterator[Mesh]:
     """A mesh for a `with` block or a fixture: stopped with `sig` and checked afterwards.
     `options` are start_mesh's keywords (env, headers, verify, scheme)."""
-    mesh = start_mesh(directory, topology, *extra, **options)
+    with stopped_after(start_mesh(directory, topology, *extra, **options), sig) as mesh:
+        yield mesh
+
+
+@contextlib.contextmanager
+def stopped_after(mesh: Mesh, sig: signal.Signals = signal.SIGINT) -> Iterator[Mesh]:
+    """`mesh` for a `with` block: stopped with `sig` and checked at its end, killed if the block fails."""
     try:
         yield mesh
     except BaseException:

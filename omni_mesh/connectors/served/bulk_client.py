@@ -103,16 +103,21 @@ class BulkLinks:
         self, host: str, port: int, pull: bytes, deadline: float, read: Callable[[socket.socket], None]
     ) -> None:
         """Send `pull` to the producer at host:port and let `read` take the whole answer from the
-        socket, by `deadline` (monotonic). A kept connection the producer closed meanwhile (nothing came
-        back at all) is replaced once by a fresh one; any other failure propagates."""
+        socket, by `deadline` (monotonic). A connection the producer closed before answering at all
+        (a kept one it dropped meanwhile, or a fresh one its door closed in a flood of strangers) is
+        replaced by a fresh one, once (the pull was not served: it still finds its transfer); any other
+        failure propagates."""
         for attempt in (0, 1):
-            sock, kept = self._checkout((host, port), deadline)
+            sock = self._checkout((host, port), deadline)
             try:
-                self.send_pull(sock, pull)
+                try:
+                    self.send_pull(sock, pull)
+                except (BrokenPipeError, ConnectionResetError):
+                    raise _Stale() from None
                 read(sock)
             except _Stale:
                 self._discard(sock)
-                if kept and attempt == 0:
+                if attempt == 0 and time.monotonic() < deadline:
                     continue
                 raise StreamCut("the producer closed the connection before answering") from None
             except BaseException:
@@ -136,7 +141,7 @@ class BulkLinks:
                 sock.shutdown(socket.SHUT_RDWR)
             sock.close()
 
-    def _checkout(self, address: tuple[str, int], deadline: float) -> tuple[socket.socket, bool]:
+    def _checkout(self, address: tuple[str, int], deadline: float) -> socket.socket:
         now = time.monotonic()
         with self._lock:
             if self._closed:
@@ -146,7 +151,7 @@ class BulkLinks:
                 sock, since = idle.pop()
                 if now - since < IDLE_LINK_S / 2:  # well before the producer drops it
                     self._busy.add(sock)
-                    return sock, True
+                    return sock
                 sock.close()
         sock = socket.create_connection(address, timeout=max(0.05, deadline - now))
         tune(sock)
@@ -155,7 +160,7 @@ class BulkLinks:
                 sock.close()
                 raise ChannelClosed()
             self._busy.add(sock)
-        return sock, False
+        return sock
 
     def _checkin(self, address: tuple[str, int], sock: socket.socket) -> None:
         with self._lock:
@@ -192,7 +197,12 @@ def pull(
     count = len(chunks)
 
     def receive(sock: socket.socket, view: memoryview, what: str, first: bool) -> None:
-        got = recv_exactly(sock, view, deadline)  # a trickling stream must not outlast the deadline
+        try:
+            got = recv_exactly(sock, view, deadline)  # a trickling stream must not outlast the deadline
+        except ConnectionResetError:  # closed with our pull unread: reset, not ended
+            if first:
+                raise _Stale() from None
+            raise
         if got == len(view):
             return
         if time.monotonic() >= deadline:

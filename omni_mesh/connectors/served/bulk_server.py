@@ -9,22 +9,22 @@ consumer to pull it on this plain TCP port with the session's proof. The wire, p
 
 A connection whose first PULL_BYTES are not a pull of an offered session with a valid proof (or that
 sends none within STRANGER_WAIT_S) is refused (counted, logged rate-limited) and closed with nothing
-written: a stranger learns nothing and makes nothing be written. A pull is served once: replayed, it
-finds nothing. A transfer not pulled within PULL_WAIT_S is dropped (its payload freed, as an expired one).
+written: a stranger learns nothing and makes nothing be written. Until it proves itself a connection
+costs no thread, and strangers are few, capped per address and dropped oldest first (`served.bulk_door`):
+a flood of them never takes a consumer's room. A pull is served once: replayed, it finds nothing. A
+transfer not pulled within PULL_WAIT_S is dropped (its payload freed, as an expired one).
 
 Not ZeroMQ, on purpose: a plain stream costs this host about half the CPU of libzmq's per byte (no I/O
 thread between the Python thread and the kernel, the consumer reads straight into the payload's memory),
-and on a small machine the CPU is what bounds a transfer. Each connection has its own thread, which
+and on a small machine the CPU is what bounds a transfer. A worker thread streams each transfer: it
 seals chunk k, hands it to the kernel and seals chunk k+1 while the consumer opens chunk k; its one
-chunk buffer is reused, warm. A consumer that stops reading stalls only its own connection and is
+chunk buffer is reused, warm. A consumer that stops reading stalls only its own transfer and is
 dropped after SEND_STALL_S. The payload's memory is released once its last chunk is sealed (with `none`:
 once its last byte is in the kernel's hands).
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import socket
 import struct
 import threading
@@ -35,6 +35,7 @@ import msgpack
 import numpy as np
 
 from omni_mesh.connectors.base import ConnectorError
+from omni_mesh.connectors.served.bulk_door import BulkDoor
 from omni_mesh.connectors.served.seal import (
     NONE,
     SID_BYTES,
@@ -47,16 +48,14 @@ from omni_mesh.connectors.served.seal import (
 from omni_mesh.ports import WILDCARDS
 from omni_mesh.security import Refusals
 
-log = logging.getLogger("omni_mesh.connectors")
-
 PULL = b"OMB1"
 PULL_BYTES = len(PULL) + SID_BYTES + 32  # + the proof, an HMAC-SHA256
 CHUNK_HEADER = struct.Struct(">16sII")  # the transfer's sid, the chunk's index, the body's length
 PULL_WAIT_S = 60.0  # a transfer offered but not pulled this long is dropped (its consumer is gone)
-STRANGER_WAIT_S = 5.0  # a new connection must pull within this
+STRANGER_WAIT_S = 1.0  # a new connection must pull within this (a consumer pulls as it connects)
 IDLE_LINK_S = 120.0  # a proven connection may wait this long for its next pull (consumers pool them)
 SEND_STALL_S = 10.0  # a consumer that takes no bytes for this long is dropped (its buffer freed)
-MAX_LINKS = 256  # connections served at once; more are closed at once (counted as refused)
+LISTEN_BACKLOG = 1024  # connections the kernel completes before the door accepts them (capped: somaxconn)
 #: Kernel socket buffers of a bulk connection: larger than the default start, so the kernel moves a
 #: chunk in a few large steps instead of waking both sides per 64 KiB.
 SOCKET_BUFFER_BYTES = 1 << 20
@@ -90,7 +89,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((address, port))
-        sock.listen(128)
+        sock.listen(LISTEN_BACKLOG)
     except BaseException:
         sock.close()
         raise
@@ -140,40 +139,43 @@ class BulkServer:
         self.refused = Refusals(f"{owner} bulk socket")
         self.pulled = 0  # transfers a consumer proved its session for (health: bulk_transfers)
         self._offered: dict[bytes, _Transfer] = {}  # by session id, until pulled
-        self._lock = threading.Lock()  # the offered table, the links, the counters
-        self._links: set[socket.socket] = set()
-        self._stop = threading.Event()
-        self._listener: socket.socket | None = None
+        self._lock = threading.Lock()  # the offered table, the counters
+        self._buffers = threading.local()  # each streaming thread's chunk buffer, reused (warm)
+        self._door: BulkDoor | None = None
         self.port = 0
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._accept, name=f"{owner}-bulk", daemon=True)
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the port's thread stopped, if it did (large payloads cannot leave)."""
+        return self._door.error if self._door is not None else None
 
     def start(self) -> int:
         try:
-            self._listener = listening_socket(*self._bind)
+            listener = listening_socket(*self._bind)
         except OSError as exc:
             raise ConnectorError(
                 f"{self._owner}: cannot serve bulk bytes on {self._bind[0]}:{self._bind[1]}: {exc}; "
                 "set `bulk_port` to a free port (0 picks any)"
             ) from None
-        self._listener.settimeout(0.5)  # the accept loop also expires transfers nobody pulled
-        self.port = int(self._listener.getsockname()[1])
-        self._thread.start()
+        self.port = int(listener.getsockname()[1])
+        self._door = BulkDoor(
+            listener,
+            self._owner,
+            PULL_BYTES,
+            (STRANGER_WAIT_S, IDLE_LINK_S),  # read now: tests shorten them
+            self._claim,
+            self._stream,
+            self._refuse,
+            self._expire,
+        )
+        self._door.start()
         return self.port
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._listener is not None:  # wakes the accept loop now, not at its next timeout
-            with contextlib.suppress(OSError):
-                self._listener.shutdown(socket.SHUT_RDWR)
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(5)
+        if self._door is not None:
+            self._door.stop()
         with self._lock:
-            links, self._links = list(self._links), set()
             left, self._offered = list(self._offered.values()), {}
-        for link in links:  # wakes its thread out of a blocking send or receive
-            with contextlib.suppress(OSError):
-                link.shutdown(socket.SHUT_RDWR)
         for transfer in left:
             transfer.release()
 
@@ -193,43 +195,6 @@ class BulkServer:
             replaced.release()
         return msgpack.packb({"a": algorithm, "p": self.port, "c": chunk, "l": [len(p) for p in parts]})
 
-    # ---------------------------------------------------------------- accepting
-
-    def _accept(self) -> None:
-        listener = self._listener
-        assert listener is not None
-        next_expiry = time.monotonic()
-        try:
-            while not self._stop.is_set():
-                try:
-                    conn, _ = listener.accept()
-                except TimeoutError:
-                    conn = None
-                if conn is not None:
-                    self._admit(conn)
-                now = time.monotonic()
-                if now >= next_expiry:
-                    next_expiry = now + 0.5
-                    self._expire(now)
-        except BaseException as exc:  # surfaced by the owner's health()
-            if not self._stop.is_set():
-                self.error = exc
-        finally:
-            listener.close()
-
-    def _admit(self, conn: socket.socket) -> None:
-        with self._lock:
-            full = len(self._links) >= MAX_LINKS
-            if not full:
-                self._links.add(conn)
-        if full:
-            conn.close()
-            self._refuse(f"a connection past the {MAX_LINKS} served at once")
-            return
-        threading.Thread(
-            target=self._serve, args=(conn,), name=f"{self._owner}-bulk-link", daemon=True
-        ).start()
-
     def _refuse(self, what: str) -> None:
         with self._lock:
             self.refused.refuse(what)
@@ -241,37 +206,7 @@ class BulkServer:
         for transfer in dropped:
             transfer.release()
 
-    # ---------------------------------------------------------------- one connection
-
-    def _serve(self, conn: socket.socket) -> None:
-        """Pulls and their transfers, one after the other, until the consumer leaves or misbehaves."""
-        pull = memoryview(bytearray(PULL_BYTES))
-        buffer: np.ndarray | None = None  # this connection's chunk buffer, reused (warm)
-        proven = False
-        try:
-            tune(conn)
-            while not self._stop.is_set():
-                got = recv_exactly(
-                    conn, pull, time.monotonic() + (IDLE_LINK_S if proven else STRANGER_WAIT_S)
-                )
-                if got < PULL_BYTES:
-                    if got or not proven:  # a proven consumer closing its idle link is no stranger
-                        self._refuse("a connection that sent no pull" if not got else "a truncated pull")
-                    return
-                transfer = self._claim(bytes(pull))
-                if transfer is None:
-                    self._refuse("a pull without a valid session proof (a stranger, or a replay)")
-                    return
-                proven = True
-                buffer = self._stream(conn, transfer, buffer)
-        except OSError:  # the consumer went away or stalled: what it would have had is dropped
-            pass
-        except Exception:  # one connection's failure must not stop the others: its consumer times out
-            log.exception("%s: a transfer failed on the bulk socket; it is dropped", self._owner)
-        finally:
-            with self._lock:
-                self._links.discard(conn)
-            conn.close()
+    # ---------------------------------------------------------------- one transfer (the door calls these)
 
     def _claim(self, pull: bytes) -> _Transfer | None:
         if pull[: len(PULL)] != PULL:
@@ -285,11 +220,11 @@ class BulkServer:
             self.pulled += 1
         return transfer
 
-    def _stream(
-        self, conn: socket.socket, transfer: _Transfer, buffer: np.ndarray | None
-    ) -> np.ndarray | None:
-        """Every chunk of `transfer`, in order (sealed into `buffer` first); the buffer, for the next."""
+    def _stream(self, conn: socket.socket, transfer: _Transfer) -> None:
+        """Every chunk of `transfer`, in order (sealed into this thread's buffer first)."""
         sid, sealer, last = transfer.session.sid, transfer.sealer, len(transfer.chunks) - 1
+        buffer: np.ndarray | None = getattr(self._buffers, "buffer", None)
+        tune(conn)
         wait_limit(conn, socket.SO_SNDTIMEO, SEND_STALL_S)
         try:
             for index, (part, offset, length) in enumerate(transfer.chunks):
@@ -298,7 +233,7 @@ class BulkServer:
                     body = data
                 else:
                     if buffer is None or len(buffer) < length + TAG_BYTES:
-                        buffer = np.empty(length + TAG_BYTES, np.uint8)
+                        buffer = self._buffers.buffer = np.empty(length + TAG_BYTES, np.uint8)
                     body = memoryview(buffer)[: length + TAG_BYTES]
                     sealer.seal_into(index, part, offset, data, body)
                     if index == last:
@@ -307,4 +242,3 @@ class BulkServer:
                 conn.sendall(body)
         finally:
             transfer.release()
-        return buffer

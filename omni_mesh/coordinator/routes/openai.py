@@ -105,7 +105,7 @@ def router(coordinator: Coordinator) -> APIRouter:
         try:
             call = chat_call(body, spec)
         except ChatRequestError as exc:
-            return openai_error(400, exc.message, exc.param)
+            return openai_error(exc.status, exc.message, exc.param)
         try:
             messages = {name: "messages" for name, source in spec.inputs.items() if source == "messages"}
             state = await admit(
