@@ -9,18 +9,14 @@ topology; few tokens."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
+from support.media_engines import require_media_engines
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("av")
-if importlib.util.find_spec("torchvision") is None:  # the Qwen-Omni processors cannot be built without it
-    pytest.skip("torchvision is not installed (make test installs it)", allow_module_level=True)
+require_media_engines()
 
 from support import media_files  # noqa: E402
 from support.meshkit import running_mesh, wait_for  # noqa: E402
