@@ -55,7 +55,7 @@ def run(
 async def _measure(url: str, kind: str, prompt: str, params: dict, rounds: int) -> dict[str, Any]:
     """Medians of `rounds` requests with new media (numbered from 1), and of `rounds` with media 0 again."""
     async with httpx.AsyncClient(base_url=url, timeout=300.0) as client:
-        await _one(client, kind, -1, prompt, params)  # the mesh's first request (imports, pools): not timed
+        await _one(client, kind, rounds + 1, prompt, params)  # the mesh's first request (imports, pools): not timed
         new = [await _one(client, kind, n + 1, prompt, params) for n in range(rounds)]
         await _one(client, kind, 0, prompt, params)  # media 0 encoded once: the requests below find it cached
         repeated = [await _one(client, kind, 0, prompt, params) for _ in range(rounds)]
