@@ -24,7 +24,9 @@ RUN_EXTRAS := engines
 # toy models run on torch (services/omni_demo/model.py), so `make run` needs it too.
 TORCH  ?= torch==2.13.0
 # What the demo imports: checked after the install so that a broken one fails here, not at `ready`.
-RUN_IMPORTS  := torch, numpy, zmq, cryptography, msgpack, yaml, fastapi, fastapi_offline, uvicorn, httpx, prometheus_client, transformers, huggingface_hub, av, PIL
+# torchvision after omni_mesh.engines: importing it makes torchvision importable next to a CPU torch (vision_ops).
+RUN_IMPORTS  := torch, numpy, zmq, cryptography, msgpack, yaml, fastapi, fastapi_offline, uvicorn, httpx, prometheus_client, \
+                transformers, huggingface_hub, av, PIL, omni_mesh.engines, torchvision
 TEST_IMPORTS := pytest, xdist, hypothesis, openai, mooncake.engine, mooncake.store, yr.datasystem
 # Only the tests use these: libibverbs1 (Mooncake's wheels link it); iproute2 (multi-host tests, ip
 # netns); docker-compose, docker.io and mmdebstrap (the compose files, the engine and the base image of

@@ -106,6 +106,7 @@ class Heartbeat(Message):
     connectors: dict = field(default_factory=dict)
     #: the requests it still works on: one the coordinator ended counts as busy until it is gone from here
     working: list = field(default_factory=list)
+    counters: dict = field(default_factory=dict)  # the handler's own numbers (handler_counters), name -> value
 
 
 @dataclass(slots=True)

@@ -35,7 +35,8 @@ def mesh(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
     # compose/qwen3_omni.yaml with 2-frame talker chunks: a tiny random talker ends its reply after a few
     # frames, and the streaming test wants several chunks of them
     topology = yaml.safe_load(TOPOLOGY.read_text())
-    topology["stages"][1]["engine"].update(first_chunk_codes=2, chunk_codes=2)
+    talker = next(stage for stage in topology["stages"] if stage["name"] == "talker")
+    talker["engine"].update(first_chunk_codes=2, chunk_codes=2)
     with running_mesh(tmp_path_factory.mktemp("qwen3_mesh"), topology, env={"OMNI_MESH_MODEL": str(checkpoint)}) as running:
         yield running
 

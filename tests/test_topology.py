@@ -895,7 +895,7 @@ def test_engine_settings_are_checked_where_the_stage_is() -> None:
     assert parsed.stages[0].engine["part"] == "code2wav" and not parsed.missing_handlers()
     for engine, message in (
         ({"part": "thinker"}, "engine.model must be a checkpoint directory"),
-        ({"part": "decoder", "model": "/m"}, "engine.part must be one of thinker, talker, code2wav"),
+        ({"part": "decoder", "model": "/m"}, "engine.part must be one of encoder, thinker, talker, code2wav"),
         ({"part": "thinker", "model": "/m", "max_token": 3}, "did you mean 'max_tokens'"),
         ({"part": "thinker", "model": "/m", "device": "gpu"}, "engine.device must be cpu or cuda:N"),
         ({"part": "thinker", "model": "/m", "top_p": 0}, r"engine.top_p must be a number in \(0, 1\]"),

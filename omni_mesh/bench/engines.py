@@ -23,20 +23,19 @@ from omni_mesh.bench.mesh import running_mesh
 from omni_mesh.bench.pipeline import drive
 
 
-def topology(model: Path, threads: int, device: str) -> dict[str, Any]:
-    """compose/qwen2_5_omni.yaml's graph on `model`, every stage with `threads` torch threads."""
-    def engine(part: str) -> dict[str, Any]:
-        return {"part": part, "model": str(model), "device": device, "threads": threads}
-
-    return {
-        "name": "bench-engines",
-        "stages": [
-            {"stage_id": 0, "name": "thinker", "engine": engine("thinker"), "max_inflight": 4},
-            {"stage_id": 1, "name": "talker", "engine": engine("talker"), "engine_input_source": [0], "max_inflight": 4},
-            {"stage_id": 2, "name": "code2wav", "engine": engine("code2wav"), "engine_input_source": [1],
-             "final_output": True, "max_inflight": 4},
-        ],
-    }
+def topology(model: Path, threads: int, device: str, *, encoder: bool = False) -> dict[str, Any]:
+    """compose/qwen2_5_omni.yaml's graph on `model`, every stage with `threads` torch threads; without
+    `encoder`, the thinker is the entry stage (it encodes any media itself)."""
+    parts = ["encoder", "thinker", "talker", "code2wav"] if encoder else ["thinker", "talker", "code2wav"]
+    stages: list[dict[str, Any]] = []
+    for index, part in enumerate(parts):
+        stage = {"stage_id": index, "name": part, "engine": {"part": part, "model": str(model), "device": device,
+                                                             "threads": threads}, "max_inflight": 4}
+        if index:
+            stage["engine_input_source"] = [index - 1]
+        stages.append(stage)
+    stages[-1]["final_output"] = True
+    return {"name": "bench-engines", "stages": stages}
 
 
 def monolithic(model: Path, prompt: str, params: dict, threads: int, device: str) -> Any:

@@ -63,9 +63,11 @@ def launcher_environment(insecure: bool | None) -> dict[str, str]:
 
 @contextlib.contextmanager
 def running_mesh(
-    topology: str | os.PathLike, *, insecure: bool | None = None, extra: list[str] | None = None
+    topology: str | os.PathLike, *, insecure: bool | None = None, extra: list[str] | None = None,
+    ready_timeout_s: float = READY_TIMEOUT_S,
 ) -> Iterator[RunningMesh]:
-    """Run `omni-mesh up TOPOLOGY [extra flags]` for the block, ready; stop it with SIGINT (Ctrl-C) after."""
+    """Run `omni-mesh up TOPOLOGY [extra flags]` for the block, ready; stop it with SIGINT (Ctrl-C) after.
+    `ready_timeout_s`: more for stages that load models."""
     for attempt in range(1, PORT_ATTEMPTS + 1):
         port = free_port()
         with tempfile.NamedTemporaryFile("w+b", prefix="omni-mesh-up-", suffix=".log", delete=False) as log_file:
@@ -75,7 +77,7 @@ def running_mesh(
             )
         mesh = RunningMesh(f"http://127.0.0.1:{port}", process, Path(log_file.name))
         try:
-            _wait_ready(mesh, str(topology))
+            _wait_ready(mesh, str(topology), ready_timeout_s)
             break
         except BaseException as exc:
             mesh.exit_status = stop(process)
@@ -102,8 +104,8 @@ def stop(process: subprocess.Popen, timeout_s: float = 45.0) -> int:
         return -signal.SIGKILL
 
 
-def _wait_ready(mesh: RunningMesh, topology: str) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
+def _wait_ready(mesh: RunningMesh, topology: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if mesh.process.poll() is not None:
             raise RuntimeError(f"omni-mesh up {topology} exited with status {mesh.process.returncode}:\n{_tail(mesh)}")
@@ -111,7 +113,7 @@ def _wait_ready(mesh: RunningMesh, topology: str) -> None:
             if httpx.get(f"{mesh.url}/ready", timeout=1.0).status_code == 200:
                 return
         time.sleep(0.2)
-    raise RuntimeError(f"omni-mesh up {topology} was not ready within {READY_TIMEOUT_S:.0f} s:\n{_tail(mesh)}")
+    raise RuntimeError(f"omni-mesh up {topology} was not ready within {timeout_s:.0f} s:\n{_tail(mesh)}")
 
 
 def _tail(mesh: RunningMesh, lines: int = 20) -> str:

@@ -61,6 +61,11 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "engines", help="real model parts: the library's one-call generate() vs the same checkpoint as a 3-stage mesh"
     )
     engines.add_argument("--model", default=None, help="a Qwen2.5-Omni checkpoint directory (default: a tiny random one)")
+    engines.add_argument(
+        "--inputs", choices=("text", "audio", "image", "video"), default="text",
+        help="text: the prompt, generate() vs the mesh; audio, image or video: the prompt with media, the mesh "
+        "with and without its encoder stage, new media vs repeated (the encoder's cache)",
+    )
     engines.add_argument("--prompt", default="Tell me about the weather today.")
     engines.add_argument("--max-tokens", type=int, default=64, help="reply tokens")
     engines.add_argument(
@@ -174,6 +179,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         for flag in ("max_tokens", "max_audio_tokens", "rounds", "threads"):
             if getattr(args, flag) < 1:
                 raise CliError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+        if args.inputs != "text":
+            from omni_mesh.bench import engines_media
+
+            result = engines_media.run(
+                inputs=args.inputs, model=args.model, prompt=args.prompt, max_tokens=args.max_tokens,
+                max_audio_tokens=args.max_audio_tokens, rounds=args.rounds, threads=args.threads, device=args.device,
+            )
+            print(json.dumps(result, indent=2) if args.json else engines_media.report(result))
+            return EXIT_OK
         result = engines.run(
             model=args.model, prompt=args.prompt, max_tokens=args.max_tokens, max_audio_tokens=args.max_audio_tokens,
             rounds=args.rounds, duration_s=args.duration, threads=args.threads, device=args.device,

@@ -206,6 +206,7 @@ class _StateCollector(Collector):
                 for ref, report in replica.connectors.items():
                     if isinstance(report, dict):
                         _add_connector_report(families, [stage.name, replica.replica_id, ref], report)
+                _add_handler_counters(families, [stage.name, replica.replica_id], replica.counters)
             for health, count in by_health.items():
                 replicas.add_metric([stage.name, health], count)
             inflight.add_metric([stage.name], sum(r.busy for r in mine))
@@ -239,6 +240,24 @@ def _add_connector_report(
             family = families.get(name) or GaugeMetricFamily(
                 name, f"connector gauge {key!r} from the replicas' heartbeats", labels=_CONNECTOR_LABELS
             )
+        families[name] = family
+        family.add_metric(labels, value)
+
+
+def _add_handler_counters(
+    families: dict[str, CounterMetricFamily | GaugeMetricFamily], labels: list[str], counters: dict[str, Any]
+) -> None:
+    """A replica's handler counters (omni_mesh.stage.counters): `omni_mesh_handler_<name>`, a counter
+    where the name ends in `_total`, else a gauge."""
+    for key, value in counters.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not _METRIC_NAME.fullmatch(key):
+            continue
+        if key.endswith("_total"):
+            name = f"omni_mesh_handler_{key.removesuffix('_total')}"
+            family = families.get(name) or CounterMetricFamily(name, f"handler counter {key!r}", labels=["stage", "replica"])
+        else:
+            name = f"omni_mesh_handler_{key}"
+            family = families.get(name) or GaugeMetricFamily(name, f"handler gauge {key!r}", labels=["stage", "replica"])
         families[name] = family
         family.add_metric(labels, value)
 

@@ -56,6 +56,7 @@ class Replica:
     malformed: int = 0
     draining: bool = False
     connectors: dict[str, Any] = field(default_factory=dict)
+    counters: dict[str, int | float] = field(default_factory=dict)  # the handler's (stage/counters.py)
     restarts: int = 0
     cleanup: dict[str, Any] = field(default_factory=dict)  # lifecycle token per connector type (opaque)
 
@@ -109,6 +110,7 @@ class Replica:
             "uptime_s": round(now - self.registered_at, 3),
             "cleanup": self.cleanup,
             "connectors": self.connectors,
+            "counters": self.counters,
         }
 
 
@@ -225,6 +227,7 @@ class Registry:
         replica.draining = message.draining
         replica.connectors = message.connectors
         replica.stopping &= {rid for rid in message.working if isinstance(rid, str)}
+        replica.counters = message.counters
 
     def remove(self, replica_id: str) -> Replica | None:
         replica = self.replicas.pop(replica_id, None)

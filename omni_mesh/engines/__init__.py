@@ -11,4 +11,9 @@
     bridge          a blocking generate() streamed into the event loop
     text            chat template in, token-by-token text deltas out
     tiny            tiny random checkpoints of the real architectures (`omni-mesh models tiny`)
+    vision_ops      torchvision importable next to a CPU torch (the processors need it)
 """
+
+from omni_mesh.engines import vision_ops
+
+vision_ops.install()  # before anything here imports transformers' processors (cheap: imports nothing)

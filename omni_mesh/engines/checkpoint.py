@@ -86,26 +86,30 @@ def _roots(model_dir: Path) -> list[Path]:
     return roots
 
 
-def read_part(model_dir: Path, prefix: str) -> dict[str, Any]:
-    """Every tensor whose key starts with `prefix`, the prefix stripped; the rest is never read."""
+def read_part(model_dir: Path, prefix: str, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Every tensor whose key starts with `prefix` (but not with `prefix` + one of `skip`), the prefix
+    stripped; the rest is never read."""
     from safetensors import safe_open
 
     tensors: dict[str, Any] = {}
     for path in weight_files(model_dir, prefix):
         with safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if key.startswith(prefix):
+                if key.startswith(prefix) and not key[len(prefix) :].startswith(skip or ("\0",)):
                     tensors[key[len(prefix) :]] = handle.get_tensor(key)
     return tensors
 
 
-def load_part(model_class: Any, config: Any, model_dir: Path, prefix: str, *, dtype: Any, device: str) -> Any:
+def load_part(
+    model_class: Any, config: Any, model_dir: Path, prefix: str, *, dtype: Any, device: str, skip: tuple[str, ...] = (),
+) -> Any:
     """`model_class` built from `config` with the checkpoint's tensors under `prefix` (nothing else is
     read), on `device` in `dtype`, in eval mode. transformers renames the keys as it would for the whole
-    model. CheckpointError naming the missing keys when the checkpoint lacks any of this part's weights."""
+    model. CheckpointError naming the missing keys when the checkpoint lacks any of this part's weights.
+    `skip`: sub-prefixes (`audio_tower.`) not read; their modules are left out of the model (None)."""
     from transformers.utils import logging as hf_logging
 
-    tensors = read_part(model_dir, prefix)
+    tensors = read_part(model_dir, prefix, skip)
     if not tensors:
         raise CheckpointError(
             f"{model_dir}: the checkpoint has no weights under {prefix!r}: it does not hold this part "
@@ -119,7 +123,8 @@ def load_part(model_class: Any, config: Any, model_dir: Path, prefix: str, *, dt
         )
     finally:
         hf_logging.set_verbosity(verbosity)
-    missing = sorted(info.get("missing_keys") or [])
+    skipped = {name.strip(".") for name in skip}
+    missing = sorted(key for key in info.get("missing_keys") or [] if not skipped & set(key.split(".")))
     if missing:
         shown = ", ".join(missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -127,4 +132,8 @@ def load_part(model_class: Any, config: Any, model_dir: Path, prefix: str, *, dt
             f"{model_dir}: {len(missing)} weight(s) of {model_class.__name__} (checkpoint prefix {prefix!r}) "
             f"missing: {shown}{more}; refusing to run on random weights"
         )
+    for name in [name for name, _ in model.named_modules()]:
+        parent, _, leaf = name.rpartition(".")
+        if leaf in skipped:  # random weights nothing may run: dropped
+            setattr(model.get_submodule(parent), leaf, None)
     return model.to(device=device).eval()

@@ -27,6 +27,8 @@ class ModelParts(ABC):
         self.spec = spec
         self.config = config
         self._tokenizer: Any = None
+        self._processor: Any = None
+        self.towers_cache: Any = None  # the EncoderCache of this stage's towers (encoder, or a thinker that encodes)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -43,20 +45,73 @@ class ModelParts(ABC):
             self._tokenizer = AutoTokenizer.from_pretrained(str(self.directory))
         return self._tokenizer
 
-    def load(self, part: str) -> Any:
-        if part == "thinker":
+    @property
+    def processor(self) -> Any:
+        """The checkpoint's processor (media -> expanded ids and features)."""
+        if self._processor is None:
+            from omni_mesh.engines.processor import load_processor
+
+            self._processor = load_processor(self.directory)
+        return self._processor
+
+    def load(self, part: str, *, towers: bool = True) -> Any:
+        """Part `part`; a thinker without its towers (`towers=False`) when an encoder stage feeds it."""
+        if part in ("thinker", "encoder"):
             self.tokenizer  # noqa: B018 (loaded now, not by the first request)
-        return self._load(part)
+            if (self.directory / "processor_config.json").exists() and (part == "encoder" or towers):
+                self.processor  # noqa: B018
+        from omni_mesh.engines.encoder import AUDIO_PREFIX, VISION_PREFIX, EncoderCache, Towers
+
+        self.towers_cache = EncoderCache(self.spec.encoder_cache)
+        if part == "encoder":
+            config = self._config_class().from_pretrained(str(self.directory)).thinker_config
+            return Towers.load(self.directory, config, self.arch, self.dtype, self.spec.device, self.towers_cache)
+        skip = () if towers or part != "thinker" else tuple(p.removeprefix("thinker.") for p in (AUDIO_PREFIX, VISION_PREFIX))
+        return self._load(part, skip)
 
     @abstractmethod
-    def _load(self, part: str) -> Any:
+    def _load(self, part: str, skip: tuple[str, ...] = ()) -> Any:
         ...
+
+    @abstractmethod
+    def _config_class(self) -> Any:
+        ...
+
+    def encode(self, towers: Any, inputs: Any) -> dict:
+        """A request's inputs through the processor and the towers: `Encoded` (omni_mesh.engines.encoder)."""
+        from omni_mesh.engines.processor import process
+
+        return towers.encode(process(self.processor, inputs))
+
+    def prompt(self, thinker: Any, inputs: Any) -> tuple[torch.Tensor, dict]:
+        """(prompt ids [1, P], generate() arguments for its media) of a thinker's inputs: an encoder stage's
+        output, a request with media (the thinker encodes it with its own towers), or text."""
+        from omni_mesh.engines.media_inputs import ENCODED_KEY, prompt_ids, thinker_kwargs
+        from omni_mesh.engines.media_parts import has_media
+        from omni_mesh.engines.text import prompt_ids as text_prompt_ids
+
+        if isinstance(inputs, dict) and ENCODED_KEY in inputs:
+            encoded = inputs[ENCODED_KEY]
+        elif has_media(inputs):
+            from omni_mesh.engines.encoder import Towers
+
+            if thinker.model.model.audio_tower is None:
+                raise ValueError("thinker: a request with media reached a thinker without towers (an encoder stage feeds it)")
+            encoded = self.encode(Towers.of_thinker(thinker.model, self.arch, self.towers_cache), inputs)
+        else:
+            return text_prompt_ids(self.tokenizer, inputs), {}
+        if set(encoded) <= {"input_ids", "use_audio_in_video"}:  # text only: the ids say it all
+            return prompt_ids(encoded), {}
+        return prompt_ids(encoded), thinker_kwargs(thinker.model, encoded)
 
     # What each architecture's parts are asked, in the stages' terms (a Sampling carries the params).
 
     @abstractmethod
-    def think(self, thinker: Any, ids: torch.Tensor, sampling: Sampling, on_token: Any, should_stop: Any) -> Any:
-        """The thinker's reply; `should_stop` may be a StopWatch (generation.StopWhen shows it each token)."""
+    def think(
+        self, thinker: Any, ids: torch.Tensor, sampling: Sampling, on_token: Any, should_stop: Any, media: dict | None = None,
+    ) -> Any:
+        """The thinker's reply; `should_stop` may be a StopWatch (generation.StopWhen shows it each token);
+        `media`: the prompt's encoded media (generate() arguments)."""
 
     @abstractmethod
     def talk(self, talker: Any, payload: dict, sampling: Sampling, on_code: Any, should_stop: Any) -> Any:
@@ -122,20 +177,27 @@ class Qwen2_5Omni(ModelParts):
 
     arch = "qwen2_5_omni"
 
-    def _load(self, part: str) -> Any:
+    def _config_class(self) -> Any:
+        from transformers import Qwen2_5OmniConfig
+
+        return Qwen2_5OmniConfig
+
+    def _load(self, part: str, skip: tuple[str, ...] = ()) -> Any:
         from omni_mesh.engines import qwen2_5_omni as model
 
         if part == "thinker":
-            return model.Thinker.load(self.directory, self.dtype, self.spec.device)
+            return model.Thinker.load(self.directory, self.dtype, self.spec.device, skip)
         if part == "talker":
             return model.Talker.load(self.directory, self.dtype, self.spec.device)
         return model.Token2Wav.load(self.directory, self.dtype, self.spec.device, self.spec.num_steps)
 
-    def think(self, thinker: Any, ids: torch.Tensor, sampling: Sampling, on_token: Any, should_stop: Any) -> Any:
+    def think(
+        self, thinker: Any, ids: torch.Tensor, sampling: Sampling, on_token: Any, should_stop: Any, media: dict | None = None,
+    ) -> Any:
         return thinker.generate(
             ids, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-            speaker=sampling.speaker, on_token=on_token, should_stop=should_stop, prefill_chunk=self.spec.prefill_tokens,
-            options=decoding_args(sampling, int(ids.shape[-1])),
+            speaker=sampling.speaker, on_token=on_token, should_stop=should_stop, media=media,
+            prefill_chunk=self.spec.prefill_tokens, options=decoding_args(sampling, int(ids.shape[-1])),
         )
 
     def talk(self, talker: Any, payload: dict, sampling: Sampling, on_code: Any, should_stop: Any) -> Any:
@@ -167,21 +229,28 @@ class Qwen3Omni(ModelParts):
 
     arch = "qwen3_omni_moe"
 
-    def _load(self, part: str) -> Any:
+    def _config_class(self) -> Any:
+        from transformers import Qwen3OmniMoeConfig
+
+        return Qwen3OmniMoeConfig
+
+    def _load(self, part: str, skip: tuple[str, ...] = ()) -> Any:
         from omni_mesh.engines import qwen3_omni as model
         from omni_mesh.engines.qwen3_omni_code2wav import Qwen3OmniCode2Wav
 
         if part == "thinker":
-            return model.Qwen3OmniThinker.load(self.directory, self.dtype, self.spec.device)
+            return model.Qwen3OmniThinker.load(self.directory, self.dtype, self.spec.device, skip)
         if part == "talker":
             return model.Qwen3OmniTalker.load(self.directory, self.dtype, self.spec.device)
         return Qwen3OmniCode2Wav.load(self.directory, self.dtype, self.spec.device)
 
-    def think(self, thinker: Any, ids: torch.Tensor, sampling: Sampling, on_token: Any, should_stop: Any) -> Any:
+    def think(
+        self, thinker: Any, ids: torch.Tensor, sampling: Sampling, on_token: Any, should_stop: Any, media: dict | None = None,
+    ) -> Any:
         return thinker.generate(
             ids, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-            on_token=on_token, should_stop=should_stop, prefill_chunk=self.spec.prefill_tokens,
-            options=decoding_args(sampling, int(ids.shape[-1])),
+            on_token=on_token, should_stop=should_stop, media=media,
+            prefill_chunk=self.spec.prefill_tokens, options=decoding_args(sampling, int(ids.shape[-1])),
         )
 
     def talk(self, talker: Any, payload: dict, sampling: Sampling, on_code: Any, should_stop: Any) -> Any:
@@ -201,9 +270,9 @@ class Qwen3Omni(ModelParts):
         return output["reply_ids"]
 
     def talker_payload(self, output: Any) -> dict:
-        from omni_mesh.engines.qwen3_omni import TALKER_INPUT_KEYS
+        from omni_mesh.engines.qwen3_omni import TALKER_GRID_KEYS, TALKER_INPUT_KEYS
 
-        return {key: output[key] for key in TALKER_INPUT_KEYS}
+        return {key: output[key] for key in (*TALKER_INPUT_KEYS, *TALKER_GRID_KEYS) if key in output}
 
 
 #: Architectures by config.json model_type.

@@ -100,11 +100,12 @@ class Thinker:
         self.context = config.thinker_config.text_config.max_position_embeddings
 
     @classmethod
-    def load(cls, model_dir: Path, dtype: torch.dtype, device: str) -> Thinker:
+    def load(cls, model_dir: Path, dtype: torch.dtype, device: str, skip: tuple[str, ...] = ()) -> Thinker:
+        """`skip`: the towers' prefixes when an encoder stage runs them (`omni_mesh.engines.encoder`)."""
         config = load_config(model_dir)
         model = load_part(
             Qwen2_5OmniThinkerForConditionalGeneration, config.thinker_config, model_dir, "thinker.",
-            dtype=dtype, device=device,
+            dtype=dtype, device=device, skip=skip,
         )
         return cls(model, config, load_speakers(model_dir))
 
@@ -126,13 +127,17 @@ class Thinker:
         should_stop: Callable[[], bool] | None = None,
         prefill_chunk: int | None = DEFAULT_CHUNK,
         options: dict[str, Any] | None = None,
+        media: dict[str, Any] | None = None,
     ) -> ThinkerOutput:
         """The reply; `prefill_chunk` tokens of the prompt at a time, the stop flag checked between
-        (None: the prompt in one call, as generate() alone does it)."""
+        (None: the prompt in one call, as generate() alone does it). `media`: generate() arguments for the
+        prompt's encoded media (`media_inputs.thinker_kwargs`): such a prompt goes in one call."""
         device = self.model.device
         input_ids = prompt_ids.reshape(1, -1).to(device)
         bos_token = speaker_entry(self.speakers, speaker)["bos_token"]
         check_prompt(input_ids.shape[1], context=self.context, limit=None, who="Qwen2.5-Omni thinker")
+        if media:  # chunked prefill does not take encoder outputs (yet): the prompt in one call
+            prefill_chunk = None
         prefilled: dict[str, Any] = {}
         hidden: list[torch.Tensor] = []  # the prefilled tokens' embeddings and last hidden states
         if prefill_chunk is not None:
@@ -148,6 +153,7 @@ class Thinker:
             **streaming(on_token, should_stop),
             **sampling_kwargs(temperature, top_p),
             **(options or {}),  # generation.decoding_args: top_k, penalties, ...
+            **(media or {}),
         )
         steps = result.hidden_states  # one tuple of per-layer states per generation step
         embeds = [whole_prompt(hidden, 0, steps[0][0])] + [step[0] for step in steps[1:]]

@@ -62,6 +62,10 @@ REFERENCE_CHUNK_FRAMES = 300
 TALKER_INPUT_KEYS = (
     "user_ids", "user_rows", "user_multimodal", "assistant_rows", "tts_rows", "text_end",
 )
+#: The prompt's image and video grids, where it has any: the talker's 3-D positions read them, as in generate().
+#: Not with audio in the prompt too: transformers 5.25's talker then fails placing it (it reads an audio_config
+#: its config lacks), in generate() as here; without the grids it gets 1-D positions, and speaks.
+TALKER_GRID_KEYS = ("image_grid_thw", "video_grid_thw", "video_second_per_grid")
 
 
 def load_config(model_dir: Path) -> Qwen3OmniMoeConfig:
@@ -108,11 +112,12 @@ class Qwen3OmniThinker:
         self._lock = threading.Lock()  # the thinker keeps per-call state (rope deltas): one call at a time
 
     @classmethod
-    def load(cls, model_dir: Path, dtype: torch.dtype, device: str) -> Qwen3OmniThinker:
+    def load(cls, model_dir: Path, dtype: torch.dtype, device: str, skip: tuple[str, ...] = ()) -> Qwen3OmniThinker:
+        """`skip`: the towers' prefixes when an encoder stage runs them (`omni_mesh.engines.encoder`)."""
         config = load_config(model_dir)
         model = load_part(
             Qwen3OmniMoeThinkerForConditionalGeneration, config.thinker_config, Path(model_dir), "thinker.",
-            dtype=dtype, device=device,
+            dtype=dtype, device=device, skip=skip,
         )
         return cls(model, config)
 
@@ -129,10 +134,13 @@ class Qwen3OmniThinker:
         for_talker: bool = True,
         prefill_chunk: int | None = DEFAULT_CHUNK,
         options: dict[str, Any] | None = None,
+        media: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The reply (module docstring: the dict), made as generate() makes it. `for_talker=False`
         returns only `reply_ids` (a text-only stage: no hidden states are kept). The prompt goes through
-        in pieces of `prefill_chunk` tokens (None: in one call), the stop flag checked between."""
+        in pieces of `prefill_chunk` tokens (None: in one call), the stop flag checked between. `media`:
+        generate() arguments for the prompt's encoded media (`media_inputs.thinker_kwargs`): such a prompt
+        goes in one call."""
         if max_tokens < 1:
             raise ValueError(f"Qwen3-Omni thinker: max_tokens must be >= 1, got {max_tokens}")
         device = self.model.device
@@ -143,6 +151,8 @@ class Qwen3OmniThinker:
         # generate() keeps every layer of every step, which for a long reply of a big thinker is a lot
         placeholders = user is not None and bool(self._multimodal(input_ids[0][user]).any())
         check_prompt(input_ids.shape[1], context=self.context, limit=None, who="Qwen3-Omni thinker")
+        if media:  # chunked prefill does not take encoder outputs (yet): the prompt in one call
+            prefill_chunk = None
         layer = self.config.talker_config.accept_hidden_layer
         with self._lock:
             prefilled: dict[str, Any] = {}
@@ -156,13 +166,13 @@ class Qwen3OmniThinker:
                 input_ids=input_ids,
                 max_new_tokens=max_tokens,
                 eos_token_id=self.eos_token_ids,
-                use_audio_in_video=False,
                 output_hidden_states=placeholders,
                 return_dict_in_generate=True,
                 **prefilled,
                 **streaming(on_token, should_stop),
                 **sampling_kwargs(temperature, top_p),
                 **(options or {}),  # generation.decoding_args: top_k, penalties, ...
+                **{"use_audio_in_video": False, **(media or {})},
             )
         sequence = result.sequences[0]
         reply_ids = sequence[input_ids.shape[1] :]
@@ -170,6 +180,8 @@ class Qwen3OmniThinker:
         if user is not None:
             prompt_hidden = whole_prompt(hidden, 0, result.hidden_states[0][layer])[0] if placeholders else None  # [P, H]
             output.update(self._talker_inputs(sequence, len(input_ids[0]), user, assistant_start, prompt_hidden))
+            if not bool((input_ids == self.config.thinker_config.audio_token_id).any()):
+                output.update({key: media[key].cpu() for key in TALKER_GRID_KEYS if key in (media or {})})
         return output
 
     def _assistant_start(self, ids: torch.Tensor) -> int:
@@ -335,7 +347,8 @@ class Qwen3OmniTalker:
         than one row for the prefill (and returns the step count generate() goes on with)."""
         embeds = inputs["inputs_embeds"]
         cache = new_cache(self.model)
-        positions = generation_positions(self.model, embeds, talker_input_ids=inputs["talker_input_ids"])
+        grids = {key: inputs[key] for key in TALKER_GRID_KEYS if key in inputs}  # the 3-D positions of media
+        positions = generation_positions(self.model, embeds, talker_input_ids=inputs["talker_input_ids"], **grids)
 
         def step(start: int, end: int) -> None:
             self.model(inputs_embeds=embeds[:, start:end], position_ids=positions[..., start:end], cache=cache,
@@ -383,4 +396,5 @@ class Qwen3OmniTalker:
             "tts_pad_embed": tts_pad,
             "talker_input_ids": torch.cat((user_ids, assistant_ids), dim=1),
             "attention_mask": torch.ones(inputs_embeds.shape[:2], dtype=torch.long, device=device),
+            **{key: thinker_output[key].to(device) for key in TALKER_GRID_KEYS if key in thinker_output},
         }

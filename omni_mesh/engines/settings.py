@@ -14,7 +14,7 @@ from omni_mesh.errors import InvalidInput
 from omni_mesh.model_source import resolve
 
 #: The parts a model is split into; vllm-omni's `model_stage` names (token2wav: Qwen2.5-Omni's name).
-PARTS = ("thinker", "talker", "code2wav")
+PARTS = ("encoder", "thinker", "talker", "code2wav")
 PART_ALIASES = {"token2wav": "code2wav"}
 #: Architectures by the checkpoint's config.json `model_type`.
 ARCHS = ("qwen2_5_omni", "qwen3_omni_moe")
@@ -50,6 +50,7 @@ class EngineSpec:
     first_chunk_codes: int = 10  # the first chunk is shorter: the first audio comes sooner
     context_codes: int = 25  # code2wav streaming: codes of left context decoded again with each chunk
     num_steps: int = 10  # Qwen2.5-Omni token2wav: ODE steps of its DiT
+    encoder_cache: int = 256  # encoder (or a thinker that encodes): media items whose embeddings are kept
     max_model_len: int | None = None  # thinker: prompt + reply tokens (vLLM's); None: no limit but max_tokens
     max_prompt_tokens: int | None = None  # thinker: prompt tokens, talker: input rows; None: the model's context
     prefill_tokens: int = 512  # a prompt goes through in pieces this long: a cancel stops within one piece
@@ -87,7 +88,8 @@ def parse_engine(raw: Any, who: str) -> EngineSpec:
     for name in ("max_tokens", "max_audio_tokens", "chunk_codes", "first_chunk_codes", "num_steps", "prefill_tokens"):
         _check(values, name, _positive_int, "an integer >= 1", who)
     _check(values, "max_model_len", lambda v: v is None or _positive_int(v), "an integer >= 1", who)
-    _check(values, "context_codes", lambda v: _int(v) and v >= 0, "an integer >= 0", who)
+    for name in ("context_codes", "encoder_cache"):
+        _check(values, name, lambda v: _int(v) and v >= 0, "an integer >= 0", who)
     _check(values, "threads", lambda v: v is None or _positive_int(v), "an integer >= 1", who)
     _check(values, "max_prompt_tokens", lambda v: v is None or _positive_int(v), "an integer >= 1", who)
     _check(values, "speaker", lambda v: v is None or isinstance(v, str), "a speaker name", who)

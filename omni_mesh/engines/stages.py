@@ -19,6 +19,7 @@ The stream, stage to stage (one way, as every payload flows):
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
@@ -29,10 +30,11 @@ import numpy as np
 
 from omni_mesh.audio import SAMPLE_RATE, pcm16_bytes, wav_base64
 from omni_mesh.engines.bridge import Generation
+from omni_mesh.engines.media_inputs import ENCODED_KEY
 from omni_mesh.engines.models import ModelParts, open_model
 from omni_mesh.engines.settings import EngineSpec, Sampling, parse_engine, within_model_len
 from omni_mesh.engines.stops import StopText, StopWatch
-from omni_mesh.engines.text import Detokenizer, prompt_ids
+from omni_mesh.engines.text import Detokenizer
 
 log = logging.getLogger("omni_mesh.engines")
 
@@ -40,9 +42,10 @@ log = logging.getLogger("omni_mesh.engines")
 class EngineStage:
     """What the three stages share: settings, the model thread, loading in warm()."""
 
-    def __init__(self, spec: EngineSpec, stage: str = "") -> None:
+    def __init__(self, spec: EngineSpec, stage: str = "", *, fed_by_encoder: bool = False) -> None:
         self.spec = spec
         self.stage = stage or spec.part
+        self.fed_by_encoder = fed_by_encoder  # a thinker whose media an encoder stage encodes: no towers
         self.model: ModelParts | None = None
         self.part: Any = None
         # One model thread: requests take turns on the model (a CPU stage has no spare cores for more;
@@ -58,16 +61,39 @@ class EngineStage:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         self.model = await loop.run_in_executor(self.executor, open_model, self.spec)
-        self.part = await loop.run_in_executor(self.executor, self.model.load, self.spec.part)
+        load = functools.partial(self.model.load, self.spec.part, towers=not self.fed_by_encoder)
+        self.part = await loop.run_in_executor(self.executor, load)
         log.info(
             "stage %s loaded the %s of %s (%s) in %.1f s",
             self.stage, self.spec.part, self.model.directory, self.model.arch, time.perf_counter() - started,
         )
 
+    def counters(self) -> dict[str, int]:
+        """The encoder cache's hits, misses and items, where this stage encodes media (an encoder, or a
+        thinker with its towers); sent with every heartbeat (omni_mesh.stage.counters)."""
+        cache = getattr(self.model, "towers_cache", None)
+        if cache is None or self.spec.part not in ("encoder", "thinker") or self.fed_by_encoder:
+            return {}
+        stats = cache.stats()
+        return {"encoder_cache_hits_total": stats["hits"], "encoder_cache_misses_total": stats["misses"],
+                "encoder_cache_items": stats["items"]}
+
     def _loaded(self) -> Any:
         if self.part is None:
             raise RuntimeError(f"stage {self.stage!r}: its model is not loaded (warm() was not awaited)")
         return self.part
+
+
+class EncoderStage(EngineStage):
+    """A request's messages and media -> the processor's expanded ids and the towers' embeddings
+    (`{"encoded": Encoded}`, omni_mesh.engines.encoder) for the thinker."""
+
+    async def __call__(self, inputs: Any, ctx: Any) -> dict:
+        towers = self._loaded()
+        assert self.model is not None
+        loop = asyncio.get_running_loop()
+        encoded = await loop.run_in_executor(self.executor, self.model.encode, towers, inputs)
+        return {ENCODED_KEY: encoded}
 
 
 class ThinkerStage(EngineStage):
@@ -77,15 +103,17 @@ class ThinkerStage(EngineStage):
         thinker = self._loaded()
         assert self.model is not None
         sampling = Sampling.of(self.spec, getattr(ctx, "params", None))
-        ids = prompt_ids(self.model.tokenizer, inputs)
-        self.model.check_prompt(thinker, int(ids.shape[-1]))  # a 4xx before any compute
+        loop = asyncio.get_running_loop()
+        # media: the processor and towers (no encoder stage), or the embeddings laid out: model-thread work
+        ids, media = await loop.run_in_executor(self.executor, self.model.prompt, thinker, inputs)
+        self.model.check_prompt(thinker, int(ids.shape[-1]))  # a 4xx before any generation
         sampling = within_model_len(self.spec, sampling, int(ids.shape[-1]))
         eos = set(self.model.eos_token_ids(thinker))
         stops = StopWatch(self.model.tokenizer, sampling.stop, sampling.stop_token_ids)
 
         def run(push: Any, should_stop: Any) -> Any:
             self.model.seed(sampling.seed)
-            return self.model.think(thinker, ids, sampling, push, stops.until(should_stop))
+            return self.model.think(thinker, ids, sampling, push, stops.until(should_stop), media)
 
         generation = Generation(self.executor, run)
         # A client reading a stream gets the text token by token; for any other the text goes with the
@@ -258,10 +286,13 @@ def _checked(chunk: Any, stage: str) -> dict:
 
 
 #: The handler class of each part.
-STAGES: dict[str, type[EngineStage]] = {"thinker": ThinkerStage, "talker": TalkerStage, "code2wav": Code2WavStage}
+STAGES: dict[str, type[EngineStage]] = {
+    "encoder": EncoderStage, "thinker": ThinkerStage, "talker": TalkerStage, "code2wav": Code2WavStage,
+}
 
 
-def engine_handler(options: dict, stage: str = "") -> EngineStage:
-    """The handler of a stage with `engine:` settings (loaded by its warm())."""
+def engine_handler(options: dict, stage: str = "", *, fed_by_encoder: bool = False) -> EngineStage:
+    """The handler of a stage with `engine:` settings (loaded by its warm()); a thinker `fed_by_encoder`
+    loads no towers."""
     spec = parse_engine(options, f"stage {stage!r}")
-    return STAGES[spec.part](spec, stage)
+    return STAGES[spec.part](spec, stage, fed_by_encoder=fed_by_encoder)

@@ -25,10 +25,11 @@ def build_tiny_qwen2_5_omni(directory: Path, seed: int = 0) -> None:
     import torch
     from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
 
+    from omni_mesh.engines.tiny_processor import make_towers_matter, save_tiny_processor, tokenizer_options
     from omni_mesh.engines.tiny_tokenizer import save_tiny_tokenizer
 
     directory = Path(directory)
-    tokenizer = save_tiny_tokenizer(directory, SPECIAL_TOKENS)
+    tokenizer = save_tiny_tokenizer(directory, SPECIAL_TOKENS, **tokenizer_options("qwen2_5_omni"))
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     media = {
         "audio_token_index": ids["<|AUDIO|>"],
@@ -82,8 +83,10 @@ def build_tiny_qwen2_5_omni(directory: Path, seed: int = 0) -> None:
         for name in SPEAKERS
     }
     _make_audible(model, speakers[SPEAKERS[0]])
+    make_towers_matter(model.thinker)
     model.save_pretrained(str(directory))
     torch.save(speakers, directory / "spk_dict.pt")
+    save_tiny_processor(directory, tokenizer, "qwen2_5_omni")
 
 
 def _make_audible(model: Any, speaker: dict) -> None:

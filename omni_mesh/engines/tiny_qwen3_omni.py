@@ -44,10 +44,11 @@ def build_tiny_qwen3_omni(directory: Path, seed: int = 0) -> None:
     from tokenizers import AddedToken
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
+    from omni_mesh.engines.tiny_processor import make_towers_matter, save_tiny_processor, tokenizer_options
     from omni_mesh.engines.tiny_tokenizer import save_tiny_tokenizer
 
     directory = Path(directory)
-    tokenizer = save_tiny_tokenizer(directory, SPECIAL_TOKENS)
+    tokenizer = save_tiny_tokenizer(directory, SPECIAL_TOKENS, **tokenizer_options("qwen3_omni_moe"))
     # single_word: "user" is one token as a role, never inside "username"
     tokenizer.add_tokens([AddedToken(role, single_word=True, normalized=False) for role in ROLE_TOKENS])
     tokenizer.save_pretrained(str(directory))
@@ -60,7 +61,9 @@ def build_tiny_qwen3_omni(directory: Path, seed: int = 0) -> None:
     _make_audible(model)
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    make_towers_matter(model.thinker)
     model.save_pretrained(str(directory))
+    save_tiny_processor(directory, tokenizer, "qwen3_omni_moe")
 
 
 def _config_dict(ids: dict[str, int], vocab_size: int) -> dict[str, Any]:
@@ -96,12 +99,13 @@ def _config_dict(ids: dict[str, int], vocab_size: int) -> dict[str, Any]:
         "thinker_config": {
             "text_config": thinker_text,
             "audio_config": {
-                "num_mel_bins": 16, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 32,
-                "d_model": 16, "output_dim": THINKER_HIDDEN, "downsample_hidden_size": 8, "n_window": 4,
-                "n_window_infer": 8, "max_source_positions": 64,
+                # the real mel bins and windows: the checkpoint's processor makes real features
+                "num_mel_bins": 128, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 32,
+                "d_model": 16, "output_dim": THINKER_HIDDEN, "downsample_hidden_size": 8, "n_window": 50,
+                "n_window_infer": 800, "max_source_positions": 1500,
             },
             "vision_config": {
-                "depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "patch_size": 4,
+                "depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "patch_size": 16,
                 "out_hidden_size": THINKER_HIDDEN, "num_position_embeddings": 64, "deepstack_visual_indexes": [0],
             },
             "user_token_id": ids["user"],

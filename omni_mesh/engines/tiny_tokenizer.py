@@ -25,9 +25,13 @@ _CORPUS = [
 ]
 
 
-def save_tiny_tokenizer(directory: Path, special_tokens: Sequence[str], *, vocab_size: int = 400) -> Any:
+def save_tiny_tokenizer(
+    directory: Path, special_tokens: Sequence[str], *, vocab_size: int = 400, named_tokens: dict[str, str] | None = None,
+    chat_template: str = CHAT_TEMPLATE,
+) -> Any:
     """Train a byte-level BPE of about `vocab_size` ids, add `special_tokens` after it (in order),
-    set the chat template, save it into `directory` and return it (a PreTrainedTokenizerFast)."""
+    set the chat template, save it into `directory` and return it (a PreTrainedTokenizerFast).
+    `named_tokens` names some of them as a multimodal processor reads them (`image_token`: ...)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -46,8 +50,9 @@ def save_tiny_tokenizer(directory: Path, special_tokens: Sequence[str], *, vocab
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         additional_special_tokens=list(special_tokens),
+        model_specific_special_tokens=dict(named_tokens or {}),
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     directory.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(directory))
     return fast

@@ -29,6 +29,7 @@ from omni_mesh.control import (
     Work,
 )
 from omni_mesh.hostinfo import process_info
+from omni_mesh.stage.counters import handler_counters
 from omni_mesh.stage.link import ConnectorHealth, CoordinatorLink
 from omni_mesh.stage.loading import default_replica_id
 from omni_mesh.stage.runner import Runner
@@ -177,6 +178,7 @@ class StageReplica:
                 draining=self.draining,
                 connectors=await self.health.latest(),
                 working=list(self.runner.work),
+                counters=handler_counters(self.handler, self.stage.name),
             )
         )
         if self.health_file is not None and not self.draining:

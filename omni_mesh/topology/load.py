@@ -101,7 +101,8 @@ def load_handler(topology: Topology, stage: StageSpec) -> Callable[..., Any]:
     if stage.engine is not None:
         from omni_mesh.engines.stages import engine_handler  # torch and transformers: stage processes only
 
-        return engine_handler(stage.engine, stage.name)
+        upstream = [topology.stage(edge.src).engine or {} for edge in topology.inputs_of(stage.stage_id)]
+        return engine_handler(stage.engine, stage.name, fed_by_encoder=any(e.get("part") == "encoder" for e in upstream))
     handler = import_handler(topology, stage)
     if isinstance(handler, type) and hasattr(handler, "from_stage"):
         handler = handler.from_stage(stage.options)
