@@ -2,8 +2,8 @@
 
 The checkpoint's config.json `model_type` picks the graph: each architecture's PARTS, in pipeline order,
 become a chain of `engine:` stages (stage i reads stage i-1), the last one final, with the OpenAI API
-named after the model. An architecture that gains a part (an encoder stage before the thinker) gets it by
-adding its name in front of that tuple: the chain, the final stage and the openai: section follow.
+named after the model. The encoder stage (the processor and the audio and vision towers) comes first, so
+the thinker loads no tower weights and media encoding scales on its own (`--replicas encoder=N`).
 A checkpoint whose config turns its audio output off (`enable_audio_output: false`) serves the thinker
 alone, text only. Torch-free: the topology is built before anything starts.
 """
@@ -19,8 +19,8 @@ from omni_mesh.model_source import ModelNotFound
 
 #: config.json model_type -> the parts of the model, in pipeline order.
 PARTS: dict[str, tuple[str, ...]] = {
-    "qwen2_5_omni": ("thinker", "talker", "code2wav"),
-    "qwen3_omni_moe": ("thinker", "talker", "code2wav"),
+    "qwen2_5_omni": ("encoder", "thinker", "talker", "code2wav"),
+    "qwen3_omni_moe": ("encoder", "thinker", "talker", "code2wav"),
 }
 #: What a final code2wav stage answers (omni_mesh.engines.stages), as the openai: section reads it.
 AUDIO_OUTPUT = {"field": "audio_pcm16", "encoding": "pcm16", "sample_rate_field": "sample_rate"}

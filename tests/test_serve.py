@@ -88,7 +88,7 @@ def check_answers(mesh: Mesh, name: str) -> None:
 def test_serve_a_cached_hub_id_offline_answers_the_openai_client(by_id: Mesh) -> None:
     check_answers(by_id, HUB_ID)
     stages = {stage["name"] for stage in by_id.client.get("/v1/topology").json()["stages"]}
-    assert stages == {"thinker", "talker", "code2wav"}
+    assert stages == {"encoder", "thinker", "talker", "code2wav"}
 
 
 def test_serve_a_directory_under_a_served_name_with_replicas(checkpoint: Path, tmp_path: Path) -> None:
@@ -108,9 +108,9 @@ def test_print_topology_writes_what_up_runs(hub_env: dict[str, str], tmp_path: P
     done = cli("serve", HUB_ID, "--print-topology", "--dtype", "float32", "--replicas", "code2wav=3", env=hub_env)
     assert done.returncode == 0, done.stderr
     topology = yaml.safe_load(done.stdout)
-    assert [stage["engine"]["part"] for stage in topology["stages"]] == ["thinker", "talker", "code2wav"]
+    assert [stage["engine"]["part"] for stage in topology["stages"]] == ["encoder", "thinker", "talker", "code2wav"]
     assert {stage["engine"]["model"] for stage in topology["stages"]} == {HUB_ID}  # the id, resolved in each stage
-    assert topology["stages"][2]["replicas"] == 3 and topology["stages"][0]["engine"]["dtype"] == "float32"
+    assert topology["stages"][3]["replicas"] == 3 and topology["stages"][0]["engine"]["dtype"] == "float32"
     assert topology["openai"]["model"] == HUB_ID
     (tmp_path / "served.yaml").write_text(done.stdout)
     checked = cli("validate", str(tmp_path / "served.yaml"), env=hub_env)
@@ -125,7 +125,7 @@ def test_a_model_serve_cannot_find_is_one_line_naming_it(hub_env: dict[str, str]
     other = cli("serve", str(tmp_path), "--print-topology")
     assert other.returncode == 2 and "model_type 'llama' has no stage graph here" in other.stderr
     bad = cli("serve", HUB_ID, "--replicas", "vocoder=2", "--print-topology", env=hub_env)
-    assert bad.returncode == 2 and "vocoder" in bad.stderr and "thinker, talker, code2wav" in bad.stderr
+    assert bad.returncode == 2 and "vocoder" in bad.stderr and "encoder, thinker, talker, code2wav" in bad.stderr
 
 
 def test_an_engine_topology_without_openai_section_serves_the_api_named_after_its_model(tmp_path: Path) -> None:
