@@ -245,6 +245,8 @@ class Launcher:
                     import_handler(self.topology, stage)
                 except ValueError as exc:
                     problems.append(str(exc))
+                except Exception as exc:  # the module itself raised on import: one line, not a traceback
+                    problems.append(f"stage {stage.name!r}: handler {stage.handler!r} raised {type(exc).__name__}: {exc}")
         if problems:
             raise ValueError("; ".join(problems) + " (nothing started)")
 

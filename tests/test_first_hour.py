@@ -6,6 +6,8 @@ changes a running stage's replicas."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -18,6 +20,7 @@ import httpx
 import pytest
 from support.meshkit import OMNI_MESH, running_mesh, start_mesh, stopped_after, wait_for, write_topology
 
+from omni_mesh.connectors.shm.meshdir import DEFAULT_DIR, DIR_PREFIX
 from omni_mesh.ports import free_port
 
 #: The variables omni_mesh.logs sets: the test runs without any the environment already has.
@@ -146,3 +149,73 @@ def test_a_stream_past_the_grace_ends_saying_the_server_stops(tmp_path: Path) ->
     assert "server stopping" in log, log[-4000:]
     assert "went away" not in log and " 499 " not in log and "CancelledError" not in log, log[-4000:]
     assert "Traceback" not in log, log[-4000:]
+
+
+#: Handlers that cannot start, as a user's are: a module that raises on import, a class whose warm() raises.
+BROKEN = {
+    "broken_import.py": 'raise RuntimeError("no accelerator here")\n\n\nasync def step(inputs, ctx):\n    return inputs\n',
+    "broken_warm.py": (
+        "class Model:\n    @classmethod\n    def from_stage(cls, options):\n        return cls()\n\n"
+        '    async def warm(self):\n        raise FileNotFoundError("model directory /models/none is missing")\n\n'
+        "    async def __call__(self, inputs, ctx):\n        return inputs\n"
+    ),
+}
+
+
+def up_broken(directory: Path, handler: str, replicas: int, *flags: str) -> subprocess.CompletedProcess[str]:
+    for name, source in BROKEN.items():
+        (directory / name).write_text(source)
+    stages = [{"stage_id": 0, "name": "thinker", "handler": handler, "replicas": replicas}]
+    path = write_topology(directory, {"name": mesh_name(directory), "stages": stages}, handlers=False)
+    return subprocess.run(
+        [str(OMNI_MESH), "up", str(path), "--port", str(free_port()), *flags],
+        cwd=directory, capture_output=True, text=True, timeout=60,
+    )
+
+
+def mesh_name(directory: Path) -> str:
+    return "broken-" + hashlib.sha1(str(directory).encode()).hexdigest()[:12]  # its shm directory's name
+
+
+def left_behind(directory: Path) -> list[str]:
+    """Processes started on the topology in `directory`, and the mesh's shared-memory directory."""
+    processes = []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if proc.name.isdigit() and str(directory).encode() in (proc / "cmdline").read_bytes():
+                processes.append(f"pid {proc.name}")
+    return processes + [str(p) for p in Path(DEFAULT_DIR).glob(f"{DIR_PREFIX}{mesh_name(directory)}-*")]
+
+
+@pytest.mark.parametrize(
+    ("handler", "replicas", "cause"),
+    [
+        ("broken_import:step", 2, "RuntimeError: no accelerator here"),
+        ("broken_warm:Model", 1, "FileNotFoundError: model directory /models/none is missing"),
+    ],
+)
+def test_a_stage_that_cannot_start_is_one_line_per_replica(tmp_path: Path, handler: str, replicas: int, cause: str) -> None:
+    done = up_broken(tmp_path, handler, replicas)
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr + done.stdout, done.stderr
+    failed = [line for line in done.stderr.splitlines() if "failed to start" in line]
+    assert failed, done.stderr
+    assert all(line.endswith(cause) for line in failed), done.stderr
+    # Each names its replica (the launcher stops the others as soon as one exits: some may not get as far).
+    assert {line.split(" ERROR ", 1)[1].split(" failed")[0] for line in failed} <= {
+        f"stage 'thinker' (replica thinker-{i})" for i in range(replicas)
+    }, failed
+    wait_for(lambda: not left_behind(tmp_path), 5.0, "nothing left behind")
+    debug = up_broken(tmp_path, handler, replicas, "--log-level", "debug")
+    assert debug.returncode == 1 and "failed to start" in debug.stderr, debug.stderr
+    assert "Traceback" in debug.stderr and cause in debug.stderr, debug.stderr
+    wait_for(lambda: not left_behind(tmp_path), 5.0, "nothing left behind")
+
+
+def test_a_handler_module_that_raises_when_up_imports_it_is_one_line(tmp_path: Path) -> None:
+    # Its source does not show the name, so `up` imports it to check it, before anything starts.
+    (tmp_path / "hidden.py").write_text('raise RuntimeError("no accelerator here")\nglobals()["step"] = None\n')
+    stages = [{"stage_id": 0, "name": "thinker", "handler": "hidden:step"}]
+    path = write_topology(tmp_path, {"name": "hidden", "stages": stages}, handlers=False)
+    done = subprocess.run([str(OMNI_MESH), "up", str(path), "--port", str(free_port())], capture_output=True, text=True, timeout=60)
+    one_line_error(done, "stage 'thinker': handler 'hidden:step' raised RuntimeError: no accelerator here (nothing started)")

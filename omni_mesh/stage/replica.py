@@ -73,6 +73,7 @@ class StageReplica:
         self.health = ConnectorHealth(self.connectors, self.replica_id, f"{stage.name}-health")
         self.malformed = 0
         self.draining = False
+        self.ready = False  # registered once: a failure before it is a failure to start
         self.last_deadline = 0.0  # loop time: the latest deadline of any request we took part in
         self._drained = asyncio.Event()  # the coordinator says no running request needs us any more
         self._stopped = asyncio.Event()
@@ -109,6 +110,7 @@ class StageReplica:
                 log.info("replica %s of stage %s loading", self.replica_id, self.stage.name)
                 await warm()
             if await self._register():  # False: told to stop before the coordinator answered
+                self.ready = True
                 log.info("replica %s of stage %s ready", self.replica_id, self.stage.name)
             await self._stopped.wait()
         finally:
