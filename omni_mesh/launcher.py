@@ -28,6 +28,7 @@ from omni_mesh.defaults import CONNECTOR_HOST_ENV, HOST_CAP_ENV
 from omni_mesh.defaults import INSTANCE_ENV as INSTANCE_ENV
 from omni_mesh.fdlimit import raise_nofile_limit
 from omni_mesh.launcher_scale import Scaler, host_cap
+from omni_mesh.port_checks import other_port
 from omni_mesh.ports import free_port, taken_since
 from omni_mesh.security import MeshKeys, insecure_requested, keys_from_environment
 from omni_mesh.topology import StageSpec, Topology
@@ -59,12 +60,6 @@ def mesh_environment() -> dict[str, str]:
         return env
     env.update(MeshKeys.generate().to_env())
     return env
-
-
-def other_port() -> str:
-    """How to pick another REST port: `PORT=N` under make (which sets MAKELEVEL: `make run` passes
-    $(PORT) on), else `--port N`."""
-    return "run make with PORT=N" if os.environ.get("MAKELEVEL") else "pass --port N"
 
 
 class Launcher:

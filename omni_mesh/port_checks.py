@@ -3,9 +3,16 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 from omni_mesh.ports import WILDCARDS
+
+
+def other_port() -> str:
+    """How to pick another REST port: `PORT=N` under make (which sets MAKELEVEL: `make run` passes
+    $(PORT) on), else `--port N`."""
+    return "run make with PORT=N" if os.environ.get("MAKELEVEL") else "pass --port N"
 
 
 def check_ports(host: str, port: int, control_port: int | None) -> None:
@@ -18,9 +25,14 @@ def check_ports(host: str, port: int, control_port: int | None) -> None:
             raise ValueError(f"{flag} {number}: not a TCP port (1-65535)")
     if control_port is not None and control_port == port and _overlap(host, "127.0.0.1"):
         raise ValueError(f"--port and --control-port are both {port}: REST and the control plane need a port each")
+    remedies = {"--port": other_port(), "--control-port": "pass --control-port N (or leave it out)"}
     for flag, (address, number) in ports.items():
         if not _bindable(address, number):
-            raise ValueError(f"{flag} {number}: already in use on {address}; stop what holds it, or pick another port")
+            named = "port" if flag == "--port" and os.environ.get("MAKELEVEL") else flag  # make's users set PORT
+            raise ValueError(
+                f"{named} {number}: already in use on {address} ({address}:{number}: another mesh or service may be "
+                f"running there); stop it, or {remedies[flag]}"
+            )
 
 
 def _overlap(host: str, other: str) -> bool:

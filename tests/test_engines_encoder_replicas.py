@@ -40,8 +40,11 @@ def test_two_encoder_replicas_share_the_work(tmp_path: Path) -> None:
         return text_of(mesh.ok({"messages": [{"role": "user", "content": content}]}, params=params, timeout_s=120)["outputs"])
 
     with running_mesh(tmp_path / "mesh", spec, env={"OMNI_MESH_MODEL": str(checkpoint)}) as mesh:
-        encoders = mesh.stages()["encoder"]
-        assert len(encoders) == 2 and {r["health"] for r in encoders} == {"healthy"}
+        def both_encoders() -> list[dict] | None:  # /ready needs one healthy replica a stage, not every one
+            encoders = mesh.stages()["encoder"]
+            return encoders if len(encoders) == 2 and {r["health"] for r in encoders} == {"healthy"} else None
+
+        wait_for(both_encoders, 120, "both encoder replicas registered and healthy")
         alone = [ask(pixels) for pixels in images[:3]]  # three different images, one at a time
         with ThreadPoolExecutor(3) as pool:
             together = list(pool.map(ask, images))  # the same three again, twice each, at once

@@ -47,7 +47,7 @@ def test_up_refuses_a_port_in_use_before_starting_anything(mesh: Mesh, tmp_path:
     result = subprocess.run(
         up_command(path, port), capture_output=True, text=True, timeout=60, cwd=tmp_path, env=outside_make
     )
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 2, result.stderr  # a flag's error, said before anything starts
     assert f"127.0.0.1:{port}" in result.stderr and "pass --port N" in result.stderr, result.stderr
     assert time.monotonic() - started < 15
     assert "ready" not in result.stdout
@@ -61,7 +61,7 @@ def test_under_make_a_port_in_use_says_port_n_not_the_flag(mesh: Mesh, tmp_path:
     port = int(mesh.url.rsplit(":", 1)[1])
     env = {**os.environ, "MAKELEVEL": "1"}
     result = subprocess.run(up_command(path, port), capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 2, result.stderr
     assert f"127.0.0.1:{port}" in result.stderr and "run make with PORT=N" in result.stderr, result.stderr
     assert "--port" not in result.stderr, result.stderr
 

@@ -47,6 +47,7 @@ _CONNECTOR_COUNTERS = {
         "puts", "gets", "errors", "expired", "cleaned", "deleted", "oneoff", "fallbacks", "put_failures",
         "inline_puts", "stale_gets", "unindexed_puts", "cuda_ipc_tensors", "zero_copy_leaves", "pool_grown",
         "pool_released", "local_gets", "device_tensors", "refused_peers", "malformed_requests", "bulk_transfers",
+        "asked_again",
     )},
 }
 _CONNECTOR_GAUGE_UNITS = {
