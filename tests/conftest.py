@@ -77,30 +77,40 @@ def _uses_worker(item: pytest.Item) -> bool:
 
 #: The files that take longest, longest first (a two-worker run on the 2-vCPU VM, 2026-12-03, a cold
 #: Docker cache: 263, 155, 77, 71, 58, 52, 47, 46, 45, 45, 43 s of 1238; re-ranked 2026-12-04 from the
-#: slowest tests of a warm-cache run, the new files of issues 27-30 among them). `make test` hands
+#: slowest tests of a warm-cache run, the new files of issues 27-30 among them; re-ranked 2026-12-06 from the
+#: per-file sums of `--durations=0` with the engine, media, serve and first-hour files). `make test` hands
 #: whole files to two workers in collection order (`--dist loadfile --no-loadscope-reorder`): started
 #: first, they run beside the many short files instead of after them (xdist's own order, most tests
 #: first, left the one-test Docker file to run alone at the end).
 LONGEST_FIRST = (
-    "test_docker_compose.py",
-    "test_bench.py",
-    "test_connector_contract.py",
-    "test_bench_engines.py",
-    "test_scaling.py",
     "test_engines_qwen2_5_omni.py",
+    "test_bench.py",
+    "test_scaling.py",
+    "test_engines_media_mesh.py",
+    "test_docker_compose.py",
+    "test_bench_engines.py",
     "test_compose.py",
-    "test_chaos.py",
-    "test_control_plane_security.py",
     "test_control_reconnect.py",
-    "test_mooncake.py",
-    "test_multihost.py",
-    "test_mesh_e2e.py",
-    "test_shared_memory.py",
-    "test_bounded_answers.py",
+    "test_first_hour.py",
     "test_large_requests.py",
+    "test_shared_memory.py",
+    "test_chaos.py",
+    "test_mesh_e2e.py",
+    "test_connector_contract.py",
+    "test_serve.py",
+    "test_bounded_answers.py",
+    "test_mooncake.py",
+    "test_control_plane_security.py",
+    "test_autoscale_oscillation.py",
     "test_vllm_omni_example.py",
-    "test_launcher_front_door.py",
     "test_mixed_connectors_e2e.py",
+    "test_autoscale_drain.py",
+    "test_rest_front_door.py",
+    "test_engines_qwen3_omni.py",
+    "test_multihost.py",
+    "test_listening_sockets.py",
+    "test_prefill_mesh.py",
+    "test_launcher_front_door.py",
     "test_autoscale_faults.py",
 )
 
