@@ -194,6 +194,8 @@ def test_openai_client_streams_text_and_audio_with_finish_reason(mesh) -> None:
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
+        # a random talker rarely ends: cap its codes, or 600 of them race the 30 s deadline on a busy 2-core host
+        extra_body={"params": {"max_audio_tokens": 100}},
     )
     text, audio, finish, usage = [], 0, None, None
     for chunk in stream:
