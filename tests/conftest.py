@@ -176,3 +176,15 @@ def keys() -> Iterator[object]:
     set_mesh_keys(mesh)
     yield mesh
     reset_mesh_keys()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread for a module's tests (the parts' equality checks: the order of float sums
+    fixed, and no oversubscription beside the other worker), restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

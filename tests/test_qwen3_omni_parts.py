@@ -50,11 +50,8 @@ CASES = {
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test of the module with torch on one thread (conftest.one_torch_thread)."""
 
 
 @pytest.fixture(scope="module")
