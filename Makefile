@@ -29,10 +29,10 @@ RUN_IMPORTS  := torch, numpy, zmq, cryptography, msgpack, yaml, fastapi, fastapi
                 transformers, huggingface_hub, av, PIL, omni_mesh.engines, torchvision
 TEST_IMPORTS := pytest, xdist, hypothesis, openai, mooncake.engine, mooncake.store, yr.datasystem
 # Only the tests use these: libibverbs1 (Mooncake's wheels link it); iproute2 (multi-host tests, ip
-# netns); docker-compose, docker.io and mmdebstrap (the compose files, the engine and the base image of
+# netns); iptables (a test drops a side channel's packets); docker-compose, docker.io and mmdebstrap (the compose files, the engine and the base image of
 # tests/test_docker_compose.py); prometheus and chromium (the observability tests scrape /metrics with a
 # real Prometheus, render /dashboard in headless Chromium); openssl (the TLS tests' certificates).
-TEST_SYSTEM_PACKAGES := libibverbs1 iproute2 docker-compose prometheus chromium openssl docker.io mmdebstrap
+TEST_SYSTEM_PACKAGES := libibverbs1 iproute2 iptables docker-compose prometheus chromium openssl docker.io mmdebstrap
 TEST_EXTRAS := dev,mooncake,yuanrong,engines
 
 .PHONY: install install-test test-system-deps run demo test bench lint clean

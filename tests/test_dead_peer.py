@@ -166,7 +166,7 @@ def _dropped(port: int) -> Iterator[Callable[[], None]]:
     rule = ["OUTPUT", "-p", "tcp", "-d", "127.0.0.1", "--dport", str(port), "-j", "DROP"]
     added = subprocess.run(["iptables", "-w", "-I", *rule], capture_output=True, text=True)
     if added.returncode != 0:
-        pytest.skip(f"needs iptables (root) to drop packets: {added.stderr.strip()[:200]}")
+        pytest.fail(f"needs iptables as root to drop packets (make test installs it): {added.stderr.strip()[:200]}")
     removed = False
 
     def restore() -> None:

@@ -6,16 +6,15 @@ nudge the logits). Changing the image or the audio changes the reply."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
+from support.media_engines import require_media_engines
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-if importlib.util.find_spec("torchvision") is None:  # the Qwen-Omni processors cannot be built without it
-    pytest.skip("torchvision is not installed (make test installs it)", allow_module_level=True)
+require_media_engines()
+
+import torch  # noqa: E402
 
 from omni_mesh.engines.media_inputs import ENCODED_KEY  # noqa: E402
 from omni_mesh.engines.models import open_model  # noqa: E402
