@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -358,6 +360,34 @@ def test_te_killed_producer_fails_within_the_connect_timeout(te_consumer, logs: 
         assert time.monotonic() - started < 5
         assert te_consumer.health()["pool_in_use"] == 0  # nothing was asked, so nothing stays reserved
     finally:
+        producer.close()
+
+
+def test_te_get_from_a_frozen_producer_ends_at_the_request_deadline(logs: Path) -> None:
+    """The stage runtime's get waits for a transfer no longer than its request lives: a producer that
+    stops answering on a live connection (a frozen process, a cut link) costs the consumer a thread and
+    a region until the deadline, not until transfer_timeout_s or the 10 s heartbeat timeout."""
+    producer = Peer(TE, TE_CONFIG, log=logs / "te-frozen.log")
+    consumer = create_connector(TE, {**TE_CONFIG, "transfer_timeout_s": 30.0})
+    try:
+        puts = [
+            producer.ask(op="put", **{"from": "a", "to": "b"}, key=f"frozen/{i}", payload="tensor")
+            for i in range(2)
+        ]
+        consumer.get("a", "b", "frozen/0", puts[0]["metadata"])  # the side channel is connected now
+        os.kill(producer.process.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(ConnectorError, match=r"'frozen/1' on edge a->b.*did not deliver"):
+            consumer.get_with_deadline("a", "b", "frozen/1", puts[1]["metadata"], deadline=started + 1.5)
+        waited = time.monotonic() - started
+        assert waited < 4.0, f"the get outlived its 1.5 s deadline by {waited - 1.5:.1f} s"
+        os.kill(producer.process.pid, signal.SIGCONT)
+        # The producer may still write into the region it was given: it stays reserved until its answer.
+        assert wait_until(lambda: consumer.health()["pool_in_use"] == 0, 15), "the late answer did not free the region"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(producer.process.pid, signal.SIGCONT)
+        consumer.close()
         producer.close()
 
 

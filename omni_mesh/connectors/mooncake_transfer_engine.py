@@ -101,7 +101,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
     def _wait_once(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None, deadline: float
     ) -> tuple[Any, int] | None:
-        return self._node.get(from_stage, to_stage, get_key, metadata, poll=False)
+        return self._node.get(from_stage, to_stage, get_key, metadata, poll=False, deadline=deadline)
 
     def reap_consumed(self) -> None:
         """Expire payloads past ttl_s and end quarantines whose late answer came (the side channel's

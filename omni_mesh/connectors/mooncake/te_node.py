@@ -254,11 +254,12 @@ class TransferEngineNode:
     # ------------------------------------------------------------------ consumer side
 
     def get(
-        self, from_stage: str, to_stage: str, get_key: str, metadata: Any, *, poll: bool
+        self, from_stage: str, to_stage: str, get_key: str, metadata: Any, *, poll: bool, deadline: float | None = None
     ) -> tuple[Any, int] | None:
         where = payload_name(from_stage, to_stage, get_key)
         self._open_pool(f"get of {where}")
-        return self._receiver.get(edge_key(from_stage, to_stage, get_key), where, metadata, poll=poll)
+        key = edge_key(from_stage, to_stage, get_key)
+        return self._receiver.get(key, where, metadata, poll=poll, deadline=deadline)
 
     # ------------------------------------------------------------------ housekeeping and lifecycle
 

@@ -41,6 +41,8 @@ METADATA_KINDS = {
 REQUEST_KINDS = {"session": str, "handle": int, "length": int, "segment": str, "addr": int, "timeout_ms": int}
 
 
+MIN_WAIT_S = 0.05  # a pull asked for at its deadline still gets this long: the producer may be quick
+
 class PullTimedOut(ConnectorError):
     """A pull timed out: its region stays reserved until the late answer or ttl_s."""
 
@@ -94,27 +96,31 @@ def pull(
     request: dict,
     where: str,
     release: Callable[[], None],
+    deadline: float | None = None,
 ) -> None:
     """Send one PULL (`request`: segment, addr and device_addrs of our side) to the producer `meta`
-    names and wait for its answer. ConnectorError on any failure; PullTimedOut when the producer may
-    still write, after handing `release` (what frees the region) to `quarantine`."""
+    names and wait for its answer, never past `deadline` (the request's, time.monotonic()).
+    ConnectorError on any failure; PullTimedOut when the producer may still write, after handing
+    `release` (what frees the region) to `quarantine`."""
     endpoint = meta["endpoint"]
+    # A request past its deadline has been answered already: a thread (and a region of the pool)
+    # waiting on for transfer_timeout_s would serve nobody.
+    left = cfg.transfer_timeout_s if deadline is None else max(MIN_WAIT_S, deadline - time.monotonic())
+    transfer_s, connect_s = min(cfg.transfer_timeout_s, left), min(cfg.connect_timeout_s, left)
     request = {**request, "session": meta["session"], "handle": meta["handle"], "length": meta["length"]}
-    request["timeout_ms"] = int(cfg.transfer_timeout_s * 1000)
+    request["timeout_ms"] = int(transfer_s * 1000)
     parts = [PULL, meta["key"].encode(), msgpack.packb(request)]
     try:
-        reply = dealers.request(
-            endpoint, parts, cfg.transfer_timeout_s, connect_timeout_s=cfg.connect_timeout_s, keep_late=True
-        )
+        reply = dealers.request(endpoint, parts, transfer_s, connect_timeout_s=connect_s, keep_late=True)
     except NotConnected:
         raise ConnectorError(
             f"{owner}: get of {where}: the producer's side channel {endpoint} did not accept a "
-            f"connection within {cfg.connect_timeout_s}s; is the producer process alive and reachable?"
+            f"connection within {round(connect_s, 3)}s; is the producer process alive and reachable?"
         ) from None
     except LateReply as exc:
         late, until = exc, time.monotonic() + cfg.ttl_s  # `exc` is unbound when the block ends
         quarantine.add(lambda: late.arrived() or time.monotonic() >= until, lambda: (late.close(), release()))
-        why = str(exc) if isinstance(exc, PeerLost) else f"within transfer_timeout_s={cfg.transfer_timeout_s}s"
+        why = str(exc) if isinstance(exc, PeerLost) else f"within {round(transfer_s, 3)}s (transfer_timeout_s or the deadline)"
         raise PullTimedOut(
             f"{owner}: get of {where}: the producer at {endpoint} did not deliver {meta['length']} bytes: {why}"
         ) from None

@@ -64,9 +64,12 @@ class Receiver:
         # This instance as its peers know it: where producers write, and whose puts are its own.
         self._segment, self._endpoint, self._session = segment, endpoint, session
 
-    def get(self, key: str, where: str, metadata: Any, *, poll: bool) -> tuple[Any, int] | None:
+    def get(
+        self, key: str, where: str, metadata: Any, *, poll: bool, deadline: float | None = None
+    ) -> tuple[Any, int] | None:
         """The payload under edge `key`, or None when the producer has no such payload (any more) or,
-        by key alone and polling, does not answer within a second."""
+        by key alone and polling, does not answer within a second. A transfer is waited for up to
+        transfer_timeout_s, and never past `deadline` (time.monotonic(): the request's own)."""
         if not te_pull.complete(metadata):
             metadata = self._lookup(metadata, key, where, poll)
             if metadata is None:
@@ -75,7 +78,7 @@ class Receiver:
         try:
             if meta["session"] == self._session:
                 return self._get_local(meta, where)
-            return self._get_remote(meta, where)
+            return self._get_remote(meta, where, deadline)
         except NotThere:
             return None
 
@@ -115,7 +118,7 @@ class Receiver:
             raise ConnectorError(f"{owner}: get of {where}: malformed lookup answer from {endpoint}")
         return {"segment": "", "endpoint": endpoint, "addr": 0, "key": key, **found}
 
-    def _get_remote(self, meta: dict, where: str) -> tuple[Any, int]:
+    def _get_remote(self, meta: dict, where: str, deadline: float | None) -> tuple[Any, int]:
         pool, length = self._pool, meta["length"]
         offset = pool.reserve(length, self._cfg.pool_wait_s, f"get of {where}")
         device: list[torch.Tensor] = []
@@ -132,7 +135,7 @@ class Receiver:
             if device:
                 request["device_addrs"] = [buffer.data_ptr() for buffer in device]
             te_pull.pull(
-                self._owner, self._cfg, self._dealers, self._quarantine, meta, request, where, release
+                self._owner, self._cfg, self._dealers, self._quarantine, meta, request, where, release, deadline
             )
         except te_pull.PullTimedOut:
             self._counters.add("errors")
