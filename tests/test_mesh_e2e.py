@@ -27,6 +27,7 @@ import pytest
 from support.meshkit import Mesh, running_mesh, up_command, wait_for, write_topology
 
 from omni_mesh.ports import free_port
+from omni_mesh.stage.overdue import OVERDUE_S
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "compose" / "omni-demo.yaml"
@@ -235,6 +236,20 @@ class TestChain:
             "stage b's SharedMemoryConnector to reclaim the aborted request's payload",
         )
         assert chain.replica("c")["inflight"] == 0
+        assert chain.ok({"n": 8192})["outputs"] == chain_expected(8192)
+
+    def test_a_request_stuck_past_its_deadline_is_cancelled_again_and_frees_its_slot(self, chain: Mesh) -> None:
+        response = chain.request({"n": 64}, params={"stuck": "c"}, timeout_s=1.0)
+        assert response.status_code == 504, response.text
+        # Cancelled at its deadline, the handler goes on waiting: the replica still works on it, and
+        # says so. OVERDUE_S later the runner cancels it again, and logs where it was stuck.
+        wait_for(
+            lambda: (r := chain.replica("c")) and r["inflight"] == 0 and r["stopping"] == 0,
+            OVERDUE_S + 8,
+            "stage c to let go of the stuck request",
+        )
+        assert "past its deadline; cancelling it again" in chain.log()
+        assert "_misbehave" in chain.log()  # where it waited
         assert chain.ok({"n": 8192})["outputs"] == chain_expected(8192)
 
     @pytest.mark.parametrize(

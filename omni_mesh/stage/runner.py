@@ -28,6 +28,7 @@ from omni_mesh.connectors.errors import ConnectorClosed, ConnectorFull, Connecto
 from omni_mesh.control import Chunk, Error, Message, Output, Work
 from omni_mesh.errors import InvalidInput
 from omni_mesh.stage.context import ChunkStream, StageContext, StageInputError
+from omni_mesh.stage.overdue import cancel_overdue
 from omni_mesh.topology import EdgeSpec
 
 log = logging.getLogger("omni_mesh.stage")
@@ -50,6 +51,10 @@ class _Work:
     transfer_s: float = 0.0
     edges: dict[str, dict[str, float]] = field(default_factory=dict)  # dst -> {bytes, put_s} put so far
     started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def deadline(self) -> float:
+        return self.ctx.deadline
 
 
 def connector_status(exc: ConnectorError) -> int:
@@ -141,10 +146,12 @@ class Runner:
     # ------------------------------------------------------------------ cleaning up
 
     async def sweep_loop(self) -> None:
-        """Clean up aborted requests again: connectors skip payloads a consumer held at the abort."""
+        """Clean up aborted requests again (connectors skip payloads a consumer held at the abort);
+        cancel again what outlived its deadline (`overdue`)."""
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(SWEEP_S)
+            cancel_overdue(self.stage, list(self.work.values()), loop.time())
             if not self.aborted:
                 continue
             rids = list(self.aborted)

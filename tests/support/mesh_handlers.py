@@ -5,7 +5,8 @@ stage then appends its name to `trail` and applies `x -> 2 * x + K[stage]`, an a
 not commute with the others', so the final value tells whether every stage ran, once, in order.
 Request params steer misbehaviour at one stage: `{"fail": name}` raises (`{"error": "TimeoutError"}`
 picks the exception; RuntimeError by default), `{"hang": name}` never
-returns (and takes 0.3 s to unwind when cancelled), `{"sleep": {name: seconds}}` waits first.
+returns (and takes 0.3 s to unwind when cancelled), `{"stuck": name}` never returns and swallows
+two cancellations (a clean-up stuck in a call), `{"sleep": {name: seconds}}` waits first.
 
 Graph stages (`split`, `left`, `right`, `join`, `side`): fan-out, a streaming branch, fan-in.
 Stream stages (`gen`, `relay`): a streaming entry and a streaming final stage that checks order.
@@ -35,6 +36,13 @@ async def _misbehave(ctx: Any) -> None:
             params.get("error", "RuntimeError")
         ]
         raise error(f"injected failure in {ctx.stage}")
+    if params.get("stuck") == ctx.stage:
+        # The deadline and the coordinator's abort each cancel it once: both are swallowed, as a
+        # clean-up stuck in a call would; only a third cancellation ends it.
+        for _ in range(2):
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.Event().wait()
+        await asyncio.Event().wait()
     if params.get("hang") == ctx.stage:
         try:
             await asyncio.Event().wait()  # forever: only the deadline or an abort ends this
