@@ -358,6 +358,20 @@ class TestChain:
 # ================================================================== fan-out, fan-in, several finals
 
 
+def test_a_replica_with_a_wedged_thread_still_exits_when_stopped(tmp_path: Path) -> None:
+    """A thread stuck in a call (a transfer blocked in native code) must not keep a drained replica
+    alive: Python would wait for it at exit, and `up` would have to kill the replica."""
+    with running_mesh(tmp_path, CHAIN, sig=signal.SIGTERM) as mesh:
+        assert mesh.ok({"n": 8}, params={"wedge": "c"})["outputs"] == chain_expected(8)
+        stopping = time.monotonic()
+        mesh.stop(signal.SIGTERM)
+        took = time.monotonic() - stopping
+    log = mesh.log()
+    assert "did not stop within" not in log, log[-3000:]
+    assert "1 thread(s) still stuck" in log and "'wedged'" in log, log[-3000:]
+    assert took < 20, f"the mesh took {took:.1f} s to stop"
+
+
 @pytest.fixture(scope="class")
 def graph(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     with running_mesh(tmp_path_factory.mktemp("graph"), GRAPH, sig=signal.SIGTERM) as mesh:

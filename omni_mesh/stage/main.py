@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import os
 import socket
 import sys
+import threading
+import time
 from typing import Any
 
 from omni_mesh import aio
@@ -15,6 +19,9 @@ from omni_mesh.stage.replica import StageReplica
 from omni_mesh.topology import Topology
 
 log = logging.getLogger("omni_mesh.stage")
+
+#: How long a replica that has drained and closed waits for its threads before it exits anyway.
+EXIT_GRACE_S = 3.0
 
 
 class StartFailed(Exception):
@@ -53,4 +60,22 @@ def main_stage(topology: Topology, stage_name: str, coordinator: str, **options:
         message = " ".join(str(cause).split())
         log.error("%s: %s: %s", exc, type(cause).__name__, message, exc_info=cause if log.isEnabledFor(logging.DEBUG) else None)
         return 1
+    exit_past_stuck_threads()
     return 0
+
+
+def exit_past_stuck_threads() -> None:
+    """Exit now if a thread is still stuck after the replica closed (a transfer blocked in a native
+    call): Python would wait for it at exit, and a drained replica must go. Their stacks are logged."""
+    deadline = time.monotonic() + EXIT_GRACE_S
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    stuck = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if not stuck:
+        return
+    log.warning("exiting with %d thread(s) still stuck %.0f s after the replica closed: %s", len(stuck), EXIT_GRACE_S, stuck)
+    faulthandler.dump_traceback(all_threads=True)
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(0)

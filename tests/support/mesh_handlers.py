@@ -6,7 +6,8 @@ not commute with the others', so the final value tells whether every stage ran, 
 Request params steer misbehaviour at one stage: `{"fail": name}` raises (`{"error": "TimeoutError"}`
 picks the exception; RuntimeError by default), `{"hang": name}` never
 returns (and takes 0.3 s to unwind when cancelled), `{"stuck": name}` never returns and swallows
-two cancellations (a clean-up stuck in a call), `{"sleep": {name: seconds}}` waits first.
+two cancellations (a clean-up stuck in a call), `{"wedge": name}` leaves a thread blocked for
+10 minutes (a native call stuck in a transfer) and answers, `{"sleep": {name: seconds}}` waits first.
 
 Graph stages (`split`, `left`, `right`, `join`, `side`): fan-out, a streaming branch, fan-in.
 Stream stages (`gen`, `relay`): a streaming entry and a streaming final stage that checks order.
@@ -18,6 +19,8 @@ import asyncio
 import contextlib
 import hashlib
 import random
+import threading
+import time
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
@@ -36,6 +39,8 @@ async def _misbehave(ctx: Any) -> None:
             params.get("error", "RuntimeError")
         ]
         raise error(f"injected failure in {ctx.stage}")
+    if params.get("wedge") == ctx.stage:
+        threading.Thread(target=time.sleep, args=(600,), name="wedged").start()
     if params.get("stuck") == ctx.stage:
         # The deadline and the coordinator's abort each cancel it once: both are swallowed, as a
         # clean-up stuck in a call would; only a third cancellation ends it.
