@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from omni_mesh.defaults import CONNECTOR_HOST_ENV, HOST_CAP_ENV
 from omni_mesh.defaults import INSTANCE_ENV as INSTANCE_ENV
 from omni_mesh.fdlimit import raise_nofile_limit
 from omni_mesh.launcher_scale import Scaler, host_cap
-from omni_mesh.port_checks import other_port
+from omni_mesh.port_checks import check_ports, other_port
 from omni_mesh.ports import free_port, taken_since
 from omni_mesh.security import MeshKeys, insecure_requested, keys_from_environment
 from omni_mesh.topology import StageSpec, Topology
@@ -203,21 +202,13 @@ class Launcher:
             child.argv = [self.control if arg == old else arg for arg in child.argv]
 
     def check_port(self) -> None:
-        """Refuse, before starting anything, a REST port (or a chosen control port) another process
-        already listens on."""
-        ports = [(self.host, self.port, other_port())]
-        if self.control_port_chosen:
-            ports.append(("127.0.0.1", int(self.control.rsplit(":", 1)[1]), "pass --control-port N (or leave it out)"))
-        for host, port, remedy in ports:
-            try:
-                with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn and ZeroMQ bind
-                    probe.bind((host, port))
-            except OSError as exc:
-                raise RuntimeError(
-                    f"cannot serve on {host}:{port}: {exc.strerror or exc} (another mesh or service "
-                    f"may be running there); stop it, or {remedy}"
-                ) from None
+        """Refuse, before starting anything, a REST port (or a chosen control port) that cannot be used:
+        the CLI's own check, again for callers that build a Launcher themselves."""
+        control = int(self.control.rsplit(":", 1)[1]) if self.control_port_chosen else None
+        try:
+            check_ports(self.host, self.port, control)
+        except ValueError as exc:
+            raise RuntimeError(str(exc)) from None
 
     def warn_wide_open(self) -> None:
         """Say so when a connector's library listens beyond loopback: `up` cannot keep it on it."""
