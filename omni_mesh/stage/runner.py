@@ -27,6 +27,7 @@ from omni_mesh.connectors import ConnectorError, OmniConnectorBase
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorFull, ConnectorUnavailable, PayloadMissing
 from omni_mesh.control import Chunk, Error, Message, Output, Work
 from omni_mesh.errors import InvalidInput
+from omni_mesh.handlers import Handler, HandlerHooks
 from omni_mesh.stage.context import ChunkStream, StageContext, StageInputError
 from omni_mesh.topology import EdgeSpec
 
@@ -68,7 +69,8 @@ class Runner:
         self,
         stage: str,
         replica_id: str,
-        handler: Callable[..., Any],
+        handler: Handler,
+        hooks: HandlerHooks,
         connectors: dict[str, OmniConnectorBase],
         *,
         in_edges: dict[str, EdgeSpec],
@@ -81,6 +83,7 @@ class Runner:
         self.stage = stage
         self.replica_id = replica_id
         self.handler = handler
+        self.hooks = hooks  # found and checked at load (omni_mesh.handlers.hooks_of)
         self.connectors = connectors  # by connector ref
         self.in_edges, self.out_edges = in_edges, out_edges  # by the other stage's name
         self.is_final = is_final
@@ -315,11 +318,8 @@ class Runner:
         extra: list[Any] = []
         if self.is_final and not end:
             # A handler may keep what only its downstream stages need out of the client's answer
-            # (an engine's hidden states): `client_output(data)`.
-            to_client = getattr(self.handler, "client_output", None)
-            frame = await loop.run_in_executor(
-                self.executor, codec.encode, data if to_client is None else to_client(data)
-            )
+            # (an engine's hidden states): its `client_output` hook.
+            frame = await loop.run_in_executor(self.executor, codec.encode, self.hooks.client_output(data))
             if len(frame) > control.MAX_FRAME_BYTES:  # the coordinator would drop our connection for it
                 raise RuntimeError(
                     f"final output of {len(frame)} bytes exceeds the control plane's limit of "
