@@ -19,6 +19,7 @@ from omni_mesh.control import (
     Deregister,
     Drained,
     Error,
+    FailureKind,
     Heartbeat,
     Holding,
     Reconcile,
@@ -206,7 +207,7 @@ class StageReplica:
                 log.warning("replica %s dropped a control message: %s", self.replica_id, exc)
                 if exc.rid is not None:  # say so, or that request would wait for its deadline
                     await self.link.send(
-                        Error(exc.rid, self.stage.name, self.replica_id, str(exc), status=400)
+                        Error(exc.rid, self.stage.name, self.replica_id, str(exc), FailureKind.UNREADABLE_WORK)
                     )
                 continue
             if isinstance(message, Registered):

@@ -25,7 +25,7 @@ import msgpack
 from omni_mesh import codec, control, ingress, logs
 from omni_mesh.connectors import ConnectorError, OmniConnectorBase
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorFull, ConnectorUnavailable, PayloadMissing
-from omni_mesh.control import Chunk, Error, Message, Output, Work
+from omni_mesh.control import Chunk, Error, FailureKind, Message, Output, Work
 from omni_mesh.errors import InvalidInput
 from omni_mesh.handlers import Handler, HandlerHooks
 from omni_mesh.stage.context import ChunkStream, StageContext, StageInputError
@@ -53,13 +53,15 @@ class _Work:
     started: float = field(default_factory=time.perf_counter)
 
 
-def connector_status(exc: ConnectorError) -> int:
-    """What a request failed by a connector is answered: 503 when it had no room (the same request may
-    pass later), 502 when the data plane failed (a payload gone or cut short, a peer unreachable, the
-    connector closed), 500 when it refused what the handler gave it (an output it cannot carry)."""
+def connector_failure(exc: ConnectorError) -> FailureKind:
+    """How a connector failed a request: it had no room (the same request may pass later), the data
+    plane failed (a payload gone or cut short, a peer unreachable, the connector closed), or it refused
+    what the handler gave it (an output it cannot carry)."""
     if isinstance(exc, ConnectorFull):
-        return 503
-    return 502 if isinstance(exc, (PayloadMissing, ConnectorUnavailable, ConnectorClosed)) else 500
+        return FailureKind.CONNECTOR_FULL
+    if isinstance(exc, (PayloadMissing, ConnectorUnavailable, ConnectorClosed)):
+        return FailureKind.CONNECTOR_FAILED
+    return FailureKind.CONNECTOR_REFUSED
 
 
 class Runner:
@@ -206,17 +208,17 @@ class Runner:
             pass  # aborted by the coordinator, which already answered the client
         except Exception as exc:
             if isinstance(exc, TimeoutError) and deadline.expired():  # not a handler's own timeout
-                await self._fail(work, f"deadline exceeded in stage {self.stage!r}", timeout=True)
-            elif isinstance(exc, InvalidInput):  # the request is at fault, not the stage: 422
+                await self._fail(work, f"deadline exceeded in stage {self.stage!r}", FailureKind.DEADLINE)
+            elif isinstance(exc, InvalidInput):  # the request is at fault, not the stage
                 log.info("stage %s refused request %s: %s", self.stage, work.rid, exc)
-                await self._fail(work, str(exc), status=422)
+                await self._fail(work, str(exc), FailureKind.INVALID_INPUT)
             elif isinstance(exc, (ConnectorError, StageInputError)):  # it names the edge: no type to add
                 log.warning("stage %s failed request %s: %s", self.stage, work.rid, exc)
-                status = exc.status if isinstance(exc, StageInputError) else connector_status(exc)
-                await self._fail(work, str(exc), status=status)
+                kind = exc.kind if isinstance(exc, StageInputError) else connector_failure(exc)
+                await self._fail(work, str(exc), kind)
             else:
                 log.exception("stage %s failed request %s", self.stage, work.rid)
-                await self._fail(work, f"{type(exc).__name__}: {exc}")
+                await self._fail(work, f"{type(exc).__name__}: {exc}", FailureKind.HANDLER_FAILED)
         finally:
             self.work.pop(work.rid, None)
             if not finished:  # it ended unfinished: the coordinator may count it busy here
@@ -227,12 +229,12 @@ class Runner:
         if self._released is not None:
             asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._released()))
 
-    async def _fail(self, work: _Work, error: str, *, timeout: bool = False, status: int = 500) -> None:
+    async def _fail(self, work: _Work, error: str, kind: FailureKind) -> None:
         self.errors += 1
         if len(error) > MAX_ERROR_CHARS:
             error = f"{error[:MAX_ERROR_CHARS]}... ({len(error) - MAX_ERROR_CHARS} more characters)"
         await self._cleanup(work.rid)
-        message: Message = Error(work.rid, self.stage, self.replica_id, error, timeout=timeout, status=status)
+        message: Message = Error(work.rid, self.stage, self.replica_id, error, kind)
         await self._send(message)
 
     async def _inputs(self, work: _Work, message: Work) -> Any:
@@ -295,7 +297,7 @@ class Runner:
         except ConnectorError as exc:  # it names stage names and key; add the edge as the graph has it
             raise StageInputError(
                 f"stage {self.stage!r}: payload {key!r} on edge {edge.label} ({edge.connector.name}): {exc}",
-                503 if isinstance(exc, ConnectorFull) else 502,
+                FailureKind.CONNECTOR_FULL if isinstance(exc, ConnectorFull) else FailureKind.CONNECTOR_FAILED,
             ) from None
         finally:
             work.transfer_s += time.perf_counter() - started
