@@ -9,6 +9,9 @@ A handler declares hooks by subclassing `HandlerHooks` (the engines do), or simp
 the same names and signatures (plain classes users already have keep working): `hooks_of` checks them at
 load and fails the replica's start with an error naming the stage and the hook.
 
+A handler says the request, not the stage, is at fault by raising `omni_mesh.errors.InvalidInput` (422);
+any other exception fails the request as the stage's (500).
+
 Torch-free, imports nothing of the runtime: `stage/`, `engines/` and `topology/` all import it.
 """
 
