@@ -74,6 +74,20 @@ async def test_a_plain_class_defining_each_hook_by_name_has_them_called() -> Non
     assert hooks.client_output({"x": 1}) == {"client": {"x": 1}} and hooks.counters() == {"calls_total": 3}
 
 
+def test_hooks_written_as_static_methods_or_with_optional_arguments_are_taken() -> None:
+    class Static:
+        @staticmethod
+        def client_output(chunk: dict) -> dict:  # as the engines' thinker had it
+            return {key: value for key, value in chunk.items() if key != "talker"}
+
+        def counters(self, *, prefix: str = "static_") -> dict[str, int]:
+            return {f"{prefix}total": 1}
+
+    hooks = hooks_of(Static(), "stage 'a'")
+    assert hooks.client_output({"text": "hi", "talker": 1}) == {"text": "hi"}
+    assert hooks.counters() == {"static_total": 1}
+
+
 async def test_a_subclass_of_the_hooks_base_is_its_own_hooks_with_the_defaults_it_does_not_override() -> None:
     handler = Declared()
     hooks = hooks_of(handler, "stage 'a'")
