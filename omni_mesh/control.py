@@ -6,7 +6,8 @@ message that carries a payload inline (a final stage's output) adds one more Zer
 codec frame. Stage replicas talk to the coordinator over one DEALER socket each; the coordinator binds
 a ROUTER. Payloads between stages never travel here: only the connector metadata that locates them.
 
-`unpack` checks every field's type (a bool is not an int) and rejects unknown types, missing fields
+`unpack` checks every field's type (a bool is not an int, an enum's value one of its members) and rejects
+unknown types, missing fields
 and oversized messages (registers and heartbeats, kept while their replica lives, have a lower limit)
 with `MalformedMessage`, naming the request (`rid`) whenever it can be read, so
 the receiver fails that request at once; fields it does not know are ignored, so a newer peer can add
@@ -17,6 +18,7 @@ the request with that error instead of sending it.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import types
 import typing
 from dataclasses import dataclass, field
@@ -126,17 +128,31 @@ class Output(Message):
     timings: dict = field(default_factory=dict)
 
 
+class FailureKind(str, enum.Enum):
+    """Why a stage failed a request (`Error.kind`). The stage says what happened; what a client is
+    answered for it is the coordinator's to say, in one place (coordinator/failures.py)."""
+
+    HANDLER_FAILED = "handler_failed"  # the handler raised
+    INVALID_INPUT = "invalid_input"  # the handler refused the request's inputs or params (InvalidInput)
+    DEADLINE = "deadline"  # the request's deadline passed in the stage
+    UNREADABLE_WORK = "unreadable_work"  # the stage could not read the work it was sent
+    CONNECTOR_FULL = "connector_full"  # a connector had no room (ConnectorFull): the request may pass later
+    #: the data plane failed: a payload gone or cut short, a peer unreachable, a connector closed
+    CONNECTOR_FAILED = "connector_failed"
+    CONNECTOR_REFUSED = "connector_refused"  # a connector refused what the handler gave it (cannot carry it)
+
+
 @dataclass(slots=True)
 class Error(Message):
+    """A stage failed request `rid`: `kind` says how, `error` says what (naming edge and key where a
+    connector failed)."""
+
     TYPE: ClassVar[str] = "error"
     rid: str
     stage: str
     replica: str
     error: str
-    timeout: bool = False  # the request's deadline passed in the stage
-    status: int = 500  # 500: the handler failed; 422: it refused the request's inputs (InvalidInput);
-    # 400: the stage could not read the work it was sent; 503: a connector's memory was full (ConnectorFull);
-    # 502: a connector failed to bring an input (or to carry an output): the message names the edge
+    kind: FailureKind  # required: a stage always says why (an older peer's `status` is not guessed at)
 
 
 @dataclass(slots=True)
@@ -256,19 +272,26 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 }
 
 
-def _field_table(cls: type[Message]) -> tuple[tuple[str, tuple[type, ...] | None, bool], ...]:
-    """(name, accepted types or None for any, required) per field, from the class's annotations."""
+#: What a field accepts: its types, an enum (the wire carries a member's value), or None for anything.
+_Accepts = tuple[type, ...] | type[enum.Enum] | None
+
+
+def _field_table(cls: type[Message]) -> tuple[tuple[str, _Accepts, bool], ...]:
+    """(name, what it accepts, required) per field, from the class's annotations."""
     hints = typing.get_type_hints(cls)
-    table = []
+    table: list[tuple[str, _Accepts, bool]] = []
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
-        if hint is Any:
+        accepted: _Accepts
+        if isinstance(hint, type) and issubclass(hint, enum.Enum):
+            accepted = hint
+        elif hint is Any:
             accepted = None
         elif isinstance(hint, types.UnionType) or typing.get_origin(hint) is Union:
             accepted = tuple(typing.get_origin(a) or a for a in typing.get_args(hint))
         else:
             accepted = (typing.get_origin(hint) or hint,)
-        if accepted is not None and float in accepted:
+        if isinstance(accepted, tuple) and float in accepted:
             accepted = (*accepted, int)  # msgpack may send a whole number of seconds as an int
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         table.append((f.name, accepted, required))
@@ -332,10 +355,20 @@ def unpack(raw: bytes | memoryview) -> Message:
                 raise MalformedMessage(f"{kind} message: field {name!r} missing", rid)
             continue
         value = data[name]
-        if accepted is not None and (
+        if isinstance(accepted, type):  # an enum: a member's value, or the message is refused
+            value = _member(accepted, value, f"{kind} message: field {name!r}", rid)
+        elif accepted is not None and (
             not isinstance(value, accepted) or (isinstance(value, bool) and bool not in accepted)
         ):
             expected = " or ".join(t.__name__ for t in accepted)
             raise MalformedMessage(f"{kind} message: field {name!r} is not {expected}", rid)
         values[name] = value
     return cls(**values)
+
+
+def _member(kinds: type[enum.Enum], value: Any, where: str, rid: str | None) -> enum.Enum:
+    try:
+        return kinds(value)
+    except (ValueError, TypeError):
+        known = ", ".join(str(member.value) for member in kinds)
+        raise MalformedMessage(f"{where} is {repr(value)[:40]}, not one of {known}", rid) from None

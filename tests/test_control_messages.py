@@ -29,7 +29,7 @@ def test_pack_refuses_a_message_over_the_limit_naming_type_and_request() -> None
     "message",
     [
         Output("rid-1", "thinker", "thinker-0", {"talker": {"key": "k", "meta": {"h": bytes(BIG)}}}, 0, True),
-        Error("rid-1", "thinker", "thinker-0", "x" * BIG),
+        Error("rid-1", "thinker", "thinker-0", "x" * BIG, control.FailureKind.HANDLER_FAILED),
     ],
     ids=["output", "error"],
 )
@@ -129,3 +129,38 @@ def test_a_stream_takes_its_chunks_in_order_and_each_once() -> None:
         return [seq async for seq in stream]
 
     assert asyncio.run(read()) == [0, 1, 2]
+
+
+def test_a_failure_kind_travels_as_its_name_and_comes_back_as_the_kind() -> None:
+    for kind in control.FailureKind:
+        message = Error("rid-1", "talker", "talker-0", "why", kind)
+        assert msgpack.unpackb(control.pack(message))["kind"] == kind.value
+        assert control.unpack(control.pack(message)) == message
+
+
+#: An error message on the wire, but for its kind.
+ERROR_BODY = {"type": "error", "rid": "rid-1", "stage": "talker", "replica": "talker-0", "error": "why"}
+
+
+@pytest.mark.parametrize(
+    ("kind", "shown"),
+    [("on_fire", "'on_fire'"), (503, "503"), (None, "None"), (["deadline"], "['deadline']")],
+    ids=["unknown name", "an HTTP status", "null", "a list"],
+)
+def test_an_error_with_an_unknown_failure_kind_is_refused_naming_the_field_and_the_kinds(
+    kind: object, shown: str
+) -> None:
+    body = {**ERROR_BODY, "kind": kind}
+    with pytest.raises(control.MalformedMessage) as refused:
+        control.unpack(msgpack.packb(body, use_bin_type=True))
+    assert refused.value.rid == "rid-1"  # the receiver fails that request at once
+    known = ", ".join(k.value for k in control.FailureKind)
+    assert str(refused.value) == f"error message: field 'kind' is {shown}, not one of {known}"
+
+
+def test_an_error_that_says_no_kind_is_refused() -> None:
+    """An older stage's error (an HTTP `status`, no kind) is not guessed at."""
+    body = {**ERROR_BODY, "status": 503}
+    with pytest.raises(control.MalformedMessage, match="error message: field 'kind' missing") as refused:
+        control.unpack(msgpack.packb(body, use_bin_type=True))
+    assert refused.value.rid == "rid-1"

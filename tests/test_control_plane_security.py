@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -205,7 +205,8 @@ def test_outputs_only_count_from_the_replica_that_was_sent_the_request(mesh: Mes
                 base = {"type": "output", "rid": rid, "edges": {}, "seq": 0, "last": True, "final": True}
                 rogue.send({**base, "stage": "d", "replica": "d-0"}, forged_frame)  # another's name
                 rogue.send({**base, "stage": "d", "replica": "rogue"}, forged_frame)  # a stage it is not
-                rogue.send({"type": "error", "rid": rid, "stage": "a", "replica": "a-0", "error": "forged"})
+                forged = {"error": "forged", "kind": "handler_failed"}
+                rogue.send({"type": "error", "rid": rid, "stage": "a", "replica": "a-0", **forged})
             time.sleep(0.3)
             rogue.send({"type": "deregister", "replica": "rogue"})  # its requests are retried on a-0
             for future in futures:
@@ -306,6 +307,51 @@ def test_an_oversized_output_fails_its_request_at_once_naming_the_stage(mesh: Me
         rogue.close()
     wait_for(lambda: "bloated" not in replica_ids(mesh)["a"], 5, "the rogue replica to leave")
     requests_succeed(mesh)
+
+
+@pytest.mark.parametrize(
+    ("kind", "status", "says"),
+    [
+        ("on_fire", 502, "field 'kind' is 'on_fire', not one of handler_failed"),
+        ("connector_full", 503, "stage 'a' failed: no room for 4 MiB"),
+        ("invalid_input", 422, "stage 'a': no room for 4 MiB"),
+    ],
+    ids=["unknown kind", "connector full", "invalid input"],
+)
+def test_a_stage_says_how_it_failed_and_the_coordinator_answers_for_it(
+    mesh: Mesh, keys: MeshKeys, kind: str, status: int, says: str
+) -> None:
+    """A replica fails its request with a failure kind, never an HTTP status: the coordinator answers
+    the status for it (503 with Retry-After for a full connector), and an error of a kind it does not
+    know fails the request at once (502 naming the field and the kinds), not at its deadline."""
+    endpoint, _ = control_endpoint(mesh)
+    rogue = Peer(endpoint, keys)
+    try:
+        rogue.send(register_message(mesh, "a", "failing"))
+        assert rogue.receive(5)["type"] == "registered"
+        # One of the two goes to the new replica (the least loaded): a-0 takes its time with the other.
+        slow = {"sleep": {"a": 1.0}}
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(mesh.request, {"n": N}, params=slow, timeout_s=30) for _ in range(2)]
+            work = None
+            while work is None or work["type"] != "work":
+                work = rogue.receive(5)
+                assert work is not None, "the new replica got no work"
+            sent = time.monotonic()
+            rogue.send({"type": "error", "rid": work["rid"], "stage": "a", "replica": "failing",
+                        "error": "no room for 4 MiB", "kind": kind})
+            answered = {}  # response -> seconds after the error
+            for future in as_completed(futures):
+                answered[future.result()] = time.monotonic() - sent
+        failed = next(r for r in answered if r.headers["x-request-id"] == work["rid"])
+        assert answered[failed] < 2.5, f"the request ended {answered[failed]:.1f} s after the error"
+        assert failed.status_code == status and says in failed.json()["error"], failed.text
+        assert failed.headers.get("retry-after") == ("1" if status == 503 else None), failed.headers
+        _check(next(r for r in answered if r is not failed).json())
+    finally:
+        rogue.send({"type": "deregister", "replica": "failing"})
+        rogue.close()
+    wait_for(lambda: "failing" not in replica_ids(mesh)["a"], 5, "the failing replica to leave")
 
 
 def test_a_silent_replica_with_a_greedy_prefix_reaps_nothing(mesh: Mesh, keys: MeshKeys) -> None:

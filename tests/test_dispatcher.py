@@ -23,6 +23,7 @@ from omni_mesh.control import (
     Deregister,
     Drained,
     Error,
+    FailureKind,
     Heartbeat,
     Message,
     Output,
@@ -248,7 +249,7 @@ async def test_a_stage_error_fails_the_request_and_frees_the_slot() -> None:
     replica = mesh.add("a", "a-0")
     state = mesh.dispatcher.submit({}, {}, 10.0, False)
     work = mesh.work_for("a-0")
-    mesh.dispatcher.on_error(replica, Error(work.rid, "a", "a-0", "ValueError: boom"))
+    mesh.dispatcher.on_error(replica, Error(work.rid, "a", "a-0", "ValueError: boom", FailureKind.HANDLER_FAILED))
     with pytest.raises(RequestFailed) as failed:
         await state.future
     assert failed.value.status == 500 and "boom" in failed.value.message and not replica.inflight
@@ -351,9 +352,9 @@ async def test_a_queued_request_past_its_deadline_leaves_the_queue_naming_where_
 @pytest.mark.parametrize(
     ("error", "status", "says"),
     [
-        (Error("", "a", "a-0", "too slow", timeout=True), 504, "deadline exceeded while at stage 'a'"),
-        (Error("", "a", "a-0", "prompt is empty", status=422), 422, "stage 'a': prompt is empty"),
-        (Error("", "a", "a-0", "bad frame", status=400), 502, "could not read its work"),
+        (Error("", "a", "a-0", "too slow", FailureKind.DEADLINE), 504, "deadline exceeded while at stage 'a'"),
+        (Error("", "a", "a-0", "prompt is empty", FailureKind.INVALID_INPUT), 422, "stage 'a': prompt is empty"),
+        (Error("", "a", "a-0", "bad frame", FailureKind.UNREADABLE_WORK), 502, "could not read its work"),
     ],
 )
 async def test_a_stage_error_maps_to_the_status_the_client_sees(error: Error, status: int, says: str) -> None:
@@ -487,7 +488,7 @@ async def test_outputs_count_only_from_the_replica_that_was_sent_the_request() -
 async def test_messages_from_an_unknown_replica_ask_it_to_register_or_release() -> None:
     wire = Wire(chain("a"))
     wire.receive(b"ghost", Heartbeat("a-9", 0))
-    wire.receive(b"ghost", Error("rid", "a", "a-9", "late"))
+    wire.receive(b"ghost", Error("rid", "a", "a-9", "late", FailureKind.HANDLER_FAILED))
     reregister, release = wire.replies(b"ghost")
     assert isinstance(reregister, Rejected) and reregister.reregister
     assert isinstance(release, Abort) and release.rid == "rid"

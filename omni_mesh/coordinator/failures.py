@@ -1,9 +1,10 @@
 """Why a request failed, and the one mapping from that failure to what a client is answered.
 
 A request fails with RequestFailed: its `status` is the mesh's (the REST API answers it as it is), and
-`openai_body` turns it into OpenAI's error object and status for the OpenAI routes. A stage's Error
-message becomes a RequestFailed in `stage_failure`. A new kind of failure gets its status there (or
-where it is raised) and, if OpenAI names it differently, one row in `_OPENAI`.
+`openai_body` turns it into OpenAI's error object and status for the OpenAI routes. A stage says how it
+failed a request (its Error message's `kind`, never an HTTP status); `STAGE_FAILURES` is the one place a
+kind becomes a status, and `stage_failure` the RequestFailed. A new kind gets its row there and, if
+OpenAI names its status differently, one row in `_OPENAI`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_mesh.connectors.errors import ConnectorFull
-from omni_mesh.control import Error
+from omni_mesh.control import Error, FailureKind
 
 #: Retry-After (seconds) of a 503 for full memory: payloads of requests under way go once they end.
 FULL_RETRY_AFTER_S = 1
@@ -43,21 +44,31 @@ class RequestFailed(Exception):
         self.headers = headers
 
 
+#: What a client is answered when a stage fails its request: (status, message) by the failure's kind;
+#: the message may name the stage, the replica and the stage's own `error`.
+STAGE_FAILURES: dict[FailureKind, tuple[int, str]] = {
+    # The stage's own deadline fired before the coordinator's monitor noticed: the same 504.
+    FailureKind.DEADLINE: (504, "deadline exceeded while at stage {stage!r} (replica {replica!r})"),
+    # The handler says the request's inputs or params are wrong: the client's to fix.
+    FailureKind.INVALID_INPUT: (422, "stage {stage!r}: {error}"),
+    # The replica could not read the work it was sent: the mesh's fault, not the stage's.
+    FailureKind.UNREADABLE_WORK: (502, "stage {stage!r} could not read its work: {error}"),
+    # A connector's memory is full: the same request may pass later (Retry-After).
+    FailureKind.CONNECTOR_FULL: (503, "stage {stage!r} failed: {error}"),
+    # A connector failed on an edge (named in the error): the data plane's fault.
+    FailureKind.CONNECTOR_FAILED: (502, "stage {stage!r} failed: {error}"),
+    FailureKind.CONNECTOR_REFUSED: (500, "stage {stage!r} failed: {error}"),
+    FailureKind.HANDLER_FAILED: (500, "stage {stage!r} failed: {error}"),
+}
+
+
 def stage_failure(replica_id: str, message: Error) -> RequestFailed:
     """The failure a stage's Error message means for its request."""
-    stage = message.stage
-    if message.timeout:
-        # The stage's own deadline fired before the coordinator's monitor noticed: the same 504.
-        return RequestFailed(504, f"deadline exceeded while at stage {stage!r} (replica {replica_id!r})", stage)
-    if message.status == 400:  # the replica could not read the work it was sent: the mesh's fault
-        return RequestFailed(502, f"stage {stage!r} could not read its work: {message.error}", stage)
-    if message.status == 422:  # the handler says the request's inputs or params are wrong
-        return RequestFailed(422, f"stage {stage!r}: {message.error}", stage)
-    if message.status == 503:  # a connector's memory is full: the same request may pass later
-        return memory_full(f"stage {stage!r} failed: {message.error}", stage)
-    if message.status == 502:  # a connector failed on an edge (named in the error): the data plane's fault
-        return RequestFailed(502, f"stage {stage!r} failed: {message.error}", stage)
-    return RequestFailed(500, f"stage {stage!r} failed: {message.error}", stage)
+    status, template = STAGE_FAILURES[message.kind]
+    text = template.format(stage=message.stage, replica=replica_id, error=message.error)
+    if status == 503:
+        return memory_full(text, message.stage)
+    return RequestFailed(status, text, message.stage)
 
 
 def memory_full(message: str, stage: str | None) -> RequestFailed:

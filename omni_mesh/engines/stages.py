@@ -35,12 +35,13 @@ from omni_mesh.engines.models import ModelParts, open_model
 from omni_mesh.engines.settings import EngineSpec, Sampling, parse_engine, within_model_len
 from omni_mesh.engines.stops import StopText, StopWatch
 from omni_mesh.engines.text import Detokenizer
+from omni_mesh.handlers import HandlerContext, HandlerHooks
 
 log = logging.getLogger("omni_mesh.engines")
 
 
-class EngineStage:
-    """What the three stages share: settings, the model thread, loading in warm()."""
+class EngineStage(HandlerHooks):
+    """What the stages share: settings, the model thread, loading in warm(), the encoder cache's counters()."""
 
     def __init__(self, spec: EngineSpec, stage: str = "", *, fed_by_encoder: bool = False) -> None:
         self.spec = spec
@@ -68,7 +69,7 @@ class EngineStage:
             self.stage, self.spec.part, self.model.directory, self.model.arch, time.perf_counter() - started,
         )
 
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> dict[str, int | float]:
         """The encoder cache's hits, misses and items, where this stage encodes media (an encoder, or a
         thinker with its towers); sent with every heartbeat (omni_mesh.stage.counters)."""
         cache = getattr(self.model, "towers_cache", None)
@@ -88,7 +89,7 @@ class EncoderStage(EngineStage):
     """A request's messages and media -> the processor's expanded ids and the towers' embeddings
     (`{"encoded": Encoded}`, omni_mesh.engines.encoder) for the thinker."""
 
-    async def __call__(self, inputs: Any, ctx: Any) -> dict:
+    async def __call__(self, inputs: Any, ctx: HandlerContext) -> dict:
         towers = self._loaded()
         assert self.model is not None
         loop = asyncio.get_running_loop()
@@ -99,10 +100,10 @@ class EncoderStage(EngineStage):
 class ThinkerStage(EngineStage):
     """Prompt -> reply text, streamed token by token, and the talker's inputs at the end."""
 
-    async def __call__(self, inputs: Any, ctx: Any) -> AsyncIterator[dict]:
+    async def __call__(self, inputs: Any, ctx: HandlerContext) -> AsyncIterator[dict]:
         thinker = self._loaded()
         assert self.model is not None
-        sampling = Sampling.of(self.spec, getattr(ctx, "params", None))
+        sampling = Sampling.of(self.spec, ctx.params)
         loop = asyncio.get_running_loop()
         # media: the processor and towers (no encoder stage), or the embeddings laid out: model-thread work
         ids, media = await loop.run_in_executor(self.executor, self.model.prompt, thinker, inputs)
@@ -138,19 +139,18 @@ class ThinkerStage(EngineStage):
             "finish_reason": "stop" if stopped or len(reply) < sampling.max_tokens else "length",
         }
 
-    @staticmethod
-    def client_output(chunk: dict) -> dict:
+    def client_output(self, output: Any) -> Any:
         """What a client reads of the thinker when it is a final stage too: not the talker's inputs."""
-        return {key: value for key, value in chunk.items() if key != "talker"}
+        return {key: value for key, value in output.items() if key != "talker"}
 
 
 class TalkerStage(EngineStage):
     """The thinker's stream -> its text passed on, then codec codes in chunks as they are made."""
 
-    async def __call__(self, inputs: Any, ctx: Any) -> AsyncIterator[dict]:
+    async def __call__(self, inputs: Any, ctx: HandlerContext) -> AsyncIterator[dict]:
         talker = self._loaded()
         assert self.model is not None
-        sampling = Sampling.of(self.spec, getattr(ctx, "params", None))
+        sampling = Sampling.of(self.spec, ctx.params)
         thinker_output, tail = None, {}
         async for chunk in _chunks(inputs, "talker"):
             if chunk.get("text"):
@@ -193,13 +193,13 @@ class Code2WavStage(EngineStage):
     """Codec codes -> 24 kHz audio: streamed chunk by chunk to a streaming client, else decoded whole
     (the one-shot decode the reference makes, seeded as it is)."""
 
-    def __call__(self, inputs: Any, ctx: Any) -> Any:
+    def __call__(self, inputs: Any, ctx: HandlerContext) -> Any:
         return self._stream(inputs, ctx) if _client_streams(ctx) else self._whole(inputs, ctx)
 
-    async def _whole(self, inputs: Any, ctx: Any) -> dict:
+    async def _whole(self, inputs: Any, ctx: HandlerContext) -> dict:
         decoder = self._loaded()
         assert self.model is not None
-        sampling = Sampling.of(self.spec, getattr(ctx, "params", None))
+        sampling = Sampling.of(self.spec, ctx.params)
         text, codes, tail = [], [], {}
         async for chunk in _chunks(inputs, "code2wav"):
             text.append(chunk.get("text") or "")
@@ -222,10 +222,10 @@ class Code2WavStage(EngineStage):
             "finish_reason": tail.get("finish_reason", "stop"),
         }
 
-    async def _stream(self, inputs: Any, ctx: Any) -> AsyncIterator[dict]:
+    async def _stream(self, inputs: Any, ctx: HandlerContext) -> AsyncIterator[dict]:
         decoder = self._loaded()
         assert self.model is not None
-        sampling = Sampling.of(self.spec, getattr(ctx, "params", None))
+        sampling = Sampling.of(self.spec, ctx.params)
         streaming = self.model.stream_decoder(decoder, sampling)
         loop = asyncio.get_running_loop()
         tail: dict = {}
@@ -249,18 +249,15 @@ class Code2WavStage(EngineStage):
         }
 
 
-def _wants_audio(ctx: Any) -> bool:
+def _wants_audio(ctx: HandlerContext) -> bool:
     """False when the request's params.modalities (OpenAI's) leave audio out."""
-    modalities = (getattr(ctx, "params", None) or {}).get("modalities")
+    modalities = ctx.params.get("modalities")
     return not isinstance(modalities, list) or "audio" in modalities
 
 
-def _client_streams(ctx: Any) -> bool:
-    """Whether the client reads the reply as a stream (the runtime says; `params.stream` otherwise)."""
-    stream = getattr(ctx, "stream", None)
-    if stream is None:
-        stream = (getattr(ctx, "params", None) or {}).get("stream")
-    return bool(stream)
+def _client_streams(ctx: HandlerContext) -> bool:
+    """Whether the client reads the reply as a stream (the runtime says: `ctx.stream`)."""
+    return bool(ctx.stream)
 
 
 async def _chunks(inputs: Any, stage: str) -> AsyncIterator[dict]:

@@ -15,6 +15,9 @@ The package, one concept a module:
     context   what a handler is given: `StageContext` (ctx), streamed inputs, `StageInputError`
     loading   the default replica id (the handler: `omni_mesh.topology.load_handler`)
     main      `serve_stage`, `main_stage` (`omni-mesh stage`; `python -m omni_mesh.stage` runs it too)
+
+What a handler is, is given and may have (its hooks) is `omni_mesh.handlers`, the contract this runtime
+and the engines share.
 """
 
 from omni_mesh.stage.context import StageContext, StageInputError

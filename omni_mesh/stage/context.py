@@ -8,12 +8,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_mesh.control import Chunk
+from omni_mesh.control import Chunk, FailureKind
 
 
 @dataclass
 class StageContext:
-    """What a handler knows about the request it is working on."""
+    """What a handler knows about the request it is working on: the runtime's `HandlerContext`
+    (omni_mesh.handlers)."""
 
     request_id: str
     params: dict
@@ -40,13 +41,13 @@ class StageContext:
 
 
 class StageInputError(RuntimeError):
-    """An input payload could not be fetched (gone, stale, or the connector failed). `status` is what
-    its request is answered: 502 (the mesh's data plane failed, not the handler; the message names the
-    edge), 503 when a connector had no room (the same request may pass later)."""
+    """An input payload could not be fetched (gone, stale, or the connector failed; the message names the
+    edge). `kind`: the data plane failed, not the handler (CONNECTOR_FAILED), or a connector had no room
+    (CONNECTOR_FULL: the same request may pass later)."""
 
-    def __init__(self, message: str, status: int = 502) -> None:
+    def __init__(self, message: str, kind: FailureKind = FailureKind.CONNECTOR_FAILED) -> None:
         super().__init__(message)
-        self.status = status
+        self.kind = kind
 
 
 _END = object()

@@ -1,10 +1,10 @@
 """A handler's own counters, carried to the coordinator in every heartbeat.
 
-A handler (a class built per replica) may define `counters() -> dict[str, int | float]`: cheap to call
-(it runs on the replica's event loop at every heartbeat), names in Prometheus' form with the base unit
-and, for a count that only grows, `_total` (`encoder_cache_hits_total`, `queue_bytes`). The coordinator
-shows them per replica in `/v1/stages` (`counters`) and exports each as `omni_mesh_handler_<name>`
-(`/metrics`, labels `stage` and `replica`). A name or value that is not one is left out, with one
+A handler may have the hook `counters() -> dict[str, int | float]` (omni_mesh.handlers.HandlerHooks):
+cheap to call (it runs on the replica's event loop at every heartbeat), names in Prometheus' form with
+the base unit and, for a count that only grows, `_total` (`encoder_cache_hits_total`, `queue_bytes`).
+The coordinator shows them per replica in `/v1/stages` (`counters`) and exports each as
+`omni_mesh_handler_<name>` (`/metrics`, labels `stage` and `replica`). A name or value that is not one is left out, with one
 warning per name: a handler's mistake never stops the heartbeat that keeps its replica alive.
 """
 
@@ -14,6 +14,8 @@ import logging
 import re
 from typing import Any
 
+from omni_mesh.handlers import HandlerHooks
+
 log = logging.getLogger("omni_mesh.stage")
 
 #: What a counter's name may be (Prometheus' metric-name characters, lower case).
@@ -21,13 +23,10 @@ NAME = re.compile(r"[a-z_][a-z0-9_]*")
 _warned: set[str] = set()
 
 
-def handler_counters(handler: Any, stage: str) -> dict[str, int | float]:
-    """`handler.counters()` checked: numbers under valid names; {} for a handler without counters."""
-    read = getattr(handler, "counters", None)
-    if read is None:
-        return {}
+def handler_counters(hooks: HandlerHooks, stage: str) -> dict[str, int | float]:
+    """The handler's `counters()` checked: numbers under valid names ({} for a handler without counters)."""
     try:
-        reported = read()
+        reported: Any = hooks.counters()
     except Exception as exc:  # noqa: BLE001 - the handler's bug; the heartbeat must go on
         _warn_once(f"{stage}:counters()", "stage %s: its handler's counters() failed: %r", stage, exc)
         return {}

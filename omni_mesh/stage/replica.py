@@ -19,6 +19,7 @@ from omni_mesh.control import (
     Deregister,
     Drained,
     Error,
+    FailureKind,
     Heartbeat,
     Holding,
     Reconcile,
@@ -28,6 +29,7 @@ from omni_mesh.control import (
     Resync,
     Work,
 )
+from omni_mesh.handlers import hooks_of
 from omni_mesh.hostinfo import process_info
 from omni_mesh.stage.counters import handler_counters
 from omni_mesh.stage.link import ConnectorHealth, CoordinatorLink
@@ -62,6 +64,7 @@ class StageReplica:
         self.drain_grace_s = drain_grace_s
         self.health_file = Path(health_file) if health_file else None
         self.handler = load_handler(topology, stage)
+        self.hooks = hooks_of(self.handler, f"stage {stage.name!r}")  # checked once, before any connector
         self.in_edges = {topology.stage(e.src).name: e for e in topology.inputs_of(stage.stage_id)}
         self.out_edges = {topology.stage(e.dst).name: e for e in topology.outputs_of(stage.stage_id)}
         self.is_final = any(s.stage_id == stage.stage_id for s in topology.final_stages)
@@ -82,6 +85,7 @@ class StageReplica:
             stage.name,
             self.replica_id,
             self.handler,
+            self.hooks,
             self.connectors,
             in_edges=self.in_edges,
             out_edges=self.out_edges,
@@ -105,10 +109,9 @@ class StageReplica:
             producers = {self.connectors[e.connector.ref] for e in self.out_edges.values()}
             for connector in producers:
                 await loop.run_in_executor(self.executor, connector.warm_up)
-            warm = getattr(self.handler, "warm", None)
-            if warm is not None:  # a model loads before the replica says it is ready, never in a request
-                log.info("replica %s of stage %s loading", self.replica_id, self.stage.name)
-                await warm()
+            # A model loads before the replica says it is ready, never in a request.
+            log.debug("replica %s of stage %s warming its handler", self.replica_id, self.stage.name)
+            await self.hooks.warm()
             if await self._register():  # False: told to stop before the coordinator answered
                 self.ready = True
                 log.info("replica %s of stage %s ready", self.replica_id, self.stage.name)
@@ -180,7 +183,7 @@ class StageReplica:
                 draining=self.draining,
                 connectors=await self.health.latest(),
                 working=list(self.runner.work),
-                counters=handler_counters(self.handler, self.stage.name),
+                counters=handler_counters(self.hooks, self.stage.name),
             )
         )
         if self.health_file is not None and not self.draining:
@@ -204,7 +207,7 @@ class StageReplica:
                 log.warning("replica %s dropped a control message: %s", self.replica_id, exc)
                 if exc.rid is not None:  # say so, or that request would wait for its deadline
                     await self.link.send(
-                        Error(exc.rid, self.stage.name, self.replica_id, str(exc), status=400)
+                        Error(exc.rid, self.stage.name, self.replica_id, str(exc), FailureKind.UNREADABLE_WORK)
                     )
                 continue
             if isinstance(message, Registered):

@@ -25,8 +25,9 @@ import msgpack
 from omni_mesh import codec, control, ingress, logs
 from omni_mesh.connectors import ConnectorError, OmniConnectorBase
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorFull, ConnectorUnavailable, PayloadMissing
-from omni_mesh.control import Chunk, Error, Message, Output, Work
+from omni_mesh.control import Chunk, Error, FailureKind, Message, Output, Work
 from omni_mesh.errors import InvalidInput
+from omni_mesh.handlers import Handler, HandlerHooks
 from omni_mesh.stage.context import ChunkStream, StageContext, StageInputError
 from omni_mesh.stage.overdue import cancel_overdue
 from omni_mesh.topology import EdgeSpec
@@ -57,13 +58,15 @@ class _Work:
         return self.ctx.deadline
 
 
-def connector_status(exc: ConnectorError) -> int:
-    """What a request failed by a connector is answered: 503 when it had no room (the same request may
-    pass later), 502 when the data plane failed (a payload gone or cut short, a peer unreachable, the
-    connector closed), 500 when it refused what the handler gave it (an output it cannot carry)."""
+def connector_failure(exc: ConnectorError) -> FailureKind:
+    """How a connector failed a request: it had no room (the same request may pass later), the data
+    plane failed (a payload gone or cut short, a peer unreachable, the connector closed), or it refused
+    what the handler gave it (an output it cannot carry)."""
     if isinstance(exc, ConnectorFull):
-        return 503
-    return 502 if isinstance(exc, (PayloadMissing, ConnectorUnavailable, ConnectorClosed)) else 500
+        return FailureKind.CONNECTOR_FULL
+    if isinstance(exc, (PayloadMissing, ConnectorUnavailable, ConnectorClosed)):
+        return FailureKind.CONNECTOR_FAILED
+    return FailureKind.CONNECTOR_REFUSED
 
 
 class Runner:
@@ -73,7 +76,8 @@ class Runner:
         self,
         stage: str,
         replica_id: str,
-        handler: Callable[..., Any],
+        handler: Handler,
+        hooks: HandlerHooks,
         connectors: dict[str, OmniConnectorBase],
         *,
         in_edges: dict[str, EdgeSpec],
@@ -86,6 +90,7 @@ class Runner:
         self.stage = stage
         self.replica_id = replica_id
         self.handler = handler
+        self.hooks = hooks  # found and checked at load (omni_mesh.handlers.hooks_of)
         self.connectors = connectors  # by connector ref
         self.in_edges, self.out_edges = in_edges, out_edges  # by the other stage's name
         self.is_final = is_final
@@ -210,17 +215,17 @@ class Runner:
             pass  # aborted by the coordinator, which already answered the client
         except Exception as exc:
             if isinstance(exc, TimeoutError) and deadline.expired():  # not a handler's own timeout
-                await self._fail(work, f"deadline exceeded in stage {self.stage!r}", timeout=True)
-            elif isinstance(exc, InvalidInput):  # the request is at fault, not the stage: 422
+                await self._fail(work, f"deadline exceeded in stage {self.stage!r}", FailureKind.DEADLINE)
+            elif isinstance(exc, InvalidInput):  # the request is at fault, not the stage
                 log.info("stage %s refused request %s: %s", self.stage, work.rid, exc)
-                await self._fail(work, str(exc), status=422)
+                await self._fail(work, str(exc), FailureKind.INVALID_INPUT)
             elif isinstance(exc, (ConnectorError, StageInputError)):  # it names the edge: no type to add
                 log.warning("stage %s failed request %s: %s", self.stage, work.rid, exc)
-                status = exc.status if isinstance(exc, StageInputError) else connector_status(exc)
-                await self._fail(work, str(exc), status=status)
+                kind = exc.kind if isinstance(exc, StageInputError) else connector_failure(exc)
+                await self._fail(work, str(exc), kind)
             else:
                 log.exception("stage %s failed request %s", self.stage, work.rid)
-                await self._fail(work, f"{type(exc).__name__}: {exc}")
+                await self._fail(work, f"{type(exc).__name__}: {exc}", FailureKind.HANDLER_FAILED)
         finally:
             self.work.pop(work.rid, None)
             if not finished:  # it ended unfinished: the coordinator may count it busy here
@@ -231,12 +236,12 @@ class Runner:
         if self._released is not None:
             asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._released()))
 
-    async def _fail(self, work: _Work, error: str, *, timeout: bool = False, status: int = 500) -> None:
+    async def _fail(self, work: _Work, error: str, kind: FailureKind) -> None:
         self.errors += 1
         if len(error) > MAX_ERROR_CHARS:
             error = f"{error[:MAX_ERROR_CHARS]}... ({len(error) - MAX_ERROR_CHARS} more characters)"
         await self._cleanup(work.rid)
-        message: Message = Error(work.rid, self.stage, self.replica_id, error, timeout=timeout, status=status)
+        message: Message = Error(work.rid, self.stage, self.replica_id, error, kind)
         await self._send(message)
 
     async def _inputs(self, work: _Work, message: Work) -> Any:
@@ -299,7 +304,7 @@ class Runner:
         except ConnectorError as exc:  # it names stage names and key; add the edge as the graph has it
             raise StageInputError(
                 f"stage {self.stage!r}: payload {key!r} on edge {edge.label} ({edge.connector.name}): {exc}",
-                503 if isinstance(exc, ConnectorFull) else 502,
+                FailureKind.CONNECTOR_FULL if isinstance(exc, ConnectorFull) else FailureKind.CONNECTOR_FAILED,
             ) from None
         finally:
             work.transfer_s += time.perf_counter() - started
@@ -322,11 +327,8 @@ class Runner:
         extra: list[Any] = []
         if self.is_final and not end:
             # A handler may keep what only its downstream stages need out of the client's answer
-            # (an engine's hidden states): `client_output(data)`.
-            to_client = getattr(self.handler, "client_output", None)
-            frame = await loop.run_in_executor(
-                self.executor, codec.encode, data if to_client is None else to_client(data)
-            )
+            # (an engine's hidden states): its `client_output` hook.
+            frame = await loop.run_in_executor(self.executor, codec.encode, self.hooks.client_output(data))
             if len(frame) > control.MAX_FRAME_BYTES:  # the coordinator would drop our connection for it
                 raise RuntimeError(
                     f"final output of {len(frame)} bytes exceeds the control plane's limit of "

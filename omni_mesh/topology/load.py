@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from omni_mesh.handlers import BuiltFromStage, Handler
 from omni_mesh.topology.model import StageSpec, Topology, TopologyError
 from omni_mesh.topology.parse import parse_topology
 
@@ -94,7 +95,7 @@ def add_to_sys_path(topology: Topology) -> None:
     sys.path.insert(0, entry)
 
 
-def load_handler(topology: Topology, stage: StageSpec) -> Callable[..., Any]:
+def load_handler(topology: Topology, stage: StageSpec) -> Handler:
     """What runs a stage's requests: its `engine:` part (loaded by the handler's warm()), or the callable
     its `handler: module:callable` names, imported (a class with `from_stage` is built from the stage's
     settings); ValueError naming the stage."""
@@ -104,7 +105,7 @@ def load_handler(topology: Topology, stage: StageSpec) -> Callable[..., Any]:
         upstream = [topology.stage(edge.src).engine or {} for edge in topology.inputs_of(stage.stage_id)]
         return engine_handler(stage.engine, stage.name, fed_by_encoder=any(e.get("part") == "encoder" for e in upstream))
     handler = import_handler(topology, stage)
-    if isinstance(handler, type) and hasattr(handler, "from_stage"):
+    if isinstance(handler, type) and isinstance(handler, BuiltFromStage):  # the class has from_stage
         handler = handler.from_stage(stage.options)
     if not callable(handler):
         raise ValueError(f"stage {stage.name!r}: handler {stage.handler!r} is not callable")
