@@ -92,7 +92,7 @@ def is_private_connectors_module(name: str) -> bool:
 def test_the_parser_sees_what_the_rules_are_about() -> None:
     """The rules below are only as good as the import reading: check it on modules known to import."""
     assert "omni_mesh.connectors.shm.segments" in imports_of("omni_mesh.connectors.shm.pool")
-    assert "omni_mesh.connectors" in imports_of("omni_mesh.coordinator.registry")
+    assert "omni_mesh.connectors" in imports_of("omni_mesh.coordinator.scheduling.registry")
     # function-level imports count: connector_type imports the light configs module inside the function
     assert "omni_mesh.connectors.config" in imports_of("omni_mesh.connectors")
     assert is_private_connectors_module("omni_mesh.connectors._addresses")
@@ -235,7 +235,7 @@ def test_the_coordinator_launcher_cli_stage_and_codec_do_not_import_torch() -> N
     """Module level, transitively: a process that only imports these never loads torch (2-3 s of CPU);
     the codec and connectors import it when a tensor shows up (omni_mesh.lazy_torch)."""
     names = light_modules()
-    assert "omni_mesh.coordinator.app" in names and "omni_mesh.cli.validate" in names and len(names) > 60
+    assert "omni_mesh.coordinator.http.app" in names and "omni_mesh.cli.validate" in names and len(names) > 60
     assert first_to_import_torch(names) == "", "this module imports torch at import time; import it lazily"
     # The control: the check sees a module that does import torch.
     assert first_to_import_torch(["omni_mesh.codec", "omni_mesh.bench.connector"]) == "omni_mesh.bench.connector"

@@ -34,17 +34,17 @@ from support.browser import rendered
 from support.meshkit import Mesh, running_mesh
 
 from omni_mesh import cli
-from omni_mesh.coordinator import envelope
-from omni_mesh.coordinator.auth import ApiKey
-from omni_mesh.coordinator.hosts import is_loopback
-from omni_mesh.coordinator.http_limits import (
+from omni_mesh.coordinator.http import envelope
+from omni_mesh.coordinator.http.auth import ApiKey
+from omni_mesh.coordinator.http.hosts import is_loopback
+from omni_mesh.coordinator.http.limits import (
     BODY_TIMEOUT_S,
     HEADER_TIMEOUT_S,
     MAX_HEAD_BYTES,
     MAX_URL_BYTES,
     read_deadlines,
 )
-from omni_mesh.coordinator.request_body import RequestBody, unpackable
+from omni_mesh.coordinator.http.request_body import RequestBody, unpackable
 from omni_mesh.ports import free_port
 from omni_mesh.procinfo import descendants
 

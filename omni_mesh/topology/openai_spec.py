@@ -21,8 +21,9 @@ openai:
   float need the rate: `sample_rate: 24000`, or `sample_rate_field` naming the output field with it.
 - At least one of `text_output` and `audio_output` is required.
 
-This module holds what the coordinator reads (the specs); `omni_mesh.topology.openai` reads the section
-into them, so neither module imports the other's package at import time.
+This module holds the specs the coordinator's OpenAI room (omni_mesh.coordinator.openai) reads;
+`omni_mesh.topology.openai` reads the section into them. Both stay in `topology/` (schema.py needs the
+names below): topology is imported by every process, and the coordinator by none but its own.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from typing import Any
 from starlette.routing import BaseRoute, Match
 
 from omni_mesh import logs
-from omni_mesh.coordinator.metrics import Metrics
+from omni_mesh.coordinator.http.metrics import Metrics
 
 log = logging.getLogger("omni_mesh.access")
 POLLER = b"omni-mesh-autoscale"  # the User-Agent of `up`'s poll of the autoscaling targets

@@ -12,11 +12,11 @@ import uvicorn
 from fastapi import FastAPI
 
 from omni_mesh import __version__
-from omni_mesh.coordinator import docs, envelope
-from omni_mesh.coordinator.access import AccessLog
-from omni_mesh.coordinator.auth import ApiKey
-from omni_mesh.coordinator.hosts import LoopbackHosts, is_loopback
-from omni_mesh.coordinator.http_limits import (
+from omni_mesh.coordinator.http import docs, envelope
+from omni_mesh.coordinator.http.access import AccessLog
+from omni_mesh.coordinator.http.auth import ApiKey
+from omni_mesh.coordinator.http.hosts import LoopbackHosts, is_loopback
+from omni_mesh.coordinator.http.limits import (
     BODY_TIMEOUT_S,
     HEADER_TIMEOUT_S,
     KEEP_ALIVE_S,
@@ -24,12 +24,13 @@ from omni_mesh.coordinator.http_limits import (
     BodyLimit,
     read_deadlines,
 )
-from omni_mesh.coordinator.memory import return_large_blocks
-from omni_mesh.coordinator.metrics import Metrics
-from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S
-from omni_mesh.coordinator.routes import dashboard, openai, requests, status
-from omni_mesh.coordinator.service import Coordinator
-from omni_mesh.coordinator.stopping import StoppingServer
+from omni_mesh.coordinator.http.memory import return_large_blocks
+from omni_mesh.coordinator.http.metrics import Metrics
+from omni_mesh.coordinator.http.routes import dashboard, requests, status
+from omni_mesh.coordinator.http.stopping import StoppingServer
+from omni_mesh.coordinator.openai import routes as openai_routes
+from omni_mesh.coordinator.scheduling.registry import HEARTBEAT_TIMEOUT_S
+from omni_mesh.coordinator.scheduling.service import Coordinator
 from omni_mesh.fdlimit import raise_nofile_limit
 from omni_mesh.media.limits import MediaLimits
 from omni_mesh.topology import Topology
@@ -46,7 +47,7 @@ def create_app(
     api_key: str | None = None,
     host: str | None = None,
 ) -> FastAPI:
-    """The coordinator's app: its routers (coordinator.routes), error envelope and middleware. `host`
+    """The coordinator's app: its routers (http.routes and openai.routes), error envelope and middleware. `host`
     is the address it listens on: on loopback it answers only requests addressed to loopback."""
 
     @asynccontextmanager
@@ -66,7 +67,7 @@ def create_app(
     coordinator.dispatcher.observer = metrics.observe_request
     app.include_router(requests.router(coordinator))  # /v1/requests
     app.include_router(status.router(coordinator, metrics))  # /health, /ready, /v1/stages, /metrics, ...
-    app.include_router(openai.router(coordinator))  # /v1/chat/completions, /v1/models
+    app.include_router(openai_routes.router(coordinator))  # /v1/chat/completions, /v1/models
     app.include_router(dashboard.router())  # /dashboard
 
     app.add_middleware(BodyLimit, limit=max_body_bytes)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Awaitable, Callable
 
-from omni_mesh.coordinator.envelope import error_response
+from omni_mesh.coordinator.http.envelope import error_response
 
 ENV_API_KEY = "OMNI_MESH_API_KEY"
 

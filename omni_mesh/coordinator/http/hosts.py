@@ -12,7 +12,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Awaitable, Callable
 
-from omni_mesh.coordinator.envelope import error_response
+from omni_mesh.coordinator.http.envelope import error_response
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from omni_mesh.coordinator.jsonable import jsonable
+from omni_mesh.coordinator.http.jsonable import jsonable
 from omni_mesh.lazy_torch import tensor_class
 
 if TYPE_CHECKING:

@@ -35,7 +35,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from omni_mesh.coordinator.envelope import error_bytes, error_response
+from omni_mesh.coordinator.http.envelope import error_bytes, error_response
 from omni_mesh.defaults import BODY_TIMEOUT_S as BODY_TIMEOUT_S
 from omni_mesh.defaults import HEADER_TIMEOUT_S as HEADER_TIMEOUT_S
 from omni_mesh.defaults import WRITE_TIMEOUT_S as WRITE_TIMEOUT_S

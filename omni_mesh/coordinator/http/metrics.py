@@ -31,8 +31,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from omni_mesh.coordinator.dispatch import RequestState
-    from omni_mesh.coordinator.service import Coordinator
+    from omni_mesh.coordinator.scheduling.dispatch import RequestState
+    from omni_mesh.coordinator.scheduling.service import Coordinator
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 

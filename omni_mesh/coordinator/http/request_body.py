@@ -14,7 +14,7 @@ import msgpack
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 from pydantic_core import PydanticCustomError
 
-from omni_mesh.coordinator.envelope import field_path
+from omni_mesh.coordinator.http.envelope import field_path
 
 
 class RequestBody(BaseModel):

@@ -15,8 +15,8 @@ import socket
 
 import uvicorn
 
-from omni_mesh.coordinator.dispatch import Dispatcher
-from omni_mesh.coordinator.failures import RequestFailed
+from omni_mesh.coordinator.scheduling.dispatch import Dispatcher
+from omni_mesh.coordinator.scheduling.failures import RequestFailed
 
 log = logging.getLogger("omni_mesh.coordinator")
 

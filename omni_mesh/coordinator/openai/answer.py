@@ -11,15 +11,15 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from omni_mesh.coordinator import events
-from omni_mesh.coordinator.dispatch import RequestState
-from omni_mesh.coordinator.failures import RequestFailed, openai_body
-from omni_mesh.coordinator.openai_audio import COMPRESSED, encode
-from omni_mesh.coordinator.openai_reply import Piece, Reply, ReplyError
-from omni_mesh.coordinator.openai_request import ChatCall
-from omni_mesh.coordinator.service import Coordinator
-from omni_mesh.coordinator.sse import sse
-from omni_mesh.openai_section import OpenAISpec
+from omni_mesh.coordinator.http.sse import sse
+from omni_mesh.coordinator.openai.audio import COMPRESSED, encode
+from omni_mesh.coordinator.openai.reply import Piece, Reply, ReplyError
+from omni_mesh.coordinator.openai.request import ChatCall
+from omni_mesh.coordinator.scheduling import events
+from omni_mesh.coordinator.scheduling.dispatch import RequestState
+from omni_mesh.coordinator.scheduling.failures import RequestFailed, openai_body
+from omni_mesh.coordinator.scheduling.service import Coordinator
+from omni_mesh.topology.openai_spec import OpenAISpec
 
 DEFAULT_SAMPLE_RATE = 24_000  # OpenAI's pcm16 rate: the WAV header of a reply no stage gave a rate for
 #: A reply's audio.expires_at is this long after it was made, as OpenAI's (nothing is kept for later

@@ -1,7 +1,7 @@
 """Audio between a stage's output and an OpenAI client: anything a stage may hold -> 16-bit PCM ->
 wav, pcm16, flac, mp3 or opus.
 
-A stage's audio field holds one of `omni_mesh.openai_section.ENCODINGS`; the client asks for one of
+A stage's audio field holds one of `omni_mesh.topology.openai_spec.ENCODINGS`; the client asks for one of
 FORMATS. 16-bit little-endian mono PCM is the common ground: pieces are joined as PCM, and each
 answer (or streamed delta) is encoded on its own, so every `wav` (flac, mp3, opus) delta is a whole,
 playable file. WAV and PCM are written here; the COMPRESSED formats through PyAV

@@ -1,5 +1,5 @@
 """The reply's text, audio and token counts, read from the final stages' outputs as the topology's
-`openai:` section says (see omni_mesh.openai_section).
+`openai:` section says (see omni_mesh.topology.openai_spec).
 
 A final stage that streams is read chunk by chunk, as each arrives; one that does not is read once,
 when the request completes. Either way the reply is a sequence of Pieces, and the chat completion
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from omni_mesh.coordinator.openai_audio import AudioError, to_pcm16
-from omni_mesh.openai_section import OpenAISpec, OutputRef
+from omni_mesh.coordinator.openai.audio import AudioError, to_pcm16
+from omni_mesh.topology.openai_spec import OpenAISpec, OutputRef
 
 
 class ReplyError(ValueError):

@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from omni_mesh.coordinator.openai_audio import audio_unavailable
-from omni_mesh.openai_section import OpenAISpec
+from omni_mesh.coordinator.openai.audio import audio_unavailable
+from omni_mesh.topology.openai_spec import OpenAISpec
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 Probability = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]

@@ -1,11 +1,11 @@
 """OpenAI-compatible serving: `POST /v1/chat/completions` and `GET /v1/models`.
 
-The topology's `openai:` section (omni_mesh.openai_section) names the model, how a chat request
+The topology's `openai:` section (omni_mesh.topology.openai_spec) names the model, how a chat request
 becomes the pipeline's inputs, and which final-stage fields hold the reply's text, audio and token
 counts. Every request reads the final stages' stream (`stream: true` to the dispatcher), so a stream
 of `chat.completion.chunk` events carries each text and audio piece as soon as a final stage emits
 it; a non-streaming answer is the same pieces joined. A request is admitted as on `/v1/requests`
-(coordinator.admission). Errors on these routes are OpenAI's error object,
+(scheduling.admission). Errors on these routes are OpenAI's error object,
 `{"error": {"message", "type", "param", "code"}}`; the app's middleware (API key, body limit)
 applies here as on every other route.
 """
@@ -22,15 +22,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-from omni_mesh.coordinator import events
-from omni_mesh.coordinator.admission import admit
-from omni_mesh.coordinator.client_gone import ClientGone, unless_client_leaves
-from omni_mesh.coordinator.envelope import field_path, responses
-from omni_mesh.coordinator.failures import CLIENT_GONE, RequestFailed
-from omni_mesh.coordinator.openai_answer import Answer, failed, openai_error
-from omni_mesh.coordinator.openai_request import ChatRequest, ChatRequestError, chat_call
-from omni_mesh.coordinator.service import Coordinator
-from omni_mesh.openai_section import OpenAISpec
+from omni_mesh.coordinator.http.client_gone import ClientGone, unless_client_leaves
+from omni_mesh.coordinator.http.envelope import field_path, responses
+from omni_mesh.coordinator.openai.answer import Answer, failed, openai_error
+from omni_mesh.coordinator.openai.request import ChatRequest, ChatRequestError, chat_call
+from omni_mesh.coordinator.scheduling import events
+from omni_mesh.coordinator.scheduling.admission import admit
+from omni_mesh.coordinator.scheduling.failures import CLIENT_GONE, RequestFailed
+from omni_mesh.coordinator.scheduling.service import Coordinator
+from omni_mesh.topology.openai_spec import OpenAISpec
 
 
 class _OpenAIRoute(APIRoute):

@@ -16,11 +16,11 @@ import msgpack
 from fastapi import Request
 
 from omni_mesh.connectors import ConnectorError
-from omni_mesh.coordinator.dispatch import RequestState
-from omni_mesh.coordinator.failures import RequestFailed, inputs_not_held
-from omni_mesh.coordinator.media_check import check_media
-from omni_mesh.coordinator.request_body import unpackable
-from omni_mesh.coordinator.service import Coordinator
+from omni_mesh.coordinator.http.request_body import unpackable
+from omni_mesh.coordinator.scheduling.dispatch import RequestState
+from omni_mesh.coordinator.scheduling.failures import RequestFailed, inputs_not_held
+from omni_mesh.coordinator.scheduling.media_check import check_media
+from omni_mesh.coordinator.scheduling.service import Coordinator
 from omni_mesh.ingress import INLINE_MAX_BYTES
 
 #: Params travel in every stage's work message: they must stay small (large data goes in inputs).
@@ -43,7 +43,7 @@ async def admit(
     """The admitted request (its id is the access log's: the client's X-Request-Id when usable), or
     RequestFailed saying why it was refused. `messages` maps the inputs that hold chat messages to the
     field an error names (default: `inputs.messages`): their media parts are checked
-    (coordinator.media_check) before the request takes a place in a queue."""
+    (scheduling.media_check) before the request takes a place in a queue."""
     timeout_s = timeout_s or coordinator.default_timeout_s
     if timeout_s > coordinator.max_timeout_s:
         message = f"timeout_s: {timeout_s:g} s exceeds the maximum of {coordinator.max_timeout_s:g} s"

@@ -36,8 +36,8 @@ from omni_mesh.defaults import HOST_CAP_ENV
 from omni_mesh.topology import StageSpec, Topology
 
 if TYPE_CHECKING:
-    from omni_mesh.coordinator.dispatch import Dispatcher
-    from omni_mesh.coordinator.registry import Registry
+    from omni_mesh.coordinator.scheduling.dispatch import Dispatcher
+    from omni_mesh.coordinator.scheduling.registry import Registry
     from omni_mesh.topology.autoscale import AutoscaleSpec
 
 log = logging.getLogger("omni_mesh.autoscaler")

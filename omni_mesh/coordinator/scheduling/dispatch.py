@@ -21,10 +21,15 @@ from typing import Any
 
 from omni_mesh import codec
 from omni_mesh.control import Abort, Chunk, Error, Message, Output, Work
-from omni_mesh.coordinator import events
-from omni_mesh.coordinator.access import tame_request_id
-from omni_mesh.coordinator.failures import CLIENT_GONE, RequestFailed, inputs_not_held, stage_failure
-from omni_mesh.coordinator.registry import Registry, Replica
+from omni_mesh.coordinator.http.access import tame_request_id
+from omni_mesh.coordinator.scheduling import events
+from omni_mesh.coordinator.scheduling.failures import (
+    CLIENT_GONE,
+    RequestFailed,
+    inputs_not_held,
+    stage_failure,
+)
+from omni_mesh.coordinator.scheduling.registry import Registry, Replica
 from omni_mesh.ingress import Ingress
 from omni_mesh.topology import Topology
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from omni_mesh.coordinator.failures import RequestFailed
+from omni_mesh.coordinator.scheduling.failures import RequestFailed
 
 
 @dataclass(frozen=True)

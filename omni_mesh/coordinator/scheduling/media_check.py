@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from omni_mesh.coordinator.failures import RequestFailed
+from omni_mesh.coordinator.scheduling.failures import RequestFailed
 from omni_mesh.media import MediaError, canonical, probe
 from omni_mesh.media.limits import MediaLimits
 from omni_mesh.media.parts import MEDIA_PARTS, checked, source

@@ -20,8 +20,8 @@ import logging
 from collections.abc import Callable
 
 from omni_mesh.control import Abort, Holding, Message, Output, Reconcile
-from omni_mesh.coordinator.dispatch import Dispatcher, RequestFailed, RequestState
-from omni_mesh.coordinator.registry import Replica
+from omni_mesh.coordinator.scheduling.dispatch import Dispatcher, RequestFailed, RequestState
+from omni_mesh.coordinator.scheduling.registry import Replica
 
 log = logging.getLogger("omni_mesh.coordinator")
 

@@ -33,11 +33,20 @@ from omni_mesh.control import (
     Rejected,
     Resync,
 )
-from omni_mesh.coordinator.autoscaler import Autoscaler
-from omni_mesh.coordinator.connection_cap import MAX_CONTROL_CONNECTIONS, ConnectionCap, default_cap
-from omni_mesh.coordinator.dispatch import Dispatcher, RequestFailed
-from omni_mesh.coordinator.reconcile import Reconciler
-from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S, RegistrationRefused, Registry, Replica
+from omni_mesh.coordinator.scheduling.autoscaler import Autoscaler
+from omni_mesh.coordinator.scheduling.connection_cap import (
+    MAX_CONTROL_CONNECTIONS,
+    ConnectionCap,
+    default_cap,
+)
+from omni_mesh.coordinator.scheduling.dispatch import Dispatcher, RequestFailed
+from omni_mesh.coordinator.scheduling.reconcile import Reconciler
+from omni_mesh.coordinator.scheduling.registry import (
+    HEARTBEAT_TIMEOUT_S,
+    RegistrationRefused,
+    Registry,
+    Replica,
+)
 from omni_mesh.defaults import HEARTBEAT_S as HEARTBEAT_S
 from omni_mesh.defaults import INSTANCE_ENV as INSTANCE_ENV
 from omni_mesh.ingress import Ingress

@@ -10,17 +10,17 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from omni_mesh.coordinator import events
-from omni_mesh.coordinator.admission import admit
-from omni_mesh.coordinator.client_gone import ClientGone, unless_client_leaves
-from omni_mesh.coordinator.dispatch import RequestState
-from omni_mesh.coordinator.envelope import error_response, responses
-from omni_mesh.coordinator.failures import CLIENT_GONE, RequestFailed
-from omni_mesh.coordinator.json_body import json_answer
-from omni_mesh.coordinator.jsonable import jsonable
-from omni_mesh.coordinator.request_body import RequestBody
-from omni_mesh.coordinator.service import Coordinator
-from omni_mesh.coordinator.sse import sse
+from omni_mesh.coordinator.http.client_gone import ClientGone, unless_client_leaves
+from omni_mesh.coordinator.http.envelope import error_response, responses
+from omni_mesh.coordinator.http.json_body import json_answer
+from omni_mesh.coordinator.http.jsonable import jsonable
+from omni_mesh.coordinator.http.request_body import RequestBody
+from omni_mesh.coordinator.http.sse import sse
+from omni_mesh.coordinator.scheduling import events
+from omni_mesh.coordinator.scheduling.admission import admit
+from omni_mesh.coordinator.scheduling.dispatch import RequestState
+from omni_mesh.coordinator.scheduling.failures import CLIENT_GONE, RequestFailed
+from omni_mesh.coordinator.scheduling.service import Coordinator
 
 
 def failure_response(exc: RequestFailed, rid: str | None = None) -> JSONResponse:

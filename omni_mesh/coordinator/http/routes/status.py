@@ -6,10 +6,10 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, StrictInt
 
-from omni_mesh.coordinator.autoscaler import ScaleRefused
-from omni_mesh.coordinator.envelope import MEANINGS, error_response, responses
-from omni_mesh.coordinator.metrics import CONTENT_TYPE_LATEST, Metrics, stats
-from omni_mesh.coordinator.service import Coordinator
+from omni_mesh.coordinator.http.envelope import MEANINGS, error_response, responses
+from omni_mesh.coordinator.http.metrics import CONTENT_TYPE_LATEST, Metrics, stats
+from omni_mesh.coordinator.scheduling.autoscaler import ScaleRefused
+from omni_mesh.coordinator.scheduling.service import Coordinator
 
 
 class ReadyBody(BaseModel):
