@@ -44,7 +44,8 @@ from omni_mesh.coordinator.http.limits import (
     MAX_URL_BYTES,
     read_deadlines,
 )
-from omni_mesh.coordinator.http.request_body import RequestBody, unpackable
+from omni_mesh.coordinator.http.request_body import RequestBody
+from omni_mesh.coordinator.scheduling.packable import field_path, unpackable
 from omni_mesh.ports import free_port
 from omni_mesh.procinfo import descendants
 
@@ -158,9 +159,9 @@ class TestUnpackable:
 
 
 def test_field_path_quotes_odd_names_and_keeps_them_short() -> None:
-    assert envelope.field_path(("inputs", "a", 3, "b")) == "inputs.a[3].b"
-    assert envelope.field_path(("inputs", "\ud800", "x-y")) == 'inputs["\\ud800"]["x-y"]'
-    assert len(envelope.field_path(("inputs", "k" * 10_000))) < 100
+    assert field_path(("inputs", "a", 3, "b")) == "inputs.a[3].b"
+    assert field_path(("inputs", "\ud800", "x-y")) == 'inputs["\\ud800"]["x-y"]'
+    assert len(field_path(("inputs", "k" * 10_000))) < 100
 
 
 # ------------------------------------------------------------------ a real uvicorn, a small app

@@ -9,7 +9,6 @@ request is handled names it. One access-log line per request: method, path, stat
 from __future__ import annotations
 
 import logging
-import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -18,26 +17,19 @@ from typing import Any
 from starlette.routing import BaseRoute, Match
 
 from omni_mesh import logs
-from omni_mesh.coordinator.http.metrics import Metrics
+from omni_mesh.coordinator.scheduling.metrics import Metrics
 
 log = logging.getLogger("omni_mesh.access")
 POLLER = b"omni-mesh-autoscale"  # the User-Agent of `up`'s poll of the autoscaling targets
 
 HEADER = b"x-request-id"
-#: A client's X-Request-Id becomes the request's id when it is this tame: it ends up in log lines and
-#: connector keys.
-_TAME = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
 
 
-def tame_request_id(value: str) -> bool:
-    return _TAME.fullmatch(value) is not None
-
-
 def request_id_of(scope: dict[str, Any]) -> str:
     for name, value in scope.get("headers", ()):
-        if name == HEADER and tame_request_id(value.decode("latin-1")):
+        if name == HEADER and logs.tame_request_id(value.decode("latin-1")):
             return value.decode()
     return uuid.uuid4().hex
 

@@ -25,7 +25,6 @@ from omni_mesh.coordinator.http.limits import (
     read_deadlines,
 )
 from omni_mesh.coordinator.http.memory import return_large_blocks
-from omni_mesh.coordinator.http.metrics import Metrics
 from omni_mesh.coordinator.http.routes import dashboard, requests, status
 from omni_mesh.coordinator.http.stopping import StoppingServer
 from omni_mesh.coordinator.openai import routes as openai_routes
@@ -63,8 +62,7 @@ def create_app(
     )
     envelope.install(app)
     docs.install(app)  # /docs and /redoc with local assets: no CDN
-    metrics = Metrics(coordinator)
-    coordinator.dispatcher.observer = metrics.observe_request
+    metrics = coordinator.metrics
     app.include_router(requests.router(coordinator))  # /v1/requests
     app.include_router(status.router(coordinator, metrics))  # /health, /ready, /v1/stages, /metrics, ...
     app.include_router(openai_routes.router(coordinator))  # /v1/chat/completions, /v1/models

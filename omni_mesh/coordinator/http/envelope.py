@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from http import HTTPStatus
 from typing import Any
 
@@ -20,10 +19,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
+from omni_mesh.coordinator.scheduling.packable import field_path
+
 log = logging.getLogger("omni_mesh.coordinator")
 
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_MAX_KEY_CHARS = 64  # a field name is echoed in the error: keep a huge one from bloating it
 
 #: What each error status means on our routes (the OpenAPI document lists them).
 MEANINGS: dict[int, str] = {
@@ -77,24 +76,6 @@ def error_bytes(status: int, message: str) -> bytes:
 def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """The `responses=` of a route: each error status with ErrorBody as its model."""
     return {status: {"model": ErrorBody, "description": MEANINGS[status]} for status in statuses}
-
-
-def field_path(loc: Iterable[str | int]) -> str:
-    """`("inputs", "a", 3, "b")` -> `inputs.a[3].b`; odd keys are quoted with JSON escapes, so a
-    name holding a lone surrogate or a control character still serialises (`inputs["\\ud800"]`)."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int) and not isinstance(part, bool):
-            out += f"[{part}]"
-            continue
-        text = str(part)
-        if len(text) > _MAX_KEY_CHARS:
-            text = text[:_MAX_KEY_CHARS] + "..."
-        if _IDENTIFIER.match(text):
-            out += f".{text}" if out else text
-        else:
-            out += f"[{json.dumps(text, ensure_ascii=True)}]"
-    return out
 
 
 def _validation_message(error: dict[str, Any]) -> tuple[str | None, str]:

@@ -23,12 +23,13 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from omni_mesh.coordinator.http.client_gone import ClientGone, unless_client_leaves
-from omni_mesh.coordinator.http.envelope import field_path, responses
+from omni_mesh.coordinator.http.envelope import responses
 from omni_mesh.coordinator.openai.answer import Answer, failed, openai_error
 from omni_mesh.coordinator.openai.request import ChatRequest, ChatRequestError, chat_call
 from omni_mesh.coordinator.scheduling import events
 from omni_mesh.coordinator.scheduling.admission import admit
 from omni_mesh.coordinator.scheduling.failures import CLIENT_GONE, RequestFailed
+from omni_mesh.coordinator.scheduling.packable import field_path
 from omni_mesh.coordinator.scheduling.service import Coordinator
 from omni_mesh.topology.openai_spec import OpenAISpec
 
@@ -109,7 +110,8 @@ def router(coordinator: Coordinator) -> APIRouter:
         try:
             messages = {name: "messages" for name, source in spec.inputs.items() if source == "messages"}
             state = await admit(
-                coordinator, request, call.inputs, call.params, timeout_s=None, stream=True, messages=messages
+                coordinator, call.inputs, call.params, request_id=getattr(request.state, "request_id", None),
+                timeout_s=None, stream=True, messages=messages,
             )
         except RequestFailed as exc:
             return failed(exc)

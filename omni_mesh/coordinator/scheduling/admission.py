@@ -4,8 +4,8 @@ A request is checked in this order, each refusal a RequestFailed naming what was
 (422 over the coordinator's maximum), that its inputs and params can travel to a stage (422 naming
 the field), its media parts (422 naming the message and part), the size of its params (413), then the queues (429 with Retry-After while a stage's
 queue is at its limit). Then it gets its id and goes to the entry stages: inputs too large for a
-control message go through the ingress connector first, counted against the queue limit meanwhile
-(Dispatcher.arriving), so concurrent large requests cannot overshoot it.
+control message go through the ingress connector first (scheduling.large_inputs), counted against
+the queue limit meanwhile, so concurrent large requests cannot overshoot it.
 """
 
 from __future__ import annotations
@@ -13,15 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 import msgpack
-from fastapi import Request
 
-from omni_mesh.connectors import ConnectorError
-from omni_mesh.coordinator.http.request_body import unpackable
 from omni_mesh.coordinator.scheduling.dispatch import RequestState
-from omni_mesh.coordinator.scheduling.failures import RequestFailed, inputs_not_held
+from omni_mesh.coordinator.scheduling.failures import RequestFailed
 from omni_mesh.coordinator.scheduling.media_check import check_media
+from omni_mesh.coordinator.scheduling.packable import unpackable
 from omni_mesh.coordinator.scheduling.service import Coordinator
-from omni_mesh.ingress import INLINE_MAX_BYTES
 
 #: Params travel in every stage's work message: they must stay small (large data goes in inputs).
 MAX_PARAMS_BYTES = 256 * 1024
@@ -32,15 +29,15 @@ RETRY_AFTER_S = 1
 
 async def admit(
     coordinator: Coordinator,
-    request: Request,
     inputs: dict[str, Any],
     params: dict[str, Any],
     *,
+    request_id: str | None,
     timeout_s: float | None,
     stream: bool,
     messages: dict[str, str] | None = None,
 ) -> RequestState:
-    """The admitted request (its id is the access log's: the client's X-Request-Id when usable), or
+    """The admitted request (named `request_id`, the access log's, when that is free), or
     RequestFailed saying why it was refused. `messages` maps the inputs that hold chat messages to the
     field an error names (default: `inputs.messages`): their media parts are checked
     (scheduling.media_check) before the request takes a place in a queue."""
@@ -68,21 +65,8 @@ async def admit(
             stage,
             headers={"retry-after": str(RETRY_AFTER_S)},
         )
-    rid = dispatcher.new_rid(getattr(request.state, "request_id", None))
-    if dispatcher.ingress is None or len(msgpack.packb(inputs)) <= INLINE_MAX_BYTES:
+    rid = dispatcher.new_rid(request_id)
+    if dispatcher.inputs.inline(inputs):
         return dispatcher.submit(inputs, params, timeout_s, stream, rid=rid)
-    entries = [entry.name for entry in coordinator.topology.entry_stages]
-    for name in entries:  # counted as waiting until submit() queues or dispatches it
-        dispatcher.arriving[name] += 1
-    try:
-        refs = {}
-        for name in entries:
-            try:
-                refs[name] = await dispatcher.ingress.put(rid, name, inputs)
-            except ConnectorError as exc:  # nothing admitted yet: what is held goes with the rid
-                dispatcher.ingress.release(rid)
-                raise inputs_not_held(exc, name) from None
-        return dispatcher.submit(inputs, params, timeout_s, stream, rid=rid, inputs_refs=refs)
-    finally:
-        for name in entries:
-            dispatcher.arriving[name] -= 1
+    refs = await dispatcher.inputs.hold(rid, inputs)
+    return dispatcher.submit(inputs, params, timeout_s, stream, rid=rid, inputs_refs=refs)

@@ -16,21 +16,17 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from omni_mesh import codec
 from omni_mesh.control import Abort, Chunk, Error, Message, Output, Work
-from omni_mesh.coordinator.http.access import tame_request_id
 from omni_mesh.coordinator.scheduling import events
-from omni_mesh.coordinator.scheduling.failures import (
-    CLIENT_GONE,
-    RequestFailed,
-    inputs_not_held,
-    stage_failure,
-)
+from omni_mesh.coordinator.scheduling.failures import CLIENT_GONE, RequestFailed, stage_failure
+from omni_mesh.coordinator.scheduling.large_inputs import LargeInputs
 from omni_mesh.coordinator.scheduling.registry import Registry, Replica
+from omni_mesh.coordinator.scheduling.request_state import RequestState
 from omni_mesh.ingress import Ingress
+from omni_mesh.logs import tame_request_id
 from omni_mesh.topology import Topology
 
 log = logging.getLogger("omni_mesh.coordinator")
@@ -38,60 +34,34 @@ log = logging.getLogger("omni_mesh.coordinator")
 __all__ = ["Dispatcher", "RequestFailed", "RequestState"]
 
 
-@dataclass
-class RequestState:
-    rid: str
-    params: dict
-    deadline: float  # event-loop time
-    stream: bool
-    future: asyncio.Future
-    created: float = field(default_factory=time.perf_counter)
-    at: dict[str, str] = field(default_factory=dict)  # stage -> replica working on it
-    queued: dict[str, float] = field(default_factory=dict)  # stage -> when it started waiting
-    touched: set[str] = field(default_factory=set)  # replicas to abort on failure
-    done: set[str] = field(default_factory=set)
-    gathered: dict[str, dict[str, tuple[list, bool]]] = field(default_factory=dict)  # dst -> src -> (items, streamed)
-    gathering: dict[tuple[str, str], list] = field(default_factory=dict)  # (dst, src) -> streamed chunk items
-    stream_targets: dict[str, str | None] = field(default_factory=dict)  # dst -> replica (None: queued)
-    stream_buffer: dict[str, list[Chunk]] = field(default_factory=dict)  # dst -> chunks before dispatch
-    sent_chunks: dict[str, list[Chunk]] = field(default_factory=dict)  # dst -> chunks sent (replayed on retry)
-    work: dict[str, Work] = field(default_factory=dict)  # stage -> the work message routed to it
-    emitted: set[str] = field(default_factory=set)  # stages that produced output (no retry after that)
-    next_seq: dict[str, int] = field(default_factory=dict)  # stage -> seq of its next output (reconcile.py)
-    retried: set[str] = field(default_factory=set)
-    outputs: dict[str, Any] = field(default_factory=dict)
-    chunks: dict[str, list] = field(default_factory=dict)
-    events: asyncio.Queue[events.Event] | None = None  # a streamed request's, for its reader
-    timings: dict[str, dict] = field(default_factory=dict)
-    large_inputs: Any = None  # inputs held by the ingress connector (put again for a retried entry stage)
-    first_chunk_s: float | None = None  # admission to the first streamed final output
-
-    def location(self) -> str:
-        if self.at:
-            return ", ".join(f"stage {s!r} (replica {r!r})" for s, r in self.at.items())
-        if self.queued:
-            return ", ".join(f"stage {s!r} (waiting for a free replica)" for s in self.queued)
-        return "the coordinator"
-
-
 class Dispatcher:
-    def __init__(self, topology: Topology, registry: Registry, send: Callable[[Replica, Message], None]) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        registry: Registry,
+        send: Callable[[Replica, Message], None],
+        *,
+        ingress: Ingress | None = None,
+        observer: Callable[[RequestState, int], None] | None = None,
+    ) -> None:
+        """`send` puts a message on a replica's control connection; `ingress` holds inputs too large
+        for one (None: every request's inputs ride inline); `observer` is told of every request that
+        ends, with its status (200 or the failure's): the metrics."""
         self.topology = topology
         self.registry = registry
         self.send = send
+        self.observer = observer
+        self.inputs = LargeInputs(ingress, [s.name for s in topology.entry_stages])
         self.requests: dict[str, RequestState] = {}
         self.queues: dict[str, deque[tuple[str, Work]]] = {s.name: deque() for s in topology.stages}
         self.final_names = [s.name for s in topology.final_stages]
         self._inputs_of = {s.name: [topology.stage(e.src).name for e in topology.inputs_of(s.stage_id)] for s in topology.stages}
         self._outputs_of = {s.name: [topology.stage(e.dst).name for e in topology.outputs_of(s.stage_id)] for s in topology.stages}
         #: entry stage -> admitted requests whose large inputs are still going into the ingress
-        #: connector (admission.admit): not queued yet, but they may be, so full_stage counts them.
-        self.arriving: dict[str, int] = {s.name: 0 for s in topology.entry_stages}
+        #: connector (LargeInputs.hold): not queued yet, but they may be, so full_stage counts them.
+        self.arriving = self.inputs.arriving
         self.completed = 0
         self.failed = 0
-        self.ingress: Ingress | None = None  # set once the control endpoint is bound
-        #: Told of every request that ends, with its status (200 or the failure's): the metrics.
-        self.observer: Callable[[RequestState, int], None] | None = None
 
     # ------------------------------------------------------------------ intake
 
@@ -383,11 +353,10 @@ class Dispatcher:
         self._place(state, message)
 
     async def _put_again_and_place(self, state: RequestState, message: Work) -> None:
-        assert self.ingress is not None
         try:
-            message.inputs_ref = await self.ingress.put(state.rid, message.stage, state.large_inputs)
-        except Exception as exc:
-            self.fail(state, inputs_not_held(exc, message.stage, again=True))
+            message.inputs_ref = await self.inputs.hold_again(state.rid, message.stage, state.large_inputs)
+        except RequestFailed as exc:
+            self.fail(state, exc)
             return
         if state.rid in self.requests:
             state.work[message.stage] = message
@@ -401,5 +370,5 @@ class Dispatcher:
                 log.exception("request %s: recording metrics failed", state.rid)
 
     def _release_inputs(self, state: RequestState) -> None:
-        if state.large_inputs is not None and self.ingress is not None:
-            self.ingress.release(state.rid)
+        if state.large_inputs is not None:
+            self.inputs.release(state.rid)

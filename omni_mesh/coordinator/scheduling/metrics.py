@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from omni_mesh.coordinator.scheduling.dispatch import RequestState
+    from omni_mesh.coordinator.scheduling.request_state import RequestState
     from omni_mesh.coordinator.scheduling.service import Coordinator
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
@@ -185,6 +185,11 @@ class _StateCollector(Collector):
 
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
+
+    def describe(self) -> Iterator[Any]:
+        """Nothing ahead: registering would otherwise collect at once, from a coordinator still being
+        built (it hands the dispatcher this module's observer); the families are named when scraped."""
+        return iter(())
 
     def collect(self) -> Iterator[Any]:
         registry, dispatcher = self.coordinator.registry, self.coordinator.dispatcher

@@ -40,6 +40,7 @@ from omni_mesh.coordinator.scheduling.connection_cap import (
     default_cap,
 )
 from omni_mesh.coordinator.scheduling.dispatch import Dispatcher, RequestFailed
+from omni_mesh.coordinator.scheduling.metrics import Metrics
 from omni_mesh.coordinator.scheduling.reconcile import Reconciler
 from omni_mesh.coordinator.scheduling.registry import (
     HEARTBEAT_TIMEOUT_S,
@@ -88,7 +89,12 @@ class Coordinator:
         #: another mesh's on the same port.
         self.instance = os.environ.get(INSTANCE_ENV) or uuid.uuid4().hex
         self.registry = Registry(topology, heartbeat_timeout_s)
-        self.dispatcher = Dispatcher(topology, self.registry, self.send)
+        self.metrics = Metrics(self)  # reads the registry and dispatcher when scraped, not before
+        # Large inputs' connector: it listens on the control plane's host (known before the bind).
+        self.ingress = Ingress(control_endpoint)
+        self.dispatcher = Dispatcher(
+            topology, self.registry, self.send, ingress=self.ingress, observer=self.metrics.observe_request
+        )
         self.reconciler = Reconciler(self.dispatcher, self.send)  # after a replica's connection drops
         self.autoscaler = Autoscaler(topology, self.registry, self.dispatcher)  # decides; `up` acts
         self.malformed = 0
@@ -126,7 +132,6 @@ class Coordinator:
         secure_server(self._socket, self.keys)
         self._socket.bind(self.control_endpoint)
         self.control_endpoint = self._socket.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.dispatcher.ingress = Ingress(self.control_endpoint)
         self._tasks = [
             asyncio.create_task(self._receive_loop()),
             asyncio.create_task(self._monitor_loop()),
@@ -155,8 +160,7 @@ class Coordinator:
             self._socket.close(linger=500)  # long enough to hand those few bytes to the kernel
         if self._zap is not None:
             self._zap.close(linger=0)
-        if self.dispatcher.ingress is not None:
-            self.dispatcher.ingress.close()
+        self.ingress.close()
         if self._ctx is not None:
             self._ctx.term()
 

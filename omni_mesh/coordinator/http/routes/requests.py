@@ -39,7 +39,8 @@ def router(coordinator: Coordinator) -> APIRouter:
     async def submit(body: RequestBody, request: Request) -> Any:
         try:
             state = await admit(
-                coordinator, request, body.inputs, body.params, timeout_s=body.timeout_s, stream=body.stream
+                coordinator, body.inputs, body.params, request_id=getattr(request.state, "request_id", None),
+                timeout_s=body.timeout_s, stream=body.stream,
             )
         except RequestFailed as exc:
             return failure_response(exc)

@@ -7,8 +7,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, StrictInt
 
 from omni_mesh.coordinator.http.envelope import MEANINGS, error_response, responses
-from omni_mesh.coordinator.http.metrics import CONTENT_TYPE_LATEST, Metrics, stats
 from omni_mesh.coordinator.scheduling.autoscaler import ScaleRefused
+from omni_mesh.coordinator.scheduling.metrics import CONTENT_TYPE_LATEST, Metrics, stats
 from omni_mesh.coordinator.scheduling.service import Coordinator
 
 
@@ -110,7 +110,7 @@ def router(coordinator: Coordinator, metrics: Metrics) -> APIRouter:
                 "connections_over_cap": coordinator.cap.over_cap if coordinator.cap else 0,
                 "forged_messages": coordinator.forged.count,  # sent in another connection's replica's name
             },
-            "ingress": dispatcher.ingress.health() if dispatcher.ingress else None,  # large inputs' connector
+            "ingress": dispatcher.inputs.health(),  # large inputs' connector
         }
 
     return routes
