@@ -15,6 +15,7 @@ from omni_mesh import __version__
 from omni_mesh.coordinator.http import docs, envelope
 from omni_mesh.coordinator.http.access import AccessLog
 from omni_mesh.coordinator.http.auth import ApiKey
+from omni_mesh.coordinator.http.front_door import Answered
 from omni_mesh.coordinator.http.hosts import LoopbackHosts, is_loopback
 from omni_mesh.coordinator.http.limits import (
     BODY_TIMEOUT_S,
@@ -26,7 +27,7 @@ from omni_mesh.coordinator.http.limits import (
 )
 from omni_mesh.coordinator.http.memory import return_large_blocks
 from omni_mesh.coordinator.http.routes import dashboard, requests, status
-from omni_mesh.coordinator.http.stopping import StoppingServer
+from omni_mesh.coordinator.http.stopping import serve_ending_requests_at_grace
 from omni_mesh.coordinator.openai import routes as openai_routes
 from omni_mesh.coordinator.scheduling.registry import HEARTBEAT_TIMEOUT_S
 from omni_mesh.coordinator.scheduling.service import Coordinator
@@ -73,7 +74,8 @@ def create_app(
         app.add_middleware(ApiKey, key=api_key)  # runs before any body is read
     if host is not None and is_loopback(host):
         app.add_middleware(LoopbackHosts)  # DNS rebinding: before the key, which is often unset there
-    app.add_middleware(AccessLog, metrics=metrics, routes=app.routes)  # added last: outermost, so every answer is logged
+    app.add_middleware(AccessLog, metrics=metrics, routes=app.routes)  # outer: every answer is logged
+    app.add_middleware(Answered)  # outermost: an answer's connection learns it is idle again (the cap)
     return app
 
 
@@ -121,7 +123,7 @@ async def serve(
         ssl_keyfile=ssl_keyfile,
         ssl_certfile=ssl_certfile,
     )
-    server = StoppingServer(config, coordinator.dispatcher)  # past the grace, requests end saying so
+    server = uvicorn.Server(config)
     scheme = "https" if ssl_certfile else "http"
     log.info(
         "coordinator for topology %r on %s://%s:%d (API key %s)",
@@ -133,7 +135,7 @@ async def serve(
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, lambda *_: None) if main_thread else None
     try:
-        await server.serve()
+        await serve_ending_requests_at_grace(server, coordinator.dispatcher)  # past the grace: 503s
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
