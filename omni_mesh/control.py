@@ -130,7 +130,7 @@ class Output(Message):
 
 class FailureKind(str, enum.Enum):
     """Why a stage failed a request (`Error.kind`). The stage says what happened; what a client is
-    answered for it is the coordinator's to say, in one place (coordinator/failures.py)."""
+    answered for it is the coordinator's to say, in one place (coordinator/scheduling/failures.py)."""
 
     HANDLER_FAILED = "handler_failed"  # the handler raised
     INVALID_INPUT = "invalid_input"  # the handler refused the request's inputs or params (InvalidInput)

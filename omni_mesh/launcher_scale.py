@@ -1,5 +1,5 @@
 """`omni-mesh up` acting on the coordinator's autoscaling: the coordinator decides each stage's target
-replicas (omni_mesh.coordinator.autoscaler: from the load, or `omni-mesh scale` for a stage without
+replicas (omni_mesh.coordinator.scheduling.autoscaler: from the load, or `omni-mesh scale` for a stage without
 autoscale:), the launcher reads them from /v1/stages and starts replica processes, or drains and stops them.
 
 A replica asked to go gets SIGTERM, the signal it already drains on: it takes no new work, finishes
@@ -78,7 +78,7 @@ class Scaler:
         self.url = url
         self.cap = cap
         self.memory = MemoryRoom(min_free_memory)  # nor past the memory the host has
-        # Its own User-Agent: the coordinator's access log leaves these polls out (coordinator/access.py).
+        # Its own User-Agent: the coordinator's access log leaves these polls out (coordinator/http/access.py).
         headers = {"user-agent": "omni-mesh-autoscale", **({"authorization": f"Bearer {api_key}"} if api_key else {})}
         # A short timeout: a hung coordinator must not hold up the supervision loop (restarts) for long.
         self.client = httpx.Client(timeout=1.0, headers=headers, verify=verify) if self.stages else None

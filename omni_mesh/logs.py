@@ -12,6 +12,7 @@ import contextvars
 import json
 import logging
 import os
+import re
 import sys
 import time
 
@@ -21,6 +22,13 @@ LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("text", "json")
 
 request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("omni_mesh_request_id", default=None)
+#: A client's X-Request-Id becomes the request's id when it is this tame: it ends up in log lines and
+#: connector keys.
+_TAME = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+def tame_request_id(value: str) -> bool:
+    return _TAME.fullmatch(value) is not None
 
 
 class _RequestIdFilter(logging.Filter):

@@ -18,9 +18,9 @@ import os
 import pytest
 
 from omni_mesh.control import Register
-from omni_mesh.coordinator.autoscaler import Autoscaler
-from omni_mesh.coordinator.dispatch import Dispatcher
-from omni_mesh.coordinator.registry import Registry
+from omni_mesh.coordinator.scheduling.autoscaler import Autoscaler
+from omni_mesh.coordinator.scheduling.dispatch import Dispatcher
+from omni_mesh.coordinator.scheduling.registry import Registry
 from omni_mesh.topology import parse_topology
 
 TICK = 0.25

@@ -2,7 +2,7 @@
 
 - A client that does not read its answer is cut off once its write buffer has not shrunk for the
   write deadline, and what was buffered for it is freed; a client that reads slowly is not.
-- A large answer is encoded as it is sent (coordinator/json_body.py), to the same text as a whole one.
+- A large answer is encoded as it is sent (coordinator/http/json_body.py), to the same text as a whole one.
 - A real mesh whose stage answers 10 MB: 20 raw-socket clients that never read are all closed by the
   coordinator within the deadline, its RSS returns under 150 MiB above its baseline, and a client that
   reads meanwhile gets its whole answer.
@@ -33,10 +33,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from support.meshkit import Mesh, running_mesh, wait_for
 
 from omni_mesh import cli, control
-from omni_mesh.coordinator import json_body
-from omni_mesh.coordinator.http_limits import WRITE_TIMEOUT_S, read_deadlines
-from omni_mesh.coordinator.json_body import json_answer, json_chunks
-from omni_mesh.coordinator.jsonable import jsonable
+from omni_mesh.coordinator.http import json_body
+from omni_mesh.coordinator.http.json_body import json_answer, json_chunks
+from omni_mesh.coordinator.http.jsonable import jsonable
+from omni_mesh.coordinator.http.limits import WRITE_TIMEOUT_S, read_deadlines
 from omni_mesh.ports import free_port
 from omni_mesh.procinfo import descendants
 from omni_mesh.security import ENV_KEYS_DIR, MeshKeys, secure_client

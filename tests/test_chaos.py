@@ -60,7 +60,7 @@ def test_a_short_soak_with_every_fault_kind_keeps_every_invariant() -> None:
 
 def test_control_connection_drops_fail_no_request() -> None:
     """Shared-memory edges, so a drop resets only control connections: every request succeeds (the
-    replica and the coordinator reconcile what was in flight: coordinator/reconcile.py), none late."""
+    replica and the coordinator reconcile what was in flight: coordinator/scheduling/reconcile.py), none late."""
     done = subprocess.run(
         [*CLI, "--edges", "shm", "--duration", "10", "--kill-every", "0", "--pause-every", "0",
          "--drop-every", "1", "--json"],

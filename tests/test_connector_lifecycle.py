@@ -34,7 +34,7 @@ from omni_mesh.connectors import (
 )
 from omni_mesh.connectors.zmq import ZmqConnector
 from omni_mesh.control import Register
-from omni_mesh.coordinator.registry import Registry
+from omni_mesh.coordinator.scheduling.registry import Registry
 from omni_mesh.hostinfo import machine_id, namespace, process_start_time
 from omni_mesh.topology import parse_topology
 

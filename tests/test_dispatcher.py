@@ -32,10 +32,10 @@ from omni_mesh.control import (
     Rejected,
     Work,
 )
-from omni_mesh.coordinator import events as request_events
-from omni_mesh.coordinator.dispatch import Dispatcher, RequestFailed
-from omni_mesh.coordinator.registry import MIN_ROUTING_ID_BYTES, Registry, Replica
-from omni_mesh.coordinator.service import Coordinator
+from omni_mesh.coordinator.scheduling import events as request_events
+from omni_mesh.coordinator.scheduling.dispatch import Dispatcher, RequestFailed
+from omni_mesh.coordinator.scheduling.registry import MIN_ROUTING_ID_BYTES, Registry, Replica
+from omni_mesh.coordinator.scheduling.service import Coordinator
 from omni_mesh.topology import Topology, parse_topology
 
 

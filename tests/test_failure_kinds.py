@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from omni_mesh.control import Error, FailureKind
-from omni_mesh.coordinator.failures import FULL_RETRY_AFTER_S, STAGE_FAILURES, openai_body, stage_failure
+from omni_mesh.coordinator.scheduling.failures import FULL_RETRY_AFTER_S, STAGE_FAILURES, openai_body, stage_failure
 
 #: kind -> (REST status, OpenAI status, what the message says), as clients have always been answered.
 ANSWERS = {

@@ -7,7 +7,9 @@ imports under `if TYPE_CHECKING:` aside, as they never run) and three rules are 
     mooncake/, datasystem/); outsiders use the registry in `omni_mesh.connectors` and the public modules;
 (b) the coordinator and the launcher import nothing of shared memory: reclaiming goes through the
     connector types' lifecycles;
-(c) no import cycle among `omni_mesh` modules, but for the known ones listed below with their owners.
+(c) no import cycle among `omni_mesh` modules, but for the known ones listed below with their owners;
+(e) the coordinator's scheduling room imports nothing of its HTTP or OpenAI rooms nor of an HTTP server
+    library, and topology (every process reads it) imports nothing of the coordinator.
 And, by importing them in a fresh process: (d) the coordinator, the launcher, the CLI (but its bench
 and engine commands), the stage runtime and the codec do not import torch at module level.
 """
@@ -82,6 +84,19 @@ def imports_of(name: str) -> frozenset[str]:
     return frozenset(m for m in found if m in modules())
 
 
+@cache
+def libraries_of(name: str) -> frozenset[str]:
+    """The top-level packages outside `omni_mesh` that `name` imports (absolute imports only)."""
+    path = modules()[name]
+    found = set()
+    for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return frozenset(found - {"omni_mesh"})
+
+
 def is_private_connectors_module(name: str) -> bool:
     if not name.startswith(CONNECTORS + "."):
         return False
@@ -92,7 +107,7 @@ def is_private_connectors_module(name: str) -> bool:
 def test_the_parser_sees_what_the_rules_are_about() -> None:
     """The rules below are only as good as the import reading: check it on modules known to import."""
     assert "omni_mesh.connectors.shm.segments" in imports_of("omni_mesh.connectors.shm.pool")
-    assert "omni_mesh.connectors" in imports_of("omni_mesh.coordinator.registry")
+    assert "omni_mesh.connectors" in imports_of("omni_mesh.coordinator.scheduling.registry")
     # function-level imports count: connector_type imports the light configs module inside the function
     assert "omni_mesh.connectors.config" in imports_of("omni_mesh.connectors")
     assert is_private_connectors_module("omni_mesh.connectors._addresses")
@@ -235,7 +250,54 @@ def test_the_coordinator_launcher_cli_stage_and_codec_do_not_import_torch() -> N
     """Module level, transitively: a process that only imports these never loads torch (2-3 s of CPU);
     the codec and connectors import it when a tensor shows up (omni_mesh.lazy_torch)."""
     names = light_modules()
-    assert "omni_mesh.coordinator.app" in names and "omni_mesh.cli.validate" in names and len(names) > 60
+    assert "omni_mesh.coordinator.http.app" in names and "omni_mesh.cli.validate" in names and len(names) > 60
     assert first_to_import_torch(names) == "", "this module imports torch at import time; import it lazily"
     # The control: the check sees a module that does import torch.
     assert first_to_import_torch(["omni_mesh.codec", "omni_mesh.bench.connector"]) == "omni_mesh.bench.connector"
+
+
+SCHEDULING = "omni_mesh.coordinator.scheduling"
+#: What the scheduler must not reach: the rooms that call it, and the libraries that serve HTTP.
+UPSTAIRS = ("omni_mesh.coordinator.http", "omni_mesh.coordinator.openai")
+HTTP_SERVER_LIBRARIES = frozenset({"fastapi", "starlette", "uvicorn", "httptools", "h11"})
+
+
+def _inside(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def wall_breaches(graph: dict[str, frozenset[str]], libraries: dict[str, frozenset[str]]) -> list[str]:
+    """Rule (e) over an import graph and each module's libraries."""
+    breaches = []
+    for name in sorted(graph):
+        if _inside(name, SCHEDULING):
+            breaches += [f"{name} imports {t}" for t in sorted(graph[name]) if any(_inside(t, u) for u in UPSTAIRS)]
+            breaches += [f"{name} imports {lib}" for lib in sorted(libraries.get(name, frozenset()) & HTTP_SERVER_LIBRARIES)]
+        if _inside(name, "omni_mesh.topology"):
+            breaches += [f"{name} imports {t}" for t in sorted(graph[name]) if _inside(t, "omni_mesh.coordinator")]
+    return breaches
+
+
+def test_the_scheduler_imports_nothing_of_http_and_topology_nothing_of_the_coordinator() -> None:
+    names = list(modules())
+    assert f"{SCHEDULING}.dispatch" in names and "omni_mesh.coordinator.http.app" in names
+    assert "fastapi" in libraries_of("omni_mesh.coordinator.http.app")  # the reader sees libraries
+    breaches = wall_breaches({n: imports_of(n) for n in names}, {n: libraries_of(n) for n in names})
+    assert not breaches, "the HTTP and OpenAI rooms call the scheduler, never the other way:\n" + "\n".join(
+        breaches
+    )
+
+
+def test_the_wall_check_sees_a_breach() -> None:
+    graph = {
+        f"{SCHEDULING}.dispatch": frozenset({"omni_mesh.coordinator.http.access"}),
+        f"{SCHEDULING}.admission": frozenset(),
+        "omni_mesh.topology.parse": frozenset({"omni_mesh.coordinator.openai.routes"}),
+        "omni_mesh.coordinator.http.app": frozenset({f"{SCHEDULING}.service"}),
+    }
+    libraries = {f"{SCHEDULING}.admission": frozenset({"fastapi", "msgpack"})}
+    assert wall_breaches(graph, libraries) == [
+        f"{SCHEDULING}.admission imports fastapi",
+        f"{SCHEDULING}.dispatch imports omni_mesh.coordinator.http.access",
+        "omni_mesh.topology.parse imports omni_mesh.coordinator.openai.routes",
+    ]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from omni_mesh.coordinator.jsonable import jsonable
+from omni_mesh.coordinator.http.jsonable import jsonable
 
 
 def test_sets_become_sorted_lists_and_mixed_sets_lists():

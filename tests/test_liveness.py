@@ -25,7 +25,7 @@ from omni_mesh.hostinfo import ProcessUnknown, process_gone, process_start_time
 CHILD = r"""
 import json, logging, os, resource, sys
 from omni_mesh.connectors.shm.segments import ProcessIdentity
-from omni_mesh.coordinator.registry import Replica
+from omni_mesh.coordinator.scheduling.registry import Replica
 from omni_mesh.hostinfo import ProcessUnknown, machine_id, namespace, process_gone, process_start_time
 
 logging.basicConfig(stream=sys.stderr, format="%(message)s")

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from omni_mesh import cli, defaults, launcher, security, stage, watchdog
 from omni_mesh.bench import mesh
-from omni_mesh.coordinator import http_limits, registry, service
+from omni_mesh.coordinator.http import limits as http_limits
+from omni_mesh.coordinator.scheduling import registry, service
 
 PACKAGE = Path(defaults.__file__).parent
 SHARED = {name for name in vars(defaults) if name.isupper()}

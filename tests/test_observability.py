@@ -251,7 +251,7 @@ def test_every_connector_counter_is_exported_as_a_counter() -> None:
     are all in /metrics' counter list: a new one would otherwise be exported as a gauge."""
     import ast
 
-    from omni_mesh.coordinator.metrics import _CONNECTOR_COUNTERS
+    from omni_mesh.coordinator.scheduling.metrics import _CONNECTOR_COUNTERS
 
     def strings(node: ast.AST) -> set[str]:
         return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}

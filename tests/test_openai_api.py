@@ -28,10 +28,10 @@ import torch
 import yaml
 from support.meshkit import Mesh, running_mesh, wait_for
 
-from omni_mesh.coordinator.openai_audio import encode
-from omni_mesh.coordinator.openai_reply import Reply, ReplyError
-from omni_mesh.coordinator.openai_request import ChatRequest, ChatRequestError, chat_call
-from omni_mesh.openai_section import AudioRef, OpenAISpec, OutputRef
+from omni_mesh.coordinator.openai.audio import encode
+from omni_mesh.coordinator.openai.reply import Reply, ReplyError
+from omni_mesh.coordinator.openai.request import ChatRequest, ChatRequestError, chat_call
+from omni_mesh.topology.openai_spec import AudioRef, OpenAISpec, OutputRef
 from services.omni_demo.audio import GROUP_SAMPLES
 
 REPO = Path(__file__).resolve().parents[1]

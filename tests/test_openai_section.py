@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from omni_mesh.openai_section import AudioRef, OutputRef
 from omni_mesh.topology import TopologyError, load_topology, parse_topology
+from omni_mesh.topology.openai_spec import AudioRef, OutputRef
 
 DEMO = Path(__file__).resolve().parents[1] / "compose" / "omni-demo.yaml"
 

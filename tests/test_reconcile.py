@@ -1,4 +1,4 @@
-"""Reconciling after a replica's control connection dropped (coordinator/reconcile.py), in one process
+"""Reconciling after a replica's control connection dropped (coordinator/scheduling/reconcile.py), in one process
 with the dispatcher harness of test_dispatcher.py (no sockets: the end-to-end cases, with connections
 cut by the kernel, are in test_control_reconnect.py). Each case is one way a message is lost."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from test_dispatcher import Mesh, chain, item
 
 from omni_mesh.control import Abort, Chunk, Holding, Output, Reconcile, Work
-from omni_mesh.coordinator.reconcile import Reconciler
+from omni_mesh.coordinator.scheduling.reconcile import Reconciler
 
 
 def _reconciler(mesh: Mesh) -> Reconciler:

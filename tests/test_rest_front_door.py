@@ -34,17 +34,18 @@ from support.browser import rendered
 from support.meshkit import Mesh, running_mesh
 
 from omni_mesh import cli
-from omni_mesh.coordinator import envelope
-from omni_mesh.coordinator.auth import ApiKey
-from omni_mesh.coordinator.hosts import is_loopback
-from omni_mesh.coordinator.http_limits import (
+from omni_mesh.coordinator.http import envelope
+from omni_mesh.coordinator.http.auth import ApiKey
+from omni_mesh.coordinator.http.hosts import is_loopback
+from omni_mesh.coordinator.http.limits import (
     BODY_TIMEOUT_S,
     HEADER_TIMEOUT_S,
     MAX_HEAD_BYTES,
     MAX_URL_BYTES,
     read_deadlines,
 )
-from omni_mesh.coordinator.request_body import RequestBody, unpackable
+from omni_mesh.coordinator.http.request_body import RequestBody
+from omni_mesh.coordinator.scheduling.packable import field_path, unpackable
 from omni_mesh.ports import free_port
 from omni_mesh.procinfo import descendants
 
@@ -158,9 +159,9 @@ class TestUnpackable:
 
 
 def test_field_path_quotes_odd_names_and_keeps_them_short() -> None:
-    assert envelope.field_path(("inputs", "a", 3, "b")) == "inputs.a[3].b"
-    assert envelope.field_path(("inputs", "\ud800", "x-y")) == 'inputs["\\ud800"]["x-y"]'
-    assert len(envelope.field_path(("inputs", "k" * 10_000))) < 100
+    assert field_path(("inputs", "a", 3, "b")) == "inputs.a[3].b"
+    assert field_path(("inputs", "\ud800", "x-y")) == 'inputs["\\ud800"]["x-y"]'
+    assert len(field_path(("inputs", "k" * 10_000))) < 100
 
 
 # ------------------------------------------------------------------ a real uvicorn, a small app

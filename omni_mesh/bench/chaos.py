@@ -42,7 +42,7 @@ from omni_mesh.bench.http_client import Connection
 from omni_mesh.bench.mesh import running_mesh
 from omni_mesh.bench.pipeline import percentile
 from omni_mesh.connectors import held_by, mesh_places
-from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S
+from omni_mesh.coordinator.scheduling.registry import HEARTBEAT_TIMEOUT_S
 from omni_mesh.procinfo import children_of
 from omni_mesh.topology import Topology, load_topology
 

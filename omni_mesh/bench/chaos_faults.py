@@ -40,7 +40,7 @@ from typing import Any
 
 import httpx
 
-from omni_mesh.coordinator.registry import HEARTBEAT_TIMEOUT_S
+from omni_mesh.coordinator.scheduling.registry import HEARTBEAT_TIMEOUT_S
 from omni_mesh.procinfo import children_of
 
 KINDS = ("kill", "pause", "stop", "drop")

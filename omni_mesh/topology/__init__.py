@@ -19,7 +19,7 @@ The package, one concept a module:
     no_effect         the vllm-omni settings of an engine stage that do nothing here, named in a warning
     graph             the order of the stages; cycles, stages that reach no final one, no edges at all
     connector_checks  each connector against its type and its type's `validate_config`
-    openai            the `openai:` section, read into `omni_mesh.openai_section`'s specs
+    openai            the `openai:` section, read into `omni_mesh.topology.openai_spec`'s specs
 """
 
 from omni_mesh.topology.load import add_to_sys_path, load_handler, load_topology

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omni_mesh.openai_section import OpenAISpec
+from omni_mesh.topology.openai_spec import OpenAISpec
 
 if TYPE_CHECKING:
     from omni_mesh.topology.autoscale import AutoscaleSpec
@@ -101,7 +101,7 @@ class Topology:
     graph_from: str | None = None
     path: Path | None = None
     base_dir: Path | None = None
-    openai: OpenAISpec | None = None  # the optional `openai:` section (omni_mesh.openai_section)
+    openai: OpenAISpec | None = None  # the optional `openai:` section (omni_mesh.topology.openai_spec)
 
     def stage(self, key: int | str) -> StageSpec:
         """A stage by id or by name (a digit string that is no stage name is taken as an id)."""

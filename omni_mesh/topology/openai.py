@@ -1,4 +1,4 @@
-"""The `openai:` section of a topology file read into `omni_mesh.openai_section`'s specs (the section's
+"""The `openai:` section of a topology file read into `omni_mesh.topology.openai_spec`'s specs (the section's
 format is described there; its model, schema.OpenAISection, checks each value)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from typing import Any
 
 from omni_mesh.model_graph import AUDIO_OUTPUT
 from omni_mesh.model_source import ModelNotFound, expand
-from omni_mesh.openai_section import AudioRef, OpenAISpec, OutputRef
 from omni_mesh.topology.model import Topology, TopologyError
+from omni_mesh.topology.openai_spec import AudioRef, OpenAISpec, OutputRef
 from omni_mesh.topology.schema import OpenAISection, OutputRefModel, StageRef
 from omni_mesh.topology.validation import validated
 

@@ -26,9 +26,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from omni_mesh.openai_section import ENCODINGS, SOURCES
 from omni_mesh.topology.autoscale import AutoscaleSection
 from omni_mesh.topology.model import TopologyError
+from omni_mesh.topology.openai_spec import ENCODINGS, SOURCES
 from omni_mesh.topology.validation import expect, misspelled, one_of, spelling_message
 
 #: How close (difflib's ratio) an unknown key must be to a known one to be taken as its misspelling.
@@ -235,7 +235,7 @@ class AudioRefModel(OutputRefModel):
 
 
 class OpenAISection(_Closed):
-    """The `openai:` section (omni_mesh.openai_section)."""
+    """The `openai:` section (omni_mesh.topology.openai_spec)."""
 
     model: Text | None = None
     inputs: dict[

@@ -1,1 +1,0 @@
-"""The coordinator's routes, one router per module; coordinator.app assembles them."""
