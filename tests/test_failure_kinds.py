@@ -1,12 +1,17 @@
 """How a stage failed a request (control.FailureKind, on the wire) and what its client is answered: the
-one table in coordinator/failures.py. The statuses are the ones users have always seen."""
+one table in coordinator/scheduling/failures.py. The statuses are the ones users have always seen."""
 
 from __future__ import annotations
 
 import pytest
 
 from omni_mesh.control import Error, FailureKind
-from omni_mesh.coordinator.scheduling.failures import FULL_RETRY_AFTER_S, STAGE_FAILURES, openai_body, stage_failure
+from omni_mesh.coordinator.scheduling.failures import (
+    FULL_RETRY_AFTER_S,
+    STAGE_FAILURES,
+    openai_body,
+    stage_failure,
+)
 
 #: kind -> (REST status, OpenAI status, what the message says), as clients have always been answered.
 ANSWERS = {
