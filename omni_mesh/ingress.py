@@ -15,7 +15,7 @@ import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from omni_mesh.connectors import ConnectorError, OmniConnectorBase, create_connector
+from omni_mesh.connectors import OmniConnectorBase, create_connector
 from omni_mesh.ports import WILDCARDS
 
 #: Inputs larger than this (packed) go through the ingress connector; smaller ones ride inline.
@@ -52,10 +52,10 @@ class Ingress:
         self._attempts += 1
         key = f"{rid}/{stage}/{self._attempts}"  # every attempt its own key: a get consumes the payload
         loop = asyncio.get_running_loop()
-        ok, _size, meta = await loop.run_in_executor(self._executor, self._connector.put, SOURCE, stage, key, inputs)
-        if not ok:  # ConnectorFull when its memory is full (the coordinator answers 503)
-            failure = self._connector.put_failure(SOURCE, stage, key)
-            raise failure or ConnectorError(f"could not hold the inputs for stage {stage!r}: no reason given")
+        # Raises ConnectorFull when its memory is full (the coordinator answers 503).
+        _size, meta = await loop.run_in_executor(
+            self._executor, self._connector.put_or_raise, SOURCE, stage, key, inputs
+        )
         return {"key": key, "meta": meta}
 
     def health(self) -> dict[str, Any]:

@@ -2,11 +2,9 @@
 
 The shared helpers live in tests/support/ (a package: `from support.meshkit import ...`).
 
-Mooncake's native library crashes the process when it loads after openYuanrong's yr.datasystem (their
-bundled libraries clash; `omni_mesh.connectors.mooncake.common` refuses that order with a clear error,
-and the connector registry creates Mooncake connectors first for the same reason). The suite exercises
-both in one pytest process, so the moment something is about to import yr.datasystem, mooncake is loaded
-first. Tests that never touch openYuanrong do not load mooncake because of this file.
+Mooncake's native library crashes the process when it loads after openYuanrong's yr.datasystem; the
+suite exercises both in one pytest process, so it loads yr.datasystem only through
+`omni_mesh.connectors.backends.load`, which keeps the safe order (the rule lives there alone).
 
 The modules that need a datasystem worker share one (`datasystem_worker`, tests/support/shared_worker.py):
 they run one after another, and the worker stops after the last test that names the fixture.
@@ -18,10 +16,7 @@ pytest process keeps its segments (and its children's) in a directory of its own
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import importlib
-import importlib.abc
 import os
 import shutil
 import sys
@@ -38,22 +33,6 @@ os.environ["OMNI_MESH_SHM_DIR"] = str(SEGMENT_DIR)
 
 import pytest  # noqa: E402
 from support.shared_worker import SharedWorker  # noqa: E402
-
-
-class _MooncakeBeforeYuanrong(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: on the first import of yr.datasystem it imports mooncake, then steps aside."""
-
-    def find_spec(self, fullname: str, path: object, target: object = None) -> None:
-        if fullname == "yr.datasystem" and self in sys.meta_path:
-            sys.meta_path.remove(self)
-            with contextlib.suppress(ImportError):  # no mooncake here: nothing can clash
-                importlib.import_module("mooncake.engine")
-                importlib.import_module("mooncake.store")
-        return None
-
-
-sys.meta_path.insert(0, _MooncakeBeforeYuanrong())
-
 
 # ---------------------------------------------------------------------- one datasystem worker
 

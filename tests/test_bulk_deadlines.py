@@ -15,7 +15,7 @@ from support.bulk_proxy import BulkProxy
 from support.meshkit import wait_for
 
 from omni_mesh.connectors import PayloadMissing, create_connector
-from omni_mesh.connectors.served import bulk_server, seal
+from omni_mesh.connectors.served import bulk_server, bulk_wire, seal
 from omni_mesh.security import MeshKeys
 
 EDGE = ("thinker", "talker")
@@ -33,7 +33,7 @@ def test_a_pull_dripped_a_byte_at_a_time_is_dropped_after_stranger_wait_s(
     try:
         producer.put(*EDGE, "req-11/x", {"blob": torch.ones(2 * MiB, dtype=torch.uint8)})
         session = seal.Session.fresh()
-        pull = bulk_server.PULL + session.sid + session.proof()
+        pull = bulk_wire.PULL + session.sid + session.proof()
         started, answer, closed = time.monotonic(), b"", False
         with socket.create_connection(("127.0.0.1", producer._bulk.port), timeout=5) as drip:
             drip.settimeout(wait_s / 4)

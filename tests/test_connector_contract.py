@@ -214,12 +214,12 @@ def test_a_failed_put_answers_false_zero_none_with_the_reason(pair, backend: Bac
     with caplog.at_level("WARNING", logger="omni_mesh.connectors"):
         assert producer.put("s0", "s1", "bad/0", object()) == (False, 0, None)
     assert producer.health()["put_failures"] == failures + 1
-    reason = producer.put_error("s0", "s1", "bad/0")
-    assert producer.put_failure("s0", "s1", "bad/0") is None  # the reason and the error are told once
-    assert producer.put("s0", "s1", "bad/1", object()) == (False, 0, None)
-    assert isinstance(producer.put_failure("s0", "s1", "bad/1"), ConnectorError)
-    assert reason and "bad/0" in reason and "s0->s1" in reason and backend.name in reason and "object" in reason
     assert any("bad/0" in record.getMessage() for record in caplog.records)
+    with pytest.raises(ConnectorError) as failed:  # what our own callers use: the error itself
+        producer.put_or_raise("s0", "s1", "bad/1", object())
+    reason = str(failed.value)
+    assert "bad/1" in reason and "s0->s1" in reason and backend.name in reason and "object" in reason
+    assert producer.health()["put_failures"] == failures + 2
 
 
 def test_serialize_obj_and_deserialize_obj_round_trip_without_pickle(pair) -> None:
@@ -263,7 +263,8 @@ def test_close_is_idempotent_and_final(backend: Backend) -> None:
     connector.close()
     connector.close()
     assert connector.put("s0", "s1", "closing/1", b"y") == (False, 0, None)
-    assert isinstance(connector.put_failure("s0", "s1", "closing/1"), ConnectorClosed)
+    with pytest.raises(ConnectorClosed):
+        connector.put_or_raise("s0", "s1", "closing/2", b"y")
     with pytest.raises(ConnectorClosed):
         connector.get("s0", "s1", "closing/0", wire(metadata))
     assert connector.health()["status"] == "unhealthy"

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from omni_mesh.connectors import (
+    ConnectorError,
     ConnectorUnavailable,
     OmniConnectorBase,
     PayloadMissing,
@@ -32,14 +33,14 @@ class Dictionary(OmniConnectorBase):
         self.held: dict[str, bytes] = {}
         self.down = False
 
-    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[int, dict | None]:
         frame = self.serialize_obj(data)
         if len(frame) > self.LIMIT * 1024:
             raise PayloadTooLarge(
                 f"Dictionary: {len(frame)} bytes for {put_key!r} on {from_stage}->{to_stage}"
             )
         self.held[f"{from_stage}->{to_stage}/{put_key}"] = frame
-        return True, len(frame), {}
+        return len(frame), {}
 
     def _poll(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None
@@ -65,9 +66,9 @@ class Dictionary(OmniConnectorBase):
 def test_a_failed_put_answers_false_zero_none_and_keeps_its_kind() -> None:
     connector = Dictionary()
     assert connector.put("a", "b", "big/0", b"x" * 9000) == (False, 0, None)
-    failure = connector.put_failure("a", "b", "big/0")
-    assert isinstance(failure, PayloadTooLarge) and "'big/0'" in str(failure)
-    assert connector.health()["put_failures"] == 1
+    with pytest.raises(PayloadTooLarge, match="'big/1'"):
+        connector.put_or_raise("a", "b", "big/1", b"x" * 9000)
+    assert connector.health()["put_failures"] == 2
 
 
 def test_a_poll_of_a_payload_not_there_is_none_and_other_failures_raise() -> None:
@@ -104,3 +105,34 @@ def test_the_in_process_connector_polls_through_the_base() -> None:
         assert ok and connector.get("a", "b", "k/0", metadata) == ({"x": 1}, size)
     finally:
         connector.close()
+
+
+class VllmOmniStyle(OmniConnectorBase):
+    """A connector written to vllm-omni's contract: it overrides `put` and `get`, and says no more."""
+
+    config_class = InProcessConfig
+
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+        return (True, 3, {"k": put_key}) if data != "refused" else (False, 0, None)
+
+    def get(self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None = None) -> Any:
+        return None
+
+    def cleanup(self, key: str) -> None:
+        pass
+
+    def health(self) -> dict:
+        return {"status": "healthy", **self._put_health()}
+
+    def close(self) -> None:
+        pass
+
+
+def test_put_or_raise_raises_where_put_answers_false_even_for_a_vllm_omni_style_put() -> None:
+    """Our own callers (stage runtime, ingress) call put_or_raise: the typed error, no side table."""
+    assert Dictionary().put_or_raise("a", "b", "k/0", [1]) == (len(Dictionary.serialize_obj([1])), {})
+    connector = VllmOmniStyle()
+    assert connector.put_or_raise("a", "b", "k/1", "fine") == (3, {"k": "k/1"})
+    with pytest.raises(ConnectorError, match=r"VllmOmniStyle: put of key 'k/2' on edge a->b failed: put\(\) returned"):
+        connector.put_or_raise("a", "b", "k/2", "refused")
+    assert connector.health()["put_failures"] == 1

@@ -19,7 +19,7 @@ import pytest
 import torch
 from support.shm_kit import ShmPeer, our_segments
 
-from omni_mesh import codec, connectors
+from omni_mesh import codec
 from omni_mesh.connectors import (
     Lifecycle,
     ProcessFacts,
@@ -31,6 +31,7 @@ from omni_mesh.connectors import (
     lifecycle_of,
     reclaim,
     reclaim_orphans,
+    registry,
 )
 from omni_mesh.connectors.zmq import ZmqConnector
 from omni_mesh.control import Register
@@ -155,7 +156,7 @@ class LeasingConnector(ZmqConnector):
 @pytest.fixture
 def leasing(monkeypatch: pytest.MonkeyPatch) -> None:
     """LeasingConnector registered for one test (the registry is left as it was)."""
-    monkeypatch.setitem(connectors._REGISTRY, "LeasingConnector", LeasingConnector)
+    monkeypatch.setitem(registry.registered, "LeasingConnector", LeasingConnector)
     Leases.reclaimed.clear()
 
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from omni_mesh import connectors
 from omni_mesh.connectors import (
     ConnectorConfigError,
     OmniConnectorBase,
     connector_type,
     creation_rank,
+    registry,
 )
 from omni_mesh.connectors import (
     config as configs,
@@ -40,7 +40,7 @@ def test_the_rule_follows_the_backend_module_not_the_name(monkeypatch: pytest.Mo
     registered = {"AliasOfTheStore": "omni_mesh.connectors.mooncake_store:MooncakeStoreConnector",
                   "MooncakeLookalike": "omni_mesh.connectors.zmq:ZmqConnector", "Local": Local}
     for name, target in registered.items():
-        monkeypatch.setitem(connectors._REGISTRY, name, target)  # not left behind for other tests
+        monkeypatch.setitem(registry.registered, name, target)  # not left behind for other tests
     assert creation_rank("AliasOfTheStore") == 0
     assert creation_rank("MooncakeLookalike") == 1
     assert creation_rank("Local") == 1
@@ -54,15 +54,18 @@ def test_each_built_in_type_is_what_its_class_says() -> None:
     """The light table topology checks read holds each built-in class's own config class and scope,
     and no built-in checks its config beyond the base class's `validate_config` (so the light check
     is the whole check)."""
-    for path, (config_name, scope) in connectors._BUILT_IN_TYPES.items():
-        module_name, _, class_name = path.partition(":")
+    for record in registry.BUILT_INS:
+        module_name, _, class_name = record.path.partition(":")
         cls = getattr(importlib.import_module(module_name), class_name)
-        assert getattr(configs, config_name) is cls.config_class, path
-        assert scope == cls.scope, path
-        assert cls.validate_config.__func__ is OmniConnectorBase.validate_config.__func__, path
-    registered = {t if isinstance(t, str) else f"{t.__module__}:{t.__name__}" for t in connectors._REGISTRY.values()}
+        assert getattr(configs, record.config) is cls.config_class, record
+        assert record.scope == cls.scope, record
+        assert cls.validate_config.__func__ is OmniConnectorBase.validate_config.__func__, record
+        assert registry.lifecycle_of(class_name) is cls.lifecycle, record
+        for name in record.names:
+            assert registry.connector_class(name) is cls, name
+    registered = {t if isinstance(t, str) else f"{t.__module__}:{t.__name__}" for t in registry.registered.values()}
     built_in = {path for path in registered if path.startswith("omni_mesh.connectors.")}
-    assert built_in == set(connectors._BUILT_IN_TYPES), "a built-in without its light entry"
+    assert built_in == {record.path for record in registry.BUILT_INS}, "a built-in without its record"
 
 
 def test_a_type_that_is_not_built_in_is_read_from_its_class(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -74,7 +77,7 @@ def test_a_type_that_is_not_built_in_is_read_from_its_class(monkeypatch: pytest.
         def validate_config(cls, config: dict | None) -> None:
             raise ConnectorConfigError("Picky: no config pleases it")
 
-    monkeypatch.setitem(connectors._REGISTRY, "Picky", Picky)
+    monkeypatch.setitem(registry.registered, "Picky", Picky)
     kind = connector_type("Picky")
     assert (kind.name, kind.config_class, kind.scope, kind.cls) == ("Picky", configs.ZmqConfig, "host", Picky)
     with pytest.raises(ConnectorConfigError, match="no config pleases it"):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from omni_mesh.connectors import create_connector
-from omni_mesh.connectors.base import ConnectorError
+from omni_mesh.connectors.errors import ConnectorError
 
 DEADLINE_S = 30.0
 FAST_S = 3.0

@@ -109,7 +109,7 @@ def test_the_parser_sees_what_the_rules_are_about() -> None:
     assert "omni_mesh.connectors.shm.segments" in imports_of("omni_mesh.connectors.shm.pool")
     assert "omni_mesh.connectors" in imports_of("omni_mesh.coordinator.scheduling.registry")
     # function-level imports count: connector_type imports the light configs module inside the function
-    assert "omni_mesh.connectors.config" in imports_of("omni_mesh.connectors")
+    assert "omni_mesh.connectors.config" in imports_of("omni_mesh.connectors.registry")
     assert is_private_connectors_module("omni_mesh.connectors._addresses")
     assert not is_private_connectors_module("omni_mesh.connectors.config.values")  # public: topology reads it
     assert is_private_connectors_module("omni_mesh.connectors.served.channel")

@@ -31,11 +31,10 @@ def test_a_put_past_the_memory_limit_fails_naming_it_until_a_get_makes_room() ->
     producer, consumer = make("small", memory_limit=64 * 1024), make("small", memory_limit=64 * 1024)
     try:
         assert producer.put("a", "b", "big/0", b"x" * 40_000)[0]
-        assert producer.put("a", "b", "big/1", b"y" * 40_000) == (False, 0, None)
-        reason = producer.put_error("a", "b", "big/1")
-        assert reason and "is full" in reason and "memory_limit" in reason and "big/1" in reason
+        with pytest.raises(ConnectorFull) as failed:  # the front door: 503
+            producer.put_or_raise("a", "b", "big/1", b"y" * 40_000)
+        assert "is full" in str(failed.value) and "memory_limit" in str(failed.value) and "big/1" in str(failed.value)
         assert producer.put("a", "b", "big/2", b"z" * 40_000) == (False, 0, None)
-        assert isinstance(producer.put_failure("a", "b", "big/2"), ConnectorFull)  # the front door: 503
         assert consumer.get("a", "b", "big/0") is not None
         assert producer.put("a", "b", "big/1", b"y" * 40_000)[0]
         assert producer.health()["held"] == 1 and producer.health()["put_failures"] == 2

@@ -2,7 +2,7 @@
 against a real `mooncake_master` and real transfer engines over TCP: a store with no room is
 ConnectorFull, a master that went away ConnectorUnavailable, a frame past a pool's ceiling
 PayloadTooLarge, a pool with no room in time ConnectorFull. A failed put still answers vllm-omni's
-(False, 0, None), its typed error kept for `put_failure()`.
+(False, 0, None); `put_or_raise`, what the stage runtime calls, raises the typed error.
 """
 
 from __future__ import annotations
@@ -44,11 +44,9 @@ def store(master: MooncakeMaster, **extra) -> object:
 def test_a_store_with_no_room_is_connector_full_and_a_smaller_put_still_works(master) -> None:
     connector = store(master)  # the only segment in this master: 16 MiB
     try:
-        ok = connector.put("thinker", "talker", "big/0", torch.ones(32 * MiB, dtype=torch.uint8))
-        assert ok == (False, 0, None)
-        failure = connector.put_failure("thinker", "talker", "big/0")
-        assert isinstance(failure, ConnectorFull), repr(failure)  # room may come: the front door's 503
-        message = str(failure)
+        with pytest.raises(ConnectorFull) as failed:  # room may come: the front door's 503
+            connector.put_or_raise("thinker", "talker", "big/0", torch.ones(32 * MiB, dtype=torch.uint8))
+        message = str(failed.value)
         assert "'big/0'" in message and "thinker->talker" in message and "NO_AVAILABLE_HANDLE" in message
         assert "raise `segment`" in message
         assert connector.put("thinker", "talker", "small/0", torch.ones(MiB, dtype=torch.uint8))[0]
@@ -63,10 +61,8 @@ def test_a_master_that_went_away_is_connector_unavailable_for_put_and_get(master
         _, _, metadata = connector.put("a", "b", "held/0", torch.ones(1024))
         master.stop()
         started = time.monotonic()
-        assert connector.put("a", "b", "after/0", torch.ones(1024)) == (False, 0, None)
-        failure = connector.put_failure("a", "b", "after/0")
-        assert isinstance(failure, ConnectorUnavailable), repr(failure)
-        assert "RPC_FAIL" in str(failure) and "'after/0'" in str(failure)
+        with pytest.raises(ConnectorUnavailable, match=r"'after/0'.*RPC_FAIL|RPC_FAIL.*'after/0'"):
+            connector.put_or_raise("a", "b", "after/0", torch.ones(1024))
         with pytest.raises(ConnectorUnavailable, match=r"'held/0' on edge a->b.*RPC_FAIL"):
             connector.get("a", "b", "held/0", None)  # the size is asked of the master first
         assert time.monotonic() - started < 5  # the client does not retry for long
@@ -77,13 +73,8 @@ def test_a_master_that_went_away_is_connector_unavailable_for_put_and_get(master
 def test_a_store_put_past_localbuf_is_payload_too_large(master) -> None:
     connector = store(master, localbuf="16MiB")
     try:
-        assert connector.put("a", "b", "huge/0", torch.ones(16 * MiB + 1, dtype=torch.uint8)) == (
-            False,
-            0,
-            None,
-        )
-        failure = connector.put_failure("a", "b", "huge/0")
-        assert isinstance(failure, PayloadTooLarge) and "'huge/0' on edge a->b" in str(failure), repr(failure)
+        with pytest.raises(PayloadTooLarge, match="'huge/0' on edge a->b"):
+            connector.put_or_raise("a", "b", "huge/0", torch.ones(16 * MiB + 1, dtype=torch.uint8))
     finally:
         connector.close()
 
@@ -105,13 +96,13 @@ def test_te_frames_past_the_pool_are_too_large_and_a_pool_with_no_room_in_time_i
     connector = create_connector(TE, {**TE_CONFIG, "pool_wait_s": 0.2, "zero_copy_min_bytes": 0})
     try:
         assert connector.put("a", "b", "huge/0", torch.ones(17 * MiB, dtype=torch.uint8)) == (False, 0, None)
-        assert isinstance(connector.put_failure("a", "b", "huge/0"), PayloadTooLarge)
+        with pytest.raises(PayloadTooLarge):
+            connector.put_or_raise("a", "b", "huge/1", torch.ones(17 * MiB, dtype=torch.uint8))
         # Held until consumed: the first 10 MiB leave no room for a second within pool_wait_s.
         assert connector.put("a", "b", "held/0", torch.ones(10 * MiB, dtype=torch.uint8))[0]
-        assert connector.put("a", "b", "held/1", torch.ones(10 * MiB, dtype=torch.uint8)) == (False, 0, None)
-        failure = connector.put_failure("a", "b", "held/1")
-        assert isinstance(failure, ConnectorFull), repr(failure)
-        assert "waited 0.2s" in str(failure) and "'held/1' on edge a->b" in str(failure)
+        with pytest.raises(ConnectorFull) as failed:
+            connector.put_or_raise("a", "b", "held/1", torch.ones(10 * MiB, dtype=torch.uint8))
+        assert "waited 0.2s" in str(failed.value) and "'held/1' on edge a->b" in str(failed.value)
         connector.cleanup("held")  # room again: the same put now works
         assert connector.put("a", "b", "held/1", torch.ones(10 * MiB, dtype=torch.uint8))[0]
     finally:

@@ -26,7 +26,7 @@ from support.payloads import assert_same, payload
 from support.peer import Peer
 
 from omni_mesh.connectors import ConnectorError, PayloadMissing, create_connector
-from omni_mesh.connectors.served import bulk_client, bulk_server, seal
+from omni_mesh.connectors.served import bulk_client, bulk_server, bulk_wire, seal
 from omni_mesh.security import MeshKeys, secure_client
 
 EDGE = ("thinker", "talker")
@@ -201,12 +201,12 @@ def test_a_stranger_on_the_bulk_port_gets_nothing_and_a_replayed_pull_neither(
         port = producer._bulk.port
         session = seal.Session.fresh()  # a pull for a session the producer never offered
         strangers = {
-            "a pull for a session never offered": bulk_server.PULL + session.sid + session.proof(),
-            "a pull of garbage": bulk_server.PULL + b"x" * 16 + b"y" * 32,
+            "a pull for a session never offered": bulk_wire.PULL + session.sid + session.proof(),
+            "a pull of garbage": bulk_wire.PULL + b"x" * 16 + b"y" * 32,
             "52 bytes of garbage": b"GET " * 13,
             "a short message, then silence": b"GET",
         }
-        assert all(len(data) == bulk_server.PULL_BYTES for data in list(strangers.values())[:3])
+        assert all(len(data) == bulk_wire.PULL_BYTES for data in list(strangers.values())[:3])
         for what, data in strangers.items():
             assert refused(port, data) == b"", f"the bulk port answered {what}"
         wait_for(lambda: producer.health()["refused_peers"] >= len(strangers), 5, "a refusal per stranger")
@@ -222,7 +222,7 @@ def test_a_stranger_on_the_bulk_port_gets_nothing_and_a_replayed_pull_neither(
         monkeypatch.setattr(bulk_client.BulkLinks, "send_pull", watched)
         got, _ = get(consumer, "req-9/x", meta)
         assert bytes(got["blob"].numpy()) == bytes(marked(2 * MiB)["blob"].numpy())
-        assert len(seen) == 1 and seen[0].startswith(bulk_server.PULL), seen
+        assert len(seen) == 1 and seen[0].startswith(bulk_wire.PULL), seen
         before = producer.health()["refused_peers"]
         assert refused(port, seen[0]) == b"", "a replayed pull was served"
         wait_for(lambda: producer.health()["refused_peers"] == before + 1, 5, "the replay's refusal")
@@ -296,7 +296,7 @@ def test_a_consumer_that_stops_reading_holds_up_nobody_else(keys: MeshKeys) -> N
         assert reply[0] == b"OK" and reply[2] == b"S", reply[:3]
         bulk.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # reads nothing: what it is sent backs up
         bulk.connect(("127.0.0.1", producer._bulk.port))
-        bulk.sendall(bulk_server.PULL + session.sid + session.proof())
+        bulk.sendall(bulk_wire.PULL + session.sid + session.proof())
         wait_for(lambda: producer.health()["bulk_transfers"] == 1, 5, "the stuck pull")
         time.sleep(0.5)  # its chunks fill the socket buffers
         expected = bytes(marked(16 * MiB)["blob"].numpy())

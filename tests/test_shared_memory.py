@@ -407,7 +407,8 @@ def test_cleanup_and_close_free_what_was_never_consumed() -> None:
     assert our_segments() == {}
     assert conn.health()["status"] == "unhealthy"
     assert conn.put("a", "b", "late", torch.ones(100_000)) == (False, 0, None)
-    assert "closed" in conn.put_error("a", "b", "late")
+    with pytest.raises(ConnectorError, match="closed"):
+        conn.put_or_raise("a", "b", "late", torch.ones(100_000))
 
 
 def test_cleanup_matches_whole_key_segments() -> None:
@@ -626,17 +627,15 @@ def test_full_shm_is_a_clear_error_not_a_crash(monkeypatch: pytest.MonkeyPatch) 
     with connector({"inline_max_bytes": 0, "max_pool_size": 1, "memory_pool_size": 64 * KiB}) as conn:
         conn.put("a", "b", "ok", torch.ones(10))
         monkeypatch.setattr(shm_segments.os, "posix_fallocate", no_space)
-        assert conn.put("a", "b", "big", torch.ones(100_000)) == (False, 0, None)
-        assert "shm" in conn.put_error("a", "b", "big")
+        with pytest.raises(ConnectorFull, match="shm"):  # room may come: the front door's 503
+            conn.put_or_raise("a", "b", "big", torch.ones(100_000))
         assert len(our_segments()) == 1  # no half-made segment left
         assert conn.health()["errors"] == 1
         assert conn.put("a", "b", "big2", torch.ones(100_000)) == (False, 0, None)
-        assert isinstance(conn.put_failure("a", "b", "big2"), ConnectorFull)  # room may come: the front door's 503
     with connector({"inline_max_bytes": 0, "max_pool_size": 1, "memory_pool_size": 64 * KiB}) as conn:
         assert conn.put("a", "b", "first", torch.ones(10)) == (False, 0, None)  # the pool cannot be made
-        assert "shm" in conn.put_error("a", "b", "first")
-        assert conn.put("a", "b", "second", torch.ones(10)) == (False, 0, None)
-        assert isinstance(conn.put_failure("a", "b", "second"), ConnectorFull)
+        with pytest.raises(ConnectorFull, match="shm"):
+            conn.put_or_raise("a", "b", "second", torch.ones(10))
 
 
 # --------------------------------------------------------------------------- config, registry, health
@@ -687,8 +686,8 @@ def test_health_counters() -> None:
 
 def test_unsupported_payload_allocates_nothing() -> None:
     with connector(PATHS["pool"]) as conn:
-        assert conn.put("a", "b", "k", {"x": object()}) == (False, 0, None)  # sets are carried now
-        assert "payload['x']" in conn.put_error("a", "b", "k")
+        with pytest.raises(ConnectorError, match=r"payload\['x'\]"):  # sets are carried now
+            conn.put_or_raise("a", "b", "k", {"x": object()})
         assert conn.health()["live_payloads"] == 0 and conn.health()["puts"] == 0
 
 
@@ -834,8 +833,8 @@ def test_close_waits_for_a_put_that_is_copying(monkeypatch: pytest.MonkeyPatch) 
     writer.join(10)
     assert not closer.is_alive() and not writer.is_alive()
     assert results and results[0][0] is True
-    assert conn.put("a", "b", "k2", torch.arange(5000)) == (False, 0, None)
-    assert "closed" in conn.put_error("a", "b", "k2")
+    with pytest.raises(ConnectorError, match="closed"):
+        conn.put_or_raise("a", "b", "k2", torch.arange(5000))
 
 
 class RecordingExport:
@@ -852,7 +851,7 @@ class RecordingExport:
 def put_with_exports(conn: SharedMemoryConnector, key: str, count: int = 2) -> tuple[dict, list[RecordingExport]]:
     exports = [RecordingExport() for _ in range(count)]
     frame = codec.plan({"host part": torch.arange(2000)})
-    _, _, metadata = conn._put_with_exports("a", "b", key, frame, exports)  # type: ignore[arg-type]
+    _, metadata = conn._put_with_exports("a", "b", key, frame, exports)  # type: ignore[arg-type]
     return metadata, exports
 
 

@@ -127,8 +127,11 @@ def own_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def _put_error(config: dict | None = None) -> str | None:
     with connector(config) as conn:
-        ok, _, metadata = conn.put("a", "b", "k", payload(1, 1.0))
-        return None if ok else conn.put_error("a", "b", "k")
+        try:
+            conn.put_or_raise("a", "b", "k", payload(1, 1.0))
+        except ConnectorError as exc:
+            return str(exc)
+        return None
 
 
 def test_the_directory_is_read_when_needed_and_a_private_one_is_used(own_dir: Path) -> None:
@@ -165,7 +168,6 @@ def test_the_systems_dev_shm_is_accepted_as_it_is(monkeypatch: pytest.MonkeyPatc
     ownership rule is for directories someone else could have made in its place."""
     monkeypatch.setenv(ENV_DIR, "/dev/shm")
     with connector() as conn:
-        ok, _, metadata = conn.put("a", "b", "k", payload(1, 1.0))
-        assert ok, conn.put_error("a", "b", "k")
+        _, metadata = conn.put_or_raise("a", "b", "k", payload(1, 1.0))
         assert (Path("/dev/shm") / metadata["segment"]).exists()
     assert not (Path("/dev/shm") / metadata["segment"]).exists()

@@ -14,8 +14,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import omni_mesh.connectors as connectors
-from omni_mesh.connectors import OmniConnectorBase, available_connectors
+from omni_mesh.connectors import OmniConnectorBase, available_connectors, registry
 from omni_mesh.topology import (
     ConnectorSpec,
     EdgeSpec,
@@ -56,7 +55,7 @@ class LinkTestConnector(OmniConnectorBase):
 
 @pytest.fixture
 def link_connector(monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setitem(connectors._REGISTRY, "LinkTestConnector", LinkTestConnector)
+    monkeypatch.setitem(registry.registered, "LinkTestConnector", LinkTestConnector)
     return "LinkTestConnector"
 
 

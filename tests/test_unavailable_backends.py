@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import re
 import sys
 import time
 import types
@@ -371,7 +370,7 @@ def test_mori_cleanup_expiry_and_a_dead_producer(fake_mori):
 def test_mori_full_pool_is_a_clear_put_error(fake_mori):
     producer = create_connector("MoriTransferEngineConnector", {**MORI, "memory_pool_size": "1MiB"})
     try:
-        assert producer.put("a", "b", "r/0", torch.ones(1 << 20)) == (False, 0, None)
-        assert re.search("memory pool is full.*raise memory_pool_size", producer.put_error("a", "b", "r/0"))
+        with pytest.raises(ConnectorError, match="memory pool is full.*raise memory_pool_size"):
+            producer.put_or_raise("a", "b", "r/0", torch.ones(1 << 20))
     finally:
         producer.close()

@@ -24,9 +24,9 @@ from omni_mesh.connectors import (
     connector_class,
     create_connector,
 )
-from omni_mesh.connectors.base import parse_config
 from omni_mesh.connectors.config import vllm_omni_keys as _vllm_omni_keys
 from omni_mesh.connectors.config.fields import aliases as config_aliases
+from omni_mesh.connectors.config.parse import parse_config
 from omni_mesh.topology import TopologyError, parse_topology
 
 BUILT_IN = [

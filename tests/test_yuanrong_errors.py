@@ -38,10 +38,9 @@ def connector(worker):
 
 def test_a_frame_past_the_value_limit_is_payload_too_large_naming_edge_key_and_size(worker, connector):
     huge = torch.empty(1 << 32, dtype=torch.uint8)  # never written: planning a frame reads nothing
-    assert connector.put("thinker", "talker", "huge/0", huge) == (False, 0, None)
-    failure = connector.put_failure("thinker", "talker", "huge/0")
-    assert isinstance(failure, PayloadTooLarge), repr(failure)  # no worker can ever hold it: no retry
-    message = str(failure)
+    with pytest.raises(PayloadTooLarge) as failed:  # no worker can ever hold it: no retry
+        connector.put_or_raise("thinker", "talker", "huge/0", huge)
+    message = str(failed.value)
     assert "thinker->talker" in message and "'huge/0'" in message
     size = int(message.split("the frame is ")[1].split(" bytes")[0])
     assert size > (1 << 32) and "4294967295-byte value limit" in message
@@ -66,10 +65,9 @@ def test_a_worker_that_went_away_is_connector_unavailable_for_put_and_get():
         try:
             assert connector.put("a", "b", "held/0", torch.ones(16))[0]
             stack.close()  # the worker stops
-            assert connector.put("a", "b", "after/0", torch.ones(16)) == (False, 0, None)
-            failure = connector.put_failure("a", "b", "after/0")
-            assert isinstance(failure, ConnectorUnavailable), repr(failure)
-            assert "'after/0'" in str(failure) and f"worker {worker.host}:{worker.port}" in str(failure)
+            with pytest.raises(ConnectorUnavailable) as failed:
+                connector.put_or_raise("a", "b", "after/0", torch.ones(16))
+            assert "'after/0'" in str(failed.value) and f"worker {worker.host}:{worker.port}" in str(failed.value)
             with pytest.raises(ConnectorUnavailable, match=r"get a->b key 'held/0'.*RPC unavailable"):
                 connector.get("a", "b", "held/0", None)
             assert connector.health()["status"] == "unhealthy"

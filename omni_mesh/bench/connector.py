@@ -44,7 +44,7 @@ from omni_mesh import codec
 from omni_mesh.bench.connector_report import SizeResult, summarize
 from omni_mesh.bench.peer import PeerProcess, consumer_socket
 from omni_mesh.connectors import connector_class, create_connector, parse_size
-from omni_mesh.connectors.base import parse_config
+from omni_mesh.connectors.config.parse import parse_config
 from omni_mesh.security import mesh_keys
 
 DEFAULT_SIZES = ["4KiB", "1MiB", "16MiB", "256MiB"]

@@ -165,10 +165,8 @@ class _Copy:
 
 def _handoff(connector: Any, consumer: HandoffConsumer, key: str, data: Any) -> tuple[float, float, float]:
     started = time.perf_counter()
-    ok, _, metadata = connector.put(*EDGE, key, data)
+    _, metadata = connector.put_or_raise(*EDGE, key, data)  # a failure raises, saying why
     put_done = time.perf_counter()
-    if not ok:
-        raise RuntimeError(f"put of {key} failed: {connector.put_error(*EDGE, key)}")
     reply = consumer.ask(msgpack.packb((key, metadata), use_bin_type=True))
     return time.perf_counter() - started, put_done - started, _SECONDS.unpack(reply)[0]
 

@@ -12,13 +12,14 @@ import time
 
 import numpy as np
 
+from omni_mesh.connectors import backends
 from omni_mesh.connectors.yuanrong import client_log_dir
 
 
 def kv_seconds(size: int, repeats: int, host: str, port: int, warmup: int = 1) -> list[float]:
     """Wall time of each of `repeats` set+get round trips (after `warmup` untimed ones)."""
     client_log_dir()
-    from yr.datasystem import KVClient
+    KVClient = backends.load("yr.datasystem", "raw_yuanrong").KVClient  # noqa: N806
 
     client = KVClient(host, int(port), connect_timeout_ms=3000)
     client.init()

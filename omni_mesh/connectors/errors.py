@@ -3,10 +3,9 @@
 Inside a connector every failure is raised as a `ConnectorError`; the subclasses say what kind, so a
 caller can act on it (the front door answers `ConnectorFull` with 503 and Retry-After) without reading
 messages. Every message names the connector, and the edge and key where there is one. vllm-omni's
-contract returns instead of raising: the base class maps a failed put to `(False, 0, None)`, keeping the
-reason for `put_error()` and the typed error for `put_failure()` (`OmniConnectorBase.put`, with
-`put_errors.PutErrors`), and a poll's PayloadMissing to `get`'s None (`OmniConnectorBase.get`, for
-connectors that implement `_poll`). A backend's own codes are mapped to this family in one module per
+contract returns instead of raising, at its boundary alone: `OmniConnectorBase.put` maps the error
+`put_or_raise` raises (what our own callers use) to `(False, 0, None)`, and `get` a poll's
+PayloadMissing to None. A backend's own codes are mapped to this family in one module per
 backend (`mooncake/errors.py`, `datasystem/errors.py`); helpers with exceptions of their own (the served
 side channel's dealers) are caught and mapped at their connector's edge.
 """

@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_mesh import codec
-from omni_mesh.connectors.base import Counters, OmniConnectorBase, edge_key
+from omni_mesh.connectors.base import OmniConnectorBase
 from omni_mesh.connectors.config import InProcessConfig
+from omni_mesh.connectors.counters import Counters
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorFull
+from omni_mesh.connectors.keys import edge_key
 
 __all__ = ["InProcessConfig", "InProcessConnector"]
 
@@ -64,7 +66,7 @@ class InProcessConnector(OmniConnectorBase):
                 f"InProcessConnector (namespace {self.config.namespace!r}): {what} after close()"
             )
 
-    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[int, dict | None]:
         self._check_open(f"put of key {put_key!r} on edge {from_stage}->{to_stage}")
         frame = bytes(codec.encode(data))
         name = edge_key(from_stage, to_stage, put_key)
@@ -81,7 +83,7 @@ class InProcessConnector(OmniConnectorBase):
             store.held_bytes = held + len(frame)
             store.changed.notify_all()
         self._counters.add_pair("puts", "bytes_put", len(frame))
-        return True, len(frame), {"key": name, "size": len(frame)}
+        return len(frame), {"key": name, "size": len(frame)}
 
     def _poll(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None

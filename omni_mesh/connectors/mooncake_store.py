@@ -19,16 +19,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from omni_mesh.connectors.base import OmniConnectorBase, edge_key
+from omni_mesh.connectors.base import OmniConnectorBase
 from omni_mesh.connectors.config import MooncakeStoreConfig
-from omni_mesh.connectors.mooncake.common import (
-    INSTALL_HINT,
-    RegisteredPool,
-    close_at_exit,
-    import_mooncake,
-    payload_name,
-)
+from omni_mesh.connectors.keys import edge_key, payload_name
+from omni_mesh.connectors.mooncake.loading import INSTALL_HINT, close_at_exit, import_mooncake
 from omni_mesh.connectors.mooncake.store_node import StoreNode
+from omni_mesh.connectors.pools.registered import RegisteredPool
 
 # INSTALL_HINT, RegisteredPool and import_mooncake are public here for the raw-Mooncake bench and the
 # test master, which must not reach into the private `mooncake` package.
@@ -51,7 +47,7 @@ class MooncakeStoreConnector(OmniConnectorBase):
         self.host = self._node.host
         close_at_exit(self)
 
-    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[int, dict | None]:
         where = payload_name(from_stage, to_stage, put_key)
         return self._node.put(self._store_key(from_stage, to_stage, put_key), put_key, data, where)
 

@@ -59,7 +59,7 @@ import torch
 from omni_mesh.connectors.base import OmniConnectorBase
 from omni_mesh.connectors.config import MooncakeTransferEngineConfig
 from omni_mesh.connectors.mooncake import device_transfer
-from omni_mesh.connectors.mooncake.common import close_at_exit
+from omni_mesh.connectors.mooncake.loading import close_at_exit
 from omni_mesh.connectors.mooncake.te_node import TransferEngineNode
 
 __all__ = ["MooncakeTransferEngineConfig", "MooncakeTransferEngineConnector"]
@@ -85,7 +85,7 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
         when the tensor and the payloads holding it are gone. Do not write into it after the put."""
         return self._node.empty(shape, dtype)
 
-    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[int, dict | None]:
         return self._node.put(from_stage, to_stage, put_key, data)
 
     def _count_put_error(self) -> None:

@@ -25,9 +25,10 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 from omni_mesh import codec, cuda_ipc
-from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase
+from omni_mesh.connectors.base import OmniConnectorBase
 from omni_mesh.connectors.config import SharedMemoryConfig
-from omni_mesh.connectors.errors import ConnectorClosed
+from omni_mesh.connectors.counters import Counters
+from omni_mesh.connectors.errors import ConnectorClosed, ConnectorError
 from omni_mesh.connectors.pools.growth import AUTO_CEILING_MAX, GROW_STEP
 from omni_mesh.connectors.shm.lifecycle import SharedMemoryLifecycle
 from omni_mesh.connectors.shm.producer import ShmProducer
@@ -68,7 +69,7 @@ class SharedMemoryConnector(OmniConnectorBase):
 
     # ------------------------------------------------------------------ producer side
 
-    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict]:
+    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[int, dict]:
         return self._producer.put(from_stage, to_stage, put_key, data)
 
     def empty(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -83,7 +84,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         put_key: str,
         frame: codec.FramePlan,
         exports: list[cuda_ipc.Exported],
-    ) -> tuple[bool, int, dict]:
+    ) -> tuple[int, dict]:
         return self._producer.put_with_exports(from_stage, to_stage, put_key, frame, exports)
 
     def warm_up(self) -> None:

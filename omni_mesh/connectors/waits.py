@@ -14,6 +14,7 @@ from typing import Any
 
 from omni_mesh.connectors.errors import GetAbandoned, PayloadMissing
 
+Once = Callable[[], "tuple[Any, int] | None"]  # one try of a wait: the payload, or None while not there
 #: Longest pause between two polls of `get_with_deadline` (the first ones come sooner).
 POLL_MAX_S = 0.05
 #: Abandon counts only matter while a wait runs: past this many keys the oldest half is dropped.
@@ -23,7 +24,8 @@ KEEP = 4096
 class Waits:
     """Per key, how many times `abandon_get` was called: a wait that sees the count change stops."""
 
-    def __init__(self) -> None:
+    def __init__(self, connector: str) -> None:
+        self._connector = connector
         self._lock = threading.Lock()
         self._abandoned: dict[str, int] = {}
 
@@ -38,11 +40,10 @@ class Waits:
                 for old in list(self._abandoned)[: KEEP // 2]:
                     del self._abandoned[old]
 
-    def poll(
-        self, key: str, once: Callable[[], tuple[Any, int] | None], deadline: float, where: str, missing: str
-    ) -> tuple[Any, int]:
+    def poll(self, edge: str, key: str, once: Once, deadline: float, looked: str = "") -> tuple[Any, int]:
         """Call `once` until it answers, the key is abandoned or `deadline` (time.monotonic) passes.
-        `where` names connector, edge and key; `missing` is said of a payload not there by then."""
+        `edge` is "from->to"; `looked` says where the payload was looked for (" on worker HOST:PORT")."""
+        where = f"{self._connector}: get of key {key!r} on edge {edge}"
         pause = 0.001
         abandoned = self.count(key)
         while True:
@@ -53,6 +54,9 @@ class Waits:
                 raise GetAbandoned(f"{where}: abandoned (abandon_get) before it arrived")
             left = deadline - time.monotonic()
             if left <= 0:
-                raise PayloadMissing(f"{where}: {missing}")
+                raise PayloadMissing(
+                    f"{where}: not there by the deadline{looked}: never put, already consumed, cleaned up or "
+                    "expired, or its producer died or is unreachable"
+                )
             time.sleep(min(pause, left))
             pause = min(pause * 2, POLL_MAX_S)

@@ -21,11 +21,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from omni_mesh.connectors.base import OmniConnectorBase, edge_key
+from omni_mesh.connectors.base import OmniConnectorBase
 from omni_mesh.connectors.config import YuanrongConfig
 from omni_mesh.connectors.datasystem.errors import INSTALL_HINT
 from omni_mesh.connectors.datasystem.keys import client_log_dir, datasystem_key
 from omni_mesh.connectors.datasystem.kv import KVNode
+from omni_mesh.connectors.keys import edge_key
 
 # Re-exported: the raw-datasystem bench and tests read them here (datasystem/ is private).
 __all__ = ["INSTALL_HINT", "YuanrongConfig", "YuanrongConnector", "client_log_dir", "datasystem_key"]
@@ -42,7 +43,7 @@ class YuanrongConnector(OmniConnectorBase):
         self._node = KVNode(self.config)
         self.worker = self._node.worker
 
-    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[int, dict | None]:
         where = f"YuanrongConnector: put {from_stage}->{to_stage} key {put_key!r}"
         return self._node.put(edge_key(from_stage, to_stage, put_key), put_key, data, where)
 
@@ -68,7 +69,8 @@ class YuanrongConnector(OmniConnectorBase):
         where = f"YuanrongConnector: get {from_stage}->{to_stage} key {get_key!r}"
         return self._node.get(edge_key(from_stage, to_stage, get_key), metadata, deadline, where)
 
-    def _where_from(self) -> str:
+    @property
+    def _where_from(self) -> str:  # type: ignore[override]  # the base's is a plain class attribute
         return f" on datasystem worker {self.worker}"
 
     def flush(self) -> None:

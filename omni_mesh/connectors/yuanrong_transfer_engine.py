@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from omni_mesh.codec import FramePlan, decode
+from omni_mesh.connectors import backends
 from omni_mesh.connectors.config import YuanrongTransferEngineConfig
 from omni_mesh.connectors.datasystem import errors
 from omni_mesh.connectors.datasystem.ascend import ascend_runtime_missing
@@ -53,8 +54,8 @@ class YuanrongTransferEngineConnector(EnginePullConnector):
         cfg: YuanrongTransferEngineConfig = self.config
         client_log_dir()
         try:
-            from yr.datasystem import TransferEngine
-        except ImportError as exc:
+            TransferEngine = backends.load("yr.datasystem", self._name).TransferEngine  # noqa: N806
+        except (ImportError, AttributeError) as exc:
             raise errors.missing_library(self._name, "yr.datasystem.TransferEngine", exc) from exc
         missing = ascend_runtime_missing()
         if missing:

@@ -1,4 +1,8 @@
-"""ZmqConnector: payloads served over ZeroMQ straight from the producer's memory (cross-host, nothing to deploy).
+"""ZmqConnector: payloads served straight from the producer's memory (cross-host, nothing to deploy).
+
+Requests travel on a ZeroMQ side channel (CURVE with mesh keys); with mesh keys, payloads from 256 KiB
+on travel sealed on a plain TCP port (the bulk socket, `served.bulk_wire`), not over ZeroMQ: the
+name is the one users' configs know.
 
 Data path of one payload:
 
@@ -10,7 +14,7 @@ Data path of one payload:
           (AES-256-GCM / ChaCha20-Poly1305, `encryption`), opened by the consumer as they arrive
 
 The producer's memory (the pool, one-off buffers past its ceiling, `empty()` outputs sent from where
-they lie) is `served.zmq_pool`'s; the requests and replies are `served.zmq_wire`'s; the sealing is
+they lie) is `served.producer_pool`'s; the requests and replies are `served.zmq_wire`'s; the sealing is
 `served.seal`'s, the bulk socket `served.bulk_server` / `served.bulk_client`. Serving a payload
 consumes it; payloads nobody asks for are freed after `ttl_s` or by `cleanup()`. A consumer whose
 producer died (or whose network is cut) gets a ConnectorError naming the endpoint and key at its
@@ -35,7 +39,7 @@ from omni_mesh.connectors.served.bulk_client import BulkLinks
 from omni_mesh.connectors.served.bulk_server import BulkServer
 from omni_mesh.connectors.served.channel import Handler
 from omni_mesh.connectors.served.connector import ServedConnector
-from omni_mesh.connectors.served.zmq_pool import PoolProducer
+from omni_mesh.connectors.served.producer_pool import PoolProducer
 from omni_mesh.connectors.served.zmq_wire import ZmqWire
 
 __all__ = ["ZmqConfig", "ZmqConnector"]

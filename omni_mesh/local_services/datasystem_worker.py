@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from omni_mesh.connectors import backends
 from omni_mesh.ports import free_ports, taken_since
 from omni_mesh.procinfo import stat_fields
 
@@ -42,7 +43,7 @@ class Worker:
         return {"host": self.host, "port": self.port}
 
     def exists(self, keys: list[str]) -> list[bool]:
-        from yr.datasystem import KVClient
+        KVClient = backends.load("yr.datasystem", "datasystem_worker").KVClient  # noqa: N806
 
         client = KVClient(self.host, self.port, connect_timeout_ms=3000)
         client.init()

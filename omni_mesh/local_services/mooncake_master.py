@@ -14,7 +14,7 @@ import subprocess
 import threading
 import time
 
-from omni_mesh.connectors.base import ConnectorError
+from omni_mesh.connectors.errors import ConnectorError
 from omni_mesh.connectors.mooncake_store import INSTALL_HINT
 from omni_mesh.ports import free_ports, taken_since
 

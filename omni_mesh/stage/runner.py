@@ -370,20 +370,10 @@ class Runner:
         """Put `data` on `edge`: (the metadata the consumer needs, the payload's size)."""
         connector = self.connectors[edge.connector.ref]
         loop = asyncio.get_running_loop()
-        try:
-            ok, size, meta = await loop.run_in_executor(
-                self.executor, connector.put, self.stage, dst, key, data
-            )
-        except Exception as exc:  # a connector that breaks the contract (put never raises)
-            where = f"put of {key!r} on edge {edge.label} ({edge.connector.name})"
-            raise ConnectorError(f"{where} failed: {type(exc).__name__}: {exc}") from exc
-        if not ok:
-            # The connector's reason names it, the key and the edge already: raised as it is.
-            failure = connector.put_failure(self.stage, dst, key)
-            if failure is None:
-                where = f"put of {key!r} on edge {edge.label} ({edge.connector.name})"
-                failure = ConnectorError(f"{where} failed: the connector gave no reason")
-            raise failure
+        # A failure raises a typed ConnectorError that names the connector, the edge and the key.
+        size, meta = await loop.run_in_executor(
+            self.executor, connector.put_or_raise, self.stage, dst, key, data
+        )
         return meta, size
 
     def _timings(self, work: _Work) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """A TCP proxy that understands the bulk stream's framing and alters what the producer sends back.
 
 It sits between a consumer and a producer's bulk port (both real). The consumer's bytes (its pulls)
-pass through untouched; the producer's are read chunk by chunk (`bulk_server.CHUNK_HEADER`: sid,
+pass through untouched; the producer's are read chunk by chunk (`bulk_wire.CHUNK_HEADER`: sid,
 index, body length; then the body) and, from the `after`-th chunk of a connection on, the first one
 is (once, across all connections):
 
@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 
-from omni_mesh.connectors.served.bulk_server import CHUNK_HEADER
+from omni_mesh.connectors.served.bulk_wire import CHUNK_HEADER
 
 MODES = ("flip", "replay", "cut", "trickle")
 TRICKLE_BYTES, TRICKLE_PAUSE_S = 512, 0.05  # about 10 KB/s

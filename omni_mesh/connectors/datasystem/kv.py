@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from omni_mesh.codec import FrameError, decode, plan
+from omni_mesh.connectors import backends
 from omni_mesh.connectors.config import YuanrongConfig
 from omni_mesh.connectors.counters import Counters
 from omni_mesh.connectors.datasystem import errors
@@ -38,10 +39,10 @@ class KVNode:
         self.worker = f"{cfg.host}:{cfg.port}"
         client_log_dir()  # before the client library starts logging
         try:
-            from yr.datasystem import KVClient, WriteMode
+            datasystem = backends.load("yr.datasystem", OWNER)
         except ImportError as exc:
             raise errors.missing_library(OWNER, "yr.datasystem", exc) from exc
-        self._write_mode = getattr(WriteMode, cfg.write_mode)
+        self._write_mode = getattr(datasystem.WriteMode, cfg.write_mode)
         started = time.monotonic()
         try:
             # A plain TCP probe first: a KVClient that failed to connect takes ~2 s to destroy,
@@ -51,7 +52,7 @@ class KVNode:
             raise errors.unreachable(
                 OWNER, self.worker, time.monotonic() - started, str(exc) or "timed out"
             ) from None
-        client = KVClient(
+        client = datasystem.KVClient(
             cfg.host,
             cfg.port,
             connect_timeout_ms=cfg.connect_timeout_ms,
@@ -103,7 +104,7 @@ class KVNode:
 
     # ---------------------------------------------------------------- put
 
-    def put(self, edge: str, put_key: str, data: Any, where: str) -> tuple[bool, int, dict]:
+    def put(self, edge: str, put_key: str, data: Any, where: str) -> tuple[int, dict]:
         if self._client is None:
             raise ConnectorClosed(f"{where}: the connector is closed")
         frame = plan(data)
@@ -125,7 +126,7 @@ class KVNode:
             self._mine[edge] = (ds_key, put_key, now)
             self._forget_expired(now)
         self.counters.add_many(puts=1, bytes_put=frame.nbytes)
-        return True, frame.nbytes, {"key": ds_key, "size": frame.nbytes, "worker": self.worker}
+        return frame.nbytes, {"key": ds_key, "size": frame.nbytes, "worker": self.worker}
 
     def _forget_expired(self, now: float) -> None:
         """Drop bookkeeping of keys the worker has expired by now (lock held)."""

@@ -21,19 +21,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_mesh import codec
+from omni_mesh.connectors._addresses import resolve_host
 from omni_mesh.connectors.config import MooncakeStoreConfig
 from omni_mesh.connectors.counters import Counters
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorError, ConnectorUnavailable
 from omni_mesh.connectors.mooncake import errors
-from omni_mesh.connectors.mooncake.common import (
-    PoolErrors,
-    RegisteredPool,
-    import_mooncake,
-    pool_status,
-    probe_metadata_server,
-    probe_tcp,
-    resolve_host,
-)
+from omni_mesh.connectors.mooncake.loading import import_mooncake
+from omni_mesh.connectors.mooncake.probes import probe_metadata_server, probe_tcp
+from omni_mesh.connectors.pools.registered import PoolErrors, RegisteredPool, pool_status
 
 OWNER = "MooncakeStoreConnector"
 # A get_into answering one of these read nothing: the key went away, or is larger than asked for.
@@ -103,7 +98,7 @@ class StoreNode:
 
     # ------------------------------------------------------------------ put and get
 
-    def put(self, key: str, put_key: str, data: Any, where: str) -> tuple[bool, int, dict]:
+    def put(self, key: str, put_key: str, data: Any, where: str) -> tuple[int, dict]:
         store, pool = self._open(f"put of {where}")
         frame = codec.plan(data)
         size = frame.nbytes
@@ -119,7 +114,7 @@ class StoreNode:
         with self._lock:
             self._owned[key] = _Owned(put_key, time.monotonic() + self.cfg.ttl_s)
         self.counters.add_many(puts=1, bytes_put=size)
-        return True, size, {"key": key, "length": size}
+        return size, {"key": key, "length": size}
 
     def get(self, key: str, metadata: Any, where: str) -> tuple[Any, int] | None:
         store, pool = self._open(f"get of {where}")

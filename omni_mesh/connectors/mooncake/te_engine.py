@@ -15,8 +15,8 @@ from typing import Any
 
 from omni_mesh.connectors.config import P2P, MooncakeTransferEngineConfig
 from omni_mesh.connectors.errors import ConnectorUnavailable
-from omni_mesh.connectors.mooncake.common import PoolErrors, RegisteredPool
 from omni_mesh.connectors.pools import growth
+from omni_mesh.connectors.pools.registered import PoolErrors, RegisteredPool
 
 
 def start_engine(

@@ -4,7 +4,7 @@ the payloads this process holds (the public module's docstring says how a payloa
 Here: construction and teardown in order, the producer side (put, the side channel's PULL and LOOKUP
 answers) and the consumer's entry (`te_receive` does one get). Engine return codes are mapped to the
 connectors' exception family in `mooncake.errors`; the pool's own limits raise PayloadTooLarge and
-ConnectorFull (`mooncake.common.RegisteredPool`).
+ConnectorFull (`pools.registered.RegisteredPool`).
 """
 
 from __future__ import annotations
@@ -20,26 +20,20 @@ import torch
 import zmq
 
 from omni_mesh import codec
-from omni_mesh.connectors._addresses import tcp_endpoint
-from omni_mesh.connectors.base import edge_key
+from omni_mesh.connectors._addresses import resolve_host, tcp_endpoint
 from omni_mesh.connectors.config import MooncakeTransferEngineConfig
 from omni_mesh.connectors.counters import Counters
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorError
+from omni_mesh.connectors.keys import edge_key, payload_name
 from omni_mesh.connectors.mooncake import device_transfer, te_engine, te_outputs, te_pull
-from omni_mesh.connectors.mooncake.common import (
-    PoolErrors,
-    RegisteredPool,
-    import_mooncake,
-    payload_name,
-    pool_status,
-    probe_metadata_server,
-    resolve_host,
-)
+from omni_mesh.connectors.mooncake.loading import import_mooncake
+from omni_mesh.connectors.mooncake.probes import probe_metadata_server
 from omni_mesh.connectors.mooncake.registrations import Registrations
 from omni_mesh.connectors.mooncake.te_payloads import Payload, Payloads
 from omni_mesh.connectors.mooncake.te_receive import Receiver
 from omni_mesh.connectors.pools import outputs as _pool_outputs
 from omni_mesh.connectors.pools.held import Gone, PendingReleases
+from omni_mesh.connectors.pools.registered import PoolErrors, RegisteredPool, pool_status
 from omni_mesh.connectors.served.channel import ERR, OK, Answer, Deferred, Reply, RouterServer
 from omni_mesh.connectors.served.connector import GONE
 from omni_mesh.connectors.served.dealers import DealerPool
@@ -161,7 +155,7 @@ class TransferEngineNode:
     def _count_put(self, payload: Payload) -> None:
         self._counters.add_pair("puts", "bytes_put", payload.size)
 
-    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[int, dict | None]:
         if self._live_outputs and type(data) is dict:
             # A dict of empty() outputs alone: laid out in place (at empty(), for one output alone).
             planned = self._outputs.take_ready(data) or self._outputs.plan(data)
@@ -194,11 +188,11 @@ class TransferEngineNode:
         }
         if device_tensors:
             metadata["device"] = [t.nbytes for t in device_tensors]
-        return True, size, metadata
+        return size, metadata
 
     def _put_planned(
         self, from_stage: str, to_stage: str, put_key: str, planned: te_outputs.Planned
-    ) -> tuple:
+    ) -> tuple[int, dict]:
         """Hold a payload of empty() outputs laid out in place: its metadata alone, no pool touched
         (`plan` and the layout at empty() keep to the pool's ceiling; a close meanwhile is caught
         after)."""
@@ -213,11 +207,7 @@ class TransferEngineNode:
             self._payloads.close()
             raise ConnectorClosed(f"{OWNER} is closed (put of {payload_name(from_stage, to_stage, put_key)})")
         head_address = pieces[0][0]  # the frame starts with its head, in the headroom
-        return (
-            True,
-            size,
-            {**self._put_fields, "handle": handle, "addr": head_address, "length": size, "key": key},
-        )
+        return size, {**self._put_fields, "handle": handle, "addr": head_address, "length": size, "key": key}
 
     def _on_pull(self, args: list[bytes]) -> Deferred:
         """PULL key request (server thread): checked here, written and answered by a transfer thread."""
@@ -228,15 +218,15 @@ class TransferEngineNode:
         """Transfer thread: write one payload into the requesting consumer's pool, then answer."""
         try:
             if request["session"] != self._session:
-                error = f"the producer at {self.endpoint} restarted since the put; the payload is gone"
-            else:
-                error = self._payloads.write(request, closing=lambda: self._closed)
+                raise ConnectorError(f"the producer at {self.endpoint} restarted since the put; the payload is gone")
+            self._payloads.write(request, closing=lambda: self._closed)
+        except Gone as exc:  # a payload not (or no more) there: the consumer's get() answers None
+            answer([GONE, key, str(exc).encode()])
         except Exception as exc:  # the answer must always go back, whatever failed
-            error = f"{type(exc).__name__}: {exc}"
-        if error is None:
+            said = str(exc) if isinstance(exc, ConnectorError) else f"{type(exc).__name__}: {exc}"
+            answer([ERR, key, said.encode()])
+        else:
             answer([OK, key])
-        else:  # a payload not (or no more) there: the consumer's get() answers None
-            answer([GONE if isinstance(error, Gone) else ERR, key, error.encode()])
 
     def _on_lookup(self, args: list[bytes]) -> Reply:
         """LOOKUP key (server thread): what a consumer holding only the key needs to pull it."""

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from omni_mesh import codec
-from omni_mesh.connectors.mooncake.common import RegisteredPool
 from omni_mesh.connectors.pools import outputs as _pool_outputs
+from omni_mesh.connectors.pools.registered import RegisteredPool
 
 #: Bytes before each output's tensor, for a frame head (heads of dicts of a few tensors are far smaller).
 HEADROOM = 4096

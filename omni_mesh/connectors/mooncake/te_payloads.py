@@ -10,6 +10,7 @@ freed when its write ends.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable
@@ -19,12 +20,12 @@ from typing import Any
 import torch
 
 from omni_mesh import codec
-from omni_mesh.connectors.base import ConnectorError
+from omni_mesh.connectors.errors import ConnectorError
 from omni_mesh.connectors.mooncake import device_transfer as _device_transfer
 from omni_mesh.connectors.mooncake import frame_pieces
-from omni_mesh.connectors.mooncake.common import RegisteredPool
 from omni_mesh.connectors.mooncake.registrations import Registrations
-from omni_mesh.connectors.pools.held import Held, HeldTable
+from omni_mesh.connectors.pools.held import Gone, Held, HeldTable
+from omni_mesh.connectors.pools.registered import RegisteredPool
 
 
 @dataclass(eq=False)
@@ -127,13 +128,14 @@ class Payloads:
                     "memory"
                 )
 
-    def claim(self, key: str, handle: int, length: int) -> Payload | str:
-        """The payload, reserved for one reader (a write to a consumer, or a local get), or why not."""
+    def claim(self, key: str, handle: int, length: int) -> Payload:
+        """The payload, reserved for one reader (a write to a consumer, or a local get); Gone when it
+        is not there, ConnectorError when another reader has it or the metadata does not match."""
         ref = f"{key}#{handle}"
         payload = self._held.claim(ref, self._session, exclusive=True)
-        if not isinstance(payload, str) and payload.size != length:
+        if payload.size != length:
             self._held.unclaim(ref, self._session)
-            return f"metadata does not match the payload put under handle {handle}"
+            raise ConnectorError(f"metadata does not match the payload put under handle {handle}")
         return payload
 
     def find(self, key: str) -> Payload | None:
@@ -142,36 +144,40 @@ class Payloads:
 
     def finish(self, payload: Payload, consumed: bool) -> None:
         """A reader is done: free the payload if it was consumed (or dropped meanwhile), else keep it."""
-        done = (
-            self._held.take(payload.key, self._session)
-            if consumed
-            else self._held.unclaim(payload.key, self._session)
-        )
-        if isinstance(done, Held):
+        try:
+            done = (
+                self._held.take(payload.key, self._session)
+                if consumed
+                else self._held.unclaim(payload.key, self._session)
+            )
+        except Gone:  # dropped meanwhile: whoever dropped it freed it
+            return
+        if done is not None:
             self.release(done)
 
     def hand_over(self, payload: Payload) -> None:
         """A local get took the payload: it leaves the table, and a whole frame's region goes with it
         (freed when the getter's views die)."""
-        self._held.take(payload.key, self._session)
+        with contextlib.suppress(Gone):  # dropped meanwhile: it is ours to release all the same
+            self._held.take(payload.key, self._session)
         if payload.pieces is None:
             payload.offset = None
         self.release(payload)
 
-    def write(self, request: dict, closing: Callable[[], bool]) -> str | None:
+    def write(self, request: dict, closing: Callable[[], bool]) -> None:
         """Write the payload a consumer's PULL names (`mooncake.te_pull.parse_request`) into its segment with
-        one engine call; None once written, else why not. A payload whose write failed waits again,
-        unless `closing()`."""
+        one engine call; Gone or a ConnectorError saying why not. A payload whose write failed waits
+        again, unless `closing()`."""
         deadline = time.monotonic() + request["timeout_ms"] / 1000
         payload = self.claim(request["key"], request["handle"], request["length"])
-        if isinstance(payload, str):
-            return payload
         targets = request.get("device_addrs", [])
         single = payload.pieces is None and not payload.device  # the whole frame from one region
         rc = -1
         try:
             if not _device_transfer.addresses_match(targets, payload.device):
-                return f"the consumer's device buffers do not match the {len(payload.device)} device tensors"
+                raise ConnectorError(
+                    f"the consumer's device buffers do not match the {len(payload.device)} device tensors"
+                )
             if time.monotonic() < deadline:  # the consumer has not given up on it yet
                 pieces = payload.pieces or [(payload.address, 0, payload.size)]
                 sources, dests, sizes = frame_pieces.moves(pieces, request["addr"], payload.device, targets)
@@ -183,8 +189,7 @@ class Payloads:
             self.finish(payload, consumed=rc == 0 or closing())
         if rc != 0:
             call = "transfer_sync_write" if single else "batch_transfer_sync_write"
-            return f"{call} to segment {request['segment']} failed (rc={rc})"
-        return None
+            raise ConnectorError(f"{call} to segment {request['segment']} failed (rc={rc})")
 
     def release(self, payload: Payload) -> None:
         """Give a payload's region, registrations and leaf references back."""

@@ -19,12 +19,11 @@ from typing import Any
 import msgpack
 import zmq
 
-from omni_mesh.connectors.base import ConnectorError
-from omni_mesh.connectors.errors import ConnectorClosed
+from omni_mesh.connectors.errors import ConnectorClosed, ConnectorError
 from omni_mesh.connectors.mooncake import device_transfer
-from omni_mesh.connectors.pools.held import PendingReleases
+from omni_mesh.connectors.pools.held import Gone, PendingReleases
 from omni_mesh.connectors.served.channel import OK, frame_text
-from omni_mesh.connectors.served.connector import GONE, NotThere
+from omni_mesh.connectors.served.connector import GONE
 from omni_mesh.connectors.served.dealers import ChannelClosed, DealerPool, LateReply, NotConnected, PeerLost
 
 PULL = b"PULL"
@@ -129,7 +128,7 @@ def pull(
     except (TimeoutError, zmq.ZMQError) as exc:
         raise ConnectorError(f"{owner}: get of {where} from {endpoint}: {exc}") from None
     if reply[0].bytes == GONE:
-        raise NotThere(f"{owner}: get of {where}: not at the producer {endpoint} (consumed, cleaned up or expired)")
+        raise Gone(f"{owner}: get of {where}: not at the producer {endpoint} (consumed, cleaned up or expired)")
     if reply[0].bytes != OK:
         reason = frame_text(reply[2]) if len(reply) > 2 else "refused"
         raise ConnectorError(f"{owner}: get of {where} failed at the producer {endpoint}: {reason}")

@@ -20,16 +20,16 @@ import msgpack
 import torch
 import zmq
 
-from omni_mesh.connectors.base import ConnectorError, Counters
 from omni_mesh.connectors.config import MooncakeTransferEngineConfig
-from omni_mesh.connectors.errors import ConnectorClosed
+from omni_mesh.connectors.counters import Counters
+from omni_mesh.connectors.errors import ConnectorClosed, ConnectorError
 from omni_mesh.connectors.mooncake import device_transfer, frame_pieces, te_pull
-from omni_mesh.connectors.mooncake.common import RegisteredPool
 from omni_mesh.connectors.mooncake.registrations import Registrations
 from omni_mesh.connectors.mooncake.te_payloads import Payloads
 from omni_mesh.connectors.pools.held import Gone, PendingReleases
+from omni_mesh.connectors.pools.registered import RegisteredPool
 from omni_mesh.connectors.served.channel import OK
-from omni_mesh.connectors.served.connector import GONE, POLL_S, NotThere, producer_endpoint
+from omni_mesh.connectors.served.connector import GONE, POLL_S, producer_endpoint
 from omni_mesh.connectors.served.dealers import ChannelClosed, DealerPool, NotConnected
 
 
@@ -79,7 +79,7 @@ class Receiver:
             if meta["session"] == self._session:
                 return self._get_local(meta, where)
             return self._get_remote(meta, where, deadline)
-        except NotThere:
+        except Gone:
             return None
 
     def _lookup(self, metadata: Any, key: str, where: str, poll: bool) -> dict | None:
@@ -140,7 +140,7 @@ class Receiver:
         except te_pull.PullTimedOut:
             self._counters.add("errors")
             raise  # `release` runs at the late answer or ttl_s
-        except NotThere:
+        except Gone:
             release()
             raise
         except BaseException:
@@ -174,12 +174,13 @@ class Receiver:
 
     def _get_local(self, meta: dict, where: str) -> tuple[Any, int]:
         """Producer and consumer are this instance: hand the producer's region over, no transfer."""
-        payload = self._payloads.claim(meta["key"], meta["handle"], meta["length"])
-        if isinstance(payload, Gone):
-            raise NotThere(payload)
-        if isinstance(payload, str):
+        try:
+            payload = self._payloads.claim(meta["key"], meta["handle"], meta["length"])
+        except Gone:  # get() answers None
+            raise
+        except ConnectorError as exc:
             self._counters.add("errors")
-            raise ConnectorError(f"{self._owner}: get of {where}: {payload}")
+            raise ConnectorError(f"{self._owner}: get of {where}: {exc}") from None
         length, offset, pool = payload.size, payload.offset, self._pool
         # The producer's own device tensors are handed over as they are (copy_on_get clones them).
         device = [t.reshape(-1).view(torch.uint8) for t in payload.device]

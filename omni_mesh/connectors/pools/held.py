@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from omni_mesh.connectors.errors import ConnectorError, PayloadMissing
 from omni_mesh.connectors.pools.allocator import PAGE, PoolAllocator, frame_alignment
 
 
@@ -114,8 +115,8 @@ class Held:
     regions: list[Any] = field(default_factory=list)  # empty() regions it is sent from (ZmqConnector)
 
 
-class Gone(str):
-    """Why a payload is not there (never put, consumed, cleaned up, expired, or stale metadata): a
+class Gone(PayloadMissing):
+    """A payload is not there (never put, consumed, cleaned up, expired, or stale metadata): a
     consumer's get() answers None for it, not an error."""
 
 
@@ -190,37 +191,35 @@ class HeldTable:
             return None
         return old
 
-    def _find(self, key: str, token: str) -> Held | str:
+    def _find(self, key: str, token: str) -> Held:
         held = self._items.get(key)
         if held is None:
-            return self.gone()
+            raise self.gone()
         if token and not secrets.compare_digest(held.token, token):  # no token: a get by key alone
-            return Gone("token mismatch: the metadata belongs to another put of this key")
+            raise Gone("token mismatch: the metadata belongs to another put of this key")
         return held
 
-    def take(self, key: str, token: str) -> Held | str:
-        """Remove and return the payload, or the reason it is not there."""
+    def take(self, key: str, token: str) -> Held:
+        """Remove and return the payload; Gone if it is not there."""
         self._drain()
         with self._lock:
             retired = self._retired.pop((key, token), None)
             if retired is not None:
                 return retired
             found = self._find(key, token)
-            if isinstance(found, Held):
-                del self._items[key]
+            del self._items[key]
             return found
 
-    def claim(self, key: str, token: str, *, exclusive: bool = False) -> Held | str:
-        """Mark the payload as being read: it stays until released (or expired). `exclusive`: refuse
-        a payload another reader has claimed."""
+    def claim(self, key: str, token: str, *, exclusive: bool = False) -> Held:
+        """Mark the payload as being read: it stays until released (or expired). Gone if it is not
+        there; with `exclusive`, ConnectorError if another reader has claimed it."""
         self._drain()
         with self._lock:
             found = self._find(key, token)
-            if isinstance(found, Held):
-                if exclusive and found.claimed:
-                    return "another consumer is reading this payload"
-                found.claimed = True
-                found.touched = time.monotonic()
+            if exclusive and found.claimed:
+                raise ConnectorError("another consumer is reading this payload")
+            found.claimed = True
+            found.touched = time.monotonic()
             return found
 
     def unclaim(self, key: str, token: str) -> Held | None:

@@ -24,13 +24,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from omni_mesh.connectors.served.bulk_server import (
-    CHUNK_HEADER,
-    IDLE_LINK_S,
-    PULL,
-    recv_exactly,
-    tune,
-)
+from omni_mesh.connectors.served.bulk_wire import CHUNK_HEADER, IDLE_LINK_S, PULL, recv_exactly, tune
 from omni_mesh.connectors.served.dealers import ChannelClosed
 from omni_mesh.connectors.served.seal import (
     CHOICES,

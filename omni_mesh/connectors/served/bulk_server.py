@@ -1,11 +1,7 @@
 """The producer's bulk socket: payload bytes sealed per transfer (`served.seal`), off CURVE, on plain TCP.
 
 The side channel (CURVE) hands a transfer over with `offer()`: it waits, under its session id, for the
-consumer to pull it on this plain TCP port with the session's proof. The wire, per connection:
-
-    consumer -> PULL: b"OMB1" sid(16) proof(32)                      (PULL_BYTES)
-    producer -> per chunk: CHUNK_HEADER (sid, index, body length), then the body (sealed: + 16-byte tag)
-    ... the connection stays open for the consumer's next pull
+consumer to pull it on this plain TCP port with the session's proof (the wire: `served.bulk_wire`).
 
 A connection whose first PULL_BYTES are not a pull of an offered session with a valid proof (or that
 sends none within STRANGER_WAIT_S) is refused (counted, logged rate-limited) and closed with nothing
@@ -26,7 +22,6 @@ once its last byte is in the kernel's hands).
 from __future__ import annotations
 
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -34,8 +29,16 @@ from collections.abc import Callable
 import msgpack
 import numpy as np
 
-from omni_mesh.connectors.base import ConnectorError
+from omni_mesh.connectors.errors import ConnectorError
 from omni_mesh.connectors.served.bulk_door import BulkDoor
+from omni_mesh.connectors.served.bulk_wire import (
+    CHUNK_HEADER,
+    IDLE_LINK_S,
+    PULL,
+    PULL_BYTES,
+    tune,
+    wait_limit,
+)
 from omni_mesh.connectors.served.seal import (
     NONE,
     SID_BYTES,
@@ -48,17 +51,10 @@ from omni_mesh.connectors.served.seal import (
 from omni_mesh.ports import WILDCARDS
 from omni_mesh.security import Refusals
 
-PULL = b"OMB1"
-PULL_BYTES = len(PULL) + SID_BYTES + 32  # + the proof, an HMAC-SHA256
-CHUNK_HEADER = struct.Struct(">16sII")  # the transfer's sid, the chunk's index, the body's length
 PULL_WAIT_S = 60.0  # a transfer offered but not pulled this long is dropped (its consumer is gone)
 STRANGER_WAIT_S = 1.0  # a new connection must pull within this (a consumer pulls as it connects)
-IDLE_LINK_S = 120.0  # a proven connection may wait this long for its next pull (consumers pool them)
 SEND_STALL_S = 10.0  # a consumer that takes no bytes for this long is dropped (its buffer freed)
 LISTEN_BACKLOG = 1024  # connections the kernel completes before the door accepts them (capped: somaxconn)
-#: Kernel socket buffers of a bulk connection: larger than the default start, so the kernel moves a
-#: chunk in a few large steps instead of waking both sides per 64 KiB.
-SOCKET_BUFFER_BYTES = 1 << 20
 
 
 class _Transfer:
@@ -94,40 +90,6 @@ def listening_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def tune(sock: socket.socket) -> None:
-    """A bulk connection's options: no Nagle delay for the last bytes of a chunk, larger buffers."""
-    sock.settimeout(None)  # blocking; deadlines are SO_RCVTIMEO / SO_SNDTIMEO (see `wait_limit`)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
-
-
-def wait_limit(sock: socket.socket, option: int, seconds: float) -> None:
-    """How long one blocking receive (SO_RCVTIMEO) or send (SO_SNDTIMEO) of `sock` may wait."""
-    whole = int(seconds)
-    sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
-
-
-def recv_exactly(sock: socket.socket, view: memoryview, deadline: float | None = None) -> int:
-    """Fill `view` from `sock` (MSG_WAITALL: one wake-up when it is all there); the bytes received
-    before the peer closed or the wait limit (or `deadline`, monotonic: for all of it) passed, if fewer."""
-    got, size = 0, len(view)
-    while got < size:
-        if deadline is not None:  # a peer sending a byte now and then must not restart the wait
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return got
-            wait_limit(sock, socket.SO_RCVTIMEO, max(0.001, left))  # 0 would mean: wait forever
-        try:
-            n = sock.recv_into(view[got:], size - got, socket.MSG_WAITALL)
-        except (BlockingIOError, InterruptedError):  # SO_RCVTIMEO passed
-            return got
-        if n == 0:
-            return got
-        got += n
-    return got
 
 
 class BulkServer:

@@ -19,7 +19,7 @@ from typing import Any
 import zmq
 
 from omni_mesh.connectors._addresses import tcp_endpoint
-from omni_mesh.connectors.base import ConnectorError
+from omni_mesh.connectors.errors import ConnectorError
 from omni_mesh.connectors.pools.held import PendingReleases
 from omni_mesh.connectors.served.guard import ChannelGuard
 from omni_mesh.security import MeshKeys

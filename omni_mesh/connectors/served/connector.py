@@ -22,9 +22,11 @@ from typing import Any, ClassVar
 import zmq
 
 from omni_mesh.connectors._addresses import bind_and_advertise, tcp_endpoint
-from omni_mesh.connectors.base import ConnectorError, Counters, OmniConnectorBase, edge_key
-from omni_mesh.connectors.errors import ConnectorClosed, ConnectorUnavailable, PayloadMissing
-from omni_mesh.connectors.pools.held import Held, HeldTable, SlotPool
+from omni_mesh.connectors.base import OmniConnectorBase
+from omni_mesh.connectors.counters import Counters
+from omni_mesh.connectors.errors import ConnectorClosed, ConnectorError, ConnectorUnavailable, PayloadMissing
+from omni_mesh.connectors.keys import edge_key
+from omni_mesh.connectors.pools.held import Gone, Held, HeldTable, SlotPool
 from omni_mesh.connectors.served.channel import OK, Handler, RouterServer, frame_text
 from omni_mesh.connectors.served.dealers import ChannelClosed, DealerPool, LateReply, PeerLost
 from omni_mesh.connectors.served.guard import side_channel_keys
@@ -35,10 +37,6 @@ _RECENT_ERROR_S = 60.0  # health() reports "degraded" this long after an error
 POLL_S = 1.0
 #: A producer's answer: it holds no payload under that key (not yet, or not any more).
 GONE = b"GONE"
-
-
-class NotThere(PayloadMissing):
-    """The producer holds no such payload (yet, or any more): get() returns None."""
 
 
 class NoAnswer(PayloadMissing):
@@ -163,7 +161,7 @@ class ServedConnector(OmniConnectorBase):
         self._error()
 
     @abstractmethod
-    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[int, dict | None]:
         """Store the payload; raise on failure (put() turns it into (False, 0, None) and a log line)."""
 
     def reap_consumed(self) -> None:
@@ -218,7 +216,7 @@ class ServedConnector(OmniConnectorBase):
         endpoint, metadata = located
         try:
             obj, size = self._fetch(endpoint, key, metadata, timeout, f"{where} from {endpoint}", poll=poll)
-        except NotThere:
+        except Gone:
             if poll:
                 raise  # PayloadMissing: the base's get says None
             return None  # not yet: the deadline's wait asks again
@@ -315,7 +313,7 @@ class ServedConnector(OmniConnectorBase):
                     f"asked again the producer no longer holds it ({reason}): it was on its way over the "
                     "broken connection and is lost with it"
                 )
-            raise NotThere(f"{where}: {reason}")
+            raise Gone(f"{where}: {reason}")
         if reply[0].bytes != OK:
             self._error()
             raise ConnectorError(f"{where}: {frame_text(reply[2]) if len(reply) > 2 else 'refused'}")

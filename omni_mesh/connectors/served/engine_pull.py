@@ -17,9 +17,9 @@ from abc import abstractmethod
 from typing import Any
 
 from omni_mesh.codec import FrameError, FramePlan, plan
-from omni_mesh.connectors.base import ConnectorError, edge_key
-from omni_mesh.connectors.errors import retold
-from omni_mesh.connectors.pools.held import PendingReleases
+from omni_mesh.connectors.errors import ConnectorError, retold
+from omni_mesh.connectors.keys import edge_key
+from omni_mesh.connectors.pools.held import Gone, PendingReleases
 from omni_mesh.connectors.served.channel import ERR, OK, Handler, Reply, frame_text
 from omni_mesh.connectors.served.connector import GONE, ServedConnector
 
@@ -73,7 +73,7 @@ class EnginePullConnector(ServedConnector):
     def _serving_handlers(self) -> dict[bytes, Handler]:
         return {b"CLAIM": self._on_claim, b"RELEASE": self._on_release}
 
-    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[int, dict | None]:
         frame = plan(data)
         self._start_server()
         key = edge_key(from_stage, to_stage, put_key)
@@ -99,16 +99,20 @@ class EnginePullConnector(ServedConnector):
             "size": frame.nbytes,
         }
         metadata.update(self._engine_metadata())
-        return True, frame.nbytes, metadata
+        return frame.nbytes, metadata
 
     def _on_claim(self, args: list[bytes]) -> Reply:
-        held = self._held.claim(frame_text(args[0]), frame_text(args[1]))
-        return ([GONE, args[0], held.encode()] if isinstance(held, str) else [OK, args[0]]), None
+        try:
+            self._held.claim(frame_text(args[0]), frame_text(args[1]))
+        except ConnectorError as exc:
+            return [GONE, args[0], str(exc).encode()], None
+        return [OK, args[0]], None
 
     def _on_release(self, args: list[bytes]) -> Reply:
-        held = self._held.take(frame_text(args[0]), frame_text(args[1]))
-        if isinstance(held, str):
-            return [ERR, args[0], held.encode()], None
+        try:
+            held = self._held.take(frame_text(args[0]), frame_text(args[1]))
+        except Gone as exc:
+            return [ERR, args[0], str(exc).encode()], None
         self._release(held)
         return [OK, args[0]], None
 

@@ -17,7 +17,7 @@ import threading
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from omni_mesh.connectors.base import ConnectorError
+from omni_mesh.connectors.errors import ConnectorError
 from omni_mesh.security import (
     ENV_KEYS_DIR,
     MeshKeyError,

@@ -44,7 +44,6 @@ SID_BYTES = 16
 KEY_BYTES = 32
 OFFER_BYTES = 1 + SID_BYTES + KEY_BYTES
 _AAD = struct.Struct(">QIIIQ")  # chunk count, index, part, (padding), offset in the part
-_CHUNK_ID = struct.Struct(">I")
 
 
 class SealError(Exception):
@@ -96,11 +95,6 @@ class Session:
 
     def proves(self, proof: bytes) -> bool:
         return hmac.compare_digest(self.proof(), proof)
-
-
-def chunk_id(sid: bytes, index: int) -> bytes:
-    """The clear header of a chunk message: whose transfer and which chunk (checked, then authenticated)."""
-    return sid + _CHUNK_ID.pack(index)
 
 
 def chunk_size(total: int) -> int:

@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from omni_mesh.codec import FrameError, decode, decode_parts
-from omni_mesh.connectors.base import ConnectorError
+from omni_mesh.connectors.errors import ConnectorError
+from omni_mesh.connectors.pools.held import Gone
 from omni_mesh.connectors.served import seal
 from omni_mesh.connectors.served.bulk_client import BulkError, pull
 from omni_mesh.connectors.served.channel import OK, Reply, frame_text
@@ -39,9 +40,10 @@ class ZmqWire:
         session = (
             seal.Session.from_offer(bytes(args[2])) if len(args) > 2 and self._bulk is not None else None
         )
-        held = self._held.take(frame_text(key), token)
-        if isinstance(held, str):  # not (or no more) there: the consumer's get() answers None
-            return [GONE, key, held.encode()], None
+        try:
+            held = self._held.take(frame_text(key), token)
+        except Gone as exc:  # not (or no more) there: the consumer's get() answers None
+            return [GONE, key, str(exc).encode()], None
         if type(held.buffer) is list:
             frames = [PARTS, *held.buffer]  # the parts form: header, then each leaf from where it lies
         elif held.offset is None:

@@ -57,10 +57,6 @@ class Cells:
         self._keys: list[str | None] = [None] * (COUNT if size else 0)
         self._next = 0
 
-    @property
-    def frame_bytes(self) -> int:
-        return self.size - 64 if self.size else 0
-
     def take(self, put_key: str) -> int | None:
         """The offset of a free cell, now owned by `put_key`; None if none. It shows `writing` until its
         put seals it: neither a consumer nor another put (in another thread) takes it meanwhile."""

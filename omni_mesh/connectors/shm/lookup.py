@@ -14,7 +14,8 @@ import mmap
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from omni_mesh.connectors.base import ConnectorError, Counters
+from omni_mesh.connectors.counters import Counters
+from omni_mesh.connectors.errors import ConnectorError
 from omni_mesh.connectors.shm import cells as shm_cells
 from omni_mesh.connectors.shm import index as shm_index
 from omni_mesh.connectors.shm import wanted

@@ -13,7 +13,7 @@ import mmap
 import threading
 from collections.abc import Callable
 
-from omni_mesh.connectors.base import ConnectorError
+from omni_mesh.connectors.errors import ConnectorError
 from omni_mesh.connectors.shm.segments import open_segment, shm_dir
 from omni_mesh.connectors.shm.slots import Segment
 

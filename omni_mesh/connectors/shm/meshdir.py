@@ -76,11 +76,3 @@ class MeshShmDir:
             with contextlib.suppress(OSError):
                 os.rmdir(self.path)
         return removed
-
-
-def mesh_dirs(parent: Path = Path(DEFAULT_DIR)) -> list[Path]:
-    """The per-mesh directories under `parent` (of running meshes, or left by killed launchers)."""
-    try:
-        return sorted(p for p in parent.iterdir() if p.name.startswith(DIR_PREFIX) and p.is_dir())
-    except FileNotFoundError:
-        return []

@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 from omni_mesh import codec
 from omni_mesh.codec.frame import contiguous_address
-from omni_mesh.connectors.base import ConnectorError, Counters, edge_key
+from omni_mesh.connectors.counters import Counters
+from omni_mesh.connectors.errors import ConnectorError
+from omni_mesh.connectors.keys import edge_key
 from omni_mesh.connectors.pools import outputs as _pool_outputs
 from omni_mesh.connectors.shm.pool import ShmPool
 from omni_mesh.connectors.shm.segments import ProcessIdentity
@@ -149,7 +151,7 @@ class PoolOutputs:
         leaves: list[Any],
         lengths: list[int],
         resident: dict[int, tuple[Slot, int]],
-    ) -> tuple[bool, int, dict]:
+    ) -> tuple[int, dict]:
         """Resident leaves where they lie, small ones inline, other large ones copied into slots."""
         key_digest = digest(from_stage, to_stage, put_key)
         refs: list[Any] = []
@@ -171,7 +173,7 @@ class PoolOutputs:
         self._counters.add("zero_copy_leaves", len(resident))
         size = len(header) + sum(ref[3] if type(ref) is list else len(ref) for ref in refs)
         self._counters.add_pair("puts", "bytes_put", size)
-        return True, size, {"header": header, "refs": refs, "key": edge_key(from_stage, to_stage, put_key)}
+        return size, {"header": header, "refs": refs, "key": edge_key(from_stage, to_stage, put_key)}
 
     def _seal(self, slot: Slot, length: int, put_key: str, key_digest: bytes) -> list:
         """Hand an empty() slot to the consumer as written (its bytes are the tensor already)."""

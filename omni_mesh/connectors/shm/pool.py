@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from omni_mesh.connectors.base import ConnectorError, Counters
-from omni_mesh.connectors.errors import ConnectorClosed, ConnectorFull
+from omni_mesh.connectors.counters import Counters
+from omni_mesh.connectors.errors import ConnectorClosed, ConnectorError, ConnectorFull
 from omni_mesh.connectors.pools import growth as _growth
 from omni_mesh.connectors.pools.allocator import PAGE, PoolAllocator, frame_alignment, round_up
 from omni_mesh.connectors.shm.segments import (

@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from omni_mesh import codec, cuda_ipc
-from omni_mesh.connectors.base import Counters, edge_key
+from omni_mesh.connectors.counters import Counters
+from omni_mesh.connectors.keys import edge_key
 from omni_mesh.connectors.shm import cells as shm_cells
 from omni_mesh.connectors.shm import index as shm_index
 from omni_mesh.connectors.shm import lookup
@@ -38,8 +39,8 @@ if TYPE_CHECKING:
 
 POOL_RESERVED = shm_index.INDEX_BYTES  # the first segment: header, key index, tiny-payload cells, slots
 
-# What a put answers: (ok, bytes, metadata).
-Put = tuple[bool, int, dict]
+# What a put answers: (bytes, metadata).
+Put = tuple[int, dict]
 
 
 class ShmProducer:
@@ -110,7 +111,7 @@ class ShmProducer:
             put = self.tiny.spill(key, frame, written)
         size, metadata = put
         self._counters.add_pair("puts", "bytes_put", size, "inline_puts")
-        return True, size, metadata
+        return size, metadata
 
     def put_with_exports(
         self,
@@ -141,7 +142,7 @@ class ShmProducer:
     ) -> Put:
         _, metadata = self.write_frame(from_stage, to_stage, put_key, frame, exports)
         self._counters.add_pair("puts", "bytes_put", frame.nbytes)
-        return True, frame.nbytes, metadata
+        return frame.nbytes, metadata
 
     def _copy_to_slot(
         self, from_stage: str, to_stage: str, put_key: str, frame: FrameBytes

@@ -14,7 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from omni_mesh import codec, cuda_ipc
-from omni_mesh.connectors.base import ConnectorError, Counters, edge_key
+from omni_mesh.connectors.counters import Counters
+from omni_mesh.connectors.errors import ConnectorError
+from omni_mesh.connectors.keys import edge_key
 from omni_mesh.connectors.shm import lookup
 from omni_mesh.connectors.shm import tiny as shm_tiny
 from omni_mesh.connectors.shm.maps import Mappings

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from omni_mesh import cuda_ipc
-from omni_mesh.connectors.base import edge_key
+from omni_mesh.connectors.keys import edge_key
 from omni_mesh.connectors.pools.allocator import PoolAllocator
 from omni_mesh.connectors.shm.segments import ProcessIdentity, process_gone
 

@@ -20,8 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 from omni_mesh import codec
-from omni_mesh.connectors.base import ConnectorError, Counters, edge_key
-from omni_mesh.connectors.errors import ConnectorClosed
+from omni_mesh.connectors.counters import Counters
+from omni_mesh.connectors.errors import ConnectorClosed, ConnectorError
+from omni_mesh.connectors.keys import edge_key
 from omni_mesh.connectors.shm import cells as shm_cells
 from omni_mesh.connectors.shm import recent as shm_recent
 from omni_mesh.connectors.shm import wanted as shm_wanted

@@ -1,119 +1,25 @@
-"""What the two Mooncake connectors share: the lazy backend import, the `host: auto` rule, the fast
-master/metadata-server probes and the registered memory pool that payload frames are laid into (the
-`mooncake_master` launcher for tests and benchmarks is omni_mesh.local_services.mooncake_master).
-
-`resolve_host` is the `host: auto` rule every connector shares (omni_mesh.connectors._addresses):
-Mooncake binds and advertises the one address it returns.
+"""A registered memory pool: anonymous mappings that transfer engines read payload frames from and
+write them into, growing by pre-faulted mappings up to a ceiling (Mooncake's connectors, Mori).
 """
 
 from __future__ import annotations
 
-import atexit
 import collections
 import contextlib
-import importlib
-import importlib.util
 import mmap
-import os
-import socket
-import sys
 import threading
 import time
-import urllib.parse
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from omni_mesh import codec
-from omni_mesh.connectors._addresses import resolve_host as resolve_host  # the shared rule, re-exported
-from omni_mesh.connectors.config.checks import split_address
-from omni_mesh.connectors.errors import ConnectorError, ConnectorFull, ConnectorUnavailable, PayloadTooLarge
+from omni_mesh.connectors.errors import ConnectorError, ConnectorFull, PayloadTooLarge
 from omni_mesh.connectors.pools import growth
 from omni_mesh.connectors.pools.allocator import PoolAllocator, frame_alignment, round_up
-
-INSTALL_HINT = (
-    "install it with `pip install 'omni-mesh[mooncake]'` (the non-CUDA wheel, CPU/TCP) or "
-    "`pip install 'omni-mesh[mooncake-cuda]'` on GPU hosts"
-)
-
-
-def import_mooncake(module: str, owner: str) -> ModuleType:
-    """Import `mooncake.engine` / `mooncake.store` on first use, with an error that says what to install."""
-    # glog prints ~10 lines per engine at INFO; users can still ask for more by setting it themselves.
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    if module not in sys.modules and yuanrong_loaded_first():
-        raise ConnectorUnavailable(
-            f"{owner}: mooncake cannot be loaded after openYuanrong's yr.datasystem in one process: their "
-            "native libraries clash and the process would crash. Create Mooncake connectors first "
-            "(`omni-mesh stage` does), or import mooncake before yr.datasystem"
-        )
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        detail = str(exc)
-        if "libibverbs" in detail:
-            raise ConnectorUnavailable(
-                f"{owner}: the mooncake library cannot load ({detail}); install the RDMA userspace library "
-                "with `apt-get install -y libibverbs1` (no RDMA hardware is needed)"
-            ) from exc
-        raise ConnectorUnavailable(
-            f"{owner}: the mooncake library is not available ({detail}); {INSTALL_HINT}"
-        ) from exc
-
-
-def yuanrong_loaded_first() -> bool:
-    """yr.datasystem is loaded and mooncake is not: loading mooncake now would segfault (measured)."""
-    mooncake = any(name in sys.modules for name in ("mooncake.engine", "mooncake.store"))
-    return not mooncake and any(name.split(".")[:2] == ["yr", "datasystem"] for name in sys.modules)
-
-
-def close_at_exit(connector: Any) -> None:
-    """Close `connector` at interpreter exit, in order, unless it is gone by then (held weakly)."""
-    atexit.register(_close_if_alive, weakref.ref(connector))
-
-
-def _close_if_alive(ref: weakref.ref) -> None:
-    connector = ref()
-    if connector is not None:
-        with contextlib.suppress(Exception):  # at exit there is nobody left to tell
-            connector.close()
-
-
-def payload_name(from_stage: str, to_stage: str, key: str) -> str:
-    """How errors name one payload."""
-    return f"key {key!r} on edge {from_stage}->{to_stage}"
-
-
-def probe_tcp(address: str, timeout_s: float, owner: str, what: str, fix: str) -> None:
-    """Fail in `timeout_s` with the address in the message instead of letting a backend retry for minutes."""
-    host, port = split_address(address, owner, what)
-    started = time.monotonic()
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-    except OSError as exc:
-        waited = time.monotonic() - started
-        raise ConnectorUnavailable(
-            f"{owner}: cannot reach the {what} at {address} (after {waited:.1f}s: {exc or 'timed out'}); {fix}"
-        ) from None
-
-
-def probe_metadata_server(metadata_server: str, timeout_s: float, owner: str) -> None:
-    """An http:// metadata server that does not answer would stall the engine; fail fast instead."""
-    url = urllib.parse.urlsplit(metadata_server)
-    if url.scheme not in ("http", "https") or not url.hostname:
-        return  # P2PHANDSHAKE needs no server; etcd endpoint lists are the engine's to dial
-    port = url.port or (443 if url.scheme == "https" else 80)
-    probe_tcp(
-        f"{url.hostname}:{port}",
-        timeout_s,
-        owner,
-        "metadata server",
-        f"start it or fix metadata_server ({metadata_server!r}), or use P2PHANDSHAKE",
-    )
 
 
 @dataclass(frozen=True)

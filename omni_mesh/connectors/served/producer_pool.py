@@ -18,7 +18,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from omni_mesh.codec import FramePlan, plan
-from omni_mesh.connectors.base import edge_key
+from omni_mesh.connectors.keys import edge_key
 from omni_mesh.connectors.pools import growth as _growth
 from omni_mesh.connectors.pools import outputs
 from omni_mesh.connectors.pools.held import Held
@@ -110,7 +110,7 @@ class PoolProducer:
             self._counters.add("pool_grown")
         return self._slots.allocate(nbytes)
 
-    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict | None]:
+    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[int, dict | None]:
         if self._server is None or self._closed:
             self._start_server()
         if self._unsent and type(data) is dict:
@@ -140,11 +140,7 @@ class PoolProducer:
                 self._slots.free(offset)
             raise
         held = self._hold(key, put_key, frame.nbytes, offset, buffer)
-        return (
-            True,
-            frame.nbytes,
-            {"endpoint": self.endpoint, "key": key, "token": held.token, "size": frame.nbytes},
-        )
+        return frame.nbytes, {"endpoint": self.endpoint, "key": key, "token": held.token, "size": frame.nbytes}
 
     def empty(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized tensor in a pool slot: returned in a put's payload, it is sent from there
@@ -172,7 +168,7 @@ class PoolProducer:
             self._ready.add(tensor, name, (size, parts, [region]))
         return tensor
 
-    def _put_parts(self, key: str, put_key: str, frame: FramePlan, resident: dict[int, _Region]) -> tuple:
+    def _put_parts(self, key: str, put_key: str, frame: FramePlan, resident: dict[int, _Region]) -> tuple[int, dict]:
         """The parts form: the header, then each leaf; empty() tensors sent from where they lie (the
         put touches none of their bytes), padding as empty frames, other leaves copied."""
         parts: list[Any] = [frame.header]
@@ -197,9 +193,9 @@ class PoolProducer:
                     region.state = "unsent"
                     self._unsent[region.address] = (region, region.dtype, region.shape, region.kind)
             raise
-        return True, size, {"endpoint": self.endpoint, "key": key, "token": held.token, "size": size}
+        return size, {"endpoint": self.endpoint, "key": key, "token": held.token, "size": size}
 
-    def _put_outputs(self, key: str, put_key: str, data: dict) -> tuple | None:
+    def _put_outputs(self, key: str, put_key: str, data: dict) -> tuple[int, dict] | None:
         """A dict of empty() tensors alone: the parts form from a cached header, nothing planned or
         copied (see outputs.take_outputs), or for one tensor alone as empty() laid it out
         (ReadyPuts); None for any other payload."""
@@ -220,7 +216,7 @@ class PoolProducer:
             if len(regions) == 1:  # one tensor alone: the next empty() of its kind is laid out for this put
                 self._ready.remember(regions[0].kind, next(iter(data)), (header, layout, size))
         token = self._hold_later(key, put_key, size, parts, regions)
-        return True, size, {"endpoint": self.endpoint, "key": key, "token": token, "size": size}
+        return size, {"endpoint": self.endpoint, "key": key, "token": token, "size": size}
 
     def _drain_dead(self) -> None:
         """Regions whose tensor died: free those not sent from (any more)."""
