@@ -231,12 +231,15 @@ class Abort(Message):
 @dataclass(slots=True)
 class Reconcile(Message):
     """The requests the coordinator believes the replica holds. Sent on the same connection after any
-    work before it, so the replica's answer (`Holding`) tells which of them were lost either way."""
+    work before it, so the replica's answer (`Holding`) tells which of them were lost either way.
+    `seqs`: per request, the seq of the next output the coordinator lacks from the replica, which
+    sends again what it sent from there (stage.sent) before it answers."""
 
     TYPE: ClassVar[str] = "reconcile"
     replica: str
     rids: list
     ask: int = 0  # numbers the question (the answer echoes it)
+    seqs: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)
