@@ -38,6 +38,30 @@ async def test_work_the_replica_does_not_hold_is_placed_again_and_its_leftovers_
     assert await state.future == {"ok": 1}
 
 
+async def test_work_placed_again_after_a_drop_keeps_its_retry_for_a_replica_that_dies() -> None:
+    """Work lost with a dropped connection and placed again has not used up its one retry: when the
+    replica it then went to dies, it is retried on another, not failed."""
+    mesh = Mesh(chain("a"))
+    mesh.add("a", "a-0")
+    mesh.add("a", "a-1")
+    reconciler = _reconciler(mesh)
+    state = mesh.dispatcher.submit({"p": 1}, {}, 10.0, False)
+    (placed,) = [r for r, m in mesh.sent if isinstance(m, Work)]
+    mesh.take(Work)
+    question = _ask(mesh, reconciler, placed)
+    reconciler.settle(mesh.registry.replicas[placed], Holding(placed, [], ask=question.ask))
+    (again,) = [r for r, m in mesh.sent if isinstance(m, Work)]
+    mesh.take(Work)
+    dead = mesh.registry.replicas[again]
+    mesh.registry.remove(again)
+    mesh.dispatcher.replica_lost(dead, "died (pid 1)")
+    assert not state.future.done(), state.future.exception() if state.future.done() else None
+    (survivor,) = [r for r, m in mesh.sent if isinstance(m, Work)]
+    assert survivor != again
+    mesh.output(survivor, mesh.work_for(survivor), {}, final={"ok": 1})
+    assert await state.future == {"ok": 1}
+
+
 async def test_an_answer_to_an_older_question_changes_nothing() -> None:
     """The connection dropped twice: the first answer may predate work sent since, so only the answer
     to the latest question counts, and work the replica holds is never placed twice."""

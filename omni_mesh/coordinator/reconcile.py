@@ -134,7 +134,10 @@ class Reconciler:
         # Whatever the replica put for it (an output that never reached us) is released first: the
         # work may go to the same replica, under the same keys.
         self.send(replica, Abort(rid, "lost with a dropped control connection; placed again"))
+        retried = stage in state.retried
         self.dispatcher._retry(state, stage)
+        if not retried:  # a message lost on the wire is no replica's failure: the one retry stays
+            state.retried.discard(stage)
 
     def _resend_chunks(self, state: RequestState, replica: Replica, expected: object) -> None:
         stage = replica.stage
