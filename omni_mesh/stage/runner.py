@@ -147,8 +147,8 @@ class Runner:
         """Clean up aborted requests again: connectors skip payloads a consumer held at the abort."""
         loop = asyncio.get_running_loop()
         while True:
+            self.sent.expire(loop.time())  # what it keeps to send again, for requests past their deadline
             await asyncio.sleep(SWEEP_S)
-            self.sent.expire(loop.time())
             if not self.aborted:
                 continue
             rids = list(self.aborted)
