@@ -151,6 +151,27 @@ def test_a_second_put_of_a_key_replaces_the_first(producer, consumer):
     assert consumer.get("a", "b", "r/0", second)[0] == "second"
 
 
+def test_a_wait_for_a_payload_another_consumer_took_fails_at_once(producer, consumer):
+    """A replica that took a payload and died leaves its retry asking for it again: with the put's
+    own metadata, the producer's "not there any more" ends the wait at once, saying why, instead of
+    asking again until the deadline (a 504 in the mesh). By key alone it may still come: it waits."""
+    _, _, metadata = producer.put("a", "b", "r/0", torch.ones(4))
+    assert torch.equal(consumer.get("a", "b", "r/0", metadata)[0], torch.ones(4))
+    other = ZmqConnector(LOCAL)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ConnectorError, match="already consumed"):
+            other.get_with_deadline("a", "b", "r/0", metadata, deadline=time.monotonic() + 10)
+        assert time.monotonic() - started < 2, "it waited for a payload that will not come back"
+        by_key = {"endpoint": metadata["endpoint"]}
+        started = time.monotonic()
+        with pytest.raises(ConnectorError, match="by the deadline"):
+            other.get_with_deadline("a", "b", "r/0", by_key, deadline=time.monotonic() + 0.5)
+        assert time.monotonic() - started >= 0.5
+    finally:
+        other.close()
+
+
 def test_get_checks_its_metadata(consumer):
     assert consumer.get("a", "b", "r/0", None) is None  # no producer named anywhere: not there
     metadata = {"endpoint": "tcp://127.0.0.1:9", "key": "x->y/r/0", "token": "00", "size": 1}

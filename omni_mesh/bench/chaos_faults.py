@@ -5,7 +5,8 @@ Four kinds, each its own loop firing every ~N s (jittered 0.5-1.5x), all at once
 - **kill**: SIGKILL a healthy replica of a stage that has another healthy one (the launcher
   restarts it). Legitimately fails, with 502, the requests whose work the replica held after it had
   sent something downstream (docs/architecture.md, "Failure handling"): nothing can redo that work;
-  and, with 502 naming the edge, those whose payload it had put but not yet served (its segments went with it).
+  and, with 502 naming the edge, those whose payload it had put but not yet served (its segments went with it)
+  or had already taken from a ZmqConnector edge (served once: its retry finds it gone).
 - **pause**: SIGSTOP the coordinator for `pause_s`, then SIGCONT. Legitimately fails nothing: the
   replicas' heartbeats wait in the socket, and a pause shorter than the requests' deadline leaves
   them time. A pause longer than the heartbeat timeout must evict nobody; until the coordinator
