@@ -160,10 +160,11 @@ def test_a_poll_that_gives_up_before_the_answer_does_not_lose_the_payload(produc
 
 
 @contextlib.contextmanager
-def _dropped(port: int) -> Iterator[Callable[[], None]]:
-    """Packets to 127.0.0.1:`port` dropped (a network fault: nothing is refused, nothing arrives)
-    until the yielded function is called, or the block ends."""
-    rule = ["OUTPUT", "-p", "tcp", "-d", "127.0.0.1", "--dport", str(port), "-j", "DROP"]
+def _dropped(port: int, *, replies: bool = False) -> Iterator[Callable[[], None]]:
+    """Packets to 127.0.0.1:`port` (`replies`: from it) dropped (a network fault: nothing is refused,
+    nothing arrives) until the yielded function is called, or the block ends."""
+    where = ["-s", "127.0.0.1", "--sport"] if replies else ["-d", "127.0.0.1", "--dport"]
+    rule = ["OUTPUT", "-p", "tcp", *where, str(port), "-j", "DROP"]
     added = subprocess.run(["iptables", "-w", "-I", *rule], capture_output=True, text=True)
     if added.returncode != 0:
         pytest.fail(f"needs iptables as root to drop packets (make test installs it): {added.stderr.strip()[:200]}")
@@ -214,3 +215,37 @@ def test_a_get_whose_connection_breaks_before_the_producer_heard_it_is_asked_aga
     assert torch.equal(outcome["x"], torch.full((1 << 18,), 1.0))
     health = consumer.health()
     assert health["asked_again"] == 1 and health["errors"] == 0, health
+
+
+def test_a_get_whose_answer_is_lost_with_its_connection_is_served_again(producer, consumer) -> None:
+    """The producer hears the GET and answers, but the answer is lost on the way (packets from it
+    dropped) and the connection is reset (`ss -K`): the producer kept the payload it served until the
+    consumer confirms, so the get asked again on a new connection brings it. Confirmed, it is gone."""
+    proc, metadata = producer
+    obj, _ = _get(consumer, "r/0", metadata[0])  # the consumer's socket is connected and idle now
+    assert torch.equal(obj["x"], torch.zeros(1 << 18))
+    port = int(metadata[1]["endpoint"].rsplit(":", 1)[1])
+    outcome: dict = {}
+
+    def get() -> None:
+        try:
+            outcome["x"] = _get(consumer, "r/1", metadata[1])[0]["x"]
+        except ConnectorError as exc:
+            outcome["error"] = str(exc)
+
+    with _dropped(port, replies=True) as restore:
+        waiter = threading.Thread(target=get)
+        waiter.start()
+        time.sleep(0.5)  # the GET arrived; the answer left the producer, and was dropped
+        assert waiter.is_alive(), f"the get ended while no answer could arrive: {outcome}"
+        cut = subprocess.run(["ss", "-K", "dst", f"127.0.0.1:{port}"], capture_output=True, text=True)
+        if cut.returncode != 0:
+            pytest.skip(f"ss -K cannot destroy sockets here: {cut.stderr.strip()[:200]}")
+        time.sleep(0.3)
+        restore()
+        waiter.join(DEADLINE_S + 5)
+    assert not waiter.is_alive()
+    assert "error" not in outcome, outcome["error"]
+    assert torch.equal(outcome["x"], torch.full((1 << 18,), 1.0))
+    assert consumer.health()["asked_again"] == 1
+    assert consumer.get("a", "b", "r/1", metadata[1]) is None, "confirmed, the producer let go of it"

@@ -7,12 +7,14 @@ Data path of one payload:
     get   DEALER ["GET", key, token, offer] over the side channel (CURVE with mesh keys), answered with
           the payload itself (small ones; every one without mesh keys), or, with mesh keys, from 256 KiB
           on, streamed on the producer's bulk socket (plain TCP) in chunks sealed with a key the offer carried
-          (AES-256-GCM / ChaCha20-Poly1305, `encryption`), opened by the consumer as they arrive
+          (AES-256-GCM / ChaCha20-Poly1305, `encryption`), opened by the consumer as they arrive;
+          then DEALER ["DONE", key, token]: it arrived, the producer lets go of it
 
 The producer's memory (the pool, one-off buffers past its ceiling, `empty()` outputs sent from where
 they lie) is `served.zmq_pool`'s; the requests and replies are `served.zmq_wire`'s; the sealing is
-`served.seal`'s, the bulk socket `served.bulk_server` / `served.bulk_client`. Serving a payload
-consumes it; payloads nobody asks for are freed after `ttl_s` or by `cleanup()`. A consumer whose
+`served.seal`'s, the bulk socket `served.bulk_server` / `served.bulk_client`. A payload served is
+kept until its consumer confirms it arrived (served again to a get asked again after its connection
+broke); payloads nobody asks for or confirms are freed after `ttl_s` or by `cleanup()`. A consumer whose
 producer died (or whose network is cut) gets a ConnectorError naming the endpoint and key at its
 deadline, and one whose bytes were altered, replayed or cut short in transit an error naming the
 edge and key, never wrong data.
@@ -63,7 +65,7 @@ class ZmqConnector(ZmqWire, PoolProducer, ServedConnector):
         if self._keys is not None:
             self._bulk = BulkServer(self._bind_host, self._name, self.config.bulk_port)
             self._bulk.start()
-        return {b"GET": self._serve}
+        return {b"GET": self._serve, b"DONE": self._confirmed}
 
     def health(self) -> dict:
         report = super().health()

@@ -4,18 +4,27 @@
                            ->  OK key P header part...           (the parts form: empty() outputs)
                            ->  OK key S description [P]          (sealed, on the bulk socket: served.seal)
 
+    DONE key token         ->  OK key                            (it arrived: the producer lets go of it)
+
 Without mesh keys, and for payloads under BULK_MIN_BYTES, the bytes ride in the side channel's reply
 (CURVE-protected with keys). With keys, larger ones leave CURVE (one core, ~0.25 GB/s) for the bulk
 socket: the offer, a fresh session key that CURVE carries secretly, seals them there. A consumer
 decodes views over what it received (no copy). A mixin of `ServedConnector` and `PoolProducer`.
+
+The producer keeps a payload it served until the consumer confirms it arrived (DONE, sent before the
+get returns): an answer lost with a connection that broke on its way is served again when the consumer
+asks again on a new one. A consumer that never confirms (it died after its get) leaves the payload to
+its request's clean-up (an abort), or to `ttl_s`; a retry of its work on another replica finds it.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from omni_mesh.codec import FrameError, decode, decode_parts
 from omni_mesh.connectors.base import ConnectorError
+from omni_mesh.connectors.pools.held import Held
 from omni_mesh.connectors.served import seal
 from omni_mesh.connectors.served.bulk_client import BulkError, pull
 from omni_mesh.connectors.served.channel import OK, Reply, frame_text
@@ -27,6 +36,10 @@ SEALED = b"S"  # ... when it follows on the bulk socket (the fourth: the transfe
 #: With mesh keys, payloads from this size on leave CURVE for the bulk socket (sealed, served.seal);
 #: smaller ones ride in the CURVE reply, where one round trip beats the bulk socket's two.
 BULK_MIN_BYTES = 256 * 1024
+DONE = b"DONE"  # the consumer's confirmation that a payload arrived
+CONFIRM_S = 1.0  # longest a get waits for the producer to hear its confirmation
+
+log = logging.getLogger("omni_mesh.connectors")
 
 
 class ZmqWire:
@@ -39,7 +52,7 @@ class ZmqWire:
         session = (
             seal.Session.from_offer(bytes(args[2])) if len(args) > 2 and self._bulk is not None else None
         )
-        held = self._held.take(frame_text(key), token)
+        held = self._held.claim(frame_text(key), token)  # kept until the consumer confirms (DONE)
         if isinstance(held, str):  # not (or no more) there: the consumer's get() answers None
             return [GONE, key, held.encode()], None
         if type(held.buffer) is list:
@@ -50,11 +63,15 @@ class ZmqWire:
             frames = [self._region(held.offset, held.size)]
         with self._lock:
             self._in_flight += 1
+            held.sends += 1
 
         def sent() -> None:
             with self._lock:
                 self._in_flight -= 1
-            self._release(held)
+                held.sends -= 1
+                free = held.released and not held.sends
+            if free:  # let go of (confirmed, cleaned up, expired) while this reply was still sent from it
+                self._free(held)
 
         if session is not None and held.size >= BULK_MIN_BYTES:  # CURVE brought the offer: a mesh member's
             form = frames[:1] if frames[0] is PARTS else []
@@ -62,10 +79,50 @@ class ZmqWire:
             return [OK, key, SEALED, desc, *form], None
         return [OK, key, *frames], sent
 
+    def _confirmed(self, args: list[bytes]) -> Reply:
+        """DONE key token: the consumer has the payload; it goes (once no reply is sent from it)."""
+        held = self._held.take(frame_text(args[0]), frame_text(args[1]))
+        if isinstance(held, Held):
+            self._release(held)
+        return [OK, args[0]], None
+
+    def _release(self, held: Held) -> None:
+        """Let go of `held`, or, while a reply is still sent from it, once the last one is."""
+        with self._lock:
+            held.released = True
+            if held.sends:
+                return
+        self._free(held)
+
+    def _free(self, held: Held) -> None:
+        super()._release(held)  # type: ignore[misc]  # PoolProducer's: its slot and regions
+
+    def cleanup(self, key: str) -> None:
+        # Served payloads too (claimed until confirmed): a reply still sent from one frees it after.
+        for held in self._held.pop_matching(key, retire_claimed=False):
+            self._release(held)
+
+    def _confirm(self, endpoint: str, key: str, token: str, where: str) -> None:
+        """Tell the producer the payload arrived, so it lets go of it; if it does not hear it, the
+        payload goes with its request's clean-up or after ttl_s (logged, nothing fails)."""
+        try:
+            self._ask(endpoint, [DONE, key.encode(), token.encode()], CONFIRM_S, where, "no answer")
+        except ConnectorError as exc:
+            log.warning(
+                "%s: the producer did not hear that it arrived (%s); it keeps it until clean-up", where, exc
+            )
+
     def _fetch(
         self, endpoint: str, key: str, metadata: dict, timeout_s: float, where: str, *, poll: bool = False
     ) -> tuple[Any, int]:
-        """GET key token -> the frame, decoded as views over the received message."""
+        """GET key token -> the frame, decoded as views over the received message; then DONE."""
+        got = self._get_payload(endpoint, key, metadata, timeout_s, where, poll=poll)
+        self._confirm(endpoint, key, str(metadata.get("token", "")), where)
+        return got
+
+    def _get_payload(
+        self, endpoint: str, key: str, metadata: dict, timeout_s: float, where: str, *, poll: bool
+    ) -> tuple[Any, int]:
         late = (
             f"no answer within {timeout_s:.3g}s; the producing process is gone, its host is unreachable, "
             "or the payload is still in transit (raise get_timeout_s)"
