@@ -182,11 +182,9 @@ def _dropped(port: int, *, replies: bool = False) -> Iterator[Callable[[], None]
         restore()
 
 
-def test_a_get_whose_connection_breaks_before_the_producer_heard_it_is_asked_again(producer, consumer) -> None:
-    """The consumer's GET is lost on the way (packets dropped), then its connection is reset (`ss -K`),
-    as a flaky network does: the producer never heard it and still holds the payload. The get asks
-    again on a new connection and brings the payload, instead of failing the request with "no answer
-    will come"."""
+def _get_across_a_cut(producer, consumer, *, replies: bool) -> dict:
+    """Get payload r/1 while packets to the producer (`replies`: from it) are dropped, then reset the
+    connection (`ss -K`) and let the network back, as a flaky network does: {"x": tensor} or {"error"}."""
     proc, metadata = producer
     obj, _ = _get(consumer, "r/0", metadata[0])  # the consumer's socket is connected and idle now
     assert torch.equal(obj["x"], torch.zeros(1 << 18))
@@ -199,11 +197,11 @@ def test_a_get_whose_connection_breaks_before_the_producer_heard_it_is_asked_aga
         except ConnectorError as exc:
             outcome["error"] = str(exc)
 
-    with _dropped(port) as restore:
+    with _dropped(port, replies=replies) as restore:
         waiter = threading.Thread(target=get)
         waiter.start()
-        time.sleep(0.5)  # the GET left, and was dropped
-        assert waiter.is_alive(), f"the get ended while its request could not arrive: {outcome}"
+        time.sleep(0.5)  # the GET left and was dropped, or arrived and its answer was dropped
+        assert waiter.is_alive(), f"the get ended while no answer could arrive: {outcome}"
         cut = subprocess.run(["ss", "-K", "dst", f"127.0.0.1:{port}"], capture_output=True, text=True)
         if cut.returncode != 0:
             pytest.skip(f"ss -K cannot destroy sockets here: {cut.stderr.strip()[:200]}")
@@ -211,6 +209,15 @@ def test_a_get_whose_connection_breaks_before_the_producer_heard_it_is_asked_aga
         restore()  # the network is back: the new connection's SYN gets through at its next retry
         waiter.join(DEADLINE_S + 5)
     assert not waiter.is_alive()
+    return outcome
+
+
+def test_a_get_whose_connection_breaks_before_the_producer_heard_it_is_asked_again(producer, consumer) -> None:
+    """The consumer's GET is lost on the way (packets dropped), then its connection is reset (`ss -K`),
+    as a flaky network does: the producer never heard it and still holds the payload. The get asks
+    again on a new connection and brings the payload, instead of failing the request with "no answer
+    will come"."""
+    outcome = _get_across_a_cut(producer, consumer, replies=False)
     assert "error" not in outcome, outcome["error"]
     assert torch.equal(outcome["x"], torch.full((1 << 18,), 1.0))
     health = consumer.health()
@@ -221,31 +228,8 @@ def test_a_get_whose_answer_is_lost_with_its_connection_is_served_again(producer
     """The producer hears the GET and answers, but the answer is lost on the way (packets from it
     dropped) and the connection is reset (`ss -K`): the producer kept the payload it served until the
     consumer confirms, so the get asked again on a new connection brings it. Confirmed, it is gone."""
-    proc, metadata = producer
-    obj, _ = _get(consumer, "r/0", metadata[0])  # the consumer's socket is connected and idle now
-    assert torch.equal(obj["x"], torch.zeros(1 << 18))
-    port = int(metadata[1]["endpoint"].rsplit(":", 1)[1])
-    outcome: dict = {}
-
-    def get() -> None:
-        try:
-            outcome["x"] = _get(consumer, "r/1", metadata[1])[0]["x"]
-        except ConnectorError as exc:
-            outcome["error"] = str(exc)
-
-    with _dropped(port, replies=True) as restore:
-        waiter = threading.Thread(target=get)
-        waiter.start()
-        time.sleep(0.5)  # the GET arrived; the answer left the producer, and was dropped
-        assert waiter.is_alive(), f"the get ended while no answer could arrive: {outcome}"
-        cut = subprocess.run(["ss", "-K", "dst", f"127.0.0.1:{port}"], capture_output=True, text=True)
-        if cut.returncode != 0:
-            pytest.skip(f"ss -K cannot destroy sockets here: {cut.stderr.strip()[:200]}")
-        time.sleep(0.3)
-        restore()
-        waiter.join(DEADLINE_S + 5)
-    assert not waiter.is_alive()
+    outcome = _get_across_a_cut(producer, consumer, replies=True)
     assert "error" not in outcome, outcome["error"]
     assert torch.equal(outcome["x"], torch.full((1 << 18,), 1.0))
     assert consumer.health()["asked_again"] == 1
-    assert consumer.get("a", "b", "r/1", metadata[1]) is None, "confirmed, the producer let go of it"
+    assert consumer.get("a", "b", "r/1", producer[1][1]) is None, "confirmed, the producer let go of it"

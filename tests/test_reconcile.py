@@ -7,6 +7,7 @@ from __future__ import annotations
 from test_dispatcher import Mesh, chain, item
 
 from omni_mesh.control import Abort, Chunk, Holding, Output, Reconcile, Work
+from omni_mesh.coordinator.dispatch import RequestState
 from omni_mesh.coordinator.reconcile import Reconciler
 
 
@@ -18,6 +19,16 @@ def _ask(mesh: Mesh, reconciler: Reconciler, replica_id: str) -> Reconcile:
     reconciler.ask(mesh.registry.replicas[replica_id])
     (question,) = mesh.take(Reconcile, replica_id)
     return question
+
+
+def _streaming() -> tuple[Mesh, Reconciler, RequestState, Work]:
+    """A chain a -> b, a request at a-0: (mesh, reconciler, the request, its work at a)."""
+    mesh = Mesh(chain("a", "b"))
+    mesh.add("a", "a-0")
+    mesh.add("b", "b-0")
+    reconciler = _reconciler(mesh)
+    state = mesh.dispatcher.submit({}, {}, 10.0, False)
+    return mesh, reconciler, state, mesh.work_for("a-0")
 
 
 async def test_work_the_replica_does_not_hold_is_placed_again_and_its_leftovers_released() -> None:
@@ -109,12 +120,7 @@ async def test_a_stream_gets_the_chunks_it_lacks_again() -> None:
 async def test_a_stage_whose_streamed_output_lost_its_end_fails_at_once() -> None:
     """A stage that streamed part of its output cannot start over: the replica no longer holds the
     request and sent nothing more when asked (it kept none of it), so the request fails now, 502."""
-    mesh = Mesh(chain("a", "b"))
-    mesh.add("a", "a-0")
-    mesh.add("b", "b-0")
-    reconciler = _reconciler(mesh)
-    state = mesh.dispatcher.submit({}, {}, 10.0, False)
-    work = mesh.work_for("a-0")
+    mesh, reconciler, state, work = _streaming()
     replica = mesh.registry.replicas["a-0"]
     assert reconciler.in_sequence(replica, Output(work.rid, "a", "a-0", {"b": item("k0")}, 0, False))
     mesh.output("a-0", work, {"b": item("k0")}, seq=0, last=False)
@@ -129,16 +135,12 @@ async def test_outputs_after_a_gap_are_asked_for_again_and_a_second_copy_is_drop
     """Chunks 1 and 2 of a stream were lost with the connection: chunk 3 arrives after a gap. It is
     dropped and the replica asked at once for everything from 1; sent again, in order, they are taken,
     a copy of one we have (sent for a second question) is recognised, and the request completes."""
-    mesh = Mesh(chain("a", "b"))
-    mesh.add("a", "a-0")
-    mesh.add("b", "b-0")
-    reconciler = _reconciler(mesh)
-    state = mesh.dispatcher.submit({}, {}, 10.0, False)
-    work = mesh.work_for("a-0")
+    mesh, reconciler, state, work = _streaming()
     replica = mesh.registry.replicas["a-0"]
 
     def arrives(seq: int, **more: bool) -> bool:
-        message = Output(work.rid, "a", "a-0", {"b": item(f"k{seq}")}, seq, more.get("last", False), end=more.get("end", False))
+        last, end = more.get("last", False), more.get("end", False)
+        message = Output(work.rid, "a", "a-0", {"b": item(f"k{seq}")}, seq, last, end=end)
         if reconciler.repeated(replica, message) or not reconciler.in_sequence(replica, message):
             return False
         mesh.dispatcher.on_output(replica, message, None)
