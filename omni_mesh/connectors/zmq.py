@@ -36,6 +36,7 @@ from omni_mesh.connectors.served import seal
 from omni_mesh.connectors.served.bulk_client import BulkLinks
 from omni_mesh.connectors.served.bulk_server import BulkServer
 from omni_mesh.connectors.served.channel import Handler
+from omni_mesh.connectors.served.confirms import Confirms
 from omni_mesh.connectors.served.connector import ServedConnector
 from omni_mesh.connectors.served.zmq_pool import PoolProducer
 from omni_mesh.connectors.served.zmq_wire import ZmqWire
@@ -59,6 +60,7 @@ class ZmqConnector(ZmqWire, PoolProducer, ServedConnector):
         self._bulk: BulkServer | None = None
         self._bulk_links = BulkLinks() if self._keys is not None else None
         self._late_sessions: dict[str, seal.Session] = {}  # of polls left waiting (ZmqWire._fetch)
+        self._confirms = Confirms(self._dealers, self._name)  # payloads that arrived, told their producers
 
     def _serving_handlers(self) -> dict[bytes, Handler]:
         self._open_pool()
@@ -80,6 +82,7 @@ class ZmqConnector(ZmqWire, PoolProducer, ServedConnector):
         return report
 
     def close(self) -> None:
+        self._confirms.close()  # what is queued goes first, while the dealers are open
         if self._bulk is not None:  # its connections close before the context ends
             self._bulk.stop()
         if self._bulk_links is not None:

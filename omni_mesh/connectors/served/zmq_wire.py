@@ -4,22 +4,22 @@
                            ->  OK key P header part...           (the parts form: empty() outputs)
                            ->  OK key S description [P]          (sealed, on the bulk socket: served.seal)
 
-    DONE key token         ->  OK key                            (it arrived: the producer lets go of it)
+    DONE key token ...     ->  OK key                            (they arrived: the producer lets go of them)
 
 Without mesh keys, and for payloads under BULK_MIN_BYTES, the bytes ride in the side channel's reply
 (CURVE-protected with keys). With keys, larger ones leave CURVE (one core, ~0.25 GB/s) for the bulk
 socket: the offer, a fresh session key that CURVE carries secretly, seals them there. A consumer
 decodes views over what it received (no copy). A mixin of `ServedConnector` and `PoolProducer`.
 
-The producer keeps a payload it served until the consumer confirms it arrived (DONE, sent before the
-get returns): an answer lost with a connection that broke on its way is served again when the consumer
-asks again on a new one. A consumer that never confirms (it died after its get) leaves the payload to
-its request's clean-up (an abort), or to `ttl_s`; a retry of its work on another replica finds it.
+The producer keeps a payload it served until the consumer confirms it arrived (DONE, queued as the
+get returns and sent off its path, several keys at once: `served.confirms`): an answer lost with a
+connection that broke on its way is served again when the consumer asks again on a new one. A consumer
+that never confirms (it died after its get) leaves the payload to its request's clean-up (an abort), or
+to `ttl_s`; a retry of its work on another replica finds it.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from omni_mesh.codec import FrameError, decode, decode_parts
@@ -28,6 +28,7 @@ from omni_mesh.connectors.pools.held import Held
 from omni_mesh.connectors.served import seal
 from omni_mesh.connectors.served.bulk_client import BulkError, pull
 from omni_mesh.connectors.served.channel import OK, Reply, frame_text
+from omni_mesh.connectors.served.confirms import Confirms
 from omni_mesh.connectors.served.connector import GONE, NoAnswer
 from omni_mesh.connectors.served.late_gets import LateGets
 
@@ -36,10 +37,6 @@ SEALED = b"S"  # ... when it follows on the bulk socket (the fourth: the transfe
 #: With mesh keys, payloads from this size on leave CURVE for the bulk socket (sealed, served.seal);
 #: smaller ones ride in the CURVE reply, where one round trip beats the bulk socket's two.
 BULK_MIN_BYTES = 256 * 1024
-DONE = b"DONE"  # the consumer's confirmation that a payload arrived
-CONFIRM_S = 1.0  # longest a get waits for the producer to hear its confirmation
-
-log = logging.getLogger("omni_mesh.connectors")
 
 
 class ZmqWire:
@@ -79,11 +76,16 @@ class ZmqWire:
             return [OK, key, SEALED, desc, *form], None
         return [OK, key, *frames], sent
 
+    _confirms: Confirms  # the consumer's, made by the connector
+
     def _confirmed(self, args: list[bytes]) -> Reply:
-        """DONE key token: the consumer has the payload; it goes (once no reply is sent from it)."""
-        held = self._held.take(frame_text(args[0]), frame_text(args[1]))
-        if isinstance(held, Held):
-            self._release(held)
+        """DONE key token ...: the consumer has those payloads; they go (once no reply is sent from them)."""
+        if not args or len(args) % 2:
+            raise ValueError("DONE takes pairs of key and token")
+        for key, token in zip(args[::2], args[1::2], strict=True):
+            held = self._held.take(frame_text(key), frame_text(token))
+            if isinstance(held, Held):
+                self._release(held)
         return [OK, args[0]], None
 
     def _release(self, held: Held) -> None:
@@ -102,22 +104,12 @@ class ZmqWire:
         for held in self._held.pop_matching(key, retire_claimed=False):
             self._release(held)
 
-    def _confirm(self, endpoint: str, key: str, token: str, where: str) -> None:
-        """Tell the producer the payload arrived, so it lets go of it; if it does not hear it, the
-        payload goes with its request's clean-up or after ttl_s (logged, nothing fails)."""
-        try:
-            self._ask(endpoint, [DONE, key.encode(), token.encode()], CONFIRM_S, where, "no answer")
-        except ConnectorError as exc:
-            log.warning(
-                "%s: the producer did not hear that it arrived (%s); it keeps it until clean-up", where, exc
-            )
-
     def _fetch(
         self, endpoint: str, key: str, metadata: dict, timeout_s: float, where: str, *, poll: bool = False
     ) -> tuple[Any, int]:
-        """GET key token -> the frame, decoded as views over the received message; then DONE."""
+        """GET key token -> the frame, decoded as views over the received message; then DONE, queued."""
         got = self._get_payload(endpoint, key, metadata, timeout_s, where, poll=poll)
-        self._confirm(endpoint, key, str(metadata.get("token", "")), where)
+        self._confirms.add(endpoint, key, str(metadata.get("token", "")))
         return got
 
     def _get_payload(
