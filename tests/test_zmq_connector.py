@@ -155,11 +155,12 @@ def test_a_second_put_of_a_key_replaces_the_first(producer, consumer):
 
 
 def test_a_wait_for_a_payload_another_consumer_took_fails_at_once(producer, consumer):
-    """A replica that took a payload and died leaves its retry asking for it again: with the put's
+    """A replica that took a payload (and confirmed it) and died leaves its retry asking for it again: with the put's
     own metadata, the producer's "not there any more" ends the wait at once, saying why, instead of
     asking again until the deadline (a 504 in the mesh). By key alone it may still come: it waits."""
     _, _, metadata = producer.put("a", "b", "r/0", torch.ones(4))
     assert torch.equal(consumer.get("a", "b", "r/0", metadata)[0], torch.ones(4))
+    assert wait_until(lambda: producer.health()["held"] == 0, timeout_s=5), "the get was never confirmed"
     other = ZmqConnector(LOCAL)
     try:
         started = time.monotonic()

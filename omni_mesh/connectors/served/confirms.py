@@ -5,7 +5,8 @@ answer lost with a broken connection is served again to the get asked again. The
 a round trip, so a get does not wait for it: it is queued here, and one thread sends what is queued,
 one request per producer for all of its keys (`DONE key token key token ...`). A confirmation that
 does not reach its producer (it is gone, or the network is) is logged: the payload then goes with its
-request's clean-up, or after `ttl_s`.
+request's clean-up, or after `ttl_s`. Until its confirmation has left, a payload counts as consumed
+for this consumer (`taken`): a second get of it finds nothing, as it would once the producer let go.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Confirms:
         self._dealers = dealers
         self._owner = owner
         self._queue: collections.deque[tuple[str, bytes, bytes]] = collections.deque()
+        self._taken: set[tuple[str, bytes]] = set()  # (endpoint, key) queued or being sent
         self._wake = threading.Event()
         self._stopped = False
         self._thread: threading.Thread | None = None
@@ -39,6 +41,8 @@ class Confirms:
 
     def add(self, endpoint: str, key: str, token: str) -> None:
         """Confirm, soon, that the payload `key` (put `token`) from `endpoint` arrived."""
+        with self._lock:
+            self._taken.add((endpoint, key.encode()))
         self._queue.append((endpoint, key.encode(), token.encode()))
         if self._thread is None:
             with self._lock:
@@ -48,6 +52,11 @@ class Confirms:
                     )
                     self._thread.start()
         self._wake.set()
+
+    def taken(self, endpoint: str, key: str) -> bool:
+        """Whether this consumer got `key` from `endpoint` and its confirmation has not left yet."""
+        with self._lock:
+            return (endpoint, key.encode()) in self._taken
 
     def _run(self) -> None:
         while not self._stopped:
@@ -78,6 +87,9 @@ class Confirms:
                         endpoint,
                         exc,
                     )
+                finally:
+                    with self._lock:
+                        self._taken.difference_update((endpoint, key) for key in batch[::2])
 
     def close(self, timeout_s: float = 1.0) -> None:
         """Send what is queued (for up to `timeout_s`), then stop; before the dealers close."""

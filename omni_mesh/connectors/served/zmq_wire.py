@@ -29,7 +29,7 @@ from omni_mesh.connectors.served import seal
 from omni_mesh.connectors.served.bulk_client import BulkError, pull
 from omni_mesh.connectors.served.channel import OK, Reply, frame_text
 from omni_mesh.connectors.served.confirms import Confirms
-from omni_mesh.connectors.served.connector import GONE, NoAnswer
+from omni_mesh.connectors.served.connector import GONE, NoAnswer, NotThere
 from omni_mesh.connectors.served.late_gets import LateGets
 
 PARTS = b"P"  # the reply's third frame when the payload follows in the parts form
@@ -108,6 +108,8 @@ class ZmqWire:
         self, endpoint: str, key: str, metadata: dict, timeout_s: float, where: str, *, poll: bool = False
     ) -> tuple[Any, int]:
         """GET key token -> the frame, decoded as views over the received message; then DONE, queued."""
+        if self._confirms.taken(endpoint, key):  # we have it already; the producer hears so soon
+            raise NotThere(f"{where}: no payload under this key: already consumed (by this consumer)")
         got = self._get_payload(endpoint, key, metadata, timeout_s, where, poll=poll)
         self._confirms.add(endpoint, key, str(metadata.get("token", "")))
         return got
