@@ -52,15 +52,17 @@ class ZmqWire:
         held = self._held.claim(frame_text(key), token)  # kept until the consumer confirms (DONE)
         if isinstance(held, str):  # not (or no more) there: the consumer's get() answers None
             return [GONE, key, held.encode()], None
+        with self._lock:
+            if held.released:  # cleaned up by a stage thread since we found it: its memory may be gone
+                return [GONE, key, b"no payload under this key: cleaned up"], None
+            self._in_flight += 1
+            held.sends += 1
         if type(held.buffer) is list:
             frames = [PARTS, *held.buffer]  # the parts form: header, then each leaf from where it lies
         elif held.offset is None:
             frames = [memoryview(held.buffer)[: held.size]]
         else:
             frames = [self._region(held.offset, held.size)]
-        with self._lock:
-            self._in_flight += 1
-            held.sends += 1
 
         def sent() -> None:
             with self._lock:
