@@ -140,6 +140,8 @@ class FailureKind(str, enum.Enum):
     #: the data plane failed: a payload gone or cut short, a peer unreachable, a connector closed
     CONNECTOR_FAILED = "connector_failed"
     CONNECTOR_REFUSED = "connector_refused"  # a connector refused what the handler gave it (cannot carry it)
+    #: an output lost with a dropped control connection, no longer kept to send again (stage/sent.py)
+    OUTPUT_LOST = "output_lost"
 
 
 @dataclass(slots=True)
@@ -247,12 +249,15 @@ class Abort(Message):
 @dataclass(slots=True)
 class Reconcile(Message):
     """The requests the coordinator believes the replica holds. Sent on the same connection after any
-    work before it, so the replica's answer (`Holding`) tells which of them were lost either way."""
+    work before it, so the replica's answer (`Holding`) tells which of them were lost either way.
+    `seqs`: per request, the seq of the next output the coordinator lacks from the replica, which
+    sends again what it sent from there (stage.sent) before it answers."""
 
     TYPE: ClassVar[str] = "reconcile"
     replica: str
     rids: list
     ask: int = 0  # numbers the question (the answer echoes it)
+    seqs: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -121,18 +121,34 @@ def test_failures_are_put_down_to_the_fault_that_explains_them() -> None:
     assert chaos.broken(result) == ["1 mesh process(es) still running after the mesh stopped"]
 
 
-def test_a_drop_resets_both_ends_of_a_real_connection() -> None:
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        client = socket.create_connection(server.getsockname(), timeout=5)
+def _sharing_local_port(port: int, server: socket.socket) -> socket.socket:
+    """A connection to `server` from local port `port`, which another connection uses too (as the
+    kernel reuses an ephemeral port towards another destination)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.connect(server.getsockname())
+    return sock
+
+
+def test_a_drop_resets_both_ends_of_a_real_connection_and_no_other() -> None:
+    """Both ends of the connection are reset; another connection from the same local port (to
+    another server: the soak's own HTTP client once shared a replica's ephemeral port) is not."""
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_server(("127.0.0.1", 0)) as elsewhere:
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        client.connect(server.getsockname())
         accepted, _ = server.accept()
-        with client, accepted:
-            port = client.getsockname()[1]
-            assert port in chaos_faults.tcp_ports(os.getpid())
-            assert chaos_faults.reset_connections({port}) == 1
+        with client, accepted, _sharing_local_port(client.getsockname()[1], elsewhere) as bystander:
+            pair = (client.getsockname()[1], server.getsockname()[1])
+            assert pair in chaos_faults.tcp_ports(os.getpid())
+            assert chaos_faults.reset_connections({pair}) == 1
             for end in (accepted, client):  # one end destroyed (ECONNABORTED), the other sent a RST (ECONNRESET)
                 with pytest.raises((ConnectionResetError, ConnectionAbortedError)):
                     end.recv(1)
-            assert port not in chaos_faults.tcp_ports(os.getpid())
+            assert pair not in chaos_faults.tcp_ports(os.getpid())
+            other = (bystander.getsockname()[1], elsewhere.getsockname()[1])
+            assert other in chaos_faults.tcp_ports(os.getpid()), "a connection sharing its local port was reset too"
 
 
 def test_a_pause_stops_the_coordinator_and_always_resumes_it() -> None:

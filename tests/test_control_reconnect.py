@@ -302,39 +302,40 @@ STREAM = {
     ],
 }
 CHUNKS = 200
+STREAMS = 8  # at once, while the connections are cut (16 of CHUNKS take ~10 s on a busy 2-core host)
+STREAM_DEADLINE_S = 30.0
 
 
-def test_a_stream_whose_consumer_connection_drops_gets_every_chunk_in_order_or_fails_at_once(tmp_path: Path) -> None:
-    """Streams of CHUNKS chunks into `relay` (which raises on a chunk out of order) while its control
-    connection is cut again and again: chunks relayed during a drop are sent again from the first it
-    lacks, in order; a streamed output of relay lost on its way back fails its request at once (502,
-    saying so) instead of answering with a hole or waiting for the deadline. Nothing is wrong or late."""
+def test_streams_whose_control_connections_drop_get_every_chunk_in_order(tmp_path: Path) -> None:
+    """Streams of CHUNKS chunks from `gen` into `relay` (which raises on a chunk out of order, and
+    streams to the client) while both replicas' control connections are cut again and again: chunks
+    relayed during a drop are sent again to relay from the first it lacks, and chunks gen or relay
+    sent that were lost on their way to the coordinator are sent again by the replica from the first
+    the coordinator lacks (stage.sent). Every stream is whole and in order: none fails, none waits for
+    its deadline (a stream that lost a chunk for good would end in a 504 there)."""
     with running_mesh(tmp_path, STREAM) as mesh:
         _control_connection(mesh, "relay")
+        _cut_or_skip(*_control_connection(mesh, "gen")[::2])
 
         def one(i: int) -> tuple[int, float, Any]:
             started = time.monotonic()
-            response = mesh.request({"count": CHUNKS, "size": 4}, timeout_s=DEADLINE_S)
+            response = mesh.request({"count": CHUNKS, "size": 4}, timeout_s=STREAM_DEADLINE_S)
             return response.status_code, time.monotonic() - started, response.json()
 
-        with ThreadPoolExecutor(BURST + 1) as pool:
-            cutter = pool.submit(_cut_repeatedly, mesh, ("relay",), time.monotonic() + CUT_FOR_S)
-            results = list(pool.map(one, range(BURST)))
+        with ThreadPoolExecutor(STREAMS + 1) as pool:
+            cutter = pool.submit(_cut_repeatedly, mesh, ("gen", "relay"), time.monotonic() + CUT_FOR_S)
+            results = list(pool.map(one, range(STREAMS)))
             cuts = cutter.result()
             results += list(pool.map(one, range(4)))  # after the cuts
-        resent = mesh.log().count("chunk(s) again")
+        log = mesh.log()
     expected = [{"seq": i, "size": 4, "sum": 4.0 * i} for i in range(CHUNKS)]
-    for status, took, body in results:
-        assert took < DEADLINE_S / 2, f"a request took {took:.1f} s ({status}): it waited for something lost"
-        if status == 200:
-            assert body["outputs"] == expected, "a stream answered with chunks missing or out of order"
-        else:
-            assert status == 502 and "control connection dropped" in body["error"], body
-    ok = sum(status == 200 for status, _, _ in results)
-    assert ok >= 4, results
-    print(f"{len(results)} streams across {cuts} cuts: {ok} whole, {len(results) - ok} failed at once; "
-          f"chunks sent again to {resent} stream(s)")
-
+    failed = [(status, body) for status, _, body in results if status != 200]
+    assert not failed, f"{len(failed)} of {len(results)} streams failed across {cuts} cuts: {failed[:3]}"
+    for _, _, body in results:
+        assert body["outputs"] == expected, "a stream answered with chunks missing or out of order"
+    slowest = max(took for _, took, _ in results)
+    print(f"{len(results)} streams across {cuts} cuts: all whole, slowest {slowest:.2f} s; chunks sent again to "
+          f"{log.count('chunk(s) again')} stream(s), outputs asked for again {log.count('asking for them again')} time(s)")
 
 
 def _state(pid: int) -> str:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from support.meshkit import wait_until
 
 from omni_mesh.connectors import create_connector
 from omni_mesh.connectors.errors import ConnectorError
@@ -156,14 +157,15 @@ def test_a_poll_that_gives_up_before_the_answer_does_not_lose_the_payload(produc
         got = consumer.get("a", "b", "r/1", metadata[1])
     assert got is not None, "the payload was lost with the poll that gave up"
     assert torch.equal(got[0]["x"], torch.full((1 << 18,), 1.0))
-    assert consumer.get("a", "b", "r/1", metadata[1]) is None  # handed over once
+    assert wait_until(lambda: consumer.get("a", "b", "r/1", metadata[1]) is None, timeout_s=5)  # handed over once
 
 
 @contextlib.contextmanager
-def _dropped(port: int) -> Iterator[Callable[[], None]]:
-    """Packets to 127.0.0.1:`port` dropped (a network fault: nothing is refused, nothing arrives)
-    until the yielded function is called, or the block ends."""
-    rule = ["OUTPUT", "-p", "tcp", "-d", "127.0.0.1", "--dport", str(port), "-j", "DROP"]
+def _dropped(port: int, *, replies: bool = False) -> Iterator[Callable[[], None]]:
+    """Packets to 127.0.0.1:`port` (`replies`: from it) dropped (a network fault: nothing is refused,
+    nothing arrives) until the yielded function is called, or the block ends."""
+    where = ["-s", "127.0.0.1", "--sport"] if replies else ["-d", "127.0.0.1", "--dport"]
+    rule = ["OUTPUT", "-p", "tcp", *where, str(port), "-j", "DROP"]
     added = subprocess.run(["iptables", "-w", "-I", *rule], capture_output=True, text=True)
     if added.returncode != 0:
         pytest.fail(f"needs iptables as root to drop packets (make test installs it): {added.stderr.strip()[:200]}")
@@ -181,11 +183,9 @@ def _dropped(port: int) -> Iterator[Callable[[], None]]:
         restore()
 
 
-def test_a_get_whose_connection_breaks_before_the_producer_heard_it_is_asked_again(producer, consumer) -> None:
-    """The consumer's GET is lost on the way (packets dropped), then its connection is reset (`ss -K`),
-    as a flaky network does: the producer never heard it and still holds the payload. The get asks
-    again on a new connection and brings the payload, instead of failing the request with "no answer
-    will come"."""
+def _get_across_a_cut(producer, consumer, *, replies: bool) -> dict:
+    """Get payload r/1 while packets to the producer (`replies`: from it) are dropped, then reset the
+    connection (`ss -K`) and let the network back, as a flaky network does: {"x": tensor} or {"error"}."""
     proc, metadata = producer
     obj, _ = _get(consumer, "r/0", metadata[0])  # the consumer's socket is connected and idle now
     assert torch.equal(obj["x"], torch.zeros(1 << 18))
@@ -198,11 +198,11 @@ def test_a_get_whose_connection_breaks_before_the_producer_heard_it_is_asked_aga
         except ConnectorError as exc:
             outcome["error"] = str(exc)
 
-    with _dropped(port) as restore:
+    with _dropped(port, replies=replies) as restore:
         waiter = threading.Thread(target=get)
         waiter.start()
-        time.sleep(0.5)  # the GET left, and was dropped
-        assert waiter.is_alive(), f"the get ended while its request could not arrive: {outcome}"
+        time.sleep(0.5)  # the GET left and was dropped, or arrived and its answer was dropped
+        assert waiter.is_alive(), f"the get ended while no answer could arrive: {outcome}"
         cut = subprocess.run(["ss", "-K", "dst", f"127.0.0.1:{port}"], capture_output=True, text=True)
         if cut.returncode != 0:
             pytest.skip(f"ss -K cannot destroy sockets here: {cut.stderr.strip()[:200]}")
@@ -210,7 +210,28 @@ def test_a_get_whose_connection_breaks_before_the_producer_heard_it_is_asked_aga
         restore()  # the network is back: the new connection's SYN gets through at its next retry
         waiter.join(DEADLINE_S + 5)
     assert not waiter.is_alive()
+    return outcome
+
+
+def test_a_get_whose_connection_breaks_before_the_producer_heard_it_is_asked_again(producer, consumer) -> None:
+    """The consumer's GET is lost on the way (packets dropped), then its connection is reset (`ss -K`),
+    as a flaky network does: the producer never heard it and still holds the payload. The get asks
+    again on a new connection and brings the payload, instead of failing the request with "no answer
+    will come"."""
+    outcome = _get_across_a_cut(producer, consumer, replies=False)
     assert "error" not in outcome, outcome["error"]
     assert torch.equal(outcome["x"], torch.full((1 << 18,), 1.0))
     health = consumer.health()
     assert health["asked_again"] == 1 and health["errors"] == 0, health
+
+
+def test_a_get_whose_answer_is_lost_with_its_connection_is_served_again(producer, consumer) -> None:
+    """The producer hears the GET and answers, but the answer is lost on the way (packets from it
+    dropped) and the connection is reset (`ss -K`): the producer kept the payload it served until the
+    consumer confirms, so the get asked again on a new connection brings it. Confirmed, it is gone."""
+    outcome = _get_across_a_cut(producer, consumer, replies=True)
+    assert "error" not in outcome, outcome["error"]
+    assert torch.equal(outcome["x"], torch.full((1 << 18,), 1.0))
+    assert consumer.health()["asked_again"] == 1
+    metadata = producer[1][1]
+    assert wait_until(lambda: consumer.get("a", "b", "r/1", metadata) is None, timeout_s=5), "never confirmed"

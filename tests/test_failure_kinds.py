@@ -22,6 +22,7 @@ ANSWERS = {
     FailureKind.CONNECTOR_FULL: (503, 503, "stage 'talker' failed: ValueError: boom"),
     FailureKind.CONNECTOR_FAILED: (502, 502, "stage 'talker' failed: ValueError: boom"),
     FailureKind.CONNECTOR_REFUSED: (500, 500, "stage 'talker' failed: ValueError: boom"),
+    FailureKind.OUTPUT_LOST: (502, 502, "stage 'talker' failed: ValueError: boom"),
 }
 
 

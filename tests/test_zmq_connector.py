@@ -7,6 +7,9 @@ commands; the payload and the check on what arrives are tests/support/payloads.p
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -148,6 +151,68 @@ def test_a_second_put_of_a_key_replaces_the_first(producer, consumer):
     _, _, second = producer.put("a", "b", "r/0", "second")
     assert consumer.get("a", "b", "r/0", first) is None  # another put's token: not this payload
     assert consumer.get("a", "b", "r/0", second)[0] == "second"
+
+
+def test_a_wait_for_a_payload_another_consumer_took_fails_at_once(producer, consumer):
+    """A replica that took a payload (and confirmed it) and died leaves its retry asking for it again: with the put's
+    own metadata, the producer's "not there any more" ends the wait at once, saying why, instead of
+    asking again until the deadline (a 504 in the mesh). By key alone it may still come: it waits."""
+    _, _, metadata = producer.put("a", "b", "r/0", torch.ones(4))
+    assert torch.equal(consumer.get("a", "b", "r/0", metadata)[0], torch.ones(4))
+    assert wait_until(lambda: producer.health()["held"] == 0, timeout_s=5), "the get was never confirmed"
+    other = ZmqConnector(LOCAL)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ConnectorError, match="already consumed"):
+            other.get_with_deadline("a", "b", "r/0", metadata, deadline=time.monotonic() + 10)
+        assert time.monotonic() - started < 2, "it waited for a payload that will not come back"
+        by_key = {"endpoint": metadata["endpoint"]}
+        started = time.monotonic()
+        with pytest.raises(ConnectorError, match="by the deadline"):
+            other.get_with_deadline("a", "b", "r/0", by_key, deadline=time.monotonic() + 0.5)
+        assert time.monotonic() - started >= 0.5
+    finally:
+        other.close()
+
+
+#: A consumer that takes a payload and dies before it confirms it arrived (as a replica SIGKILLed
+#: right after its transfer): the process ends at once where the get would say so to the producer.
+TAKES_AND_DIES = r"""
+import json, os, sys, time
+from omni_mesh.connectors.zmq import ZmqConnector
+metadata = json.loads(sys.argv[1])
+consumer = ZmqConnector({"host": "127.0.0.1"})
+if hasattr(consumer, "_confirms"):  # the fault: killed between the transfer and its confirmation
+    consumer._confirms.add = lambda *args: os._exit(0)
+consumer.get_with_deadline("a", "b", "r/0", metadata, deadline=time.monotonic() + 10)
+os._exit(0)
+"""
+
+
+def _taken_by_a_consumer_that_died(metadata: dict) -> None:
+    args = [sys.executable, "-c", TAKES_AND_DIES, json.dumps(metadata)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_payload_whose_consumer_died_before_confirming_is_served_to_its_retry(producer, consumer):
+    """The producer keeps a payload it served until its consumer confirms it arrived: the retry of a
+    replica that died after its get finds it; confirmed by that get, it is gone."""
+    _, _, metadata = producer.put("a", "b", "r/0", torch.ones(4))
+    _taken_by_a_consumer_that_died(metadata)
+    obj, _ = consumer.get_with_deadline("a", "b", "r/0", metadata, deadline=time.monotonic() + 10)
+    assert torch.equal(obj, torch.ones(4))
+    assert wait_until(lambda: producer.health()["held"] == 0, timeout_s=3)
+    assert consumer.get("a", "b", "r/0", metadata) is None
+
+
+def test_cleanup_frees_a_payload_served_but_never_confirmed(producer):
+    _, _, metadata = producer.put("a", "b", "r/0", torch.ones(4))
+    _taken_by_a_consumer_that_died(metadata)
+    assert producer.health()["held"] == 1, "kept: its consumer never said it arrived"
+    producer.cleanup("r")
+    health = producer.health()
+    assert health["held"] == 0 and health["pool_used_bytes"] == 0, health
 
 
 def test_get_checks_its_metadata(consumer):

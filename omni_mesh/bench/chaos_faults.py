@@ -5,7 +5,8 @@ Four kinds, each its own loop firing every ~N s (jittered 0.5-1.5x), all at once
 - **kill**: SIGKILL a healthy replica of a stage that has another healthy one (the launcher
   restarts it). Legitimately fails, with 502, the requests whose work the replica held after it had
   sent something downstream (docs/architecture.md, "Failure handling"): nothing can redo that work;
-  and, with 502 naming the edge, those whose payload it had put but not yet served (its segments went with it).
+  and, with 502 naming the edge, those whose payload it had put but not yet served (its segments went with it)
+  or had already taken from a ZmqConnector edge (served once: its retry finds it gone).
 - **pause**: SIGSTOP the coordinator for `pause_s`, then SIGCONT. Legitimately fails nothing: the
   replicas' heartbeats wait in the socket, and a pause shorter than the requests' deadline leaves
   them time. A pause longer than the heartbeat timeout must evict nobody; until the coordinator
@@ -208,30 +209,34 @@ def alive(pids: set[int]) -> list[int]:
     return left
 
 
-def tcp_ports(pid: int) -> set[int]:
-    """Local ports of the established TCP connections (IPv4 and IPv6) that process `pid` holds."""
+def tcp_ports(pid: int) -> set[tuple[int, int]]:
+    """(local port, remote port) of each established TCP connection (IPv4 and IPv6) process `pid` holds."""
     inodes = set()
     with contextlib.suppress(OSError):
         for fd in os.scandir(f"/proc/{pid}/fd"):
             with contextlib.suppress(OSError):
                 if (target := os.readlink(fd.path)).startswith("socket:["):
                     inodes.add(target[8:-1])
-    ports = set()
+    pairs = set()
     for table in ("tcp", "tcp6"):
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
                 cols = line.split()
                 if cols[3] == "01" and cols[9] in inodes:  # 01: ESTABLISHED
-                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
-    return ports
+                    pairs.add((int(cols[1].rsplit(":", 1)[1], 16), int(cols[2].rsplit(":", 1)[1], 16)))
+    return pairs
 
 
-def reset_connections(ports: set[int]) -> int:
-    """Reset every TCP connection with a local port in `ports` (`ss -K` destroys one end, which sends
-    the other a RST); how many it reset. RuntimeError naming why when `ss` cannot."""
-    if not ports:
+def reset_connections(pairs: set[tuple[int, int]]) -> int:
+    """Reset the TCP connections between each (local port, remote port) of `pairs`, both ends (`ss -K`
+    destroys one, which sends the other a RST); how many it reset. Both ports are matched: a port alone
+    may also be another process's (an ephemeral port is reused towards other destinations: the soak's
+    own clients). RuntimeError naming why when `ss` cannot."""
+    if not pairs:
         return 0
-    match = " or ".join(f"sport = :{p} or dport = :{p}" for p in sorted(ports))
+    match = " or ".join(
+        f"( sport = :{a} and dport = :{b} ) or ( sport = :{b} and dport = :{a} )" for a, b in sorted(pairs)
+    )
     try:
         done = subprocess.run(["ss", "-K", "-t", "-n", "-H", "state", "established", f"( {match} )"],
                               capture_output=True, text=True, timeout=10)
@@ -265,7 +270,7 @@ def check_drops_work() -> None:
         with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
             accepted, _ = server.accept()
             with accepted:
-                reset_connections({client.getsockname()[1]})
+                reset_connections({(client.getsockname()[1], port)})
                 try:
                     client.send(b"x")  # a destroyed socket refuses
                     reset = False

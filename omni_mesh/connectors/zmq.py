@@ -11,12 +11,14 @@ Data path of one payload:
     get   DEALER ["GET", key, token, offer] over the side channel (CURVE with mesh keys), answered with
           the payload itself (small ones; every one without mesh keys), or, with mesh keys, from 256 KiB
           on, streamed on the producer's bulk socket (plain TCP) in chunks sealed with a key the offer carried
-          (AES-256-GCM / ChaCha20-Poly1305, `encryption`), opened by the consumer as they arrive
+          (AES-256-GCM / ChaCha20-Poly1305, `encryption`), opened by the consumer as they arrive;
+          then DEALER ["DONE", key, token]: it arrived, the producer lets go of it
 
 The producer's memory (the pool, one-off buffers past its ceiling, `empty()` outputs sent from where
 they lie) is `served.producer_pool`'s; the requests and replies are `served.zmq_wire`'s; the sealing is
-`served.seal`'s, the bulk socket `served.bulk_server` / `served.bulk_client`. Serving a payload
-consumes it; payloads nobody asks for are freed after `ttl_s` or by `cleanup()`. A consumer whose
+`served.seal`'s, the bulk socket `served.bulk_server` / `served.bulk_client`. A payload served is
+kept until its consumer confirms it arrived (served again to a get asked again after its connection
+broke); payloads nobody asks for or confirms are freed after `ttl_s` or by `cleanup()`. A consumer whose
 producer died (or whose network is cut) gets a ConnectorError naming the endpoint and key at its
 deadline, and one whose bytes were altered, replayed or cut short in transit an error naming the
 edge and key, never wrong data.
@@ -38,6 +40,7 @@ from omni_mesh.connectors.served import seal
 from omni_mesh.connectors.served.bulk_client import BulkLinks
 from omni_mesh.connectors.served.bulk_server import BulkServer
 from omni_mesh.connectors.served.channel import Handler
+from omni_mesh.connectors.served.confirms import Confirms
 from omni_mesh.connectors.served.connector import ServedConnector
 from omni_mesh.connectors.served.producer_pool import PoolProducer
 from omni_mesh.connectors.served.zmq_wire import ZmqWire
@@ -61,13 +64,14 @@ class ZmqConnector(ZmqWire, PoolProducer, ServedConnector):
         self._bulk: BulkServer | None = None
         self._bulk_links = BulkLinks() if self._keys is not None else None
         self._late_sessions: dict[str, seal.Session] = {}  # of polls left waiting (ZmqWire._fetch)
+        self._confirms = Confirms(self._dealers, self._name)  # payloads that arrived, told their producers
 
     def _serving_handlers(self) -> dict[bytes, Handler]:
         self._open_pool()
         if self._keys is not None:
             self._bulk = BulkServer(self._bind_host, self._name, self.config.bulk_port)
             self._bulk.start()
-        return {b"GET": self._serve}
+        return {b"GET": self._serve, b"DONE": self._confirmed}
 
     def health(self) -> dict:
         report = super().health()
@@ -82,6 +86,7 @@ class ZmqConnector(ZmqWire, PoolProducer, ServedConnector):
         return report
 
     def close(self) -> None:
+        self._confirms.close()  # what is queued goes first, while the dealers are open
         if self._bulk is not None:  # its connections close before the context ends
             self._bulk.stop()
         if self._bulk_links is not None:

@@ -225,6 +225,8 @@ class StageReplica:
             elif isinstance(message, Abort):
                 self.runner.abort(message.rid)
             elif isinstance(message, Reconcile):
+                if again := await self.runner.sent.replay(message.rids, message.seqs):  # what it lacks, first
+                    log.info("replica %s: sent again %d message(s) lost with the connection", self.replica_id, again)
                 rids, chunks = self.runner.holding()
                 await self.link.send(Holding(self.replica_id, rids, chunks, ask=message.ask))
             else:

@@ -25,11 +25,12 @@ import msgpack
 from omni_mesh import codec, control, ingress, logs
 from omni_mesh.connectors import ConnectorError, OmniConnectorBase
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorFull, ConnectorUnavailable, PayloadMissing
-from omni_mesh.control import Chunk, Error, FailureKind, Message, Output, Work
+from omni_mesh.control import Chunk, Error, FailureKind, Output, Work
 from omni_mesh.errors import InvalidInput
 from omni_mesh.handlers import Handler, HandlerHooks
 from omni_mesh.stage.context import ChunkStream, StageContext, StageInputError
 from omni_mesh.stage.overdue import cancel_overdue
+from omni_mesh.stage.sent import SentLog
 from omni_mesh.topology import EdgeSpec
 
 log = logging.getLogger("omni_mesh.stage")
@@ -95,7 +96,7 @@ class Runner:
         self.in_edges, self.out_edges = in_edges, out_edges  # by the other stage's name
         self.is_final = is_final
         self.executor = executor
-        self._send = send  # a control message (and frames) to the coordinator
+        self.sent = SentLog(stage, replica_id, send)  # outputs and errors, kept to send again after a drop
         self._released = released  # says at once that a request which ended unfinished has let go
         self.ingress: OmniConnectorBase | None = None  # fetches request inputs too large to ride inline
         self.work: dict[str, _Work] = {}
@@ -119,6 +120,7 @@ class Runner:
         )
         work = _Work(rid, ctx)
         self.aborted.pop(rid, None)  # sent again (after a dropped connection): no longer ours to sweep
+        self.sent.forget(rid)  # what an earlier run of it sent is not its answer any more
         if message.stream_from:
             work.stream = ChunkStream(lambda item: self._fetch(work, message.stream_from, item))
         self.work[rid] = work
@@ -140,6 +142,7 @@ class Runner:
             work.task.cancel()
         loop = asyncio.get_running_loop()
         self.aborted[rid] = loop.time() + ABORT_SWEEP_S
+        self.sent.forget(rid)
         loop.create_task(self._cleanup(rid))
 
     def _output_allocator(self) -> Callable[[tuple[int, ...], Any], Any] | None:
@@ -155,6 +158,7 @@ class Runner:
         cancel again what outlived its deadline (`overdue`)."""
         loop = asyncio.get_running_loop()
         while True:
+            self.sent.expire(loop.time())  # what it keeps to send again, for requests past their deadline
             await asyncio.sleep(SWEEP_S)
             cancel_overdue(self.stage, list(self.work.values()), loop.time())
             if not self.aborted:
@@ -241,8 +245,8 @@ class Runner:
         if len(error) > MAX_ERROR_CHARS:
             error = f"{error[:MAX_ERROR_CHARS]}... ({len(error) - MAX_ERROR_CHARS} more characters)"
         await self._cleanup(work.rid)
-        message: Message = Error(work.rid, self.stage, self.replica_id, error, kind)
-        await self._send(message)
+        message = Error(work.rid, self.stage, self.replica_id, error, kind)
+        await self.sent.send(message, deadline=work.ctx.deadline)
 
     async def _inputs(self, work: _Work, message: Work) -> Any:
         if message.inputs_ref is not None:  # request inputs too large for a control message
@@ -350,7 +354,8 @@ class Runner:
             timings=self._timings(work) if last else {},
         )
         try:
-            await self._send(message, *extra)  # packing it checks it against the control plane's limit
+            # Packing it checks it against the control plane's limit.
+            await self.sent.send(message, *extra, deadline=work.ctx.deadline)
         except control.MessageTooLarge as exc:  # sent, the coordinator would drop it: fail the request
             raise RuntimeError(
                 f"stage {self.stage!r} did not send output {seq}: {exc}; connector metadata by edge: "

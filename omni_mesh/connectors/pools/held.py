@@ -112,6 +112,8 @@ class Held:
     buffer: Any = None
     touched: float = field(default_factory=time.monotonic)
     claimed: bool = False  # a consumer is reading it (pull connectors): only its release frees it
+    sends: int = 0  # replies still being sent from it (ZmqConnector serves it until confirmed)
+    released: bool = False  # let go of while a reply was still sent from it: its last send frees it
     regions: list[Any] = field(default_factory=list)  # empty() regions it is sent from (ZmqConnector)
 
 
@@ -257,8 +259,9 @@ class HeldTable:
     def _stale(self, held: Held, now: float) -> bool:
         return now - held.touched > self.ttl_s and (self._expire_claimed or not held.claimed)
 
-    def pop_matching(self, key: str) -> list[Held]:
-        """Unclaimed payloads whose put_key is `key` or starts with `key/` (claimed ones are retired)."""
+    def pop_matching(self, key: str, *, retire_claimed: bool = True) -> list[Held]:
+        """Unclaimed payloads whose put_key is `key` or starts with `key/` (claimed ones are retired,
+        unless not `retire_claimed`: their owner frees them itself once their readers are done)."""
         self._drain()
         prefix = key + "/"
         with self._lock:
@@ -266,7 +269,7 @@ class HeldTable:
             freed = []
             for k in matching:
                 held = self._items.pop(k)
-                if held.claimed:
+                if held.claimed and retire_claimed:
                     self._retired[(held.key, held.token)] = held
                 else:
                     freed.append(held)

@@ -217,9 +217,12 @@ class ServedConnector(OmniConnectorBase):
         try:
             obj, size = self._fetch(endpoint, key, metadata, timeout, f"{where} from {endpoint}", poll=poll)
         except Gone:
-            if poll:
-                raise  # PayloadMissing: the base's get says None
-            return None  # not yet: the deadline's wait asks again
+            if poll or metadata.get("token"):
+                # A poll: PayloadMissing, the base's get says None. A wait with the put's own metadata:
+                # it was there, and is no more (taken by another consumer, such as a replica that died
+                # after its get, cleaned up or expired): asking again until the deadline brings nothing.
+                raise
+            return None  # not yet (a get by key alone may come before the put): the wait asks again
         # NoAnswer (a PayloadMissing): None for a poll, in the base; past the deadline, the wait's error
         self._counters.add_many(gets=1, bytes_got=size)
         return obj, size

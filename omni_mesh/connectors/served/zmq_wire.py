@@ -4,10 +4,18 @@
                            ->  OK key P header part...           (the parts form: empty() outputs)
                            ->  OK key S description [P]          (sealed, on the bulk socket: served.seal)
 
+    DONE key token ...     ->  OK key                            (they arrived: the producer lets go of them)
+
 Without mesh keys, and for payloads under BULK_MIN_BYTES, the bytes ride in the side channel's reply
 (CURVE-protected with keys). With keys, larger ones leave CURVE (one core, ~0.25 GB/s) for the bulk
 socket: the offer, a fresh session key that CURVE carries secretly, seals them there. A consumer
 decodes views over what it received (no copy). A mixin of `ServedConnector` and `PoolProducer`.
+
+The producer keeps a payload it served until the consumer confirms it arrived (DONE, queued as the
+get returns and sent off its path, several keys at once: `served.confirms`): an answer lost with a
+connection that broke on its way is served again when the consumer asks again on a new one. A consumer
+that never confirms (it died after its get) leaves the payload to its request's clean-up (an abort), or
+to `ttl_s`; a retry of its work on another replica finds it.
 """
 
 from __future__ import annotations
@@ -16,10 +24,11 @@ from typing import Any
 
 from omni_mesh.codec import FrameError, decode, decode_parts
 from omni_mesh.connectors.errors import ConnectorError
-from omni_mesh.connectors.pools.held import Gone
+from omni_mesh.connectors.pools.held import Gone, Held
 from omni_mesh.connectors.served import seal
 from omni_mesh.connectors.served.bulk_client import BulkError, pull
 from omni_mesh.connectors.served.channel import OK, Reply, frame_text
+from omni_mesh.connectors.served.confirms import Confirms
 from omni_mesh.connectors.served.connector import GONE, NoAnswer
 from omni_mesh.connectors.served.late_gets import LateGets
 
@@ -41,22 +50,28 @@ class ZmqWire:
             seal.Session.from_offer(bytes(args[2])) if len(args) > 2 and self._bulk is not None else None
         )
         try:
-            held = self._held.take(frame_text(key), token)
+            held = self._held.claim(frame_text(key), token)  # kept until the consumer confirms (DONE)
         except Gone as exc:  # not (or no more) there: the consumer's get() answers None
             return [GONE, key, str(exc).encode()], None
+        with self._lock:
+            if held.released:  # cleaned up by a stage thread since we found it: its memory may be gone
+                return [GONE, key, b"no payload under this key: cleaned up"], None
+            self._in_flight += 1
+            held.sends += 1
         if type(held.buffer) is list:
             frames = [PARTS, *held.buffer]  # the parts form: header, then each leaf from where it lies
         elif held.offset is None:
             frames = [memoryview(held.buffer)[: held.size]]
         else:
             frames = [self._region(held.offset, held.size)]
-        with self._lock:
-            self._in_flight += 1
 
         def sent() -> None:
             with self._lock:
                 self._in_flight -= 1
-            self._release(held)
+                held.sends -= 1
+                free = held.released and not held.sends
+            if free:  # let go of (confirmed, cleaned up, expired) while this reply was still sent from it
+                self._free(held)
 
         if session is not None and held.size >= BULK_MIN_BYTES:  # CURVE brought the offer: a mesh member's
             form = frames[:1] if frames[0] is PARTS else []
@@ -64,10 +79,49 @@ class ZmqWire:
             return [OK, key, SEALED, desc, *form], None
         return [OK, key, *frames], sent
 
+    _confirms: Confirms  # the consumer's, made by the connector
+
+    def _confirmed(self, args: list[bytes]) -> Reply:
+        """DONE key token ...: the consumer has those payloads; they go (once no reply is sent from them)."""
+        if not args or len(args) % 2:
+            raise ValueError("DONE takes pairs of key and token")
+        for key, token in zip(args[::2], args[1::2], strict=True):
+            try:
+                held = self._held.take(frame_text(key), frame_text(token))
+            except Gone:  # already freed (cleaned up, expired) or confirmed before
+                continue
+            self._release(held)
+        return [OK, args[0]], None
+
+    def _release(self, held: Held) -> None:
+        """Let go of `held`, or, while a reply is still sent from it, once the last one is."""
+        with self._lock:
+            held.released = True
+            if held.sends:
+                return
+        self._free(held)
+
+    def _free(self, held: Held) -> None:
+        super()._release(held)  # type: ignore[misc]  # PoolProducer's: its slot and regions
+
+    def cleanup(self, key: str) -> None:
+        # Served payloads too (claimed until confirmed): a reply still sent from one frees it after.
+        for held in self._held.pop_matching(key, retire_claimed=False):
+            self._release(held)
+
     def _fetch(
         self, endpoint: str, key: str, metadata: dict, timeout_s: float, where: str, *, poll: bool = False
     ) -> tuple[Any, int]:
-        """GET key token -> the frame, decoded as views over the received message."""
+        """GET key token -> the frame, decoded as views over the received message; then DONE, queued."""
+        if self._confirms.taken(endpoint, key):  # we have it already; the producer hears so soon
+            raise Gone(f"{where}: no payload under this key: already consumed (by this consumer)")
+        got = self._get_payload(endpoint, key, metadata, timeout_s, where, poll=poll)
+        self._confirms.add(endpoint, key, str(metadata.get("token", "")))
+        return got
+
+    def _get_payload(
+        self, endpoint: str, key: str, metadata: dict, timeout_s: float, where: str, *, poll: bool
+    ) -> tuple[Any, int]:
         late = (
             f"no answer within {timeout_s:.3g}s; the producing process is gone, its host is unreachable, "
             "or the payload is still in transit (raise get_timeout_s)"

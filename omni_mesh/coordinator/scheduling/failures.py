@@ -59,6 +59,8 @@ STAGE_FAILURES: dict[FailureKind, tuple[int, str]] = {
     FailureKind.CONNECTOR_FAILED: (502, "stage {stage!r} failed: {error}"),
     FailureKind.CONNECTOR_REFUSED: (500, "stage {stage!r} failed: {error}"),
     FailureKind.HANDLER_FAILED: (500, "stage {stage!r} failed: {error}"),
+    # What the stage sent was lost on the way here and cannot be sent again: the mesh's fault.
+    FailureKind.OUTPUT_LOST: (502, "stage {stage!r} failed: {error}"),
 }
 
 

@@ -2,16 +2,21 @@
 
 Messages in flight when the connection dropped are lost both ways (the ROUTER drops what it sends to
 a peer with no connection; what the replica sent sits in a reset socket's buffer). The replica says
-it is back (`Resync`); we send it `Reconcile`, the requests we believe it holds. That message travels
-after every work message sent before it, so its answer (`Holding`) is exact for those requests:
+it is back (`Resync`); we send it `Reconcile`, the requests we believe it holds and, for each, the
+seq of the next output we lack from it. That message travels after every work message sent before
+it; the replica first sends again what it sent from those seqs on (stage.sent), then answers
+(`Holding`), which is exact for those requests:
 
-- one it does not hold lost its work, or its output or error on the way back: it is placed again
-  (as for a replica that died), or, when the stage already streamed part of its output, fails now;
+- one it does not hold (and sent no more of) lost its work, or its output or error on the way back
+  beyond what the replica keeps: it is placed again (as for a replica that died), or, when the stage
+  already streamed part of its output, fails now;
 - one it holds whose stream lacks chunks gets them again from the first it lacks (the replica puts
   chunks in order and ignores ones it has);
-- one it holds that we no longer run (its Abort was lost) is aborted;
-- a streamed output lost on its way here shows as a gap in its stage's seqs (`in_sequence`): that
-  request fails at once (its client already has the chunks before), as when the end of it was lost.
+- one it holds that we no longer run (its Abort was lost) is aborted.
+
+An output arriving after a gap in its stage's seqs (the ones before it were lost) is dropped and the
+replica asked at once (it sends them all again, in order); one arriving twice (sent again for two
+questions) is dropped (`repeated`).
 """
 
 from __future__ import annotations
@@ -35,11 +40,17 @@ class Reconciler:
         self.recovered = 0  # requests placed again, chunks sent again or aborts repeated
 
     def ask(self, replica: Replica) -> None:
-        """The replica's connection came back: ask it which of our requests it holds."""
+        """The replica's connection came back: ask it which of our requests it holds, and for the
+        outputs we lack from it."""
         asked = set(replica.inflight)
         self._asks += 1
         self._asked[replica.replica_id] = (self._asks, asked)
-        self.send(replica, Reconcile(replica.replica_id, sorted(asked), ask=self._asks))
+        seqs = {
+            rid: state.next_seq.get(replica.stage, 0)
+            for rid in asked
+            if (state := self.dispatcher.requests.get(rid)) is not None
+        }
+        self.send(replica, Reconcile(replica.replica_id, sorted(asked), ask=self._asks, seqs=seqs))
 
     def settle(self, replica: Replica, message: Holding) -> None:
         """Its answer: place again what was lost, resend missing chunks, abort what ended here."""
@@ -66,9 +77,20 @@ class Reconciler:
                     Abort(rid, "request already ended (its abort was lost with a dropped connection)"),
                 )
 
+    def repeated(self, replica: Replica, message: Output) -> bool:
+        """Whether `message` is an output of this replica's we already have: sent again for two
+        questions (its stage may be done with the request: it must not read as a stranger's)."""
+        state = self.dispatcher.requests.get(message.rid)
+        return (
+            state is not None
+            and message.stage == replica.stage
+            and replica.replica_id in state.touched
+            and message.seq < state.next_seq.get(message.stage, 0)
+        )
+
     def in_sequence(self, replica: Replica, message: Output) -> bool:
-        """Whether `message` is the output of its stage due next; if one before it was lost with a
-        dropped connection (a streamed chunk), the request fails now: the stage cannot start over."""
+        """Whether `message` is the output of its stage due next. After a gap (outputs lost with a
+        dropped connection) it is dropped, and the replica asked to send again from the first lost."""
         state = self.dispatcher.requests.get(message.rid)
         if state is None:
             return True  # the dispatcher tells the replica the request ended
@@ -76,11 +98,18 @@ class Reconciler:
         if message.seq == due:
             state.next_seq[message.stage] = due + 1
             return True
-        error = (
-            f"stage {message.stage!r} replica {replica.replica_id!r}: output {message.seq} arrived when "
-            f"{due} was due (lost when its control connection dropped)"
-        )
-        self.dispatcher.fail(state, RequestFailed(502, error, message.stage))
+        if replica.replica_id not in self._asked:  # asked already: its answer brings them all
+            log.info(
+                "request %s: output %d of stage %r arrived when %d was due (lost when replica %s's control "
+                "connection dropped); asking for them again",
+                message.rid,
+                message.seq,
+                message.stage,
+                due,
+                replica.replica_id,
+                extra={"request_id": message.rid},
+            )
+            self.ask(replica)
         return False
 
     def _lost(self, state: RequestState, replica: Replica) -> None:
@@ -105,7 +134,10 @@ class Reconciler:
         # Whatever the replica put for it (an output that never reached us) is released first: the
         # work may go to the same replica, under the same keys.
         self.send(replica, Abort(rid, "lost with a dropped control connection; placed again"))
+        retried = stage in state.retried
         self.dispatcher._retry(state, stage)
+        if not retried:  # a message lost on the wire is no replica's failure: the one retry stays
+            state.retried.discard(stage)
 
     def _resend_chunks(self, state: RequestState, replica: Replica, expected: object) -> None:
         stage = replica.stage

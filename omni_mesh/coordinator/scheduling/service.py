@@ -229,6 +229,8 @@ class Coordinator:
                 self.send(replica, Drained(replica.replica_id))
             self.dispatcher.drain_queue(replica.stage)
         elif isinstance(message, Output | Error):
+            if isinstance(message, Output) and self.reconciler.repeated(replica, message):
+                return  # sent again after a dropped connection, and we had it
             if not self._sent_to(replica, message.rid, message.stage):
                 return
             if isinstance(message, Output):
