@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from omni_mesh import control
-from omni_mesh.control import Error, Output
+from omni_mesh.control import Error, FailureKind, Output
 from omni_mesh.stage.sent import SentLog
 
 FAR = 1e12  # a deadline that does not come
@@ -51,7 +51,7 @@ async def test_an_error_is_sent_again_after_the_outputs_before_it() -> None:
     wire = Wire()
     log = SentLog("s", "s-0", wire.send)
     await log.send(_out("r", 0), deadline=FAR)
-    await log.send(Error("r", "s", "s-0", "boom", status=500), deadline=FAR)
+    await log.send(Error("r", "s", "s-0", "boom", FailureKind.HANDLER_FAILED), deadline=FAR)
     wire.take()
     await log.replay(["r"], {"r": 0})
     assert wire.take() == [("r", 0), ("r", None)]
@@ -97,7 +97,7 @@ async def test_past_its_budget_it_forgets_ended_requests_first_and_says_so_when_
         ("new", "Output"),
     ]
     error = sent[2][0]
-    assert error.status == 502 and "output 0 was lost" in error.error and "no longer kept" in error.error
+    assert error.kind is FailureKind.OUTPUT_LOST and "output 0 was lost" in error.error and "no longer kept" in error.error
 
 
 async def test_a_message_the_control_plane_refuses_is_not_kept() -> None:

@@ -168,7 +168,8 @@ def test_a_wait_for_a_payload_another_consumer_took_fails_at_once(producer, cons
         assert time.monotonic() - started < 2, "it waited for a payload that will not come back"
         by_key = {"endpoint": metadata["endpoint"]}
         started = time.monotonic()
-        with pytest.raises(ConnectorError, match="by the deadline"):
+        # At the deadline: the wait's own error, or, when its last ask got no answer in the moment left, that.
+        with pytest.raises(ConnectorError, match="by the deadline|no answer within"):
             other.get_with_deadline("a", "b", "r/0", by_key, deadline=time.monotonic() + 0.5)
         assert time.monotonic() - started >= 0.5
     finally:
