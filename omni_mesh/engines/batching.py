@@ -89,7 +89,7 @@ class Batcher:
         self.tokens_total = 0
         self.steps_total = 0
         self.rows_stepped_total = 0
-        self.started = time.monotonic()
+        self._rate = (time.monotonic(), 0, 0.0)  # (when, tokens_total then, tokens/s up to then)
 
     def submit(self, begin: Callable[[], Any], push: Callable[[int], None], stopped: Callable[[], bool]) -> Future:
         """Queue a request; its Future gets the engine's output (or the error that ended it)."""
@@ -105,7 +105,14 @@ class Batcher:
         return job.future
 
     def counters(self) -> dict[str, int | float]:
+        """Running and queued now, tokens/s since the last call (a heartbeat's period, at least 1 s)."""
+        now = time.monotonic()
+        when, tokens, rate = self._rate
+        if now - when >= 1.0:
+            rate = (self.tokens_total - tokens) / (now - when)
+            self._rate = (now, self.tokens_total, rate)
         return {
+            "generated_tokens_per_second": round(rate, 1),
             "batch_running": len(self.rows),
             "batch_queued": len(self.queue),
             "batch_max": self.max_batch,
