@@ -270,7 +270,9 @@ class Qwen3Omni(ModelParts):
         from omni_mesh.engines.qwen3_omni_code2wav import Qwen3OmniCode2Wav
 
         if part == "thinker":
-            return model.Qwen3OmniThinker.load(self.directory, self.dtype, self.spec.device, skip)
+            from omni_mesh.engines.qwen3_omni_thinker import Qwen3OmniThinker
+
+            return Qwen3OmniThinker.load(self.directory, self.dtype, self.spec.device, skip)
         if part == "talker":
             return model.Qwen3OmniTalker.load(self.directory, self.dtype, self.spec.device)
         return Qwen3OmniCode2Wav.load(self.directory, self.dtype, self.spec.device)

@@ -3,7 +3,7 @@ talker (codec frames: its MoE decoder draws each frame's first code, its code pr
 code2wav (waveform). Together they compute what `Qwen3OmniMoeForConditionalGeneration.generate()`
 computes in one call (tests/test_qwen3_omni_parts.py checks it, greedy).
 
-What travels thinker -> talker (`Qwen3OmniThinker.generate()`'s dict; H = the thinker's hidden size,
+What travels thinker -> talker (`qwen3_omni_thinker.Qwen3OmniThinker.generate()`'s dict; H = the thinker's hidden size,
 tensors in the thinker's dtype, the talker casts them to its own):
     reply_ids         int64 [R]   the reply (the talker does not need it; the stage reports it)
     user_ids          int64 [U]   the prompt's ids in user turns (the talker's rope reads them)
@@ -260,7 +260,3 @@ class Qwen3OmniTalker:
             "attention_mask": torch.ones(inputs_embeds.shape[:2], dtype=torch.long, device=device),
             **{key: thinker_output[key].to(device) for key in TALKER_GRID_KEYS if key in thinker_output},
         }
-
-
-# The thinker lives in a module of its own; it is read from here too (one name for every part).
-from omni_mesh.engines.qwen3_omni_thinker import Qwen3OmniThinker  # noqa: E402, F401
