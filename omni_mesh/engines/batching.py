@@ -89,7 +89,6 @@ class Batcher:
         self.tokens_total = 0
         self.steps_total = 0
         self.rows_stepped_total = 0
-        self._rate = (time.monotonic(), 0, 0.0)  # (when, tokens_total then, tokens/s up to then)
 
     def submit(self, begin: Callable[[], Any], push: Callable[[int], None], stopped: Callable[[], bool]) -> Future:
         """Queue a request; its Future gets the engine's output (or the error that ended it)."""
@@ -105,20 +104,12 @@ class Batcher:
         return job.future
 
     def counters(self) -> dict[str, int | float]:
-        """Running and queued now, tokens/s since the last call (a heartbeat's period, at least 1 s)."""
-        now = time.monotonic()
-        when, tokens, rate = self._rate
-        if now - when >= 1.0:
-            rate = (self.tokens_total - tokens) / (now - when)
-            self._rate = (now, self.tokens_total, rate)
         return {
-            "generated_tokens_per_second": round(rate, 1),
             "batch_running": len(self.rows),
             "batch_queued": len(self.queue),
             "batch_max": self.max_batch,
             "batch_steps_total": self.steps_total,
             "batch_rows_stepped_total": self.rows_stepped_total,  # / steps: the mean batch size
-            "generated_tokens_total": self.tokens_total,
         }
 
     def close(self) -> None:
@@ -204,6 +195,22 @@ class Batcher:
             return
         if not row.job.future.done():
             row.job.future.set_result(output)
+
+
+class Rate:
+    """A count's rate per second between two reads at least `every` seconds apart (a heartbeat reads it)."""
+
+    def __init__(self, every: float = 1.0) -> None:
+        self.every = every
+        self.last = (time.monotonic(), 0, 0.0)  # (when, the count then, the rate up to then)
+
+    def __call__(self, count: int) -> float:
+        now = time.monotonic()
+        when, before, rate = self.last
+        if now - when >= self.every:
+            rate = (count - before) / (now - when)
+            self.last = (now, count, rate)
+        return round(rate, 1)
 
 
 def _fail(job: Job, exc: BaseException) -> None:

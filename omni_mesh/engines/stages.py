@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from omni_mesh.audio import SAMPLE_RATE, pcm16_bytes, wav_base64
-from omni_mesh.engines.batching import Batcher
+from omni_mesh.engines.batching import Batcher, Rate
 from omni_mesh.engines.bridge import Generation
 from omni_mesh.engines.media_inputs import ENCODED_KEY
 from omni_mesh.engines.models import ModelParts, open_model
@@ -54,6 +54,8 @@ class EngineStage:
         # a GPU one would batch, which transformers' generate() does not do across requests).
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.stage}-model")
         self.batcher: Batcher | None = None  # max_batch > 1: requests decode together (omni_mesh.engines.batching)
+        self.tokens_total = 0  # made by requests one at a time (a batch counts its own, step by step)
+        self.token_rate = Rate()
 
     @classmethod
     def from_stage(cls, options: dict, stage: str = "") -> EngineStage:
@@ -80,10 +82,14 @@ class EngineStage:
         return None
 
     def counters(self) -> dict[str, int | float]:
-        """The running batch's size, queue and tokens (a batching stage), and the encoder cache's hits,
+        """A thinker's tokens made (and per second), its running batch's size and queue (max_batch > 1),
+        and the encoder cache's hits,
         misses and items where this stage encodes media (an encoder, or a thinker with its towers); sent
         with every heartbeat (omni_mesh.stage.counters)."""
         out: dict[str, int | float] = self.batcher.counters() if self.batcher is not None else {}
+        if self.spec.part == "thinker":
+            tokens = self.tokens_total + (self.batcher.tokens_total if self.batcher is not None else 0)
+            out.update(generated_tokens_total=tokens, generated_tokens_per_second=self.token_rate(tokens))
         cache = getattr(self.model, "towers_cache", None)
         if cache is None or self.spec.part not in ("encoder", "thinker") or self.fed_by_encoder:
             return out
@@ -146,6 +152,8 @@ class ThinkerStage(EngineStage):
         finally:
             await generation.settle()
         reply = [int(t) for t in self.model.reply_ids(output).tolist()]
+        if self.batcher is None:
+            self.tokens_total += len(reply)
         stopped = stops.hit or (bool(reply) and reply[-1] in eos)
         yield {
             "text": text.add(detok.flush()) + text.flush()
