@@ -1,5 +1,5 @@
 """The thinkers' continuous batching (omni_mesh.engines.batching, thinker_batch) on tiny random
-checkpoints of both architectures, in one process:
+checkpoints of both architectures, in one process (and Qwen2.5-Omni's talker's):
 
 - 8 requests of different prompt and reply lengths decoded in one batch each get the reply the
   one-request path (transformers' generate()) gives it alone: the same tokens, and the talker's inputs
@@ -147,3 +147,39 @@ def test_a_cancelled_request_leaves_at_once_and_the_waiting_one_takes_its_place(
     # others ended (their 40 tokens take 39 steps)
     assert joined_at == [4]
     assert batcher.counters()["batch_steps_total"] == 4 + 39
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0}, {"temperature": 0.9, "top_p": 0.8, "seed": 5}],
+                         ids=["greedy", "seeded"])
+def test_eight_talker_requests_in_one_batch_get_the_codes_they_get_alone(parts: Any, params: dict) -> None:
+    model, thinker = parts
+    if model.arch != "qwen2_5_omni":
+        pytest.skip("Qwen3-Omni's talker (with its code predictor) does not batch yet")
+    talker = model.load("talker")
+    payloads = [model.talker_payload(alone(model, thinker, p, Sampling.of(model.spec, {"max_tokens": n})))
+                for p, n in zip(PROMPTS, REPLY_TOKENS, strict=True)]
+    samplings = [Sampling.of(model.spec, {**params, "max_audio_tokens": n}) for n in (20, 35, 11, 50, 8, 27, 40, 15)]
+    references = []
+    for payload, sampling in zip(payloads, samplings, strict=True):
+        model.seed(sampling.seed)
+        with torch.no_grad():
+            references.append(model.talk(talker, payload, sampling, None, None))
+    batcher = Batcher("talker", model.batch_engine(talker, "talker"), 8)
+    queued = threading.Event()
+
+    def begin_of(payload: dict, sampling: Sampling) -> Any:
+        def begin() -> Any:
+            queued.wait(30)
+            return model.talk_begin(talker, payload, sampling, None)
+        return begin
+
+    futures = [batcher.submit(begin_of(p, s), lambda code: None, lambda: False)
+               for p, s in zip(payloads, samplings, strict=True)]
+    queued.set()
+    try:
+        codes = [future.result(120) for future in futures]
+    finally:
+        batcher.close()
+    assert len({len(c) for c in references}) > 4
+    assert [c.tolist() for c in codes] == [c.tolist() for c in references]
+    assert batcher.counters()["batch_rows_stepped_total"] > 3 * batcher.counters()["batch_steps_total"]

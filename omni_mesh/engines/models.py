@@ -151,6 +151,16 @@ class ModelParts(ABC):
         """(the thinker's Prepared, output(prepared, sequences, steps) -> the result as think() returns it)."""
         raise NotImplementedError(f"{self.arch}: no batched thinker")
 
+    def batch_engine(self, loaded: Any, part: str) -> Any:
+        """The `batching.Engine` of a part that batches its requests (its model loaded), else None."""
+        from omni_mesh.engines.thinker_batch import ThinkerBatch
+
+        return ThinkerBatch(loaded.model, self.thinker_step_layers) if part == "thinker" else None
+
+    def talk_begin(self, talker: Any, payload: dict, sampling: Sampling, should_stop: Any) -> Any:
+        """A request made ready for the talker's running batch (as think_begin for the thinker)."""
+        raise NotImplementedError(f"{self.arch}: no batched talker")
+
     def _prefill_args(self) -> dict[str, Any]:
         """A talker's: its input in pieces of `prefill_tokens`, at most `max_prompt_tokens` of it."""
         return {"prefill_chunk": self.spec.prefill_tokens, "max_input_tokens": self.spec.max_prompt_tokens}
@@ -230,6 +240,18 @@ class Qwen2_5Omni(ModelParts):
         bos = speaker_entry(thinker.speakers, sampling.speaker)["bos_token"]
         prepared = thinker.prepare(ids, should_stop=should_stop, prefill_chunk=self.spec.prefill_tokens, media=media)
         return prepared, lambda p, sequences, steps: thinker.output(p.input_ids, sequences, steps, p.hidden, bos)
+
+    def batch_engine(self, loaded: Any, part: str) -> Any:
+        from omni_mesh.engines.thinker_batch import TalkerBatch
+
+        return TalkerBatch(loaded.model) if part == "talker" else super().batch_engine(loaded, part)
+
+    def talk_begin(self, talker: Any, payload: dict, sampling: Sampling, should_stop: Any) -> Any:
+        from omni_mesh.engines.thinker_batch import Begun
+
+        prepared = talker.prepare(payload, should_stop=should_stop, **self._prefill_args())
+        return Begun(prepared, talker.decoding(sampling.temperature, sampling.top_p), sampling.seed,
+                     sampling.max_audio_tokens, frozenset(talker.stop_ids), talker.output)
 
     def talk(self, talker: Any, payload: dict, sampling: Sampling, on_code: Any, should_stop: Any) -> Any:
         return talker.generate(

@@ -244,6 +244,20 @@ class Talker:
         comes with the thinker's output (its text bos), so `speaker` changes nothing here. The input goes
         through in pieces of `prefill_chunk` rows (None: in one call), the stop flag checked between."""
         del speaker
+        prepared = self.prepare(thinker, should_stop=should_stop, prefill_chunk=prefill_chunk,
+                                max_input_tokens=max_input_tokens)
+        result = self.model.generate(
+            input_ids=prepared.input_ids, max_new_tokens=max_codes, **prepared.kwargs,
+            **self.decoding(temperature, top_p), **streaming(on_code, should_stop),
+        )
+        return self.output(prepared, result)
+
+    def prepare(
+        self, thinker: ThinkerOutput | dict, *, should_stop: Callable[[], bool] | None, prefill_chunk: int | None,
+        max_input_tokens: int | None,
+    ) -> Prepared:
+        """The talker's input as generate() builds it, checked and (but its last row) prefilled in pieces;
+        generate()'s arguments for the rest. `extra["reply_part"]`: the rows each decode step adds."""
         if isinstance(thinker, dict):
             thinker = ThinkerOutput.from_payload(thinker)
         device, dtype = self.model.device, self.model.dtype
@@ -268,22 +282,20 @@ class Talker:
             prefill(inputs_embeds.shape[1] - 1, chunk=prefill_chunk, should_stop=should_stop,
                     step=lambda start, end: self.model(inputs_embeds=inputs_embeds[:, start:end], cache=cache, use_cache=True))
             prefilled = {"cache": cache}
-        result = self.model.generate(
-            input_ids=input_ids,
-            input_text_ids=input_text_ids,
-            thinker_reply_part=reply_part,
-            inputs_embeds=inputs_embeds,
-            max_new_tokens=max_codes,
-            eos_token_id=self.stop_ids,
-            pad_token_id=self.codec_pad,
-            repetition_penalty=TALKER_REPETITION_PENALTY,
-            logits_processor=self.logits_processor(),
-            **prefilled,
-            **streaming(on_code, should_stop),
-            **sampling_kwargs(temperature, top_p, TALKER_TOP_K),
-        )
-        codes = result[0, input_ids.shape[1]:]
-        stops = torch.isin(codes, torch.tensor(self.stop_ids, device=device)).nonzero()
+        kwargs = {"input_text_ids": input_text_ids, "thinker_reply_part": reply_part, "inputs_embeds": inputs_embeds,
+                  "eos_token_id": self.stop_ids, "pad_token_id": self.codec_pad, **prefilled}
+        return Prepared(input_ids, kwargs, extra={"reply_part": reply_part})
+
+    def decoding(self, temperature: float, top_p: float) -> dict[str, Any]:
+        """generate()'s sampling arguments for the talker: the request's temperature and top_p, the
+        model's top-k and repetition penalty, the codes the DiT cannot embed suppressed."""
+        return {"repetition_penalty": TALKER_REPETITION_PENALTY, "logits_processor": self.logits_processor(),
+                **sampling_kwargs(temperature, top_p, TALKER_TOP_K)}
+
+    def output(self, prepared: Prepared, sequences: torch.Tensor, steps: Any = None) -> torch.Tensor:
+        """The codes of a generation's `sequences` [1, P + 2 + n], up to the first stop id."""
+        codes = sequences[0, prepared.input_ids.shape[1]:]
+        stops = torch.isin(codes, torch.tensor(self.stop_ids, device=codes.device)).nonzero()
         return (codes[: int(stops[0])] if len(stops) else codes).cpu()
 
 

@@ -54,7 +54,7 @@ class EngineStage:
         # a GPU one would batch, which transformers' generate() does not do across requests).
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.stage}-model")
         self.batcher: Batcher | None = None  # max_batch > 1: requests decode together (omni_mesh.engines.batching)
-        self.tokens_total = 0  # made by requests one at a time (a batch counts its own, step by step)
+        self.tokens_total = 0  # tokens (codes) made one request at a time (a batch counts its own, step by step)
         self.token_rate = Rate()
 
     @classmethod
@@ -76,20 +76,25 @@ class EngineStage:
         )
 
     def _batcher(self) -> Batcher | None:
-        """The running batch of a part that batches (the thinker); None for the others (with a warning)."""
-        log.warning("stage %s: engine.max_batch %d has no effect on a %s yet: its requests take turns",
-                    self.stage, self.spec.max_batch, self.spec.part)
-        return None
+        """The running batch of a part that batches (thinkers, Qwen2.5's talker); None for the others,
+        with a warning."""
+        assert self.model is not None
+        engine = self.model.batch_engine(self._loaded(), self.spec.part)
+        if engine is None:
+            log.warning("stage %s: engine.max_batch %d has no effect on a %s %s yet: its requests take turns",
+                        self.stage, self.spec.max_batch, self.model.arch, self.spec.part)
+            return None
+        return Batcher(self.stage, engine, self.spec.max_batch)
 
     def counters(self) -> dict[str, int | float]:
-        """A thinker's tokens made (and per second), its running batch's size and queue (max_batch > 1),
-        and the encoder cache's hits,
-        misses and items where this stage encodes media (an encoder, or a thinker with its towers); sent
-        with every heartbeat (omni_mesh.stage.counters)."""
+        """A thinker's tokens (a talker's codes) made and per second, its running batch's size and queue
+        (max_batch > 1), and the encoder cache's hits, misses and items where this stage encodes media (an
+        encoder, or a thinker with its towers); sent with every heartbeat (omni_mesh.stage.counters)."""
         out: dict[str, int | float] = self.batcher.counters() if self.batcher is not None else {}
-        if self.spec.part == "thinker":
-            tokens = self.tokens_total + (self.batcher.tokens_total if self.batcher is not None else 0)
-            out.update(generated_tokens_total=tokens, generated_tokens_per_second=self.token_rate(tokens))
+        unit = {"thinker": "tokens", "talker": "codes"}.get(self.spec.part)
+        if unit is not None:
+            made = self.tokens_total + (self.batcher.tokens_total if self.batcher is not None else 0)
+            out.update({f"generated_{unit}_total": made, f"generated_{unit}_per_second": self.token_rate(made)})
         cache = getattr(self.model, "towers_cache", None)
         if cache is None or self.spec.part not in ("encoder", "thinker") or self.fed_by_encoder:
             return out
@@ -164,13 +169,6 @@ class ThinkerStage(EngineStage):
             "finish_reason": "stop" if stopped or len(reply) < sampling.max_tokens else "length",
         }
 
-    def _batcher(self) -> Batcher:
-        from omni_mesh.engines.thinker_batch import ThinkerBatch
-
-        assert self.model is not None
-        engine = ThinkerBatch(self._loaded().model, self.model.thinker_step_layers)
-        return Batcher(self.stage, engine, self.spec.max_batch)
-
     @staticmethod
     def client_output(chunk: dict) -> dict:
         """What a client reads of the thinker when it is a final stage too: not the talker's inputs."""
@@ -201,7 +199,11 @@ class TalkerStage(EngineStage):
             self.model.seed(sampling.seed)
             return self.model.talk(talker, thinker_output, sampling, push, should_stop)
 
-        generation = Generation(self.executor, run)
+        def join(push: Any, should_stop: Any) -> Any:  # into the running batch: a Future of the codes
+            begin = functools.partial(self.model.talk_begin, talker, thinker_output, sampling, should_stop)
+            return self.batcher.submit(begin, push, should_stop)
+
+        generation = Generation(None, join) if self.batcher is not None else Generation(self.executor, run)
         stops = set(self.model.code_stop_ids(talker))
         pending: list[Any] = []
         # Chunks only help a client that hears the audio as it is made; any other gets the codes at once.
@@ -211,6 +213,8 @@ class TalkerStage(EngineStage):
                 if isinstance(code, int) and code in stops:
                     continue
                 pending.append(code)
+                if self.batcher is None:  # a batch counts its own
+                    self.tokens_total += 1
                 if size is not None and len(pending) >= size:
                     yield {"codes": self.model.codes_tensor(pending)}
                     pending, size = [], self.spec.chunk_codes

@@ -1,4 +1,4 @@
-"""The thinkers' continuous batching (omni_mesh.engines.batching): each request's prompt prefilled on
+"""The thinkers' (and Qwen2.5-Omni's talker's) continuous batching (omni_mesh.engines.batching): each request's prompt prefilled on
 its own (the thinker's `prepare()`: chunked, media included) and its first step made by generate(), as
 the one-request path makes it; then one forward of the thinker's language model per step for every
 running request, each with its own KV cache stacked into a left-padded batch, its own 3-D rope
@@ -68,12 +68,12 @@ class ThinkerBatch:
                 input_ids=prepared.input_ids, max_new_tokens=1, do_sample=False, output_logits=True,
                 return_dict_in_generate=True, **{**prepared.kwargs, "cache": cache},
             )
-            delta = getattr(self.model.model, "rope_deltas", None)
+            delta = self._rope_delta()
         input_ids = prepared.input_ids
-        length = int(input_ids.shape[1])
-        position = torch.full((4, 1), length, dtype=torch.long, device=input_ids.device)
-        if delta is not None:
-            position[1:] += int(delta.reshape(-1)[0])
+        length = int(cache.get_seq_length())
+        position = torch.full((self.position_rows, 1), length + delta, dtype=torch.long, device=input_ids.device)
+        if self.position_rows == 4:  # the text row (the mask's positions) has no rope delta
+            position[0] = length
         processors = self._processors(begun)
         greedy = not begun.generation.get("do_sample", False)
         generator = None
@@ -93,13 +93,9 @@ class ThinkerBatch:
         assert self.cache is not None and self.mask is not None
         device = self.mask.device
         tokens = torch.tensor([[int(s.sequence[0, -1])] for s in states], device=device)
-        positions = torch.stack([s.position for s in states], dim=1)  # [4, B, 1]
+        positions = torch.stack([s.position for s in states], dim=1)  # [rows, B, 1]
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(states), 1)], dim=1)
-        out = self.model.model(
-            input_ids=tokens, position_ids=positions, attention_mask=self.mask, cache=self.cache,
-            use_cache=True, output_hidden_states=bool(self.layers),
-        )
-        logits = self.model.lm_head(out.last_hidden_state[:, -1]).to(torch.float32)
+        out, logits = self._forward(states, tokens, positions)
         picked = []
         for i, state in enumerate(states):
             state.length += 1
@@ -108,6 +104,23 @@ class ThinkerBatch:
                 state.steps.append(tuple(out.hidden_states[layer][i : i + 1] for layer in self.layers))
             picked.append(self._pick(state, logits[i : i + 1]))
         return picked
+
+    #: Position id rows: the thinkers' text row and 3-D rope rows.
+    position_rows = 4
+
+    def _rope_delta(self) -> int:
+        """What generate() adds to the cache length for the next position (the prompt's rope delta, which
+        the model keeps as state between its calls)."""
+        delta = getattr(self.model.model, "rope_deltas", None)
+        return 0 if delta is None else int(delta.reshape(-1)[0])
+
+    def _forward(self, states: list[Sequence], tokens: torch.Tensor, positions: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """One step of the batch: the model's output and the float32 logits [B, V]."""
+        out = self.model.model(
+            input_ids=tokens, position_ids=positions, attention_mask=self.mask, cache=self.cache,
+            use_cache=True, output_hidden_states=bool(self.layers),
+        )
+        return out, self.model.lm_head(out.last_hidden_state[:, -1]).to(torch.float32)
 
     def finish(self, row: Row) -> Any:
         state: Sequence = row.state
@@ -185,3 +198,30 @@ class _NoLock:
 
     def __exit__(self, *exc: Any) -> None:
         return None
+
+
+class TalkerBatch(ThinkerBatch):
+    """`batching.Engine` over Qwen2.5-Omni's talker: each step feeds a row its last code's embedding plus
+    its next thinker reply row (`prepared.extra["reply_part"]`, the last one repeated once they run out),
+    as the talker's forward does for one request; positions from the cache length, as generate() leaves
+    them (it gives the talker no attention mask)."""
+
+    position_rows = 3
+
+    def _rope_delta(self) -> int:
+        delta = getattr(self.model, "rope_deltas", None)
+        return 0 if delta is None else int(delta.reshape(-1)[0])
+
+    def _forward(self, states: list[Sequence], tokens: torch.Tensor, positions: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        model = self.model
+        rows = []
+        for s in states:
+            part = s.begun.prepared.extra["reply_part"]
+            fed = int(s.sequence.shape[1] - s.begun.prepared.input_ids.shape[1]) - 1  # decode steps before this one
+            rows.append(part[:, min(fed, part.shape[1] - 1)])
+        embeds = model.get_input_embeddings()(tokens) + torch.stack(rows)
+        out = model.model(
+            inputs_embeds=model.thinker_to_talker_proj(embeds), position_ids=positions, attention_mask=self.mask,
+            cache=self.cache, use_cache=True,
+        )
+        return out, model.codec_head(out.last_hidden_state[:, -1]).to(torch.float32)
