@@ -1,11 +1,11 @@
-"""`omni-mesh bench engines --clients 1,4,16`: the same 3-stage mesh with its thinker batching
-(`max_batch: N`) and with `max_batch: 1` (one request at a time), in one run.
+"""`omni-mesh bench engines --clients 1,4,16`: the same 3-stage mesh with its thinker and talker
+batching (`max_batch: N`) and with `max_batch: 1` (one request at a time), in one run.
 
 For each client count: requests/s (whole requests through the REST front door, closed loop) and the
 thinker's generated tokens/s (its `generated_tokens_total` counter over the load, warm-up included);
-time to first audio (streamed) at the fewest and the most clients. Only the thinker batches so far:
-the talker and code2wav take requests in turn, which bounds requests/s with audio; `--text-only`
-(`modalities: ["text"]`) measures the thinker's side alone.
+time to first audio (streamed) at the fewest and the most clients. code2wav does not batch yet: it
+takes requests in turn, which bounds requests/s with audio; `--text-only` (`modalities: ["text"]`)
+measures the thinker's side alone.
 """
 
 from __future__ import annotations
@@ -24,13 +24,16 @@ from omni_mesh.bench.engines import topology
 from omni_mesh.bench.mesh import running_mesh
 from omni_mesh.bench.pipeline import drive
 
+READY_TIMEOUT_S = 600.0  # as `up` waits for engines: a loaded machine takes minutes to load three parts
+
 
 def batching_topology(model: Path, threads: int, device: str, max_batch: int) -> dict[str, Any]:
-    """bench engines' mesh with the thinker's `max_batch` (its max_inflight follows from it)."""
+    """bench engines' mesh with the thinker's and the talker's `max_batch` (max_inflight follows from it)."""
     spec = topology(model, threads, device)
     for stage in spec["stages"]:
         stage["max_inflight"] = max(8, 2 * max_batch)
-    spec["stages"][0]["engine"]["max_batch"] = max_batch
+        if stage["engine"]["part"] in ("thinker", "talker"):
+            stage["engine"]["max_batch"] = max_batch
     return spec
 
 
@@ -51,7 +54,7 @@ def run(
         for batch in (1, max_batch):
             path = Path(scratch) / f"topology-{batch}.yaml"
             path.write_text(yaml.safe_dump(batching_topology(checkpoint, threads, device, batch), sort_keys=False))
-            with running_mesh(path) as mesh:
+            with running_mesh(path, ready_timeout_s=READY_TIMEOUT_S) as mesh:
                 loads = {n: _load(mesh.url, n, duration_s, body) for n in clients}
                 first_audio = {} if text_only else {
                     n: _finite(aio.run(drive(mesh.url, n, duration_s, {**body, "stream": True})).get("first_audio_p50_s"))
@@ -88,7 +91,7 @@ def report(result: dict[str, Any]) -> str:
     lines = [
         f"model: {result['model']} ({result['device']}, {result['threads']} torch thread(s) per process); greedy, "
         f"max_tokens={result['params']['max_tokens']}, max_audio_tokens={result['params']['max_audio_tokens']}",
-        f"batching: the thinker with max_batch {n} against max_batch 1 (the same mesh otherwise)"
+        f"batching: thinker and talker with max_batch {n} against max_batch 1 (the same mesh otherwise)"
         + ("; text only (modalities: [text])" if result["text_only"] else ""),
         f"{'clients':>8}{'req/s (1)':>12}{f'req/s ({n})':>12}{'x':>7}{'tok/s (1)':>12}{f'tok/s ({n})':>12}"
         f"{'p99 s (1)':>11}{f'p99 s ({n})':>11}",
