@@ -1,9 +1,9 @@
-"""A batching thinker in a real mesh (`omni-mesh up`: thinker with `max_batch: 8` -> talker -> token2wav,
-tiny random Qwen2.5-Omni, one torch thread per stage):
+"""Batching in a real mesh (`omni-mesh up`: thinker and talker with `max_batch: 8` -> token2wav, tiny
+random Qwen2.5-Omni, one torch thread per stage):
 
-- 8 concurrent greedy requests of different prompt and reply lengths share the thinker's forward
-  passes (its counters say so) and each gets the text transformers' generate() gives it alone, and the
-  audio it gets when sent alone (within 2 steps of 16-bit PCM);
+- 8 concurrent greedy requests of different prompt and reply lengths share the thinker's and the
+  talker's forward passes (their counters say so) and each gets the text transformers' generate() gives
+  it alone, and the audio it gets when sent alone (within 2 steps of 16-bit PCM);
 - a client that leaves mid-reply frees its place: the others' replies are unchanged, the thinker shows
   nothing running or queued afterwards, and `/metrics` carries the batch's gauges and counters.
 """
@@ -45,7 +45,7 @@ def topology() -> dict:
 
     return {"name": "batching", "stages": [
         stage(0, "thinker", max_batch=8),
-        {**stage(1, "talker"), "engine_input_source": [0]},
+        {**stage(1, "talker", max_batch=8), "engine_input_source": [0]},
         {**stage(2, "code2wav", num_steps=4), "engine_input_source": [1], "final_output": True},
     ]}
 
@@ -89,14 +89,14 @@ def texts(checkpoint: Path) -> list[str]:
         torch.set_num_threads(threads)
 
 
-def thinker_counters(mesh: Any) -> dict:
-    return mesh.stages()["thinker"][0]["counters"]
+def thinker_counters(mesh: Any, stage: str = "thinker") -> dict:
+    return mesh.stages()[stage][0]["counters"]
 
 
 def test_eight_concurrent_requests_share_the_thinker_and_get_their_replies_alone(mesh: Any, texts: list[str]) -> None:
     alone = [mesh.ok(inputs(p), params=params(n), timeout_s=60)["outputs"] for p, n in zip(PROMPTS, REPLY_TOKENS, strict=True)]
     assert [a["text"] for a in alone] == texts
-    before = thinker_counters(mesh)
+    before, talker_before = thinker_counters(mesh), thinker_counters(mesh, "talker")
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
         together = list(pool.map(lambda i: mesh.ok(inputs(PROMPTS[i]), params=params(REPLY_TOKENS[i]), timeout_s=90)["outputs"],
                                  range(len(PROMPTS))))
@@ -111,6 +111,10 @@ def test_eight_concurrent_requests_share_the_thinker_and_get_their_replies_alone
     steps = after["batch_steps_total"] - before["batch_steps_total"]
     rows = after["batch_rows_stepped_total"] - before["batch_rows_stepped_total"]
     assert rows / steps >= 2.0, f"{rows} rows in {steps} steps: the requests hardly shared a forward"
+    talker = thinker_counters(mesh, "talker")
+    steps = talker["batch_steps_total"] - talker_before["batch_steps_total"]
+    rows = talker["batch_rows_stepped_total"] - talker_before["batch_rows_stepped_total"]
+    assert rows / steps >= 2.0, f"the talker: {rows} rows in {steps} steps"
 
 
 def test_a_client_leaving_mid_batch_frees_its_place_and_leaves_the_others_alone(mesh: Any, texts: list[str]) -> None:
