@@ -54,7 +54,7 @@ class ThinkerBatch:
     def __init__(self, model: Any, layers: tuple[int, ...] = ()) -> None:
         self.model = model
         self.layers = layers
-        self.members: list[int] = []  # ids of the rows stacked in `cache`, in order
+        self.members: list[Sequence] = []  # the rows stacked in `cache`, in order (held: an id could be reused)
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None  # [B, width]: 0 over each row's left padding
 
@@ -88,7 +88,7 @@ class ThinkerBatch:
 
     def step(self, rows: list[Row]) -> list[int]:
         states: list[Sequence] = [row.state for row in rows]
-        if [id(s) for s in states] != self.members:
+        if len(states) != len(self.members) or any(a is not b for a, b in zip(states, self.members, strict=True)):
             self._stack(states)
         assert self.cache is not None and self.mask is not None
         device = self.mask.device
@@ -124,7 +124,7 @@ class ThinkerBatch:
 
     def finish(self, row: Row) -> Any:
         state: Sequence = row.state
-        if self.members == [id(state)]:  # the last row leaves: its cache goes now, not at the next join
+        if len(self.members) == 1 and self.members[0] is state:  # the last row leaves: its cache goes now
             self.members, self.cache, self.mask = [], None, None
         return state.begun.output(state.begun.prepared, state.sequence, state.steps)
 
@@ -158,7 +158,7 @@ class ThinkerBatch:
         (the padding of rows that left goes with them)."""
         width = max(s.length for s in states)
         old_width = 0 if self.mask is None else self.mask.shape[1]
-        index = {member: i for i, member in enumerate(self.members)}
+        index = {id(member): i for i, member in enumerate(self.members)}
         layers = len(states[0].kv) if states[0].kv is not None else len(self.cache.layers)  # type: ignore[union-attr]
         cache = DynamicCache(config=self.model.config.get_text_config())
         for layer in range(layers):
@@ -181,7 +181,7 @@ class ThinkerBatch:
         for s in states:
             s.kv = None
         self.cache = cache
-        self.members = [id(s) for s in states]
+        self.members = list(states)
 
 
 def _pad_left(x: torch.Tensor, width: int) -> torch.Tensor:
