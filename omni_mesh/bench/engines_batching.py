@@ -55,9 +55,9 @@ def run(
             path = Path(scratch) / f"topology-{batch}.yaml"
             path.write_text(yaml.safe_dump(batching_topology(checkpoint, threads, device, batch), sort_keys=False))
             with running_mesh(path, ready_timeout_s=READY_TIMEOUT_S) as mesh:
-                loads = {n: _load(mesh.url, n, duration_s, body) for n in clients}
+                loads = {str(n): _load(mesh.url, n, duration_s, body) for n in clients}
                 first_audio = {} if text_only else {
-                    n: _finite(aio.run(drive(mesh.url, n, duration_s, {**body, "stream": True})).get("first_audio_p50_s"))
+                    str(n): _finite(aio.run(drive(mesh.url, n, duration_s, {**body, "stream": True})).get("first_audio_p50_s"))
                     for n in (min(clients), max(clients))
                 }
             sides[f"max_batch_{batch}"] = {"max_batch": batch, "clients": loads, "first_audio_s": first_audio}
@@ -97,7 +97,7 @@ def report(result: dict[str, Any]) -> str:
         f"{'p99 s (1)':>11}{f'p99 s ({n})':>11}",
     ]
     for clients in result["clients"]:
-        a, b = one["clients"][clients], many["clients"][clients]
+        a, b = one["clients"][str(clients)], many["clients"][str(clients)]
         ratio = b["req_per_s"] / a["req_per_s"] if a["req_per_s"] else float("nan")
         lines.append(f"{clients:>8}{a['req_per_s']:>12.2f}{b['req_per_s']:>12.2f}{ratio:>6.2f}x{a['tokens_per_s']:>12.0f}"
                      f"{b['tokens_per_s']:>12.0f}{a['p99_s']:>11.2f}{b['p99_s']:>11.2f}")
@@ -105,8 +105,8 @@ def report(result: dict[str, Any]) -> str:
         for clients, value in side["first_audio_s"].items():
             shown = f"{value * 1000:.0f} ms" if value is not None else "none measured"
             lines.append(f"time to first audio, {clients} client(s), max_batch {side['max_batch']}: {shown}")
-    errors = {f"{key}, {c} clients": side["clients"][c]["errors"] for key, side in result["sides"].items()
-              for c in result["clients"] if side["clients"][c]["errors"]}
+    errors = {f"{key}, {c} clients": load["errors"] for key, side in result["sides"].items()
+              for c, load in side["clients"].items() if load["errors"]}
     if errors:
         lines.append(f"errors: {errors}")
     return "\n".join(lines)
