@@ -21,6 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from support.batch_requests import PROMPTS, REPLY_TOKENS  # noqa: E402
 from support.meshkit import running_mesh, wait_for  # noqa: E402
 from support.replies import wav_samples  # noqa: E402
 
@@ -29,11 +30,6 @@ from omni_mesh.engines.settings import Sampling, parse_engine  # noqa: E402
 from omni_mesh.engines.text import prompt_ids  # noqa: E402
 from omni_mesh.engines.tiny import build_tiny  # noqa: E402
 
-PROMPTS = [
-    "hello", "what is the weather like today, in one long sentence please", "a b c", "tell me a story",
-    "x", "the quick brown fox jumps over the lazy dog", "one two", "zzz yyy",
-]
-REPLY_TOKENS = [5, 17, 9, 30, 12, 3, 25, 8]
 AUDIO_CODES = 20
 PCM_STEPS = 2
 

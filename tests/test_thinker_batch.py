@@ -18,6 +18,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from support.batch_requests import PROMPTS, REPLY_TOKENS  # noqa: E402
+
 from omni_mesh.engines.batching import Batcher  # noqa: E402
 from omni_mesh.engines.models import open_model  # noqa: E402
 from omni_mesh.engines.settings import Sampling, parse_engine  # noqa: E402
@@ -25,11 +27,6 @@ from omni_mesh.engines.text import prompt_ids  # noqa: E402
 from omni_mesh.engines.thinker_batch import ThinkerBatch  # noqa: E402
 from omni_mesh.engines.tiny import build_tiny  # noqa: E402
 
-PROMPTS = [
-    "hello", "what is the weather like today, in one long sentence please", "a b c", "tell me a story",
-    "x", "the quick brown fox jumps over the lazy dog", "one two", "zzz yyy",
-]
-REPLY_TOKENS = [5, 17, 9, 30, 12, 3, 25, 8]
 ROWS_ATOL = 1e-5  # the talker's input rows: batched float arithmetic (measured ~7e-7)
 
 
