@@ -26,3 +26,21 @@ def test_bench_engines_reports_both_sides_in_one_run() -> None:
     assert mesh["first_audio_s"] is not None and mesh["first_audio_s"] > 0 and mesh["req_per_s_1"] > 0 and mesh["req_per_s_4"] > 0
     assert result["first_audio_vs_monolithic_latency"] == pytest.approx(mesh["first_audio_s"] / mono["latency_s"])
     assert result["req_per_s_4_vs_monolithic"] == pytest.approx(mesh["req_per_s_4"] * mono["latency_s"])
+
+
+@pytest.mark.timeout(900)  # two meshes of three engines each start and load (minutes on a loaded 2-core host)
+def test_bench_engines_clients_compares_batching_with_max_batch_1() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "omni_mesh", "bench", "engines", "--clients", "1,2", "--max-batch", "2",
+         "--duration", "2", "--max-tokens", "4", "--max-audio-tokens", "10", "--json"],
+        capture_output=True, text=True, timeout=840,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["clients"] == [1, 2] and result["max_batch"] == 2
+    for side in ("max_batch_1", "max_batch_2"):
+        figures = result["sides"][side]
+        for clients in ("1", "2"):
+            load = figures["clients"][clients]
+            assert load["errors"] == {} and load["req_per_s"] > 0 and load["tokens_per_s"] > 0, (side, clients, load)
+        assert set(figures["first_audio_s"]) == {"1", "2"}

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from omni_mesh.engines import qwen2_5_omni, qwen3_omni  # noqa: E402
+from omni_mesh.engines import qwen2_5_omni, qwen3_omni, qwen3_omni_thinker  # noqa: E402
 from omni_mesh.engines.prefill import PrefillStopped, prefill  # noqa: E402
 from omni_mesh.engines.tiny import build_tiny  # noqa: E402
 from omni_mesh.errors import InvalidInput  # noqa: E402
@@ -107,7 +107,7 @@ def test_qwen2_5_thinker_and_talker_chunked_equal_one_call(q25: Path, chunk: int
 
 @pytest.mark.parametrize("chunk", CHUNKS)
 def test_qwen3_thinker_and_talker_chunked_equal_one_call(q3: Path, chunk: int) -> None:
-    thinker = qwen3_omni.Qwen3OmniThinker.load(q3, F32, "cpu")
+    thinker = qwen3_omni_thinker.Qwen3OmniThinker.load(q3, F32, "cpu")
     talker = qwen3_omni.Qwen3OmniTalker.load(q3, F32, "cpu")
     # an audio placeholder: the talker reads the thinker's hidden state of layer accept_hidden_layer for it
     ids = ids_of(q3, PROMPT + "<|audio_start|><|audio_pad|><|audio_end|>")
@@ -166,7 +166,7 @@ def test_a_prompt_past_the_context_is_refused_before_any_compute(q25: Path, q3: 
     finally:
         hook.remove()
     assert calls == []
-    q3_thinker = qwen3_omni.Qwen3OmniThinker.load(q3, F32, "cpu")
+    q3_thinker = qwen3_omni_thinker.Qwen3OmniThinker.load(q3, F32, "cpu")
     with pytest.raises(InvalidInput, match="max_position_embeddings"):
         q3_thinker.generate(
             torch.ones(1, q3_thinker.context + 5, dtype=torch.long), max_tokens=4, for_talker=False

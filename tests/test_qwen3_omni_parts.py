@@ -22,12 +22,9 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from omni_mesh.engines.checkpoint import CheckpointError  # noqa: E402
-from omni_mesh.engines.qwen3_omni import (  # noqa: E402
-    TALKER_INPUT_KEYS,
-    Qwen3OmniTalker,
-    Qwen3OmniThinker,
-)
+from omni_mesh.engines.qwen3_omni import TALKER_INPUT_KEYS, Qwen3OmniTalker  # noqa: E402
 from omni_mesh.engines.qwen3_omni_code2wav import Qwen3OmniCode2Wav  # noqa: E402
+from omni_mesh.engines.qwen3_omni_thinker import Qwen3OmniThinker  # noqa: E402
 from omni_mesh.engines.tiny_qwen3_omni import CODE_GROUPS, CODEBOOK, build_tiny_qwen3_omni  # noqa: E402
 
 F32 = torch.float32

@@ -905,3 +905,29 @@ def test_engine_settings_are_checked_where_the_stage_is() -> None:
     both = {"stages": [{"stage_id": 0, "handler": "m:f", "engine": {"part": "thinker", "model": "/m"}}]}
     with pytest.raises(TopologyError, match="set handler: or engine:, not both"):
         parse_topology(both, source="t")
+
+
+def test_max_batch_sets_the_engines_batch_and_the_replicas_max_inflight() -> None:
+    topo = parse("""
+        stages:
+          - {stage_id: 0, name: thinker, engine: {part: thinker, model: m, max_batch: 16}}
+          - {stage_id: 1, name: talker, engine_input_source: [0], engine: {part: talker, model: m}}
+          - {stage_id: 2, name: code2wav, engine_input_source: [1], max_inflight: 3,
+             engine: {part: code2wav, model: m, max_batch: 4}}
+    """)
+    assert [s.engine["max_batch"] for s in topo.stages] == [16, 1, 4]
+    # unless set: a full batch running and as many waiting to join it; never below the default 8
+    assert [s.max_inflight for s in topo.stages] == [32, 8, 3]
+    with pytest.raises(TopologyError, match=r"stage 0 'thinker': engine.max_batch must be an integer >= 1, got 0"):
+        parse("stages: [{stage_id: 0, name: thinker, engine: {part: thinker, model: m, max_batch: 0}}]")
+
+
+def test_vllm_omnis_max_num_seqs_is_the_engines_max_batch() -> None:
+    topo = parse("""
+        stages:
+          - {stage_id: 0, engine_args: {model_stage: thinker, max_num_seqs: 12}}
+          - {stage_id: 1, engine_input_source: [0], engine_args: {model_stage: talker}, max_num_seqs: 6}
+    """)
+    assert [s.engine["max_batch"] for s in topo.stages] == [12, 6]
+    assert [s.max_inflight for s in topo.stages] == [24, 12]
+    assert not any("max_num_seqs" in warning for warning in topo.warnings)  # it has an effect now

@@ -75,6 +75,13 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     engines.add_argument("--duration", type=float, default=30.0, help="seconds of load per mesh measurement")
     engines.add_argument("--threads", type=int, default=1, help="torch threads per process (monolithic and each stage)")
     engines.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    engines.add_argument(
+        "--clients", default=None,
+        help="comma-separated client counts (e.g. 1,4,16): the mesh with its thinker batching (--max-batch) "
+        "against max_batch 1, requests/s and tokens/s at each, time to first audio at the fewest and most",
+    )
+    engines.add_argument("--max-batch", type=int, default=16, help="the thinker's engine.max_batch with --clients")
+    engines.add_argument("--text-only", action="store_true", help="with --clients: modalities [text] (no talker work)")
     engines.add_argument("--json", action="store_true", help="print the results as JSON")
     chaos = kinds.add_parser(
         "chaos", help="soak: checked load while replicas are SIGKILLed; non-zero exit if an invariant breaks"
@@ -118,6 +125,25 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     scale.add_argument("--tail-s", type=float, default=60.0, help="the most seconds to wait for the minimum again")
     scale.add_argument("--json", action="store_true", help="print the results as JSON")
     return parser
+
+
+def _engines_batching(args: argparse.Namespace) -> int:
+    """`bench engines --clients 1,4,16`: the batching thinker against max_batch 1 (omni_mesh.bench.engines_batching)."""
+    from omni_mesh.bench import engines_batching
+
+    try:
+        clients = sorted({int(n) for n in args.clients.split(",")})
+    except ValueError:
+        raise CliError(f"--clients must be comma-separated counts such as 1,4,16, got {args.clients!r}") from None
+    if not clients or clients[0] < 1 or args.max_batch < 2:
+        raise CliError(f"--clients must be counts >= 1 and --max-batch >= 2, got {args.clients!r}, {args.max_batch}")
+    params = {"temperature": 0, "seed": 0, "max_tokens": args.max_tokens, "max_audio_tokens": args.max_audio_tokens}
+    result = engines_batching.run(
+        model=args.model, params=params, prompt=args.prompt, threads=args.threads, device=args.device,
+        clients=clients, max_batch=args.max_batch, duration_s=args.duration, text_only=args.text_only,
+    )
+    print(json.dumps(result, indent=2) if args.json else engines_batching.report(result))
+    return EXIT_OK
 
 
 def _cmd_autoscale(args: argparse.Namespace) -> int:
@@ -188,6 +214,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             )
             print(json.dumps(result, indent=2) if args.json else engines_media.report(result))
             return EXIT_OK
+        if args.clients is not None:
+            return _engines_batching(args)
         result = engines.run(
             model=args.model, prompt=args.prompt, max_tokens=args.max_tokens, max_audio_tokens=args.max_audio_tokens,
             rounds=args.rounds, duration_s=args.duration, threads=args.threads, device=args.device,

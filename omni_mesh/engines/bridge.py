@@ -18,7 +18,11 @@ class Generation:
     Leaving the iteration early (the request was cancelled or failed) sets the stop flag, which the
     generate() call checks after every step."""
 
-    def __init__(self, executor: Executor, run: Callable[[Callable[[Any], None], Callable[[], bool]], Any]) -> None:
+    def __init__(
+        self, executor: Executor | None, run: Callable[[Callable[[Any], None], Callable[[], bool]], Any],
+    ) -> None:
+        """`executor` None: `run(push, should_stop)` only hands the work on (to a running batch:
+        omni_mesh.engines.batching) and returns the concurrent Future of its result."""
         self.stop = threading.Event()
         loop = asyncio.get_running_loop()
         self.items: asyncio.Queue[Any] = asyncio.Queue()
@@ -26,7 +30,10 @@ class Generation:
         def push(item: Any) -> None:
             loop.call_soon_threadsafe(self.items.put_nowait, item)
 
-        self.future = loop.run_in_executor(executor, run, push, self.stop.is_set)
+        if executor is None:
+            self.future = asyncio.wrap_future(run(push, self.stop.is_set))
+        else:
+            self.future = loop.run_in_executor(executor, run, push, self.stop.is_set)
         self.future.add_done_callback(lambda _: self.items.put_nowait(_DONE))
 
     async def __aiter__(self) -> AsyncIterator[Any]:

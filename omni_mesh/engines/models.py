@@ -130,6 +130,37 @@ class ModelParts(ABC):
         `max_prompt_tokens`: checked before any compute."""
         check_prompt(tokens, context=thinker.context, limit=self.spec.max_prompt_tokens, who="prompt too long")
 
+    #: The thinker's hidden states (layers) that each decode step keeps for the talker's inputs.
+    thinker_step_layers: tuple[int, ...] = ()
+
+    def think_begin(
+        self, thinker: Any, ids: torch.Tensor, sampling: Sampling, should_stop: Any, media: dict | None = None,
+    ) -> Any:
+        """A request made ready for the thinker's running batch (omni_mesh.engines.thinker_batch, in the
+        model thread): its prompt prefilled, the settings think() would hand to generate()."""
+        from omni_mesh.engines.generation import sampling_kwargs
+        from omni_mesh.engines.thinker_batch import Begun
+
+        prepared, output = self._think_prepare(thinker, ids, sampling, should_stop, media)
+        generation = {**sampling_kwargs(sampling.temperature, sampling.top_p), **decoding_args(sampling, int(ids.shape[-1]))}
+        return Begun(prepared, generation, sampling.seed, sampling.max_tokens, frozenset(self.eos_token_ids(thinker)),
+                     output, saw=getattr(should_stop, "saw", None), lock=getattr(thinker, "lock", None))
+
+    def _think_prepare(self, thinker: Any, ids: torch.Tensor, sampling: Sampling, should_stop: Any,
+                       media: dict | None) -> tuple[Any, Any]:
+        """(the thinker's Prepared, output(prepared, sequences, steps) -> the result as think() returns it)."""
+        raise NotImplementedError(f"{self.arch}: no batched thinker")
+
+    def batch_engine(self, loaded: Any, part: str) -> Any:
+        """The `batching.Engine` of a part that batches its requests (its model loaded), else None."""
+        from omni_mesh.engines.thinker_batch import ThinkerBatch
+
+        return ThinkerBatch(loaded.model, self.thinker_step_layers) if part == "thinker" else None
+
+    def talk_begin(self, talker: Any, payload: dict, sampling: Sampling, should_stop: Any) -> Any:
+        """A request made ready for the talker's running batch (as think_begin for the thinker)."""
+        raise NotImplementedError(f"{self.arch}: no batched talker")
+
     def _prefill_args(self) -> dict[str, Any]:
         """A talker's: its input in pieces of `prefill_tokens`, at most `max_prompt_tokens` of it."""
         return {"prefill_chunk": self.spec.prefill_tokens, "max_input_tokens": self.spec.max_prompt_tokens}
@@ -200,6 +231,28 @@ class Qwen2_5Omni(ModelParts):
             prefill_chunk=self.spec.prefill_tokens, options=decoding_args(sampling, int(ids.shape[-1])),
         )
 
+    thinker_step_layers = (0, -1)  # the talker reads every step's embeddings and last hidden states
+
+    def _think_prepare(self, thinker: Any, ids: torch.Tensor, sampling: Sampling, should_stop: Any,
+                       media: dict | None) -> tuple[Any, Any]:
+        from omni_mesh.engines.qwen2_5_omni import speaker_entry
+
+        bos = speaker_entry(thinker.speakers, sampling.speaker)["bos_token"]
+        prepared = thinker.prepare(ids, should_stop=should_stop, prefill_chunk=self.spec.prefill_tokens, media=media)
+        return prepared, lambda p, sequences, steps: thinker.output(p.input_ids, sequences, steps, p.hidden, bos)
+
+    def batch_engine(self, loaded: Any, part: str) -> Any:
+        from omni_mesh.engines.thinker_batch import TalkerBatch
+
+        return TalkerBatch(loaded.model) if part == "talker" else super().batch_engine(loaded, part)
+
+    def talk_begin(self, talker: Any, payload: dict, sampling: Sampling, should_stop: Any) -> Any:
+        from omni_mesh.engines.thinker_batch import Begun
+
+        prepared = talker.prepare(payload, should_stop=should_stop, **self._prefill_args())
+        return Begun(prepared, talker.decoding(sampling.temperature, sampling.top_p), sampling.seed,
+                     sampling.max_audio_tokens, frozenset(talker.stop_ids), talker.output)
+
     def talk(self, talker: Any, payload: dict, sampling: Sampling, on_code: Any, should_stop: Any) -> Any:
         return talker.generate(
             payload, max_codes=sampling.max_audio_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
@@ -239,7 +292,9 @@ class Qwen3Omni(ModelParts):
         from omni_mesh.engines.qwen3_omni_code2wav import Qwen3OmniCode2Wav
 
         if part == "thinker":
-            return model.Qwen3OmniThinker.load(self.directory, self.dtype, self.spec.device, skip)
+            from omni_mesh.engines.qwen3_omni_thinker import Qwen3OmniThinker
+
+            return Qwen3OmniThinker.load(self.directory, self.dtype, self.spec.device, skip)
         if part == "talker":
             return model.Qwen3OmniTalker.load(self.directory, self.dtype, self.spec.device)
         return Qwen3OmniCode2Wav.load(self.directory, self.dtype, self.spec.device)
@@ -252,6 +307,11 @@ class Qwen3Omni(ModelParts):
             on_token=on_token, should_stop=should_stop, media=media,
             prefill_chunk=self.spec.prefill_tokens, options=decoding_args(sampling, int(ids.shape[-1])),
         )
+
+    def _think_prepare(self, thinker: Any, ids: torch.Tensor, sampling: Sampling, should_stop: Any,
+                       media: dict | None) -> tuple[Any, Any]:
+        prepared = thinker.prepare(ids, should_stop=should_stop, prefill_chunk=self.spec.prefill_tokens, media=media)
+        return prepared, thinker.output
 
     def talk(self, talker: Any, payload: dict, sampling: Sampling, on_code: Any, should_stop: Any) -> Any:
         return talker.generate(

@@ -15,6 +15,7 @@ made before any compute, so a prompt too long is a 4xx naming the limit.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -27,6 +28,18 @@ T = TypeVar("T")
 #: Tokens per piece: small enough that one piece of a long prompt takes well under a second on a CPU,
 #: large enough that the pieces cost no more than one call (measured: docs/engines.md).
 DEFAULT_CHUNK = 512
+
+
+@dataclass
+class Prepared:
+    """A thinker's prompt made ready for generate(): the ids [1, P], generate()'s extra arguments (the
+    filled cache and positions of a chunked prefill, the media, eos, ...), the prefilled tokens' hidden
+    states per kept layer, and what the architecture reads back when it builds its output."""
+
+    input_ids: torch.Tensor
+    kwargs: dict[str, Any]
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class PrefillStopped(Exception):

@@ -32,6 +32,7 @@ from omni_mesh.engines.checkpoint import CheckpointError, load_part
 from omni_mesh.engines.generation import sampling_kwargs, streaming
 from omni_mesh.engines.prefill import (
     DEFAULT_CHUNK,
+    Prepared,
     check_prompt,
     new_cache,
     prefill,
@@ -132,9 +133,26 @@ class Thinker:
         """The reply; `prefill_chunk` tokens of the prompt at a time, the stop flag checked between
         (None: the prompt in one call, as generate() alone does it). `media`: generate() arguments for the
         prompt's encoded media (`media_inputs.thinker_kwargs`): such a prompt goes in one call."""
-        device = self.model.device
-        input_ids = prompt_ids.reshape(1, -1).to(device)
         bos_token = speaker_entry(self.speakers, speaker)["bos_token"]
+        prepared = self.prepare(prompt_ids, should_stop=should_stop, prefill_chunk=prefill_chunk, media=media)
+        result = self.model.generate(
+            input_ids=prepared.input_ids,
+            max_new_tokens=max_tokens,
+            return_dict_in_generate=True,
+            **prepared.kwargs,
+            **streaming(on_token, should_stop),
+            **sampling_kwargs(temperature, top_p),
+            **(options or {}),  # generation.decoding_args: top_k, penalties, ...
+        )
+        return self.output(prepared.input_ids, result.sequences, result.hidden_states, prepared.hidden, bos_token)
+
+    def prepare(
+        self, prompt_ids: torch.Tensor, *, should_stop: Callable[[], bool] | None, prefill_chunk: int | None,
+        media: dict[str, Any] | None,
+    ) -> Prepared:
+        """The prompt checked and (text only) prefilled in pieces but its last token; generate()'s arguments
+        for the rest (hidden states kept: the talker reads layer 0 and the last of every step)."""
+        input_ids = prompt_ids.reshape(1, -1).to(self.model.device)
         check_prompt(input_ids.shape[1], context=self.context, limit=None, who="Qwen2.5-Omni thinker")
         if media:  # chunked prefill does not take encoder outputs (yet): the prompt in one call
             prefill_chunk = None
@@ -144,18 +162,14 @@ class Thinker:
             prefilled, hidden = thinker_prefill(
                 self.model, input_ids, chunk=prefill_chunk, should_stop=should_stop, layers=(0, -1)
             )
-        result = self.model.generate(
-            input_ids=input_ids,
-            max_new_tokens=max_tokens,
-            output_hidden_states=True,
-            return_dict_in_generate=True,
-            **prefilled,
-            **streaming(on_token, should_stop),
-            **sampling_kwargs(temperature, top_p),
-            **(options or {}),  # generation.decoding_args: top_k, penalties, ...
-            **(media or {}),
-        )
-        steps = result.hidden_states  # one tuple of per-layer states per generation step
+        return Prepared(input_ids, {"output_hidden_states": True, **prefilled, **(media or {})}, hidden)
+
+    def output(
+        self, input_ids: torch.Tensor, sequences: torch.Tensor, steps: Any, hidden: list[torch.Tensor], bos_token: int,
+    ) -> ThinkerOutput:
+        """The talker's inputs from a generation: `sequences` [1, P + R], `steps` one tuple of hidden states
+        per step (layer 0 first, the last layer last), `hidden` the prefilled tokens' (prefill.thinker_prefill)."""
+        device = input_ids.device
         embeds = [whole_prompt(hidden, 0, steps[0][0])] + [step[0] for step in steps[1:]]
         last = [whole_prompt(hidden, 1, steps[0][-1])] + [step[-1] for step in steps[1:]]
         prompt_embeds = embeds[0][0].clone()
@@ -170,7 +184,7 @@ class Thinker:
                                     self.config.talker_config.tts_text_pad_token_id], device=device)
         return ThinkerOutput(
             prompt_ids=input_ids[0].cpu(),
-            reply_ids=result.sequences[0, input_ids.shape[1]:].cpu(),
+            reply_ids=sequences[0, input_ids.shape[1]:].cpu(),
             prompt_rows=prompt_rows.cpu(),
             reply_rows=reply_rows.cpu(),
             text_embeds=table(text_tokens).cpu(),
@@ -230,6 +244,20 @@ class Talker:
         comes with the thinker's output (its text bos), so `speaker` changes nothing here. The input goes
         through in pieces of `prefill_chunk` rows (None: in one call), the stop flag checked between."""
         del speaker
+        prepared = self.prepare(thinker, should_stop=should_stop, prefill_chunk=prefill_chunk,
+                                max_input_tokens=max_input_tokens)
+        result = self.model.generate(
+            input_ids=prepared.input_ids, max_new_tokens=max_codes, **prepared.kwargs,
+            **self.decoding(temperature, top_p), **streaming(on_code, should_stop),
+        )
+        return self.output(prepared, result)
+
+    def prepare(
+        self, thinker: ThinkerOutput | dict, *, should_stop: Callable[[], bool] | None, prefill_chunk: int | None,
+        max_input_tokens: int | None,
+    ) -> Prepared:
+        """The talker's input as generate() builds it, checked and (but its last row) prefilled in pieces;
+        generate()'s arguments for the rest. `extra["reply_part"]`: the rows each decode step adds."""
         if isinstance(thinker, dict):
             thinker = ThinkerOutput.from_payload(thinker)
         device, dtype = self.model.device, self.model.dtype
@@ -254,22 +282,20 @@ class Talker:
             prefill(inputs_embeds.shape[1] - 1, chunk=prefill_chunk, should_stop=should_stop,
                     step=lambda start, end: self.model(inputs_embeds=inputs_embeds[:, start:end], cache=cache, use_cache=True))
             prefilled = {"cache": cache}
-        result = self.model.generate(
-            input_ids=input_ids,
-            input_text_ids=input_text_ids,
-            thinker_reply_part=reply_part,
-            inputs_embeds=inputs_embeds,
-            max_new_tokens=max_codes,
-            eos_token_id=self.stop_ids,
-            pad_token_id=self.codec_pad,
-            repetition_penalty=TALKER_REPETITION_PENALTY,
-            logits_processor=self.logits_processor(),
-            **prefilled,
-            **streaming(on_code, should_stop),
-            **sampling_kwargs(temperature, top_p, TALKER_TOP_K),
-        )
-        codes = result[0, input_ids.shape[1]:]
-        stops = torch.isin(codes, torch.tensor(self.stop_ids, device=device)).nonzero()
+        kwargs = {"input_text_ids": input_text_ids, "thinker_reply_part": reply_part, "inputs_embeds": inputs_embeds,
+                  "eos_token_id": self.stop_ids, "pad_token_id": self.codec_pad, **prefilled}
+        return Prepared(input_ids, kwargs, extra={"reply_part": reply_part})
+
+    def decoding(self, temperature: float, top_p: float) -> dict[str, Any]:
+        """generate()'s sampling arguments for the talker: the request's temperature and top_p, the
+        model's top-k and repetition penalty, the codes the DiT cannot embed suppressed."""
+        return {"repetition_penalty": TALKER_REPETITION_PENALTY, "logits_processor": self.logits_processor(),
+                **sampling_kwargs(temperature, top_p, TALKER_TOP_K)}
+
+    def output(self, prepared: Prepared, sequences: torch.Tensor, steps: Any = None) -> torch.Tensor:
+        """The codes of a generation's `sequences` [1, P + 2 + n], up to the first stop id."""
+        codes = sequences[0, prepared.input_ids.shape[1]:]
+        stops = torch.isin(codes, torch.tensor(self.stop_ids, device=codes.device)).nonzero()
         return (codes[: int(stops[0])] if len(stops) else codes).cpu()
 
 

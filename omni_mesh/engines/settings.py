@@ -54,6 +54,7 @@ class EngineSpec:
     max_model_len: int | None = None  # thinker: prompt + reply tokens (vLLM's); None: no limit but max_tokens
     max_prompt_tokens: int | None = None  # thinker: prompt tokens, talker: input rows; None: the model's context
     prefill_tokens: int = 512  # a prompt goes through in pieces this long: a cancel stops within one piece
+    max_batch: int = 1  # requests decoded together in one forward per step (vLLM's max_num_seqs); 1: one at a time
 
     def model_dir(self) -> Path:
         """The checkpoint directory: a directory, or a hub id resolved through huggingface_hub's cache
@@ -85,7 +86,8 @@ def parse_engine(raw: Any, who: str) -> EngineSpec:
     _check(values, "arch", lambda v: v is None or v in ARCHS, f"one of {', '.join(ARCHS)}", who)
     _check(values, "dtype", lambda v: v in DTYPES, f"one of {', '.join(DTYPES)}", who)
     _check(values, "device", lambda v: isinstance(v, str) and bool(_DEVICE.match(v)), "cpu or cuda:N", who)
-    for name in ("max_tokens", "max_audio_tokens", "chunk_codes", "first_chunk_codes", "num_steps", "prefill_tokens"):
+    for name in ("max_tokens", "max_audio_tokens", "chunk_codes", "first_chunk_codes", "num_steps", "prefill_tokens",
+                 "max_batch"):
         _check(values, name, _positive_int, "an integer >= 1", who)
     _check(values, "max_model_len", lambda v: v is None or _positive_int(v), "an integer >= 1", who)
     for name in ("context_codes", "encoder_cache"):

@@ -2,7 +2,8 @@
 
 Each is built once per replica from its stage's `engine:` settings (`from_stage`), loads its part in
 `warm()` (before the replica reports ready), and runs generation in a model thread of its own, one
-request at a time, while the event loop keeps streaming.
+request at a time, while the event loop keeps streaming; a thinker with `max_batch` > 1 decodes up to
+that many requests together in one forward per step (omni_mesh.engines.batching).
 
 The stream, stage to stage (one way, as every payload flows):
 - thinker -> talker: `{"text": delta}` per reply token as it is made, then one last chunk with the
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from omni_mesh.audio import SAMPLE_RATE, pcm16_bytes, wav_base64
+from omni_mesh.engines.batching import Batcher, Rate
 from omni_mesh.engines.bridge import Generation
 from omni_mesh.engines.media_inputs import ENCODED_KEY
 from omni_mesh.engines.models import ModelParts, open_model
@@ -52,6 +54,9 @@ class EngineStage(HandlerHooks):
         # One model thread: requests take turns on the model (a CPU stage has no spare cores for more;
         # a GPU one would batch, which transformers' generate() does not do across requests).
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.stage}-model")
+        self.batcher: Batcher | None = None  # max_batch > 1: requests decode together (omni_mesh.engines.batching)
+        self.tokens_total = 0  # tokens (codes) made one request at a time (a batch counts its own, step by step)
+        self.token_rate = Rate()
 
     @classmethod
     def from_stage(cls, options: dict, stage: str = "") -> EngineStage:
@@ -64,19 +69,38 @@ class EngineStage(HandlerHooks):
         self.model = await loop.run_in_executor(self.executor, open_model, self.spec)
         load = functools.partial(self.model.load, self.spec.part, towers=not self.fed_by_encoder)
         self.part = await loop.run_in_executor(self.executor, load)
+        if self.spec.max_batch > 1:
+            self.batcher = self._batcher()
         log.info(
             "stage %s loaded the %s of %s (%s) in %.1f s",
             self.stage, self.spec.part, self.model.directory, self.model.arch, time.perf_counter() - started,
         )
 
+    def _batcher(self) -> Batcher | None:
+        """The running batch of a part that batches (thinkers, Qwen2.5's talker); None for the others,
+        with a warning."""
+        assert self.model is not None
+        engine = self.model.batch_engine(self._loaded(), self.spec.part)
+        if engine is None:
+            log.warning("stage %s: engine.max_batch %d has no effect on a %s %s yet: its requests take turns",
+                        self.stage, self.spec.max_batch, self.model.arch, self.spec.part)
+            return None
+        return Batcher(self.stage, engine, self.spec.max_batch)
+
     def counters(self) -> dict[str, int | float]:
-        """The encoder cache's hits, misses and items, where this stage encodes media (an encoder, or a
-        thinker with its towers); sent with every heartbeat (omni_mesh.stage.counters)."""
+        """A thinker's tokens (a talker's codes) made and per second, its running batch's size and queue
+        (max_batch > 1), and the encoder cache's hits, misses and items where this stage encodes media (an
+        encoder, or a thinker with its towers); sent with every heartbeat (omni_mesh.stage.counters)."""
+        out: dict[str, int | float] = self.batcher.counters() if self.batcher is not None else {}
+        unit = {"thinker": "tokens", "talker": "codes"}.get(self.spec.part)
+        if unit is not None:
+            made = self.tokens_total + (self.batcher.tokens_total if self.batcher is not None else 0)
+            out.update({f"generated_{unit}_total": made, f"generated_{unit}_per_second": self.token_rate(made)})
         cache = getattr(self.model, "towers_cache", None)
         if cache is None or self.spec.part not in ("encoder", "thinker") or self.fed_by_encoder:
-            return {}
+            return out
         stats = cache.stats()
-        return {"encoder_cache_hits_total": stats["hits"], "encoder_cache_misses_total": stats["misses"],
+        return {**out, "encoder_cache_hits_total": stats["hits"], "encoder_cache_misses_total": stats["misses"],
                 "encoder_cache_items": stats["items"]}
 
     def _loaded(self) -> Any:
@@ -116,7 +140,12 @@ class ThinkerStage(EngineStage):
             self.model.seed(sampling.seed)
             return self.model.think(thinker, ids, sampling, push, stops.until(should_stop), media)
 
-        generation = Generation(self.executor, run)
+        def join(push: Any, should_stop: Any) -> Any:  # into the running batch: a Future of the output
+            watch = stops.until(should_stop)
+            begin = functools.partial(self.model.think_begin, thinker, ids, sampling, watch, media)
+            return self.batcher.submit(begin, push, watch)
+
+        generation = Generation(None, join) if self.batcher is not None else Generation(self.executor, run)
         # A client reading a stream gets the text token by token; for any other the text goes with the
         # talker's inputs in one chunk (a chunk per token would cost every stage a hop per token).
         detok = Detokenizer(self.model.tokenizer) if _client_streams(ctx) else None
@@ -129,6 +158,8 @@ class ThinkerStage(EngineStage):
         finally:
             await generation.settle()
         reply = [int(t) for t in self.model.reply_ids(output).tolist()]
+        if self.batcher is None:
+            self.tokens_total += len(reply)
         stopped = stops.hit or (bool(reply) and reply[-1] in eos)
         yield {
             "text": text.add(detok.flush()) + text.flush()
@@ -168,7 +199,11 @@ class TalkerStage(EngineStage):
             self.model.seed(sampling.seed)
             return self.model.talk(talker, thinker_output, sampling, push, should_stop)
 
-        generation = Generation(self.executor, run)
+        def join(push: Any, should_stop: Any) -> Any:  # into the running batch: a Future of the codes
+            begin = functools.partial(self.model.talk_begin, talker, thinker_output, sampling, should_stop)
+            return self.batcher.submit(begin, push, should_stop)
+
+        generation = Generation(None, join) if self.batcher is not None else Generation(self.executor, run)
         stops = set(self.model.code_stop_ids(talker))
         pending: list[Any] = []
         # Chunks only help a client that hears the audio as it is made; any other gets the codes at once.
@@ -178,6 +213,8 @@ class TalkerStage(EngineStage):
                 if isinstance(code, int) and code in stops:
                     continue
                 pending.append(code)
+                if self.batcher is None:  # a batch counts its own
+                    self.tokens_total += 1
                 if size is not None and len(pending) >= size:
                     yield {"codes": self.model.codes_tensor(pending)}
                     pending, size = [], self.spec.chunk_codes

@@ -39,13 +39,19 @@ def parse_stage(entry: Any, index: int, defaults: Defaults) -> StageSpec:
         handler=own.handler,
         replicas=replicas or 1,
         autoscale=autoscale,
-        max_inflight=own.max_inflight or defaults.max_inflight or 8,
+        max_inflight=own.max_inflight or defaults.max_inflight or _inflight(engine),
         max_queued=own.max_queued,
         final_output=bool(own.final_output),
         options={key: value for key, value in entry.items() if key not in _OWN_STAGE_KEYS},
         # a handler given with vllm-omni's engine_args runs the handler
         engine=engine if own.handler is None else None,
     )
+
+
+def _inflight(engine: dict | None) -> int:
+    """A replica's max_inflight where none is set: 8, or for a batching engine a full batch running and
+    as many ready to join it (no hop to wait for when a row leaves)."""
+    return max(8, 2 * engine["max_batch"]) if engine is not None else 8
 
 
 def _who(entry: dict, index: int) -> str:
@@ -74,6 +80,10 @@ def _engine(entry: dict, who: str) -> dict | None:
         if args.get("max_model_len") is not None and PART_ALIASES.get(stage, stage) == "thinker":
             raw["max_model_len"] = args["max_model_len"]
         raw.update(_sampling_defaults(entry.get("default_sampling_params"), PART_ALIASES.get(stage, stage)))
+        if args.get("max_num_seqs") is not None:  # vLLM's running-batch size
+            raw["max_batch"] = args["max_num_seqs"]
+    if isinstance(raw, dict) and "max_batch" not in raw and entry.get("max_num_seqs") is not None:
+        raw = {**raw, "max_batch": entry["max_num_seqs"]}  # a vllm-omni deploy file's stage-level key
     try:
         spec = parse_engine(raw, who)
     except ValueError as exc:

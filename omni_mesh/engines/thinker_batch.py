@@ -1,0 +1,227 @@
+"""The thinkers' (and Qwen2.5-Omni's talker's) continuous batching (omni_mesh.engines.batching): each request's prompt prefilled on
+its own (the thinker's `prepare()`: chunked, media included) and its first step made by generate(), as
+the one-request path makes it; then one forward of the thinker's language model per step for every
+running request, each with its own KV cache stacked into a left-padded batch, its own 3-D rope
+positions, and its own logits processors and seed (the ones generate() would build for it alone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache, LogitsProcessorList
+
+from omni_mesh.engines.batching import Job, Row
+from omni_mesh.engines.prefill import Prepared, new_cache
+
+
+@dataclass
+class Begun:
+    """A request made ready in the model thread (`Job.begin`): its prefilled prompt and its settings."""
+
+    prepared: Prepared
+    generation: dict[str, Any]  # generate()'s sampling arguments (generation.sampling_kwargs, decoding_args)
+    seed: int | None
+    max_tokens: int
+    eos: frozenset[int]
+    output: Callable[[Prepared, torch.Tensor, list[Any]], Any]  # (prepared, sequences, steps) -> the result
+    saw: Callable[[int], None] | None = None
+    lock: Any = None  # the thinker's, where it keeps per-call state (rope deltas) across prepare and step 0
+
+
+@dataclass
+class Sequence:
+    """What a row keeps between steps."""
+
+    begun: Begun
+    processors: LogitsProcessorList
+    generator: torch.Generator | None
+    greedy: bool
+    sequence: torch.Tensor  # [1, P + n]: the prompt and the reply so far (the processors read it)
+    position: torch.Tensor  # [rows, 1]: the position ids of the next token fed (text row, then 3-D rope rows)
+    length: int  # tokens in its KV cache
+    steps: list[Any] = field(default_factory=list)  # per step, the hidden states output() reads
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # its own cache until stacked into the batch
+
+
+class ThinkerBatch:
+    """`batching.Engine` over a thinker (`model`: the transformers thinker, with `.model` its language
+    model and `.lm_head`); `layers`: the hidden states each decode step keeps for output()."""
+
+    def __init__(self, model: Any, layers: tuple[int, ...] = ()) -> None:
+        self.model = model
+        self.layers = layers
+        self.members: list[Sequence] = []  # the rows stacked in `cache`, in order (held: an id could be reused)
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None  # [B, width]: 0 over each row's left padding
+
+    def join(self, job: Job, begun: Begun) -> tuple[Row, int]:
+        prepared = begun.prepared
+        lock = begun.lock or _NoLock()
+        with lock:
+            cache = prepared.kwargs.get("cache")
+            cache = new_cache(self.model) if cache is None else cache
+            result = self.model.generate(
+                input_ids=prepared.input_ids, max_new_tokens=1, do_sample=False, output_logits=True,
+                return_dict_in_generate=True, **{**prepared.kwargs, "cache": cache},
+            )
+            delta = self._rope_delta()
+        input_ids = prepared.input_ids
+        length = int(cache.get_seq_length())
+        position = torch.full((self.position_rows, 1), length + delta, dtype=torch.long, device=input_ids.device)
+        if self.position_rows == 4:  # the text row (the mask's positions) has no rope delta
+            position[0] = length
+        processors = self._processors(begun)
+        greedy = not begun.generation.get("do_sample", False)
+        generator = None
+        if begun.seed is not None and not greedy:  # generate() draws from the global generator, seeded so
+            generator = torch.Generator(device=input_ids.device).manual_seed(begun.seed)
+        state = Sequence(begun, processors, generator, greedy, input_ids, position, length,
+                         steps=[result.hidden_states[0]] if result.hidden_states else [],
+                         kv=[(layer.keys, layer.values) for layer in cache.layers])
+        token = self._pick(state, result.logits[0])
+        row = Row(job, state, begun.max_tokens, begun.eos, saw=begun.saw)
+        return row, token
+
+    def step(self, rows: list[Row]) -> list[int]:
+        states: list[Sequence] = [row.state for row in rows]
+        if len(states) != len(self.members) or any(a is not b for a, b in zip(states, self.members, strict=True)):
+            self._stack(states)
+        assert self.cache is not None and self.mask is not None
+        device = self.mask.device
+        tokens = torch.tensor([[int(s.sequence[0, -1])] for s in states], device=device)
+        positions = torch.stack([s.position for s in states], dim=1)  # [rows, B, 1]
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(states), 1)], dim=1)
+        out, logits = self._forward(states, tokens, positions)
+        picked = []
+        for i, state in enumerate(states):
+            state.length += 1
+            state.position = state.position + 1
+            if self.layers:
+                state.steps.append(tuple(out.hidden_states[layer][i : i + 1] for layer in self.layers))
+            picked.append(self._pick(state, logits[i : i + 1]))
+        return picked
+
+    #: Position id rows: the thinkers' text row and 3-D rope rows.
+    position_rows = 4
+
+    def _rope_delta(self) -> int:
+        """What generate() adds to the cache length for the next position (the prompt's rope delta, which
+        the model keeps as state between its calls)."""
+        delta = getattr(self.model.model, "rope_deltas", None)
+        return 0 if delta is None else int(delta.reshape(-1)[0])
+
+    def _forward(self, states: list[Sequence], tokens: torch.Tensor, positions: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """One step of the batch: the model's output and the float32 logits [B, V]."""
+        out = self.model.model(
+            input_ids=tokens, position_ids=positions, attention_mask=self.mask, cache=self.cache,
+            use_cache=True, output_hidden_states=bool(self.layers),
+        )
+        return out, self.model.lm_head(out.last_hidden_state[:, -1]).to(torch.float32)
+
+    def finish(self, row: Row) -> Any:
+        state: Sequence = row.state
+        if len(self.members) == 1 and self.members[0] is state:  # the last row leaves: its cache goes now
+            self.members, self.cache, self.mask = [], None, None
+        return state.begun.output(state.begun.prepared, state.sequence, state.steps)
+
+    def _pick(self, state: Sequence, logits: torch.Tensor) -> int:
+        """The next token as generate() picks it: its processors over the sequence so far, then argmax
+        or a draw (from the request's own generator when it is seeded)."""
+        scores = state.processors(state.sequence, logits)
+        if state.greedy:
+            token = torch.argmax(scores, dim=-1)
+        else:
+            probs = torch.nn.functional.softmax(scores, dim=-1)
+            token = torch.multinomial(probs, num_samples=1, generator=state.generator).squeeze(1)
+        state.sequence = torch.cat([state.sequence, token[:, None].to(state.sequence.dtype)], dim=-1)
+        return int(token[0])
+
+    def _processors(self, begun: Begun) -> LogitsProcessorList:
+        """The logits processors generate() builds for this request alone (its generation_config, the
+        request's sampling; generate()'s private helpers, so the two paths cannot drift apart)."""
+        model, input_ids = self.model, begun.prepared.input_ids
+        kwargs = dict(begun.generation)
+        custom = kwargs.pop("logits_processor", None)
+        config, _ = model._prepare_generation_config(None, **kwargs)
+        model._prepare_special_tokens(config, True, device=input_ids.device, batch_size=1)
+        return model._get_logits_processor(
+            generation_config=config, input_ids_seq_length=int(input_ids.shape[1]), encoder_input_ids=input_ids,
+            logits_processor=custom, device=input_ids.device, model_kwargs={},
+        )
+
+    def _stack(self, states: list[Sequence]) -> None:
+        """The rows' caches as one batch, each left-padded to the longest: made when a row joins or leaves
+        (the padding of rows that left goes with them)."""
+        width = max(s.length for s in states)
+        old_width = 0 if self.mask is None else self.mask.shape[1]
+        index = {id(member): i for i, member in enumerate(self.members)}
+        layers = len(states[0].kv) if states[0].kv is not None else len(self.cache.layers)  # type: ignore[union-attr]
+        cache = DynamicCache(config=self.model.config.get_text_config())
+        for layer in range(layers):
+            keys, values = [], []
+            for s in states:
+                if s.kv is not None:
+                    k, v = s.kv[layer]
+                else:  # its rows of the batch so far, without their padding
+                    i = index[id(s)]
+                    k = self.cache.layers[layer].keys[i : i + 1, :, old_width - s.length :]  # type: ignore[union-attr]
+                    v = self.cache.layers[layer].values[i : i + 1, :, old_width - s.length :]  # type: ignore[union-attr]
+                keys.append(_pad_left(k, width))
+                values.append(_pad_left(v, width))
+            cache.update(torch.cat(keys), torch.cat(values), layer)
+        device = cache.layers[0].keys.device
+        self.mask = torch.stack([
+            torch.cat([torch.zeros(width - s.length, dtype=torch.long, device=device),
+                       torch.ones(s.length, dtype=torch.long, device=device)]) for s in states
+        ])
+        for s in states:
+            s.kv = None
+        self.cache = cache
+        self.members = list(states)
+
+
+def _pad_left(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[1, heads, n, d] -> [1, heads, width, d], zeros before."""
+    missing = width - x.shape[2]
+    if missing == 0:
+        return x
+    return torch.cat([x.new_zeros(x.shape[0], x.shape[1], missing, x.shape[3]), x], dim=2)
+
+
+class _NoLock:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class TalkerBatch(ThinkerBatch):
+    """`batching.Engine` over Qwen2.5-Omni's talker: each step feeds a row its last code's embedding plus
+    its next thinker reply row (`prepared.extra["reply_part"]`, the last one repeated once they run out),
+    as the talker's forward does for one request; positions from the cache length, as generate() leaves
+    them (it gives the talker no attention mask)."""
+
+    position_rows = 3
+
+    def _rope_delta(self) -> int:
+        delta = getattr(self.model, "rope_deltas", None)
+        return 0 if delta is None else int(delta.reshape(-1)[0])
+
+    def _forward(self, states: list[Sequence], tokens: torch.Tensor, positions: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        model = self.model
+        rows = []
+        for s in states:
+            part = s.begun.prepared.extra["reply_part"]
+            fed = int(s.sequence.shape[1] - s.begun.prepared.input_ids.shape[1]) - 1  # decode steps before this one
+            rows.append(part[:, min(fed, part.shape[1] - 1)])
+        embeds = model.get_input_embeddings()(tokens) + torch.stack(rows)
+        out = model.model(
+            inputs_embeds=model.thinker_to_talker_proj(embeds), position_ids=positions, attention_mask=self.mask,
+            cache=self.cache, use_cache=True,
+        )
+        return out, model.codec_head(out.last_hidden_state[:, -1]).to(torch.float32)

@@ -1,0 +1,138 @@
+"""Batching in a real mesh (`omni-mesh up`: thinker and talker with `max_batch: 8` -> token2wav, tiny
+random Qwen2.5-Omni, one torch thread per stage):
+
+- 8 concurrent greedy requests of different prompt and reply lengths share the thinker's and the
+  talker's forward passes (their counters say so) and each gets the text transformers' generate() gives
+  it alone, and the audio it gets when sent alone (within 2 steps of 16-bit PCM);
+- a client that leaves mid-reply frees its place: the others' replies are unchanged, the thinker shows
+  nothing running or queued afterwards, and `/metrics` carries the batch's gauges and counters.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from support.batch_requests import PROMPTS, REPLY_TOKENS  # noqa: E402
+from support.meshkit import running_mesh, wait_for  # noqa: E402
+from support.replies import wav_samples  # noqa: E402
+
+from omni_mesh.engines.models import open_model  # noqa: E402
+from omni_mesh.engines.settings import Sampling, parse_engine  # noqa: E402
+from omni_mesh.engines.text import prompt_ids  # noqa: E402
+from omni_mesh.engines.tiny import build_tiny  # noqa: E402
+
+AUDIO_CODES = 20
+PCM_STEPS = 2
+
+
+def topology() -> dict:
+    def stage(sid: int, part: str, **engine: Any) -> dict:
+        return {"stage_id": sid, "name": part, "max_inflight": 16,
+                "engine": {"part": part, "model": "${OMNI_MESH_MODEL}", "threads": 1, **engine}}
+
+    return {"name": "batching", "stages": [
+        stage(0, "thinker", max_batch=8),
+        {**stage(1, "talker", max_batch=8), "engine_input_source": [0]},
+        {**stage(2, "code2wav", num_steps=4), "engine_input_source": [1], "final_output": True},
+    ]}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny("qwen2_5_omni", tmp_path_factory.mktemp("q25"))
+
+
+@pytest.fixture(scope="module")
+def mesh(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+    with running_mesh(tmp_path_factory.mktemp("batching_mesh"), topology(),
+                      env={"OMNI_MESH_MODEL": str(checkpoint)}) as running:
+        yield running
+
+
+def inputs(prompt: str) -> dict:
+    return {"messages": [{"role": "user", "content": prompt}]}
+
+
+def params(max_tokens: int) -> dict:
+    return {"temperature": 0, "max_tokens": max_tokens, "max_audio_tokens": AUDIO_CODES, "seed": 1}
+
+
+@pytest.fixture(scope="module")
+def texts(checkpoint: Path) -> list[str]:
+    """Each prompt's text from the thinker's one-request path (transformers' generate()), in process."""
+    model = open_model(parse_engine({"part": "thinker", "model": str(checkpoint)}, "reference"))
+    thinker = model.load("thinker")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        texts = []
+        for prompt, n in zip(PROMPTS, REPLY_TOKENS, strict=True):
+            with torch.no_grad():
+                out = model.think(thinker, prompt_ids(model.tokenizer, inputs(prompt)),
+                                  Sampling.of(model.spec, params(n)), None, None)
+            texts.append(model.tokenizer.decode(model.reply_ids(out).tolist(), skip_special_tokens=True))
+        return texts
+    finally:
+        torch.set_num_threads(threads)
+
+
+def thinker_counters(mesh: Any, stage: str = "thinker") -> dict:
+    return mesh.stages()[stage][0]["counters"]
+
+
+def test_eight_concurrent_requests_share_the_thinker_and_get_their_replies_alone(mesh: Any, texts: list[str]) -> None:
+    alone = [mesh.ok(inputs(p), params=params(n), timeout_s=60)["outputs"] for p, n in zip(PROMPTS, REPLY_TOKENS, strict=True)]
+    assert [a["text"] for a in alone] == texts
+    before, talker_before = thinker_counters(mesh), thinker_counters(mesh, "talker")
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(lambda i: mesh.ok(inputs(PROMPTS[i]), params=params(REPLY_TOKENS[i]), timeout_s=90)["outputs"],
+                                 range(len(PROMPTS))))
+    assert [t["text"] for t in together] == texts
+    for one, other in zip(alone, together, strict=True):
+        a, b = wav_samples(one["audio_wav_base64"]), wav_samples(other["audio_wav_base64"])
+        assert len(a) == len(b) and len(a) > 0
+        assert int(np.abs(a - b).max()) <= PCM_STEPS
+    wait_for(lambda: thinker_counters(mesh)["generated_tokens_total"] - before["generated_tokens_total"]
+             == sum(REPLY_TOKENS), 15, "the thinker's counters to arrive")
+    after = thinker_counters(mesh)
+    steps = after["batch_steps_total"] - before["batch_steps_total"]
+    rows = after["batch_rows_stepped_total"] - before["batch_rows_stepped_total"]
+    assert rows / steps >= 2.0, f"{rows} rows in {steps} steps: the requests hardly shared a forward"
+    talker = thinker_counters(mesh, "talker")
+    steps = talker["batch_steps_total"] - talker_before["batch_steps_total"]
+    rows = talker["batch_rows_stepped_total"] - talker_before["batch_rows_stepped_total"]
+    # the talker's requests arrive as the thinker ends them (3 to 30 tokens apart): they overlap less
+    assert rows / steps > 1.2, f"the talker: {rows} rows in {steps} steps"
+
+
+def test_a_client_leaving_mid_batch_frees_its_place_and_leaves_the_others_alone(mesh: Any, texts: list[str]) -> None:
+    long = {**params(3000), "max_audio_tokens": 1}  # runs until the client leaves (no eos in this tiny model's way)
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS) + 1) as pool:
+        others = [pool.submit(lambda i=i: mesh.ok(inputs(PROMPTS[i]), params=params(REPLY_TOKENS[i]), timeout_s=90))
+                  for i in range(len(PROMPTS))]
+        with mesh.client.stream("POST", "/v1/requests", timeout=60, json={
+            "inputs": inputs("go on and on"), "params": long, "timeout_s": 60, "stream": True,
+        }) as response:
+            assert response.status_code == 200
+            next(line for line in response.iter_lines() if line.startswith("data:"))  # its first text: it runs
+        left = time.monotonic()  # the client is gone: the coordinator aborts the request
+        assert [f.result(120)["outputs"]["text"] for f in others] == texts
+    wait_for(lambda: mesh.stages()["thinker"][0]["inflight"] == 0, 10, "the thinker to free every place")
+    assert time.monotonic() - left < 30
+    wait_for(lambda: thinker_counters(mesh)["batch_running"] == 0, 5, "the batch to empty")
+    assert thinker_counters(mesh)["batch_queued"] == 0
+    reply = mesh.ok(inputs(PROMPTS[0]), params=params(REPLY_TOKENS[0]), timeout_s=60)
+    assert reply["outputs"]["text"] == texts[0]
+    metrics = mesh.client.get("/metrics", timeout=10).text
+    for name in ("omni_mesh_handler_batch_running", "omni_mesh_handler_batch_queued",
+                 "omni_mesh_handler_generated_tokens_total", "omni_mesh_handler_generated_tokens_per_second"):
+        assert f'{name}{{replica=' in metrics or f"{name}{{stage=" in metrics, name

@@ -1,0 +1,182 @@
+"""The thinkers' continuous batching (omni_mesh.engines.batching, thinker_batch) on tiny random
+checkpoints of both architectures, in one process (and Qwen2.5-Omni's talker's):
+
+- 8 requests of different prompt and reply lengths decoded in one batch each get the reply the
+  one-request path (transformers' generate()) gives it alone: the same tokens, and the talker's inputs
+  within float noise; greedy, and sampled with a seed and penalties;
+- a request cancelled mid-batch leaves at once (no token after the cancel), the others' replies are
+  unchanged, and the request waiting for a place takes the freed one before the others end.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from support.batch_requests import PROMPTS, REPLY_TOKENS  # noqa: E402
+
+from omni_mesh.engines.batching import Batcher  # noqa: E402
+from omni_mesh.engines.models import open_model  # noqa: E402
+from omni_mesh.engines.settings import Sampling, parse_engine  # noqa: E402
+from omni_mesh.engines.text import prompt_ids  # noqa: E402
+from omni_mesh.engines.thinker_batch import ThinkerBatch  # noqa: E402
+from omni_mesh.engines.tiny import build_tiny  # noqa: E402
+
+ROWS_ATOL = 1e-5  # the talker's input rows: batched float arithmetic (measured ~7e-7)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_torch_thread: None) -> None:
+    """One torch thread, as the stages run (tests/conftest.py)."""
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_omni", "qwen3_omni"])
+def parts(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    directory = build_tiny(request.param, tmp_path_factory.mktemp(request.param))
+    model = open_model(parse_engine({"part": "thinker", "model": str(directory)}, "test"))
+    return model, model.load("thinker")
+
+
+def ids_of(model: Any, prompt: str) -> Any:
+    return prompt_ids(model.tokenizer, {"messages": [{"role": "user", "content": prompt}]})
+
+
+def alone(model: Any, thinker: Any, prompt: str, sampling: Sampling) -> Any:
+    """The one-request path of the thinker stage (max_batch 1): seeded, then generate()."""
+    model.seed(sampling.seed)
+    with torch.no_grad():
+        return model.think(thinker, ids_of(model, prompt), sampling, None, None)
+
+
+def batcher_of(model: Any, thinker: Any, max_batch: int) -> Batcher:
+    return Batcher("thinker", ThinkerBatch(thinker.model, model.thinker_step_layers), max_batch)
+
+
+def batched(model: Any, thinker: Any, requests: list[tuple[str, Sampling]], batcher: Batcher,
+            pushes: list[Any] | None = None, stops: list[Any] | None = None) -> list[Any]:
+    """`requests` submitted together (none starts before the last is queued); their outputs."""
+    queued = threading.Event()
+    futures = []
+    for i, (prompt, sampling) in enumerate(requests):
+        ids = ids_of(model, prompt)
+
+        def begin(ids: Any = ids, sampling: Sampling = sampling) -> Any:
+            queued.wait(30)
+            return model.think_begin(thinker, ids, sampling, None)
+
+        push = pushes[i] if pushes else (lambda token: None)
+        stop = stops[i] if stops else (lambda: False)
+        futures.append(batcher.submit(begin, push, stop))
+    queued.set()
+    try:
+        return [future.result(120) for future in futures]
+    finally:
+        batcher.close()
+
+
+def assert_same(model: Any, one: Any, other: Any) -> None:
+    assert model.reply_ids(one).tolist() == model.reply_ids(other).tolist()
+    a, b = model.talker_payload(one), model.talker_payload(other)
+    assert a.keys() == b.keys()
+    for key, value in a.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            assert value.shape == b[key].shape, key
+            assert float((value - b[key]).abs().max()) < ROWS_ATOL, key
+        else:
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(b[key])), key
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 0},
+    {"temperature": 0.9, "seed": 7, "top_k": 20, "presence_penalty": 0.5, "repetition_penalty": 1.2},
+], ids=["greedy", "seeded"])
+def test_eight_requests_in_one_batch_get_the_replies_they_get_alone(parts: Any, params: dict) -> None:
+    model, thinker = parts
+    spec = model.spec
+    samplings = [Sampling.of(spec, {**params, "max_tokens": n}) for n in REPLY_TOKENS]
+    references = [alone(model, thinker, p, s) for p, s in zip(PROMPTS, samplings, strict=True)]
+    batcher = batcher_of(model, thinker, max_batch=8)
+    outputs = batched(model, thinker, list(zip(PROMPTS, samplings, strict=True)), batcher)
+    lengths = [len(model.reply_ids(r)) for r in references]
+    assert len(set(lengths)) > 4  # replies of different lengths: rows leave the batch at different steps
+    for reference, output in zip(references, outputs, strict=True):
+        assert_same(model, reference, output)
+    counters = batcher.counters()
+    # all 8 in one batch from the first step: one step per token after the first of the longest reply
+    assert counters["batch_steps_total"] == max(lengths) - 1
+    assert counters["batch_rows_stepped_total"] == sum(n - 1 for n in lengths)
+    assert batcher.tokens_total == sum(lengths)
+    assert counters["batch_running"] == 0 and counters["batch_queued"] == 0
+
+
+def test_a_cancelled_request_leaves_at_once_and_the_waiting_one_takes_its_place(parts: Any) -> None:
+    model, thinker = parts
+    long = Sampling.of(model.spec, {"temperature": 0, "max_tokens": 40})
+    prompts = PROMPTS[:5]
+    references = [alone(model, thinker, p, long) for p in prompts]
+    assert all(len(model.reply_ids(r)) == 40 for r in references)  # no eos before max_tokens: rows stay
+    cancel = threading.Event()
+    seen: list[list[int]] = [[] for _ in prompts]
+    joined_at: list[int] = []  # the batch's step count when request 4 got its first token
+    batcher = batcher_of(model, thinker, max_batch=4)
+
+    def push_of(i: int) -> Any:
+        def push(token: int) -> None:
+            seen[i].append(token)
+            if i == 1 and len(seen[i]) == 5:
+                cancel.set()  # the client of request 1 leaves after its 5th token
+            if i == 4 and not joined_at:
+                joined_at.append(batcher.steps_total)
+        return push
+
+    stops = [lambda: False, cancel.is_set, lambda: False, lambda: False, lambda: False]
+    outputs = batched(model, thinker, [(p, long) for p in prompts], batcher,
+                      pushes=[push_of(i) for i in range(5)], stops=stops)
+    assert len(model.reply_ids(outputs[1])) == 5 and seen[1] == model.reply_ids(references[1]).tolist()[:5]
+    for i in (0, 2, 3, 4):
+        assert_same(model, references[i], outputs[i])
+    # request 4 waited for a place (max_batch 4) and joined the step after the cancel, long before the
+    # others ended (their 40 tokens take 39 steps)
+    assert joined_at == [4]
+    assert batcher.counters()["batch_steps_total"] == 4 + 39
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0}, {"temperature": 0.9, "top_p": 0.8, "seed": 5}],
+                         ids=["greedy", "seeded"])
+def test_eight_talker_requests_in_one_batch_get_the_codes_they_get_alone(parts: Any, params: dict) -> None:
+    model, thinker = parts
+    if model.arch != "qwen2_5_omni":
+        pytest.skip("Qwen3-Omni's talker (with its code predictor) does not batch yet")
+    talker = model.load("talker")
+    payloads = [model.talker_payload(alone(model, thinker, p, Sampling.of(model.spec, {"max_tokens": n})))
+                for p, n in zip(PROMPTS, REPLY_TOKENS, strict=True)]
+    samplings = [Sampling.of(model.spec, {**params, "max_audio_tokens": n}) for n in (20, 35, 11, 50, 8, 27, 40, 15)]
+    references = []
+    for payload, sampling in zip(payloads, samplings, strict=True):
+        model.seed(sampling.seed)
+        with torch.no_grad():
+            references.append(model.talk(talker, payload, sampling, None, None))
+    batcher = Batcher("talker", model.batch_engine(talker, "talker"), 8)
+    queued = threading.Event()
+
+    def begin_of(payload: dict, sampling: Sampling) -> Any:
+        def begin() -> Any:
+            queued.wait(30)
+            return model.talk_begin(talker, payload, sampling, None)
+        return begin
+
+    futures = [batcher.submit(begin_of(p, s), lambda code: None, lambda: False)
+               for p, s in zip(payloads, samplings, strict=True)]
+    queued.set()
+    try:
+        codes = [future.result(120) for future in futures]
+    finally:
+        batcher.close()
+    assert len({len(c) for c in references}) > 4
+    assert [c.tolist() for c in codes] == [c.tolist() for c in references]
+    assert batcher.counters()["batch_rows_stepped_total"] > 3 * batcher.counters()["batch_steps_total"]
