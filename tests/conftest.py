@@ -77,6 +77,8 @@ LONGEST_FIRST = (
     "test_mesh_e2e.py",
     "test_connector_contract.py",
     "test_serve.py",
+    "test_engines_batching.py",
+    "test_thinker_batch.py",
     "test_bounded_answers.py",
     "test_mooncake.py",
     "test_control_plane_security.py",
