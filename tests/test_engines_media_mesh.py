@@ -9,7 +9,6 @@ topology; few tokens."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,7 @@ from support.media_engines import require_media_engines
 require_media_engines()
 
 from support import media_files  # noqa: E402
-from support.meshkit import running_mesh, wait_for  # noqa: E402
+from support.meshkit import running_mesh, settled, wait_for  # noqa: E402
 from support.omni_reference import QUESTION, Reference  # noqa: E402
 from support.replies import pcm_samples, wav_samples  # noqa: E402
 
@@ -137,14 +136,7 @@ def test_encoder_cache_hits_and_misses_in_metrics_and_stages(mesh) -> None:
         figures = scraped()
         return figures if all(figures.get(f"omni_mesh_handler_encoder_cache_{k}") == v for k, v in want.items()) else None
 
-    def settled() -> dict[str, float] | None:
-        """The counters once a heartbeat (every 0.5 s) brings nothing new: an earlier test's request
-        counted late would otherwise be taken for this one's."""
-        first = scraped()
-        time.sleep(1.0)
-        return first if first and scraped() == first else None
-
-    before = wait_for(settled, 20, "the encoder cache's counters in /metrics to settle")
+    before = settled(scraped, 20, "the encoder cache's counters in /metrics")
     hits, misses = before["omni_mesh_handler_encoder_cache_hits_total"], before["omni_mesh_handler_encoder_cache_misses_total"]
     pixels = media_files.image("png", 36, 20, color=(9, 90, 170))  # in no other request to this mesh
     inputs = {"messages": [{"role": "user", "content": [media_files.image_url(pixels)]}]}

@@ -51,6 +51,17 @@ def wait_for(condition: Callable[[], T], timeout_s: float, what: str, interval_s
         time.sleep(interval_s)
 
 
+def settled(read: Callable[[], T], timeout_s: float, what: str, quiet_s: float = 1.0) -> T:
+    """What `read` returns once it stays the same for `quiet_s` (two heartbeats of 0.5 s): counters
+    an earlier request left in flight would otherwise be taken for the next one's baseline."""
+    def unchanged() -> T | None:
+        first = read()
+        time.sleep(quiet_s)
+        return first if first and read() == first else None
+
+    return wait_for(unchanged, timeout_s, f"{what} to settle")
+
+
 def wait_until(condition: Callable[[], object], timeout_s: float = 5.0) -> bool:
     """Poll `condition` until it is truthy or `timeout_s` passes; whether it became truthy
     (for `assert wait_until(...), message`; wait_for is the one that fails by itself)."""
