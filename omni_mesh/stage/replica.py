@@ -209,7 +209,7 @@ class StageReplica:
     async def _resync(self, link: CoordinatorLink) -> None:
         """Our control connection dropped and is back: what was in flight either way may be lost."""
         if link.registered.is_set():
-            log.info("replica %s: control connection to %s back; reconciling what is in flight", self.replica_id,
+            log.info("replica %s: control connection back; reconciling what is in flight (%s)", self.replica_id,
                      link.coordinator)
             await link.send(Resync(self.replica_id))
 

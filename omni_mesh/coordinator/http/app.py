@@ -165,5 +165,4 @@ def _listen(host: str, port: int, reuse_port: bool) -> socket.socket:
     except OSError:
         sock.close()
         raise
-    sock.set_inheritable(True)
     return sock
