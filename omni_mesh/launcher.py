@@ -128,7 +128,7 @@ class Launcher:
         # Several coordinators (launcher_coordinators): each its own ports; `self.coordinator` is c0.
         self.plan = CoordinatorPlan.make(coordinator_count, control_port) if coordinator_count > 1 else None
         self.coordinators = coordinators(self.plan, self.coordinator) if self.plan else [self.coordinator]
-        self.coordinator, self.stopped = self.coordinators[0], Stopped()
+        self.coordinator, self.stopped = self.coordinators[0], Stopped(self.coordinators)
         self.ready_urls = self.plan.urls(self.url.split(":")[0], host) if self.plan else [self.url]
         self._made: dict[str, int] = {}  # replicas made per stage: a new one gets the next index
         self.replicas = [self.make_replica(stage) for stage in topology.stages for _ in range(stage.replicas)]
@@ -299,9 +299,8 @@ class Launcher:
 
     def supervise(self) -> None:
         while not self._stop.wait(0.2):
+            self.stopped.start()
             self.scaler.step()
-            if self.plan:
-                self.stopped.check(self.coordinators)
             now = time.monotonic()
             for child in self.children:
                 if child.given_up or child.retiring or child.running() or now < child.next_start:
@@ -338,6 +337,7 @@ class Launcher:
 
     def stop(self) -> None:
         # Coordinator first: it stops taking requests and lets in-flight ones finish (grace).
+        self.stopped.stop()  # stopping coordinators are not stopped ones
         self._terminate(self.coordinators, self.grace_s + 5)
         self._terminate(self.replicas, 15.0)
         reaped = [name for child in self.children for pid in child.pids for name in self.reclaim(pid)]

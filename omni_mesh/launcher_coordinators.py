@@ -15,6 +15,7 @@ import logging
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +27,10 @@ from omni_mesh.procinfo import stat_fields
 
 log = logging.getLogger("omni_mesh.launcher")
 
-#: How long a coordinator may stay stopped (state T) before it is killed to be restarted.
-STOPPED_S = 0.5
+#: How long a coordinator may stay stopped (state T) before it is killed to be restarted, and how often
+#: that is looked at (on a thread of its own: the supervision loop may wait on HTTP).
+STOPPED_S = 0.2
+STOPPED_CHECK_S = 0.05
 
 
 @dataclass
@@ -46,7 +49,7 @@ class CoordinatorPlan:
 
     def argv(self, index: int, base: list[str]) -> list[str]:
         """Coordinator `index`'s command line: the single coordinator's, with its own control port."""
-        argv = [self.controls[index] if before == "--control" else arg for before, arg in zip(["", *base], base)]
+        argv = [self.controls[index] if before == "--control" else arg for before, arg in zip(["", *base[:-1]], base, strict=True)]
         return [*argv, "--reuse-port", "--own-port", str(self.own_ports[index])]
 
     def env(self, index: int, base: dict[str, str]) -> dict[str, str]:
@@ -65,10 +68,27 @@ def coordinators(plan: CoordinatorPlan, base: Child) -> list[Child]:
 
 
 class Stopped:
-    """Kills a coordinator found stopped (SIGSTOP: state T) for STOPPED_S, so it is restarted."""
+    """Kills a coordinator found stopped (SIGSTOP: state T) for STOPPED_S, so it is restarted. Not one
+    being traced (state t: a debugger): that one is somebody's doing."""
 
-    def __init__(self) -> None:
+    def __init__(self, children: list[Child]) -> None:
+        self.children = children
         self.since: dict[int, float] = {}  # pid -> when it was first seen stopped
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Watch on a thread of its own (idempotent; nothing to watch with one coordinator)."""
+        if self._thread is None and len(self.children) > 1:
+            self._thread = threading.Thread(target=self._watch, name="stopped-coordinators", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        while not self._done.wait(STOPPED_CHECK_S):
+            self.check(self.children)
 
     def check(self, children: list[Child]) -> None:
         now = time.monotonic()
