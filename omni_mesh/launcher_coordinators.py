@@ -44,12 +44,17 @@ class CoordinatorPlan:
 
     @classmethod
     def make(cls, count: int, control_port: int | None) -> CoordinatorPlan:
-        controls = [f"tcp://127.0.0.1:{control_port + i if control_port else free_port()}" for i in range(count)]
+        controls = [
+            f"tcp://127.0.0.1:{control_port + i if control_port else free_port()}" for i in range(count)
+        ]
         return cls(count, controls, [free_port() for _ in range(count)])
 
     def argv(self, index: int, base: list[str]) -> list[str]:
         """Coordinator `index`'s command line: the single coordinator's, with its own control port."""
-        argv = [self.controls[index] if before == "--control" else arg for before, arg in zip(["", *base[:-1]], base, strict=True)]
+        argv = [
+            self.controls[index] if before == "--control" else arg
+            for before, arg in zip(["", *base[:-1]], base, strict=True)
+        ]
         return [*argv, "--reuse-port", "--own-port", str(self.own_ports[index])]
 
     def env(self, index: int, base: dict[str, str]) -> dict[str, str]:
@@ -64,7 +69,10 @@ class CoordinatorPlan:
 
 def coordinators(plan: CoordinatorPlan, base: Child) -> list[Child]:
     """The N coordinator children, made from the single coordinator's `base` (its argv and env)."""
-    return [Child(f"coordinator-{i}", plan.argv(i, base.argv), plan.env(i, base.env or {})) for i in range(plan.count)]
+    return [
+        Child(f"coordinator-{i}", plan.argv(i, base.argv), plan.env(i, base.env or {}))
+        for i in range(plan.count)
+    ]
 
 
 class Stopped:
@@ -100,8 +108,12 @@ class Stopped:
                 self.since.pop(pid, None)
                 continue
             if now - self.since.setdefault(pid, now) >= STOPPED_S:
-                log.warning("%s (pid %d) is stopped; the kernel still hands it connections on the shared port: "
-                            "killing it to be restarted", child.name, pid)
+                log.warning(
+                    "%s (pid %d) is stopped; the kernel still hands it connections on the shared port: "
+                    "killing it to be restarted",
+                    child.name,
+                    pid,
+                )
                 child.process.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
                 self.since.pop(pid, None)
 

@@ -32,9 +32,14 @@ SUPERVISE_S = 0.2  # how often `up` looks at its children
 
 def topology(max_inflight: int = 8) -> dict:
     def stage(i: int, name: str) -> dict:
-        spec: dict[str, Any] = {"stage_id": i, "name": name, "handler": "coordinator_handlers:Counted",
-                                "max_inflight": max_inflight}
+        spec: dict[str, Any] = {
+            "stage_id": i,
+            "name": name,
+            "handler": "coordinator_handlers:Counted",
+            "max_inflight": max_inflight,
+        }
         return {**spec, "engine_input_source": [i - 1]} if i else spec
+
     return {"name": "coordinators", "stages": [stage(0, "a"), stage(1, "b"), stage(2, "c")]}
 
 
@@ -72,7 +77,9 @@ class Load:
         self.served_by: Counter[str] = Counter()
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._client, args=(urls[i % len(urls)],)) for i in range(clients)]
+        self._threads = [
+            threading.Thread(target=self._client, args=(urls[i % len(urls)],)) for i in range(clients)
+        ]
 
     def __enter__(self) -> Load:
         for thread in self._threads:
@@ -134,8 +141,11 @@ def answered_within(url: str, limit_s: float) -> float:
 def _long_request(url: str, failures: list[str]) -> None:
     """A request that works at stage c for a minute, through the coordinator at `url` (which dies)."""
     try:
-        httpx.post(f"{url}/v1/requests", json={"inputs": {"n": 1}, "params": {"sleep_s": {"c": 60}},
-                                               "timeout_s": 50}, timeout=55)
+        httpx.post(
+            f"{url}/v1/requests",
+            json={"inputs": {"n": 1}, "params": {"sleep_s": {"c": 60}}, "timeout_s": 50},
+            timeout=55,
+        )
         failures.append("the long request got an answer")
     except httpx.TransportError:
         pass  # its coordinator died: the client sees the connection go
@@ -158,7 +168,9 @@ def test_a_coordinator_that_dies_or_stops_under_load_fails_nothing_a_retry_canno
             long.start()
             wait_for(lambda: counters(survivor, "c")["concurrent"] >= 1, 10, "the long request at stage c")
             probes: list[float] = []
-            prober = threading.Thread(target=lambda: probes.extend(answered_within(mesh.url, 1.0) for _ in range(8)))
+            prober = threading.Thread(
+                target=lambda: probes.extend(answered_within(mesh.url, 1.0) for _ in range(8))
+            )
             os.kill(victim["pid"], getattr(signal, fault))
             faulted = time.monotonic()
             try:
@@ -169,10 +181,15 @@ def test_a_coordinator_that_dies_or_stops_under_load_fails_nothing_a_retry_canno
                 # coordinator's death (the replica's own count, which heartbeats bring a moment later;
                 # a stopped coordinator dies when `up` finds it stopped).
                 dies_s = 0.0 if fault == "SIGKILL" else STOPPED_S + SUPERVISE_S
-                wait_for(lambda: counters(survivor, "c")["cancelled_total"] > baseline["cancelled_total"],
-                         dies_s + 2.0 + HEARTBEAT_S, "the dead coordinator's work at stage c to be cancelled")
+                wait_for(
+                    lambda: counters(survivor, "c")["cancelled_total"] > baseline["cancelled_total"],
+                    dies_s + 2.0 + HEARTBEAT_S,
+                    "the dead coordinator's work at stage c to be cancelled",
+                )
                 prober.join(20)
-                assert len(probes) == 8 and max(probes) < 1.0, f"new connections took {probes} s to be answered"
+                assert len(probes) == 8 and max(probes) < 1.0, (
+                    f"new connections took {probes} s to be answered"
+                )
                 long.join(10)
                 assert not long_failures
                 # Back and serving within 10 s (a new process, its own port ready).
@@ -184,7 +201,9 @@ def test_a_coordinator_that_dies_or_stops_under_load_fails_nothing_a_retry_canno
                     os.kill(victim["pid"], signal.SIGCONT)
         failed = {k: v for k, v in load.outcomes.items() if k != "200"}
         assert not failed, f"requests failed after one retry: {failed} (of {load.total()})"
-        assert load.retried > 0, "no request was in flight on the faulted coordinator: the test proves nothing"
+        assert load.retried > 0, (
+            "no request was in flight on the faulted coordinator: the test proves nothing"
+        )
         assert set(load.served_by) == {"c0", "c1"}, load.served_by
         # No replica restarted, none registered again with the survivor (same pid, uptime from before).
         stages = httpx.get(f"{survivor}/v1/stages", timeout=5).json()["stages"]
@@ -216,4 +235,6 @@ def test_two_coordinators_never_overbook_a_replica(tmp_path: Path) -> None:
         for stage in ("a", "b"):
             seen = counters(urls[0], stage)
             assert seen["calls_total"] >= 150, seen
-            assert seen["concurrent_peak"] == 1, f"stage {stage} held {seen['concurrent_peak']} requests at once"
+            assert seen["concurrent_peak"] == 1, (
+                f"stage {stage} held {seen['concurrent_peak']} requests at once"
+            )

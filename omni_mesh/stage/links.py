@@ -65,4 +65,3 @@ class Links:
     def close(self) -> None:
         for link in self.all:
             link.close()
-

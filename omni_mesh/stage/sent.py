@@ -74,7 +74,9 @@ class SentLog:
             sent.ended = isinstance(message, Error) or message.last
             self._make_room(keep=message.rid)
 
-    async def replay(self, rids: list[str], seqs: dict[str, int], mine: Callable[[str], bool] | None = None) -> int:
+    async def replay(
+        self, rids: list[str], seqs: dict[str, int], mine: Callable[[str], bool] | None = None
+    ) -> int:
         """Answer a `Reconcile`: send again, per request, the messages from the seq it lacks; forget
         the requests it does not name (the coordinator has every message of them), among those `mine`
         says are the asking coordinator's (with several coordinators). How many it sent."""

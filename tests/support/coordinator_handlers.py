@@ -21,8 +21,12 @@ class Counted:
         return cls()
 
     def counters(self) -> dict[str, int]:
-        return {"concurrent": self.now, "concurrent_peak": self.peak, "calls_total": self.calls,
-                "cancelled_total": self.cancelled}
+        return {
+            "concurrent": self.now,
+            "concurrent_peak": self.peak,
+            "calls_total": self.calls,
+            "cancelled_total": self.cancelled,
+        }
 
     async def __call__(self, inputs: Any, ctx: Any) -> dict:
         """Its inputs back, after `params.sleep_s` (per stage name: `params.sleep_s.<stage>`)."""

@@ -28,7 +28,9 @@ STALE_S = 2.0  # a line older than this: its coordinator is not answering
 
 class Peers:
     def __init__(self, coordinator_id: str | None = None, directory: str | None = None) -> None:
-        self.coordinator_id = coordinator_id if coordinator_id is not None else os.environ.get(COORDINATOR_ID_ENV)
+        self.coordinator_id = (
+            coordinator_id if coordinator_id is not None else os.environ.get(COORDINATOR_ID_ENV)
+        )
         where = directory if directory is not None else os.environ.get(COORDINATORS_DIR_ENV)
         self.directory = Path(where) if where else None
         self.ports: dict[str, Any] = {}  # what it listens on: rest, own (its private REST port), control
@@ -64,7 +66,13 @@ class Peers:
         return [found[key] for key in sorted(found)]
 
     def describe(self, served: int, inflight: int) -> dict[str, Any]:
-        return {"id": self.name, "pid": os.getpid(), "ports": self.ports, "served": served, "inflight": inflight}
+        return {
+            "id": self.name,
+            "pid": os.getpid(),
+            "ports": self.ports,
+            "served": served,
+            "inflight": inflight,
+        }
 
     def close(self) -> None:
         if self.directory is not None:

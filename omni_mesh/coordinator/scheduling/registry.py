@@ -235,9 +235,9 @@ class Registry:
         replica.connectors = message.connectors
         working = {rid for rid in message.working if isinstance(rid, str)}
         replica.stopping &= working
+        replica.full = False  # it told us how it is: a slot may be free again
         if self.shared:
             replica.foreign = len(working - replica.inflight - replica.stopping)
-            replica.full = False
         replica.counters = message.counters
 
     def remove(self, replica_id: str) -> Replica | None:
