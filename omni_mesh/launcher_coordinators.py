@@ -22,7 +22,7 @@ from pathlib import Path
 
 from omni_mesh.children import Child
 from omni_mesh.defaults import COORDINATOR_ID_ENV, COORDINATORS_DIR_ENV
-from omni_mesh.ports import free_port
+from omni_mesh.ports import free_ports
 from omni_mesh.procinfo import stat_fields
 
 log = logging.getLogger("omni_mesh.launcher")
@@ -44,10 +44,11 @@ class CoordinatorPlan:
 
     @classmethod
     def make(cls, count: int, control_port: int | None) -> CoordinatorPlan:
+        ports = free_ports(2 * count)  # distinct (picked one at a time, two could be the same)
         controls = [
-            f"tcp://127.0.0.1:{control_port + i if control_port else free_port()}" for i in range(count)
+            f"tcp://127.0.0.1:{control_port + i if control_port else ports[count + i]}" for i in range(count)
         ]
-        return cls(count, controls, [free_port() for _ in range(count)])
+        return cls(count, controls, ports[:count])
 
     def argv(self, index: int, base: list[str]) -> list[str]:
         """Coordinator `index`'s command line: the single coordinator's, with its own control port."""

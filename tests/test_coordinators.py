@@ -49,6 +49,22 @@ def _mesh(tmp_path: Path, max_inflight: int = 8) -> contextlib.AbstractContextMa
     return running_mesh(tmp_path, topology(max_inflight), "--coordinators", "2")
 
 
+def every_coordinator_ready(mesh: Mesh) -> dict[str, dict]:
+    """/v1/coordinators once both coordinators answer /ready on their own ports (the shared port's
+    /ready, which start_mesh waits for, is whichever coordinator the kernel picked)."""
+
+    def ready() -> dict[str, dict] | None:
+        entries = coordinators(mesh.url)
+        if sorted(entries) != ["c0", "c1"] or any(e["health"] != "healthy" for e in entries.values()):
+            return None
+        with contextlib.suppress(httpx.HTTPError):
+            if all(httpx.get(f"{own_url(e)}/ready", timeout=2).status_code == 200 for e in entries.values()):
+                return entries
+        return None
+
+    return wait_for(ready, 60, "both coordinators ready")
+
+
 def coordinators(url: str) -> dict[str, dict]:
     answer = httpx.get(f"{url}/v1/coordinators", timeout=5).json()
     return {entry["id"]: entry for entry in answer["coordinators"]}
@@ -63,6 +79,7 @@ def counters(url: str, stage: str) -> dict:
     answer = httpx.get(f"{url}/v1/stages", timeout=5).json()
     replicas = {s["name"]: s["replicas"] for s in answer["stages"]}[stage]
     assert len(replicas) == 1, replicas
+    assert replicas[0]["counters"], f"replica {stage} sent no heartbeat since it registered: {replicas[0]}"
     return replicas[0]["counters"]
 
 
@@ -156,8 +173,7 @@ def test_a_coordinator_that_dies_or_stops_under_load_fails_nothing_a_retry_canno
     tmp_path: Path, fault: str
 ) -> None:
     with _mesh(tmp_path) as mesh:
-        before = coordinators(mesh.url)
-        assert sorted(before) == ["c0", "c1"] and all(c["health"] == "healthy" for c in before.values())
+        before = every_coordinator_ready(mesh)
         survivor, victim = own_url(before["c0"]), before["c1"]
         replicas = {name: [r["pid"] for r in rs] for name, rs in mesh.stages().items()}
         baseline = counters(survivor, "c")
@@ -225,7 +241,7 @@ def _back(url: str, victim: dict) -> bool:
 
 def test_two_coordinators_never_overbook_a_replica(tmp_path: Path) -> None:
     with _mesh(tmp_path, max_inflight=1) as mesh:
-        entries = coordinators(mesh.url)
+        entries = every_coordinator_ready(mesh)
         urls = [own_url(entries["c0"]), own_url(entries["c1"])]  # half the clients on each
         with Load(urls, {"sleep_s": {"a": 0.02, "b": 0.01}}, clients=8) as load:
             wait_for(lambda: load.total() >= 150, 90, "150 requests through both coordinators")
