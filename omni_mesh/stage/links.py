@@ -4,7 +4,7 @@ One `CoordinatorLink` per control endpoint; `--coordinator` takes them comma-sep
 replica says about a request (outputs, errors) goes back over the link its work came on (`origin`);
 heartbeats go to every link. With several coordinators a link that stays dropped for `GONE_S`, or
 whose coordinator no longer knows us (it restarted), takes its requests' work with it: nobody waits
-for that work any more (`orphans`).
+for that work any more (`StageReplica._orphaned`).
 """
 
 from __future__ import annotations
@@ -38,10 +38,6 @@ class Links:
     @property
     def several(self) -> bool:
         return len(self.all) > 1
-
-    @property
-    def first(self) -> CoordinatorLink:
-        return self.all[0]
 
     def registered(self) -> list[CoordinatorLink]:
         return [link for link in self.all if link.registered.is_set()]
