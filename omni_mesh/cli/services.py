@@ -197,7 +197,8 @@ def _add_stage(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("topology", metavar="TOPOLOGY", nargs="?", default=os.environ.get("OMNI_MESH_TOPOLOGY"))
     parser.add_argument("--stage", default=os.environ.get("OMNI_MESH_STAGE"), help="stage name or id")
     parser.add_argument(
-        "--coordinator", default=_env("OMNI_MESH_COORDINATOR", "tcp://127.0.0.1:5555"), help="coordinator control endpoint"
+        "--coordinator", default=_env("OMNI_MESH_COORDINATOR", "tcp://127.0.0.1:5555"),
+        help="coordinator control endpoint; several coordinators: every one's, comma-separated"
     )
     parser.add_argument("--replica", default=os.environ.get("OMNI_MESH_REPLICA"), help="replica id (default: stage-host-pid)")
     parser.add_argument("--host", default=os.environ.get("OMNI_MESH_ADVERTISE_HOST"), help="host name to report")
