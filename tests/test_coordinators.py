@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from support.meshkit import Mesh, running_mesh, wait_for
+from support.replies import sse_events
 
 from omni_mesh.launcher_coordinators import STOPPED_S
 
@@ -254,3 +255,33 @@ def test_two_coordinators_never_overbook_a_replica(tmp_path: Path) -> None:
             assert seen["concurrent_peak"] == 1, (
                 f"stage {stage} held {seen['concurrent_peak']} requests at once"
             )
+
+
+STREAMING = {
+    "name": "coordinators-streaming",
+    "stages": [
+        {"stage_id": 0, "name": "gen", "handler": "mesh_handlers:gen"},
+        {"stage_id": 1, "name": "relay", "handler": "mesh_handlers:relay", "engine_input_source": [0]},
+    ],
+}
+
+
+def test_streams_and_large_inputs_work_the_same_through_either_coordinator(tmp_path: Path) -> None:
+    """A streamed answer whose request's inputs are too large for a control message (they go through
+    the coordinator's ingress connector) comes whole through each coordinator, which names itself."""
+    with running_mesh(tmp_path, STREAMING, "--coordinators", "2") as mesh:
+        entries = every_coordinator_ready(mesh)
+        pad = "x" * 1_100_000  # past the inline limit: the entry stage fetches the inputs through a connector
+        for name, entry in entries.items():
+            with httpx.Client(base_url=own_url(entry), timeout=60) as client:
+                body = {"inputs": {"count": 5, "size": 1000, "pad": pad}, "timeout_s": 30, "stream": True}
+                with client.stream("POST", "/v1/requests", json=body) as response:
+                    assert response.status_code == 200, response.read()
+                    assert response.headers["x-omni-coordinator"] == name
+                    events = list(sse_events(response))
+            chunks = [event["output"] for kind, event in events if kind == "chunk"]
+            assert [(c["seq"], c["size"], c["sum"]) for c in chunks] == [
+                (i, 1000, 1000.0 * i) for i in range(5)
+            ]
+            assert events[-1][0] == "done", events[-1]
+            assert events[-1][1]["request_id"].startswith(f"{name}."), events[-1][1]
