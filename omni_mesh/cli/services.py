@@ -10,12 +10,7 @@ from typing import TYPE_CHECKING
 
 from omni_mesh.cli.common import EXIT_OK, CliError, Command, Declare, HelpWithDefaults
 from omni_mesh.defaults import BODY_TIMEOUT_S as BODY_TIMEOUT_S
-from omni_mesh.defaults import (
-    CONNECTOR_HOST_ENV,
-    COORDINATOR_ID_ENV,
-    COORDINATOR_UNRESPONSIVE_S,
-    HEARTBEAT_TIMEOUT_S,
-)
+from omni_mesh.defaults import CONNECTOR_HOST_ENV, COORDINATOR_UNRESPONSIVE_S, HEARTBEAT_TIMEOUT_S
 from omni_mesh.defaults import HEADER_TIMEOUT_S as HEADER_TIMEOUT_S
 from omni_mesh.defaults import WRITE_TIMEOUT_S as WRITE_TIMEOUT_S
 from omni_mesh.port_checks import check_ports
@@ -167,8 +162,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
 
     topology = load_topology(_topology_arg(args))
     rest = _rest_settings(args)
-    name = f"coordinator-{os.environ[COORDINATOR_ID_ENV]}" if os.environ.get(COORDINATOR_ID_ENV) else "coordinator"
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
     aio.run(
         serve(
             topology,
