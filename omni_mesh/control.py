@@ -142,6 +142,9 @@ class FailureKind(str, enum.Enum):
     CONNECTOR_REFUSED = "connector_refused"  # a connector refused what the handler gave it (cannot carry it)
     #: an output lost with a dropped control connection, no longer kept to send again (stage/sent.py)
     OUTPUT_LOST = "output_lost"
+    #: the replica has no free slot (its own `max_inflight`, the authority with several coordinators):
+    #: no failure, the coordinator places the work again (coordinator/scheduling/dispatch.py)
+    REPLICA_FULL = "replica_full"
 
 
 @dataclass(slots=True)

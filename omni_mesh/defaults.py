@@ -13,6 +13,10 @@ INSTANCE_ENV = "OMNI_MESH_INSTANCE"
 CONNECTOR_HOST_ENV = "OMNI_MESH_CONNECTOR_HOST"
 #: The replicas `omni-mesh up` runs on its host in all: its coordinator keeps autoscale targets within it.
 HOST_CAP_ENV = "OMNI_MESH_HOST_REPLICA_CAP"
+#: With several coordinators (`up --coordinators N`): this one's id (`c0`, `c1`, ...; it prefixes its
+#: request ids and names it in X-Omni-Coordinator), and the directory where each writes its status line.
+COORDINATOR_ID_ENV = "OMNI_MESH_COORDINATOR_ID"
+COORDINATORS_DIR_ENV = "OMNI_MESH_COORDINATORS_DIR"
 
 #: REST deadlines: the request's head from the connection's start, its body after the head, and an
 #: answer's writes (a client that reads nothing for this long is cut off).

@@ -26,6 +26,7 @@ from omni_mesh.connectors import mesh_places, reclaim_orphans
 from omni_mesh.defaults import CONNECTOR_HOST_ENV, HOST_CAP_ENV
 from omni_mesh.defaults import INSTANCE_ENV as INSTANCE_ENV
 from omni_mesh.fdlimit import raise_nofile_limit
+from omni_mesh.launcher_coordinators import CoordinatorPlan, Stopped, coordinators
 from omni_mesh.launcher_scale import Scaler, host_cap
 from omni_mesh.port_checks import check_ports, other_port
 from omni_mesh.ports import free_port, taken_since
@@ -81,6 +82,7 @@ class Launcher:
         max_replicas_total: int | None = None,
         min_free_memory: int | None = None,
         connector_host: str = "127.0.0.1",
+        coordinator_count: int = 1,
     ) -> None:
         if topology.path is None:
             raise ValueError("omni-mesh up needs a topology file")
@@ -104,7 +106,7 @@ class Launcher:
         tls = ["--ssl-certfile", ssl_certfile, "--ssl-keyfile", ssl_keyfile or ""] if ssl_certfile else []
         # The control plane stays on loopback: `up` runs every replica on this machine. A port given
         # (--control-port) is used as it is; one we pick may be taken before the coordinator binds it.
-        self.control_port_chosen = control_port is not None
+        self.control_port_chosen = control_port is not None or coordinator_count > 1  # several: no retry
         self.control = f"tcp://127.0.0.1:{control_port or free_port()}"
         self._stop = threading.Event()
         # Every replica runs here: connectors' `host: auto` binds loopback too (an address the topology
@@ -123,43 +125,51 @@ class Launcher:
              "--grace-s", str(grace_s), *tls, *(coordinator_args or [])],
             {**env, INSTANCE_ENV: self.instance, HOST_CAP_ENV: str(self.cap)},
         )
+        # Several coordinators (launcher_coordinators): each its own ports; `self.coordinator` is c0.
+        self.plan = CoordinatorPlan.make(coordinator_count, control_port) if coordinator_count > 1 else None
+        self.coordinators = coordinators(self.plan, self.coordinator) if self.plan else [self.coordinator]
+        self.coordinator, self.stopped = self.coordinators[0], Stopped(self.coordinators)
+        self.ready_urls = self.plan.urls(self.url.split(":")[0], host) if self.plan else [self.url]
         self._made: dict[str, int] = {}  # replicas made per stage: a new one gets the next index
         self.replicas = [self.make_replica(stage) for stage in topology.stages for _ in range(stage.replicas)]
-        self.scaler = Scaler(topology, self.replicas, self.make_replica, self.reclaim, url=self.url, cap=self.cap,
+        self.scaler = Scaler(topology, self.replicas, self.make_replica, self.reclaim, url=self.ready_urls[0], cap=self.cap,
                              api_key=api_key, verify=self._trust(), min_free_memory=min_free_memory)
 
     def make_replica(self, stage: StageSpec) -> Child:
         index = self._made[stage.name] = self._made.get(stage.name, -1) + 1
         name, path = f"{stage.name}-{index}", str(self.topology.path)
         argv = [sys.executable, "-m", "omni_mesh", "stage", path, "--stage", stage.name, "--replica", name]
-        return Child(name, [*argv, "--coordinator", self.control], self.env, stage=stage.name)
+        controls = ",".join(self.plan.controls) if self.plan else self.control
+        return Child(name, [*argv, "--coordinator", controls], self.env, stage=stage.name)
 
     @property
     def children(self) -> list[Child]:
-        return [self.coordinator, *self.replicas]
+        return [*self.coordinators, *self.replicas]
 
     def run(self) -> int:
         """Start everything, supervise until a signal, stop everything. Returns the exit status."""
         # SIGHUP: the terminal closed. The children have sessions of their own and never see it.
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, lambda *_: self._stop.set())
-        watchdog: Watchdog | None = None
+        watchdog: list[Watchdog] | None = None
         try:
             self.start()
             self.announce()
             if self.unresponsive_s > 0:
-                watchdog = Watchdog(
-                    self.url, lambda: self.coordinator.process, limit_s=self.unresponsive_s, verify=self._trust()
-                )
-                watchdog.start()
+                watchdog = [
+                    Watchdog(url, lambda c=c: c.process, limit_s=self.unresponsive_s, verify=self._trust())
+                    for url, c in zip(self.ready_urls, self.coordinators, strict=True)
+                ]
+                for each in watchdog:
+                    each.start()
             self.supervise()
             return 0
         except RuntimeError as exc:
             log.error("%s", exc)
             return 1
         finally:
-            if watchdog is not None:
-                watchdog.stop()
+            for each in watchdog or []:
+                each.stop()
             self.scaler.close()
             self.stop()
 
@@ -246,11 +256,14 @@ class Launcher:
                     if not child.running():
                         raise RuntimeError(f"{child.name} {child.describe_exit()} during start-up (see its log above)")
                 try:
-                    response = client.get(f"{self.url}/ready")
-                    answer = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
-                    if answer.get("instance") not in (None, self.instance):
-                        raise RuntimeError(f"another mesh ({answer.get('mesh')!r}) answers on {self.url}: {other_port()}")
-                    if response.status_code == 200:
+                    for url in self.ready_urls:  # every coordinator (its own port, with several)
+                        response = client.get(f"{url}/ready")
+                        answer = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
+                        if answer.get("instance") not in (None, self.instance):
+                            raise RuntimeError(f"another mesh ({answer.get('mesh')!r}) answers on {self.url}: {other_port()}")
+                        if response.status_code != 200:
+                            break
+                    else:
                         return
                     last = "; ".join(answer.get("missing", [])) or response.text
                 except httpx.HTTPError as exc:
@@ -286,6 +299,7 @@ class Launcher:
 
     def supervise(self) -> None:
         while not self._stop.wait(0.2):
+            self.stopped.start()
             self.scaler.step()
             now = time.monotonic()
             for child in self.children:
@@ -316,17 +330,20 @@ class Launcher:
             f"giving up on {child.name}: it {child.describe_exit()} {child.quick_exits} times in a row, each within "
             f"{QUICK_EXIT_S:.0f} s of its start; fix the cause (see its log above) and start the mesh again"
         )
-        if child is self.coordinator:
+        if child in self.coordinators:
             raise RuntimeError(message)
         child.given_up = True
         log.error("%s; the rest of the mesh keeps running", message)
 
     def stop(self) -> None:
         # Coordinator first: it stops taking requests and lets in-flight ones finish (grace).
-        self._terminate([self.coordinator], self.grace_s + 5)
+        self.stopped.stop()  # stopping coordinators are not stopped ones
+        self._terminate(self.coordinators, self.grace_s + 5)
         self._terminate(self.replicas, 15.0)
         reaped = [name for child in self.children for pid in child.pids for name in self.reclaim(pid)]
         reaped += self.shm.remove()  # what is left in the mesh's own directory, and the directory
+        if self.plan:
+            self.plan.remove()
         if reaped:
             log.warning("reclaimed %d connector resource(s) left by stopped processes: %s", len(reaped), reaped)
 
@@ -364,6 +381,7 @@ def run_up(
     max_replicas_total: int | None = None,
     min_free_memory: int | None = None,
     connector_host: str = "127.0.0.1",
+    coordinator_count: int = 1,
 ) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per /ready poll is noise
@@ -373,5 +391,5 @@ def run_up(
         api_key=api_key, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, ready_timeout_s=ready_timeout_s,
         control_port=control_port, unresponsive_s=unresponsive_s, max_replicas_total=max_replicas_total,
         min_free_memory=min_free_memory,
-        connector_host=connector_host,
+        connector_host=connector_host, coordinator_count=coordinator_count,
     ).run()

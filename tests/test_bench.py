@@ -148,6 +148,26 @@ def test_the_pipeline_bench_measures_curve_on_and_off_in_one_run() -> None:
     assert text.count("round  CURVE") == 4 and "third" in text
 
 
+def test_the_pipeline_bench_compares_coordinator_counts_in_one_run() -> None:
+    """`--coordinators 1,2`: rounds alternate over `up --coordinators N`, each count's medians and the
+    ratio of the last to the first (issue 42)."""
+    done = run_bench("--topology", NOOP, "--concurrency", "4", "--duration", "1", "--rounds", "1",
+                     "--coordinators", "1,2", "--json", bench=PIPELINE)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert [r["mode"] for r in result["rounds"]] == ["coordinators=1", "coordinators=2"]
+    for r in result["rounds"]:
+        assert r["ok"] > 0 and r["errors"] == {} and 0 < r["p50_s"] <= r["p99_s"]
+    one, two = result["modes"]["coordinators=1"], result["modes"]["coordinators=2"]
+    ratio = result["ratio_coordinators"]
+    assert ratio["req_per_s"] == pytest.approx(two["req_per_s"] / one["req_per_s"])
+    assert ratio["p99_s"] == pytest.approx(two["p99_s"] / one["p99_s"])
+    text = pipeline.report(result)
+    assert "median coord. 1" in text and "median coord. 2" in text and "2 / 1 coordinators: throughput" in text
+    refused = run_bench("--topology", NOOP, "--coordinators", "0,2", bench=PIPELINE)
+    assert refused.returncode == 2 and "--coordinators" in refused.stderr
+
+
 def test_the_pipeline_bench_measures_a_running_mesh_as_it_runs() -> None:
     with running_mesh(NOOP) as mesh:
         done = run_bench("--url", mesh.url, "--concurrency", "2", "--duration", "1", bench=PIPELINE)

@@ -299,3 +299,31 @@ def _pair(name: str, connector: str, stages: tuple[str, str], first: dict) -> di
             {"stage_id": 1, "name": stages[1], "handler": "m:f", "input_connectors": {"from_stage_0": "link"}},
         ],
     }
+
+
+def test_k8s_several_coordinators_are_a_stateful_set_behind_one_service_with_a_disruption_budget(
+    tmp_path: Path,
+) -> None:
+    MeshKeys.generate().write(tmp_path)
+    manifests = _manifests(COMPOSE / "omni-demo.yaml", keys=tmp_path, coordinators=3)
+    for document in manifests:
+        kubernetes_validate.validate(document, K8S_VERSION, strict=True)
+    documents = {(d["kind"], d["metadata"]["name"]): d for d in manifests}
+    assert ("Deployment", "qwen-omni-demo-coordinator") not in documents
+    coordinators = documents["StatefulSet", "qwen-omni-demo-coordinator"]["spec"]
+    assert coordinators["replicas"] == 3 and coordinators["serviceName"] == "qwen-omni-demo-coordinator-peers"
+    container = coordinators["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert {"name": "OMNI_MESH_COORDINATOR_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
+    peers = documents["Service", "qwen-omni-demo-coordinator-peers"]["spec"]
+    assert peers["clusterIP"] == "None" and peers["selector"] == coordinators["selector"]["matchLabels"]
+    rest = documents["Service", "qwen-omni-demo-coordinator"]["spec"]
+    assert rest["selector"] == coordinators["selector"]["matchLabels"]
+    budget = documents["PodDisruptionBudget", "qwen-omni-demo-coordinator"]["spec"]
+    assert budget == {"maxUnavailable": 1, "selector": coordinators["selector"]}
+    pod = documents["Deployment", "qwen-omni-demo-thinker-talker-code2wav"]["spec"]
+    for c in pod["template"]["spec"]["containers"]:
+        env = {e["name"]: e["value"] for e in c["env"]}
+        assert env["OMNI_MESH_COORDINATOR"] == ",".join(
+            f"tcp://qwen-omni-demo-coordinator-{i}.qwen-omni-demo-coordinator-peers:5555" for i in range(3)
+        )

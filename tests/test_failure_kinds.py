@@ -23,6 +23,7 @@ ANSWERS = {
     FailureKind.CONNECTOR_FAILED: (502, 502, "stage 'talker' failed: ValueError: boom"),
     FailureKind.CONNECTOR_REFUSED: (500, 500, "stage 'talker' failed: ValueError: boom"),
     FailureKind.OUTPUT_LOST: (502, 502, "stage 'talker' failed: ValueError: boom"),
+    FailureKind.REPLICA_FULL: (503, 503, "stage 'talker' replica 'talker-3' was full: ValueError: boom"),
 }
 
 
@@ -36,8 +37,9 @@ def test_a_failure_kind_maps_to_the_status_clients_have_always_seen(kind: Failur
     failed = stage_failure("talker-3", Error("rid-1", "talker", "talker-3", "ValueError: boom", kind))
     assert (failed.status, failed.message, failed.stage) == (status, says, "talker")
     assert openai_body(failed.status, failed.message)[0] == openai_status
-    # Only a full connector says when to come back: the same request may pass then.
-    retry = {"retry-after": str(FULL_RETRY_AFTER_S)} if kind is FailureKind.CONNECTOR_FULL else None
+    # Only a full connector or replica says when to come back: the same request may pass then.
+    full = (FailureKind.CONNECTOR_FULL, FailureKind.REPLICA_FULL)
+    retry = {"retry-after": str(FULL_RETRY_AFTER_S)} if kind in full else None
     assert failed.headers == retry
 
 

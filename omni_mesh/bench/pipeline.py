@@ -6,6 +6,8 @@ handler). With --url it measures the running mesh once. With --topology it start
 `omni-mesh up` for every round and stops it after; `--security both` (the default) alternates rounds
 with the control plane on CURVE and with it off (OMNI_MESH_INSECURE=1), so the two are measured in
 the same run under the same noise, and reports each mode's medians and the ratio on/off.
+`--coordinators 1,2` alternates rounds with `up --coordinators N` instead (CURVE on, or as --security
+says), and reports each count's medians and the ratio of the last count to the first.
 """
 
 from __future__ import annotations
@@ -142,13 +144,16 @@ async def _streamed(client: httpx.AsyncClient, body: dict, marks: dict[str, floa
         return 200, done
 
 
-def _round_on_new_mesh(topology: str, mode: str, concurrency: int, duration_s: float, body: dict) -> dict[str, Any]:
-    with running_mesh(topology, insecure=mode == "off") as mesh:
+def _round_on_new_mesh(
+    topology: str, mode: str, concurrency: int, duration_s: float, body: dict, coordinators: int | None = None
+) -> dict[str, Any]:
+    extra = ["--coordinators", str(coordinators)] if coordinators else []
+    with running_mesh(topology, insecure=mode == "off", extra=extra) as mesh:
         result = aio.run(drive(mesh.url, concurrency, duration_s, body, mesh.processes()))
         seen = mesh.control_plane()
     if seen != "unknown" and seen != EXPECTED_CONTROL_PLANE[mode]:
         raise RuntimeError(f"asked for CURVE {mode}, but the coordinator runs its control plane {seen}")
-    return {"mode": mode, "control_plane": seen, **result}
+    return {"mode": f"coordinators={coordinators}" if coordinators else mode, "control_plane": seen, **result}
 
 
 def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -206,6 +211,7 @@ def run(
     security: str = "both",
     rounds: int = 3,
     stream: bool = False,
+    coordinators: list[int] | None = None,
 ) -> dict[str, Any]:
     """With `url`: one measurement of the running mesh (security "running"). With `topology`:
     `rounds` rounds per mode of `security`, alternating modes, each on a freshly started mesh."""
@@ -215,6 +221,18 @@ def run(
         measured = [{"mode": "running", "control_plane": "unknown", **aio.run(drive(url, concurrency, duration_s, body))}]
         return {**common, "security": "running", "rounds": measured, "modes": {"running": summarise(measured)}}
     assert topology is not None
+    if coordinators:  # one security mode, rounds alternating over the coordinator counts
+        mode = SECURITY_MODES[security][0]
+        measured = [
+            _round_on_new_mesh(topology, mode, concurrency, duration_s, body, count)
+            for _ in range(rounds) for count in coordinators
+        ]
+        modes = {f"coordinators={n}": summarise([r for r in measured if r["mode"] == f"coordinators={n}"])
+                 for n in coordinators}
+        first, last = modes[f"coordinators={coordinators[0]}"], modes[f"coordinators={coordinators[-1]}"]
+        ratio = {"counts": [coordinators[-1], coordinators[0]], "req_per_s": last["req_per_s"] / first["req_per_s"],
+                 "p99_s": last["p99_s"] / first["p99_s"]}
+        return {**common, "security": mode, "rounds": measured, "modes": modes, "ratio_coordinators": ratio}
     order = SECURITY_MODES[security]
     measured = [
         _round_on_new_mesh(topology, mode, concurrency, duration_s, body) for _ in range(rounds) for mode in order
@@ -230,6 +248,10 @@ _MODE_TITLES = {"on": "CURVE on", "off": "CURVE off", "running": "as running"}
 _STREAM_FIGURES = ("first_chunk_p50_s", "first_chunk_p99_s", "first_audio_p50_s", "first_audio_p99_s")
 
 
+def _title(mode: str) -> str:
+    return _MODE_TITLES.get(mode) or mode.replace("coordinators=", "coord. ")
+
+
 def _cpu(figures: dict[str, Any]) -> str:
     cpu = figures.get("cpu_s_per_request")
     return "mesh CPU    -    " if cpu is None else f"mesh CPU {cpu * 1e3:5.2f} ms/req"
@@ -241,19 +263,19 @@ def report(result: dict[str, Any]) -> str:
     for r in result["rounds"]:
         errors = ", ".join(f"{status}: {n}" for status, n in r["errors"].items()) or "none"
         lines.append(
-            f"  round  {_MODE_TITLES[r['mode']]:<10} {r['req_per_s']:8.1f} req/s   p50 {r['p50_s'] * 1e3:6.1f} ms"
+            f"  round  {_title(r['mode']):<10} {r['req_per_s']:8.1f} req/s   p50 {r['p50_s'] * 1e3:6.1f} ms"
             f"   p99 {r['p99_s'] * 1e3:6.1f} ms   {_cpu(r)}   {r['ok']} ok, errors: {errors}"
         )
     for mode, summary in result["modes"].items():
         lines.append(
-            f"  median {_MODE_TITLES[mode]:<10} {summary['req_per_s']:8.1f} req/s   p50 {summary['p50_s'] * 1e3:6.1f} ms"
+            f"  median {_title(mode):<10} {summary['req_per_s']:8.1f} req/s   p50 {summary['p50_s'] * 1e3:6.1f} ms"
             f"   p99 {summary['p99_s'] * 1e3:6.1f} ms   {_cpu(summary)}   ({summary['rounds']} rounds)"
         )
     for mode, summary in result["modes"].items():
         if "first_chunk_p50_s" in summary:
             ms = {name: summary[name] * 1e3 for name in _STREAM_FIGURES}
             lines.append(
-                f"  streaming {_MODE_TITLES[mode]:<10} first chunk p50 {ms['first_chunk_p50_s']:.1f} ms, p99 "
+                f"  streaming {_title(mode):<10} first chunk p50 {ms['first_chunk_p50_s']:.1f} ms, p99 "
                 f"{ms['first_chunk_p99_s']:.1f} ms; first audio p50 {ms['first_audio_p50_s']:.1f} ms, p99 "
                 f"{ms['first_audio_p99_s']:.1f} ms; whole request p50 {summary['p50_s'] * 1e3:.1f} ms"
             )
@@ -263,10 +285,13 @@ def report(result: dict[str, Any]) -> str:
             f"  CURVE on / off: throughput {ratio['req_per_s']:.3f}x (round pairs: {pairs}), "
             f"p50 {ratio['p50_s']:.2f}x, p99 {ratio['p99_s']:.2f}x, mesh CPU per request {ratio['cpu_s_per_request']:.3f}x"
         )
+    if ratio := result.get("ratio_coordinators"):
+        lines.append(f"  {ratio['counts'][0]} / {ratio['counts'][1]} coordinators: throughput {ratio['req_per_s']:.3f}x, "
+                     f"p99 {ratio['p99_s']:.2f}x")
     columns = ("queued_s", "transfer_s", "handler_s", "total_s")
     lines.append(f"  {'per stage (medians, ms)':<28}" + "".join(f"{name[:-2]:>10}" for name in columns))
     for mode, summary in result["modes"].items():
         for stage, times in summary["stages"].items():
             cells = [times.get(name, float("nan")) * 1e3 for name in columns]
-            lines.append(f"    {stage:<14}{_MODE_TITLES[mode]:<12}" + "".join(f"{value:10.2f}" for value in cells))
+            lines.append(f"    {stage:<14}{_title(mode):<12}" + "".join(f"{value:10.2f}" for value in cells))
     return "\n".join(lines)

@@ -53,6 +53,10 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     pipeline.add_argument("--rounds", type=int, default=3, help="with --topology: rounds per security mode")
     pipeline.add_argument(
+        "--coordinators", default=None, metavar="N,M",
+        help="with --topology: rounds alternate over these coordinator counts (`up --coordinators N`), e.g. 1,2",
+    )
+    pipeline.add_argument(
         "--stream", action="store_true",
         help="send stream: true and read the events: time to the first chunk and to the first audio chunk",
     )
@@ -251,6 +255,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise CliError("--security picks how the bench starts the mesh: it needs --topology, not --url")
     if args.rounds < 1:
         raise CliError(f"--rounds must be >= 1, got {args.rounds}")
+    counts = _counts(args.coordinators) if args.coordinators else None
+    if counts and args.url:
+        raise CliError("--coordinators picks how the bench starts the mesh: it needs --topology, not --url")
     result = pipeline.run(
         url=args.url,
         topology=args.topology,
@@ -262,9 +269,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         security=args.security or "both",
         rounds=args.rounds,
         stream=args.stream,
+        coordinators=counts,
     )
     print(json.dumps(result, indent=2) if args.json else pipeline.report(result))
     return EXIT_OK
+
+
+def _counts(text: str) -> list[int]:
+    """--coordinators: comma-separated counts, each at least 1."""
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise CliError(f"--coordinators: expected counts of coordinators like 1,2, got {text!r}")
+    return counts
 
 
 def _json_arg(text: str, flag: str) -> dict:

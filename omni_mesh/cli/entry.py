@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from omni_mesh.cli import bench, export, keys, models, schema, serve, services, status, validate
 from omni_mesh.cli.common import EXIT_OK, EXIT_USAGE, CliError, Command, Declare, HelpWithDefaults
+from omni_mesh.defaults import COORDINATOR_ID_ENV
 from omni_mesh.topology import TopologyError
 
 # name -> (declare its arguments, run it), in the order --help lists them. A new subcommand goes in
@@ -67,6 +68,8 @@ def _service_name(args: argparse.Namespace) -> str:
     """How this process names itself in log lines."""
     if args.command == "stage" and args.stage:
         return args.replica or args.stage
+    if args.command == "coordinator" and os.environ.get(COORDINATOR_ID_ENV):  # one of several
+        return f"coordinator-{os.environ[COORDINATOR_ID_ENV]}"
     return {"up": "launcher", "serve": "launcher"}.get(args.command, args.command)
 
 

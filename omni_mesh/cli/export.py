@@ -41,6 +41,10 @@ def _add_export(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPars
     )
     k8s.add_argument("--shm-size", default="2Gi", help="/dev/shm of a pod whose stages share memory")
     k8s.add_argument("--max-replicas", type=int, default=None, help="each autoscaler's ceiling (default: 4 x replicas)")
+    k8s.add_argument(
+        "--coordinators", type=int, default=1, metavar="N",
+        help="coordinator pods behind the one REST Service (more than 1: a StatefulSet and a PodDisruptionBudget)",
+    )
     return parser
 
 
@@ -57,7 +61,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
             options = export.ComposeOptions(args.network, args.http_port, args.control_port)
             result = export.export_compose(topology, source, output, options)
         else:
-            k8s = export.K8sOptions(args.image, args.name, args.keys, args.shm_size, args.max_replicas)
+            if args.coordinators < 1:
+                raise export.ExportError(f"--coordinators must be at least 1, got {args.coordinators}")
+            k8s = export.K8sOptions(args.image, args.name, args.keys, args.shm_size, args.max_replicas, args.coordinators)
             result = export.export_k8s(topology, source, k8s)
         export.write(result.text, output, secret=result.secret)
     except (export.ExportError, OSError) as exc:

@@ -146,6 +146,10 @@ def _add_coordinator(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="REST connections held at once; more are answered 503 and closed (default: half the "
         "open-file limit) ($OMNI_MESH_MAX_REST_CONNECTIONS)",
     )
+    parser.add_argument("--reuse-port", action="store_true",
+                        help="share the REST port with the mesh's other coordinators (SO_REUSEPORT)")
+    parser.add_argument("--own-port", type=int, default=None, metavar="N",
+                        help="a second REST port of this coordinator alone (`up --coordinators N` checks each on it)")
     _add_rest_flags(parser)
     return parser
 
@@ -170,6 +174,8 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
             grace_s=args.grace_s,
             max_control_connections=args.max_control_connections,
             max_rest_connections=args.max_rest_connections,
+            reuse_port=args.reuse_port,
+            own_port=args.own_port,
             **rest,
         )
     )
@@ -185,7 +191,8 @@ def _add_stage(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("topology", metavar="TOPOLOGY", nargs="?", default=os.environ.get("OMNI_MESH_TOPOLOGY"))
     parser.add_argument("--stage", default=os.environ.get("OMNI_MESH_STAGE"), help="stage name or id")
     parser.add_argument(
-        "--coordinator", default=_env("OMNI_MESH_COORDINATOR", "tcp://127.0.0.1:5555"), help="coordinator control endpoint"
+        "--coordinator", default=_env("OMNI_MESH_COORDINATOR", "tcp://127.0.0.1:5555"),
+        help="coordinator control endpoint; several coordinators: every one's, comma-separated"
     )
     parser.add_argument("--replica", default=os.environ.get("OMNI_MESH_REPLICA"), help="replica id (default: stage-host-pid)")
     parser.add_argument("--host", default=os.environ.get("OMNI_MESH_ADVERTISE_HOST"), help="host name to report")
@@ -250,6 +257,10 @@ def add_up_flags(parser: argparse.ArgumentParser) -> None:
         help="silence after which the coordinator takes a replica out",
     )
     parser.add_argument(
+        "--coordinators", type=int, default=1, metavar="N",
+        help="coordinator processes sharing the REST port (SO_REUSEPORT), each restarted when it dies",
+    )
+    parser.add_argument(
         "--coordinator-watchdog-s", type=float, default=COORDINATOR_UNRESPONSIVE_S, metavar="S",
         help="the coordinator is asked /health every 2 s; silent this long, it is killed and restarted "
         "(0: never)",
@@ -290,6 +301,8 @@ def run_topology(topology: Topology, args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     if not args.coordinator_watchdog_s >= 0:
         raise CliError(f"--coordinator-watchdog-s must be >= 0 seconds (0: off), got {args.coordinator_watchdog_s}")
+    if getattr(args, "coordinators", 1) < 1:
+        raise CliError(f"--coordinators must be at least 1, got {args.coordinators}")
     if not args.heartbeat_timeout_s > 0:
         raise CliError(f"--heartbeat-timeout-s must be > 0 seconds, got {args.heartbeat_timeout_s}")
     coordinator_args = [
@@ -306,7 +319,7 @@ def run_topology(topology: Topology, args: argparse.Namespace) -> int:
             api_key=rest["api_key"], ssl_certfile=rest["ssl_certfile"], ssl_keyfile=rest["ssl_keyfile"],
             control_port=args.control_port, unresponsive_s=args.coordinator_watchdog_s,
             max_replicas_total=args.max_replicas_total, min_free_memory=_min_free_memory(args.min_free_memory),
-            connector_host=_connector_host(args.connector_host),
+            connector_host=_connector_host(args.connector_host), coordinator_count=getattr(args, "coordinators", 1),
         )
     except ValueError as exc:
         raise CliError(str(exc)) from None

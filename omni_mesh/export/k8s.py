@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omni_mesh.export import k8s_coordinators as several
 from omni_mesh.export.hpa import ONGOING_METRIC, QUEUE_METRIC, hpa_spec
 from omni_mesh.export.output import Exported, render
 from omni_mesh.export.placement import SHM, crossing_warnings, describe, shm_edges, shm_groups
@@ -54,6 +55,7 @@ class K8sOptions:
     keys: Path | None = None  # a mesh.key_secret (or its directory) to put in the Secret
     shm_size: str = "2Gi"  # /dev/shm of a pod whose stages share memory
     max_replicas: int | None = None  # each autoscaler's ceiling; default: 4 x the pod's replicas
+    coordinators: int = 1  # more: a StatefulSet, its peers' Service and a disruption budget (k8s_coordinators)
 
 
 def export_k8s(topology: Topology, source: ImageSource, options: K8sOptions | None = None) -> Exported:
@@ -125,6 +127,8 @@ class _Mesh:
 
     def stage_pod(self, pod: _Pod) -> dict[str, Any]:
         coordinator = f"tcp://{self.coordinator_name}:{CONTROL_PORT}"
+        if self.options.coordinators > 1:  # one link to each coordinator pod, by its stable name
+            coordinator = several.control_endpoints(self.coordinator_name, self.options.coordinators)
         containers = []
         for stage in pod.stages:
             container = {
@@ -185,7 +189,16 @@ class _Mesh:
         # Recreate: a new coordinator starts only once the old one is gone (one owns the mesh).
         deployment = self._deployment("coordinator", 1, spec, annotations=_scrape_annotations(), recreate=True)
         ports = [("http", HTTP_PORT), ("control", CONTROL_PORT)]
-        return [deployment, self._service(self.coordinator_name, "coordinator", ports)]
+        service = self._service(self.coordinator_name, "coordinator", ports)
+        count = self.options.coordinators
+        if count == 1:
+            return [deployment, service]
+        container["env"].append(several.coordinator_id_env())
+        return [
+            several.stateful_set(deployment, self.coordinator_name, count),
+            several.headless_service(service, self.coordinator_name), service,
+            several.disruption_budget(service, self.coordinator_name),
+        ]
 
     def master(self, master: StoreMaster) -> list[dict[str, Any]]:
         probe = {"tcpSocket": {"port": "rpc"}, "timeoutSeconds": 3}

@@ -43,6 +43,8 @@ class CoordinatorLink:
         self.replica_id = replica_id
         self.heartbeat_s = HEARTBEAT_S
         self.registered = asyncio.Event()
+        self.down = False  # the connection dropped and is not back yet
+        self.drained = False  # this coordinator says no running request needs us any more
         self._monitor: zmq.asyncio.Socket | None = None  # watches for reconnects (`reconnects`)
         self._ctx = zmq.asyncio.Context()
         self._socket = self._ctx.socket(zmq.DEALER)
@@ -68,19 +70,23 @@ class CoordinatorLink:
     async def receive(self) -> list[Any]:
         return await self._socket.recv_multipart()
 
-    async def reconnects(self, back: Callable[[], Awaitable[None]]) -> None:
+    async def reconnects(
+        self, back: Callable[[], Awaitable[None]], dropped: Callable[[], None] | None = None
+    ) -> None:
         """Run `back` each time our connection comes back after it dropped (until cancelled): ZeroMQ
-        reconnects on its own, but messages in flight when it dropped are lost both ways."""
+        reconnects on its own, but messages in flight when it dropped are lost both ways. `dropped`
+        is called when it drops (`down` says whether it is down now)."""
         monitor = self._monitor = self._socket.get_monitor_socket(
             zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
         )
-        dropped = False
         while True:
             event = parse_monitor_message(await monitor.recv_multipart())["event"]
             if event == zmq.EVENT_DISCONNECTED:
-                dropped = True
-            elif dropped:  # the handshake on the new connection (CURVE or not) succeeded
-                dropped = False
+                self.down = True
+                if dropped is not None:
+                    dropped()
+            elif self.down:  # the handshake on the new connection (CURVE or not) succeeded
+                self.down = False
                 try:
                     await back()
                 except Exception:  # a failed resync must not end the watch: the next drop retries

@@ -33,6 +33,7 @@ from omni_mesh.handlers import hooks_of
 from omni_mesh.hostinfo import process_info
 from omni_mesh.stage.counters import handler_counters
 from omni_mesh.stage.link import ConnectorHealth, CoordinatorLink
+from omni_mesh.stage.links import GONE_S, Links
 from omni_mesh.stage.loading import default_replica_id
 from omni_mesh.stage.runner import Runner
 from omni_mesh.topology import StageSpec, Topology, load_handler
@@ -78,9 +79,9 @@ class StageReplica:
         self.draining = False
         self.ready = False  # registered once: a failure before it is a failure to start
         self.last_deadline = 0.0  # loop time: the latest deadline of any request we took part in
-        self._drained = asyncio.Event()  # the coordinator says no running request needs us any more
         self._stopped = asyncio.Event()
-        self.link = CoordinatorLink(coordinator, self.replica_id)
+        self.links = Links(coordinator, self.replica_id)  # one per coordinator (`--coordinator A,B`)
+        self.max_inflight = max(1, stage.max_inflight)  # ours to keep: no coordinator overbooks us
         self.runner = Runner(
             stage.name,
             self.replica_id,
@@ -91,8 +92,9 @@ class StageReplica:
             out_edges=self.out_edges,
             is_final=self.is_final,
             executor=self.executor,
-            send=self.link.send,
+            send=self.links.send,
             released=self._heartbeat,
+            freed=self._slot_freed,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -101,10 +103,13 @@ class StageReplica:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_drain)
-        receiver = asyncio.create_task(self._receive_loop())
-        heartbeat = asyncio.create_task(self.link.heartbeats(self._heartbeat))
-        sweeper = asyncio.create_task(self.runner.sweep_loop())
-        reconnects = asyncio.create_task(self.link.reconnects(self._resync))
+        tasks = [asyncio.create_task(self.runner.sweep_loop())]
+        for link in self.links.all:
+            tasks += [
+                asyncio.create_task(self._receive_loop(link)),
+                asyncio.create_task(link.heartbeats(lambda link=link: self._heartbeat([link]))),
+                asyncio.create_task(link.reconnects(lambda link=link: self._resync(link), lambda link=link: self._dropped(link))),
+            ]
         try:
             producers = {self.connectors[e.connector.ref] for e in self.out_edges.values()}
             for connector in producers:
@@ -117,10 +122,11 @@ class StageReplica:
                 log.info("replica %s of stage %s ready", self.replica_id, self.stage.name)
             await self._stopped.wait()
         finally:
-            for task in (receiver, heartbeat, sweeper, reconnects):
+            for task in tasks:
                 task.cancel()
-            with contextlib.suppress(Exception):
-                await self.link.send(Deregister(self.replica_id))
+            for link in self.links.all:
+                with contextlib.suppress(Exception):
+                    await link.send(Deregister(self.replica_id))
             self.close()
 
     def request_drain(self) -> None:
@@ -145,7 +151,7 @@ class StageReplica:
         # with `drained` once every request we took part in has ended (and tells every replica so
         # when it shuts down). Unregistered, we hold nothing anybody waits for.
         while loop.time() < deadline and (
-            self.runner.work or (self.link.registered.is_set() and not self._drained.is_set())
+            self.runner.work or any(not link.drained for link in self.links.registered())
         ):
             await asyncio.sleep(0.05)
         self._stopped.set()
@@ -157,10 +163,19 @@ class StageReplica:
                 connector.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.health.close()
-        self.link.close()
+        self.links.close()
 
     async def _register(self) -> bool:
-        """Register (again) with the coordinator; whether it answered before we were told to stop."""
+        """Register with every coordinator; whether one answered before we were told to stop (the
+        others go on trying: a coordinator down at our start must not keep us from the rest)."""
+        message = await self._register_message()
+        tries = [asyncio.ensure_future(link.register(message, self._stopped)) for link in self.links.all]
+        for done in asyncio.as_completed(tries):
+            if await done:
+                return True
+        return False
+
+    async def _register_message(self) -> Register:
         message = Register(
             **{**process_info(), "host": self.host},
             stage=self.stage.name,
@@ -170,74 +185,119 @@ class StageReplica:
             connectors=await self.health.read(),  # the first read may take long: it is waited for
             cleanup=cleanup_tokens([e.connector.name for e in [*self.in_edges.values(), *self.out_edges.values()]]),
         )
-        return await self.link.register(message, self._stopped)
+        return message
 
-    async def _heartbeat(self) -> None:
-        await self.link.send(
-            Heartbeat(
-                self.replica_id,
-                len(self.runner.work),
-                processed=self.runner.processed,
-                errors=self.runner.errors,
-                malformed=self.malformed,
-                draining=self.draining,
-                connectors=await self.health.latest(),
-                working=list(self.runner.work),
-                counters=handler_counters(self.hooks, self.stage.name),
-            )
+    async def _heartbeat(self, links: list[CoordinatorLink] | None = None) -> None:
+        """Tell every coordinator we are registered with (or `links`) how we are: our whole load."""
+        self.links.forget(set(self.runner.work) | self.runner.sent.kept())
+        heartbeat = Heartbeat(
+            self.replica_id,
+            len(self.runner.work),
+            processed=self.runner.processed,
+            errors=self.runner.errors,
+            malformed=self.malformed,
+            draining=self.draining,
+            connectors=await self.health.latest(),
+            working=list(self.runner.work),
+            counters=handler_counters(self.hooks, self.stage.name),
         )
+        for link in self.links.registered() if links is None else links:
+            await link.send(heartbeat)
         if self.health_file is not None and not self.draining:
             self.health_file.touch()  # container health checks look at its age
 
-    async def _resync(self) -> None:
+    async def _resync(self, link: CoordinatorLink) -> None:
         """Our control connection dropped and is back: what was in flight either way may be lost."""
-        if self.link.registered.is_set():
-            log.info("replica %s: control connection back; reconciling what is in flight", self.replica_id)
-            await self.link.send(Resync(self.replica_id))
+        if link.registered.is_set():
+            log.info("replica %s: control connection back; reconciling what is in flight (%s)", self.replica_id,
+                     link.coordinator)
+            await link.send(Resync(self.replica_id))
+
+    def _slot_freed(self) -> None:
+        """A request ended here: coordinators told we were full hear at once that a slot is free."""
+        refused, self.links.refused = list(self.links.refused), set()
+        if refused:
+            asyncio.get_running_loop().create_task(self._heartbeat(refused))
+
+    def _dropped(self, link: CoordinatorLink) -> None:
+        """With several coordinators, one whose link stays down GONE_S is gone with its requests."""
+        if self.links.several:
+            asyncio.get_running_loop().call_later(GONE_S, lambda: link.down and self._orphaned(link, "is unreachable"))
+
+    def _orphaned(self, link: CoordinatorLink, why: str) -> None:
+        """Cancel the work of every request that came over `link`: nobody waits for it any more."""
+        rids = self.links.rids_of(link, list(self.runner.work))
+        if rids:
+            log.warning("replica %s: coordinator %s %s; cancelling its %d request(s)", self.replica_id,
+                        link.coordinator, why, len(rids))
+        for rid in rids:
+            self.runner.abort(rid)
 
     # ------------------------------------------------------------------ messages
 
-    async def _receive_loop(self) -> None:
+    async def _receive_loop(self, link: CoordinatorLink) -> None:
         while True:
-            frames = await self.link.receive()
+            frames = await link.receive()
             try:
                 message = control.unpack(frames[0])
             except control.MalformedMessage as exc:
                 self.malformed += 1
                 log.warning("replica %s dropped a control message: %s", self.replica_id, exc)
                 if exc.rid is not None:  # say so, or that request would wait for its deadline
-                    await self.link.send(
+                    await link.send(
                         Error(exc.rid, self.stage.name, self.replica_id, str(exc), FailureKind.UNREADABLE_WORK)
                     )
                 continue
             if isinstance(message, Registered):
-                self.link.accepted(message)
+                link.accepted(message)
             elif isinstance(message, Rejected):
-                self._rejected(message)
+                self._rejected(link, message)
             elif isinstance(message, Work):
-                self.last_deadline = max(self.last_deadline, asyncio.get_running_loop().time() + message.remaining_s)
-                self.runner.start(message)
-                self._drained.clear()  # a new request may need what we put for it
+                await self._work(link, message)
             elif isinstance(message, Chunk):
                 self.runner.feed(message)
             elif isinstance(message, Drained):
-                self._drained.set()
+                link.drained = True
             elif isinstance(message, Abort):
-                self.runner.abort(message.rid)
+                if self.links.of(message.rid) is link:  # a coordinator aborts only its own requests
+                    self.runner.abort(message.rid)
             elif isinstance(message, Reconcile):
-                if again := await self.runner.sent.replay(message.rids, message.seqs):  # what it lacks, first
-                    log.info("replica %s: sent again %d message(s) lost with the connection", self.replica_id, again)
-                rids, chunks = self.runner.holding()
-                await self.link.send(Holding(self.replica_id, rids, chunks, ask=message.ask))
+                await self._reconcile(link, message)
             else:
                 self.malformed += 1
 
-    def _rejected(self, message: Rejected) -> None:
+    async def _work(self, link: CoordinatorLink, message: Work) -> None:
+        """Start the work, or refuse it when every slot is taken (by any coordinator's requests)."""
+        if message.rid not in self.runner.work and len(self.runner.work) >= self.max_inflight:
+            self.links.refused.add(link)
+            error = f"all {self.max_inflight} of its slots (max_inflight) are taken"
+            await link.send(Error(message.rid, self.stage.name, self.replica_id, error, FailureKind.REPLICA_FULL))
+            return
+        self.links.origin[message.rid] = link
+        self.last_deadline = max(self.last_deadline, asyncio.get_running_loop().time() + message.remaining_s)
+        self.runner.start(message)
+        link.drained = False  # a new request may need what we put for it
+
+    async def _reconcile(self, link: CoordinatorLink, message: Reconcile) -> None:
+        """Send again what `link`'s coordinator lacks, then say what of its requests we still hold."""
+        mine = (lambda rid: self.links.of(rid) is link) if self.links.several else None
+        if again := await self.runner.sent.replay(message.rids, message.seqs, mine):  # what it lacks, first
+            log.info("replica %s: sent again %d message(s) lost with the connection", self.replica_id, again)
+        rids, chunks = self.runner.holding()
+        rids = self.links.rids_of(link, rids)
+        await link.send(Holding(self.replica_id, rids, {rid: chunks[rid] for rid in rids if rid in chunks}, ask=message.ask))
+
+    def _rejected(self, link: CoordinatorLink, message: Rejected) -> None:
         if not message.reregister:
             log.error("coordinator rejected replica %s: %s", self.replica_id, message.error)
             self._stopped.set()
             return
         log.warning("coordinator asks replica %s to register again: %s", self.replica_id, message.error)
-        if self.link.registered.is_set():
-            self.link.registered.clear()
-            asyncio.get_running_loop().create_task(self._register())
+        if link.registered.is_set():
+            link.registered.clear()
+            if self.links.several:  # it restarted: the requests it sent us are nobody's any more
+                self._orphaned(link, "forgot us (it restarted)")
+            asyncio.get_running_loop().create_task(self._register_on(link))
+
+    async def _register_on(self, link: CoordinatorLink) -> None:
+        await link.register(await self._register_message(), self._stopped)

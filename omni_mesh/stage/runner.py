@@ -87,6 +87,7 @@ class Runner:
         executor: ThreadPoolExecutor,
         send: Callable[..., Awaitable[None]],
         released: Callable[[], Awaitable[None]] | None = None,
+        freed: Callable[[], None] | None = None,
     ) -> None:
         self.stage = stage
         self.replica_id = replica_id
@@ -98,6 +99,7 @@ class Runner:
         self.executor = executor
         self.sent = SentLog(stage, replica_id, send)  # outputs and errors, kept to send again after a drop
         self._released = released  # says at once that a request which ended unfinished has let go
+        self._freed = freed  # told whenever a request ends here (a slot is free)
         self.ingress: OmniConnectorBase | None = None  # fetches request inputs too large to ride inline
         self.work: dict[str, _Work] = {}
         self.aborted: dict[str, float] = {}  # rid -> until when (loop time) to sweep what we put for it
@@ -234,6 +236,8 @@ class Runner:
             self.work.pop(work.rid, None)
             if not finished:  # it ended unfinished: the coordinator may count it busy here
                 self._let_go()
+            if self._freed is not None:
+                self._freed()
 
     def _let_go(self) -> None:
         """The coordinator counts an aborted request busy here until a heartbeat no longer names it."""

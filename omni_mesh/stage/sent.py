@@ -74,12 +74,15 @@ class SentLog:
             sent.ended = isinstance(message, Error) or message.last
             self._make_room(keep=message.rid)
 
-    async def replay(self, rids: list[str], seqs: dict[str, int]) -> int:
+    async def replay(
+        self, rids: list[str], seqs: dict[str, int], mine: Callable[[str], bool] | None = None
+    ) -> int:
         """Answer a `Reconcile`: send again, per request, the messages from the seq it lacks; forget
-        the requests it does not name (the coordinator has every message of them). How many it sent."""
+        the requests it does not name (the coordinator has every message of them), among those `mine`
+        says are the asking coordinator's (with several coordinators). How many it sent."""
         named, before = set(rids), self.replayed
         async with self._lock:
-            for rid in [rid for rid in self._sent if rid not in named]:
+            for rid in [rid for rid in self._sent if rid not in named and (mine is None or mine(rid))]:
                 self.forget(rid)
             for rid, due in seqs.items():
                 sent = self._sent.get(rid)
@@ -95,6 +98,10 @@ class SentLog:
                         self.replayed += 1
                         await self._send(message, *extra)
         return self.replayed - before
+
+    def kept(self) -> set[str]:
+        """The requests it keeps messages of."""
+        return set(self._sent)
 
     def forget(self, rid: str) -> None:
         """Let go of what was kept for `rid` (it was aborted, or the coordinator has all of it)."""

@@ -49,8 +49,16 @@ def route_label(scope: dict[str, Any], routes: list[BaseRoute], path: str, root_
 
 
 class AccessLog:
-    def __init__(self, app: ASGIApp, metrics: Metrics | None = None, routes: list[BaseRoute] | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        metrics: Metrics | None = None,
+        routes: list[BaseRoute] | None = None,
+        coordinator: str | None = None,
+    ) -> None:
         self.app = app
+        # With several coordinators, every answer names the one that served it (X-Omni-Coordinator).
+        self.named = [(b"x-omni-coordinator", coordinator.encode())] if coordinator else []
         self.metrics = metrics
         self.routes = routes if routes is not None else []  # the app's, live: routes added later count
 
@@ -69,7 +77,7 @@ class AccessLog:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", ()), (b"x-request-id", rid.encode())]
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", rid.encode()), *self.named]
             await send(message)
 
         try:

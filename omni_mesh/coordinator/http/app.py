@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -74,7 +75,8 @@ def create_app(
         app.add_middleware(ApiKey, key=api_key)  # runs before any body is read
     if host is not None and is_loopback(host):
         app.add_middleware(LoopbackHosts)  # DNS rebinding: before the key, which is often unset there
-    app.add_middleware(AccessLog, metrics=metrics, routes=app.routes)  # outer: every answer is logged
+    # outer: every answer is logged (and, with several coordinators, names ours)
+    app.add_middleware(AccessLog, metrics=metrics, routes=app.routes, coordinator=coordinator.peers.coordinator_id)
     app.add_middleware(Answered)  # outermost: an answer's connection learns it is idle again (the cap)
     return app
 
@@ -97,8 +99,14 @@ async def serve(
     max_rest_connections: int | None = None,
     write_timeout_s: float = WRITE_TIMEOUT_S,
     media_limits: MediaLimits | None = None,
+    reuse_port: bool = False,
+    own_port: int | None = None,
 ) -> None:
-    """Run the coordinator until SIGINT/SIGTERM; in-flight requests get `grace_s` to finish."""
+    """Run the coordinator until SIGINT/SIGTERM; in-flight requests get `grace_s` to finish.
+
+    `reuse_port`: the REST port is shared with the mesh's other coordinators (SO_REUSEPORT: the kernel
+    spreads new connections over them); `own_port`: a second REST port of this coordinator alone, for
+    the launcher's readiness checks, watchdog and autoscaling poll."""
     fd_limit = raise_nofile_limit()
     return_large_blocks()  # a large answer's memory goes back to the system once it is sent
     coordinator = Coordinator(
@@ -124,6 +132,10 @@ async def serve(
         ssl_certfile=ssl_certfile,
     )
     server = uvicorn.Server(config)
+    sockets = None  # one coordinator: uvicorn binds its port itself, as it always has
+    if reuse_port or own_port is not None:
+        sockets = [_listen(host, port, reuse_port), *([_listen(host, own_port, False)] if own_port else [])]
+    coordinator.peers.ports.update({"rest": port, **({"own": own_port} if own_port is not None else {})})
     scheme = "https" if ssl_certfile else "http"
     log.info(
         "coordinator for topology %r on %s://%s:%d (API key %s)",
@@ -135,7 +147,22 @@ async def serve(
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, lambda *_: None) if main_thread else None
     try:
-        await serve_ending_requests_at_grace(server, coordinator.dispatcher)  # past the grace: 503s
+        await serve_ending_requests_at_grace(server, coordinator.dispatcher, sockets)  # past the grace: 503s
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _listen(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """A bound REST socket, as uvicorn binds its own, and shared with other processes when `reuse_port`
+    (only processes of the same user may join it: Linux checks)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock

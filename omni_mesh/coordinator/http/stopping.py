@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 
 import uvicorn
 
@@ -28,12 +29,14 @@ MARGIN_S = 1.0
 POLL_S = 0.05
 
 
-async def serve_ending_requests_at_grace(server: uvicorn.Server, dispatcher: Dispatcher) -> None:
-    """`server.serve()`; once it is told to stop, the requests still running past its grace (less
-    MARGIN_S) end with 503."""
+async def serve_ending_requests_at_grace(
+    server: uvicorn.Server, dispatcher: Dispatcher, sockets: list[socket.socket] | None = None
+) -> None:
+    """`server.serve()` (on `sockets`, bound already, if given); once it is told to stop, the requests
+    still running past its grace (less MARGIN_S) end with 503."""
     ender = asyncio.create_task(_end_requests_at_grace(server, dispatcher))
     try:
-        await server.serve()
+        await server.serve(sockets=sockets)
     finally:
         ender.cancel()
 

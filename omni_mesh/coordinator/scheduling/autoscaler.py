@@ -115,8 +115,9 @@ class Autoscaler:
         return sum(1 for r in self.registry.of_stage(stage) if not r.draining)
 
     def ongoing(self, stage: str) -> int:
-        """Requests in flight on the stage's replicas, queued for one, or arriving (large inputs)."""
-        inflight = sum(len(r.inflight) for r in self.registry.of_stage(stage))
+        """Requests in flight on the stage's replicas (with several coordinators, the others' too, as the
+        replicas' heartbeats tell: `foreign`), queued for one, or arriving (large inputs)."""
+        inflight = sum(len(r.inflight) + r.foreign for r in self.registry.of_stage(stage))
         return inflight + len(self.dispatcher.queues[stage]) + max(0, self.dispatcher.arriving.get(stage, 0))
 
     def target(self, stage: StageSpec) -> int:

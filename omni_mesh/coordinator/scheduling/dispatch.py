@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from omni_mesh import codec
-from omni_mesh.control import Abort, Chunk, Error, Message, Output, Work
+from omni_mesh.control import Abort, Chunk, Error, FailureKind, Message, Output, Work
 from omni_mesh.coordinator.scheduling import events
 from omni_mesh.coordinator.scheduling.failures import CLIENT_GONE, RequestFailed, stage_failure
 from omni_mesh.coordinator.scheduling.large_inputs import LargeInputs
@@ -43,11 +43,13 @@ class Dispatcher:
         *,
         ingress: Ingress | None = None,
         observer: Callable[[RequestState, int], None] | None = None,
+        rid_prefix: str = "",
     ) -> None:
         """`send` puts a message on a replica's control connection; `ingress` holds inputs too large
         for one (None: every request's inputs ride inline); `observer` is told of every request that
         ends, with its status (200 or the failure's): the metrics."""
         self.topology = topology
+        self.rid_prefix = rid_prefix  # with several coordinators, ours ("c1."): ids unique in the mesh
         self.registry = registry
         self.send = send
         self.observer = observer
@@ -68,9 +70,9 @@ class Dispatcher:
     def new_rid(self, wanted: str | None = None) -> str:
         """The client's request id (X-Request-Id) when it is usable as one, else a fresh one: it names
         the request in every log line and connector key, so it must be unique among running requests."""
-        if wanted and tame_request_id(wanted) and wanted not in self.requests:
-            return wanted
-        return uuid.uuid4().hex
+        if wanted and tame_request_id(wanted) and self.rid_prefix + wanted not in self.requests:
+            return self.rid_prefix + wanted
+        return self.rid_prefix + uuid.uuid4().hex
 
     def submit(
         self,
@@ -250,6 +252,7 @@ class Dispatcher:
 
     def _stage_done(self, state: RequestState, replica: Replica, stage: str, message: Output) -> None:
         replica.inflight.discard(state.rid)
+        replica.full = False  # a slot of it is free now
         state.at.pop(stage, None)
         state.done.add(stage)
         state.timings.setdefault(stage, {}).update(message.timings)
@@ -275,6 +278,9 @@ class Dispatcher:
     def on_error(self, replica: Replica, message: Error) -> None:
         state = self.requests.get(message.rid)
         replica.inflight.discard(message.rid)
+        if message.kind is FailureKind.REPLICA_FULL:
+            self._refused(replica, state)
+            return
         if state is not None:
             self.fail(state, stage_failure(replica.replica_id, message))
         self.drain_queue(replica.stage)
@@ -339,6 +345,21 @@ class Dispatcher:
                 message = f"stage {stage!r} replica {replica.replica_id!r} {reason} while handling the request"
                 self.fail(state, RequestFailed(502, message, stage))
         replica.inflight.clear()
+
+    def _refused(self, replica: Replica, state: RequestState | None) -> None:
+        """The replica had no free slot (another coordinator's work took it): no failure. It is not
+        picked until we hear from it again, and the work goes back to the head of its stage's queue."""
+        replica.full = True
+        stage = replica.stage
+        if state is not None and state.at.get(stage) == replica.replica_id and stage in state.work:
+            state.at.pop(stage, None)
+            state.touched.discard(replica.replica_id)
+            if state.work[stage].stream_from:  # the next replica needs the chunks this one was sent
+                state.stream_buffer[stage] = state.sent_chunks.pop(stage, []) + state.stream_buffer.get(stage, [])
+                state.stream_targets[stage] = None
+            state.queued[stage] = time.perf_counter()
+            self.queues[stage].appendleft((state.rid, state.work[stage]))
+        self.drain_queue(stage)
 
     def _retry(self, state: RequestState, stage: str) -> None:
         state.retried.add(stage)

@@ -61,6 +61,9 @@ STAGE_FAILURES: dict[FailureKind, tuple[int, str]] = {
     FailureKind.HANDLER_FAILED: (500, "stage {stage!r} failed: {error}"),
     # What the stage sent was lost on the way here and cannot be sent again: the mesh's fault.
     FailureKind.OUTPUT_LOST: (502, "stage {stage!r} failed: {error}"),
+    # The replica had no free slot: the dispatcher places the work again, so a client sees this only
+    # where no other answer is left (the request's deadline is its own 504).
+    FailureKind.REPLICA_FULL: (503, "stage {stage!r} replica {replica!r} was full: {error}"),
 }
 
 

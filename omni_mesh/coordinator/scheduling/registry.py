@@ -59,6 +59,10 @@ class Replica:
     counters: dict[str, int | float] = field(default_factory=dict)  # the handler's (stage/counters.py)
     restarts: int = 0
     cleanup: dict[str, Any] = field(default_factory=dict)  # lifecycle token per connector type (opaque)
+    #: With several coordinators: what its heartbeat says it works on for the others (a hint), and
+    #: whether it refused our work as full since we last heard from it (then it is not picked).
+    foreign: int = 0
+    full: bool = False
 
     def sick_connectors(self) -> list[str]:
         return [ref for ref, h in self.connectors.items() if isinstance(h, dict) and h.get("status") == "unhealthy"]
@@ -66,7 +70,7 @@ class Replica:
     @property
     def busy(self) -> int:
         """Its slots taken: the requests it works on, and ended ones whose compute it is still stopping."""
-        return len(self.inflight) + len(self.stopping)
+        return len(self.inflight) + len(self.stopping) + self.foreign
 
     def stop(self, rid: str) -> None:
         """Request `rid` ended: if this replica was working on it, it stays busy until it has let go."""
@@ -115,8 +119,11 @@ class Replica:
 
 
 class Registry:
-    def __init__(self, topology: Topology, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
+    def __init__(
+        self, topology: Topology, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, *, shared: bool = False
+    ) -> None:
         self.topology = topology
+        self.shared = shared  # one of several coordinators: replicas also work for the others
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.replicas: dict[str, Replica] = {}
         self.by_identity: dict[bytes, Replica] = {}
@@ -226,7 +233,11 @@ class Registry:
         replica.malformed = message.malformed
         replica.draining = message.draining
         replica.connectors = message.connectors
-        replica.stopping &= {rid for rid in message.working if isinstance(rid, str)}
+        working = {rid for rid in message.working if isinstance(rid, str)}
+        replica.stopping &= working
+        replica.full = False  # it told us how it is: a slot may be free again
+        if self.shared:
+            replica.foreign = len(working - replica.inflight - replica.stopping)
         replica.counters = message.counters
 
     def remove(self, replica_id: str) -> Replica | None:
@@ -279,7 +290,7 @@ class Registry:
         candidates = [
             r
             for r in self.of_stage(stage)
-            if r.health(now, self.heartbeat_timeout_s) == "healthy" and r.busy < r.max_inflight
+            if r.health(now, self.heartbeat_timeout_s) == "healthy" and r.busy < r.max_inflight and not r.full
         ]
         if not candidates:
             return None

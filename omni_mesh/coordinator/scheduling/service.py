@@ -41,6 +41,7 @@ from omni_mesh.coordinator.scheduling.connection_cap import (
 )
 from omni_mesh.coordinator.scheduling.dispatch import Dispatcher, RequestFailed
 from omni_mesh.coordinator.scheduling.metrics import Metrics
+from omni_mesh.coordinator.scheduling.peers import Peers
 from omni_mesh.coordinator.scheduling.reconcile import Reconciler
 from omni_mesh.coordinator.scheduling.registry import (
     HEARTBEAT_TIMEOUT_S,
@@ -88,12 +89,16 @@ class Coordinator:
         #: Names this coordinator in /ready, so `omni-mesh up` knows it is its own answering, not
         #: another mesh's on the same port.
         self.instance = os.environ.get(INSTANCE_ENV) or uuid.uuid4().hex
-        self.registry = Registry(topology, heartbeat_timeout_s)
+        #: With several coordinators (`up --coordinators N`): ours, and every one's status (peers.py).
+        self.peers = Peers()
+        several = self.peers.coordinator_id is not None
+        self.registry = Registry(topology, heartbeat_timeout_s, shared=several)
         self.metrics = Metrics(self)  # reads the registry and dispatcher when scraped, not before
         # Large inputs' connector: it listens on the control plane's host (known before the bind).
         self.ingress = Ingress(control_endpoint)
         self.dispatcher = Dispatcher(
-            topology, self.registry, self.send, ingress=self.ingress, observer=self.metrics.observe_request
+            topology, self.registry, self.send, ingress=self.ingress, observer=self.metrics.observe_request,
+            rid_prefix=f"{self.peers.name}." if several else "",
         )
         self.reconciler = Reconciler(self.dispatcher, self.send)  # after a replica's connection drops
         self.autoscaler = Autoscaler(topology, self.registry, self.dispatcher)  # decides; `up` acts
@@ -137,13 +142,20 @@ class Coordinator:
             asyncio.create_task(self._monitor_loop()),
             asyncio.create_task(self.cap.run()),
             asyncio.create_task(self.autoscaler.run()),
+            asyncio.create_task(self.peers.run(self.status)),
         ]
+        self.peers.ports["control"] = self.control_endpoint
         if self._zap is not None:
             self._tasks.append(asyncio.create_task(self._zap_loop()))
         security = "CURVE, mesh keys only" if self.keys else "NO authentication (insecure)"
         log.info("coordinator control plane on %s (%s)", self.control_endpoint, security)
 
+    def status(self) -> dict:
+        """Our line in /v1/coordinators: requests served (ended, either way) and in flight."""
+        return self.peers.describe(self.dispatcher.completed + self.dispatcher.failed, len(self.dispatcher.requests))
+
     async def stop(self) -> None:
+        self.peers.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

@@ -55,6 +55,14 @@ def router(coordinator: Coordinator, metrics: Metrics) -> APIRouter:
             return JSONResponse(status_code=503, content=body.model_dump())
         return JSONResponse(content={"ready": True, "missing": [], **mesh})
 
+    @routes.get(
+        "/v1/coordinators",
+        summary="every coordinator of the mesh: id, pid, ports, health, requests served and in flight",
+        responses=responses(401),
+    )
+    async def coordinators() -> dict:
+        return {"coordinators": coordinator.peers.listing(coordinator.status())}
+
     @routes.get("/v1/topology", summary="stages, edges and the connector of each edge", responses=responses(401))
     async def topology() -> dict:
         return coordinator.topology.to_dict()
