@@ -1,0 +1,134 @@
+"""A KV-cache budget under a flood (`omni-mesh up`: one thinker replica of a tiny random Qwen2.5-Omni,
+`max_batch: 8` and a budget of KV_TOKENS tokens, text only, one torch thread):
+
+64 clients at once, REST and OpenAI's route: the replies that succeed are the ones generate() gives
+each prompt alone; those beyond the stage's queue get 429 with Retry-After; the batch's KV cache never
+held more than the budget (its own high-water mark) and the replica's peak memory (VmHWM) stays within
+its memory before the flood plus RSS_OVERHEAD; the replica is the same process afterwards (nothing was
+killed), and nothing runs, waits or holds KV cache once the flood is over.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from support.batch_requests import PROMPTS, REPLY_TOKENS, alone_texts, chat  # noqa: E402
+from support.meshkit import running_mesh, settled, wait_for  # noqa: E402
+
+from omni_mesh.engines.tiny import build_tiny  # noqa: E402
+
+CLIENTS = 64
+KV_TOKENS = 160  # the prompts here take 20-35 tokens and their replies 3-30: a few rows fit at once
+MAX_TOKENS = 32  # the engine's default reply: 160 // 32 = 5 rows -> max_inflight 10 (kv_budget.rows_within_budget)
+MAX_QUEUED = 6
+#: What the replica's peak resident memory may grow by in the flood, beyond twice the budget's bytes
+#: (a restack of the batch holds the old cache and the new one for a moment): requests' inputs and
+#: outputs, torch's and the allocator's working memory for a batch of rows, 64 clients' sockets.
+RSS_OVERHEAD = 96 * 2**20
+
+
+def topology() -> dict:
+    return {"name": "kvbudget", "stages": [{
+        "stage_id": 0, "name": "thinker", "final_output": True, "max_queued": MAX_QUEUED,
+        "engine": {"part": "thinker", "model": "${OMNI_MESH_MODEL}", "threads": 1, "max_batch": 8,
+                   "kv_cache_tokens": KV_TOKENS, "max_tokens": MAX_TOKENS},
+    }], "openai": {"model": "kv", "inputs": {"messages": "messages"},
+                   "text_output": {"stage": "thinker", "field": "text"}}}
+
+
+def params(i: int) -> dict:
+    return {"temperature": 0, "max_tokens": REPLY_TOKENS[i % len(PROMPTS)], "seed": 1}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny("qwen2_5_omni", tmp_path_factory.mktemp("q25"))
+
+
+@pytest.fixture(scope="module")
+def mesh(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+    with running_mesh(tmp_path_factory.mktemp("kv_mesh"), topology(),
+                      env={"OMNI_MESH_MODEL": str(checkpoint)}) as running:
+        yield running
+
+
+def memory_kib(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM (the peak) of a process, in KiB, from /proc/<pid>/status."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {line.split(":")[0]: int(line.split()[1]) for line in lines if line.startswith(("VmRSS", "VmHWM"))}
+
+
+def text_of(outputs: list[dict]) -> str:
+    """The reply's text from a streaming final stage's chunks (a REST client that does not stream gets them all)."""
+    return "".join(chunk.get("text") or "" for chunk in outputs)
+
+
+def send(mesh: Any, i: int) -> tuple[int, str | None, str | None]:
+    """Client i's request (every fourth through OpenAI's route): (status, Retry-After, reply text)."""
+    k = i % len(PROMPTS)
+    if i % 4 == 3:
+        body = {"model": "kv", "messages": chat(PROMPTS[k])["messages"], **params(i)}
+        response = mesh.client.post("/v1/chat/completions", json=body, timeout=150)
+        text = response.json()["choices"][0]["message"]["content"] if response.status_code == 200 else None
+    else:
+        response = mesh.request(chat(PROMPTS[k]), params=params(i), timeout_s=120)
+        text = text_of(response.json()["outputs"]) if response.status_code == 200 else None
+    if response.status_code == 429:
+        assert ("queue_full" in response.text) if i % 4 == 3 else ("max_queued" in response.text), response.text
+    return response.status_code, response.headers.get("retry-after"), text
+
+
+def test_a_flood_of_64_clients_queues_within_the_kv_budget_then_gets_429(mesh: Any, checkpoint: Path) -> None:
+    texts = alone_texts(checkpoint, [params(i) for i in range(len(PROMPTS))])
+    replica = mesh.replica("thinker")
+    assert replica is not None
+    pid = replica["pid"]
+    assert replica["max_inflight"] == 2 * (KV_TOKENS // MAX_TOKENS)  # it follows from the budget
+    for i in range(len(PROMPTS)):  # warm: torch's first passes allocate what every later one reuses
+        assert text_of(mesh.ok(chat(PROMPTS[i]), params=params(i), timeout_s=60)["outputs"]) == texts[i]
+    before = memory_kib(pid)
+
+    with concurrent.futures.ThreadPoolExecutor(CLIENTS) as pool:
+        results = list(pool.map(lambda i: send(mesh, i), range(CLIENTS)))
+
+    statuses = [status for status, _, _ in results]
+    assert set(statuses) <= {200, 429}, statuses
+    served = [i for i, (status, _, _) in enumerate(results) if status == 200]
+    refused = [i for i, (status, _, _) in enumerate(results) if status == 429]
+    assert len(served) >= replica["max_inflight"] + MAX_QUEUED, statuses  # the first ones all got a place
+    assert refused and any(i % 4 == 3 for i in refused) and any(i % 4 != 3 for i in refused), statuses
+    assert all(results[i][1] is not None and int(results[i][1]) >= 1 for i in refused)
+    assert [results[i][2] for i in served] == [texts[i % len(PROMPTS)] for i in served]
+
+    counters = settled(lambda: mesh.replica("thinker")["counters"], 20, "the thinker's counters")
+    assert counters["kv_cache_budget_tokens"] == KV_TOKENS
+    assert 0 < counters["kv_cache_peak_used_tokens"] <= KV_TOKENS, counters
+    assert (counters["batch_running"], counters["batch_queued"], counters["kv_cache_used_tokens"],
+            counters["kv_cache_reserved_tokens"]) == (0, 0, 0, 0), counters
+    peak = memory_kib(pid)["VmHWM"] * 1024
+    bound = before["VmRSS"] * 1024 + 2 * counters["kv_cache_budget_bytes"] + RSS_OVERHEAD
+    assert peak <= bound, f"the replica's peak memory {peak / 2**20:.0f} MiB > {bound / 2**20:.0f} MiB"
+    after = mesh.replica("thinker")
+    assert (after["pid"], after["restarts"], after["inflight"]) == (pid, 0, 0), after
+    stats = mesh.client.get("/v1/stats", timeout=10).json()["stages"]["thinker"]
+    assert (stats["inflight"], stats["queued"]) == (0, 0), stats
+    print(f"served {len(served)}, refused {len(refused)}, peak KV {counters['kv_cache_peak_used_tokens']} tokens, "
+          f"RSS {before['VmRSS'] / 1024:.0f} MiB before, peak {peak / 2**20:.0f} MiB")
+
+
+def test_kv_gauges_in_metrics_and_a_request_larger_than_the_budget_is_a_4xx(mesh: Any) -> None:
+    metrics = mesh.client.get("/metrics", timeout=10).text
+    for name in ("kv_cache_used_tokens", "kv_cache_used_bytes", "kv_cache_budget_tokens", "kv_cache_budget_bytes",
+                 "generated_tokens_per_second", "batch_running", "batch_queued"):
+        assert f'omni_mesh_handler_{name}{{replica="' in metrics or f'omni_mesh_handler_{name}{{stage="' in metrics, name
+    response = mesh.request(chat(PROMPTS[0]), params={"max_tokens": KV_TOKENS}, timeout_s=30)
+    assert response.status_code == 422, response.text
+    assert "KV cache" in response.text and "thinker" in response.text and str(KV_TOKENS) in response.text
+    wait_for(lambda: mesh.replica("thinker")["inflight"] == 0, 10, "the refused request to leave")
