@@ -5,12 +5,15 @@
 each prompt alone; those beyond the stage's queue get 429 with Retry-After; the batch's KV cache never
 held more than the budget (its own high-water mark) and the replica's peak memory (VmHWM) stays within
 its memory before the flood plus RSS_OVERHEAD; the replica is the same process afterwards (nothing was
-killed), and nothing runs, waits or holds KV cache once the flood is over.
+killed), and nothing runs, waits or holds KV cache once the flood is over. The dashboard (real headless
+Chromium) shows the stage's running batch, its queue, its KV cache against the budget and tokens/s.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from support.batch_requests import PROMPTS, REPLY_TOKENS, alone_texts, chat  # noqa: E402
+from support.browser import rendered  # noqa: E402
 from support.meshkit import running_mesh, settled, wait_for  # noqa: E402
 
 from omni_mesh.engines.tiny import build_tiny  # noqa: E402
@@ -124,7 +128,11 @@ def test_a_flood_of_64_clients_queues_within_the_kv_budget_then_gets_429(mesh: A
 
 
 def test_kv_gauges_in_metrics_and_a_request_larger_than_the_budget_is_a_4xx(mesh: Any) -> None:
-    metrics = mesh.client.get("/metrics", timeout=10).text
+    def scraped() -> str | None:  # the replica's gauges come with its heartbeats
+        text = mesh.client.get("/metrics", timeout=10).text
+        return text if "kv_cache_budget_tokens" in text else None
+
+    metrics = wait_for(scraped, 20, "the thinker's KV gauges in /metrics")
     for name in ("kv_cache_used_tokens", "kv_cache_used_bytes", "kv_cache_budget_tokens", "kv_cache_budget_bytes",
                  "generated_tokens_per_second", "batch_running", "batch_queued"):
         assert f'omni_mesh_handler_{name}{{replica="' in metrics or f'omni_mesh_handler_{name}{{stage="' in metrics, name
@@ -132,3 +140,36 @@ def test_kv_gauges_in_metrics_and_a_request_larger_than_the_budget_is_a_4xx(mesh
     assert response.status_code == 422, response.text
     assert "KV cache" in response.text and "thinker" in response.text and str(KV_TOKENS) in response.text
     wait_for(lambda: mesh.replica("thinker")["inflight"] == 0, 10, "the refused request to leave")
+
+
+def test_the_dashboard_shows_the_batch_its_queue_kv_use_and_tokens_per_second(mesh: Any) -> None:
+    def figures() -> dict | None:  # the replica's counters come with its heartbeats
+        engine = mesh.client.get("/v1/stats", timeout=10).json()["stages"]["thinker"]["engine"]
+        return engine if "batch_max" in engine else None
+
+    figures = wait_for(figures, 20, "the thinker's figures in /v1/stats")
+    assert (figures["batch_max"], figures["kv_cache_budget_tokens"]) == (8, KV_TOKENS), figures
+    row = re.compile(r'<tr data-stage="thinker">.*?<td>(\d+) / 8</td><td>(\d+)</td>'
+                     rf"<td>(\d+) / {KV_TOKENS} tok \((\d+)%\)</td><td>([\d.]+)</td></tr>")
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            mesh.request(chat(PROMPTS[3]), params=params(3), timeout_s=60)
+
+    workers = [threading.Thread(target=load) for _ in range(3)]
+    for worker in workers:
+        worker.start()
+    try:
+        def busy() -> re.Match | None:  # a render while the thinker generates: its tokens/s above 0
+            match = row.search(rendered(f"{mesh.url}/dashboard"))
+            assert match is not None, "the thinker's row lacks the batch, KV and tokens/s cells"
+            return match if float(match.group(5)) > 0 else None
+
+        match = wait_for(busy, 60, "the dashboard to show the thinker generating")
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join()
+    running, queued, used, percent = (int(match.group(i)) for i in range(1, 5))
+    assert running <= 8 and used <= KV_TOKENS and percent == round(100 * used / KV_TOKENS), match.group(0)
