@@ -57,13 +57,13 @@ def budget_of(spec: Any, bytes_per_token: int, who: str) -> KvBudget | None:
     return KvBudget(min(limits), bytes_per_token) if limits else None
 
 
-def check_request(budget: KvBudget | None, tokens: int, stage: str, what: str) -> None:
-    """InvalidInput (4xx) when a request alone needs more KV than the budget: it could never run."""
+def check_request(budget: KvBudget | None, tokens: int, what: str, limit: str) -> None:
+    """InvalidInput (4xx, the runtime names the stage) when a request alone needs more KV than the
+    budget: it could never run. `limit`: the param that would make it fit."""
     if budget is not None and tokens > budget.tokens:
         raise InvalidInput(
-            f"stage {stage!r}: the request needs {tokens} tokens of KV cache ({what}), more than the stage's "
-            f"budget of {budget.tokens} (engine.kv_cache_tokens / kv_cache_memory_bytes): lower max_tokens "
-            "or shorten the prompt"
+            f"the request needs {tokens} tokens of KV cache ({what}), more than this stage's budget of "
+            f"{budget.tokens} (engine.kv_cache_tokens / kv_cache_memory_bytes): lower {limit} or shorten the prompt"
         )
 
 

@@ -160,8 +160,8 @@ class ThinkerStage(EngineStage):
         self.model.check_prompt(thinker, int(ids.shape[-1]))  # a 4xx before any generation
         sampling = within_model_len(self.spec, sampling, int(ids.shape[-1]))
         kv_tokens = int(ids.shape[-1]) + sampling.max_tokens
-        check_request(self.kv_budget, kv_tokens, self.stage,
-                      f"a prompt of {int(ids.shape[-1])} tokens and max_tokens {sampling.max_tokens}")
+        check_request(self.kv_budget, kv_tokens,
+                      f"a prompt of {int(ids.shape[-1])} tokens and max_tokens {sampling.max_tokens}", "max_tokens")
         eos = set(self.model.eos_token_ids(thinker))
         stops = StopWatch(self.model.tokenizer, sampling.stop, sampling.stop_token_ids)
 
@@ -224,8 +224,8 @@ class TalkerStage(EngineStage):
             yield tail
             return
         kv_tokens = talker_kv_tokens(thinker_output, sampling.max_audio_tokens)
-        check_request(self.kv_budget, kv_tokens, self.stage,
-                      f"the thinker's prompt and reply and max_audio_tokens {sampling.max_audio_tokens}")
+        check_request(self.kv_budget, kv_tokens, f"the thinker's prompt and reply and max_audio_tokens "
+                      f"{sampling.max_audio_tokens}", "max_audio_tokens")
 
         def run(push: Any, should_stop: Any) -> Any:
             self.model.seed(sampling.seed)
