@@ -6,13 +6,15 @@ each prompt alone; those beyond the stage's queue get 429 with Retry-After; the 
 held more than the budget (its own high-water mark) and the replica's peak memory (VmHWM) stays within
 its memory before the flood plus RSS_OVERHEAD; the replica is the same process afterwards (nothing was
 killed), and nothing runs, waits or holds KV cache once the flood is over. The dashboard (real headless
-Chromium) shows the stage's running batch, its queue, its KV cache against the budget and tokens/s.
+Chromium) and `omni-mesh status` show the stage's running batch, its queue, its KV cache against the
+budget and tokens/s.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import re
+import subprocess
 import threading
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ pytest.importorskip("transformers")
 
 from support.batch_requests import PROMPTS, REPLY_TOKENS, alone_texts, chat  # noqa: E402
 from support.browser import rendered  # noqa: E402
-from support.meshkit import running_mesh, settled, wait_for  # noqa: E402
+from support.meshkit import OMNI_MESH, running_mesh, settled, wait_for  # noqa: E402
 
 from omni_mesh.engines.tiny import build_tiny  # noqa: E402
 
@@ -143,7 +145,7 @@ def test_kv_gauges_in_metrics_and_a_request_larger_than_the_budget_is_a_4xx(mesh
     wait_for(lambda: mesh.replica("thinker")["inflight"] == 0, 10, "the refused request to leave")
 
 
-def test_the_dashboard_shows_the_batch_its_queue_kv_use_and_tokens_per_second(mesh: Any) -> None:
+def test_the_dashboard_and_status_show_the_batch_its_queue_kv_use_and_tokens_per_second(mesh: Any) -> None:
     def figures() -> dict | None:  # the replica's counters come with its heartbeats
         engine = mesh.client.get("/v1/stats", timeout=10).json()["stages"]["thinker"]["engine"]
         return engine if "batch_max" in engine else None
@@ -174,3 +176,7 @@ def test_the_dashboard_shows_the_batch_its_queue_kv_use_and_tokens_per_second(me
             worker.join()
     running, queued, used, percent = (int(match.group(i)) for i in range(1, 5))
     assert running <= 8 and used <= KV_TOKENS and percent == round(100 * used / KV_TOKENS), match.group(0)
+    status = subprocess.run([str(OMNI_MESH), "status", mesh.url], capture_output=True, text=True, timeout=30)
+    assert status.returncode == 0, status.stderr
+    assert re.search(rf"^thinker +batch \d+/8, \d+ waiting to join, KV cache \d+ of {KV_TOKENS} tokens, "
+                     r"[\d.]+ tokens/s$", status.stdout, re.M), status.stdout
