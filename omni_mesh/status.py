@@ -58,6 +58,7 @@ def render(topology: dict, stats: dict, previous: dict | None, seconds: float) -
             f"{stage['name']:<16}{health:>9}{target:>8}{now['inflight']:>11}{now['queued']:>8}"
             f"{_rate(now['processed'], before.get('processed'), seconds):>9.1f}{shown:>11}{now['errors']:>8}  {replicas}"
         )
+    lines += _engine_lines(topology, stats)
     if any(stage.get("autoscale") for stage in topology["stages"]):
         lines.append("(* autoscaled: the coordinator's target; `omni-mesh up` starts or drains replicas to it)")
     lines += ["", f"{'edge':<28}{'connector':<34}{'bytes/s':>14}{'total':>14}"]
@@ -71,6 +72,27 @@ def render(topology: dict, stats: dict, previous: dict | None, seconds: float) -
             f"{_bytes(now_bytes):>14}"
         )
     return "\n".join(lines)
+
+
+def _engine_lines(topology: dict, stats: dict) -> list[str]:
+    """Per model stage: its running batch, the requests waiting to join it, its KV cache against the
+    budget and tokens (codes) per second (`engine` in /v1/stats; none for a stage of handlers)."""
+    lines = []
+    for stage in topology["stages"]:
+        f = stats["stages"][stage["name"]].get("engine") or {}
+        if not f:
+            continue
+        parts = []
+        if "batch_running" in f:
+            parts.append(f"batch {f['batch_running']:.0f}/{f['batch_max']:.0f}, {f['batch_queued']:.0f} waiting to join")
+        if "kv_cache_used_tokens" in f:
+            budget = f" of {f['kv_cache_budget_tokens']:.0f}" if "kv_cache_budget_tokens" in f else ""
+            parts.append(f"KV cache {f['kv_cache_used_tokens']:.0f}{budget} tokens")
+        for unit in ("tokens", "codes"):
+            if f"generated_{unit}_per_second" in f:
+                parts.append(f"{f[f'generated_{unit}_per_second']:.1f} {unit}/s")
+        lines.append(f"{stage['name']:<16}{', '.join(parts)}")
+    return ["", "engines:", *lines] if lines else []
 
 
 def run(url: str, *, api_key: str | None, watch: bool, interval_s: float = 1.0) -> None:

@@ -21,13 +21,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from support.batch_requests import PROMPTS, REPLY_TOKENS  # noqa: E402
+from support.batch_requests import PROMPTS, REPLY_TOKENS, alone_texts  # noqa: E402
 from support.meshkit import running_mesh, settled, wait_for  # noqa: E402
 from support.replies import wav_samples  # noqa: E402
 
-from omni_mesh.engines.models import open_model  # noqa: E402
-from omni_mesh.engines.settings import Sampling, parse_engine  # noqa: E402
-from omni_mesh.engines.text import prompt_ids  # noqa: E402
 from omni_mesh.engines.tiny import build_tiny  # noqa: E402
 
 AUDIO_CODES = 20
@@ -69,20 +66,7 @@ def params(max_tokens: int) -> dict:
 @pytest.fixture(scope="module")
 def texts(checkpoint: Path) -> list[str]:
     """Each prompt's text from the thinker's one-request path (transformers' generate()), in process."""
-    model = open_model(parse_engine({"part": "thinker", "model": str(checkpoint)}, "reference"))
-    thinker = model.load("thinker")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        texts = []
-        for prompt, n in zip(PROMPTS, REPLY_TOKENS, strict=True):
-            with torch.no_grad():
-                out = model.think(thinker, prompt_ids(model.tokenizer, inputs(prompt)),
-                                  Sampling.of(model.spec, params(n)), None, None)
-            texts.append(model.tokenizer.decode(model.reply_ids(out).tolist(), skip_special_tokens=True))
-        return texts
-    finally:
-        torch.set_num_threads(threads)
+    return alone_texts(checkpoint, [params(n) for n in REPLY_TOKENS])
 
 
 def thinker_counters(mesh: Any, stage: str = "thinker") -> dict:

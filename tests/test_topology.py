@@ -931,3 +931,37 @@ def test_vllm_omnis_max_num_seqs_is_the_engines_max_batch() -> None:
     assert [s.engine["max_batch"] for s in topo.stages] == [12, 6]
     assert [s.max_inflight for s in topo.stages] == [24, 12]
     assert not any("max_num_seqs" in warning for warning in topo.warnings)  # it has an effect now
+
+
+def test_a_kv_budget_in_tokens_sets_the_replicas_max_inflight() -> None:
+    topo = parse("""
+        stages:
+          - {stage_id: 0, name: thinker, engine: {part: thinker, model: m, max_batch: 16, max_tokens: 100,
+                                                  kv_cache_tokens: 450}}
+          - {stage_id: 1, name: talker, engine_input_source: [0],
+             engine: {part: talker, model: m, max_batch: 2, max_audio_tokens: 100, kv_cache_tokens: 100000}}
+          - {stage_id: 2, name: code2wav, engine_input_source: [1], max_inflight: 3,
+             engine: {part: code2wav, model: m, kv_cache_memory_bytes: 4096}}
+    """)
+    # the rows the budget holds at the default reply (450 // 100 = 4; the talker's max_batch caps it), and
+    # as many waiting in the replica; a budget in bytes only is known in tokens once the model loads
+    assert [s.max_inflight for s in topo.stages] == [8, 4, 3]
+    assert topo.stages[2].engine["kv_cache_memory_bytes"] == 4096
+    for key in ("kv_cache_tokens", "kv_cache_memory_bytes"):
+        with pytest.raises(TopologyError, match=rf"stage 0 'thinker': engine.{key} must be an integer >= 1, got 0"):
+            parse(f"stages: [{{stage_id: 0, name: thinker, engine: {{part: thinker, model: m, {key}: 0}}}}]")
+
+
+def test_vllm_omnis_kv_cache_memory_bytes_and_max_num_batched_tokens_map_onto_the_engine() -> None:
+    topo = parse("""
+        stages:
+          - {stage_id: 0, engine_args: {model_stage: thinker, kv_cache_memory_bytes: 1000000,
+                                        max_num_batched_tokens: 2048, gpu_memory_utilization: 0.8}}
+          - {stage_id: 1, engine_input_source: [0], engine_args: {model_stage: talker},
+             kv_cache_memory_bytes: 5000, max_num_batched_tokens: 64}
+    """)
+    engines = [s.engine for s in topo.stages]
+    assert [(e["kv_cache_memory_bytes"], e["prefill_tokens"]) for e in engines] == [(1000000, 2048), (5000, 64)]
+    warned = " ".join(topo.warnings)
+    assert "gpu_memory_utilization" in warned  # a share of a GPU's memory: no meaning on a CPU stage
+    assert "kv_cache_memory_bytes" not in warned and "max_num_batched_tokens" not in warned

@@ -26,6 +26,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from omni_mesh.engines.kv_budget import KvBudget, fits
+
 log = logging.getLogger("omni_mesh.engines")
 
 
@@ -37,6 +39,7 @@ class Job:
     push: Callable[[int], None]
     stopped: Callable[[], bool]  # the request was cancelled (client gone, deadline) or hit a stop
     future: Future = field(default_factory=Future)
+    kv_tokens: int = 0  # the KV cache it may come to hold (omni_mesh.engines.kv_budget)
 
 
 @dataclass
@@ -74,7 +77,7 @@ class Engine(Protocol):
 class Batcher:
     """One stage's running batch: `submit()` from any thread; a thread of its own steps the batch."""
 
-    def __init__(self, name: str, engine: Engine, max_batch: int) -> None:
+    def __init__(self, name: str, engine: Engine, max_batch: int, budget: KvBudget | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"stage {name!r}: max_batch must be >= 1, got {max_batch}")
         self.name = name
@@ -89,10 +92,16 @@ class Batcher:
         self.tokens_total = 0
         self.steps_total = 0
         self.rows_stepped_total = 0
+        self.budget = budget  # None: rows join while there are fewer than max_batch
+        self.kv_used = (0, 0)  # (tokens, bytes) the batch's KV cache holds, padding included: measured each step
+        self.kv_peak = 0  # the most tokens it held since the replica started (sizing a budget: how close it came)
 
-    def submit(self, begin: Callable[[], Any], push: Callable[[int], None], stopped: Callable[[], bool]) -> Future:
-        """Queue a request; its Future gets the engine's output (or the error that ended it)."""
-        job = Job(begin, push, stopped)
+    def submit(
+        self, begin: Callable[[], Any], push: Callable[[int], None], stopped: Callable[[], bool], kv_tokens: int = 0,
+    ) -> Future:
+        """Queue a request (reserving `kv_tokens` of the budget while it runs); its Future gets the engine's
+        output (or the error that ended it)."""
+        job = Job(begin, push, stopped, kv_tokens=kv_tokens)
         with self.wake:
             if self.closed:
                 raise RuntimeError(f"stage {self.name!r}: its batch is closed")
@@ -110,7 +119,18 @@ class Batcher:
             "batch_max": self.max_batch,
             "batch_steps_total": self.steps_total,
             "batch_rows_stepped_total": self.rows_stepped_total,  # / steps: the mean batch size
+            **self.kv_counters(),
         }
+
+    def kv_counters(self) -> dict[str, int]:
+        """The KV cache's use (measured: padding included), what the running rows reserved, and the budget."""
+        tokens, size = self.kv_used
+        out = {"kv_cache_used_tokens": tokens, "kv_cache_used_bytes": size,
+               "kv_cache_reserved_tokens": sum(row.job.kv_tokens for row in list(self.rows)),
+               "kv_cache_peak_used_tokens": self.kv_peak}
+        if self.budget is not None:
+            out.update({"kv_cache_budget_tokens": self.budget.tokens, "kv_cache_budget_bytes": self.budget.bytes})
+        return out
 
     def close(self) -> None:
         with self.wake:
@@ -131,6 +151,7 @@ class Batcher:
                 self._drop_stopped()
                 if self.rows:
                     self._step()
+                self._measure()
         for row in self.rows:
             _fail(row.job, RuntimeError(f"stage {self.name!r}: closed"))
 
@@ -138,8 +159,8 @@ class Batcher:
         """Queued requests into the batch while there is room: each prefilled alone, its first token made."""
         while len(self.rows) < self.max_batch:
             with self.wake:
-                if not self.queue:
-                    break
+                if not self.queue or not self._fits(self.queue[0]):
+                    break  # first come, first served: a large request is not passed by smaller ones
                 job = self.queue.popleft()
             if job.stopped():  # cancelled while it waited: it never takes a place
                 _fail(job, _cancelled())
@@ -154,6 +175,21 @@ class Batcher:
                 self._end(row)
             else:
                 self.rows.append(row)
+
+    def _fits(self, job: Job) -> bool:
+        """Whether `job` may join the running batch within the KV budget (omni_mesh.engines.kv_budget)."""
+        if self.budget is None:
+            return True
+        return fits([row.job.kv_tokens for row in self.rows], job.kv_tokens, self.budget.tokens)
+
+    def _measure(self) -> None:
+        """What the batch's KV cache holds now, for kv_counters() (read between steps, in this thread); an
+        empty batch lets its cache go (rows that ended in the same step leave it behind otherwise)."""
+        if not self.rows and hasattr(self.engine, "release"):
+            self.engine.release()
+        usage = getattr(self.engine, "kv_usage", None)
+        self.kv_used = usage(self.rows) if usage is not None else (0, 0)
+        self.kv_peak = max(self.kv_peak, self.kv_used[0])
 
     def _drop_stopped(self) -> None:
         """Rows whose request was cancelled between steps leave before the next forward; requests

@@ -55,6 +55,10 @@ class EngineSpec:
     max_prompt_tokens: int | None = None  # thinker: prompt tokens, talker: input rows; None: the model's context
     prefill_tokens: int = 512  # a prompt goes through in pieces this long: a cancel stops within one piece
     max_batch: int = 1  # requests decoded together in one forward per step (vLLM's max_num_seqs); 1: one at a time
+    # The KV cache a replica's requests may hold at once (omni_mesh.engines.kv_budget); None: no limit but
+    # max_batch. A request reserves its prompt plus its max tokens; one that does not fit waits in the queue.
+    kv_cache_tokens: int | None = None
+    kv_cache_memory_bytes: int | None = None  # vLLM's name; turned into tokens from the model's shape
 
     def model_dir(self) -> Path:
         """The checkpoint directory: a directory, or a hub id resolved through huggingface_hub's cache
@@ -89,7 +93,8 @@ def parse_engine(raw: Any, who: str) -> EngineSpec:
     for name in ("max_tokens", "max_audio_tokens", "chunk_codes", "first_chunk_codes", "num_steps", "prefill_tokens",
                  "max_batch"):
         _check(values, name, _positive_int, "an integer >= 1", who)
-    _check(values, "max_model_len", lambda v: v is None or _positive_int(v), "an integer >= 1", who)
+    for name in ("max_model_len", "kv_cache_tokens", "kv_cache_memory_bytes"):
+        _check(values, name, lambda v: v is None or _positive_int(v), "an integer >= 1", who)
     for name in ("context_codes", "encoder_cache"):
         _check(values, name, lambda v: _int(v) and v >= 0, "an integer >= 0", who)
     _check(values, "threads", lambda v: v is None or _positive_int(v), "an integer >= 1", who)

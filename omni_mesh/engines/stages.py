@@ -32,6 +32,13 @@ import numpy as np
 from omni_mesh.audio import SAMPLE_RATE, pcm16_bytes, wav_base64
 from omni_mesh.engines.batching import Batcher, Rate
 from omni_mesh.engines.bridge import Generation
+from omni_mesh.engines.kv_budget import (
+    KvBudget,
+    budget_of,
+    check_request,
+    kv_bytes_per_token,
+    talker_kv_tokens,
+)
 from omni_mesh.engines.media_inputs import ENCODED_KEY
 from omni_mesh.engines.models import ModelParts, open_model
 from omni_mesh.engines.settings import EngineSpec, Sampling, parse_engine, within_model_len
@@ -56,6 +63,7 @@ class EngineStage(HandlerHooks):
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.stage}-model")
         self.batcher: Batcher | None = None  # max_batch > 1: requests decode together (omni_mesh.engines.batching)
         self.tokens_total = 0  # tokens (codes) made one request at a time (a batch counts its own, step by step)
+        self.kv_budget: KvBudget | None = None  # engine.kv_cache_tokens / kv_cache_memory_bytes, once loaded
         self.token_rate = Rate()
 
     @classmethod
@@ -69,6 +77,7 @@ class EngineStage(HandlerHooks):
         self.model = await loop.run_in_executor(self.executor, open_model, self.spec)
         load = functools.partial(self.model.load, self.spec.part, towers=not self.fed_by_encoder)
         self.part = await loop.run_in_executor(self.executor, load)
+        self.kv_budget = self._kv_budget()
         if self.spec.max_batch > 1:
             self.batcher = self._batcher()
         log.info(
@@ -85,13 +94,30 @@ class EngineStage(HandlerHooks):
             log.warning("stage %s: engine.max_batch %d has no effect on a %s %s yet: its requests take turns",
                         self.stage, self.spec.max_batch, self.model.arch, self.spec.part)
             return None
-        return Batcher(self.stage, engine, self.spec.max_batch)
+        return Batcher(self.stage, engine, self.spec.max_batch, self.kv_budget)
+
+    def _kv_budget(self) -> KvBudget | None:
+        """The stage's KV budget in tokens (omni_mesh.engines.kv_budget); a part without a KV cache (an
+        encoder, code2wav) says it has no effect."""
+        if self.spec.kv_cache_tokens is None and self.spec.kv_cache_memory_bytes is None:
+            return None
+        model = getattr(self.part, "model", None)
+        if self.spec.part not in ("thinker", "talker") or not hasattr(model, "config"):
+            log.warning("stage %s: engine.kv_cache_tokens / kv_cache_memory_bytes have no effect on a %s",
+                        self.stage, self.spec.part)
+            return None
+        budget = budget_of(self.spec, kv_bytes_per_token(model), f"stage {self.stage!r}")
+        assert budget is not None
+        log.info("stage %s: KV cache budget %d tokens (%d bytes)", self.stage, budget.tokens, budget.bytes)
+        return budget
 
     def counters(self) -> dict[str, int | float]:
         """A thinker's tokens (a talker's codes) made and per second, its running batch's size and queue
         (max_batch > 1), and the encoder cache's hits, misses and items where this stage encodes media (an
         encoder, or a thinker with its towers); sent with every heartbeat (omni_mesh.stage.counters)."""
         out: dict[str, int | float] = self.batcher.counters() if self.batcher is not None else {}
+        if self.batcher is None and self.kv_budget is not None:
+            out.update({"kv_cache_budget_tokens": self.kv_budget.tokens, "kv_cache_budget_bytes": self.kv_budget.bytes})
         unit = {"thinker": "tokens", "talker": "codes"}.get(self.spec.part)
         if unit is not None:
             made = self.tokens_total + (self.batcher.tokens_total if self.batcher is not None else 0)
@@ -133,6 +159,9 @@ class ThinkerStage(EngineStage):
         ids, media = await loop.run_in_executor(self.executor, self.model.prompt, thinker, inputs)
         self.model.check_prompt(thinker, int(ids.shape[-1]))  # a 4xx before any generation
         sampling = within_model_len(self.spec, sampling, int(ids.shape[-1]))
+        kv_tokens = int(ids.shape[-1]) + sampling.max_tokens
+        check_request(self.kv_budget, kv_tokens,
+                      f"a prompt of {int(ids.shape[-1])} tokens and max_tokens {sampling.max_tokens}", "max_tokens")
         eos = set(self.model.eos_token_ids(thinker))
         stops = StopWatch(self.model.tokenizer, sampling.stop, sampling.stop_token_ids)
 
@@ -143,7 +172,7 @@ class ThinkerStage(EngineStage):
         def join(push: Any, should_stop: Any) -> Any:  # into the running batch: a Future of the output
             watch = stops.until(should_stop)
             begin = functools.partial(self.model.think_begin, thinker, ids, sampling, watch, media)
-            return self.batcher.submit(begin, push, watch)
+            return self.batcher.submit(begin, push, watch, kv_tokens)
 
         generation = Generation(None, join) if self.batcher is not None else Generation(self.executor, run)
         # A client reading a stream gets the text token by token; for any other the text goes with the
@@ -194,6 +223,9 @@ class TalkerStage(EngineStage):
         if not _wants_audio(ctx):  # modalities ["text"]: no codes, code2wav passes the text on
             yield tail
             return
+        kv_tokens = talker_kv_tokens(thinker_output, sampling.max_audio_tokens)
+        check_request(self.kv_budget, kv_tokens, f"the thinker's prompt and reply and max_audio_tokens "
+                      f"{sampling.max_audio_tokens}", "max_audio_tokens")
 
         def run(push: Any, should_stop: Any) -> Any:
             self.model.seed(sampling.seed)
@@ -201,7 +233,7 @@ class TalkerStage(EngineStage):
 
         def join(push: Any, should_stop: Any) -> Any:  # into the running batch: a Future of the codes
             begin = functools.partial(self.model.talk_begin, talker, thinker_output, sampling, should_stop)
-            return self.batcher.submit(begin, push, should_stop)
+            return self.batcher.submit(begin, push, should_stop, kv_tokens)
 
         generation = Generation(None, join) if self.batcher is not None else Generation(self.executor, run)
         stops = set(self.model.code_stop_ids(talker))

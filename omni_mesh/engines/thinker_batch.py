@@ -128,6 +128,25 @@ class ThinkerBatch:
             self.members, self.cache, self.mask = [], None, None
         return state.begun.output(state.begun.prepared, state.sequence, state.steps)
 
+    def release(self) -> None:
+        """The batch is empty: its stacked cache goes."""
+        self.members, self.cache, self.mask = [], None, None
+
+    def kv_usage(self, rows: list[Row]) -> tuple[int, int]:
+        """(tokens, bytes) of KV cache held now: the stacked batch with its padding, and the caches of rows
+        that joined since it was stacked (omni_mesh.engines.batching's gauge)."""
+        tokens, size = 0, 0
+        if self.cache is not None and self.cache.layers:
+            keys = self.cache.layers[0].keys  # [rows, heads, width, head size]
+            tokens += int(keys.shape[0] * keys.shape[2])
+            size += sum(_nbytes(layer.keys) + _nbytes(layer.values) for layer in self.cache.layers)
+        for row in rows:
+            state: Sequence = row.state
+            if state.kv is not None:
+                tokens += state.length
+                size += sum(_nbytes(k) + _nbytes(v) for k, v in state.kv)
+        return tokens, size
+
     def _pick(self, state: Sequence, logits: torch.Tensor) -> int:
         """The next token as generate() picks it: its processors over the sequence so far, then argmax
         or a draw (from the request's own generator when it is seeded)."""
@@ -182,6 +201,10 @@ class ThinkerBatch:
             s.kv = None
         self.cache = cache
         self.members = list(states)
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
 
 
 def _pad_left(x: torch.Tensor, width: int) -> torch.Tensor:

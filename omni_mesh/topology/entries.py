@@ -7,6 +7,7 @@ from typing import Any
 
 from omni_mesh.connectors import connector_type
 from omni_mesh.connectors.config.values import read_extra
+from omni_mesh.engines.kv_budget import rows_within_budget
 from omni_mesh.engines.settings import DTYPES, PART_ALIASES, PARTS, parse_engine
 from omni_mesh.topology.autoscale import read_autoscale
 from omni_mesh.topology.model import ConnectorSpec, StageSpec, TopologyError
@@ -50,8 +51,14 @@ def parse_stage(entry: Any, index: int, defaults: Defaults) -> StageSpec:
 
 def _inflight(engine: dict | None) -> int:
     """A replica's max_inflight where none is set: 8, or for a batching engine a full batch running and
-    as many ready to join it (no hop to wait for when a row leaves)."""
-    return max(8, 2 * engine["max_batch"]) if engine is not None else 8
+    as many ready to join it (no hop to wait for when a row leaves); with a KV budget in tokens, the rows
+    it holds and as many waiting in the replica's queue (omni_mesh.engines.kv_budget): more wait in the
+    coordinator's queue (max_queued), and beyond it get 429."""
+    if engine is None:
+        return 8
+    if engine.get("kv_cache_tokens") is not None:
+        return 2 * rows_within_budget(engine)
+    return max(8, 2 * engine["max_batch"])
 
 
 def _who(entry: dict, index: int) -> str:
@@ -80,15 +87,24 @@ def _engine(entry: dict, who: str) -> dict | None:
         if args.get("max_model_len") is not None and PART_ALIASES.get(stage, stage) == "thinker":
             raw["max_model_len"] = args["max_model_len"]
         raw.update(_sampling_defaults(entry.get("default_sampling_params"), PART_ALIASES.get(stage, stage)))
-        if args.get("max_num_seqs") is not None:  # vLLM's running-batch size
-            raw["max_batch"] = args["max_num_seqs"]
-    if isinstance(raw, dict) and "max_batch" not in raw and entry.get("max_num_seqs") is not None:
-        raw = {**raw, "max_batch": entry["max_num_seqs"]}  # a vllm-omni deploy file's stage-level key
+        raw.update({ours: args[theirs] for theirs, ours in _VLLM_ENGINE_KEYS.items() if args.get(theirs) is not None})
+    if isinstance(raw, dict):  # a vllm-omni deploy file's stage-level keys
+        raw = {**{ours: entry[theirs] for theirs, ours in _VLLM_ENGINE_KEYS.items() if entry.get(theirs) is not None},
+               **raw}
     try:
         spec = parse_engine(raw, who)
     except ValueError as exc:
         raise TopologyError(str(exc)) from None
     return {key: list(value) if isinstance(value, tuple) else value for key, value in vars(spec).items()}
+
+
+#: vLLM's engine settings that mean the same here, by our name: the running batch's size, the KV cache's
+#: budget in bytes, and the tokens one step takes (our prefill's piece: decode steps take one per row).
+_VLLM_ENGINE_KEYS = {
+    "max_num_seqs": "max_batch",
+    "kv_cache_memory_bytes": "kv_cache_memory_bytes",
+    "max_num_batched_tokens": "prefill_tokens",
+}
 
 
 def _sampling_defaults(params: Any, part: str) -> dict:

@@ -20,8 +20,8 @@ SAMPLING_TAKEN = {
 #: What a user would expect to act, and does not here: where and how vLLM places, sizes and schedules
 #: its engine, and vllm-omni's hooks between stages (a stage's own keys, or under runtime: or engine_args:).
 NO_EFFECT = frozenset({
-    "devices", "gpu_memory_utilization", "kv_cache_memory_bytes", "tensor_parallel_size", "pipeline_parallel_size",
-    "data_parallel_size", "enforce_eager", "max_num_batched_tokens", "max_batch_size",
+    "devices", "gpu_memory_utilization", "tensor_parallel_size", "pipeline_parallel_size",
+    "data_parallel_size", "enforce_eager", "max_batch_size",
     "async_scheduling", "model_runner", "attention_backend", "moe_backend", "linear_backend", "numa_bind",
     "numa_bind_nodes", "numa_bind_cpus", "worker_cls", "scheduler_cls", "enable_prefix_caching", "quantization",
     "custom_process_input_func", "custom_process_next_stage_input_func", "async_chunk_process_next_stage_input_func",

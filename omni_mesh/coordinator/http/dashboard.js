@@ -102,7 +102,7 @@ function render(topology, stats, seconds) {
     const target = s.autoscale ? `${st.current_replicas} → ${st.target_replicas} (${s.autoscale.min_replicas}-${s.autoscale.max_replicas})`
                                : `${st.target_replicas}`;
     return cells("tr", [s.name, st.replicas.map(r => r.id).join(", "), `${healthy}/${st.replicas.length}`, target,
-                        st.inflight, st.queued, rps.toFixed(1), ms(st.mean_service_s), st.errors],
+                        st.inflight, st.queued, rps.toFixed(1), ms(st.mean_service_s), st.errors, ...engine(st.engine)],
                  {"data-stage": s.name});
   }));
   document.querySelector("#edges tbody").replaceChildren(...topology.edges.map(e => {
@@ -117,6 +117,20 @@ function render(topology, stats, seconds) {
   document.getElementById("failed").textContent = stats.requests.failed;
   document.getElementById("inflight").textContent = stats.requests.inflight;
 }
+
+function engine(figures) {
+  // A model stage's running batch (of its max), the requests waiting to join it, its KV cache in use (of
+  // the budget) and tokens (a talker: codes) per second; "-" for a stage that reports none of them.
+  const f = figures || {}, or = (v, text) => v === undefined ? "-" : text;
+  const kv = f.kv_cache_budget_tokens !== undefined
+    ? `${f.kv_cache_used_tokens || 0} / ${f.kv_cache_budget_tokens} tok (${pct(f.kv_cache_used_tokens, f.kv_cache_budget_tokens)})`
+    : or(f.kv_cache_used_tokens, `${f.kv_cache_used_tokens} tok`);
+  const perSecond = f.generated_tokens_per_second !== undefined ? f.generated_tokens_per_second : f.generated_codes_per_second;
+  return [or(f.batch_running, `${f.batch_running} / ${f.batch_max}`), or(f.batch_queued, `${f.batch_queued}`), kv,
+          or(perSecond, Number(perSecond).toFixed(1))];
+}
+
+function pct(used, budget) { return budget ? Math.round(100 * (used || 0) / budget) + "%" : "-"; }
 
 function human(bytes) {
   const units = ["B", "KiB", "MiB", "GiB"];

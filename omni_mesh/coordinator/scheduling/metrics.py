@@ -169,6 +169,7 @@ def stats(coordinator: Coordinator, metrics: Metrics) -> dict[str, Any]:
             "service_seconds": seconds,
             "service_count": count,
             "mean_service_s": seconds / count if count else None,
+            "engine": engine_figures(mine),
         }
     return {
         "name": coordinator.topology.name,
@@ -178,6 +179,24 @@ def stats(coordinator: Coordinator, metrics: Metrics) -> dict[str, Any]:
             "completed": dispatcher.completed, "failed": dispatcher.failed, "inflight": len(dispatcher.requests),
         },
     }
+
+
+#: A model stage's figures the dashboard shows (handler counters, omni_mesh.engines), summed over replicas.
+ENGINE_FIGURES = (
+    "batch_running", "batch_queued", "batch_max", "kv_cache_used_tokens", "kv_cache_budget_tokens",
+    "generated_tokens_per_second", "generated_codes_per_second",
+)
+
+
+def engine_figures(replicas: list[Any]) -> dict[str, float]:
+    """The stage's ENGINE_FIGURES its replicas report ({} for a stage of handlers without them)."""
+    out: dict[str, float] = {}
+    for replica in replicas:
+        for name in ENGINE_FIGURES:
+            value = replica.counters.get(name)
+            if isinstance(value, int | float):
+                out[name] = out.get(name, 0) + value
+    return out
 
 
 class _StateCollector(Collector):
