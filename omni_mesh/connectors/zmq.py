@@ -4,25 +4,22 @@ Requests travel on a ZeroMQ side channel (CURVE with mesh keys); with mesh keys,
 on travel sealed on a plain TCP port (the bulk socket, `served.bulk_wire`), not over ZeroMQ: the
 name is the one users' configs know.
 
-Data path of one payload:
-
-    put   plan(data).write_into(pool slot)      one copy, into a reused (already faulted-in) memory pool
-          -> metadata {"endpoint", "key", "token", "size"}
-    get   DEALER ["GET", key, token, offer] over the side channel (CURVE with mesh keys), answered with
-          the payload itself (small ones; every one without mesh keys), or, with mesh keys, from 256 KiB
-          on, streamed on the producer's bulk socket (plain TCP) in chunks sealed with a key the offer carried
-          (AES-256-GCM / ChaCha20-Poly1305, `encryption`), opened by the consumer as they arrive;
-          then DEALER ["DONE", key, token]: it arrived, the producer lets go of it
+A put writes the payload once into a slot of a reused (already faulted-in) memory pool and returns
+metadata {"endpoint", "key", "token", "size"}; a get asks the producer for it on the side channel and
+gets it in the answer, or, with mesh keys, from 256 KiB on, on the producer's bulk socket (plain TCP)
+sealed with a key its request carried (AES-256-GCM / ChaCha20-Poly1305, `encryption`); it then tells
+the producer the payload arrived (DONE), and the producer lets go of it. The requests and answers
+are `served.zmq_wire`'s, which both ends import.
 
 The class is a thin adapter over the objects it composes: the producer's memory (the pool, one-off
 buffers past its ceiling, `empty()` outputs sent from where they lie) is a `served.producer_pool.ProducerPool`;
-the requests and replies are `served.zmq_wire`'s (its `Serving` answers them); the sealing is
-`served.seal`'s, the bulk socket `served.bulk_server` / `served.bulk_client`. A payload served is
-kept until its consumer confirms it arrived (served again to a get asked again after its connection
-broke); payloads nobody asks for or confirms are freed after `ttl_s` or by `cleanup()`. A consumer whose
-producer died (or whose network is cut) gets a ConnectorError naming the endpoint and key at its
-deadline, and one whose bytes were altered, replayed or cut short in transit an error naming the
-edge and key, never wrong data.
+the producer's answers are a `served.zmq_wire.Serving`'s; the sealing is `served.seal`'s, the bulk
+socket `served.bulk_server` / `served.bulk_client`. A payload served is kept until its consumer
+confirms it arrived (served again to a get asked again after its connection broke); payloads nobody
+asks for or confirms are freed after `ttl_s` or by `cleanup()`. A consumer whose producer died (or
+whose network is cut) gets a ConnectorError naming the endpoint and key at its deadline, and one
+whose bytes were altered, replayed or cut short in transit an error naming the edge and key, never
+wrong data.
 
 `encryption: none` keeps the peers authenticated but sends the payload bytes IN CLEAR: anyone on the
 path reads them. Only for networks you trust (docs/security.md).
@@ -151,29 +148,22 @@ class ZmqConnector(ServedConnector):
     def _fetch(
         self, endpoint: str, key: str, metadata: dict, timeout_s: float, where: str, *, poll: bool = False
     ) -> tuple[Any, int]:
-        """GET key token -> the frame, decoded as views over the received message; then DONE, queued."""
+        """GET key token [offer] -> the payload, decoded as views over what arrived; then DONE, queued."""
         if self._confirms.taken(endpoint, key):  # we have it already; the producer hears so soon
             raise Gone(f"{where}: no payload under this key: already consumed (by this consumer)")
-        got = self._get_payload(endpoint, key, metadata, timeout_s, where, poll=poll)
-        self._confirms.add(endpoint, key, str(metadata.get("token", "")))
-        return got
-
-    def _get_payload(
-        self, endpoint: str, key: str, metadata: dict, timeout_s: float, where: str, *, poll: bool
-    ) -> tuple[Any, int]:
-        late = (
-            f"no answer within {timeout_s:.3g}s; the producing process is gone, its host is unreachable, "
-            "or the payload is still in transit (raise get_timeout_s)"
-        )
+        token = str(metadata.get("token", ""))
         session = None
         if self._bulk_links is not None:  # a large payload may come sealed on the bulk socket
             # A poll's request still waiting for its answer is resumed, not sent again: its session
             # is the one its answer was sealed for. Every new request offers a fresh one.
             resumed = self._late.has(key, endpoint)
-            session = self._late_sessions.pop(key, None) if resumed else None
-            session = session or seal.Session.fresh()
-        parts = zmq_wire.request(key, str(metadata.get("token", "")), session)
+            session = (self._late_sessions.pop(key, None) if resumed else None) or seal.Session.fresh()
+        late = (
+            f"no answer within {timeout_s:.3g}s; the producing process is gone, its host is unreachable, "
+            "or the payload is still in transit (raise get_timeout_s)"
+        )
         # The answer carries the payload: a poll that gives up keeps waiting for it in the background.
+        parts = zmq_wire.request(key, token, session)
         try:
             reply = self._ask(
                 endpoint, parts, timeout_s, where, late, late_key=key, keep_late=poll, again_if_broken=True
@@ -183,41 +173,36 @@ class ZmqConnector(ServedConnector):
                 self._keep_session(key, session)
             raise
         sealed = zmq_wire.sealed(reply)
-        if sealed is not None:  # the payload left the producer: wait for it
-            deadline_s = max(timeout_s, self.config.get_timeout_s)
-            return self._pull(endpoint, key, session, *sealed, deadline_s, where)
         try:
-            return zmq_wire.read_reply(reply)
-        except (ValueError, FrameError) as exc:
+            if sealed is None:
+                got = zmq_wire.read_reply(reply)
+            else:  # the payload left the producer: wait for it
+                buffers = self._pull(
+                    endpoint, key, session, sealed[0], max(timeout_s, self.config.get_timeout_s), where
+                )
+                got = zmq_wire.read_pulled(buffers, sealed[1])
+        except FrameError as exc:
             self._error()
-            raise ConnectorError(
-                f"{where}: {'corrupt frame: ' if isinstance(exc, FrameError) else ''}{exc}"
-            ) from None
+            raise ConnectorError(f"{where}: corrupt frame: {exc}") from None
+        self._confirms.add(endpoint, key, token)
+        return got
 
     def _keep_session(self, key: str, session: seal.Session) -> None:
         """The session of a poll left waiting (LateGets), for the get that resumes it."""
-        sessions = self._late_sessions
         with self._lock:
-            sessions[key] = session
-            while len(sessions) > 2 * LateGets.MAX:  # those of requests LateGets dropped since
-                del sessions[next(iter(sessions))]
+            self._late_sessions[key] = session
+            while len(self._late_sessions) > 2 * LateGets.MAX:  # those of requests LateGets dropped since
+                del self._late_sessions[next(iter(self._late_sessions))]
 
     def _pull(
-        self,
-        endpoint: str,
-        key: str,
-        session: seal.Session | None,
-        desc: bytes,
-        parts_form: bool,
-        timeout_s: float,
-        where: str,
-    ) -> tuple[Any, int]:
-        """The payload the producer answered SEALED for: pulled from its bulk socket, opened, decoded."""
+        self, endpoint: str, key: str, session: seal.Session | None, desc: bytes, timeout_s: float, where: str
+    ) -> list[Any]:
+        """The buffers of the payload the producer answered SEALED for: pulled from its bulk socket, opened."""
         if session is None or self._bulk_links is None:  # a late answer to an old request of the key
             self._error()
             raise ConnectorError(f"{where}: a sealed answer to a request that offered no session")
         try:
-            buffers = pull(self._bulk_links, endpoint, session, key, desc, timeout_s)
+            return pull(self._bulk_links, endpoint, session, key, desc, timeout_s)
         except BulkError as exc:
             self._error()
             raise ConnectorError(
@@ -227,12 +212,6 @@ class ZmqConnector(ServedConnector):
             raise self._dealer_failure(
                 exc, f"{where} (bulk socket)", "the payload's bytes stopped coming"
             ) from None
-        try:
-            obj = zmq_wire.read_pulled(buffers, parts_form)
-        except FrameError as exc:
-            self._error()
-            raise ConnectorError(f"{where}: corrupt frame: {exc}") from None
-        return obj, sum(len(b) for b in buffers)
 
     # ---- lifecycle
 

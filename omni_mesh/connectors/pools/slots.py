@@ -70,30 +70,30 @@ class SlotPool:
             self._last_used[base] = time.monotonic()
             return base
 
+    def _region_locked(self, offset: int) -> tuple[int, PoolAllocator]:
+        for base, allocator in reversed(self._regions):
+            if offset >= base:
+                return base, allocator
+        raise KeyError(offset)
+
     def region_of(self, offset: int) -> tuple[int, int]:
         """(base of the region holding `offset`, offset within that region)."""
         with self._lock:
-            for base, _allocator in reversed(self._regions):
-                if offset >= base:
-                    return base, offset - base
-        raise KeyError(offset)
+            base = self._region_locked(offset)[0]
+        return base, offset - base
 
     def holds(self, offset: int) -> bool:
         """Whether `offset` was handed out and not freed since."""
         with self._lock:
-            for base, allocator in reversed(self._regions):
-                if offset >= base:
-                    return offset - base in allocator
-        return False
+            base, allocator = self._region_locked(offset)
+            return offset - base in allocator
 
     def free(self, offset: int) -> None:
         with self._lock:
-            for base, allocator in reversed(self._regions):
-                if offset >= base:
-                    allocator.free(offset - base)
-                    if base:
-                        self._last_used[base] = time.monotonic()
-                    return
+            base, allocator = self._region_locked(offset)
+            allocator.free(offset - base)
+            if base:
+                self._last_used[base] = time.monotonic()
 
     def release_idle(self, idle_s: float) -> list[int]:
         """Drop grown regions that held nothing for `idle_s`; returns their bases."""

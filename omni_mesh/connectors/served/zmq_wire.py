@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
-from omni_mesh.codec import decode, decode_parts
+from omni_mesh.codec import FrameError, decode, decode_parts
 from omni_mesh.connectors.pools.held import Gone, Held, HeldTable
 from omni_mesh.connectors.served import seal
 from omni_mesh.connectors.served.bulk_server import BulkServer
@@ -131,16 +131,16 @@ def sealed(reply: list[zmq.Frame]) -> tuple[bytes, bool] | None:
 
 def read_reply(reply: list[zmq.Frame]) -> tuple[Any, int]:
     """(object, size) of an answer carrying the payload: views over the received messages, each
-    alive as long as its views. ValueError for a malformed answer, FrameError for a corrupt frame."""
-    parts_form = len(reply) >= 4 and reply[2].bytes == PARTS
-    if len(reply) != 3 and not parts_form:
-        raise ValueError("malformed reply")
-    if parts_form:
+    alive as long as its views. FrameError for a malformed answer or a corrupt frame."""
+    if len(reply) >= 4 and reply[2].bytes == PARTS:
         buffers = [frame.buffer for frame in reply[4:]]
         return decode_parts(reply[3].bytes, buffers), len(reply[3].buffer) + sum(b.nbytes for b in buffers)
+    if len(reply) != 3:
+        raise FrameError("malformed reply")
     return decode(reply[2].buffer), len(reply[2].buffer)
 
 
-def read_pulled(buffers: list[Any], parts_form: bool) -> Any:
-    """The object of a payload pulled from the bulk socket (FrameError for a corrupt frame)."""
-    return decode_parts(bytes(buffers[0]), buffers[1:]) if parts_form else decode(buffers[0])
+def read_pulled(buffers: list[Any], parts_form: bool) -> tuple[Any, int]:
+    """(object, size) of a payload pulled from the bulk socket (FrameError for a corrupt frame)."""
+    obj = decode_parts(bytes(buffers[0]), buffers[1:]) if parts_form else decode(buffers[0])
+    return obj, sum(len(b) for b in buffers)
