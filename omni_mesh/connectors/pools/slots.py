@@ -56,19 +56,14 @@ class SlotPool:
             offset = self.allocate(nbytes)
             if offset is not None or self.size + size > self.ceiling:
                 return offset
-            if not map_region(self._next_base, size):  # the base add_region gives: growth is serialized
+            base = self._next_base  # no other growth moves it meanwhile
+            if not map_region(base, size):
                 return None
-            self.add_region(size)
+            with self._lock:
+                self._next_base += round_up(size, PAGE)
+                self._regions.append((base, PoolAllocator(size)))
+                self._last_used[base] = time.monotonic()
         return self.allocate(nbytes)
-
-    def add_region(self, size: int) -> int:
-        """A new region of `size` bytes; returns its base (the owner maps memory for it there)."""
-        with self._lock:
-            base = self._next_base
-            self._next_base += round_up(size, PAGE)
-            self._regions.append((base, PoolAllocator(size)))
-            self._last_used[base] = time.monotonic()
-            return base
 
     def _region_locked(self, offset: int) -> tuple[int, PoolAllocator]:
         for base, allocator in reversed(self._regions):
