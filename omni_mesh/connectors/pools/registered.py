@@ -21,6 +21,7 @@ import numpy as np
 from omni_mesh import codec
 from omni_mesh.connectors.errors import ConnectorError, ConnectorFull, PayloadTooLarge
 from omni_mesh.connectors.pools.allocator import round_up
+from omni_mesh.connectors.pools.growth import anonymous_map
 from omni_mesh.connectors.pools.slots import SlotPool
 
 
@@ -46,8 +47,7 @@ class _Mapping:
     __slots__ = ("mm", "array", "address", "size")
 
     def __init__(self, size: int, prefault: bool) -> None:
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if prefault else 0)
-        self.mm: mmap.mmap | None = mmap.mmap(-1, size, flags=flags)
+        self.mm: mmap.mmap | None = anonymous_map(size, populate=prefault, huge_pages=False)
         self.array = np.frombuffer(self.mm, dtype=np.uint8)
         self.address = self.array.ctypes.data
         self.size = size

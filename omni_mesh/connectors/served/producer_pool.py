@@ -11,7 +11,6 @@ tensor is gone. Memory only: what is held for whom is the connector's (`HeldTabl
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import mmap
 import threading
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from omni_mesh.codec import FramePlan
 from omni_mesh.connectors.counters import Counters
 from omni_mesh.connectors.pools import outputs
+from omni_mesh.connectors.pools.growth import anonymous_map
 from omni_mesh.connectors.pools.held import Held
 from omni_mesh.connectors.pools.slots import SlotPool
 from omni_mesh.lazy_torch import import_torch
@@ -47,15 +47,6 @@ class _Region:
 
 def _queue_dead(queue: collections.deque, region: _Region, ref: weakref.ref) -> None:
     queue.append((id(ref), region))  # GC may run this anywhere: no lock here
-
-
-def anonymous_map(size: int, *, populate: bool = False) -> mmap.mmap:
-    """Page-aligned memory (so 64-byte aligned slots); huge pages make its first touch ~5x cheaper."""
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if populate else 0)
-    region = mmap.mmap(-1, size, flags=flags)
-    with contextlib.suppress(AttributeError, OSError):  # no THP support: plain pages
-        region.madvise(mmap.MADV_HUGEPAGE)
-    return region
 
 
 #: A payload laid out in the parts form: (its size, its parts, the empty() regions it is sent from).
