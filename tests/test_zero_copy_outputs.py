@@ -408,7 +408,7 @@ def test_ready_puts_match_only_the_tensor_empty_made_alone_under_its_name() -> N
 
 def ready_puts(producer):  # the connector's ReadyPuts: which of its empty() tensors are laid out
     node = getattr(producer, "_node", producer)  # Mooncake TE keeps its outputs in its node
-    return node._outputs._ready if hasattr(node, "_outputs") else node._ready
+    return node._outputs._ready if hasattr(node, "_outputs") else node._pool.ready
 
 
 @pytest.mark.parametrize("change", list(IN_PLACE))

@@ -4,24 +4,22 @@ Requests travel on a ZeroMQ side channel (CURVE with mesh keys); with mesh keys,
 on travel sealed on a plain TCP port (the bulk socket, `served.bulk_wire`), not over ZeroMQ: the
 name is the one users' configs know.
 
-Data path of one payload:
+A put writes the payload once into a slot of a reused (already faulted-in) memory pool and returns
+metadata {"endpoint", "key", "token", "size"}; a get asks the producer for it on the side channel and
+gets it in the answer, or, with mesh keys, from 256 KiB on, on the producer's bulk socket (plain TCP)
+sealed with a key its request carried (AES-256-GCM / ChaCha20-Poly1305, `encryption`); it then tells
+the producer the payload arrived (DONE), and the producer lets go of it. The requests and answers
+are `served.zmq_wire`'s, which both ends import.
 
-    put   plan(data).write_into(pool slot)      one copy, into a reused (already faulted-in) memory pool
-          -> metadata {"endpoint", "key", "token", "size"}
-    get   DEALER ["GET", key, token, offer] over the side channel (CURVE with mesh keys), answered with
-          the payload itself (small ones; every one without mesh keys), or, with mesh keys, from 256 KiB
-          on, streamed on the producer's bulk socket (plain TCP) in chunks sealed with a key the offer carried
-          (AES-256-GCM / ChaCha20-Poly1305, `encryption`), opened by the consumer as they arrive;
-          then DEALER ["DONE", key, token]: it arrived, the producer lets go of it
-
-The producer's memory (the pool, one-off buffers past its ceiling, `empty()` outputs sent from where
-they lie) is `served.producer_pool`'s; the requests and replies are `served.zmq_wire`'s; the sealing is
-`served.seal`'s, the bulk socket `served.bulk_server` / `served.bulk_client`. A payload served is
-kept until its consumer confirms it arrived (served again to a get asked again after its connection
-broke); payloads nobody asks for or confirms are freed after `ttl_s` or by `cleanup()`. A consumer whose
-producer died (or whose network is cut) gets a ConnectorError naming the endpoint and key at its
-deadline, and one whose bytes were altered, replayed or cut short in transit an error naming the
-edge and key, never wrong data.
+The class is a thin adapter over the objects it composes: the producer's memory (the pool, one-off
+buffers past its ceiling, `empty()` outputs sent from where they lie) is a `served.producer_pool.ProducerPool`;
+the producer's answers are a `served.zmq_wire.Serving`'s; the sealing is `served.seal`'s, the bulk
+socket `served.bulk_server` / `served.bulk_client`. A payload served is kept until its consumer
+confirms it arrived (served again to a get asked again after its connection broke); payloads nobody
+asks for or confirms are freed after `ttl_s` or by `cleanup()`. A consumer whose producer died (or
+whose network is cut) gets a ConnectorError naming the endpoint and key at its deadline, and one
+whose bytes were altered, replayed or cut short in transit an error naming the edge and key, never
+wrong data.
 
 `encryption: none` keeps the peers authenticated but sends the payload bytes IN CLEAR: anyone on the
 path reads them. Only for networks you trust (docs/security.md).
@@ -33,22 +31,32 @@ The side channel, the held-payload table and health() are ServedConnector's (omn
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from omni_mesh.codec import FrameError, plan
 from omni_mesh.connectors.config import ZmqConfig
-from omni_mesh.connectors.served import seal
-from omni_mesh.connectors.served.bulk_client import BulkLinks
+from omni_mesh.connectors.errors import ConnectorError
+from omni_mesh.connectors.keys import edge_key
+from omni_mesh.connectors.pools import growth, outputs
+from omni_mesh.connectors.pools.held import Gone, Held
+from omni_mesh.connectors.pools.slots import SlotPool
+from omni_mesh.connectors.served import seal, zmq_wire
+from omni_mesh.connectors.served.bulk_client import BulkError, BulkLinks, pull
 from omni_mesh.connectors.served.bulk_server import BulkServer
 from omni_mesh.connectors.served.channel import Handler
 from omni_mesh.connectors.served.confirms import Confirms
-from omni_mesh.connectors.served.connector import ServedConnector
-from omni_mesh.connectors.served.producer_pool import PoolProducer
-from omni_mesh.connectors.served.zmq_wire import ZmqWire
+from omni_mesh.connectors.served.connector import NoAnswer, ServedConnector
+from omni_mesh.connectors.served.late_gets import LateGets
+from omni_mesh.connectors.served.producer_pool import ProducerPool
+from omni_mesh.lazy_torch import import_torch
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ZmqConfig", "ZmqConnector"]
 
 
-class ZmqConnector(ZmqWire, PoolProducer, ServedConnector):
+class ZmqConnector(ServedConnector):
     """Cross-host payloads over ZeroMQ, served from the producer's own memory pool (module docstring)."""
 
     config_class = ZmqConfig
@@ -58,24 +66,158 @@ class ZmqConnector(ZmqWire, PoolProducer, ServedConnector):
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         super().__init__(config)
-        self._init_pool(self.config)
+        self._pool = ProducerPool(
+            self._slots, self.config.pool_idle_release_s, self._counters, self._reap_sent
+        )
         # Payload bytes off CURVE (with mesh keys only: the session key needs CURVE to travel secretly).
         self._algorithm = seal.resolve(self.config.encryption)
+        self._serving = zmq_wire.Serving(self._held, self._pool, self._algorithm)
         self._bulk: BulkServer | None = None
         self._bulk_links = BulkLinks() if self._keys is not None else None
-        self._late_sessions: dict[str, seal.Session] = {}  # of polls left waiting (ZmqWire._fetch)
+        self._late_sessions: dict[str, seal.Session] = {}  # of polls left waiting (_get_payload)
         self._confirms = Confirms(self._dealers, self._name)  # payloads that arrived, told their producers
 
+    def _new_slots(self, cfg: Any) -> SlotPool:
+        return SlotPool(
+            cfg.memory_pool_size,
+            ceiling=growth.ceiling(cfg.memory_pool_size, cfg.max_pool_size, growth.ram()),
+        )
+
     def _serving_handlers(self) -> dict[bytes, Handler]:
-        self._open_pool()
+        self._pool.open()
         if self._keys is not None:
-            self._bulk = BulkServer(self._bind_host, self._name, self.config.bulk_port)
+            self._bulk = self._serving.bulk = BulkServer(self._bind_host, self._name, self.config.bulk_port)
             self._bulk.start()
-        return {b"GET": self._serve, b"DONE": self._confirmed}
+        return {b"GET": self._serving.serve, b"DONE": self._serving.confirmed}
+
+    def _reap_sent(self) -> None:
+        """Slots whose frames went out since the last poll: reused while still warm."""
+        server = self._server
+        if server is not None:
+            server.reap()
+
+    # ---- producer side
+
+    def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[int, dict | None]:
+        if self._server is None or self._closed:
+            self._start_server()
+        key = edge_key(from_stage, to_stage, put_key)
+        pool = self._pool
+        if pool.unsent and type(data) is dict:  # empty() outputs alone: nothing planned or copied
+            taken = pool.take_outputs(data)
+            if taken is not None:
+                size, parts, regions = taken
+                return size, self._metadata(key, self._hold_later(key, put_key, size, parts, regions), size)
+        frame = plan(data)
+        resident = pool.take_resident(frame) if pool.unsent else None
+        if resident is not None:  # empty() outputs among other leaves: sent from where they lie
+            size, parts, regions = resident
+            try:
+                held = self._hold(key, put_key, size, None, parts, regions=regions)
+            except BaseException:
+                pool.unsend(regions)
+                raise
+            return size, self._metadata(key, held.token, size)
+        offset, buffer = pool.write(frame)
+        held = self._hold(key, put_key, frame.nbytes, offset, buffer)
+        return frame.nbytes, self._metadata(key, held.token, frame.nbytes)
+
+    def _metadata(self, key: str, token: str, size: int) -> dict:
+        return {"endpoint": self.endpoint, "key": key, "token": token, "size": size}
+
+    def empty(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized tensor in a pool slot: returned in a put's payload, it is sent from there
+        (module docstring). Do not write into it after the put."""
+        shape = tuple(int(n) for n in shape)
+        nbytes = outputs.nbytes_of(shape, dtype)
+        if nbytes < outputs.MIN_BYTES:  # copying it costs less than a slot
+            return import_torch().empty(shape, dtype=dtype)
+        self._start_server()  # the pool comes with it
+        return self._pool.empty(shape, dtype, nbytes)
+
+    def _release(self, held: Held) -> None:
+        self._serving.release(held)  # once no reply is sent from it
+
+    def cleanup(self, key: str) -> None:
+        # Served payloads too (claimed until confirmed): a reply still sent from one frees it after.
+        for held in self._held.pop_matching(key, retire_claimed=False):
+            self._release(held)
+
+    # ---- consumer side
+
+    def _fetch(
+        self, endpoint: str, key: str, metadata: dict, timeout_s: float, where: str, *, poll: bool = False
+    ) -> tuple[Any, int]:
+        """GET key token [offer] -> the payload, decoded as views over what arrived; then DONE, queued."""
+        if self._confirms.taken(endpoint, key):  # we have it already; the producer hears so soon
+            raise Gone(f"{where}: no payload under this key: already consumed (by this consumer)")
+        token = str(metadata.get("token", ""))
+        session = None
+        if self._bulk_links is not None:  # a large payload may come sealed on the bulk socket
+            # A poll's request still waiting for its answer is resumed, not sent again: its session
+            # is the one its answer was sealed for. Every new request offers a fresh one.
+            resumed = self._late.has(key, endpoint)
+            session = (self._late_sessions.pop(key, None) if resumed else None) or seal.Session.fresh()
+        late = (
+            f"no answer within {timeout_s:.3g}s; the producing process is gone, its host is unreachable, "
+            "or the payload is still in transit (raise get_timeout_s)"
+        )
+        # The answer carries the payload: a poll that gives up keeps waiting for it in the background.
+        parts = zmq_wire.request(key, token, session)
+        try:
+            reply = self._ask(
+                endpoint, parts, timeout_s, where, late, late_key=key, keep_late=poll, again_if_broken=True
+            )
+        except NoAnswer:
+            if poll and session is not None:
+                self._keep_session(key, session)
+            raise
+        sealed = zmq_wire.sealed(reply)
+        try:
+            if sealed is None:
+                got = zmq_wire.read_reply(reply)
+            else:  # the payload left the producer: wait for it
+                buffers = self._pull(
+                    endpoint, key, session, sealed[0], max(timeout_s, self.config.get_timeout_s), where
+                )
+                got = zmq_wire.read_pulled(buffers, sealed[1])
+        except FrameError as exc:
+            self._error()
+            raise ConnectorError(f"{where}: corrupt frame: {exc}") from None
+        self._confirms.add(endpoint, key, token)
+        return got
+
+    def _keep_session(self, key: str, session: seal.Session) -> None:
+        """The session of a poll left waiting (LateGets), for the get that resumes it."""
+        with self._lock:
+            self._late_sessions[key] = session
+            while len(self._late_sessions) > 2 * LateGets.MAX:  # those of requests LateGets dropped since
+                del self._late_sessions[next(iter(self._late_sessions))]
+
+    def _pull(
+        self, endpoint: str, key: str, session: seal.Session | None, desc: bytes, timeout_s: float, where: str
+    ) -> list[Any]:
+        """The buffers of the payload the producer answered SEALED for: pulled from its bulk socket, opened."""
+        if session is None or self._bulk_links is None:  # a late answer to an old request of the key
+            self._error()
+            raise ConnectorError(f"{where}: a sealed answer to a request that offered no session")
+        try:
+            return pull(self._bulk_links, endpoint, session, key, desc, timeout_s)
+        except BulkError as exc:
+            self._error()
+            raise ConnectorError(
+                f"{where}: refused the payload's bytes: {exc}; nothing was returned"
+            ) from None
+        except Exception as exc:
+            raise self._dealer_failure(
+                exc, f"{where} (bulk socket)", "the payload's bytes stopped coming"
+            ) from None
+
+    # ---- lifecycle
 
     def health(self) -> dict:
         report = super().health()
-        report.update(self._pool_health())
+        report.update(self._pool.health(), in_flight=self._serving.in_flight)
         report.update(encryption=self._algorithm if self._keys is not None else "curve-off")
         report["bulk_transfers"] = self._bulk.pulled if self._bulk is not None else 0
         if self._bulk is not None:
@@ -94,4 +236,4 @@ class ZmqConnector(ZmqWire, PoolProducer, ServedConnector):
         super().close()
 
     def _close_backend(self) -> None:
-        self._close_pool()
+        self._pool.close()

@@ -1,5 +1,7 @@
 """A registered memory pool: anonymous mappings that transfer engines read payload frames from and
-write them into, growing by pre-faulted mappings up to a ceiling (Mooncake's connectors, Mori).
+write them into, growing by pre-faulted mappings up to a ceiling (Mooncake's connectors). Its slots,
+growth and idle release are the one `pools.slots.SlotPool`'s; this adds the mappings, their
+registration, waiting for room, and regions freed by the garbage collection of their views.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import numpy as np
 
 from omni_mesh import codec
 from omni_mesh.connectors.errors import ConnectorError, ConnectorFull, PayloadTooLarge
-from omni_mesh.connectors.pools import growth
-from omni_mesh.connectors.pools.allocator import PoolAllocator, frame_alignment, round_up
+from omni_mesh.connectors.pools.allocator import round_up
+from omni_mesh.connectors.pools.growth import anonymous_map
+from omni_mesh.connectors.pools.slots import SlotPool
 
 
 @dataclass(frozen=True)
@@ -38,23 +41,23 @@ def _uncounted() -> None:
     """A pool without an owner's counters."""
 
 
-class _Region:
-    """One anonymous mapping of a pool, at `base` in the pool's offset space."""
+class _Mapping:
+    """One anonymous mapping of a pool (at a base of its SlotPool's offset space)."""
 
-    __slots__ = ("base", "mm", "array", "address", "allocator", "last_used")
+    __slots__ = ("mm", "array", "address", "size")
 
-    def __init__(self, base: int, size: int, prefault: bool) -> None:
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if prefault else 0)
-        self.base = base
-        self.mm: mmap.mmap | None = mmap.mmap(-1, size, flags=flags)
+    def __init__(self, size: int, prefault: bool) -> None:
+        self.mm: mmap.mmap | None = anonymous_map(size, populate=prefault, huge_pages=False)
         self.array = np.frombuffer(self.mm, dtype=np.uint8)
         self.address = self.array.ctypes.data
-        self.allocator = PoolAllocator(size)
-        self.last_used = time.monotonic()
+        self.size = size
+
+    def drop(self) -> None:
+        self.array, self.mm = np.empty(0, dtype=np.uint8), None  # views still alive keep it mapped
 
 
 class RegisteredPool:
-    """Anonymous mappings carved into 64-byte aligned regions by first-fit allocators.
+    """Anonymous mappings whose offsets a `SlotPool` hands out (64-byte aligned, first fit).
 
     The owner registers `address`/`size` (the first mapping) with the transfer backend once. With
     `register` (and a `ceiling` above `size`) the pool grows: a request that fits no free space adds a
@@ -85,14 +88,15 @@ class RegisteredPool:
             "RegisteredPool", "its size", "its users", "free regions sooner", _uncounted
         )
         self.size = round_up(size, mmap.PAGESIZE)
-        first = _Region(0, self.size, prefault)
-        self._regions = [first]
+        first = _Mapping(self.size, prefault)
+        self._mappings = {0: first}  # by base
         self.array = first.array
         self.address = first.address
         self._prefault = prefault
         self._register, self._unregister, self._idle_s = register, unregister, idle_s
         self.ceiling = max(ceiling, self.size) if register is not None else self.size
-        self._next_base = self.size
+        # Used under _cond alone (so a finalizer's free never waits for it: see _release).
+        self._slots = SlotPool(self.size, ceiling=self.ceiling)
         self.grown = self.released = 0
         self._cond = threading.Condition(threading.Lock())
         self._released: collections.deque[int] = collections.deque()
@@ -106,81 +110,63 @@ class RegisteredPool:
     def place(self, nbytes: int, timeout_s: float) -> tuple[int, int] | None:
         """`allocate`, with the address the region lies at: (offset, address), in one lock round trip."""
         deadline = time.monotonic() + timeout_s
-        align = frame_alignment(nbytes)
         with self._cond:
             while True:
                 self._drain_locked()
-                if len(self._regions) > 1:
-                    self._release_idle_locked()
-                for region in self._regions:
-                    offset = region.allocator.allocate(nbytes, align=align)
-                    if offset is not None:
-                        region.last_used = time.monotonic()
-                        return region.base + offset, region.address + offset
-                grown = self._grow_locked(nbytes)
-                if grown is not None:
-                    offset = grown.allocator.allocate(nbytes, align=align)
-                    return grown.base + offset, grown.address + offset
+                for base in self._slots.release_idle(self._idle_s):
+                    self._drop(self._mappings.pop(base))
+                    self.released += 1
+                offset = self._slots.allocate_growing(nbytes, self._grow_locked)
+                if offset is not None:
+                    base, local = self._slots.region_of(offset)
+                    return offset, self._mappings[base].address + local
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
                 # Frees through finalizers cannot notify; a short wait slice picks them up.
                 self._cond.wait(min(remaining, 0.02))
 
-    def _grow_locked(self, nbytes: int) -> _Region | None:
-        size = growth.grown_size(nbytes + mmap.PAGESIZE)
-        if self._register is None or self.capacity_locked() + size > self.ceiling:
-            return None
+    def _grow_locked(self, base: int, size: int) -> bool:
+        """A registered mapping of `size` bytes at `base` (SlotPool.allocate_growing)."""
         try:
-            region = _Region(self._next_base, size, self._prefault)
+            mapping = _Mapping(size, self._prefault)
         except OSError:
-            return None
-        if not self._register(region.address, size):
-            region.array, region.mm = np.empty(0, dtype=np.uint8), None
-            return None
-        self._next_base += size
-        self._regions.append(region)
+            return False
+        if not self._register(mapping.address, size):
+            mapping.drop()
+            return False
+        self._mappings[base] = mapping
         self.grown += 1
-        return region
+        return True
 
-    def _release_idle_locked(self) -> None:
-        cutoff = time.monotonic() - self._idle_s
-        for region in self._regions[1:]:
-            if region.allocator.in_use == 0 and region.last_used <= cutoff:
-                self._regions.remove(region)
-                self._drop(region)
-                self.released += 1
-
-    def _drop(self, region: _Region) -> None:
+    def _drop(self, mapping: _Mapping) -> None:
         if self._unregister is not None:
             with contextlib.suppress(Exception):  # the engine may be going away
-                self._unregister(region.address)
-        region.array, region.mm = np.empty(0, dtype=np.uint8), None  # views still alive keep it mapped
+                self._unregister(mapping.address)
+        mapping.drop()
 
-    def _region_locked(self, offset: int) -> _Region:
-        for region in reversed(self._regions):
-            if offset >= region.base:
-                return region
-        raise KeyError(offset)
+    def _locate_locked(self, offset: int) -> tuple[_Mapping, int]:
+        base, local = self._slots.region_of(offset)
+        return self._mappings[base], local
 
     def address_of(self, offset: int) -> int:
         with self._cond:
-            region = self._region_locked(offset)
-            return region.address + offset - region.base
+            mapping, local = self._locate_locked(offset)
+            return mapping.address + local
 
     def buffer(self, offset: int, length: int) -> np.ndarray:
         """A writable array over [offset, offset + length) (to lay a frame into)."""
         with self._cond:
-            region = self._region_locked(offset)
-            return region.array[offset - region.base : offset - region.base + length]
+            mapping, local = self._locate_locked(offset)
+            return mapping.array[local : local + length]
 
     def contains(self, address: int, length: int) -> bool:
         """Whether [address, address + length) lies in one mapping of the pool (registered already)."""
         with self._cond:
-            for region in self._regions:
-                if region.address <= address and address + length <= region.address + region.allocator.size:
-                    return True
-            return False
+            return any(
+                m.address <= address and address + length <= m.address + m.size
+                for m in self._mappings.values()
+            )
 
     def check_fits(self, nbytes: int, what: str) -> None:
         """A frame larger than the pool can ever be is never received (consumers size their pool alike)."""
@@ -223,21 +209,16 @@ class RegisteredPool:
 
     def free(self, offset: int) -> None:
         with self._cond:
-            self._free_locked(offset)
+            self._slots.free(offset)
             self._cond.notify_all()
-
-    def _free_locked(self, offset: int) -> None:
-        region = self._region_locked(offset)
-        region.allocator.free(offset - region.base)
-        region.last_used = time.monotonic()
 
     def view(self, offset: int, length: int) -> np.ndarray:
         """A fresh array over one region; the region is freed when it and every view of it are gone."""
         with self._cond:
-            mapping = self._region_locked(offset)
+            mapping, local = self._locate_locked(offset)
         # Made from the mapping itself, not sliced from `array`: numpy collapses a slice's base to
         # `array`, and decoded tensors would then keep `array` alive instead of this region.
-        region = np.frombuffer(mapping.mm, dtype=np.uint8, count=length, offset=offset - mapping.base)
+        region = np.frombuffer(mapping.mm, dtype=np.uint8, count=length, offset=local)
         weakref.finalize(region, self._release, offset)
         return region
 
@@ -253,38 +234,32 @@ class RegisteredPool:
     def _drain_locked(self) -> None:
         while self._released:
             offset = self._released.popleft()
-            try:
-                region = self._region_locked(offset)
-            except KeyError:  # the pool is closed: nothing left to give back to
-                continue
-            if offset - region.base in region.allocator:
-                self._free_locked(offset)
+            if self._mappings and self._slots.holds(offset):  # none: the pool is closed
+                self._slots.free(offset)
 
     @property
     def in_use(self) -> int:
         with self._cond:
             self._drain_locked()
-            return sum(region.allocator.in_use for region in self._regions)
-
-    def capacity_locked(self) -> int:
-        return sum(region.allocator.size for region in self._regions)
+            return self._slots.in_use
 
     @property
     def capacity(self) -> int:
         """Bytes in all mappings (`size` is the first one's)."""
         with self._cond:
-            return self.capacity_locked()
+            return self._slots.size
 
     def close(self) -> None:
         """Drop this object's hold on the memory (grown mappings are unregistered first); arrays still
         viewing it keep it mapped until they die."""
         with self._cond:
-            regions, self._regions = self._regions, []
-        for region in regions[1:]:
-            self._drop(region)
+            mappings, self._mappings = self._mappings, {}
+        for base, mapping in mappings.items():
+            if base:
+                self._drop(mapping)
+            else:
+                mapping.drop()
         self.array = np.empty(0, dtype=np.uint8)
-        for region in regions[:1]:
-            region.array, region.mm = np.empty(0, dtype=np.uint8), None
 
 
 def pool_status(pool: RegisteredPool | None, *, up: bool, strained: bool = False) -> tuple[str, int, int]:

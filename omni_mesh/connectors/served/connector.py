@@ -26,7 +26,8 @@ from omni_mesh.connectors.base import OmniConnectorBase
 from omni_mesh.connectors.counters import Counters
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorError, ConnectorUnavailable, PayloadMissing
 from omni_mesh.connectors.keys import edge_key
-from omni_mesh.connectors.pools.held import Gone, Held, HeldTable, SlotPool
+from omni_mesh.connectors.pools.held import Gone, Held, HeldTable
+from omni_mesh.connectors.pools.slots import SlotPool
 from omni_mesh.connectors.served.channel import OK, Handler, RouterServer, frame_text
 from omni_mesh.connectors.served.dealers import ChannelClosed, DealerPool, LateReply, PeerLost
 from omni_mesh.connectors.served.guard import side_channel_keys
@@ -82,7 +83,7 @@ class ServedConnector(OmniConnectorBase):
         self._keys = side_channel_keys(self._name)  # CURVE on the side channel, or None (warned once)
         self._open_backend()  # raises ConnectorError naming what is missing
         self._closed = False
-        self._slots = SlotPool(cfg.memory_pool_size)
+        self._slots = self._new_slots(cfg)
         self._held = HeldTable(cfg.ttl_s, on_replaced=self._release, on_deferred=self._count_put)
         self._ctx = zmq.Context()
         self._dealers = DealerPool(self._ctx, self._keys)
@@ -98,6 +99,10 @@ class ServedConnector(OmniConnectorBase):
         self._token_ids = itertools.count(1)
 
     # ---- hooks
+
+    def _new_slots(self, cfg: Any) -> SlotPool:
+        """The slot pool payloads are held in: memory_pool_size bytes, no growth."""
+        return SlotPool(cfg.memory_pool_size)
 
     def _open_backend(self) -> None:  # noqa: B027 - optional: most subclasses have no backend to open
         """Import and start whatever moves the bytes; raise ConnectorError naming what is missing."""
