@@ -80,6 +80,16 @@ def test_sighup_stops_the_mesh_as_ctrl_c_does(tmp_path: Path) -> None:
         assert mesh.ok({"n": 4})["outputs"]["trail"] == ["a", "b"]
 
 
+def test_ctrl_c_finds_no_stuck_thread_in_a_handler_with_an_idle_model_thread(tmp_path: Path) -> None:
+    """An engine keeps a model thread, idle between requests: Ctrl-C took it for a stuck thread (a warning
+    and every thread's stack per replica, 3 s more to stop)."""
+    topology = {**CHAIN, "stages": [{**CHAIN["stages"][0], "handler": "mesh_handlers:Threaded"}, CHAIN["stages"][1]]}
+    with running_mesh(tmp_path, topology) as mesh:
+        assert mesh.ok({"n": 4})["outputs"]["trail"] == ["a", "b"]
+    log = mesh.log()
+    assert "replica a-0 draining" in log and "still stuck" not in log and "most recent call first" not in log, log[-3000:]
+
+
 def test_transformers_chatter_is_quiet_at_the_default_log_level(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     done = subprocess.run(

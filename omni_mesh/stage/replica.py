@@ -122,6 +122,10 @@ class StageReplica:
             with contextlib.suppress(Exception):
                 await self.link.send(Deregister(self.replica_id))
             self.close()
+            # A later signal has nothing left to drain; and the loop (uvloop's outlives its close) must not
+            # keep this replica and its handler alive: the handler's idle threads end once it is collected.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, _drained_already)
 
     def request_drain(self) -> None:
         if not self.draining:
@@ -241,3 +245,7 @@ class StageReplica:
         if self.link.registered.is_set():
             self.link.registered.clear()
             asyncio.get_running_loop().create_task(self._register())
+
+
+def _drained_already() -> None:
+    """A stop signal after the replica closed: it is on its way out already."""
