@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -44,3 +45,29 @@ def test_bench_engines_clients_compares_batching_with_max_batch_1() -> None:
             load = figures["clients"][clients]
             assert load["errors"] == {} and load["req_per_s"] > 0 and load["tokens_per_s"] > 0, (side, clients, load)
         assert set(figures["first_audio_s"]) == {"1", "2"}
+
+
+@pytest.mark.timeout(900)  # two meshes of four engines each start and load (minutes on a loaded 2-core host)
+def test_bench_engines_measures_several_inputs_with_and_without_the_encoder_in_one_run() -> None:
+    """Issue 38's figures in one run: per kind, first text and first audio with and without the encoder
+    stage, the encoder's requests/s, new media against repeated (its cache)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "omni_mesh", "bench", "engines", "--inputs", "text,audio,image", "--rounds", "1",
+         "--max-tokens", "2", "--max-audio-tokens", "5"],
+        capture_output=True, text=True, timeout=840,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    blocks = {block.split()[0]: block for block in done.stdout.split("\n\n")[1:]}  # one per kind, in order
+    assert list(blocks) == ["text", "audio", "image"], done.stdout
+    for kind, block in blocks.items():
+        rows = {line[:26].strip(): line[26:] for line in block.splitlines()}
+        for row in ("time to first text", "time to first audio"):  # new and repeated, with and without the encoder
+            assert len(re.findall(r"\d+ ms", rows[row])) == 4, block
+        assert re.search(rf"encoder stage: \d+\.\d requests/s with new {kind}, \d+\.\d with repeated", block), block
+    assert "the cache on a repeated image, with the encoder stage: first text" in blocks["image"], blocks["image"]
+
+
+def test_bench_engines_inputs_names_the_kinds_it_takes() -> None:
+    done = subprocess.run([sys.executable, "-m", "omni_mesh", "bench", "engines", "--inputs", "image,smell"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--inputs takes kinds from text, audio, image, video" in done.stderr, done.stderr

@@ -133,3 +133,18 @@ def test_the_encoder_cache_spares_encoding_the_same_image_twice(split: Split) ->
     assert middle["misses"] == before["misses"] + 1 and middle["hits"] == before["hits"]
     assert after["hits"] == middle["hits"] + 1 and after["misses"] == middle["misses"]
     assert torch.equal(first["image_embeds"], second["image_embeds"])
+
+
+def test_the_encoder_cache_is_bounded_least_recently_used_out_first() -> None:
+    from omni_mesh.engines.encoder import EncoderCache
+
+    cache = EncoderCache(max_items=2)
+    for key in ("a", "b"):
+        cache.put(key, {"embeds": torch.zeros(1)})
+    assert cache.get("a") is not None  # "a" used last: "b" goes first
+    cache.put("c", {"embeds": torch.ones(1)})
+    assert cache.get("b") is None and cache.get("a") is not None and cache.get("c") is not None
+    assert cache.stats() == {"hits": 3, "misses": 1, "items": 2}
+    off = EncoderCache(max_items=0)  # engine.encoder_cache: 0 keeps nothing
+    off.put("a", {"embeds": torch.zeros(1)})
+    assert off.get("a") is None and off.stats()["items"] == 0

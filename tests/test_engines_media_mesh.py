@@ -33,19 +33,23 @@ FILES = {  # (kind, bytes, format) and the OpenAI part that carries it
     "audio": ("audio", media_files.wav(1.0), "wav"),
     "image": ("image", media_files.image("png", 40, 28), "png"),
     "video": ("video", media_files.video(4, 56, 56, 2), "mp4"),
+    "video+track": ("video", media_files.video(4, 56, 56, 2, with_audio=True), "mp4"),  # audio-in-video
 }
 PARTS = {
     "audio": media_files.input_audio(FILES["audio"][1]),
     "image": media_files.image_url(FILES["image"][1]),
     "video": media_files.video_url(FILES["video"][1]),
+    "video+track": media_files.video_url(FILES["video+track"][1]),
 }
 KINDS = {"audio": ["audio"], "image": ["image"], "video": ["video"], "mixed": ["audio", "image", "video"]}
+IN_VIDEO = {"video+track": ["video+track"], "mixed+track": ["audio", "image", "video+track"]}  # use_audio_in_video
+LAYOUTS = {**KINDS, **IN_VIDEO}
 _references: dict[str, Reference] = {}
-_replies: dict[tuple[str, str], tuple[str, np.ndarray | None]] = {}
+_replies: dict[tuple[str, str, bool], tuple[str, np.ndarray | None]] = {}
 
 
 def messages(kind: str) -> list[dict]:
-    return [{"role": "user", "content": [*(PARTS[k] for k in KINDS[kind]), {"type": "text", "text": QUESTION}]}]
+    return [{"role": "user", "content": [*(PARTS[k] for k in LAYOUTS[kind]), {"type": "text", "text": QUESTION}]}]
 
 
 def topology(arch: str, with_encoder: bool) -> dict:
@@ -78,15 +82,17 @@ def mesh(request: pytest.FixtureRequest, checkpoint: tuple[str, Path], tmp_path_
         yield running
 
 
-def expected(checkpoint: tuple[str, Path], kind: str) -> tuple[str, np.ndarray | None]:
-    """The reference reply (text, 16-bit samples) to `messages(kind)`, computed once per model."""
+def expected(checkpoint: tuple[str, Path], kind: str, in_video: bool = False) -> tuple[str, np.ndarray | None]:
+    """The reference reply (text, 16-bit samples) to `messages(kind)`, computed once per model;
+    `in_video`: use_audio_in_video (the videos' audio tracks heard too)."""
     arch, directory = checkpoint
-    if (arch, kind) not in _replies:
+    if (arch, kind, in_video) not in _replies:
         reference = _references.get(arch) or _references.setdefault(arch, Reference(arch, directory))
-        features = reference.features([FILES[k] for k in KINDS[kind]])
-        text, wav = reference.generate(features, max_tokens=TOKENS, max_codes=CODES, seed=SEED)
-        _replies[arch, kind] = text, None if wav is None else pcm_samples(wav)
-    return _replies[arch, kind]
+        features = reference.features([FILES[k] for k in LAYOUTS[kind]], use_audio_in_video=in_video)
+        text, wav = reference.generate(features, max_tokens=TOKENS, max_codes=CODES, seed=SEED,
+                                       use_audio_in_video=in_video)
+        _replies[arch, kind, in_video] = text, None if wav is None else pcm_samples(wav)
+    return _replies[arch, kind, in_video]
 
 
 def assert_same(text: str, samples: np.ndarray, reference: tuple[str, np.ndarray | None]) -> None:
@@ -116,6 +122,28 @@ def test_openai_reply_to_media_equals_one_call_generate(mesh, checkpoint) -> Non
     audio = response.json()["choices"][0]["message"]["audio"]
     assert_same(audio["transcript"], wav_samples(audio["data"]), expected(checkpoint, "mixed"))
 
+
+
+@pytest.mark.parametrize("kind", sorted(IN_VIDEO))
+def test_audio_in_video_equals_one_call_generate_on_both_routes(mesh, checkpoint, kind: str) -> None:
+    """vLLM's mm_processor_kwargs.use_audio_in_video: the video's audio track heard with its frames (alone,
+    and mixed with an audio clip and an image), as /v1/requests params and as the OpenAI route's field."""
+    reference = expected(checkpoint, kind, in_video=True)
+    deaf = expected(checkpoint, kind)  # the same media with the track unheard: another reply, or this tests nothing
+    assert reference[0] != deaf[0] or (reference[1] is not None and not np.array_equal(reference[1], deaf[1]))
+    params = {"temperature": 0, "seed": SEED, "max_tokens": TOKENS, "max_audio_tokens": CODES,
+              "mm_processor_kwargs": {"use_audio_in_video": True}}
+    outputs = mesh.ok({"messages": messages(kind)}, params=params, timeout_s=120)["outputs"]
+    assert_same(outputs["text"], wav_samples(outputs["audio_wav_base64"]), reference)
+    body = {
+        "model": COMPOSE[checkpoint[0]][1], "messages": messages(kind), "modalities": ["text", "audio"],
+        "audio": {"voice": VOICES[checkpoint[0]], "format": "wav"}, "max_tokens": TOKENS, "temperature": 0,
+        "seed": SEED, "mm_processor_kwargs": {"use_audio_in_video": True},
+    }
+    response = mesh.client.post("/v1/chat/completions", json=body, timeout=150)
+    assert response.status_code == 200, response.text
+    audio = response.json()["choices"][0]["message"]["audio"]
+    assert_same(audio["transcript"], wav_samples(audio["data"]), reference)
 
 
 def test_encoder_cache_hits_and_misses_in_metrics_and_stages(mesh) -> None:

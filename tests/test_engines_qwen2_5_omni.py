@@ -247,13 +247,25 @@ def test_killed_talker_fails_the_streamed_request_cleanly_and_the_next_succeeds(
 
 def test_vllm_omni_stage_config_runs_on_the_engines_without_handlers(checkpoint: Path, tmp_path: Path) -> None:
     """vllm-omni's stage config (engine_args.model_stage, default_sampling_params), unchanged: both of
-    its final stages answer, the thinker without the talker's inputs (they are for the talker only)."""
+    its final stages answer, the thinker without the talker's inputs (they are for the talker only);
+    and it serves OpenAI's API named after its model, without an openai: section (issue 41 item 2: its
+    two final stages, thinker and code2wav, left it without one)."""
     config = ROOT / "tests" / "topologies" / "vllm_omni_three_stage.yaml"
     env = {"OMNI_MESH_MODEL": str(checkpoint)}
-    with running_mesh(tmp_path, config, env=env) as mesh:
+    with running_mesh(tmp_path, config, "--timeout-s", "120", env=env) as mesh:  # the chat's deadline
         params = {"temperature": 0, "max_tokens": 5, "max_audio_tokens": 30}
         outputs = mesh.ok({"prompt": PROMPT}, params=params, timeout_s=60)["outputs"]
+        assert [m["id"] for m in mesh.client.get("/v1/models").json()["data"]] == [str(checkpoint)]
+        body = {"model": str(checkpoint), "messages": [{"role": "user", "content": PROMPT}], "temperature": 0,
+                "max_tokens": 5, "modalities": ["text", "audio"], "audio": {"voice": "Chelsie", "format": "wav"},
+                "params": {"max_audio_tokens": 30}}
+        answer = mesh.client.post("/v1/chat/completions", json=body, timeout=120)
+        assert answer.status_code == 200, answer.text
+        chat = answer.json()
     thinker, code2wav = outputs["stage_0"], outputs["stage_2"]
+    audio = chat["choices"][0]["message"]["audio"]
+    assert audio["transcript"] and 0 < chat["usage"]["completion_tokens"] <= 5  # a chat prompt: not PROMPT's reply
+    assert len(wav_samples(audio["data"])) == 30 * 480
     assert isinstance(thinker, list) and all("talker" not in chunk for chunk in thinker)
     assert "".join(chunk["text"] for chunk in thinker) == code2wav["text"]
     assert len(wav_samples(code2wav["audio_wav_base64"])) == 30 * 480

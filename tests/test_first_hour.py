@@ -80,6 +80,18 @@ def test_sighup_stops_the_mesh_as_ctrl_c_does(tmp_path: Path) -> None:
         assert mesh.ok({"n": 4})["outputs"]["trail"] == ["a", "b"]
 
 
+def test_an_engine_like_stage_starts_and_stops_without_noise_in_the_log(tmp_path: Path) -> None:
+    """A handler that loads for seconds and keeps a model thread, idle between requests, as an engine
+    does: `up`'s polls of /ready while it loads (five a second) were each an INFO line, and Ctrl-C took
+    the idle thread for a stuck one (a warning and every thread's stack per replica, 3 s more to stop)."""
+    topology = {**CHAIN, "stages": [{**CHAIN["stages"][0], "handler": "mesh_handlers:Threaded"}, CHAIN["stages"][1]]}
+    with running_mesh(tmp_path, topology) as mesh:
+        assert mesh.ok({"n": 4})["outputs"]["trail"] == ["a", "b"]
+    log = mesh.log()
+    assert "replica a-0 of stage a ready" in log and "GET /ready" not in log, log[-3000:]
+    assert "replica a-0 draining" in log and "still stuck" not in log and "most recent call first" not in log, log[-3000:]
+
+
 def test_transformers_chatter_is_quiet_at_the_default_log_level(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     done = subprocess.run(

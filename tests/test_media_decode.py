@@ -59,6 +59,7 @@ def test_image_decodes_to_rgb_uint8() -> None:
         part = media.canonical(mf.image_url(data, mime), LIMITS)
         pixels = media.decode(part)
         assert pixels.shape == (24, 32, 3) and pixels.dtype == np.uint8
+        assert pixels.flags.writeable  # a read-only array makes the processor's torch.from_numpy warn, per request
         assert np.abs(pixels[-1, -1].astype(int) - (200, 30, 60)).max() < 24, fmt
         assert np.abs(pixels[0, 0].astype(int) - (10, 220, 40)).max() < 24, fmt
 

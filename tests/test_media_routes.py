@@ -4,6 +4,7 @@ is queued; remote URLs are fetched only from allowed domains, and never when rem
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import socket
@@ -33,13 +34,23 @@ def topology(handler: str, source: str) -> dict:
 
 
 class Files(BaseHTTPRequestHandler):
-    """Serves /image.png, /big.bin; counts connections."""
+    """Serves /image.png, /big.bin, /slow.png (a trickle); counts connections."""
 
     files: dict[str, bytes] = {}
     hits: list[str] = []
 
     def do_GET(self) -> None:  # noqa: N802
         Files.hits.append(self.path)
+        if self.path == "/slow.png":  # a byte every 0.3 s: each read is quick, the whole never ends
+            self.send_response(200)
+            self.send_header("content-length", "100000")
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                for _ in range(100_000):
+                    self.wfile.write(b"\x89")
+                    self.wfile.flush()
+                    time.sleep(0.3)
+            return
         body = Files.files.get(self.path)
         if body is None:
             self.send_error(404)
@@ -168,6 +179,15 @@ def test_remote_media_is_fetched_from_allowed_domains_only(echo: Mesh, files: st
     refused(echo, [{"type": "image_url", "image_url": {"url": f"http://127.0.0.1:{port}/image.png"}}], 0,
             "'127.0.0.1' is not one this coordinator fetches media from")
     assert Files.hits == []
+
+
+def test_a_remote_download_that_trickles_is_cut_at_the_fetch_timeout(echo: Mesh, files: str) -> None:
+    started = time.monotonic()
+    answer = post(echo, [{"type": "image_url", "image_url": {"url": f"http://{files}/slow.png"}}])
+    elapsed = time.monotonic() - started
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["field"] == "inputs.messages[0].content[0]" and "took longer than 5 s" in answer.json()["error"]
+    assert 4.5 < elapsed < 15, f"cut after {elapsed:.1f} s (--media-fetch-timeout-s 5)"
 
 
 def test_remote_media_off_makes_no_connection(text_mesh: Mesh) -> None:

@@ -155,3 +155,28 @@ def test_max_model_len_cuts_the_reply_to_fit_and_refuses_a_prompt_that_fills_it(
         within_model_len(spec, sampling, 120)
     with pytest.raises(ValueError, match="engine.max_model_len must be an integer >= 1"):
         parse_engine({"part": "thinker", "model": HUB_ID, "max_model_len": 0}, "stage 'thinker'")
+
+
+def readme_block(after: str, language: str) -> str:
+    """The README's first ```language block after the line that contains `after`."""
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    start = text.index(f"```{language}\n", text.index(after)) + len(language) + 4
+    return text[start : text.index("```", start)]
+
+
+def test_the_readmes_media_examples_run_as_written(by_id: Mesh, tmp_path: Path) -> None:
+    """Issue 38: README's curl and OpenAI-client examples with an image and an audio clip, run as written
+    (but for the port) against `omni-mesh serve`, as after `make run`."""
+    import json
+    import sys
+
+    where = by_id.url.removeprefix("http://")
+    (tmp_path / ".venv").symlink_to(Path(sys.executable).parents[1])  # the README runs .venv/bin/python
+    curl = readme_block("With curl, an image and a spoken question", "bash").replace("localhost:8000", where)
+    done = subprocess.run(["bash", "-e", "-c", curl], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    outputs = json.loads((tmp_path / "reply.json").read_text())["outputs"]
+    assert outputs["text"] and len(base64.b64decode(outputs["audio_wav_base64"])) > 44  # noise, but spoken
+    client = readme_block("With OpenAI's client:", "python").replace("localhost:8000", where)
+    done = subprocess.run([sys.executable, "-c", client], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip(), done.stderr

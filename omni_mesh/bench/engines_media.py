@@ -1,11 +1,13 @@
-"""`omni-mesh bench engines --inputs audio|image|video`: requests with media through one checkpoint split
-across a mesh, with the encoder stage (encoder -> thinker -> talker -> code2wav) and without it (the
-thinker encodes the media itself), in one run.
+"""`omni-mesh bench engines --inputs audio|image|video` (or several, `text,audio,image,video`): requests
+with media through one checkpoint split across a mesh, with the encoder stage (encoder -> thinker ->
+talker -> code2wav) and without it (the thinker encodes the media itself), every kind on the same two
+meshes, in one run.
 
-Each mesh answers `rounds` streamed requests one at a time with new media (every one a cache miss), then
-`rounds` with the same media again (after the first, cache hits), through its REST front door. Figures
-are medians: time to the first text and to the first audio, the whole request, and the encoder stage's
-own handler time (its requests/s on one replica is the inverse: it does nothing else)."""
+For each kind, each mesh answers `rounds` streamed requests one at a time with new media (every one a
+cache miss), then `rounds` with the same media again (after the first, cache hits), through its REST
+front door. Figures are medians: time to the first text and to the first audio, the whole request, and
+the encoder stage's own handler time (its requests/s on one replica is the inverse: it does nothing
+else). Text has no media: its "new" and "repeated" are the same request."""
 
 from __future__ import annotations
 
@@ -30,12 +32,14 @@ SIDES = {"with_encoder": True, "without_encoder": False}
 
 
 def run(
-    *, inputs: str, model: str | None, prompt: str, max_tokens: int, max_audio_tokens: int, rounds: int,
+    *, inputs: list[str], model: str | None, prompt: str, max_tokens: int, max_audio_tokens: int, rounds: int,
     threads: int, device: str,
 ) -> dict[str, Any]:
+    """`inputs`: the kinds measured, in order, on each mesh. The result has, per side, per kind, the
+    medians of `new` and `repeated` requests, and per kind the encoder stage's requests/s."""
     params = {"temperature": 0, "seed": 0, "max_tokens": max_tokens, "max_audio_tokens": max_audio_tokens}
     result: dict[str, Any] = {
-        "inputs": inputs, "model": model or "tiny random qwen2_5_omni", "params": params, "rounds": rounds,
+        "inputs": list(inputs), "model": model or "tiny random qwen2_5_omni", "params": params, "rounds": rounds,
         "threads": threads, "device": device,
     }
     with tempfile.TemporaryDirectory(prefix="omni-mesh-bench-engines-") as scratch:
@@ -44,10 +48,11 @@ def run(
             path = Path(scratch) / f"{side}.yaml"
             path.write_text(yaml.safe_dump(topology(checkpoint, threads, device, encoder=encoder), sort_keys=False))
             with running_mesh(path, ready_timeout_s=READY_TIMEOUT_S) as mesh:
-                result[side] = aio.run(_measure(mesh.url, inputs, prompt, params, rounds))
-    encoder = result["with_encoder"]
+                result[side] = {kind: aio.run(_measure(mesh.url, kind, prompt, params, rounds)) for kind in inputs}
     result["encoder_req_per_s"] = {
-        which: 1.0 / encoder[which]["encoder_s"] if encoder[which]["encoder_s"] else None for which in ("new", "repeated")
+        kind: {which: 1.0 / figures[which]["encoder_s"] if figures[which]["encoder_s"] else None
+               for which in ("new", "repeated")}
+        for kind, figures in result["with_encoder"].items()
     }
     return result
 
@@ -88,29 +93,37 @@ def _medians(samples: list[dict[str, float | None]]) -> dict[str, float | None]:
 
 
 def report(result: dict[str, Any]) -> str:
-    params, kind = result["params"], result["inputs"]
-    sides = [result["with_encoder"], result["without_encoder"]]
+    params = result["params"]
+    lines = [
+        f"inputs: {', '.join(result['inputs'])}; model: {result['model']} ({result['device']}, {result['threads']} "
+        f"torch thread(s) per process); greedy, max_tokens={params['max_tokens']}, "
+        f"max_audio_tokens={params['max_audio_tokens']}; medians of {result['rounds']} streamed requests one at a time",
+    ]
+    for kind in result["inputs"]:
+        lines += ["", *_report_kind(kind, result)]
+    return "\n".join(lines)
+
+
+def _report_kind(kind: str, result: dict[str, Any]) -> list[str]:
+    sides = [result["with_encoder"][kind], result["without_encoder"][kind]]
 
     def ms(value: float | None) -> str:
         return f"{value * 1000:>9.0f} ms" if value is not None else f"{'-':>12}"
 
     lines = [
-        f"inputs: {kind}; model: {result['model']} ({result['device']}, {result['threads']} torch thread(s) per "
-        f"process); greedy, max_tokens={params['max_tokens']}, max_audio_tokens={params['max_audio_tokens']}; "
-        f"medians of {result['rounds']} streamed requests one at a time",
-        f"{'':26}{'with the encoder stage':>26}{'thinker encodes itself':>26}",
+        f"{kind:26}{'with the encoder stage':>26}{'thinker encodes itself':>26}",
         f"{'':26}{'new media':>12}{'repeated':>14}{'new media':>12}{'repeated':>14}",
     ]
     for title, key in (("time to first text", "first_text_s"), ("time to first audio", "first_audio_s"),
                        ("whole request", "latency_s")):
         lines.append(f"{title:26}" + "".join(f"{ms(side[which][key])}{'':2}" for side in sides for which in ("new", "repeated")))
-    rates = result["encoder_req_per_s"]
+    rates = result["encoder_req_per_s"][kind]
     lines.append(
-        f"encoder stage: {rates['new'] or 0:.1f} requests/s with new media, {rates['repeated'] or 0:.1f} with repeated "
+        f"encoder stage: {rates['new'] or 0:.1f} requests/s with new {kind}, {rates['repeated'] or 0:.1f} with repeated "
         "(one replica: 1 / its median handler time)"
     )
     for name, side in zip(("with the encoder stage", "thinker encodes itself"), sides, strict=True):
         new, again = side["new"]["first_text_s"], side["repeated"]["first_text_s"]
-        if new and again:
+        if kind != "text" and new and again:
             lines.append(f"the cache on a repeated {kind}, {name}: first text {again / new:.0%} of a new one's")
-    return "\n".join(lines)
+    return lines

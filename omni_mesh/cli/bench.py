@@ -66,9 +66,10 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     engines.add_argument("--model", default=None, help="a Qwen2.5-Omni checkpoint directory (default: a tiny random one)")
     engines.add_argument(
-        "--inputs", choices=("text", "audio", "image", "video"), default="text",
-        help="text: the prompt, generate() vs the mesh; audio, image or video: the prompt with media, the mesh "
-        "with and without its encoder stage, new media vs repeated (the encoder's cache)",
+        "--inputs", default="text",
+        help="text: the prompt, generate() vs the mesh; audio, image or video (or several, comma-separated: "
+        "text,audio,image,video): the prompt with media, the mesh with and without its encoder stage, new media "
+        "vs repeated (the encoder's cache), every kind on the same two meshes",
     )
     engines.add_argument("--prompt", default="Tell me about the weather today.")
     engines.add_argument("--max-tokens", type=int, default=64, help="reply tokens")
@@ -209,11 +210,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         for flag in ("max_tokens", "max_audio_tokens", "rounds", "threads"):
             if getattr(args, flag) < 1:
                 raise CliError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-        if args.inputs != "text":
+        inputs = _kinds(args.inputs)
+        if inputs != ["text"]:
             from omni_mesh.bench import engines_media
 
             result = engines_media.run(
-                inputs=args.inputs, model=args.model, prompt=args.prompt, max_tokens=args.max_tokens,
+                inputs=inputs, model=args.model, prompt=args.prompt, max_tokens=args.max_tokens,
                 max_audio_tokens=args.max_audio_tokens, rounds=args.rounds, threads=args.threads, device=args.device,
             )
             print(json.dumps(result, indent=2) if args.json else engines_media.report(result))
@@ -284,6 +286,17 @@ def _counts(text: str) -> list[int]:
     if not counts or min(counts) < 1:
         raise CliError(f"--coordinators: expected counts of coordinators like 1,2, got {text!r}")
     return counts
+
+
+def _kinds(text: str) -> list[str]:
+    """`bench engines --inputs`: comma-separated kinds, each once, in the order given."""
+    from omni_mesh.bench.media_inputs import KINDS
+
+    kinds = [kind.strip() for kind in text.split(",")]
+    unknown = [kind for kind in kinds if kind not in KINDS]
+    if unknown or len(set(kinds)) != len(kinds):
+        raise CliError(f"--inputs takes kinds from {', '.join(KINDS)}, comma-separated, each once; got {text!r}")
+    return kinds
 
 
 def _json_arg(text: str, flag: str) -> dict:

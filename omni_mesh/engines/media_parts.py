@@ -78,8 +78,26 @@ def chat_and_media(inputs: Any) -> tuple[list[dict], Media, bool]:
             raise InvalidInput(f"inputs.messages[{index}].content must be a string or a list of parts")
         parts = [_part(part, media, f"inputs.messages[{index}].content[{n}]") for n, part in enumerate(content)]
         messages.append({"role": message["role"], "content": parts})
-    options = inputs.get("mm_processor_kwargs") or {}
-    return messages, media, bool(options.get("use_audio_in_video", False)) if isinstance(options, dict) else False
+    return messages, media, audio_in_video(inputs)
+
+
+def audio_in_video(inputs: Any, params: Any = None) -> bool:
+    """vLLM's `mm_processor_kwargs.use_audio_in_video`: from the request's params (where the OpenAI route
+    puts it) or its inputs (`/v1/requests` may send it either way); a value not a bool is refused."""
+    for where, holder in (("params", params), ("inputs", inputs)):
+        options = holder.get("mm_processor_kwargs") if isinstance(holder, dict) else None
+        if options is None:
+            continue
+        if not isinstance(options, dict):
+            raise InvalidInput(f"{where}.mm_processor_kwargs must be a mapping, got {type(options).__name__}")
+        value = options.get("use_audio_in_video")
+        if value is None:
+            continue
+        if not isinstance(value, bool):
+            raise InvalidInput(f"{where}.mm_processor_kwargs.use_audio_in_video must be true or false, "
+                               f"got {value!r}")
+        return value
+    return False
 
 
 def _part(part: Any, media: Media, where: str) -> dict:

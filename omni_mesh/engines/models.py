@@ -77,13 +77,14 @@ class ModelParts(ABC):
     def _config_class(self) -> Any:
         ...
 
-    def encode(self, towers: Any, inputs: Any) -> dict:
-        """A request's inputs through the processor and the towers: `Encoded` (omni_mesh.engines.encoder)."""
+    def encode(self, towers: Any, inputs: Any, *, use_audio_in_video: bool | None = None) -> dict:
+        """A request's inputs through the processor and the towers: `Encoded` (omni_mesh.engines.encoder);
+        `use_audio_in_video` None: as the inputs ask (media_parts.audio_in_video)."""
         from omni_mesh.engines.processor import process
 
-        return towers.encode(process(self.processor, inputs))
+        return towers.encode(process(self.processor, inputs, use_audio_in_video=use_audio_in_video))
 
-    def prompt(self, thinker: Any, inputs: Any) -> tuple[torch.Tensor, dict]:
+    def prompt(self, thinker: Any, inputs: Any, *, use_audio_in_video: bool | None = None) -> tuple[torch.Tensor, dict]:
         """(prompt ids [1, P], generate() arguments for its media) of a thinker's inputs: an encoder stage's
         output, a request with media (the thinker encodes it with its own towers), or text."""
         from omni_mesh.engines.media_inputs import ENCODED_KEY, prompt_ids, thinker_kwargs
@@ -97,7 +98,8 @@ class ModelParts(ABC):
 
             if thinker.model.model.audio_tower is None:
                 raise ValueError("thinker: a request with media reached a thinker without towers (an encoder stage feeds it)")
-            encoded = self.encode(Towers.of_thinker(thinker.model, self.arch, self.towers_cache), inputs)
+            towers = Towers.of_thinker(thinker.model, self.arch, self.towers_cache)
+            encoded = self.encode(towers, inputs, use_audio_in_video=use_audio_in_video)
         else:
             return text_prompt_ids(self.tokenizer, inputs), {}
         if set(encoded) <= {"input_ids", "use_audio_in_video"}:  # text only: the ids say it all

@@ -40,6 +40,7 @@ from omni_mesh.engines.kv_budget import (
     talker_kv_tokens,
 )
 from omni_mesh.engines.media_inputs import ENCODED_KEY
+from omni_mesh.engines.media_parts import audio_in_video
 from omni_mesh.engines.models import ModelParts, open_model
 from omni_mesh.engines.settings import EngineSpec, Sampling, parse_engine, within_model_len
 from omni_mesh.engines.stops import StopText, StopWatch
@@ -143,7 +144,10 @@ class EncoderStage(EngineStage):
         towers = self._loaded()
         assert self.model is not None
         loop = asyncio.get_running_loop()
-        encoded = await loop.run_in_executor(self.executor, self.model.encode, towers, inputs)
+        # vLLM's mm_processor_kwargs: the OpenAI route sends them as params, /v1/requests either way
+        in_video = audio_in_video(inputs, ctx.params)
+        encode = functools.partial(self.model.encode, towers, inputs, use_audio_in_video=in_video)
+        encoded = await loop.run_in_executor(self.executor, encode)
         return {ENCODED_KEY: encoded}
 
 
@@ -156,7 +160,9 @@ class ThinkerStage(EngineStage):
         sampling = Sampling.of(self.spec, ctx.params)
         loop = asyncio.get_running_loop()
         # media: the processor and towers (no encoder stage), or the embeddings laid out: model-thread work
-        ids, media = await loop.run_in_executor(self.executor, self.model.prompt, thinker, inputs)
+        in_video = audio_in_video(inputs, ctx.params)
+        prompt = functools.partial(self.model.prompt, thinker, inputs, use_audio_in_video=in_video)
+        ids, media = await loop.run_in_executor(self.executor, prompt)
         self.model.check_prompt(thinker, int(ids.shape[-1]))  # a 4xx before any generation
         sampling = within_model_len(self.spec, sampling, int(ids.shape[-1]))
         kv_tokens = int(ids.shape[-1]) + sampling.max_tokens

@@ -58,6 +58,6 @@ def decode_image(data: bytes, fmt: str, limits: MediaLimits | None = None) -> np
     image = _open(data, fmt, limits)
     try:
         image.load()  # Pillow refuses a truncated file here (ImageFile.LOAD_TRUNCATED_IMAGES is off)
-        return np.asarray(image.convert("RGB"))
+        return np.array(image.convert("RGB"))  # writable: torch.from_numpy warns on a read-only view
     except (OSError, SyntaxError, ValueError) as exc:
         raise MediaError(f"{fmt} image: damaged or truncated ({exc})") from None

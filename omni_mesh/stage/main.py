@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import faulthandler
+import gc
 import logging
 import os
 import socket
@@ -66,7 +67,10 @@ def main_stage(topology: Topology, stage_name: str, coordinator: str, **options:
 
 def exit_past_stuck_threads() -> None:
     """Exit now if a thread is still stuck after the replica closed (a transfer blocked in a native
-    call): Python would wait for it at exit, and a drained replica must go. Their stacks are logged."""
+    call): Python would wait for it at exit, and a drained replica must go. Their stacks are logged.
+    An idle pool thread is not stuck: a handler's own executor (an engine's model thread) is never shut
+    down, but the replica is gone by now, and collecting it wakes the executor's idle thread to end."""
+    gc.collect()
     deadline = time.monotonic() + EXIT_GRACE_S
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:

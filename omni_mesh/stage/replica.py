@@ -128,6 +128,10 @@ class StageReplica:
                 with contextlib.suppress(Exception):
                     await link.send(Deregister(self.replica_id))
             self.close()
+            # A later signal has nothing left to drain; and the loop (uvloop's outlives its close) must not
+            # keep this replica and its handler alive: the handler's idle threads end once it is collected.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, _drained_already)
 
     def request_drain(self) -> None:
         if not self.draining:
@@ -301,3 +305,7 @@ class StageReplica:
 
     async def _register_on(self, link: CoordinatorLink) -> None:
         await link.register(await self._register_message(), self._stopped)
+
+
+def _drained_already() -> None:
+    """A stop signal after the replica closed: it is on its way out already."""

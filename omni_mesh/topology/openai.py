@@ -53,15 +53,19 @@ def _final_stage(stage_ref: StageRef, key: str, topology: Topology) -> str:
 
 
 def engine_openai(topology: Topology) -> OpenAISpec | None:
-    """The OpenAI API of a topology without an `openai:` section whose one final stage runs an engine
+    """The OpenAI API of a topology without an `openai:` section whose final stages run engines
     (vllm-omni's stage configs are such): named after its model (variables expanded where they are
     set), the chat's messages in, the engine's text, audio (code2wav) and usage out, as `serve` writes
-    them (omni_mesh.model_graph). None for a topology of handlers: its outputs are its own."""
+    them (omni_mesh.model_graph). With a final thinker and a final code2wav (vllm-omni's Qwen-Omni
+    configs), the code2wav's: it passes the thinker's text and usage on. None for a topology of
+    handlers: its outputs are its own."""
     finals = topology.final_stages
-    engine = finals[0].engine if len(finals) == 1 else None
-    if engine is None or engine["part"] not in ("thinker", "code2wav"):
+    if not finals or any(f.engine is None or f.engine["part"] not in ("thinker", "code2wav") for f in finals):
         return None
-    stage = finals[0].name
+    chosen = [f for f in finals if f.engine["part"] == "code2wav"] or finals
+    if len(chosen) != 1:
+        return None
+    engine, stage = chosen[0].engine, chosen[0].name
     try:
         model = expand(engine["model"])
     except ModelNotFound:  # the coordinator may lack the variable the stages get: the topology's name

@@ -8,6 +8,7 @@ picks the exception; RuntimeError by default), `{"hang": name}` never
 returns (and takes 0.3 s to unwind when cancelled), `{"stuck": name}` never returns and swallows
 two cancellations (a clean-up stuck in a call), `{"wedge": name}` leaves a thread blocked for
 10 minutes (a native call stuck in a transfer) and answers, `{"sleep": {name: seconds}}` waits first.
+`Threaded` is `step` with a model thread of its own and a warm() of 2 s, as the engines have.
 
 Graph stages (`split`, `left`, `right`, `join`, `side`): fan-out, a streaming branch, fan-in.
 Stream stages (`gen`, `relay`): a streaming entry and a streaming final stage that checks order.
@@ -73,6 +74,27 @@ async def step(inputs: dict, ctx: Any) -> dict:
         y = out["x"]
         out = {"trail": out["trail"], "n": y.numel(), "head": y[:3], "tail": y[-2:], "sum": float(y.sum())}
     return out
+
+
+class Threaded:
+    """`step` with a model thread of its own, as the engines keep one (a ThreadPoolExecutor that stays
+    idle between requests): stopping the replica must not take it for a stuck thread."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+
+    @classmethod
+    def from_stage(cls, options: dict) -> Threaded:
+        return cls()
+
+    async def warm(self) -> None:
+        await asyncio.sleep(2.0)  # a model loading: `up` waits for the mesh to be ready meanwhile
+
+    async def __call__(self, inputs: dict, ctx: Any) -> dict:
+        await asyncio.get_running_loop().run_in_executor(self.executor, time.sleep, 0.01)
+        return await step(inputs, ctx)
 
 
 async def opaque(inputs: dict, ctx: Any) -> dict:

@@ -29,24 +29,32 @@ class Reference:
         whole = Qwen2_5OmniForConditionalGeneration if arch == "qwen2_5_omni" else Qwen3OmniMoeForConditionalGeneration
         self.model = whole.from_pretrained(str(checkpoint)).eval()
 
-    def features(self, files: list[tuple[str, bytes, str]]) -> dict[str, Any]:
+    def features(self, files: list[tuple[str, bytes, str]], *, use_audio_in_video: bool = False) -> dict[str, Any]:
         """The processor's outputs for one user message: the media `(kind, bytes, format)` in order, then
-        QUESTION; the media decoded by omni_mesh.media, called here directly, not through the engines."""
+        QUESTION; the media decoded by omni_mesh.media, called here directly, not through the engines.
+        `use_audio_in_video`: each video's audio track goes in too, as the library takes a decoded track
+        (`load_audio_from_video` with one audio per slot, `audio_from_video_indices` naming its video)."""
         content = [{"type": kind} for kind, _, _ in files] + [{"type": "text", "text": QUESTION}]
         text = self.processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                                   add_generation_prompt=True)
         kwargs: dict[str, Any] = {}
+        tracks = []
         for kind, data, fmt in files:
             decoded = media.decode({"type": kind, "data": data, "format": fmt})
             if kind == "video":
                 kwargs.setdefault("videos", []).append(decoded.frames)
                 kwargs["videos_kwargs"] = {"fps": decoded.fps}
+                tracks.append(decoded.audio)
             else:
                 kwargs.setdefault({"audio": "audio", "image": "images"}[kind], []).append(decoded)
+        if use_audio_in_video:
+            clips = kwargs.get("audio", [])
+            kwargs["audio_from_video_indices"] = [None] * len(clips) + list(range(len(tracks)))
+            kwargs.update(audio=clips + tracks, load_audio_from_video=True)
         return dict(self.processor(text=text, return_tensors="pt", **kwargs))
 
     def generate(
-        self, features: dict[str, Any], *, max_tokens: int, max_codes: int, seed: int
+        self, features: dict[str, Any], *, max_tokens: int, max_codes: int, seed: int, use_audio_in_video: bool = False
     ) -> tuple[str, np.ndarray | None]:
         """(reply text, waveform float32) of generate() greedy, every other argument at its default. Qwen3's
         waveform is None for audio with images or video: 5.25's talker fails on them (qwen3_omni.TALKER_GRID_KEYS),
@@ -62,14 +70,15 @@ class Reference:
                 # 5.25 hands every shared argument to the talker too; pixels are the thinker's only
                 dropped = {f"talker_{key}": None for key in ("pixel_values", "pixel_values_videos") if key in features}
                 sequences, wav = model.generate(
-                    **features, **dropped, thinker_max_new_tokens=max_tokens, thinker_do_sample=False,
+                    **features, **dropped, use_audio_in_video=use_audio_in_video,
+                    thinker_max_new_tokens=max_tokens, thinker_do_sample=False,
                     talker_do_sample=False, talker_max_new_tokens=max_codes, talker_eos_token_id=talker.stop_ids,
                     talker_logits_processor=talker.logits_processor(),
                 )
             else:
                 talks = "input_features" not in features or not {"pixel_values", "pixel_values_videos"} & set(features)
                 out = model.generate(
-                    **features, use_audio_in_video=False, thinker_max_new_tokens=max_tokens,
+                    **features, use_audio_in_video=use_audio_in_video, thinker_max_new_tokens=max_tokens,
                     thinker_eos_token_id=model.config.im_end_token_id, thinker_do_sample=False,
                     talker_do_sample=False, talker_max_new_tokens=max_codes + 1, return_audio=talks,
                 )

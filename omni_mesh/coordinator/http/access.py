@@ -88,8 +88,10 @@ class AccessLog:
                 label = route_label(scope, self.routes, path, root_path)
                 self.metrics.observe_http(label, scope["method"], status, elapsed)
             # `up`'s watchdog and container probes ask /health every few seconds: their answers are noise
-            # and so is `up`'s autoscaling poll of /v1/stages (twice a second, launcher_scale.POLLER).
+            # and so is `up`'s autoscaling poll of /v1/stages (twice a second, launcher_scale.POLLER);
+            # /ready is polled five times a second while the stages load (`up`) and by readiness probes:
+            # its 503s then are the normal course (the stages' own lines say what they do).
             poll = scope["path"] == "/v1/stages" and (b"user-agent", POLLER) in scope.get("headers", ())
-            quiet = (scope["path"] == "/health" or poll) and status == 200
+            quiet = ((scope["path"] == "/health" or poll) and status == 200) or scope["path"] == "/ready"
             (log.debug if quiet else log.info)("%s %s %d %.1f ms", scope["method"], scope["path"], status, elapsed * 1000)
             logs.request_id.reset(token)
