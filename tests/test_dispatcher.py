@@ -127,6 +127,18 @@ async def test_work_waits_in_the_queue_for_a_free_slot_and_goes_to_the_least_loa
     assert not mesh.dispatcher.queues["a"]
 
 
+async def test_ties_take_turns_within_each_stage_whatever_the_other_stages_pick() -> None:
+    mesh = Mesh(chain("encoder", "thinker"))
+    mesh.add("encoder", "encoder-0")
+    mesh.add("encoder", "encoder-1")
+    mesh.add("thinker", "thinker-0")
+    picked = []
+    for _ in range(4):  # each request's encoder pick, then its thinker's, every replica idle again between
+        picked.append(mesh.registry.pick("encoder").replica_id)
+        assert mesh.registry.pick("thinker").replica_id == "thinker-0"
+    assert picked == ["encoder-0", "encoder-1", "encoder-0", "encoder-1"]
+
+
 async def test_a_lost_replica_s_work_is_retried_once_then_fails_naming_the_stage() -> None:
     mesh = Mesh(chain("a"))
     a0, a1 = mesh.add("a", "a-0"), mesh.add("a", "a-1")

@@ -130,7 +130,9 @@ class Registry:
         self.silent: dict[str, Replica] = {}  # taken out for silence, process not confirmed gone
         self.restarts: dict[str, int] = {}
         self._last_pid: dict[str, int] = {}  # replica id -> pid of its latest registration
-        self._tiebreak = itertools.count()
+        # one round robin per stage: a shared count, advanced by the other stages' picks in between, sent
+        # every encoder request of an alternating encoder -> thinker flow to the same replica
+        self._tiebreak: dict[str, itertools.count] = {}
         self.stalled_s = 0.0  # how long our own loop stood still, in all: no replica's silence
         self._last_reading: float | None = None  # None until the monitor ticks (`tick`)
         self.expected_edges = {
@@ -296,7 +298,8 @@ class Registry:
             return None
         least = min(r.busy for r in candidates)
         tied = [r for r in candidates if r.busy == least]
-        return tied[next(self._tiebreak) % len(tied)]
+        turns = self._tiebreak.setdefault(stage, itertools.count())
+        return tied[next(turns) % len(tied)]
 
     def is_healthy(self, replica: Replica) -> bool:
         return replica.health(self.now(), self.heartbeat_timeout_s) == "healthy"
