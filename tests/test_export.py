@@ -99,6 +99,81 @@ def test_host_network_variant_listens_on_loopback_only() -> None:
         ComposeOptions("host", http_port=8000, control_port=8000)
 
 
+def _several(tmp_path: Path, *args: str) -> dict:
+    """omni-demo exported by the CLI with `args`, next to a copy of the demo (so its paths resolve), as
+    `docker-compose config` resolves it."""
+    topology = _topology_file(tmp_path, "omni-demo.yaml", yaml.safe_load((COMPOSE / "omni-demo.yaml").read_text()))
+    output = topology.parent / "docker-compose.yml"
+    result = export("compose", str(topology), *args, "-o", str(output))
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(output.read_text()) is not None
+    return compose_config(output)
+
+
+def test_compose_several_coordinators_share_the_published_rest_port(tmp_path: Path) -> None:
+    """--coordinators 3, bridge: c0 publishes the one REST port; the others join its network namespace
+    and bind the port with SO_REUSEPORT, each with its own control and REST port (its health check) and
+    the status volume; every stage is given every control endpoint and waits for every coordinator."""
+    document = _several(tmp_path, "--coordinators", "3")
+    services = document["services"]
+    coordinators = ["coordinator", "coordinator-1", "coordinator-2"]
+    assert set(services) == {*coordinators, *DEMO_STAGES}
+    assert "coordinators" in document["volumes"]
+    for index, name in enumerate(coordinators):
+        spec = services[name]
+        assert spec["command"] == ["omni-mesh", "coordinator", "--reuse-port", "--own-port", str(8001 + index)]
+        env = spec["environment"]
+        assert (env["OMNI_MESH_PORT"], env["OMNI_MESH_CONTROL_BIND"]) == ("8000", f"tcp://0.0.0.0:{5555 + index}")
+        assert (env["OMNI_MESH_COORDINATOR_ID"], env["OMNI_MESH_COORDINATORS_DIR"]) == (
+            f"c{index}",
+            "/var/lib/omni-mesh/coordinators",
+        )
+        mount = spec["volumes"][0]  # compose v1 resolves it to `source:target:rw`, v2 to a mapping
+        mount = mount.split(":")[:2] if isinstance(mount, str) else [mount["source"], mount["target"]]
+        assert len(spec["volumes"]) == 1 and mount == ["coordinators", "/var/lib/omni-mesh/coordinators"], name
+        assert f"127.0.0.1:{8001 + index}/health" in " ".join(spec["healthcheck"]["test"]), name
+        assert spec["restart"] == "unless-stopped" and spec["stop_grace_period"] in ("15s", 15, 15_000_000_000)
+        if index:
+            assert spec["network_mode"] == "service:coordinator" and "ports" not in spec, name
+            assert spec["ipc"] == "service:coordinator", name  # the demo's stages share memory
+            assert "coordinator" in spec["depends_on"], name
+    assert len(services["coordinator"]["ports"]) == 1 and "network_mode" not in services["coordinator"]
+    for stage in DEMO_STAGES:
+        env = services[stage]["environment"]
+        assert env["OMNI_MESH_COORDINATOR"] == "tcp://coordinator:5555,tcp://coordinator:5556,tcp://coordinator:5557"
+        assert set(coordinators) <= set(services[stage]["depends_on"]), stage
+
+
+def test_compose_several_coordinators_on_the_host_network_stay_on_loopback(tmp_path: Path) -> None:
+    document = _several(
+        tmp_path, "--network", "host", "--http-port", "18000", "--control-port", "18555", "--coordinators", "2"
+    )
+    services = document["services"]
+    for index, name in enumerate(["coordinator", "coordinator-1"]):
+        spec = services[name]
+        assert spec["network_mode"] == "host" and "ports" not in spec, name
+        assert spec["command"][-2:] == ["--own-port", str(18001 + index)]
+        env = spec["environment"]
+        assert (env["OMNI_MESH_HOST"], env["OMNI_MESH_PORT"]) == ("127.0.0.1", "18000")
+        assert env["OMNI_MESH_CONTROL_BIND"] == f"tcp://127.0.0.1:{18555 + index}"
+    for stage in DEMO_STAGES:
+        assert services[stage]["environment"]["OMNI_MESH_COORDINATOR"] == "tcp://127.0.0.1:18555,tcp://127.0.0.1:18556"
+    # The own REST ports (18001-18002) must not run into the control ports.
+    result = export("compose", "compose/omni-demo.yaml", "--network", "host", "--http-port", "18000",
+                    "--control-port", "18002", "--coordinators", "2")
+    assert result.returncode == 2 and "--coordinators 2" in result.stderr and "overlap" in result.stderr
+    result = export("compose", "compose/omni-demo.yaml", "--coordinators", "0")
+    assert result.returncode == 2 and "at least 1" in result.stderr
+
+
+def test_compose_one_coordinator_is_the_file_of_today() -> None:
+    assert export("compose", "compose/omni-demo.yaml", "--coordinators", "1").stdout == export(
+        "compose", "compose/omni-demo.yaml"
+    ).stdout
+    header = export("compose", "compose/omni-demo.yaml", "--coordinators", "2").stdout.split("services:")[0]
+    assert "--coordinators 2" in header and "restarted too" in header
+
+
 def test_export_refuses_what_it_cannot_deploy(tmp_path: Path) -> None:
     named = _topology_file(tmp_path, "named.yaml", {"stages": [{"stage_id": 0, "name": "coordinator", "handler": "m:f"}]})
     result = export("compose", str(named))

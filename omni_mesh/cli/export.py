@@ -33,6 +33,10 @@ def _add_export(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPars
     )
     compose.add_argument("--http-port", type=int, default=8000, help="with --network host: the REST port")
     compose.add_argument("--control-port", type=int, default=5555, help="with --network host: the control plane's port")
+    compose.add_argument(
+        "--coordinators", type=int, default=1, metavar="N",
+        help="coordinator services sharing the REST port (more than 1: no single point of failure)",
+    )
     k8s.add_argument("--image", default="omni-mesh:latest", help="the image every pod runs (push it where the cluster pulls)")
     k8s.add_argument("--name", default=None, help="prefix of every object's name (default: the topology's name)")
     k8s.add_argument(
@@ -58,7 +62,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     try:
         source = export.ImageSource.find(topology, args.context)
         if args.export == "compose":
-            options = export.ComposeOptions(args.network, args.http_port, args.control_port)
+            options = export.ComposeOptions(args.network, args.http_port, args.control_port, args.coordinators)
             result = export.export_compose(topology, source, output, options)
         else:
             if args.coordinators < 1:

@@ -1,7 +1,7 @@
 """Deployment files generated from a topology, so the topology stays the one source of truth.
 
 - `compose.py`: a Compose file (`omni-mesh export compose`); the committed compose/docker-compose*.yml
-  of the one-host demos are its output.
+  of the one-host demos are its output; `compose_coordinators.py`: several coordinators in it.
 - `k8s.py`: Kubernetes manifests (`omni-mesh export k8s`).
 - `roles.py` (each role's command, environment and health check), `placement.py` (which stages share
   memory, which edges cross containers), `resources.py` (the stage key `resources:`), `source.py` (where

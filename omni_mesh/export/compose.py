@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omni_mesh.export import compose_coordinators as several
 from omni_mesh.export.output import Exported, render
 from omni_mesh.export.placement import crossing_warnings, shm_edges
 from omni_mesh.export.resources import stage_resources
@@ -48,12 +49,20 @@ class ComposeOptions:
     network: str = "bridge"
     http_port: int = HTTP_PORT  # host network: the REST port on 127.0.0.1
     control_port: int = CONTROL_PORT  # host network: the control plane's port on 127.0.0.1
+    coordinators: int = 1  # more: compose_coordinators.py
 
     def __post_init__(self) -> None:
         if self.network not in NETWORKS:
             raise ExportError(f"network {self.network!r}: choose one of {', '.join(NETWORKS)}")
         if self.network == "host" and self.http_port == self.control_port:
             raise ExportError(f"the REST and control ports are both {self.http_port}: give each its own")
+        self.ports()  # refuses ports that clash
+
+    def ports(self) -> several.CoordinatorPorts:
+        """Where the coordinators listen (the bridge network: the defaults, in coordinator's namespace)."""
+        host = self.network == "host"
+        rest, control = (self.http_port, self.control_port) if host else (HTTP_PORT, CONTROL_PORT)
+        return several.CoordinatorPorts.make(self.coordinators, rest, control)
 
 
 def export_compose(
@@ -85,11 +94,12 @@ class _Builder:
         self.stage_health = _healthcheck(STAGE_HEALTH, start_period_s=60)
         self.anchors = {id(self.build): "build", id(self.stage_health): "stage-healthcheck"}
         taken = {stage.name for stage in topology.stages}
-        for name in [COORDINATOR, *(m.name for m in self.masters)]:
+        coordinators = [several.name(i) for i in range(options.coordinators)]
+        for name in [*coordinators, *(m.name for m in self.masters)]:
             if name in taken:
                 raise ExportError(
                     f"stage {name!r}: the compose file needs a service of that name for the "
-                    f"{'coordinator' if name == COORDINATOR else 'Mooncake store master'}; rename the stage"
+                    f"{'coordinator' if name in coordinators else 'Mooncake store master'}; rename the stage"
                 )
 
     def document(self) -> dict[str, Any]:
@@ -97,12 +107,15 @@ class _Builder:
         for master in self.masters:
             services[master.name] = self.master(master)
         services[COORDINATOR] = self.coordinator()
+        if self.options.coordinators > 1:
+            services.update(several.services(services[COORDINATOR], self.options.ports(), host=self.host, healthcheck=_healthcheck_30s))
         for stage in self.topology.stages:
             services[stage.name] = self.stage(stage)
-        return {
-            "services": services,
-            "secrets": {SECRET: {"file": "${OMNI_MESH_KEYS_FILE:-./keys/mesh.key_secret}"}},
-        }
+        document: dict[str, Any] = {"services": services}
+        if self.options.coordinators > 1:
+            document["volumes"] = {several.VOLUME: {}}
+        document["secrets"] = {SECRET: {"file": "${OMNI_MESH_KEYS_FILE:-./keys/mesh.key_secret}"}}
+        return document
 
     def _build(self) -> dict[str, Any]:
         build: dict[str, Any] = {"context": self.source.context_from(self.directory), "dockerfile": str(DOCKERFILE)}
@@ -138,15 +151,15 @@ class _Builder:
             service["ipc"] = "shareable"  # every stage joins it: shared memory between containers
             service["shm_size"] = "${OMNI_MESH_SHM_SIZE:-2gb}"
         service["stop_grace_period"] = f"{COORDINATOR_STOP_GRACE_S}s"
-        service["healthcheck"] = _healthcheck(COORDINATOR_HEALTH, start_period_s=30)
+        service["healthcheck"] = _healthcheck_30s(COORDINATOR_HEALTH)
         return service
 
     def stage(self, stage: StageSpec) -> dict[str, Any]:
-        control = self.options.control_port if self.host else CONTROL_PORT
-        where = "127.0.0.1" if self.host else COORDINATOR
+        where = "127.0.0.1" if self.host else COORDINATOR  # several coordinators: all in one namespace
+        endpoints = ",".join(f"tcp://{where}:{control}" for control in self.options.ports().controls)
         service = self.base()
         service["command"] = ["omni-mesh", "stage"]
-        service["environment"] = stage_env(self.source.in_image, stage.name, coordinator=f"tcp://{where}:{control}")
+        service["environment"] = stage_env(self.source.in_image, stage.name, coordinator=endpoints)
         if self.shares_memory:
             service["ipc"] = f"service:{COORDINATOR}"
         masters = [m for m in self.masters if stage.name in m.users]
@@ -158,8 +171,9 @@ class _Builder:
         if resources.gpus:
             device = {"driver": resources.gpu_vendor, "count": resources.gpus, "capabilities": ["gpu"]}
             service["deploy"] = {"resources": {"reservations": {"devices": [device]}}}
+        coordinators = [several.name(i) for i in range(self.options.coordinators)]
         service["depends_on"] = {
-            name: {"condition": "service_healthy"} for name in [COORDINATOR, *(m.name for m in masters)]
+            name: {"condition": "service_healthy"} for name in [*coordinators, *(m.name for m in masters)]
         }
         service["stop_grace_period"] = f"{STAGE_STOP_GRACE_S}s"
         service["healthcheck"] = self.stage_health
@@ -176,11 +190,17 @@ def _healthcheck(command: list[str], *, start_period_s: int) -> dict[str, Any]:
     return {"test": ["CMD", *command], "interval": "5s", "timeout": "3s", "retries": 3, "start_period": f"{start_period_s}s"}
 
 
+def _healthcheck_30s(command: list[str]) -> dict[str, Any]:
+    """A coordinator's health check."""
+    return _healthcheck(command, start_period_s=30)
+
+
 def _header(topology: Topology, source: ImageSource, output: Path | None, options: ComposeOptions) -> list[str]:
     file = source.shown(output) if output is not None else "docker-compose.yml"
     flags = "" if options.network == "bridge" else (
         f" --network host --http-port {options.http_port} --control-port {options.control_port}"
     )
+    flags += f" --coordinators {options.coordinators}" if options.coordinators > 1 else ""
     chain = " -> ".join(stage.name for stage in topology.stages)
     scaled = topology.stages[min(1, len(topology.stages) - 1)].name
     paragraphs = [
@@ -188,7 +208,7 @@ def _header(topology: Topology, source: ImageSource, output: Path | None, option
         "(tests/test_export.py checks that they agree):",
         f"  omni-mesh export compose {source.relative}{flags} -o {file}",
         "",
-        f"{topology.name}: the coordinator and one service per stage ({chain}), all from the image built "
+        f"{topology.name}: {_coordinators(options.coordinators)} and one service per stage ({chain}), all from the image built "
         f"from {DOCKERFILE}.",
         "",
     ]
@@ -202,6 +222,8 @@ def _header(topology: Topology, source: ImageSource, output: Path | None, option
         "removes replicas of a running mesh. Each replica finds the coordinator, registers and heartbeats; "
         "stopped (SIGTERM), it finishes its work and deregisters before it exits (stop_grace_period)."
     ]
+    if options.coordinators > 1:
+        notes.append(several.note(options.coordinators, options.network == "host"))
     scaled_stages = [stage.name for stage in topology.stages if stage.autoscale is not None]
     if scaled_stages:
         notes.append(autoscale_note(scaled_stages))
@@ -221,7 +243,7 @@ def _header(topology: Topology, source: ImageSource, output: Path | None, option
     if options.network == "host":
         notes.append(
             f"Network: every service on the host's network, listening on 127.0.0.1 only: REST on "
-            f"{options.http_port}, the control plane on {options.control_port}."
+            f"{options.http_port}, the control plane on {options.control_port}{_more_ports(options)}."
         )
     else:
         variables[:0] = [
@@ -235,6 +257,21 @@ def _header(topology: Topology, source: ImageSource, output: Path | None, option
     for note in notes:
         lines += [*_wrap(note), ""]
     return lines[:-1]
+
+
+def _more_ports(options: ComposeOptions) -> str:
+    """Several coordinators: the ports past the first each takes."""
+    if options.coordinators == 1:
+        return ""
+    ports = options.ports()
+    return (
+        f" (each coordinator's own: control {ports.controls[0]}-{ports.controls[-1]}, "
+        f"REST {ports.owns[0]}-{ports.owns[-1]})"
+    )
+
+
+def _coordinators(count: int) -> str:
+    return "the coordinator" if count == 1 else f"{count} coordinators"
 
 
 def autoscale_note(stages: list[str]) -> str:
