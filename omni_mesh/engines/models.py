@@ -121,6 +121,10 @@ class ModelParts(ABC):
     def decode(self, decoder: Any, codes: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         ...
 
+    def decode_many(self, decoder: Any, requests: list[tuple[torch.Tensor, Sampling]]) -> list[torch.Tensor]:
+        """decode() of several requests (code2wav's Gather): in one call where the part allows it."""
+        return [self.decode(decoder, codes, sampling) for codes, sampling in requests]
+
     @abstractmethod
     def stream_decoder(self, decoder: Any, sampling: Sampling) -> Any:
         """An object with `feed(codes) -> samples` and `finish() -> samples`, for one request."""
@@ -341,6 +345,9 @@ class Qwen3Omni(ModelParts):
 
     def decode(self, decoder: Any, codes: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         return decoder.decode(codes)
+
+    def decode_many(self, decoder: Any, requests: list[tuple[torch.Tensor, Sampling]]) -> list[torch.Tensor]:
+        return decoder.decode_many([codes for codes, _ in requests])  # code2wav needs no seed nor speaker
 
     def stream_decoder(self, decoder: Any, sampling: Sampling) -> Any:
         # decode each chunk as it arrives (the talker's first chunk is the short one)
