@@ -92,6 +92,30 @@ def assert_same(model: Any, one: Any, other: Any) -> None:
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(b[key])), key
 
 
+def leaving_client(
+    batcher: Batcher, requests: int
+) -> tuple[list[Any], list[Any], dict[str, list[int]], list[list[Any]]]:
+    """Pushes and stop flags for `requests` requests sent together: request 1's client leaves after its
+    5th token (code, frame). `at`: the batch's step count then ("cancelled") and when the last request
+    got its first token ("joined"); `seen`: what each request got."""
+    cancel = threading.Event()
+    seen: list[list[Any]] = [[] for _ in range(requests)]
+    at: dict[str, list[int]] = {"cancelled": [], "joined": []}
+
+    def push_of(i: int) -> Any:
+        def push(token: Any) -> None:
+            seen[i].append(token)
+            if i == 1 and len(seen[i]) == 5:
+                cancel.set()
+                at["cancelled"].append(batcher.steps_total)
+            if i == requests - 1 and not at["joined"]:
+                at["joined"].append(batcher.steps_total)
+        return push
+
+    stops = [cancel.is_set if i == 1 else (lambda: False) for i in range(requests)]
+    return [push_of(i) for i in range(requests)], stops, at, seen
+
+
 @pytest.mark.parametrize("params", [
     {"temperature": 0},
     {"temperature": 0.9, "seed": 7, "top_k": 20, "presence_penalty": 0.5, "repetition_penalty": 1.2},
@@ -121,29 +145,15 @@ def test_a_cancelled_request_leaves_at_once_and_the_waiting_one_takes_its_place(
     prompts = PROMPTS[:5]
     references = [alone(model, thinker, p, long) for p in prompts]
     assert all(len(model.reply_ids(r)) == 40 for r in references)  # no eos before max_tokens: rows stay
-    cancel = threading.Event()
-    seen: list[list[int]] = [[] for _ in prompts]
-    joined_at: list[int] = []  # the batch's step count when request 4 got its first token
     batcher = batcher_of(model, thinker, max_batch=4)
-
-    def push_of(i: int) -> Any:
-        def push(token: int) -> None:
-            seen[i].append(token)
-            if i == 1 and len(seen[i]) == 5:
-                cancel.set()  # the client of request 1 leaves after its 5th token
-            if i == 4 and not joined_at:
-                joined_at.append(batcher.steps_total)
-        return push
-
-    stops = [lambda: False, cancel.is_set, lambda: False, lambda: False, lambda: False]
-    outputs = batched(model, thinker, [(p, long) for p in prompts], batcher,
-                      pushes=[push_of(i) for i in range(5)], stops=stops)
+    pushes, stops, at, seen = leaving_client(batcher, len(prompts))
+    outputs = batched(model, thinker, [(p, long) for p in prompts], batcher, pushes=pushes, stops=stops)
     assert len(model.reply_ids(outputs[1])) == 5 and seen[1] == model.reply_ids(references[1]).tolist()[:5]
     for i in (0, 2, 3, 4):
         assert_same(model, references[i], outputs[i])
     # request 4 waited for a place (max_batch 4) and joined the step after the cancel, long before the
     # others ended (their 40 tokens take 39 steps)
-    assert joined_at == [4]
+    assert at["joined"] == [4]
     assert batcher.counters()["batch_steps_total"] == 4 + 39
 
 
@@ -208,29 +218,13 @@ def test_a_cancelled_talker_request_leaves_at_once_and_the_others_get_their_code
     payloads = talker_payloads(model, thinker)[:5]
     sampling = Sampling.of(model.spec, {"temperature": 0, "max_audio_tokens": 30})
     references = [talk_alone(model, talker, p, sampling) for p in payloads]
-    cancel = threading.Event()
-    seen: list[list[Any]] = [[] for _ in payloads]
-    cancelled_at: list[int] = []  # the batch's step count when request 1's client left
-    joined_at: list[int] = []  # ... and when request 4 got its first code (frame)
     batcher = Batcher("talker", model.batch_engine(talker, "talker"), 4)
-
-    def push_of(i: int) -> Any:
-        def push(code: Any) -> None:
-            seen[i].append(code)
-            if i == 1 and len(seen[i]) == 5:
-                cancel.set()  # the client of request 1 leaves after its 5th code (frame)
-                cancelled_at.append(batcher.steps_total)
-            if i == 4 and not joined_at:
-                joined_at.append(batcher.steps_total)
-        return push
-
-    stops = [lambda: False, cancel.is_set, lambda: False, lambda: False, lambda: False]
-    codes = talk_batched(model, talker, [(p, sampling) for p in payloads], batcher,
-                         pushes=[push_of(i) for i in range(5)], stops=stops)
+    pushes, stops, at, _ = leaving_client(batcher, len(payloads))
+    codes = talk_batched(model, talker, [(p, sampling) for p in payloads], batcher, pushes=pushes, stops=stops)
     assert len(references[1]) == 30 and codes[1].tolist() == references[1].tolist()[:5]  # nothing after the cancel
     for i in (0, 2, 3, 4):
         assert codes[i].tolist() == references[i].tolist()
     # the waiting request (max_batch 4) took the freed place within one step (Qwen3's first frame comes
     # with its first step, Qwen2.5's first code with its prefill)
-    assert joined_at[0] - cancelled_at[0] <= 1
+    assert at["joined"][0] - at["cancelled"][0] <= 1
     assert batcher.counters()["batch_running"] == 0
