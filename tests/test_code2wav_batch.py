@@ -1,9 +1,11 @@
-"""code2wav's batched decode (omni_mesh.engines.gather, Qwen3OmniCode2Wav.decode_many) on a tiny random
-Qwen3-Omni, in one process:
+"""code2wav's batched decode (omni_mesh.engines.gather, Qwen3OmniCode2Wav.decode_many, token2wav_batch)
+on tiny random checkpoints, in one process:
 
-- whole replies of different lengths decoded in one call each equal their own decode() (to float
-  rounding: the model is causal, so a row never reads the padding after it), and their 16-bit PCM within
-  one step;
+- Qwen3-Omni: whole replies of different lengths decoded in one call each equal their own decode() (to
+  float rounding: the model is causal, so a row never reads the padding after it), and their 16-bit PCM
+  within one step;
+- Qwen2.5-Omni: replies of as many codes (and one speaker) decoded in one DiT batch, each from its own
+  seed's noise, equal their own decode() within 2 steps of 16-bit PCM; others decode alone;
 - through the stage's Gather: what queues while the model thread is busy goes in one call (at most
   max_batch), a request cancelled while it waits never runs, a failing call fails its own requests only.
 """
@@ -103,3 +105,28 @@ def test_a_failing_call_fails_its_own_requests_and_the_gather_goes_on(parts: Any
     good = gather.submit((codes_of(decoder, 5, 0), sampling))
     assert len(good.result(60)) == decoder.conv.output_length(5)
     executor.shutdown()
+
+
+def test_qwen2_5_replies_of_one_length_decode_in_one_batch_each_from_its_own_seed(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    directory = build_tiny("qwen2_5_omni", tmp_path_factory.mktemp("q25"))
+    model = open_model(parse_engine({"part": "code2wav", "model": str(directory), "num_steps": 4}, "test"))
+    decoder = model.load("code2wav")
+    generator = torch.Generator().manual_seed(0)
+    lengths = (30, 30, 12, 30, 30, 12, 7)
+    requests = [(torch.randint(0, 100, (n,), generator=generator), Sampling.of(model.spec, {"seed": i}))
+                for i, n in enumerate(lengths)]
+    alone = [model.decode(decoder, codes, sampling) for codes, sampling in requests]
+    batches: list[int] = []  # the DiT's batch per forward: rows and their unconditioned twins (guidance)
+    hook = decoder.model.code2wav_dit_model.register_forward_pre_hook(
+        lambda module, args, kwargs: batches.append(int(kwargs["hidden_states"].shape[0])), with_kwargs=True
+    )
+    try:
+        together = model.decode_many(decoder, requests)
+    finally:
+        hook.remove()
+    for n, one, other in zip(lengths, alone, together, strict=True):
+        assert one.shape == other.shape, n
+        assert int(np.abs(pcm(one) - pcm(other)).max()) <= 2, n
+    assert sorted(set(batches)) == [1, 2, 4]  # the four of 30 codes together, the two of 12, the one of 7

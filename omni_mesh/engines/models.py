@@ -266,6 +266,11 @@ class Qwen2_5Omni(ModelParts):
     def decode(self, decoder: Any, codes: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         return decoder.decode(codes, speaker=sampling.speaker, seed=sampling.seed)
 
+    def decode_many(self, decoder: Any, requests: list[tuple[torch.Tensor, Sampling]]) -> list[torch.Tensor]:
+        from omni_mesh.engines.token2wav_batch import decode_many
+
+        return decode_many(decoder, [(codes, sampling.speaker, sampling.seed) for codes, sampling in requests])
+
     def stream_decoder(self, decoder: Any, sampling: Sampling) -> Any:
         return decoder.stream(speaker=sampling.speaker, seed=sampling.seed, context=self.spec.context_codes)
 
