@@ -12,6 +12,7 @@ Each row keeps its own processors, seed and step; a frame goes to its request as
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -20,7 +21,14 @@ import torch
 from transformers import DynamicCache, LogitsProcessorList
 
 from omni_mesh.engines.batching import Job, Row
-from omni_mesh.engines.thinker_batch import Begun, Sequence, ThinkerBatch, _NoLock, draw, logits_processors
+from omni_mesh.engines.thinker_batch import (
+    Begun,
+    Sequence,
+    TalkerBatch,
+    ThinkerBatch,
+    draw,
+    logits_processors,
+)
 
 
 def _ignore(item: Any) -> None:
@@ -49,9 +57,7 @@ class Qwen3TalkerBatch(ThinkerBatch):
         self.codec_eos = codec_eos
         self.groups = int(model.config.num_code_groups)
 
-    def _rope_delta(self) -> int:
-        delta = getattr(self.model, "rope_deltas", None)
-        return 0 if delta is None else int(delta.reshape(-1)[0])
+    _rope_delta = TalkerBatch._rope_delta  # the talker keeps its rope deltas on itself, as Qwen2.5's
 
     def join(self, job: Job, begun: Begun) -> tuple[Row, int]:
         # the row pushes frames (from step()), not the first codes the batch hands Row.take()
@@ -61,7 +67,7 @@ class Qwen3TalkerBatch(ThinkerBatch):
             state = Voice(begun, LogitsProcessorList(), None, True, torch.zeros(1, 0, dtype=torch.long),
                           torch.zeros(4, 1, dtype=torch.long), 0, push=job.push)
             return Row(quiet, state, 1, frozenset({self.codec_eos})), self.codec_eos
-        with begun.lock or _NoLock():
+        with begun.lock or contextlib.nullcontext():
             kwargs = dict(prepared.kwargs)
             cache = kwargs.pop("cache", None)
             cache = DynamicCache(config=self.model.config.get_text_config()) if cache is None else cache
@@ -95,8 +101,7 @@ class Qwen3TalkerBatch(ThinkerBatch):
             state.steps.append(frame)
             state.push(frame)
         embeds = self._next_inputs(states, frames)
-        if len(states) != len(self.members) or any(a is not b for a, b in zip(states, self.members, strict=True)):
-            self._stack(states)
+        self._restack(states)
         assert self.cache is not None and self.mask is not None
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(states), 1)], dim=1)
         out = self.model.model(

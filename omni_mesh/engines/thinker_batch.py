@@ -88,8 +88,7 @@ class ThinkerBatch:
 
     def step(self, rows: list[Row]) -> list[int]:
         states: list[Sequence] = [row.state for row in rows]
-        if len(states) != len(self.members) or any(a is not b for a, b in zip(states, self.members, strict=True)):
-            self._stack(states)
+        self._restack(states)
         assert self.cache is not None and self.mask is not None
         device = self.mask.device
         tokens = torch.tensor([[int(s.sequence[0, -1])] for s in states], device=device)
@@ -135,6 +134,11 @@ class ThinkerBatch:
 
     def _processors(self, begun: Begun) -> LogitsProcessorList:
         return logits_processors(self.model, begun.generation, begun.prepared.input_ids)
+
+    def _restack(self, states: list[Sequence]) -> None:
+        """The batch's cache stacked anew when its rows are not the ones stacked (a row joined or left)."""
+        if len(states) != len(self.members) or any(a is not b for a, b in zip(states, self.members, strict=True)):
+            self._stack(states)
 
     def _stack(self, states: list[Sequence]) -> None:
         """The rows' caches as one batch, each left-padded to the longest: made when a row joins or leaves
