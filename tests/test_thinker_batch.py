@@ -228,3 +228,20 @@ def test_a_cancelled_talker_request_leaves_at_once_and_the_others_get_their_code
     # with its first step, Qwen2.5's first code with its prefill)
     assert at["joined"][0] - at["cancelled"][0] <= 1
     assert batcher.counters()["batch_running"] == 0
+
+
+# Qwen3's talker: a reply of one token has nothing to speak (no generate() at all)
+@pytest.mark.parametrize("parts", ["qwen3_omni"], indirect=True)
+def test_talker_requests_with_nothing_to_speak_end_at_once_beside_the_others(parts: Any) -> None:
+    model, thinker = parts
+    talker = model.load("talker")
+    one_token = model.talker_payload(alone(model, thinker, PROMPTS[0], Sampling.of(model.spec, {"max_tokens": 1})))
+    full = talker_payloads(model, thinker)[1]
+    sampling = Sampling.of(model.spec, {"temperature": 0, "max_audio_tokens": 20})
+    requests = [(one_token, sampling), (full, sampling), (one_token, sampling)]
+    references = [talk_alone(model, talker, p, s) for p, s in requests]
+    batcher = Batcher("talker", model.batch_engine(talker, "talker"), 4)
+    codes = talk_batched(model, talker, requests, batcher)
+    assert [c.tolist() for c in codes] == [c.tolist() for c in references]
+    assert len(codes[0]) == len(codes[2]) == 0 and len(codes[1]) == 20
+    assert batcher.counters()["batch_running"] == 0
