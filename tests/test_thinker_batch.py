@@ -1,9 +1,10 @@
 """The thinkers' continuous batching (omni_mesh.engines.batching, thinker_batch) on tiny random
-checkpoints of both architectures, in one process (and Qwen2.5-Omni's talker's):
+checkpoints of both architectures, in one process (and the talkers'):
 
 - 8 requests of different prompt and reply lengths decoded in one batch each get the reply the
   one-request path (transformers' generate()) gives it alone: the same tokens, and the talker's inputs
-  within float noise; greedy, and sampled with a seed and penalties;
+  within float noise; greedy, and sampled with a seed and penalties; the talkers' the same codes
+  (Qwen3-Omni's frames, its code predictor batched too);
 - a request cancelled mid-batch leaves at once (no token after the cancel), the others' replies are
   unchanged, and the request waiting for a place takes the freed one before the others end.
 """
@@ -91,6 +92,30 @@ def assert_same(model: Any, one: Any, other: Any) -> None:
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(b[key])), key
 
 
+def leaving_client(
+    batcher: Batcher, requests: int
+) -> tuple[list[Any], list[Any], dict[str, list[int]], list[list[Any]]]:
+    """Pushes and stop flags for `requests` requests sent together: request 1's client leaves after its
+    5th token (code, frame). `at`: the batch's step count then ("cancelled") and when the last request
+    got its first token ("joined"); `seen`: what each request got."""
+    cancel = threading.Event()
+    seen: list[list[Any]] = [[] for _ in range(requests)]
+    at: dict[str, list[int]] = {"cancelled": [], "joined": []}
+
+    def push_of(i: int) -> Any:
+        def push(token: Any) -> None:
+            seen[i].append(token)
+            if i == 1 and len(seen[i]) == 5:
+                cancel.set()
+                at["cancelled"].append(batcher.steps_total)
+            if i == requests - 1 and not at["joined"]:
+                at["joined"].append(batcher.steps_total)
+        return push
+
+    stops = [cancel.is_set if i == 1 else (lambda: False) for i in range(requests)]
+    return [push_of(i) for i in range(requests)], stops, at, seen
+
+
 @pytest.mark.parametrize("params", [
     {"temperature": 0},
     {"temperature": 0.9, "seed": 7, "top_k": 20, "presence_penalty": 0.5, "repetition_penalty": 1.2},
@@ -120,48 +145,33 @@ def test_a_cancelled_request_leaves_at_once_and_the_waiting_one_takes_its_place(
     prompts = PROMPTS[:5]
     references = [alone(model, thinker, p, long) for p in prompts]
     assert all(len(model.reply_ids(r)) == 40 for r in references)  # no eos before max_tokens: rows stay
-    cancel = threading.Event()
-    seen: list[list[int]] = [[] for _ in prompts]
-    joined_at: list[int] = []  # the batch's step count when request 4 got its first token
     batcher = batcher_of(model, thinker, max_batch=4)
-
-    def push_of(i: int) -> Any:
-        def push(token: int) -> None:
-            seen[i].append(token)
-            if i == 1 and len(seen[i]) == 5:
-                cancel.set()  # the client of request 1 leaves after its 5th token
-            if i == 4 and not joined_at:
-                joined_at.append(batcher.steps_total)
-        return push
-
-    stops = [lambda: False, cancel.is_set, lambda: False, lambda: False, lambda: False]
-    outputs = batched(model, thinker, [(p, long) for p in prompts], batcher,
-                      pushes=[push_of(i) for i in range(5)], stops=stops)
+    pushes, stops, at, seen = leaving_client(batcher, len(prompts))
+    outputs = batched(model, thinker, [(p, long) for p in prompts], batcher, pushes=pushes, stops=stops)
     assert len(model.reply_ids(outputs[1])) == 5 and seen[1] == model.reply_ids(references[1]).tolist()[:5]
     for i in (0, 2, 3, 4):
         assert_same(model, references[i], outputs[i])
     # request 4 waited for a place (max_batch 4) and joined the step after the cancel, long before the
     # others ended (their 40 tokens take 39 steps)
-    assert joined_at == [4]
+    assert at["joined"] == [4]
     assert batcher.counters()["batch_steps_total"] == 4 + 39
 
 
-# Qwen2.5-Omni's talker only: Qwen3-Omni's (with its code predictor) does not batch yet.
-@pytest.mark.parametrize("parts", ["qwen2_5_omni"], indirect=True)
-@pytest.mark.parametrize("params", [{"temperature": 0}, {"temperature": 0.9, "top_p": 0.8, "seed": 5}],
-                         ids=["greedy", "seeded"])
-def test_eight_talker_requests_in_one_batch_get_the_codes_they_get_alone(parts: Any, params: dict) -> None:
-    model, thinker = parts
-    talker = model.load("talker")
-    payloads = [model.talker_payload(alone(model, thinker, p, Sampling.of(model.spec, {"max_tokens": n})))
-                for p, n in zip(PROMPTS, REPLY_TOKENS, strict=True)]
-    samplings = [Sampling.of(model.spec, {**params, "max_audio_tokens": n}) for n in (20, 35, 11, 50, 8, 27, 40, 15)]
-    references = []
-    for payload, sampling in zip(payloads, samplings, strict=True):
-        model.seed(sampling.seed)
-        with torch.no_grad():
-            references.append(model.talk(talker, payload, sampling, None, None))
-    batcher = Batcher("talker", model.batch_engine(talker, "talker"), 8)
+def talker_payloads(model: Any, thinker: Any) -> list[dict]:
+    return [model.talker_payload(alone(model, thinker, p, Sampling.of(model.spec, {"max_tokens": n})))
+            for p, n in zip(PROMPTS, REPLY_TOKENS, strict=True)]
+
+
+def talk_alone(model: Any, talker: Any, payload: dict, sampling: Sampling) -> Any:
+    """The talker stage's one-request path (max_batch 1): seeded, then generate()."""
+    model.seed(sampling.seed)
+    with torch.no_grad():
+        return model.talk(talker, payload, sampling, None, None)
+
+
+def talk_batched(model: Any, talker: Any, requests: list[tuple[dict, Sampling]], batcher: Batcher,
+                 pushes: list[Any] | None = None, stops: list[Any] | None = None) -> list[Any]:
+    """Talker requests submitted together (none starts before the last is queued); their codes."""
     queued = threading.Event()
 
     def begin_of(payload: dict, sampling: Sampling) -> Any:
@@ -170,13 +180,68 @@ def test_eight_talker_requests_in_one_batch_get_the_codes_they_get_alone(parts: 
             return model.talk_begin(talker, payload, sampling, None)
         return begin
 
-    futures = [batcher.submit(begin_of(p, s), lambda code: None, lambda: False)
-               for p, s in zip(payloads, samplings, strict=True)]
+    futures = [batcher.submit(begin_of(p, s), pushes[i] if pushes else (lambda code: None),
+                              stops[i] if stops else (lambda: False))
+               for i, (p, s) in enumerate(requests)]
     queued.set()
     try:
-        codes = [future.result(120) for future in futures]
+        return [future.result(120) for future in futures]
     finally:
         batcher.close()
+
+
+# The talkers: Qwen2.5-Omni's (codes [n]) and Qwen3-Omni's (frames [n, groups]: its code predictor draws
+# every row's residual codes at once); exactly the codes generate() gives each alone.
+@pytest.mark.parametrize("params", [{"temperature": 0}, {"temperature": 0.9, "top_p": 0.8, "seed": 5}],
+                         ids=["greedy", "seeded"])
+def test_eight_talker_requests_in_one_batch_get_the_codes_they_get_alone(parts: Any, params: dict) -> None:
+    model, thinker = parts
+    talker = model.load("talker")
+    payloads = talker_payloads(model, thinker)
+    samplings = [Sampling.of(model.spec, {**params, "max_audio_tokens": n, "seed": params.get("seed", 0) + i})
+                 for i, n in enumerate((20, 35, 11, 50, 8, 27, 40, 15))]
+    references = [talk_alone(model, talker, p, s) for p, s in zip(payloads, samplings, strict=True)]
+    pushed: list[list[Any]] = [[] for _ in payloads]
+    batcher = Batcher("talker", model.batch_engine(talker, "talker"), 8)
+    codes = talk_batched(model, talker, list(zip(payloads, samplings, strict=True)), batcher,
+                         pushes=[p.append for p in pushed])
     assert len({len(c) for c in references}) > 4
     assert [c.tolist() for c in codes] == [c.tolist() for c in references]
+    if model.arch == "qwen3_omni_moe":  # frames are pushed as the code predictor completes them
+        assert [torch.cat(p).tolist() if p else [] for p in pushed] == [c.tolist() for c in references]
     assert batcher.counters()["batch_rows_stepped_total"] > 3 * batcher.counters()["batch_steps_total"]
+
+
+def test_a_cancelled_talker_request_leaves_at_once_and_the_others_get_their_codes(parts: Any) -> None:
+    model, thinker = parts
+    talker = model.load("talker")
+    payloads = talker_payloads(model, thinker)[:5]
+    sampling = Sampling.of(model.spec, {"temperature": 0, "max_audio_tokens": 30})
+    references = [talk_alone(model, talker, p, sampling) for p in payloads]
+    batcher = Batcher("talker", model.batch_engine(talker, "talker"), 4)
+    pushes, stops, at, _ = leaving_client(batcher, len(payloads))
+    codes = talk_batched(model, talker, [(p, sampling) for p in payloads], batcher, pushes=pushes, stops=stops)
+    assert len(references[1]) == 30 and codes[1].tolist() == references[1].tolist()[:5]  # nothing after the cancel
+    for i in (0, 2, 3, 4):
+        assert codes[i].tolist() == references[i].tolist()
+    # the waiting request (max_batch 4) took the freed place within one step (Qwen3's first frame comes
+    # with its first step, Qwen2.5's first code with its prefill)
+    assert at["joined"][0] - at["cancelled"][0] <= 1
+    assert batcher.counters()["batch_running"] == 0
+
+
+# Qwen3's talker: a reply of one token has nothing to speak (no generate() at all)
+@pytest.mark.parametrize("parts", ["qwen3_omni"], indirect=True)
+def test_talker_requests_with_nothing_to_speak_end_at_once_beside_the_others(parts: Any) -> None:
+    model, thinker = parts
+    talker = model.load("talker")
+    one_token = model.talker_payload(alone(model, thinker, PROMPTS[0], Sampling.of(model.spec, {"max_tokens": 1})))
+    full = talker_payloads(model, thinker)[1]
+    sampling = Sampling.of(model.spec, {"temperature": 0, "max_audio_tokens": 20})
+    requests = [(one_token, sampling), (full, sampling), (one_token, sampling)]
+    references = [talk_alone(model, talker, p, s) for p, s in requests]
+    batcher = Batcher("talker", model.batch_engine(talker, "talker"), 4)
+    codes = talk_batched(model, talker, requests, batcher)
+    assert [c.tolist() for c in codes] == [c.tolist() for c in references]
+    assert len(codes[0]) == len(codes[2]) == 0 and len(codes[1]) == 20
+    assert batcher.counters()["batch_running"] == 0

@@ -1,10 +1,11 @@
-"""`omni-mesh bench engines --clients 1,4,16`: the same 3-stage mesh with its thinker and talker
-batching (`max_batch: N`) and with `max_batch: 1` (one request at a time), in one run.
+"""`omni-mesh bench engines --clients 1,4,16`: the same 3-stage mesh with its stages batching
+(`max_batch: N`: the thinker's and the talker's running batch, code2wav's whole decodes gathered) and
+with `max_batch: 1` (one request at a time), in one run.
 
 For each client count: requests/s (whole requests through the REST front door, closed loop) and the
 thinker's generated tokens/s (its `generated_tokens_total` counter over the load, warm-up included);
-time to first audio (streamed) at the fewest and the most clients. code2wav does not batch yet: it
-takes requests in turn, which bounds requests/s with audio; `--text-only` (`modalities: ["text"]`)
+time to first audio (streamed) at the fewest and the most clients. Streamed audio is decoded chunk by
+chunk, request by request (only whole decodes are gathered); `--text-only` (`modalities: ["text"]`)
 measures the thinker's side alone.
 """
 
@@ -28,12 +29,11 @@ READY_TIMEOUT_S = 600.0  # as `up` waits for engines: a loaded machine takes min
 
 
 def batching_topology(model: Path, threads: int, device: str, max_batch: int) -> dict[str, Any]:
-    """bench engines' mesh with the thinker's and the talker's `max_batch` (max_inflight follows from it)."""
+    """bench engines' mesh with every stage's `max_batch` (max_inflight follows from it)."""
     spec = topology(model, threads, device)
     for stage in spec["stages"]:
         stage["max_inflight"] = max(8, 2 * max_batch)
-        if stage["engine"]["part"] in ("thinker", "talker"):
-            stage["engine"]["max_batch"] = max_batch
+        stage["engine"]["max_batch"] = max_batch
     return spec
 
 
@@ -91,7 +91,7 @@ def report(result: dict[str, Any]) -> str:
     lines = [
         f"model: {result['model']} ({result['device']}, {result['threads']} torch thread(s) per process); greedy, "
         f"max_tokens={result['params']['max_tokens']}, max_audio_tokens={result['params']['max_audio_tokens']}",
-        f"batching: thinker and talker with max_batch {n} against max_batch 1 (the same mesh otherwise)"
+        f"batching: thinker, talker and code2wav with max_batch {n} against max_batch 1 (the same mesh otherwise)"
         + ("; text only (modalities: [text])" if result["text_only"] else ""),
         f"{'clients':>8}{'req/s (1)':>12}{f'req/s ({n})':>12}{'x':>7}{'tok/s (1)':>12}{f'tok/s ({n})':>12}"
         f"{'p99 s (1)':>11}{f'p99 s ({n})':>11}",

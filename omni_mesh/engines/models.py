@@ -123,6 +123,10 @@ class ModelParts(ABC):
     def decode(self, decoder: Any, codes: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         ...
 
+    def decode_many(self, decoder: Any, requests: list[tuple[torch.Tensor, Sampling]]) -> list[torch.Tensor]:
+        """decode() of several requests (code2wav's Gather): in one call where the part allows it."""
+        return [self.decode(decoder, codes, sampling) for codes, sampling in requests]
+
     @abstractmethod
     def stream_decoder(self, decoder: Any, sampling: Sampling) -> Any:
         """An object with `feed(codes) -> samples` and `finish() -> samples`, for one request."""
@@ -264,6 +268,11 @@ class Qwen2_5Omni(ModelParts):
     def decode(self, decoder: Any, codes: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         return decoder.decode(codes, speaker=sampling.speaker, seed=sampling.seed)
 
+    def decode_many(self, decoder: Any, requests: list[tuple[torch.Tensor, Sampling]]) -> list[torch.Tensor]:
+        from omni_mesh.engines.token2wav_batch import decode_many
+
+        return decode_many(decoder, [(codes, sampling.speaker, sampling.seed) for codes, sampling in requests])
+
     def stream_decoder(self, decoder: Any, sampling: Sampling) -> Any:
         return decoder.stream(speaker=sampling.speaker, seed=sampling.seed, context=self.spec.context_codes)
 
@@ -321,8 +330,31 @@ class Qwen3Omni(ModelParts):
             speaker=sampling.speaker, on_codes=on_code, should_stop=should_stop, **self._prefill_args(),
         )
 
+    def batch_engine(self, loaded: Any, part: str) -> Any:
+        from omni_mesh.engines.qwen3_talker_batch import Qwen3TalkerBatch
+
+        return Qwen3TalkerBatch(loaded.model, loaded.codec_eos) if part == "talker" else super().batch_engine(loaded, part)
+
+    def talk_begin(self, talker: Any, payload: dict, sampling: Sampling, should_stop: Any) -> Any:
+        import functools
+
+        from omni_mesh.engines.prefill import Prepared
+        from omni_mesh.engines.qwen3_talker_batch import frames_of
+        from omni_mesh.engines.thinker_batch import Begun
+
+        inputs = talker.prepare(payload, speaker=sampling.speaker, max_codes=sampling.max_audio_tokens,
+                                should_stop=should_stop, **self._prefill_args())
+        empty = torch.zeros(1, 0, dtype=torch.long)  # generate() of embeddings: no ids before the codes it draws
+        # max_codes + 1 tokens, as talk() asks generate(): the last one drawn never gets its frame
+        return Begun(None if inputs is None else Prepared(empty, inputs), talker.decoding(sampling.temperature, sampling.top_p),
+                     sampling.seed, sampling.max_audio_tokens + 1, frozenset({talker.codec_eos}),
+                     functools.partial(frames_of, talker.num_code_groups), lock=talker.lock)
+
     def decode(self, decoder: Any, codes: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         return decoder.decode(codes)
+
+    def decode_many(self, decoder: Any, requests: list[tuple[torch.Tensor, Sampling]]) -> list[torch.Tensor]:
+        return decoder.decode_many([codes for codes, _ in requests])  # code2wav needs no seed nor speaker
 
     def stream_decoder(self, decoder: Any, sampling: Sampling) -> Any:
         # decode each chunk as it arrives (the talker's first chunk is the short one)

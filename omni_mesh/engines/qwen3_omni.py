@@ -109,7 +109,7 @@ class Qwen3OmniTalker:
         vocab = talker.text_config.vocab_size
         self.suppressed = [i for i in range(vocab - TALKER_SUPPRESSED_TOP, vocab) if i != self.codec_eos]
         self.context = talker.text_config.max_position_embeddings
-        self._lock = threading.Lock()  # per-call state (rope deltas, the code predictor's do_sample, a hook)
+        self.lock = threading.RLock()  # per-call state (rope deltas, the code predictor's do_sample, a hook)
 
     @classmethod
     def load(cls, model_dir: Path, dtype: torch.dtype, device: str) -> Qwen3OmniTalker:
@@ -157,21 +157,12 @@ class Qwen3OmniTalker:
         ([1, G], on the CPU) as soon as the code predictor has completed it. Greedy when temperature is 0
         (the code predictor follows: generate() mirrors the talker's do_sample onto it). The input goes
         through in pieces of `prefill_chunk` rows (None: in one call), the stop flag checked between."""
-        missing = [key for key in TALKER_INPUT_KEYS if key not in thinker_output]
-        if missing:
-            raise ValueError(f"Qwen3-Omni talker: the thinker's output lacks {missing}: is the upstream stage a "
-                             "Qwen3-Omni thinker run with for_talker=True?")
-        speaker_id = self.speaker_id(speaker)
         empty = torch.zeros(0, self.num_code_groups, dtype=torch.long)
-        if len(thinker_output["assistant_rows"]) < 4 or max_codes <= 0:
-            # the assistant turn's 3 tokens and at least one reply token fed back: a reply of one token
-            # gives the talker nothing to speak (generate() fails on it)
-            return empty
-        with self._lock:
-            inputs = self._inputs(thinker_output, speaker_id)
-            check_prompt(inputs["inputs_embeds"].shape[1], context=self.context, limit=max_input_tokens,
-                         who="Qwen3-Omni talker")
-            prefilled = self._prefill(inputs, prefill_chunk, should_stop) if prefill_chunk is not None else {}
+        with self.lock:  # the prefill leaves rope deltas in the model that generate() reads
+            prepared = self.prepare(thinker_output, speaker=speaker, max_codes=max_codes, should_stop=should_stop,
+                                    prefill_chunk=prefill_chunk, max_input_tokens=max_input_tokens)
+            if prepared is None:
+                return empty
             frames: list[torch.Tensor] = []
 
             def before_forward(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
@@ -187,22 +178,47 @@ class Qwen3OmniTalker:
             hook = self.model.register_forward_pre_hook(before_forward, with_kwargs=True)
             try:
                 self.model.generate(
-                    **inputs,
+                    **prepared,
                     # the last token drawn never gets its frame (its residual codes would be drawn next step)
                     max_new_tokens=max_codes + 1,
-                    eos_token_id=self.codec_eos,
-                    repetition_penalty=TALKER_REPETITION_PENALTY,
-                    suppress_tokens=self.suppressed,
                     # each step reads the last step's hidden states (the code predictor's input)
                     output_hidden_states=True,
                     return_dict_in_generate=True,
-                    **prefilled,
                     **streaming(None, should_stop),  # frames come from the hook above
-                    **sampling_kwargs(temperature, top_p, TALKER_TOP_K),
+                    **self.decoding(temperature, top_p),
                 )
             finally:
                 hook.remove()
         return torch.cat(frames) if frames else empty
+
+    def prepare(
+        self, thinker_output: dict[str, Any], *, speaker: str | None, max_codes: int,
+        should_stop: Callable[[], bool] | None, prefill_chunk: int | None, max_input_tokens: int | None,
+    ) -> dict[str, Any] | None:
+        """generate()'s inputs for the talker (checked, and all but the last 2 rows prefilled in pieces of
+        `prefill_chunk`: the filled cache and the positions go with them); None when there is nothing to
+        speak."""
+        missing = [key for key in TALKER_INPUT_KEYS if key not in thinker_output]
+        if missing:
+            raise ValueError(f"Qwen3-Omni talker: the thinker's output lacks {missing}: is the upstream stage a "
+                             "Qwen3-Omni thinker run with for_talker=True?")
+        speaker_id = self.speaker_id(speaker)
+        if len(thinker_output["assistant_rows"]) < 4 or max_codes <= 0:
+            # the assistant turn's 3 tokens and at least one reply token fed back: a reply of one token
+            # gives the talker nothing to speak (generate() fails on it)
+            return None
+        with self.lock:
+            inputs = self._inputs(thinker_output, speaker_id)
+            check_prompt(inputs["inputs_embeds"].shape[1], context=self.context, limit=max_input_tokens,
+                         who="Qwen3-Omni talker")
+            prefilled = self._prefill(inputs, prefill_chunk, should_stop) if prefill_chunk is not None else {}
+        return {**inputs, **prefilled}
+
+    def decoding(self, temperature: float, top_p: float) -> dict[str, Any]:
+        """generate()'s sampling arguments for the talker: the request's temperature and top_p, the
+        model's top-k and repetition penalty, its control ids suppressed, codec eos the stop."""
+        return {"eos_token_id": self.codec_eos, "repetition_penalty": TALKER_REPETITION_PENALTY,
+                "suppress_tokens": self.suppressed, **sampling_kwargs(temperature, top_p, TALKER_TOP_K)}
 
     def _prefill(self, inputs: dict[str, Any], chunk: int, should_stop: Callable[[], bool] | None) -> dict[str, Any]:
         """All but the last 2 input rows through the talker in pieces: its forward takes a call with more

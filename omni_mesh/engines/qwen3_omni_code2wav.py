@@ -55,6 +55,27 @@ class Qwen3OmniCode2Wav:
         stream = self.stream(chunk_frames=REFERENCE_CHUNK_FRAMES)
         return torch.cat([stream.feed(codes), stream.finish()])
 
+    @torch.no_grad()
+    def decode_many(self, batch: list[torch.Tensor]) -> list[torch.Tensor]:
+        """decode() of each codes in `batch`: those of up to 300 frames in one forward, right-padded to the
+        longest. code2wav is causal (a causal transformer, causal convolutions), so a row's samples never
+        read the padding after it: each equals its own decode() to float rounding. Longer ones alone."""
+        out: list[torch.Tensor] = [torch.zeros(0)] * len(batch)
+        short = []
+        for i, codes in enumerate(batch):
+            if 0 < len(codes) <= REFERENCE_CHUNK_FRAMES:
+                short.append(i)
+            else:
+                out[i] = self.decode(codes)
+        if short:
+            frames = [self.frames(batch[i]) for i in short]
+            width = max(len(f) for f in frames)
+            padded = torch.stack([torch.cat([f, f.new_zeros(width - len(f), f.shape[1])]) for f in frames])
+            wav = self.model(padded.to(self.model.device).transpose(1, 2)).reshape(len(short), -1).float().cpu()
+            for i, f, row in zip(short, frames, wav, strict=True):
+                out[i] = row[: self.conv.output_length(len(f))]
+        return out
+
     def stream(self, *, chunk_frames: int = 25, left_context: int | None = None) -> Code2WavStream:
         """Streaming decode: `chunk_frames` new frames per decode; `left_context` frames of the
         transformer's output decoded again before them (default: the fewest that reproduce the one-shot

@@ -2,8 +2,9 @@
 
 Each is built once per replica from its stage's `engine:` settings (`from_stage`), loads its part in
 `warm()` (before the replica reports ready), and runs generation in a model thread of its own, one
-request at a time, while the event loop keeps streaming; a thinker with `max_batch` > 1 decodes up to
-that many requests together in one forward per step (omni_mesh.engines.batching).
+request at a time, while the event loop keeps streaming; a thinker or talker with `max_batch` > 1 decodes
+up to that many requests together in one forward per step (omni_mesh.engines.batching), and code2wav
+decodes whole replies queued together in one call (omni_mesh.engines.gather).
 
 The stream, stage to stage (one way, as every payload flows):
 - thinker -> talker: `{"text": delta}` per reply token as it is made, then one last chunk with the
@@ -32,6 +33,7 @@ import numpy as np
 from omni_mesh.audio import SAMPLE_RATE, pcm16_bytes, wav_base64
 from omni_mesh.engines.batching import Batcher, Rate
 from omni_mesh.engines.bridge import Generation
+from omni_mesh.engines.gather import Gather
 from omni_mesh.engines.kv_budget import (
     KvBudget,
     budget_of,
@@ -63,6 +65,7 @@ class EngineStage(HandlerHooks):
         # a GPU one would batch, which transformers' generate() does not do across requests).
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.stage}-model")
         self.batcher: Batcher | None = None  # max_batch > 1: requests decode together (omni_mesh.engines.batching)
+        self.gather: Gather | None = None  # code2wav with max_batch > 1: whole decodes in one call (engines.gather)
         self.tokens_total = 0  # tokens (codes) made one request at a time (a batch counts its own, step by step)
         self.kv_budget: KvBudget | None = None  # engine.kv_cache_tokens / kv_cache_memory_bytes, once loaded
         self.token_rate = Rate()
@@ -79,7 +82,9 @@ class EngineStage(HandlerHooks):
         load = functools.partial(self.model.load, self.spec.part, towers=not self.fed_by_encoder)
         self.part = await loop.run_in_executor(self.executor, load)
         self.kv_budget = self._kv_budget()
-        if self.spec.max_batch > 1:
+        if self.spec.max_batch > 1 and self.spec.part == "code2wav":  # whole decodes gathered (Code2WavStage)
+            self.gather = Gather(self.executor, functools.partial(self.model.decode_many, self.part), self.spec.max_batch)
+        elif self.spec.max_batch > 1:
             self.batcher = self._batcher()
         log.info(
             "stage %s loaded the %s of %s (%s) in %.1f s",
@@ -87,8 +92,7 @@ class EngineStage(HandlerHooks):
         )
 
     def _batcher(self) -> Batcher | None:
-        """The running batch of a part that batches (thinkers, Qwen2.5's talker); None for the others,
-        with a warning."""
+        """The running batch of a part that batches (thinkers, talkers); None for the others, with a warning."""
         assert self.model is not None
         engine = self.model.batch_engine(self._loaded(), self.spec.part)
         if engine is None:
@@ -119,6 +123,8 @@ class EngineStage(HandlerHooks):
         out: dict[str, int | float] = self.batcher.counters() if self.batcher is not None else {}
         if self.batcher is None and self.kv_budget is not None:
             out.update({"kv_cache_budget_tokens": self.kv_budget.tokens, "kv_cache_budget_bytes": self.kv_budget.bytes})
+        if self.gather is not None:
+            out.update(self.gather.counters())
         unit = {"thinker": "tokens", "talker": "codes"}.get(self.spec.part)
         if unit is not None:
             made = self.tokens_total + (self.batcher.tokens_total if self.batcher is not None else 0)
@@ -285,7 +291,10 @@ class Code2WavStage(EngineStage):
         loop = asyncio.get_running_loop()
         samples = np.zeros(0, dtype=np.float32)  # no codes (a text-only request): no audio
         if codes:
-            wav = await loop.run_in_executor(self.executor, self.model.decode, decoder, all_codes, sampling)
+            if self.gather is not None:  # decoded with the requests queued beside it
+                wav = await asyncio.wrap_future(self.gather.submit((all_codes, sampling)))
+            else:
+                wav = await loop.run_in_executor(self.executor, self.model.decode, decoder, all_codes, sampling)
             samples = wav.numpy().astype(np.float32, copy=False)
         return {
             "text": "".join(text),

@@ -88,8 +88,7 @@ class ThinkerBatch:
 
     def step(self, rows: list[Row]) -> list[int]:
         states: list[Sequence] = [row.state for row in rows]
-        if len(states) != len(self.members) or any(a is not b for a, b in zip(states, self.members, strict=True)):
-            self._stack(states)
+        self._restack(states)
         assert self.cache is not None and self.mask is not None
         device = self.mask.device
         tokens = torch.tensor([[int(s.sequence[0, -1])] for s in states], device=device)
@@ -148,29 +147,17 @@ class ThinkerBatch:
         return tokens, size
 
     def _pick(self, state: Sequence, logits: torch.Tensor) -> int:
-        """The next token as generate() picks it: its processors over the sequence so far, then argmax
-        or a draw (from the request's own generator when it is seeded)."""
-        scores = state.processors(state.sequence, logits)
-        if state.greedy:
-            token = torch.argmax(scores, dim=-1)
-        else:
-            probs = torch.nn.functional.softmax(scores, dim=-1)
-            token = torch.multinomial(probs, num_samples=1, generator=state.generator).squeeze(1)
-        state.sequence = torch.cat([state.sequence, token[:, None].to(state.sequence.dtype)], dim=-1)
-        return int(token[0])
+        """The next token as generate() picks it (`draw`), appended to the row's sequence."""
+        state.sequence = draw(state.processors, state.sequence, logits, state.greedy, state.generator)
+        return int(state.sequence[0, -1])
 
     def _processors(self, begun: Begun) -> LogitsProcessorList:
-        """The logits processors generate() builds for this request alone (its generation_config, the
-        request's sampling; generate()'s private helpers, so the two paths cannot drift apart)."""
-        model, input_ids = self.model, begun.prepared.input_ids
-        kwargs = dict(begun.generation)
-        custom = kwargs.pop("logits_processor", None)
-        config, _ = model._prepare_generation_config(None, **kwargs)
-        model._prepare_special_tokens(config, True, device=input_ids.device, batch_size=1)
-        return model._get_logits_processor(
-            generation_config=config, input_ids_seq_length=int(input_ids.shape[1]), encoder_input_ids=input_ids,
-            logits_processor=custom, device=input_ids.device, model_kwargs={},
-        )
+        return logits_processors(self.model, begun.generation, begun.prepared.input_ids)
+
+    def _restack(self, states: list[Sequence]) -> None:
+        """The batch's cache stacked anew when its rows are not the ones stacked (a row joined or left)."""
+        if len(states) != len(self.members) or any(a is not b for a, b in zip(states, self.members, strict=True)):
+            self._stack(states)
 
     def _stack(self, states: list[Sequence]) -> None:
         """The rows' caches as one batch, each left-padded to the longest: made when a row joins or leaves
@@ -205,6 +192,32 @@ class ThinkerBatch:
 
 def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
+
+
+def draw(processors: LogitsProcessorList, sequence: torch.Tensor, logits: torch.Tensor, greedy: bool,
+         generator: torch.Generator | None) -> torch.Tensor:
+    """`sequence` [1, n] with the next token as generate() picks it: its processors over the sequence so
+    far, then argmax or a draw (from the request's own generator when it is seeded)."""
+    scores = processors(sequence, logits)
+    if greedy:
+        token = torch.argmax(scores, dim=-1)
+    else:
+        probs = torch.nn.functional.softmax(scores, dim=-1)
+        token = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+    return torch.cat([sequence, token[:, None].to(sequence.dtype)], dim=-1)
+
+
+def logits_processors(model: Any, generation: dict[str, Any], input_ids: torch.Tensor) -> LogitsProcessorList:
+    """The logits processors generate() builds for one request (the model's generation_config, the
+    request's sampling `generation`; generate()'s private helpers, so the two paths cannot drift apart)."""
+    kwargs = dict(generation)
+    custom = kwargs.pop("logits_processor", None)
+    config, _ = model._prepare_generation_config(None, **kwargs)
+    model._prepare_special_tokens(config, True, device=input_ids.device, batch_size=1)
+    return model._get_logits_processor(
+        generation_config=config, input_ids_seq_length=int(input_ids.shape[1]), encoder_input_ids=input_ids,
+        logits_processor=custom, device=input_ids.device, model_kwargs={},
+    )
 
 
 def _pad_left(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -1,0 +1,64 @@
+"""Whole calls of several requests made as one (code2wav's decode): what arrives while the model thread
+is busy waits, and the next turn of the thread takes up to `max_batch` of it in one call.
+
+No window to wait for company: a lone request goes at once, and under load the queue that forms
+while one call runs is the next batch (the thinkers' continuous batching has steps to join between;
+a whole decode has none). A request cancelled while it waits never runs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from typing import Any
+
+
+class Gather:
+    """`submit(item)` from any thread: a Future of `many([..., item, ...])`'s answer for it, computed in
+    `executor` (the stage's model thread) together with the items queued beside it."""
+
+    def __init__(self, executor: Executor, many: Callable[[list[Any]], list[Any]], max_batch: int) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.executor = executor
+        self.many = many
+        self.max_batch = max_batch
+        self.pending: list[tuple[Any, Future]] = []
+        self.lock = threading.Lock()
+        self.calls_total = 0
+        self.items_total = 0
+
+    def submit(self, item: Any) -> Future:
+        future: Future = Future()
+        with self.lock:
+            self.pending.append((item, future))
+        self.executor.submit(self._drain)  # one turn per item: a turn that finds the queue empty returns
+        return future
+
+    def counters(self) -> dict[str, int]:
+        """As a batch's (omni_mesh.engines.batching): calls made, items in them (/ calls: the mean batch)."""
+        with self.lock:
+            queued = len(self.pending)
+        return {"batch_queued": queued, "batch_max": self.max_batch, "batch_steps_total": self.calls_total,
+                "batch_rows_stepped_total": self.items_total}
+
+    def _drain(self) -> None:
+        taken: list[tuple[Any, Future]] = []
+        with self.lock:
+            while self.pending and len(taken) < self.max_batch:
+                item, future = self.pending.pop(0)
+                if future.set_running_or_notify_cancel():  # False: cancelled while it waited
+                    taken.append((item, future))
+        if not taken:
+            return
+        try:
+            answers = self.many([item for item, _ in taken])
+        except BaseException as exc:  # noqa: BLE001 - the call failed: every item in it did
+            for _, future in taken:
+                future.set_exception(exc)
+            return
+        self.calls_total += 1
+        self.items_total += len(taken)
+        for (_, future), answer in zip(taken, answers, strict=True):
+            future.set_result(answer)
