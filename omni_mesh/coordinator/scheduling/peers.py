@@ -40,15 +40,14 @@ class Peers:
         return self.coordinator_id or "c0"
 
     async def run(self, describe: Callable[[], dict[str, Any]]) -> None:
-        """Rewrite our line every STATUS_S (until cancelled)."""
-        while True:
+        """Rewrite our line every STATUS_S (until cancelled); alone (no directory), nothing to write."""
+        while self.directory is not None:
             with contextlib.suppress(OSError):  # a full or vanished directory must not stop the loop
                 self._write(describe())
             await asyncio.sleep(STATUS_S)
 
     def _write(self, status: dict[str, Any]) -> None:
-        if self.directory is None:
-            return
+        assert self.directory is not None
         path = self.directory / f"{self.name}.json"
         temporary = path.with_suffix(".tmp")
         temporary.write_text(json.dumps({**status, "written": time.time()}))
