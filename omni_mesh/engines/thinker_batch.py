@@ -60,15 +60,19 @@ class ThinkerBatch:
 
     def join(self, job: Job, begun: Begun) -> tuple[Row, int]:
         prepared = begun.prepared
-        lock = begun.lock or _NoLock()
-        with lock:
-            cache = prepared.kwargs.get("cache")
-            cache = new_cache(self.model) if cache is None else cache
-            result = self.model.generate(
-                input_ids=prepared.input_ids, max_new_tokens=1, do_sample=False, output_logits=True,
-                return_dict_in_generate=True, **{**prepared.kwargs, "cache": cache},
-            )
-            delta = self._rope_delta()
+        if self.direct_first_step and _prefilled_text(prepared):
+            cache, hidden, logits, delta = self._first_step(prepared)
+        else:
+            lock = begun.lock or _NoLock()
+            with lock:
+                cache = prepared.kwargs.get("cache")
+                cache = new_cache(self.model) if cache is None else cache
+                result = self.model.generate(
+                    input_ids=prepared.input_ids, max_new_tokens=1, do_sample=False, output_logits=True,
+                    return_dict_in_generate=True, **{**prepared.kwargs, "cache": cache},
+                )
+                delta = self._rope_delta()
+            hidden, logits = result.hidden_states[0] if result.hidden_states else None, result.logits[0]
         input_ids = prepared.input_ids
         length = int(cache.get_seq_length())
         position = torch.full((self.position_rows, 1), length + delta, dtype=torch.long, device=input_ids.device)
@@ -80,9 +84,9 @@ class ThinkerBatch:
         if begun.seed is not None and not greedy:  # generate() draws from the global generator, seeded so
             generator = torch.Generator(device=input_ids.device).manual_seed(begun.seed)
         state = Sequence(begun, processors, generator, greedy, input_ids, position, length,
-                         steps=[result.hidden_states[0]] if result.hidden_states else [],
+                         steps=[hidden] if hidden is not None else [],
                          kv=[(layer.keys, layer.values) for layer in cache.layers])
-        token = self._pick(state, result.logits[0])
+        token = self._pick(state, logits)
         row = Row(job, state, begun.max_tokens, begun.eos, saw=begun.saw)
         return row, token
 
@@ -104,8 +108,24 @@ class ThinkerBatch:
             picked.append(self._pick(state, logits[i : i + 1]))
         return picked
 
+    def _first_step(self, prepared: Prepared) -> tuple[DynamicCache, Any, torch.Tensor, int]:
+        """generate()'s first step of a prompt prefilled but its last token (prefill.thinker_prefill), as one
+        forward of the language model: (the cache, the step's hidden states of every layer when the
+        prepared kwargs ask for them, else None; the float32 logits [1, V]; the rope delta: the next position
+        less the cache length). generate() would cost a few ms of set-up a request for the same forward."""
+        kwargs = prepared.kwargs
+        cache, positions = kwargs["cache"], kwargs["position_ids"]
+        keep = bool(kwargs.get("output_hidden_states"))
+        out = self.model.model(input_ids=prepared.input_ids[:, -1:], position_ids=positions[..., -1:], cache=cache,
+                               use_cache=True, output_hidden_states=keep)
+        logits = self.model.lm_head(out.last_hidden_state[:, -1]).to(torch.float32)
+        delta = int(positions[1:].max()) + 1 - int(prepared.input_ids.shape[1])  # the 3-D rows' lead over the text row
+        return cache, out.hidden_states if keep else None, logits, delta
+
     #: Position id rows: the thinkers' text row and 3-D rope rows.
     position_rows = 4
+    #: A text prompt's first step as one forward of `model.model` and `lm_head` (_first_step).
+    direct_first_step = True
 
     def _rope_delta(self) -> int:
         """What generate() adds to the cache length for the next position (the prompt's rope delta, which
@@ -190,6 +210,19 @@ class ThinkerBatch:
         self.members = list(states)
 
 
+#: generate() arguments a prompt prefilled by prefill.thinker_prefill may carry that its first step's
+#: forward does not need (stops and flags generate() reads); any other (media) takes generate()'s path.
+_PLAIN_KWARGS = frozenset({"cache", "position_ids", "output_hidden_states", "eos_token_id", "use_audio_in_video"})
+
+
+def _prefilled_text(prepared: Prepared) -> bool:
+    """A text prompt prefilled but its last token, with 4 position rows (text, then 3-D rope)."""
+    kwargs = prepared.kwargs
+    return ("cache" in kwargs and "position_ids" in kwargs and set(kwargs) <= _PLAIN_KWARGS
+            and not kwargs.get("use_audio_in_video") and kwargs["position_ids"].dim() == 3
+            and kwargs["position_ids"].shape[0] == 4)
+
+
 def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
@@ -243,6 +276,7 @@ class TalkerBatch(ThinkerBatch):
     them (it gives the talker no attention mask)."""
 
     position_rows = 3
+    direct_first_step = False  # its inputs are the thinker's rows: generate() builds them
 
     def _rope_delta(self) -> int:
         delta = getattr(self.model, "rope_deltas", None)
