@@ -45,6 +45,7 @@ class Sequence:
     length: int  # tokens in its KV cache
     steps: list[Any] = field(default_factory=list)  # per step, the hidden states output() reads
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # its own cache until stacked into the batch
+    fed: int = -1  # the token the next step feeds: the sequence's last (kept as an int: no tensor read a step)
 
 
 class ThinkerBatch:
@@ -57,10 +58,15 @@ class ThinkerBatch:
         self.members: list[Sequence] = []  # the rows stacked in `cache`, in order (held: an id could be reused)
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None  # [B, width]: 0 over each row's left padding
+        self.no_processors: set[tuple] = set()  # sampling settings that build no logits processor
 
-    def join(self, job: Job, begun: Begun) -> tuple[Row, int]:
+    def join(self, job: Job, begun: Begun) -> tuple[Row, int | None]:
         prepared = begun.prepared
         if self.direct_first_step and _prefilled_text(prepared):
+            if self._deferrable(prepared):  # its last prompt token goes with the next batched step
+                cache, positions = prepared.kwargs["cache"], prepared.kwargs["position_ids"]
+                state = self._sequence(begun, cache, positions[:, 0, -1:].clone(), None)
+                return Row(job, state, begun.max_tokens, begun.eos, saw=begun.saw), None
             cache, hidden, logits, delta = self._first_step(prepared)
         else:
             lock = begun.lock or _NoLock()
@@ -73,39 +79,57 @@ class ThinkerBatch:
                 )
                 delta = self._rope_delta()
             hidden, logits = result.hidden_states[0] if result.hidden_states else None, result.logits[0]
-        input_ids = prepared.input_ids
         length = int(cache.get_seq_length())
-        position = torch.full((self.position_rows, 1), length + delta, dtype=torch.long, device=input_ids.device)
+        position = torch.full((self.position_rows, 1), length + delta, dtype=torch.long,
+                              device=prepared.input_ids.device)
         if self.position_rows == 4:  # the text row (the mask's positions) has no rope delta
             position[0] = length
-        processors = self._processors(begun)
+        state = self._sequence(begun, cache, position, hidden)
+        token = self._pick(state, logits)
+        return Row(job, state, begun.max_tokens, begun.eos, saw=begun.saw), token
+
+    def _sequence(self, begun: Begun, cache: DynamicCache, position: torch.Tensor, hidden: Any) -> Sequence:
+        """A row's state: its prompt prefilled into `cache`, `position` the next token's positions, `hidden`
+        the first step's hidden states (None: the first step is yet to come)."""
+        input_ids = begun.prepared.input_ids
         greedy = not begun.generation.get("do_sample", False)
         generator = None
         if begun.seed is not None and not greedy:  # generate() draws from the global generator, seeded so
             generator = torch.Generator(device=input_ids.device).manual_seed(begun.seed)
-        state = Sequence(begun, processors, generator, greedy, input_ids, position, length,
-                         steps=[hidden] if hidden is not None else [],
-                         kv=[(layer.keys, layer.values) for layer in cache.layers])
-        token = self._pick(state, logits)
-        row = Row(job, state, begun.max_tokens, begun.eos, saw=begun.saw)
-        return row, token
+        return Sequence(begun, self._processors(begun), generator, greedy, input_ids, position,
+                        int(cache.get_seq_length()), steps=[hidden] if hidden is not None else [],
+                        kv=[(layer.keys, layer.values) for layer in cache.layers], fed=int(input_ids[0, -1]))
+
+    def _deferrable(self, prepared: Prepared) -> bool:
+        """Whether a prefilled text prompt's first step may be a row of the next batched step: its cache is
+        not empty (a one-token prompt has nothing prefilled to stack), and the step keeps the hidden states
+        the output reads (those of `layers`; none asked for, none kept)."""
+        return prepared.input_ids.shape[1] > 1 and (bool(self.layers) or not prepared.kwargs.get("output_hidden_states"))
 
     def step(self, rows: list[Row]) -> list[int]:
         states: list[Sequence] = [row.state for row in rows]
         self._restack(states)
         assert self.cache is not None and self.mask is not None
         device = self.mask.device
-        tokens = torch.tensor([[int(s.sequence[0, -1])] for s in states], device=device)
+        tokens = torch.tensor([[s.fed] for s in states], device=device)
         positions = torch.stack([s.position for s in states], dim=1)  # [rows, B, 1]
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(states), 1)], dim=1)
         out, logits = self._forward(states, tokens, positions)
+        # greedy rows without processors (generate()'s plain argmax): one argmax for all of them
+        plain = [i for i, state in enumerate(states) if state.greedy and not state.processors]
+        best = dict(zip(plain, logits[plain].argmax(dim=-1).tolist(), strict=True)) if plain else {}
         picked = []
         for i, state in enumerate(states):
             state.length += 1
             state.position = state.position + 1
             if self.layers:
                 state.steps.append(tuple(out.hidden_states[layer][i : i + 1] for layer in self.layers))
-            picked.append(self._pick(state, logits[i : i + 1]))
+            if i in best:
+                state.sequence = torch.cat([state.sequence, state.sequence.new_tensor([[best[i]]])], dim=1)
+                state.fed = best[i]
+                picked.append(best[i])
+            else:
+                picked.append(self._pick(state, logits[i : i + 1]))
         return picked
 
     def _first_step(self, prepared: Prepared) -> tuple[DynamicCache, Any, torch.Tensor, int]:
@@ -169,10 +193,19 @@ class ThinkerBatch:
     def _pick(self, state: Sequence, logits: torch.Tensor) -> int:
         """The next token as generate() picks it (`draw`), appended to the row's sequence."""
         state.sequence = draw(state.processors, state.sequence, logits, state.greedy, state.generator)
-        return int(state.sequence[0, -1])
+        state.fed = int(state.sequence[0, -1])
+        return state.fed
 
     def _processors(self, begun: Begun) -> LogitsProcessorList:
-        return logits_processors(self.model, begun.generation, begun.prepared.input_ids)
+        """generate()'s processors for the request; settings known to build none (greedy, most often) are
+        remembered: building them costs about a millisecond a request (generate()'s config copies)."""
+        key = _settings_key(begun.generation)
+        if key is not None and key in self.no_processors:
+            return LogitsProcessorList()
+        processors = logits_processors(self.model, begun.generation, begun.prepared.input_ids)
+        if key is not None and not processors:
+            self.no_processors.add(key)
+        return processors
 
     def _restack(self, states: list[Sequence]) -> None:
         """The batch's cache stacked anew when its rows are not the ones stacked (a row joined or left)."""
@@ -221,6 +254,13 @@ def _prefilled_text(prepared: Prepared) -> bool:
     return ("cache" in kwargs and "position_ids" in kwargs and set(kwargs) <= _PLAIN_KWARGS
             and not kwargs.get("use_audio_in_video") and kwargs["position_ids"].dim() == 3
             and kwargs["position_ids"].shape[0] == 4)
+
+
+def _settings_key(generation: dict[str, Any]) -> tuple | None:
+    """Sampling settings as a set member; None when a value is no plain one (a custom processor)."""
+    if not all(isinstance(value, (bool, int, float, str, type(None))) for value in generation.values()):
+        return None
+    return tuple(sorted(generation.items()))
 
 
 def _nbytes(x: torch.Tensor) -> int:
