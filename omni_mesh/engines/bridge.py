@@ -12,6 +12,47 @@ from typing import Any
 _DONE = object()
 
 
+class Outbox:
+    """Items handed from a model thread to one event loop's queues with one wake-up for all the items put
+    before the loop gets to them: a running batch puts a token for each of its rows every step, and a
+    wake-up each (a write to the loop's self-pipe, a loop iteration) cost the stage more than the tokens.
+    Order per queue is kept; whatever the thread does after a put (completing a future) reaches the loop
+    after it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.pending: list[tuple[asyncio.Queue, Any]] = []
+        self.scheduled = False
+
+    def put(self, queue: asyncio.Queue, item: Any) -> None:
+        with self.lock:
+            self.pending.append((queue, item))
+            if self.scheduled:
+                return
+            self.scheduled = True
+        self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self.lock:
+            items, self.pending, self.scheduled = self.pending, [], False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_OUTBOXES: dict[asyncio.AbstractEventLoop, Outbox] = {}
+
+
+def outbox(loop: asyncio.AbstractEventLoop) -> Outbox:
+    """The loop's Outbox (one per loop: a stage runs one)."""
+    found = _OUTBOXES.get(loop)
+    if found is None:
+        for closed in [other for other in _OUTBOXES if other.is_closed()]:
+            del _OUTBOXES[closed]
+        found = _OUTBOXES[loop] = Outbox(loop)
+    return found
+
+
 class Generation:
     """`run(push, should_stop)` in `executor`; iterate to get what it pushes, then `await result()`.
 
@@ -26,9 +67,10 @@ class Generation:
         self.stop = threading.Event()
         loop = asyncio.get_running_loop()
         self.items: asyncio.Queue[Any] = asyncio.Queue()
+        box, items = outbox(loop), self.items
 
         def push(item: Any) -> None:
-            loop.call_soon_threadsafe(self.items.put_nowait, item)
+            box.put(items, item)
 
         if executor is None:
             self.future = asyncio.wrap_future(run(push, self.stop.is_set))
@@ -40,6 +82,25 @@ class Generation:
         try:
             while (item := await self.items.get()) is not _DONE:
                 yield item
+                if self.stop.is_set():
+                    return
+        finally:
+            if not self.future.done():
+                self.stop.set()
+
+    async def batches(self) -> AsyncIterator[list[Any]]:
+        """As iterating, but every item already there at once: a stage that fell behind its model thread
+        sends one chunk for several tokens instead of one each."""
+        try:
+            while (item := await self.items.get()) is not _DONE:
+                batch = [item]
+                while not self.items.empty():
+                    item = self.items.get_nowait()
+                    if item is _DONE:
+                        self.items.put_nowait(_DONE)  # seen on the next call
+                        break
+                    batch.append(item)
+                yield batch
                 if self.stop.is_set():
                     return
         finally:

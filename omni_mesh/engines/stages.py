@@ -192,8 +192,8 @@ class ThinkerStage(EngineStage):
         detok = Detokenizer(self.model.tokenizer) if _client_streams(ctx) else None
         text = StopText(sampling.stop)  # the reply's text ends before a stop string
         try:
-            async for token in generation:
-                if detok is not None and (delta := text.add(detok.add(token))):
+            async for tokens in generation.batches():  # one chunk for the tokens that came since the last
+                if detok is not None and (delta := text.add("".join(detok.add(token) for token in tokens))):
                     yield {"text": delta}
             output = await generation.result()
         finally:

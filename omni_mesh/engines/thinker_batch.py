@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache, LogitsProcessorList
 
 from omni_mesh.engines.batching import Job, Row
-from omni_mesh.engines.prefill import Prepared, new_cache
+from omni_mesh.engines.prefill import PrefillStopped, Prepared, generation_positions, new_cache
 
 
 @dataclass
@@ -46,6 +46,8 @@ class Sequence:
     steps: list[Any] = field(default_factory=list)  # per step, the hidden states output() reads
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # its own cache until stacked into the batch
     fed: int = -1  # the token the next step feeds: the sequence's last (kept as an int: no tensor read a step)
+    fresh: bool = False  # its prompt is still to be prefilled (ThinkerBatch._prefill, with the others joining)
+    waiting: bool = False  # its first token comes with the next step (its last prompt token is fed there)
 
 
 class ThinkerBatch:
@@ -62,10 +64,14 @@ class ThinkerBatch:
 
     def join(self, job: Job, begun: Begun) -> tuple[Row, int | None]:
         prepared = begun.prepared
+        if self.direct_first_step and _plain_text(prepared) and self._deferrable(prepared) and "cache" not in prepared.kwargs:
+            # not prefilled (models.think_begin): the next step prefills it with the others that join
+            state = self._sequence(begun, None, None, None, waiting=True)
+            return Row(job, state, begun.max_tokens, begun.eos, saw=begun.saw), None
         if self.direct_first_step and _prefilled_text(prepared):
             if self._deferrable(prepared):  # its last prompt token goes with the next batched step
                 cache, positions = prepared.kwargs["cache"], prepared.kwargs["position_ids"]
-                state = self._sequence(begun, cache, positions[:, 0, -1:].clone(), None)
+                state = self._sequence(begun, cache, positions[:, 0, -1:].clone(), None, waiting=True)
                 return Row(job, state, begun.max_tokens, begun.eos, saw=begun.saw), None
             cache, hidden, logits, delta = self._first_step(prepared)
         else:
@@ -88,17 +94,21 @@ class ThinkerBatch:
         token = self._pick(state, logits)
         return Row(job, state, begun.max_tokens, begun.eos, saw=begun.saw), token
 
-    def _sequence(self, begun: Begun, cache: DynamicCache, position: torch.Tensor, hidden: Any) -> Sequence:
-        """A row's state: its prompt prefilled into `cache`, `position` the next token's positions, `hidden`
-        the first step's hidden states (None: the first step is yet to come)."""
+    def _sequence(self, begun: Begun, cache: DynamicCache | None, position: torch.Tensor | None,
+                  hidden: Any, *, waiting: bool = False) -> Sequence:
+        """A row's state: its prompt prefilled into `cache` (None: not yet, `_prefill` does it), `position`
+        the next token's positions, `hidden` the first step's hidden states; `waiting`: the first step is yet
+        to come (a row of the next batched step)."""
         input_ids = begun.prepared.input_ids
         greedy = not begun.generation.get("do_sample", False)
         generator = None
         if begun.seed is not None and not greedy:  # generate() draws from the global generator, seeded so
             generator = torch.Generator(device=input_ids.device).manual_seed(begun.seed)
-        return Sequence(begun, self._processors(begun), generator, greedy, input_ids, position,
-                        int(cache.get_seq_length()), steps=[hidden] if hidden is not None else [],
-                        kv=[(layer.keys, layer.values) for layer in cache.layers], fed=int(input_ids[0, -1]))
+        return Sequence(begun, self._processors(begun), generator, greedy, input_ids,
+                        position if position is not None else torch.zeros(0), 0 if cache is None else int(cache.get_seq_length()),
+                        steps=[hidden] if hidden is not None else [],
+                        kv=None if cache is None else [(layer.keys, layer.values) for layer in cache.layers],
+                        fed=int(input_ids[0, -1]), fresh=cache is None, waiting=waiting)
 
     def _deferrable(self, prepared: Prepared) -> bool:
         """Whether a prefilled text prompt's first step may be a row of the next batched step: its cache is
@@ -108,6 +118,8 @@ class ThinkerBatch:
 
     def step(self, rows: list[Row]) -> list[int]:
         states: list[Sequence] = [row.state for row in rows]
+        if fresh := [s for s in states if s.fresh]:
+            self._prefill(fresh)
         self._restack(states)
         assert self.cache is not None and self.mask is not None
         device = self.mask.device
@@ -121,6 +133,7 @@ class ThinkerBatch:
         picked = []
         for i, state in enumerate(states):
             state.length += 1
+            state.waiting = False
             state.position = state.position + 1
             if self.layers:
                 state.steps.append(tuple(out.hidden_states[layer][i : i + 1] for layer in self.layers))
@@ -131,6 +144,30 @@ class ThinkerBatch:
             else:
                 picked.append(self._pick(state, logits[i : i + 1]))
         return picked
+
+    def _prefill(self, states: list[Sequence]) -> None:
+        """The prompts of rows that joined since the last step, but their last tokens (the step feeds those),
+        in one forward: left-padded to the longest, each with the positions generate() computes for it
+        alone (prefill.generation_positions) and the padding masked. Each row keeps its part of the cache
+        (stacked into the batch next) and, where its output reads them, the prompt's hidden states."""
+        lengths = [int(s.sequence.shape[1]) - 1 for s in states]
+        width = max(lengths)
+        device = states[0].sequence.device
+        whole = [generation_positions(self.model, s.sequence) for s in states]  # [4, 1, P] each
+        ids = torch.cat([_pad_ids(s.sequence[:, :-1], width) for s in states])
+        positions = torch.cat([_pad_ids(p[..., :-1].reshape(p.shape[0], -1), width)[:, None] for p in whole], dim=1)
+        mask = torch.stack([torch.cat([torch.zeros(width - n, dtype=torch.long, device=device),
+                                       torch.ones(n, dtype=torch.long, device=device)]) for n in lengths])
+        keep = [bool(s.begun.prepared.kwargs.get("output_hidden_states")) for s in states]
+        cache = new_cache(self.model)
+        out = self.model.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
+                               output_hidden_states=any(keep) and bool(self.layers))
+        for i, s in enumerate(states):
+            pad = width - lengths[i]
+            s.kv = [(layer.keys[i : i + 1, :, pad:], layer.values[i : i + 1, :, pad:]) for layer in cache.layers]
+            s.length, s.position, s.fresh = lengths[i], whole[i][:, 0, -1:].clone(), False
+            if keep[i]:  # as prefill.thinker_prefill keeps them: the prefilled tokens' rows of each layer
+                s.begun.prepared.hidden = [out.hidden_states[layer][i : i + 1, pad:] for layer in self.layers]
 
     def _first_step(self, prepared: Prepared) -> tuple[DynamicCache, Any, torch.Tensor, int]:
         """generate()'s first step of a prompt prefilled but its last token (prefill.thinker_prefill), as one
@@ -167,6 +204,8 @@ class ThinkerBatch:
 
     def finish(self, row: Row) -> Any:
         state: Sequence = row.state
+        if state.waiting:  # cancelled before its first step: nothing to build an output from
+            raise PrefillStopped("cancelled before its first token")
         if len(self.members) == 1 and self.members[0] is state:  # the last row leaves: its cache goes now
             self.members, self.cache, self.mask = [], None, None
         return state.begun.output(state.begun.prepared, state.sequence, state.steps)
@@ -248,12 +287,23 @@ class ThinkerBatch:
 _PLAIN_KWARGS = frozenset({"cache", "position_ids", "output_hidden_states", "eos_token_id", "use_audio_in_video"})
 
 
+def _plain_text(prepared: Prepared) -> bool:
+    """A text prompt: generate() would get no argument for media."""
+    kwargs = prepared.kwargs
+    return set(kwargs) <= _PLAIN_KWARGS and not kwargs.get("use_audio_in_video")
+
+
 def _prefilled_text(prepared: Prepared) -> bool:
     """A text prompt prefilled but its last token, with 4 position rows (text, then 3-D rope)."""
     kwargs = prepared.kwargs
-    return ("cache" in kwargs and "position_ids" in kwargs and set(kwargs) <= _PLAIN_KWARGS
-            and not kwargs.get("use_audio_in_video") and kwargs["position_ids"].dim() == 3
-            and kwargs["position_ids"].shape[0] == 4)
+    return (_plain_text(prepared) and "cache" in kwargs and "position_ids" in kwargs
+            and kwargs["position_ids"].dim() == 3 and kwargs["position_ids"].shape[0] == 4)
+
+
+def _pad_ids(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[rows, n] -> [rows, width], ones before (ids or positions under the mask's padding: never read)."""
+    missing = width - x.shape[1]
+    return x if missing == 0 else torch.cat([x.new_ones(x.shape[0], missing), x], dim=1)
 
 
 def _settings_key(generation: dict[str, Any]) -> tuple | None:
