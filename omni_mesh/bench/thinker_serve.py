@@ -39,10 +39,11 @@ READY_TIMEOUT_S = 600.0  # a model loading on a loaded 2-core host
 SIDES = ("mesh", "transformers")
 
 
-def topology(model: Path, threads: int, max_batch: int, kv_tokens: int, clients: int) -> dict[str, Any]:
+def topology(model: Path, threads: int, max_batch: int, kv_tokens: int, clients: int,
+             stream_interval: int = 1) -> dict[str, Any]:
     """One stage, the thinker, batching up to `max_batch` within `kv_tokens` of KV cache; final."""
     engine = {"part": "thinker", "model": str(model), "threads": threads, "max_batch": max_batch,
-              "kv_cache_tokens": kv_tokens}
+              "kv_cache_tokens": kv_tokens, "stream_interval": stream_interval}
     return {"name": "bench-thinker", "stages": [
         {"stage_id": 0, "name": "thinker", "engine": engine, "final_output": True,
          "max_inflight": max(clients, 2 * max_batch)},
@@ -169,7 +170,7 @@ def _content(data: bytes) -> str:
 
 def run(
     *, model: str | None, prompt: str, max_tokens: int, clients: list[int], rounds: int, duration_s: float,
-    threads: int, device: str, max_batch: int, cb_num_blocks: int, cb_block_size: int,
+    threads: int, device: str, max_batch: int, cb_num_blocks: int, cb_block_size: int, stream_interval: int = 1,
 ) -> dict[str, Any]:
     from omni_mesh.bench.causal_twin import build_twin, same_greedy_ids
 
@@ -188,7 +189,7 @@ def run(
         if not greedy["equal"]:
             raise RuntimeError(f"the thinker and its causal twin differ on greedy ids ({greedy}): not the same model")
         path = Path(scratch) / "topology.yaml"
-        path.write_text(yaml.safe_dump(topology(checkpoint, threads, max_batch, kv_tokens, max(clients)), sort_keys=False))
+        path.write_text(yaml.safe_dump(topology(checkpoint, threads, max_batch, kv_tokens, max(clients), stream_interval), sort_keys=False))
         with running_mesh(path, ready_timeout_s=READY_TIMEOUT_S) as mesh, transformers_serve(
             twin, threads=threads, device=device, num_blocks=cb_num_blocks, block_size=cb_block_size,
             log=Path(scratch) / "serve.log",
@@ -208,7 +209,7 @@ def run(
     return {
         "model": model or "tiny random qwen2_5_omni", "threads": threads, "device": device, "clients": clients,
         "rounds": rounds, "duration_s": duration_s, "max_tokens": max_tokens, "max_batch": max_batch,
-        "kv_cache_tokens": kv_tokens, "cb_num_blocks": cb_num_blocks, "cb_block_size": cb_block_size,
+        "kv_cache_tokens": kv_tokens, "stream_interval": stream_interval, "cb_num_blocks": cb_num_blocks, "cb_block_size": cb_block_size,
         "greedy_ids_equal": True, "prompt_tokens": greedy["prompt_tokens"], "reply_tokens": len(greedy["thinker"]),
         "load_average": [round(sample[0], 2) for sample in load_average],
         "sides": figures,
@@ -239,7 +240,8 @@ def report(result: dict[str, Any]) -> str:
     lines = [
         f"model: {result['model']} ({result['device']}, {result['threads']} torch thread(s) per server); greedy, "
         f"a {result['prompt_tokens']}-token prompt, replies of {result['reply_tokens']} tokens (greedy ids equal)",
-        f"mesh: the thinker stage alone, max_batch {result['max_batch']}, kv_cache_tokens {result['kv_cache_tokens']}; "
+        f"mesh: the thinker stage alone, max_batch {result['max_batch']}, kv_cache_tokens {result['kv_cache_tokens']}, "
+        f"stream_interval {result['stream_interval']}; "
         f"transformers serve --continuous-batching, {result['cb_num_blocks']} blocks of {result['cb_block_size']}",
         f"{result['rounds']} alternating round(s) of {result['duration_s']:.0f} s per side and client count, streamed "
         f"chat completions; medians; load average (1 min) over the run: {result['load_average']}",

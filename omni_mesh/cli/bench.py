@@ -105,6 +105,10 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="transformers serve's paged KV cache blocks; the mesh's kv_cache_tokens is blocks x block size",
     )
     thinker.add_argument("--cb-block-size", type=int, default=32, help="tokens per KV cache block")
+    thinker.add_argument(
+        "--stream-interval", type=int, default=1,
+        help="the thinker's engine.stream_interval: tokens per streamed chunk (transformers serve sends each token)",
+    )
     thinker.add_argument("--json", action="store_true", help="print the results as JSON")
     chaos = kinds.add_parser(
         "chaos", help="soak: checked load while replicas are SIGKILLed; non-zero exit if an invariant breaks"
@@ -174,7 +178,8 @@ def _cmd_thinker(args: argparse.Namespace) -> int:
     from omni_mesh.bench import thinker_serve
 
     clients = _counts(args.clients, "--clients", "clients like 1,16")
-    for flag in ("max_tokens", "rounds", "threads", "max_batch", "cb_num_blocks", "cb_block_size"):
+    for flag in ("max_tokens", "rounds", "threads", "max_batch", "cb_num_blocks", "cb_block_size",
+                 "stream_interval"):
         if getattr(args, flag) < 1:
             raise CliError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.duration <= 0:
@@ -183,7 +188,7 @@ def _cmd_thinker(args: argparse.Namespace) -> int:
         result = thinker_serve.run(
             model=args.model, prompt=args.prompt, max_tokens=args.max_tokens, clients=clients, rounds=args.rounds,
             duration_s=args.duration, threads=args.threads, device=args.device, max_batch=args.max_batch,
-            cb_num_blocks=args.cb_num_blocks, cb_block_size=args.cb_block_size,
+            cb_num_blocks=args.cb_num_blocks, cb_block_size=args.cb_block_size, stream_interval=args.stream_interval,
         )
     except (ValueError, RuntimeError) as exc:  # not an Omni checkpoint, ids differ, a server did not come up
         raise CliError(str(exc)) from None

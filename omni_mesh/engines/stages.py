@@ -177,24 +177,34 @@ class ThinkerStage(EngineStage):
         eos = set(self.model.eos_token_ids(thinker))
         stops = StopWatch(self.model.tokenizer, sampling.stop, sampling.stop_token_ids)
 
+        # A client reading a stream gets the text token by token; for any other the text goes with the
+        # talker's inputs in one chunk (a chunk per token would cost every stage a hop per token), and no
+        # token is handed to this loop as it comes.
+        detok = Detokenizer(self.model.tokenizer) if _client_streams(ctx) else None
+
         def run(push: Any, should_stop: Any) -> Any:
             self.model.seed(sampling.seed)
-            return self.model.think(thinker, ids, sampling, push, stops.until(should_stop), media)
+            return self.model.think(thinker, ids, sampling, push if detok else None, stops.until(should_stop), media)
 
         def join(push: Any, should_stop: Any) -> Any:  # into the running batch: a Future of the output
             watch = stops.until(should_stop)
             begin = functools.partial(self.model.think_begin, thinker, ids, sampling, watch, media)
-            return self.batcher.submit(begin, push, watch, kv_tokens)
+            return self.batcher.submit(begin, push if detok else _ignore, watch, kv_tokens)
 
         generation = Generation(None, join) if self.batcher is not None else Generation(self.executor, run)
-        # A client reading a stream gets the text token by token; for any other the text goes with the
-        # talker's inputs in one chunk (a chunk per token would cost every stage a hop per token).
-        detok = Detokenizer(self.model.tokenizer) if _client_streams(ctx) else None
         text = StopText(sampling.stop)  # the reply's text ends before a stop string
+        interval, unsent, sent_any = self.spec.stream_interval, 0, False
         try:
             async for tokens in generation.batches():  # one chunk for the tokens that came since the last
-                if detok is not None and (delta := text.add("".join(detok.add(token) for token in tokens))):
+                if detok is None:
+                    continue
+                detok.extend(tokens)
+                unsent += len(tokens)
+                if sent_any and unsent < interval:
+                    continue  # engine.stream_interval: the first token goes at once, then every `interval`
+                if delta := text.add(detok.advance()):
                     yield {"text": delta}
+                    sent_any, unsent = True, 0
             output = await generation.result()
         finally:
             await generation.settle()
@@ -377,3 +387,7 @@ def engine_handler(options: dict, stage: str = "", *, fed_by_encoder: bool = Fal
     loads no towers."""
     spec = parse_engine(options, f"stage {stage!r}")
     return STAGES[spec.part](spec, stage, fed_by_encoder=fed_by_encoder)
+
+
+def _ignore(item: Any) -> None:
+    """A push that hands nothing on (the client reads no stream)."""
