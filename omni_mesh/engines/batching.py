@@ -141,7 +141,7 @@ class Batcher:
     def _run(self) -> None:
         import torch
 
-        with torch.no_grad():  # per thread: the handler's no_grad does not reach this one
+        with torch.inference_mode():  # per thread (the handler's no_grad does not reach this one); no autograd bookkeeping per op
             while True:
                 with self.wake:
                     while not self.closed and not self.queue and not self.rows:

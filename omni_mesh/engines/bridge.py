@@ -129,3 +129,23 @@ class Generation:
             self.future.exception()  # retrieved: a cancelled request's PrefillStopped is no error
         if cancelled:
             raise asyncio.CancelledError
+
+
+def every(push: Any, interval: int) -> Any:
+    """A running batch's push of one token, handing `push` lists of them: the first token at once, then
+    every `interval` (engine.stream_interval); the tokens held at the end come with the output."""
+    held: list[int] = []
+    first = [True]
+
+    def put(token: int) -> None:
+        held.append(token)
+        if first[0] or len(held) >= interval:
+            push(held[:])
+            held.clear()
+            first[0] = False
+
+    return put
+
+
+def ignore(item: Any) -> None:
+    """A push that hands nothing on (the client reads no stream)."""

@@ -32,7 +32,7 @@ import numpy as np
 
 from omni_mesh.audio import SAMPLE_RATE, pcm16_bytes, wav_base64
 from omni_mesh.engines.batching import Batcher, Rate
-from omni_mesh.engines.bridge import Generation
+from omni_mesh.engines.bridge import Generation, every, ignore
 from omni_mesh.engines.gather import Gather
 from omni_mesh.engines.kv_budget import (
     KvBudget,
@@ -181,6 +181,7 @@ class ThinkerStage(EngineStage):
         # talker's inputs in one chunk (a chunk per token would cost every stage a hop per token), and no
         # token is handed to this loop as it comes.
         detok = Detokenizer(self.model.tokenizer) if _client_streams(ctx) else None
+        interval = self.spec.stream_interval
 
         def run(push: Any, should_stop: Any) -> Any:
             self.model.seed(sampling.seed)
@@ -189,26 +190,24 @@ class ThinkerStage(EngineStage):
         def join(push: Any, should_stop: Any) -> Any:  # into the running batch: a Future of the output
             watch = stops.until(should_stop)
             begin = functools.partial(self.model.think_begin, thinker, ids, sampling, watch, media)
-            return self.batcher.submit(begin, push if detok else _ignore, watch, kv_tokens)
+            return self.batcher.submit(begin, every(push, interval) if detok else ignore, watch, kv_tokens)
 
         generation = Generation(None, join) if self.batcher is not None else Generation(self.executor, run)
         text = StopText(sampling.stop)  # the reply's text ends before a stop string
-        interval, unsent, sent_any = self.spec.stream_interval, 0, False
         try:
-            async for tokens in generation.batches():  # one chunk for the tokens that came since the last
+            async for items in generation.batches():  # one chunk for the tokens that came since the last
                 if detok is None:
                     continue
-                detok.extend(tokens)
-                unsent += len(tokens)
-                if sent_any and unsent < interval:
-                    continue  # engine.stream_interval: the first token goes at once, then every `interval`
+                for item in items:  # a token (one request at a time), or a batch's list of them (bridge.every)
+                    detok.extend(item if isinstance(item, list) else [item])
                 if delta := text.add(detok.advance()):
                     yield {"text": delta}
-                    sent_any, unsent = True, 0
             output = await generation.result()
         finally:
             await generation.settle()
         reply = [int(t) for t in self.model.reply_ids(output).tolist()]
+        if detok is not None:
+            detok.extend(reply[len(detok.ids):])  # what the last pushes held back (engine.stream_interval)
         if self.batcher is None:
             self.tokens_total += len(reply)
         stopped = stops.hit or (bool(reply) and reply[-1] in eos)
@@ -387,7 +386,3 @@ def engine_handler(options: dict, stage: str = "", *, fed_by_encoder: bool = Fal
     loads no towers."""
     spec = parse_engine(options, f"stage {stage!r}")
     return STAGES[spec.part](spec, stage, fed_by_encoder=fed_by_encoder)
-
-
-def _ignore(item: Any) -> None:
-    """A push that hands nothing on (the client reads no stream)."""
