@@ -80,21 +80,31 @@ class Generation:
 
     async def __aiter__(self) -> AsyncIterator[Any]:
         try:
-            while (item := await self.items.get()) is not _DONE:
-                yield item
-                if self.stop.is_set():
-                    return
+            async for batch in self._drain(whole=False):
+                yield batch[0]
         finally:
-            if not self.future.done():
-                self.stop.set()
+            self._leave()
 
     async def batches(self) -> AsyncIterator[list[Any]]:
         """As iterating, but every item already there at once: a stage that fell behind its model thread
         sends one chunk for several tokens instead of one each."""
         try:
+            async for batch in self._drain(whole=True):
+                yield batch
+        finally:
+            self._leave()
+
+    def _leave(self) -> None:
+        """The iteration ended (or was left early): a generation still running is told to stop."""
+        if not self.future.done():
+            self.stop.set()
+
+    async def _drain(self, *, whole: bool) -> AsyncIterator[list[Any]]:
+        """The items as they come, one at a time or (`whole`) all there are; leaving early sets the stop flag."""
+        try:
             while (item := await self.items.get()) is not _DONE:
                 batch = [item]
-                while not self.items.empty():
+                while whole and not self.items.empty():
                     item = self.items.get_nowait()
                     if item is _DONE:
                         self.items.put_nowait(_DONE)  # seen on the next call
@@ -104,8 +114,7 @@ class Generation:
                 if self.stop.is_set():
                     return
         finally:
-            if not self.future.done():
-                self.stop.set()
+            self._leave()
 
     async def result(self) -> Any:
         return await self.future
