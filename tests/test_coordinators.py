@@ -75,13 +75,19 @@ def own_url(entry: dict) -> str:
     return f"http://127.0.0.1:{entry['ports']['own']}"
 
 
-def counters(url: str, stage: str) -> dict:
-    """The counters replica `stage` reports itself (through the coordinator at `url`)."""
+def reported(url: str, stage: str) -> dict | None:
+    """The counters replica `stage` reports itself (through the coordinator at `url`); None before its
+    first heartbeat there."""
     answer = httpx.get(f"{url}/v1/stages", timeout=5).json()
     replicas = {s["name"]: s["replicas"] for s in answer["stages"]}[stage]
     assert len(replicas) == 1, replicas
-    assert replicas[0]["counters"], f"replica {stage} sent no heartbeat since it registered: {replicas[0]}"
-    return replicas[0]["counters"]
+    return replicas[0]["counters"] or None
+
+
+def counters(url: str, stage: str) -> dict:
+    found = reported(url, stage)
+    assert found is not None, f"replica {stage} sent no heartbeat to {url} since it registered"
+    return found
 
 
 class Load:
@@ -177,7 +183,8 @@ def test_a_coordinator_that_dies_or_stops_under_load_fails_nothing_a_retry_canno
         before = every_coordinator_ready(mesh)
         survivor, victim = own_url(before["c0"]), before["c1"]
         replicas = {name: [r["pid"] for r in rs] for name, rs in mesh.stages().items()}
-        baseline = counters(survivor, "c")
+        # Ready comes with the registration; the counters with the replica's first heartbeat after it.
+        baseline = wait_for(lambda: reported(survivor, "c"), 10, "stage c's first heartbeat")
         long_failures: list[str] = []
         with Load([mesh.url], {"sleep_s": {"a": 0.5}}) as load:
             wait_for(lambda: load.total() >= 100, 60, "load through both coordinators")
