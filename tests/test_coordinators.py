@@ -12,6 +12,9 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -23,7 +26,7 @@ import pytest
 from support.meshkit import Mesh, running_mesh, wait_for
 from support.replies import sse_events
 
-from omni_mesh.launcher_coordinators import STOPPED_S
+from omni_mesh.launcher_coordinators import DIR_PREFIX, STOPPED_S, CoordinatorPlan
 
 HANDLERS = Path(__file__).parent / "support" / "coordinator_handlers.py"
 CLIENTS = 32
@@ -292,3 +295,21 @@ def test_streams_and_large_inputs_work_the_same_through_either_coordinator(tmp_p
             ]
             assert events[-1][0] == "done", events[-1]
             assert events[-1][1]["request_id"].startswith(f"{name}."), events[-1][1]
+
+
+def test_a_killed_launchers_coordinators_directory_is_swept_by_the_next_one() -> None:
+    """A launcher SIGKILLed leaves its coordinators' status directory; the next `up --coordinators`
+    removes those of launchers that are gone, and leaves a live one's alone."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{int(gone.stdout)}-"))
+    (orphan / "c0.json").write_text("{}")
+    live = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-"))
+    plan = CoordinatorPlan.make(2, None)
+    try:
+        assert not orphan.exists(), "a dead launcher's directory was left"
+        assert live.exists() and plan.directory.exists()
+        assert plan.directory.name.startswith(f"{DIR_PREFIX}{os.getpid()}-")
+    finally:
+        plan.remove()
+        shutil.rmtree(live, ignore_errors=True)
+        shutil.rmtree(orphan, ignore_errors=True)
