@@ -1,14 +1,11 @@
 """A SharedMemoryConnector producer's pool: its segments and the slots in them.
 
-Where a slot goes, growth and idle release are the one `pools.slots.SlotPool`'s (each of its regions
-is a segment here); this adds the named segments, the slot headers and their reclaim. The first
-segment (small: _growth.FIRST_PART, or `memory_pool_size` if less, plus the key index and the tiny-
-payload cells that live at its start) is created on the first put. A payload that fits no free
-space, once released slots are reclaimed, adds a segment sized for it (`_p<n>`, pre-faulted), kept
-for the next payloads, up to `max_pool_size` in all; a grown segment that held nothing for
-`pool_idle_release_s` is unlinked (checked at allocations and at `health()`). Only past the ceiling
-does a payload take a one-off segment (`_x<n>`, counted as a fallback), unlinked once it is freed.
-So the steady state creates no segment and takes no page fault at any size below the ceiling.
+Where a slot goes, growth and idle release are the one `pools.slots.SlotPool`'s, sized as
+`pools.growth` says; each of its regions is a segment here: the first (created on the first put,
+with the key index and the tiny-payload cells at its start), those grown (`_p<n>`, pre-faulted, kept
+for the next payloads, unlinked once idle `pool_idle_release_s`). Only past the ceiling does a payload
+take a one-off segment (`_x<n>`, counted as a fallback), unlinked once it is freed. So the steady
+state creates no segment and takes no page fault at any size below the ceiling.
 
 One lock (`lock`) guards the segments and the slot table; the connector holds it for its key index
 and cells too. Slots being written are listed in `writing`: cleanup leaves them alone, close waits.
