@@ -89,12 +89,13 @@ class SlotPool:
             base, allocator = self._region_locked(offset)
             return offset - base in allocator
 
-    def capacity(self, offset: int) -> int:
-        """Bytes from `offset` to the end of what was handed out there (alignment slack included):
-        a later frame that fits may reuse them."""
+    def locate(self, offset: int) -> tuple[int, int, int]:
+        """`region_of(offset)` and the bytes from `offset` to the end of what was handed out there
+        (alignment slack included: a later frame that fits may reuse them), in one lock round trip."""
         with self._lock:
             base, allocator = self._region_locked(offset)
-            return base + allocator.extent_end(offset - base) - offset
+            local = offset - base
+            return base, local, allocator.extent_end(local) - local
 
     def free(self, offset: int) -> None:
         with self._lock:

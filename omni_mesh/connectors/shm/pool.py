@@ -231,8 +231,8 @@ class ShmPool:
                 offset = PAGE - SLOT_HEADER if frame_alignment(size) == PAGE else 0
                 segment, capacity = self._oneoff_locked(need + offset), need
             else:
-                base, offset = places.region_of(at)
-                segment, capacity = self.segments[base], places.capacity(at)
+                base, offset, capacity = places.locate(at)
+                segment = self.segments[base]
             self.release_idle_locked()
             # Reused pool space holds bytes of older frames: until this put writes its header, the
             # state byte must not read as RELEASED or TAKEN, or a reclaim would free the slot mid-write.
