@@ -1,11 +1,8 @@
 """MooncakeStoreConnector: payloads through a Mooncake distributed store (`mooncake_master` + clients).
 
 Every process runs one store client that may contribute `segment` bytes to the cluster-wide pool, and
-owns one local buffer (`localbuf`) registered with the store for zero-copy transfers: a put lays the
-frame into it and `upsert_from`s it under the store key; a get `get_into`s it there, removes the key
-and decodes tensors as views over the region (`copy_on_get` copies them out). The machinery is
-`mooncake.store_node`; the store's return codes are mapped to the connectors' exception family in
-`mooncake.errors` (no room in the store: ConnectorFull; master unreachable: ConnectorUnavailable).
+owns one local buffer (`localbuf`) registered with the store, which puts and gets go through with no
+other copy (`mooncake.store_node`; return codes mapped in `mooncake.errors`).
 
 Store keys are `key_prefix + "from->to/put_key"`, so two edges never collide on one request key and
 omni-mesh never collides with other users of the same master. Keys nobody consumes are removed

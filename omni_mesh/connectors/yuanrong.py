@@ -2,18 +2,14 @@
 
 Install with `pip install 'omni-mesh[yuanrong]'`; start a worker with `dscli start -w --worker_address
 HOST:PORT ...` on every host. The producer lays each frame straight into the worker's shared memory;
-the consumer reads it from there with one copy, then the key is deleted (`datasystem.kv`).
+the consumer reads it from there with one copy, then the key is deleted; each client call is kept
+short, as the client holds the GIL while it blocks (`datasystem.kv`).
 
-Keys are `<key_prefix>;<edge key>` with every character outside the datasystem's key charset
-percent-escaped (`%XX`, injective), so `thinker->talker/req-1/0` becomes
-`omni;thinker-%3Etalker%2Freq-1%2F0`; keys longer than the 255-character limit end in `#<sha256>`.
-Unconsumed payloads are deleted by the worker after `ttl_s`, or by `cleanup(request_id)`. A frame
-over 4 GiB - 1 (the datasystem's value limit) is PayloadTooLarge; the worker's failures are mapped to
-the connectors' exception family in `datasystem.errors`.
-
-The datasystem client holds the GIL while it blocks, so every call is kept short: `get` is one call
-that does not wait (None when the key is not there); `get_with_deadline` polls with
-`get_sub_timeout_ms` slices up to its deadline instead of one long wait.
+Keys (`datasystem.keys`) are `<key_prefix>;<edge key>`, percent-escaped into the datasystem's charset:
+`thinker->talker/req-1/0` becomes `omni;thinker-%3Etalker%2Freq-1%2F0`. Unconsumed payloads are
+deleted by the worker after `ttl_s`, or by `cleanup(request_id)`. A frame over 4 GiB - 1 (the
+datasystem's value limit) is PayloadTooLarge; the worker's failures are mapped to the connectors'
+exception family in `datasystem.errors`.
 """
 
 from __future__ import annotations

@@ -233,7 +233,6 @@ class KVNode:
     # ---------------------------------------------------------------- lifecycle
 
     def reap_consumed(self) -> None:
-        """Forget the keys this process put that a consumer elsewhere has taken (gone from the worker)."""
         with self._lock:
             mine = list(self._mine.items())
         if not mine or self._client is None:
@@ -272,8 +271,6 @@ class KVNode:
         return {"status": "degraded" if degraded else "healthy", **report}
 
     def close(self) -> None:
-        """Idempotent. The client disconnects as it is destroyed here; if the worker is already gone
-        that takes the datasystem client several seconds."""
         if self._client is not None:
             with contextlib.suppress(ConnectorError):
                 self.flush()

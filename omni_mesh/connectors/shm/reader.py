@@ -1,11 +1,9 @@
 """SharedMemoryConnector's consumer side: a get maps the producer's segment once and decodes views.
 
-Tensors and arrays come back as views over the slot: no copy at all. When the last view is
-garbage-collected, the slot is marked RELEASED in its header (`shm.slots`) and the producer reuses it
-at its next put. The generation and the digest of `from->to/key` make stale or foreign metadata
-detectable: a get then answers None rather than another request's data. A get without metadata finds
-the payload by its key (`lookup`); tiny payloads come from their metadata (`shm.tiny`), payloads of
-`empty()` outputs from each of their slots (`shm.outputs`).
+Tensors and arrays come back as views over the slot: no copy at all; the slot's release, and why
+stale or foreign metadata answers None, are the slot protocol's (`shm.slots`). A get without metadata
+finds the payload by its key (`lookup`); tiny payloads come from their metadata (`shm.tiny`), payloads
+of `empty()` outputs from each of their slots (`shm.outputs`).
 """
 
 from __future__ import annotations

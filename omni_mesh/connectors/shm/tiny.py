@@ -1,14 +1,13 @@
 """SharedMemoryConnector's tiny payloads (frames up to `inline_max_bytes`): in the metadata, and in the pool.
 
 A tiny payload travels in its metadata as its whole frame (`frame`). Once some process on the host
-has got a payload by key alone (shm_wanted), a copy goes into one of the first segment's cells
-(shm_cells) or, with every cell waiting, a pool slot, where a get by key finds it; the get with the
-metadata releases that copy. Before then no copy is made (it would cost a third of a tiny put + get),
-and the payloads put shortly before a get by key is first seen are copied in then (shm_recent). With
-the pool full a tiny payload travels in the metadata only, in the parts form (`inline`, `parts`). The
-metadata holds the whole payload, so a get with it always succeeds, as vllm-omni's inline payloads
-do: the coordinator retries a stage whose replica died after its get, with the same metadata, and the
-retry must find its input.
+has got a payload by key alone (shm_wanted, which says why not before), a copy goes into one of the
+first segment's cells (shm_cells) or, with every cell waiting, a pool slot, where a get by key finds
+it; the get with the metadata releases that copy. The payloads put shortly before are copied in then
+(shm_recent). With the pool full a tiny payload travels in the metadata only, in the parts form
+(`inline`, `parts`). The metadata holds the whole payload, so a get with it always succeeds, as
+vllm-omni's inline payloads do: the coordinator retries a stage whose replica died after its get,
+with the same metadata, and the retry must find its input.
 """
 
 from __future__ import annotations
