@@ -257,7 +257,8 @@ class TransferEngineNode:
         self._tick()
 
     def cleanup(self, key: str) -> None:
-        """One being written is freed when its write ends."""
+        """Free the payloads put under `key` or `key/...` that nobody consumed (one being written
+        when its write ends)."""
         freed = self._payloads.clean(key) if not self._closed else 0
         if freed:
             self._counters.add("cleaned", freed)
