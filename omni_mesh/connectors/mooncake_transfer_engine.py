@@ -34,16 +34,16 @@ from typing import Any
 
 import torch
 
-from omni_mesh.connectors.base import OmniConnectorBase
 from omni_mesh.connectors.config import MooncakeTransferEngineConfig
 from omni_mesh.connectors.mooncake import device_transfer
 from omni_mesh.connectors.mooncake.loading import close_at_exit
 from omni_mesh.connectors.mooncake.te_node import TransferEngineNode
+from omni_mesh.connectors.node_adapter import NodeAdapter
 
 __all__ = ["MooncakeTransferEngineConfig", "MooncakeTransferEngineConnector"]
 
 
-class MooncakeTransferEngineConnector(OmniConnectorBase):
+class MooncakeTransferEngineConnector(NodeAdapter):
     config_class = MooncakeTransferEngineConfig
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
@@ -66,9 +66,6 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
     def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[int, dict | None]:
         return self._node.put(from_stage, to_stage, put_key, data)
 
-    def _count_put_error(self) -> None:
-        self._node.counters.add("errors")
-
     def _poll(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None
     ) -> tuple[Any, int] | None:
@@ -80,19 +77,3 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None, deadline: float
     ) -> tuple[Any, int] | None:
         return self._node.get(from_stage, to_stage, get_key, metadata, poll=False, deadline=deadline)
-
-    def reap_consumed(self) -> None:
-        """Expire payloads past ttl_s and end quarantines whose late answer came (the side channel's
-        thread does this every tick; a caller may do it now)."""
-        self._node.reap_consumed()
-
-    def cleanup(self, key: str) -> None:
-        """Free the payloads this process put under `key` or `key/...` that nobody consumed yet (one
-        being written is freed when its write ends)."""
-        self._node.cleanup(key)
-
-    def health(self) -> dict:
-        return {**self._node.health(), **self._put_health()}
-
-    def close(self) -> None:
-        self._node.close()

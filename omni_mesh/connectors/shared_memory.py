@@ -19,10 +19,11 @@ from omni_mesh.connectors.base import OmniConnectorBase
 from omni_mesh.connectors.config import SharedMemoryConfig
 from omni_mesh.connectors.counters import Counters
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorError
+from omni_mesh.connectors.keys import payload_name as where
 from omni_mesh.connectors.pools.growth import AUTO_CEILING_MAX, GROW_STEP
 from omni_mesh.connectors.shm.lifecycle import SharedMemoryLifecycle
 from omni_mesh.connectors.shm.producer import ShmProducer
-from omni_mesh.connectors.shm.reader import ShmReader, where
+from omni_mesh.connectors.shm.reader import ShmReader
 from omni_mesh.connectors.shm.segments import ProcessIdentity
 from omni_mesh.connectors.shm.slots import names_a_payload
 

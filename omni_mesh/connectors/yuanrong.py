@@ -17,18 +17,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from omni_mesh.connectors.base import OmniConnectorBase
 from omni_mesh.connectors.config import YuanrongConfig
 from omni_mesh.connectors.datasystem.errors import INSTALL_HINT
 from omni_mesh.connectors.datasystem.keys import client_log_dir, datasystem_key
 from omni_mesh.connectors.datasystem.kv import KVNode
 from omni_mesh.connectors.keys import edge_key
+from omni_mesh.connectors.node_adapter import NodeAdapter
 
 # Re-exported: the raw-datasystem bench and tests read them here (datasystem/ is private).
 __all__ = ["INSTALL_HINT", "YuanrongConfig", "YuanrongConnector", "client_log_dir", "datasystem_key"]
 
 
-class YuanrongConnector(OmniConnectorBase):
+class YuanrongConnector(NodeAdapter):
     """Payloads through an openYuanrong datasystem worker (module docstring)."""
 
     config_class = YuanrongConfig
@@ -42,9 +42,6 @@ class YuanrongConnector(OmniConnectorBase):
     def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[int, dict | None]:
         where = f"YuanrongConnector: put {from_stage}->{to_stage} key {put_key!r}"
         return self._node.put(edge_key(from_stage, to_stage, put_key), put_key, data, where)
-
-    def _count_put_error(self) -> None:
-        self._node.error()
 
     def _poll(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None
@@ -72,18 +69,3 @@ class YuanrongConnector(OmniConnectorBase):
     def flush(self) -> None:
         """Delete every consumed key now (close does this too)."""
         self._node.flush()
-
-    def reap_consumed(self) -> None:
-        """Forget the keys this process put that a consumer elsewhere has taken (gone from the worker)."""
-        self._node.reap_consumed()
-
-    def cleanup(self, key: str) -> None:
-        self._node.cleanup(key)
-
-    def health(self) -> dict:
-        return {**self._node.health(), **self._put_health()}
-
-    def close(self) -> None:
-        """Idempotent. The client disconnects as it is destroyed here; if the worker is already gone
-        that takes the datasystem client several seconds."""
-        self._node.close()

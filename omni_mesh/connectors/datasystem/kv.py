@@ -271,6 +271,8 @@ class KVNode:
         return {"status": "degraded" if degraded else "healthy", **report}
 
     def close(self) -> None:
+        """Idempotent. The client disconnects as it is destroyed here; if the worker is already gone
+        that takes the datasystem client several seconds."""
         if self._client is not None:
             with contextlib.suppress(ConnectorError):
                 self.flush()

@@ -80,7 +80,7 @@ class StoreNode:
             "localbuf",
             "tensors returned from get()",
             "drop them sooner, raise localbuf, or set copy_on_get: true",
-            lambda: self.counters.add("errors"),
+            self.error,
         )
         self._pool: RegisteredPool | None = RegisteredPool(
             cfg.localbuf, prefault=cfg.prefault, errors=pool_errors
@@ -95,6 +95,9 @@ class StoreNode:
             )
         self._reaper = threading.Thread(target=self._reap_loop, name="omni-mesh-store-reaper", daemon=True)
         self._reaper.start()
+
+    def error(self) -> None:
+        self.counters.add("errors")
 
     # ------------------------------------------------------------------ put and get
 

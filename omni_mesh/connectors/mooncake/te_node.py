@@ -125,8 +125,11 @@ class TransferEngineNode:
             "max_pool_size",  # the ceiling the pool grows to
             "unconsumed payloads or live views",
             "raise max_pool_size, consume payloads sooner, or drop tensors returned by get()",
-            lambda: self._counters.add("errors"),
+            self.error,
         )
+
+    def error(self) -> None:
+        self._counters.add("errors")
 
     # ------------------------------------------------------------------ producer side
 
@@ -254,6 +257,8 @@ class TransferEngineNode:
         self._tick()
 
     def cleanup(self, key: str) -> None:
+        """Free the payloads put under `key` or `key/...` that nobody consumed (one being written
+        when its write ends)."""
         freed = self._payloads.clean(key) if not self._closed else 0
         if freed:
             self._counters.add("cleaned", freed)

@@ -15,6 +15,7 @@ from omni_mesh import codec, cuda_ipc
 from omni_mesh.connectors.counters import Counters
 from omni_mesh.connectors.errors import ConnectorError
 from omni_mesh.connectors.keys import edge_key
+from omni_mesh.connectors.keys import payload_name as where
 from omni_mesh.connectors.shm import lookup
 from omni_mesh.connectors.shm import tiny as shm_tiny
 from omni_mesh.connectors.shm.maps import Mappings
@@ -30,10 +31,6 @@ from omni_mesh.connectors.shm.slots import (
 )
 
 Got = tuple[Any, int]
-
-
-def where(from_stage: str, to_stage: str, key: str) -> str:
-    return f"key {key!r} on edge {from_stage}->{to_stage}"
 
 
 class ShmReader:

@@ -21,7 +21,7 @@ from typing import Any
 from omni_mesh import codec
 from omni_mesh.connectors.counters import Counters
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorError
-from omni_mesh.connectors.keys import edge_key
+from omni_mesh.connectors.keys import edge_key, payload_name
 from omni_mesh.connectors.shm import cells as shm_cells
 from omni_mesh.connectors.shm import recent as shm_recent
 from omni_mesh.connectors.shm import wanted as shm_wanted
@@ -257,7 +257,7 @@ def get(
             size = len(inline) + sum(map(len, parts))
     except codec.FrameError as exc:
         counters.add("errors")
-        where = f"key {get_key!r} on edge {from_stage}->{to_stage}"
+        where = payload_name(from_stage, to_stage, get_key)
         raise ConnectorError(f"SharedMemoryConnector: bad inline payload for {where}: {exc}") from None
     counters.add_pair("gets", "bytes_got", size)
     return data, size
@@ -270,7 +270,7 @@ def _release_copy(metadata: dict, maps: Mappings, from_stage: str, to_stage: str
     if type(name) is not str or type(offset) is not int or type(generation) is not int:
         return False
     # The cached mapping first: the message naming the get is only built when one must be made.
-    mm = maps.get(name) or maps.map(name, f"key {get_key!r} on edge {from_stage}->{to_stage}")
+    mm = maps.get(name) or maps.map(name, payload_name(from_stage, to_stage, get_key))
     if mm is None:
         return True
     if not 0 <= offset <= len(mm) - SLOT_HEADER:
