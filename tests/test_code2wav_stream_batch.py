@@ -125,7 +125,7 @@ def test_qwen2_5_dit_rows_of_different_lengths_need_the_padding_masked(qwen2_5: 
     """One DiT forward, a row of 31 codes beside one of 50 (right-padded): masked, its output equals its
     forward alone (measured ~6e-8); unmasked, its attention reads the padding (measured ~1e-5: the tiny
     random DiT's attention weighs little, so the waveforms hide it; its forward shows it)."""
-    from omni_mesh.engines.token2wav_batch import _padding_masked
+    from omni_mesh.engines.dit_mask import compact_mask
 
     model, decoder = qwen2_5
     dit, speaker = decoder.model.code2wav_dit_model, decoder.speakers["Chelsie"]
@@ -145,7 +145,7 @@ def test_qwen2_5_dit_rows_of_different_lengths_need_the_padding_masked(qwen2_5: 
         codes = torch.cat([long, torch.nn.functional.pad(short, (0, 50 - 31))])
         padded = torch.cat([noise[0], torch.nn.functional.pad(noise[1], (0, 0, 0, frames[0] - frames[1]))])
         unmasked = forward(codes, padded)[[1, 3], : frames[1]]
-        with _padding_masked(dit, frames):
+        with compact_mask(dit, frames):
             masked = forward(codes, padded)[[1, 3], : frames[1]]
     assert float((masked - alone).abs().max()) < 1e-6
     assert float((unmasked - alone).abs().max()) > 1e-6

@@ -29,6 +29,7 @@ from transformers import (
 )
 
 from omni_mesh.engines.checkpoint import CheckpointError, load_part
+from omni_mesh.engines.dit_mask import compact_mask
 from omni_mesh.engines.generation import sampling_kwargs, streaming
 from omni_mesh.engines.prefill import (
     DEFAULT_CHUNK,
@@ -334,7 +335,7 @@ class Token2Wav:
             return torch.zeros(0)
         entry = speaker_entry(self.speakers, speaker)
         device = self.model.device
-        with self.lock:
+        with self.lock, compact_mask(self.model.code2wav_dit_model):
             if seed is not None:
                 torch.manual_seed(seed)
             wav = self.model(

@@ -2,12 +2,8 @@
 whole replies, and streamed chunks (`ChunkedDecode.feed_many`), of any lengths.
 
 Its DiT attends both ways within a window of blocks, so a row padded to a longer one would read the
-padding; the DiT builds its attention mask from block distances (`block_diff`, passed to each of its
-layers), and a forward pre-hook on each layer (the hook `register_forward_pre_hook` gives, no model code
-forked) moves every padded position out of reach of the real ones: a real position attends to real
-positions only, a padded one to padded ones only (never to nothing: no NaN to leak). Everything else in
-the DiT works position by position. BigVGAN's convolutions are not causal, so each row's mel goes through
-it cut to its own length (rows of one length together). Requests of one speaker go together (the
+padding: `dit_mask.compact_mask` masks it. BigVGAN's convolutions are not causal, so each row's mel goes
+through it cut to its own length (rows of one length together). Requests of one speaker go together (the
 speaker's reference mel is one input of the batch).
 
 The DiT draws each request's noise inside `sample()` from torch's global generator (`Token2Wav.decode`
@@ -20,13 +16,12 @@ within 2 steps of 16-bit PCM).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
 
+from omni_mesh.engines.dit_mask import compact_mask
 from omni_mesh.engines.qwen2_5_omni import Token2Wav, speaker_entry
 
 #: `Qwen2_5OmniToken2WavModel.forward`'s defaults, which `Token2Wav.decode` leaves as they are.
@@ -85,33 +80,9 @@ def _decode_rows(token2wav: Token2Wav, codes: list[torch.Tensor], speaker: str |
 
     times = torch.linspace(0, 1, token2wav.num_steps, device=device, dtype=torch.float32)
     times += SWAY_COEFFICIENT * (torch.cos(torch.pi / 2 * times) - 1 + times)
-    with _padding_masked(dit, durations):
+    with compact_mask(dit, durations):
         mel = RungeKutta4ODESolver(function=velocity, initial_value=noise).integrate(times)[-1].permute(0, 2, 1)
     return _vocode(model, mel, durations)
-
-
-@contextmanager
-def _padding_masked(dit: Any, durations: list[int]) -> Iterator[None]:
-    """While inside: each DiT layer's `block_diff` (its attention mask: block distances within reach) with
-    real and padded positions out of each other's reach. Rows of one length need nothing."""
-    if len(set(durations)) == 1:
-        yield
-        return
-    valid = torch.arange(max(durations), device=dit.device)[None, :] < torch.tensor(durations, device=dit.device)[:, None]
-    valid = torch.cat([valid, valid])  # the rows, then their unconditioned twins (guidance)
-    apart = (valid[:, :, None] != valid[:, None, :]).unsqueeze(1)  # [2B, 1, L, L]
-
-    def masked(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        block_diff = kwargs["block_diff"]
-        far = block_diff.shape[-1] + 1  # past any look-ahead or look-back
-        return args, {**kwargs, "block_diff": block_diff.masked_fill(apart, far)}
-
-    hooks = [layer.register_forward_pre_hook(masked, with_kwargs=True) for layer in dit.transformer_blocks]
-    try:
-        yield
-    finally:
-        for hook in hooks:
-            hook.remove()
 
 
 def _vocode(model: Any, mel: torch.Tensor, durations: list[int]) -> list[torch.Tensor]:
