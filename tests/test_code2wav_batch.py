@@ -13,7 +13,6 @@ on tiny random checkpoints, in one process:
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,6 +21,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
+
+from support.gathers import held_gather  # noqa: E402
 
 from omni_mesh.audio import pcm16_bytes  # noqa: E402
 from omni_mesh.engines.gather import Gather  # noqa: E402
@@ -70,17 +71,7 @@ def test_replies_decoded_in_one_call_equal_their_own_decode(parts: Any) -> None:
 def test_the_gather_decodes_what_queued_in_one_call_and_skips_the_cancelled(parts: Any) -> None:
     model, decoder = parts
     sampling = Sampling.of(model.spec, {})
-    executor = ThreadPoolExecutor(max_workers=1)
-    calls: list[int] = []
-
-    def many(requests: list[Any]) -> list[Any]:
-        calls.append(len(requests))
-        return model.decode_many(decoder, requests)
-
-    gather = Gather(executor, many, max_batch=4)
-    busy, release = threading.Event(), threading.Event()
-    executor.submit(lambda: (busy.set(), release.wait(30)))  # the model thread busy with another request
-    assert busy.wait(10)
+    gather, calls, release, executor = held_gather(lambda requests: model.decode_many(decoder, requests), 4)
     batch = [codes_of(decoder, n, i) for i, n in enumerate(FRAMES[:6])]
     futures = [gather.submit((codes, sampling)) for codes in batch]
     assert futures[2].cancel()  # its client left while it waited

@@ -12,8 +12,6 @@ checkpoints, in one process:
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -22,8 +20,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from support.gathers import held_gather  # noqa: E402
+
 from omni_mesh.audio import pcm16_bytes  # noqa: E402
-from omni_mesh.engines.gather import Gather  # noqa: E402
 from omni_mesh.engines.models import open_model  # noqa: E402
 from omni_mesh.engines.settings import Sampling, parse_engine  # noqa: E402
 from omni_mesh.engines.tiny import build_tiny  # noqa: E402
@@ -154,17 +153,7 @@ def test_qwen2_5_dit_rows_of_different_lengths_need_the_padding_masked(qwen2_5: 
 def test_the_stream_gather_decodes_the_chunks_queued_in_one_call(qwen3: Any) -> None:
     model, decoder = qwen3
     sampling = Sampling.of(model.spec, {})
-    executor = ThreadPoolExecutor(max_workers=1)
-    calls: list[int] = []
-
-    def many(items: list[Any]) -> list[Any]:
-        calls.append(len(items))
-        return model.decode_chunks(items)
-
-    gather = Gather(executor, many, max_batch=8)
-    busy, release = threading.Event(), threading.Event()
-    executor.submit(lambda: (busy.set(), release.wait(30)))  # the model thread busy with another call
-    assert busy.wait(10)
+    gather, calls, release, executor = held_gather(model.decode_chunks, 8)
     batch = [codes_for(model, decoder, n, i) for i, n in enumerate(LENGTHS)]
     streams = [model.stream_decoder(decoder, sampling) for _ in batch]
     futures = [gather.submit((stream, codes)) for stream, codes in zip(streams, batch, strict=True)]
