@@ -12,6 +12,7 @@ connections that nobody answers, where a dead one's are refused and retried else
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
 import tempfile
@@ -33,6 +34,17 @@ STOPPED_S = 0.2
 STOPPED_CHECK_S = 0.05
 
 
+DIR_PREFIX = "omnimesh-coordinators-"  # + the launcher's pid: a SIGKILLed launcher's is swept later
+
+
+def sweep_orphans() -> None:
+    """Remove the coordinators' directories of launchers that are gone (SIGKILLed: nothing removed them)."""
+    for directory in Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}*"):
+        pid = directory.name[len(DIR_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(directory, ignore_errors=True)
+
+
 @dataclass
 class CoordinatorPlan:
     """Where each of N coordinators listens: control endpoints and own REST ports, by index."""
@@ -40,10 +52,11 @@ class CoordinatorPlan:
     count: int
     controls: list[str]
     own_ports: list[int]
-    directory: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="omnimesh-coordinators-")))
+    directory: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-")))
 
     @classmethod
     def make(cls, count: int, control_port: int | None) -> CoordinatorPlan:
+        sweep_orphans()
         ports = free_ports(2 * count)  # distinct (picked one at a time, two could be the same)
         controls = [
             f"tcp://127.0.0.1:{control_port + i if control_port else ports[count + i]}" for i in range(count)

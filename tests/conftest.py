@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -137,6 +138,25 @@ def no_segment_left() -> Iterator[None]:
 
     gc.collect()
     assert our_segments() == {}, "a test left shared-memory segments behind"
+
+
+def _segments_here() -> set[str]:
+    return {p.name for p in SEGMENT_DIR.iterdir()} if SEGMENT_DIR.is_dir() else set()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_segment_left_by_the_module() -> Iterator[None]:
+    """Every test file ends with no new segment in this process's directory (a stage, peer or connector
+    of its own left one): an error of the file's last test, named, instead of a line at the end of the
+    run. Torn down after the module's other fixtures; processes they stopped get a moment to unlink."""
+    before = _segments_here()
+    yield
+    gc.collect()
+    deadline = time.monotonic() + 5.0
+    while (left := _segments_here() - before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        gc.collect()
+    assert not left, f"this test file left shared-memory segments in {SEGMENT_DIR}: {sorted(left)}"
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

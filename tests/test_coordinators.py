@@ -12,6 +12,9 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -23,7 +26,7 @@ import pytest
 from support.meshkit import Mesh, running_mesh, wait_for
 from support.replies import sse_events
 
-from omni_mesh.launcher_coordinators import STOPPED_S
+from omni_mesh.launcher_coordinators import DIR_PREFIX, STOPPED_S, CoordinatorPlan
 
 HANDLERS = Path(__file__).parent / "support" / "coordinator_handlers.py"
 CLIENTS = 32
@@ -75,13 +78,19 @@ def own_url(entry: dict) -> str:
     return f"http://127.0.0.1:{entry['ports']['own']}"
 
 
-def counters(url: str, stage: str) -> dict:
-    """The counters replica `stage` reports itself (through the coordinator at `url`)."""
+def reported(url: str, stage: str) -> dict | None:
+    """The counters replica `stage` reports itself (through the coordinator at `url`); None before its
+    first heartbeat there."""
     answer = httpx.get(f"{url}/v1/stages", timeout=5).json()
     replicas = {s["name"]: s["replicas"] for s in answer["stages"]}[stage]
     assert len(replicas) == 1, replicas
-    assert replicas[0]["counters"], f"replica {stage} sent no heartbeat since it registered: {replicas[0]}"
-    return replicas[0]["counters"]
+    return replicas[0]["counters"] or None
+
+
+def counters(url: str, stage: str) -> dict:
+    found = reported(url, stage)
+    assert found is not None, f"replica {stage} sent no heartbeat to {url} since it registered"
+    return found
 
 
 class Load:
@@ -177,7 +186,8 @@ def test_a_coordinator_that_dies_or_stops_under_load_fails_nothing_a_retry_canno
         before = every_coordinator_ready(mesh)
         survivor, victim = own_url(before["c0"]), before["c1"]
         replicas = {name: [r["pid"] for r in rs] for name, rs in mesh.stages().items()}
-        baseline = counters(survivor, "c")
+        # Ready comes with the registration; the counters with the replica's first heartbeat after it.
+        baseline = wait_for(lambda: reported(survivor, "c"), 10, "stage c's first heartbeat")
         long_failures: list[str] = []
         with Load([mesh.url], {"sleep_s": {"a": 0.5}}) as load:
             wait_for(lambda: load.total() >= 100, 60, "load through both coordinators")
@@ -285,3 +295,21 @@ def test_streams_and_large_inputs_work_the_same_through_either_coordinator(tmp_p
             ]
             assert events[-1][0] == "done", events[-1]
             assert events[-1][1]["request_id"].startswith(f"{name}."), events[-1][1]
+
+
+def test_a_killed_launchers_coordinators_directory_is_swept_by_the_next_one() -> None:
+    """A launcher SIGKILLed leaves its coordinators' status directory; the next `up --coordinators`
+    removes those of launchers that are gone, and leaves a live one's alone."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{int(gone.stdout)}-"))
+    (orphan / "c0.json").write_text("{}")
+    live = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-"))
+    plan = CoordinatorPlan.make(2, None)
+    try:
+        assert not orphan.exists(), "a dead launcher's directory was left"
+        assert live.exists() and plan.directory.exists()
+        assert plan.directory.name.startswith(f"{DIR_PREFIX}{os.getpid()}-")
+    finally:
+        plan.remove()
+        shutil.rmtree(live, ignore_errors=True)
+        shutil.rmtree(orphan, ignore_errors=True)

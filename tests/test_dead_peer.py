@@ -183,6 +183,19 @@ def _dropped(port: int, *, replies: bool = False) -> Iterator[Callable[[], None]
         restore()
 
 
+# Unacknowledged bytes that only the 1 MiB answer can make (a heartbeat is a few bytes); a send buffer
+# the kernel never grew (every packet dropped) holds 16 KiB or more of it.
+ANSWER_PART = 8192
+
+
+def _unacknowledged(port: int) -> int:
+    """Bytes the producer's sockets (local port `port`) hold sent but not acknowledged (ss's Send-Q)."""
+    listing = subprocess.run(
+        ["ss", "-tnH", "state", "established", f"( sport = :{port} )"], capture_output=True, text=True
+    ).stdout
+    return max((int(line.split()[1]) for line in listing.splitlines() if line.split()), default=0)
+
+
 def _get_across_a_cut(producer, consumer, *, replies: bool) -> dict:
     """Get payload r/1 while packets to the producer (`replies`: from it) are dropped, then reset the
     connection (`ss -K`) and let the network back, as a flaky network does: {"x": tensor} or {"error"}."""
@@ -201,7 +214,10 @@ def _get_across_a_cut(producer, consumer, *, replies: bool) -> dict:
     with _dropped(port, replies=replies) as restore:
         waiter = threading.Thread(target=get)
         waiter.start()
-        time.sleep(0.5)  # the GET left and was dropped, or arrived and its answer was dropped
+        if replies:  # part of the answer sits unacknowledged in the producer's socket: it heard the GET
+            assert wait_until(lambda: _unacknowledged(port) >= ANSWER_PART, timeout_s=10), "no answer queued"
+        else:  # the GET is small (a heartbeat's size): give it the time to leave
+            time.sleep(0.5)
         assert waiter.is_alive(), f"the get ended while no answer could arrive: {outcome}"
         cut = subprocess.run(["ss", "-K", "dst", f"127.0.0.1:{port}"], capture_output=True, text=True)
         if cut.returncode != 0:

@@ -7,12 +7,15 @@ tiny random Qwen2.5-Omni and Qwen3-Omni, one torch thread per stage):
   Qwen3-Omni: see PCM_STEPS);
 - streamed concurrently, each reply's text comes in chunks of `stream_interval` tokens (the first token
   at once) and adds up to the same text;
+- 8 concurrent streamed requests: code2wav decodes their chunks together (its counters say so) and each
+  hears the audio it hears streamed alone (Qwen3-Omni bit for bit, Qwen2.5-Omni within 2 PCM steps);
 - a client that leaves mid-reply frees its place: the others' replies are unchanged, the thinker shows
   nothing running or queued afterwards, and `/metrics` carries the batch's gauges and counters.
 """
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import time
 from pathlib import Path
@@ -36,6 +39,8 @@ STREAM_INTERVAL = 3  # the thinker's tokens per streamed text chunk (engine.stre
 #: noise; Qwen3's codes are the same, and its code2wav, decoding replies queued together in one call
 #: (right-padded), rounds a sample to the other side of a PCM step now and then (~2e-7 apart)
 PCM_STEPS = {"qwen2_5_omni": 2, "qwen3_omni": 1}
+#: the same for streamed audio: Qwen3's streamed chunks decode together bit for bit as alone
+STREAM_PCM_STEPS = {"qwen2_5_omni": 2, "qwen3_omni": 0}
 
 
 def topology() -> dict:
@@ -132,6 +137,31 @@ def test_streamed_replies_come_in_chunks_of_the_stream_interval(mesh: Any, texts
         assert len(text_chunks) <= 2 + (reply_tokens - 1) // STREAM_INTERVAL, (reply_tokens, text_chunks)
     longest = chunks[REPLY_TOKENS.index(max(REPLY_TOKENS))]
     assert len(longest) >= 3  # streamed, not all at the end
+
+
+def streamed_audio(mesh: Any, i: int) -> tuple[str, np.ndarray]:
+    outputs = streamed_outputs(mesh.client, {"inputs": inputs(PROMPTS[i]), "params": params(REPLY_TOKENS[i]),
+                                             "timeout_s": 90})
+    pcm = b"".join(base64.b64decode(o.get("audio_pcm16") or "") for o in outputs)
+    return "".join(o.get("text") or "" for o in outputs), np.frombuffer(pcm, dtype="<i2").astype(np.int32)
+
+
+def test_eight_concurrent_streams_share_code2wav_calls_and_hear_their_audio_alone(
+    mesh: Any, arch: str
+) -> None:
+    # (a streamed text's deltas can split a character's bytes where the whole text does not: compared
+    # stream to stream)
+    alone = [streamed_audio(mesh, i) for i in range(len(PROMPTS))]
+    before = settled(lambda: totals(mesh, "code2wav"), 20, "code2wav's counters")
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(lambda i: streamed_audio(mesh, i), range(len(PROMPTS))))
+    for (text, a), (other_text, b) in zip(alone, together, strict=True):
+        assert text == other_text and len(a) == len(b) and len(a) > 0
+        assert int(np.abs(a - b).max()) <= STREAM_PCM_STEPS[arch]
+    after = settled(lambda: totals(mesh, "code2wav"), 20, "code2wav's counters")
+    calls = after["batch_steps_total"] - before["batch_steps_total"]
+    rows = after["batch_rows_stepped_total"] - before["batch_rows_stepped_total"]
+    assert calls and rows / calls > 1.2, f"code2wav: {rows} chunks in {calls} calls ({before} -> {after})"
 
 
 def test_a_client_leaving_mid_batch_frees_its_place_and_leaves_the_others_alone(mesh: Any, texts: list[str]) -> None:

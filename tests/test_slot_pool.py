@@ -1,11 +1,13 @@
-"""The one slot pool (`pools.slots.SlotPool`) under ZmqConnector's, the engine-pull connectors' and
-Mooncake's registered pool: growth up to its ceiling, one growth at a time, idle release."""
+"""The one slot pool (`pools.slots.SlotPool`) under SharedMemoryConnector's segments, ZmqConnector's, the
+engine-pull connectors' and Mooncake's registered pool: growth up to its ceiling, one growth at a time,
+idle release, slot headers before page-aligned frames."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+from omni_mesh.connectors.pools.allocator import PAGE
 from omni_mesh.connectors.pools.growth import GROW_STEP
 from omni_mesh.connectors.pools.slots import SlotPool
 
@@ -88,3 +90,19 @@ def test_idle_grown_regions_go_back_but_the_first_stays() -> None:
     assert pool.release_idle(3600.0) == []  # not idle long enough
     assert pool.release_idle(0.0) == [MiB] and pool.regions == 1
     assert pool.allocate_growing(MiB, mapper) == 0  # the first region serves again
+
+
+def test_a_header_sits_just_before_a_page_aligned_frame_after_the_owners_reserved_bytes() -> None:
+    header, reserved = 64, 1000  # SharedMemoryConnector: slot headers, its key index and cells
+    pool, mapper = SlotPool(MiB, ceiling=MiB + 3 * MiB, start=reserved), Mapper()
+    small = pool.allocate(100, header=header)
+    assert small == reserved  # small frames: 64-byte aligned, the header at the first free byte
+    large = pool.allocate(100_000, header=header)
+    assert (large + header) % PAGE == 0 and large > small  # the frame on a page, its header just before
+    base, local, capacity = pool.locate(large)
+    assert (base, local) == (0, large) and header + 100_000 <= capacity < header + 100_000 + PAGE
+    # Growth takes only the room the ceiling leaves (3 MiB: less than a GROW_STEP), sized for the frame,
+    # its header and alignment (a page more), rounded up to pages.
+    grown = pool.allocate_growing(2 * MiB, mapper, header=header)
+    assert grown is not None and mapper.mapped == [(MiB, 2 * MiB + 2 * PAGE)]
+    assert (grown + header) % PAGE == 0 and pool.locate(grown)[:2] == (MiB, grown - MiB)

@@ -1,12 +1,11 @@
 """`omni-mesh bench engines --clients 1,4,16`: the same 3-stage mesh with its stages batching
-(`max_batch: N`: the thinker's and the talker's running batch, code2wav's whole decodes gathered) and
+(`max_batch: N`: the thinker's and the talker's running batch, code2wav's decodes gathered) and
 with `max_batch: 1` (one request at a time), in one run.
 
 For each client count: requests/s (whole requests through the REST front door, closed loop) and the
 thinker's generated tokens/s (its `generated_tokens_total` counter over the load, warm-up included);
-time to first audio (streamed) at the fewest and the most clients. Streamed audio is decoded chunk by
-chunk, request by request (only whole decodes are gathered); `--text-only` (`modalities: ["text"]`)
-measures the thinker's side alone.
+time to first audio (streamed) at the fewest and the most clients (code2wav gathers whole decodes and
+streamed chunks alike); `--text-only` (`modalities: ["text"]`) measures the thinker's side alone.
 """
 
 from __future__ import annotations

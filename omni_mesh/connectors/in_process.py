@@ -22,7 +22,7 @@ from omni_mesh.connectors.base import OmniConnectorBase
 from omni_mesh.connectors.config import InProcessConfig
 from omni_mesh.connectors.counters import Counters
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorFull
-from omni_mesh.connectors.keys import edge_key
+from omni_mesh.connectors.keys import edge_key, payload_name
 
 __all__ = ["InProcessConfig", "InProcessConnector"]
 
@@ -67,7 +67,7 @@ class InProcessConnector(OmniConnectorBase):
             )
 
     def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[int, dict | None]:
-        self._check_open(f"put of key {put_key!r} on edge {from_stage}->{to_stage}")
+        self._check_open(f"put of {payload_name(from_stage, to_stage, put_key)}")
         frame = bytes(codec.encode(data))
         name = edge_key(from_stage, to_stage, put_key)
         store = self._store
@@ -88,7 +88,7 @@ class InProcessConnector(OmniConnectorBase):
     def _poll(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None
     ) -> tuple[Any, int] | None:
-        self._check_open(f"get of key {get_key!r} on edge {from_stage}->{to_stage}")
+        self._check_open(f"get of {payload_name(from_stage, to_stage, get_key)}")
         store = self._store
         with store.changed:
             taken = store.payloads.pop(edge_key(from_stage, to_stage, get_key), None)

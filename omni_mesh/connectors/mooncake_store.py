@@ -1,11 +1,8 @@
 """MooncakeStoreConnector: payloads through a Mooncake distributed store (`mooncake_master` + clients).
 
 Every process runs one store client that may contribute `segment` bytes to the cluster-wide pool, and
-owns one local buffer (`localbuf`) registered with the store for zero-copy transfers: a put lays the
-frame into it and `upsert_from`s it under the store key; a get `get_into`s it there, removes the key
-and decodes tensors as views over the region (`copy_on_get` copies them out). The machinery is
-`mooncake.store_node`; the store's return codes are mapped to the connectors' exception family in
-`mooncake.errors` (no room in the store: ConnectorFull; master unreachable: ConnectorUnavailable).
+owns one local buffer (`localbuf`) registered with the store, which puts and gets go through with no
+other copy (`mooncake.store_node`; return codes mapped in `mooncake.errors`).
 
 Store keys are `key_prefix + "from->to/put_key"`, so two edges never collide on one request key and
 omni-mesh never collides with other users of the same master. Keys nobody consumes are removed
@@ -19,11 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from omni_mesh.connectors.base import OmniConnectorBase
 from omni_mesh.connectors.config import MooncakeStoreConfig
 from omni_mesh.connectors.keys import edge_key, payload_name
 from omni_mesh.connectors.mooncake.loading import INSTALL_HINT, close_at_exit, import_mooncake
 from omni_mesh.connectors.mooncake.store_node import StoreNode
+from omni_mesh.connectors.node_adapter import NodeAdapter
 from omni_mesh.connectors.pools.registered import RegisteredPool
 
 # INSTALL_HINT, RegisteredPool and import_mooncake are public here for the raw-Mooncake bench and the
@@ -37,7 +34,7 @@ __all__ = [
 ]
 
 
-class MooncakeStoreConnector(OmniConnectorBase):
+class MooncakeStoreConnector(NodeAdapter):
     config_class = MooncakeStoreConfig
     scope = "network"
 
@@ -51,9 +48,6 @@ class MooncakeStoreConnector(OmniConnectorBase):
         where = payload_name(from_stage, to_stage, put_key)
         return self._node.put(self._store_key(from_stage, to_stage, put_key), put_key, data, where)
 
-    def _count_put_error(self) -> None:
-        self._node.counters.add("errors")
-
     def _poll(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None
     ) -> tuple[Any, int] | None:
@@ -62,17 +56,3 @@ class MooncakeStoreConnector(OmniConnectorBase):
 
     def _store_key(self, from_stage: str, to_stage: str, put_key: str) -> str:
         return self.config.key_prefix + edge_key(from_stage, to_stage, put_key)
-
-    def reap_consumed(self) -> None:
-        """Forget the keys this process put that a consumer elsewhere has taken (removed from the store)."""
-        self._node.reap_consumed()
-
-    def cleanup(self, key: str) -> None:
-        """Remove the keys this process put under `key` or `key/...` that nobody consumed yet."""
-        self._node.cleanup(key)
-
-    def health(self) -> dict:
-        return {**self._node.health(), **self._put_health()}
-
-    def close(self) -> None:
-        self._node.close()

@@ -6,48 +6,26 @@ with its engine and owns a small ZeroMQ side channel bound to `host`.
     put   plan the frame with the codec and lay it straight into a pool region (no staging copy);
           the metadata names where it lives: engine segment, side-channel endpoint, handle, length.
     get   reserve a region of the same length in the consumer's own pool and ask the producer, over
-          the side channel, to WRITE the frame there (one `transfer_sync_write`, the engine's
-          well-trodden direction on every transport). The producer frees its region as soon as the
-          write has landed; the consumer decodes the frame as views over its region, which goes back
-          to the pool when the last view is garbage-collected (or copies it out: `copy_on_get`).
+          the side channel, to WRITE the frame there (`te_pull`: one `transfer_sync_write`, the
+          engine's well-trodden direction on every transport). The producer frees its region once the
+          write has landed; the consumer decodes views over its region (`te_receive`).
 
-Large leaves (protocol "tcp"): contiguous CPU tensors and numpy arrays of at least `zero_copy_min_bytes` are
-not copied at put. The producer keeps a reference to each, registers its memory with the engine, lays only
-the frame's head and small leaves into its pool, and at the consumer's request writes those pieces and each
-large leaf straight from its own memory to their frame offsets in the consumer's region (one
-`batch_transfer_sync_write`; see `mooncake.frame_pieces`). The consumer sees the same frame, byte for byte.
-The registration is dropped when the payload is freed (consumed, expired, cleaned up or closed). So a
-handler MUST NOT mutate a tensor or array after returning it (putting it) until the payload is consumed or
-freed: the consumer would receive the mutated bytes. Register and unregister cost a few microseconds each
-over TCP (measured: about 1.5 us + 1.2 us, 60 us for the very first); under RDMA they pin memory, which was
-not measured, so other protocols keep the put-time copy.
-
-CUDA tensors (`device_transfer`, with Mooncake's CUDA wheel): they stay out of the frame. The producer
-registers each tensor's GPU memory and lists the sizes in the metadata; the consumer allocates and
-registers receive buffers on its current CUDA device, and the batch write that delivers the frame writes
-them GPU to GPU (`mooncake.device_transfer`).
-
-Reclaim: unconsumed payloads are freed `ttl_s` after their put; `cleanup(request_id)` frees a
-request's payloads; `close()` frees everything. A consumer whose request timed out keeps its region
-reserved ("quarantined") until the producer's late answer arrives or `ttl_s` passes, so a late write
-can never land in memory that was handed out again (the side channel's protocol: `te_pull`).
-
-Threads: calls block only the calling thread (asyncio code uses `asyncio.to_thread`). The side
-channel is the connectors' shared one (a `RouterServer`, asked through a `DealerPool`, started at
-construction: with a metadata server its port names the segment); its thread also reaps expired
-payloads and quarantined regions. A small pool of transfer threads performs the writes and answers
-when each is done, so one large transfer does not hold up the others.
+Over TCP, contiguous CPU leaves of at least `zero_copy_min_bytes` are sent from their own memory, not
+copied at put (`mooncake.frame_pieces`): a handler MUST NOT mutate a tensor or array after returning
+it until the payload is consumed or freed, or the consumer receives the mutated bytes. Registering
+costs about 1.5 us + 1.2 us over TCP (60 us the first time); under RDMA it pins memory, not measured,
+so other protocols keep the put-time copy. CUDA tensors go GPU to GPU beside the frame
+(`mooncake.device_transfer`). Unconsumed payloads are freed `ttl_s` after their put; a consumer's
+timed-out region stays quarantined until the late answer or `ttl_s` (`te_pull`). Calls block only the
+calling thread; the side channel's thread reaps, a few transfer threads write.
 
 Metadata (msgpack-able): {"segment": engine segment name (`host:rpc_port` with P2PHANDSHAKE),
 "endpoint": "tcp://host:port", "session": producer instance id, "handle": int, "addr": producer pool
 address, "length": frame bytes, "key": "from->to/put_key"[, "device": [bytes of each device tensor]]}.
 The producer checks session, handle, key, length and the device buffers before it writes anything.
 
-The machinery is `mooncake.te_node` (engine, pool, side channel, producer side) with te_engine,
-te_payloads, te_outputs (`empty()`), te_receive (one get), te_pull (the protocol), frame_pieces,
-registrations and device_transfer; engine return codes are mapped to the connectors' exception family
-in `mooncake.errors` (a frame past max_pool_size is PayloadTooLarge, a pool with no room in
-pool_wait_s ConnectorFull).
+The machinery is `mooncake.te_node` and its neighbours in `mooncake/`; engine return codes map to
+the connectors' exception family in `mooncake.errors`.
 """
 
 from __future__ import annotations
@@ -56,16 +34,16 @@ from typing import Any
 
 import torch
 
-from omni_mesh.connectors.base import OmniConnectorBase
 from omni_mesh.connectors.config import MooncakeTransferEngineConfig
 from omni_mesh.connectors.mooncake import device_transfer
 from omni_mesh.connectors.mooncake.loading import close_at_exit
 from omni_mesh.connectors.mooncake.te_node import TransferEngineNode
+from omni_mesh.connectors.node_adapter import NodeAdapter
 
 __all__ = ["MooncakeTransferEngineConfig", "MooncakeTransferEngineConnector"]
 
 
-class MooncakeTransferEngineConnector(OmniConnectorBase):
+class MooncakeTransferEngineConnector(NodeAdapter):
     config_class = MooncakeTransferEngineConfig
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
@@ -88,9 +66,6 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
     def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[int, dict | None]:
         return self._node.put(from_stage, to_stage, put_key, data)
 
-    def _count_put_error(self) -> None:
-        self._node.counters.add("errors")
-
     def _poll(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None
     ) -> tuple[Any, int] | None:
@@ -102,19 +77,3 @@ class MooncakeTransferEngineConnector(OmniConnectorBase):
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None, deadline: float
     ) -> tuple[Any, int] | None:
         return self._node.get(from_stage, to_stage, get_key, metadata, poll=False, deadline=deadline)
-
-    def reap_consumed(self) -> None:
-        """Expire payloads past ttl_s and end quarantines whose late answer came (the side channel's
-        thread does this every tick; a caller may do it now)."""
-        self._node.reap_consumed()
-
-    def cleanup(self, key: str) -> None:
-        """Free the payloads this process put under `key` or `key/...` that nobody consumed yet (one
-        being written is freed when its write ends)."""
-        self._node.cleanup(key)
-
-    def health(self) -> dict:
-        return {**self._node.health(), **self._put_health()}
-
-    def close(self) -> None:
-        self._node.close()

@@ -6,13 +6,10 @@ InfiniBand) or AMD GPUs joined by Infinity Fabric (`backend_type: xgmi`, pool on
 TCP backend. Without the library, construction fails at once saying why and how to install it; on
 hosts without that hardware use ZmqConnector.
 
-Data path (pull, see served.engine_pull.EnginePullConnector): the producer lays the frame into its
-registered pool (host memory, or a GPU through a host staging buffer) and returns metadata with the
-side-channel endpoint, key, token, offset and size, plus its packed EngineDesc ("engine") and pool
-MemoryDesc ("mem"). The consumer registers the producer's engine once, claims the payload over the
-ZeroMQ side channel, RDMA-reads it into its own registered pool (`IOEngine.read`), releases the
-producer's slot and decodes a host copy. A read still running at the deadline keeps its destination
-slot until the engine reports it finished.
+Data path: served.engine_pull.EnginePullConnector's pull. The producer's registered pool is host
+memory, or a GPU through a host staging buffer; its metadata adds its packed EngineDesc ("engine")
+and pool MemoryDesc ("mem"), which a consumer registers once; the read is `IOEngine.read`, and one
+still running at the deadline keeps its destination slot until the engine reports it finished.
 
 Written against MORI's published Python API (ROCm/mori `python/mori/io`: IOEngine, IOEngineConfig,
 BackendType, RdmaBackendConfig, XgmiBackendConfig, PollCqMode, EngineDesc/MemoryDesc pack/unpack,

@@ -7,6 +7,7 @@ import logging
 import threading
 
 from omni_mesh.connectors.errors import ConnectorError, retold
+from omni_mesh.connectors.keys import payload_name
 
 log = logging.getLogger("omni_mesh.connectors")
 
@@ -20,7 +21,7 @@ class PutErrors:
     def record(self, from_stage: str, to_stage: str, put_key: str, cause: BaseException) -> ConnectorError:
         """Log and count the failed put of `put_key` on `from_stage->to_stage`; the error to raise."""
         said = str(cause).removeprefix(f"{self._connector}: ")  # the connector is named once, here
-        reason = f"{self._connector}: put of key {put_key!r} on edge {from_stage}->{to_stage} failed: {said}"
+        reason = f"{self._connector}: put of {payload_name(from_stage, to_stage, put_key)} failed: {said}"
         log.warning("%s", reason)
         with self._lock:
             self.failures += 1

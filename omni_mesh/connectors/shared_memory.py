@@ -1,22 +1,12 @@
 """SharedMemoryConnector: payloads between processes on one host, through a pre-faulted pool.
 
-Producer side (`shm.producer`): a pool of pre-faulted segments per process (`shm.pool`: created small on
-the first put, grown for payloads that fit no free space up to `max_pool_size`, grown segments returned
-once idle), so the steady state creates no segment and takes no page fault. The codec lays each frame
-straight into a pool slot. Only past the ceiling does a payload get a one-off segment (counted as a
-fallback). Tiny payloads ride in the metadata as their whole frame, with a copy in one of the pool's
-cells once some process gets by key alone (`shm.tiny`). `empty()` hands out output tensors already
-in a slot, which a put then sends where they lie (`shm.outputs`).
-
-Consumer side (`shm.reader`): `get` maps the producer's segment once (cached) and decodes tensors and
-arrays as views over the slot: no copy at all. When the last view is garbage-collected, the consumer
-marks the slot released in the slot header (`shm.slots`, the protocol), and the producer reuses the
-space on its next put. A get without metadata finds the payload by its key (`shm.lookup`).
-
-The generation and the digest of `from->to/key` make stale or foreign metadata detectable: `get`
-then returns None instead of another request's data. A slot taken by a consumer that has died is
-reclaimed when the pool runs short. Segments live in OMNI_MESH_SHM_DIR (`omni-mesh up` gives each
-mesh a directory of its own, `shm.meshdir`), else /dev/shm.
+Producer side (`shm.producer`): each frame is laid straight into a slot of this process's pool of
+pre-faulted segments (`shm.pool`), tiny payloads ride in their metadata (`shm.tiny`), `empty()`
+outputs are sent where they lie (`shm.outputs`). Consumer side (`shm.reader`): a get maps the
+producer's segment once and decodes views over the slot, no copy; the slot is released in its header
+(`shm.slots`, the protocol) when the last view dies, or found by key alone (`shm.lookup`). Stale or
+foreign metadata makes `get` return None, never another request's data. Segments live in
+OMNI_MESH_SHM_DIR (`omni-mesh up` gives each mesh a directory of its own, `shm.meshdir`), else /dev/shm.
 """
 
 from __future__ import annotations
@@ -29,10 +19,11 @@ from omni_mesh.connectors.base import OmniConnectorBase
 from omni_mesh.connectors.config import SharedMemoryConfig
 from omni_mesh.connectors.counters import Counters
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorError
+from omni_mesh.connectors.keys import payload_name as where
 from omni_mesh.connectors.pools.growth import AUTO_CEILING_MAX, GROW_STEP
 from omni_mesh.connectors.shm.lifecycle import SharedMemoryLifecycle
 from omni_mesh.connectors.shm.producer import ShmProducer
-from omni_mesh.connectors.shm.reader import ShmReader, where
+from omni_mesh.connectors.shm.reader import ShmReader
 from omni_mesh.connectors.shm.segments import ProcessIdentity
 from omni_mesh.connectors.shm.slots import names_a_payload
 

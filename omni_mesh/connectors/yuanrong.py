@@ -2,18 +2,14 @@
 
 Install with `pip install 'omni-mesh[yuanrong]'`; start a worker with `dscli start -w --worker_address
 HOST:PORT ...` on every host. The producer lays each frame straight into the worker's shared memory;
-the consumer reads it from there with one copy, then the key is deleted (`datasystem.kv`).
+the consumer reads it from there with one copy, then the key is deleted; each client call is kept
+short, as the client holds the GIL while it blocks (`datasystem.kv`).
 
-Keys are `<key_prefix>;<edge key>` with every character outside the datasystem's key charset
-percent-escaped (`%XX`, injective), so `thinker->talker/req-1/0` becomes
-`omni;thinker-%3Etalker%2Freq-1%2F0`; keys longer than the 255-character limit end in `#<sha256>`.
-Unconsumed payloads are deleted by the worker after `ttl_s`, or by `cleanup(request_id)`. A frame
-over 4 GiB - 1 (the datasystem's value limit) is PayloadTooLarge; the worker's failures are mapped to
-the connectors' exception family in `datasystem.errors`.
-
-The datasystem client holds the GIL while it blocks, so every call is kept short: `get` is one call
-that does not wait (None when the key is not there); `get_with_deadline` polls with
-`get_sub_timeout_ms` slices up to its deadline instead of one long wait.
+Keys (`datasystem.keys`) are `<key_prefix>;<edge key>`, percent-escaped into the datasystem's charset:
+`thinker->talker/req-1/0` becomes `omni;thinker-%3Etalker%2Freq-1%2F0`. Unconsumed payloads are
+deleted by the worker after `ttl_s`, or by `cleanup(request_id)`. A frame over 4 GiB - 1 (the
+datasystem's value limit) is PayloadTooLarge; the worker's failures are mapped to the connectors'
+exception family in `datasystem.errors`.
 """
 
 from __future__ import annotations
@@ -21,18 +17,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from omni_mesh.connectors.base import OmniConnectorBase
 from omni_mesh.connectors.config import YuanrongConfig
 from omni_mesh.connectors.datasystem.errors import INSTALL_HINT
 from omni_mesh.connectors.datasystem.keys import client_log_dir, datasystem_key
 from omni_mesh.connectors.datasystem.kv import KVNode
 from omni_mesh.connectors.keys import edge_key
+from omni_mesh.connectors.node_adapter import NodeAdapter
 
 # Re-exported: the raw-datasystem bench and tests read them here (datasystem/ is private).
 __all__ = ["INSTALL_HINT", "YuanrongConfig", "YuanrongConnector", "client_log_dir", "datasystem_key"]
 
 
-class YuanrongConnector(OmniConnectorBase):
+class YuanrongConnector(NodeAdapter):
     """Payloads through an openYuanrong datasystem worker (module docstring)."""
 
     config_class = YuanrongConfig
@@ -46,9 +42,6 @@ class YuanrongConnector(OmniConnectorBase):
     def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[int, dict | None]:
         where = f"YuanrongConnector: put {from_stage}->{to_stage} key {put_key!r}"
         return self._node.put(edge_key(from_stage, to_stage, put_key), put_key, data, where)
-
-    def _count_put_error(self) -> None:
-        self._node.error()
 
     def _poll(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None
@@ -76,18 +69,3 @@ class YuanrongConnector(OmniConnectorBase):
     def flush(self) -> None:
         """Delete every consumed key now (close does this too)."""
         self._node.flush()
-
-    def reap_consumed(self) -> None:
-        """Forget the keys this process put that a consumer elsewhere has taken (gone from the worker)."""
-        self._node.reap_consumed()
-
-    def cleanup(self, key: str) -> None:
-        self._node.cleanup(key)
-
-    def health(self) -> dict:
-        return {**self._node.health(), **self._put_health()}
-
-    def close(self) -> None:
-        """Idempotent. The client disconnects as it is destroyed here; if the worker is already gone
-        that takes the datasystem client several seconds."""
-        self._node.close()

@@ -6,12 +6,9 @@ The engine's data plane (`libp2p_transfer.so`) is built on ACL; there is no CPU 
 any other host construction fails at once, naming the missing runtime and the connector to use
 instead: ZmqConnector (cross-host over TCP, nothing to deploy) or YuanrongConnector (a datasystem worker).
 
-Data path (pull, see served.engine_pull.EnginePullConnector): the producer lays the frame into a host
-staging buffer and copies it into its registered NPU memory pool; the consumer claims the payload over
-a ZeroMQ side channel, pulls it into its own registered NPU pool with `transfer_sync_read`, copies it
-to host memory, releases the producer's slot and decodes. Metadata: endpoint (side channel), key,
-token, offset, size, target (the engine's `host:rpc_port`) and base (the producer pool's device
-address).
+Data path: served.engine_pull.EnginePullConnector's pull, between registered NPU pools (frames
+staged through host memory on both ends) with `transfer_sync_read`. Its metadata adds target (the
+engine's `host:rpc_port`) and base (the producer pool's device address).
 
 This data path follows the published `yr.datasystem.TransferEngine` API (initialize, get_rpc_port,
 register_memory, transfer_sync_read, unregister_memory, finalize). It could not be run where it was

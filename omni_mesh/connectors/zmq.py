@@ -1,32 +1,23 @@
 """ZmqConnector: payloads served straight from the producer's memory (cross-host, nothing to deploy).
 
-Requests travel on a ZeroMQ side channel (CURVE with mesh keys); with mesh keys, payloads from 256 KiB
-on travel sealed on a plain TCP port (the bulk socket, `served.bulk_wire`), not over ZeroMQ: the
-name is the one users' configs know.
-
 A put writes the payload once into a slot of a reused (already faulted-in) memory pool and returns
-metadata {"endpoint", "key", "token", "size"}; a get asks the producer for it on the side channel and
-gets it in the answer, or, with mesh keys, from 256 KiB on, on the producer's bulk socket (plain TCP)
-sealed with a key its request carried (AES-256-GCM / ChaCha20-Poly1305, `encryption`); it then tells
-the producer the payload arrived (DONE), and the producer lets go of it. The requests and answers
-are `served.zmq_wire`'s, which both ends import.
+metadata {"endpoint", "key", "token", "size"}; a get asks the producer for it on a ZeroMQ side
+channel (CURVE with mesh keys) and gets it in the answer, or, with mesh keys, from 256 KiB on, on the
+producer's bulk socket: a plain TCP port, not ZeroMQ (the name is the one users' configs know),
+sealed with a key its request carried (`encryption`, `served.seal`). It then tells the producer the
+payload arrived (DONE), and the producer lets go of it. Both ends import `served.zmq_wire`'s requests
+and answers and `served.bulk_wire`'s bulk format.
 
-The class is a thin adapter over the objects it composes: the producer's memory (the pool, one-off
-buffers past its ceiling, `empty()` outputs sent from where they lie) is a `served.producer_pool.ProducerPool`;
-the producer's answers are a `served.zmq_wire.Serving`'s; the sealing is `served.seal`'s, the bulk
-socket `served.bulk_server` / `served.bulk_client`. A payload served is kept until its consumer
-confirms it arrived (served again to a get asked again after its connection broke); payloads nobody
-asks for or confirms are freed after `ttl_s` or by `cleanup()`. A consumer whose producer died (or
-whose network is cut) gets a ConnectorError naming the endpoint and key at its deadline, and one
-whose bytes were altered, replayed or cut short in transit an error naming the edge and key, never
-wrong data.
-
-`encryption: none` keeps the peers authenticated but sends the payload bytes IN CLEAR: anyone on the
-path reads them. Only for networks you trust (docs/security.md).
-
-`host` is the address to bind and advertise; `auto` (the default) follows the rule in
-omni_mesh.connectors._addresses, and `0.0.0.0` binds every interface and advertises the `auto` address.
-The side channel, the held-payload table and health() are ServedConnector's (omni_mesh.connectors.served.connector).
+A thin adapter over what it composes: the producer's memory (the pool, one-off buffers past its
+ceiling, `empty()` outputs) is a `served.producer_pool.ProducerPool`, its answers a
+`served.zmq_wire.Serving`'s, the bulk socket `served.bulk_server` / `served.bulk_client`; the side
+channel, the held-payload table and health() are `served.connector.ServedConnector`'s. A payload
+is kept until its consumer confirms it arrived (served again to a get asked again after its
+connection broke), or freed after `ttl_s` or by `cleanup()`. A dead producer or cut network fails a
+get with a ConnectorError naming endpoint and key; altered, replayed or cut-short bytes fail naming
+edge and key, never wrong data. `encryption: none` sends the payload bytes IN CLEAR
+(docs/security.md). `host`: see omni_mesh.connectors._addresses (`0.0.0.0` binds every interface and
+advertises the `auto` address).
 """
 
 from __future__ import annotations

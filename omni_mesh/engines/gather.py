@@ -13,6 +13,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any
 
+COUNTERS = ("batch_queued", "batch_steps_total", "batch_rows_stepped_total")  # summed over a stage's gathers
+
 
 class Gather:
     """`submit(item)` from any thread: a Future of `many([..., item, ...])`'s answer for it, computed in
@@ -62,3 +64,9 @@ class Gather:
         self.items_total += len(taken)
         for (_, future), answer in zip(taken, answers, strict=True):
             future.set_result(answer)
+
+
+def counters_of(gathers: list[Gather]) -> dict[str, int]:
+    """A stage's gathers' counters (code2wav: whole decodes and streamed chunks) as one batch's."""
+    out = {name: sum(gather.counters()[name] for gather in gathers) for name in COUNTERS}
+    return {**out, "batch_max": max(gather.max_batch for gather in gathers)} if gathers else {}

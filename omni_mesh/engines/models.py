@@ -129,7 +129,13 @@ class ModelParts(ABC):
 
     @abstractmethod
     def stream_decoder(self, decoder: Any, sampling: Sampling) -> Any:
-        """An object with `feed(codes) -> samples` and `finish() -> samples`, for one request."""
+        """An object with `feed(codes) -> samples` and `finish() -> samples`, for one request, whose class has
+        `feed_many([(stream, codes or None)])`: several requests' feed() (None: finish()) in one call."""
+
+    @staticmethod
+    def decode_chunks(items: list[tuple[Any, torch.Tensor | None]]) -> list[torch.Tensor]:
+        """Streamed chunks of several requests (code2wav's stream Gather) in one call: `stream_decoder()`s'."""
+        return type(items[0][0]).feed_many(items)
 
     def check_prompt(self, thinker: Any, tokens: int) -> None:
         """InvalidInput (4xx) when a prompt of `tokens` does not fit the thinker's context or the stage's

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import (
@@ -29,6 +29,7 @@ from transformers import (
 )
 
 from omni_mesh.engines.checkpoint import CheckpointError, load_part
+from omni_mesh.engines.dit_mask import compact_mask
 from omni_mesh.engines.generation import sampling_kwargs, streaming
 from omni_mesh.engines.prefill import (
     DEFAULT_CHUNK,
@@ -39,6 +40,9 @@ from omni_mesh.engines.prefill import (
     thinker_prefill,
     whole_prompt,
 )
+
+if TYPE_CHECKING:
+    from omni_mesh.engines.token2wav_stream import ChunkedDecode
 
 SAMPLE_RATE = 24_000
 #: generate()'s talker defaults (its signature): sampling and the repetition penalty it applies even greedy.
@@ -331,7 +335,7 @@ class Token2Wav:
             return torch.zeros(0)
         entry = speaker_entry(self.speakers, speaker)
         device = self.model.device
-        with self.lock:
+        with self.lock, compact_mask(self.model.code2wav_dit_model):
             if seed is not None:
                 torch.manual_seed(seed)
             wav = self.model(
@@ -343,34 +347,9 @@ class Token2Wav:
         return wav.reshape(-1).float().cpu()
 
     def stream(self, *, speaker: str | None = None, seed: int | None = None, context: int = 25) -> ChunkedDecode:
+        from omni_mesh.engines.token2wav_stream import ChunkedDecode
+
         return ChunkedDecode(self, speaker, seed, context)
-
-
-class ChunkedDecode:
-    """Streaming token2wav as far as its reference allows: its DiT decodes a whole sequence from noise,
-    so each chunk is decoded with up to `context` codes before it (decoded again, their audio cut off)
-    from noise of its own. The audio differs from the one-shot decode (boundaries are not seamless);
-    the non-streamed reply is the one equal to generate()'s."""
-
-    def __init__(self, token2wav: Token2Wav, speaker: str | None, seed: int | None, context: int) -> None:
-        self.token2wav = token2wav
-        self.speaker = speaker
-        self.seed = seed
-        self.context = context
-        self.codes = torch.zeros(0, dtype=torch.int64)
-        self.chunks = 0
-
-    def feed(self, codes: torch.Tensor) -> torch.Tensor:
-        done = len(self.codes)
-        self.codes = torch.cat([self.codes, codes.reshape(-1).to(torch.int64)])
-        start = max(0, done - self.context)
-        seed = None if self.seed is None else self.seed + self.chunks
-        self.chunks += 1
-        wav = self.token2wav.decode(self.codes[start:], speaker=self.speaker, seed=seed)
-        return wav[(done - start) * self.token2wav.samples_per_code :]
-
-    def finish(self) -> torch.Tensor:
-        return torch.zeros(0)
 
 
 def _hop_length(bigvgan_config: Any) -> int:

@@ -3,6 +3,8 @@ streaming decode: the transformer runs on its KV cache and only the convolutions
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -120,17 +122,34 @@ class Code2WavStream:
 
     def feed(self, codes: torch.Tensor) -> torch.Tensor:
         """New samples (float32): decodes once `chunk_frames` frames are pending."""
-        self.pending = torch.cat([self.pending, self.code2wav.frames(codes).cpu()])
-        if len(self.pending) < self.chunk_frames:
-            return torch.zeros(0)
-        return self._decode()
+        return self.feed_many([(self, codes)])[0]
 
     def finish(self) -> torch.Tensor:
         """The rest of the audio (what the frames still pending make)."""
-        return self._decode() if len(self.pending) else torch.zeros(0)
+        return self.feed_many([(self, None)])[0]
 
+    @staticmethod
     @torch.no_grad()
-    def _decode(self) -> torch.Tensor:
+    def feed_many(items: list[tuple[Code2WavStream, torch.Tensor | None]]) -> list[torch.Tensor]:
+        """Each (stream, codes)'s `feed(codes)` (codes None: its `finish()`) with the convolutions of every
+        stream that decodes in one call (`_ConvGeometry.run_many`, where a decode spends nearly all its
+        time); each stream's transformer steps on its own KV cache (their lengths differ)."""
+        out = [torch.zeros(0) for _ in items]
+        decoding: list[tuple[int, Code2WavStream, torch.Tensor, int]] = []
+        for i, (stream, codes) in enumerate(items):
+            if codes is not None:
+                stream.pending = torch.cat([stream.pending, stream.code2wav.frames(codes).cpu()])
+            if len(stream.pending) >= (1 if codes is None else stream.chunk_frames):
+                decoding.append((i, stream, *stream._transform()))
+        if decoding:
+            wavs = decoding[0][1].code2wav.conv.run_many([hidden for _, _, hidden, _ in decoding])
+            for (i, stream, _, first), wav in zip(decoding, wavs, strict=True):
+                out[i] = stream._emit(wav.reshape(-1), first)
+        return out
+
+    def _transform(self) -> tuple[torch.Tensor, int]:
+        """The pending frames through the transformer (on its KV cache): what the convolutions decode
+        ([1, C, frames]: `left_context` frames before the new ones) and the absolute frame it starts at."""
         model = self.code2wav.model
         codes, self.pending = self.code2wav._codes(self.pending), self.pending[:0]
         embeds = model.code_embedding(codes + model.code_offset).mean(1)
@@ -141,9 +160,11 @@ class Code2WavStream:
         hidden = new if self.hidden is None else torch.cat([self.hidden, new], dim=-1)
         start = self.frames - hidden.shape[-1]  # the absolute frame hidden[..., 0] is
         first = max(start, done - self.left_context)
-        wav = self.code2wav.conv.run(hidden[..., first - start :]).reshape(-1)
         self.hidden = hidden[..., max(0, hidden.shape[-1] - self.left_context) :]
-        # wav[0] is absolute sample first * samples_per_frame: return what was not returned yet
+        return hidden[..., first - start :], first
+
+    def _emit(self, wav: torch.Tensor, first: int) -> torch.Tensor:
+        """The samples of `wav` (decoded from absolute frame `first` on) not returned yet."""
         fresh = wav[max(0, self.emitted - first * self.code2wav.samples_per_frame) :]
         self.emitted += len(fresh)
         return fresh.float().cpu()
@@ -172,14 +193,27 @@ class _ConvGeometry:
         #: samples a decode of n frames yields fewer than n * samples_per_frame (the same for every n)
         self.loss = self.samples_per_frame - self.output_length(1)
 
-    def run(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The waveform [1, 1, samples] of the transformer's output `hidden` [1, C, frames]."""
+    def run_many(self, hiddens: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The waveform [1, 1, samples_i] of each transformer output [1, C, frames_i]: the upsampling blocks row by row (their linear layers round a
+        row differently beside other rows; at 4 steps a frame they are the cheap part), the decoder (at
+        1920 samples a frame, nearly all the time) in one call, right-padded to the longest: it is causal,
+        so a row's own samples never read the padding after it (cut to output_length()). On a CPU without
+        oneDNN, whose convolutions round a row differently with other rows or padding beside it; torch's
+        own compute each row alike (a row equals its decode alone bit for bit; as fast on the tiny model)."""
+        with _native_convolutions(hiddens[0].device):
+            upsampled = [self._upsample(hidden) for hidden in hiddens]
+            width = max(u.shape[-1] for u in upsampled)
+            wav = torch.cat([torch.nn.functional.pad(u, (0, width - u.shape[-1])) for u in upsampled])
+            for block in self.model.decoder:
+                wav = block(wav)
+        wav = wav.clamp(min=-1, max=1)
+        return [row[..., : self.output_length(h.shape[-1])].unsqueeze(0) for h, row in zip(hiddens, wav, strict=True)]
+
+    def _upsample(self, hidden: torch.Tensor) -> torch.Tensor:
         for blocks in self.model.upsample:
             for block in blocks:
                 hidden = block(hidden)
-        for block in self.model.decoder:
-            hidden = block(hidden)
-        return hidden.clamp(min=-1, max=1)
+        return hidden
 
     def output_length(self, frames: int) -> int:
         length = frames
@@ -207,3 +241,15 @@ class _ConvGeometry:
         not yet emitted (frames * samples_per_frame - loss) equals the one-shot decode's."""
         frames = 10_000  # far from the start, where the need is the same for every chunk
         return max(0, frames - self.earliest_frame(frames * self.samples_per_frame - self.loss))
+
+
+@contextmanager
+def _native_convolutions(device: torch.device) -> Iterator[None]:
+    """While inside, on a CPU: torch's own convolutions instead of oneDNN's (Code2WavStream's decoder runs,
+    in the model thread: the switch is the process's)."""
+    before = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = before and device.type != "cpu"
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = before

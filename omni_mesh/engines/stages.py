@@ -4,7 +4,7 @@ Each is built once per replica from its stage's `engine:` settings (`from_stage`
 `warm()` (before the replica reports ready), and runs generation in a model thread of its own, one
 request at a time, while the event loop keeps streaming; a thinker or talker with `max_batch` > 1 decodes
 up to that many requests together in one forward per step (omni_mesh.engines.batching), and code2wav
-decodes whole replies queued together in one call (omni_mesh.engines.gather).
+decodes whole replies queued together in one call, and streamed chunks likewise (omni_mesh.engines.gather).
 
 The stream, stage to stage (one way, as every payload flows):
 - thinker -> talker: `{"text": delta}` per reply token as it is made, then one last chunk with the
@@ -33,7 +33,7 @@ import numpy as np
 from omni_mesh.audio import SAMPLE_RATE, pcm16_bytes, wav_base64
 from omni_mesh.engines.batching import Batcher, Rate
 from omni_mesh.engines.bridge import Generation, every, ignore
-from omni_mesh.engines.gather import Gather
+from omni_mesh.engines.gather import Gather, counters_of
 from omni_mesh.engines.kv_budget import (
     KvBudget,
     budget_of,
@@ -66,6 +66,7 @@ class EngineStage(HandlerHooks):
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.stage}-model")
         self.batcher: Batcher | None = None  # max_batch > 1: requests decode together (omni_mesh.engines.batching)
         self.gather: Gather | None = None  # code2wav with max_batch > 1: whole decodes in one call (engines.gather)
+        self.stream_gather: Gather | None = None  # and streamed chunks of several requests in one call
         self.tokens_total = 0  # tokens (codes) made one request at a time (a batch counts its own, step by step)
         self.kv_budget: KvBudget | None = None  # engine.kv_cache_tokens / kv_cache_memory_bytes, once loaded
         self.token_rate = Rate()
@@ -84,6 +85,7 @@ class EngineStage(HandlerHooks):
         self.kv_budget = self._kv_budget()
         if self.spec.max_batch > 1 and self.spec.part == "code2wav":  # whole decodes gathered (Code2WavStage)
             self.gather = Gather(self.executor, functools.partial(self.model.decode_many, self.part), self.spec.max_batch)
+            self.stream_gather = Gather(self.executor, self.model.decode_chunks, self.spec.max_batch)
         elif self.spec.max_batch > 1:
             self.batcher = self._batcher()
         log.info(
@@ -123,8 +125,7 @@ class EngineStage(HandlerHooks):
         out: dict[str, int | float] = self.batcher.counters() if self.batcher is not None else {}
         if self.batcher is None and self.kv_budget is not None:
             out.update({"kv_cache_budget_tokens": self.kv_budget.tokens, "kv_cache_budget_bytes": self.kv_budget.bytes})
-        if self.gather is not None:
-            out.update(self.gather.counters())
+        out.update(counters_of([g for g in (self.gather, self.stream_gather) if g is not None]))
         unit = {"thinker": "tokens", "talker": "codes"}.get(self.spec.part)
         if unit is not None:
             made = self.tokens_total + (self.batcher.tokens_total if self.batcher is not None else 0)
@@ -320,7 +321,6 @@ class Code2WavStage(EngineStage):
         assert self.model is not None
         sampling = Sampling.of(self.spec, ctx.params)
         streaming = self.model.stream_decoder(decoder, sampling)
-        loop = asyncio.get_running_loop()
         tail: dict = {}
         fed = False
         async for chunk in _chunks(inputs, "code2wav"):
@@ -328,11 +328,11 @@ class Code2WavStage(EngineStage):
                 yield {"text": chunk["text"], "audio_pcm16": b"", "sample_rate": SAMPLE_RATE}
             if chunk.get("codes") is not None:
                 fed = True
-                wav = await loop.run_in_executor(self.executor, streaming.feed, chunk["codes"])
+                wav = await self._decoded(streaming, chunk["codes"])
                 if len(wav):
                     yield {"text": "", "audio_pcm16": pcm16_bytes(wav.numpy()), "sample_rate": SAMPLE_RATE}
             tail.update({key: chunk[key] for key in ("usage", "finish_reason") if key in chunk})
-        rest = await loop.run_in_executor(self.executor, streaming.finish) if fed else None
+        rest = await self._decoded(streaming, None) if fed else None
         yield {
             "text": "",
             "audio_pcm16": pcm16_bytes(rest.numpy()) if rest is not None else b"",
@@ -340,6 +340,15 @@ class Code2WavStage(EngineStage):
             "usage": tail.get("usage"),
             "finish_reason": tail.get("finish_reason", "stop"),
         }
+
+
+    async def _decoded(self, streaming: Any, codes: Any) -> Any:
+        """A streamed chunk's new samples (codes None: the rest, at the end), decoded with the chunks of the
+        other requests queued beside it (max_batch > 1: one call), else alone."""
+        if self.stream_gather is not None:
+            return await asyncio.wrap_future(self.stream_gather.submit((streaming, codes)))
+        call = streaming.finish if codes is None else functools.partial(streaming.feed, codes)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, call)
 
 
 def _wants_audio(ctx: HandlerContext) -> bool:

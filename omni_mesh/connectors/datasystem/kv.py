@@ -233,7 +233,6 @@ class KVNode:
     # ---------------------------------------------------------------- lifecycle
 
     def reap_consumed(self) -> None:
-        """Forget the keys this process put that a consumer elsewhere has taken (gone from the worker)."""
         with self._lock:
             mine = list(self._mine.items())
         if not mine or self._client is None:

@@ -80,7 +80,7 @@ class StoreNode:
             "localbuf",
             "tensors returned from get()",
             "drop them sooner, raise localbuf, or set copy_on_get: true",
-            lambda: self.counters.add("errors"),
+            self.error,
         )
         self._pool: RegisteredPool | None = RegisteredPool(
             cfg.localbuf, prefault=cfg.prefault, errors=pool_errors
@@ -95,6 +95,9 @@ class StoreNode:
             )
         self._reaper = threading.Thread(target=self._reap_loop, name="omni-mesh-store-reaper", daemon=True)
         self._reaper.start()
+
+    def error(self) -> None:
+        self.counters.add("errors")
 
     # ------------------------------------------------------------------ put and get
 
@@ -195,7 +198,6 @@ class StoreNode:
             store.batch_remove(keys, True)  # not-found (consumed meanwhile) is fine
 
     def reap_consumed(self) -> None:
-        """Forget the keys this process put that a consumer elsewhere has taken (removed from the store)."""
         with self._lock:
             keys, store = list(self._owned), self._store
         if not keys or store is None or self._closed:
@@ -207,7 +209,6 @@ class StoreNode:
                     self._owned.pop(key, None)
 
     def cleanup(self, key: str) -> None:
-        """Remove the keys this process put under `key` or `key/...` that nobody consumed yet."""
         prefix = key + "/"
         with self._lock:
             doomed = [k for k, o in self._owned.items() if o.put_key == key or o.put_key.startswith(prefix)]

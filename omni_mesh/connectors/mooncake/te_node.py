@@ -64,15 +64,7 @@ class TransferEngineNode:
         self._quarantine = PendingReleases()  # regions of timed-out gets, until the late answer or ttl_s
         self._device_leaves = device_leaves
         self.counters = self._counters = Counters(
-            "puts",
-            "gets",
-            "bytes_put",
-            "bytes_got",
-            "errors",
-            "expired",
-            "cleaned",
-            "local_gets",
-            "device_tensors",
+            "puts", "gets", "bytes_put", "bytes_got", "errors", "expired", "cleaned", "local_gets", "device_tensors"
         )
         self._ctx = zmq.Context()
         # Answers are as small as requests: a producer sending more is not one of ours.
@@ -133,15 +125,15 @@ class TransferEngineNode:
             "max_pool_size",  # the ceiling the pool grows to
             "unconsumed payloads or live views",
             "raise max_pool_size, consume payloads sooner, or drop tensors returned by get()",
-            lambda: self._counters.add("errors"),
+            self.error,
         )
+
+    def error(self) -> None:
+        self._counters.add("errors")
 
     # ------------------------------------------------------------------ producer side
 
     def empty(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialized tensor over a region of the registered pool: returned in a put's payload,
-        the engine sends it from there (nothing is copied at put; `te_outputs`). The region goes back
-        when the tensor and the payloads holding it are gone. Do not write into it after the put."""
         shape = tuple(int(n) for n in shape)
         nbytes = _pool_outputs.nbytes_of(shape, dtype)
         self._open_pool("empty()")
@@ -177,15 +169,7 @@ class TransferEngineNode:
             self._payloads.finish(payload, consumed=True)
             raise ConnectorClosed(f"{OWNER} is closed (put of {where})")
         self._counters.add_many(puts=1, bytes_put=size, device_tensors=len(device_tensors))
-        metadata = {
-            "segment": self.segment,
-            "endpoint": self.endpoint,
-            "session": self._session,
-            "handle": handle,
-            "addr": payload.address,
-            "length": size,
-            "key": key,
-        }
+        metadata = {**self._put_fields, "handle": handle, "addr": payload.address, "length": size, "key": key}
         if device_tensors:
             metadata["device"] = [t.nbytes for t in device_tensors]
         return size, metadata
@@ -273,8 +257,8 @@ class TransferEngineNode:
         self._tick()
 
     def cleanup(self, key: str) -> None:
-        """Free the payloads this process put under `key` or `key/...` that nobody consumed yet (one
-        being written is freed when its write ends)."""
+        """Free the payloads put under `key` or `key/...` that nobody consumed (one being written
+        when its write ends)."""
         freed = self._payloads.clean(key) if not self._closed else 0
         if freed:
             self._counters.add("cleaned", freed)

@@ -1,5 +1,6 @@
-"""The one slot pool of the connectors that keep payloads in memory they own (ZmqConnector, the
-transfer-engine connectors, Mooncake's registered pool): offsets into regions, growth, idle release.
+"""The one slot pool of the connectors that keep payloads in memory they own (SharedMemoryConnector's
+segments, ZmqConnector, the transfer-engine connectors, Mooncake's registered pool): offsets into
+regions, growth, idle release.
 
 Bookkeeping only: it never touches memory. Its owner maps (and registers) the memory of each region
 at the base the pool gives it, through `map_region(base, size) -> bool` when the pool grows, and
@@ -25,36 +26,41 @@ class SlotPool:
     in. Grown regions go back with `release_idle` once they held nothing for a while; the first stays.
     """
 
-    def __init__(self, size: int, *, ceiling: int = 0) -> None:
-        self._regions: list[tuple[int, PoolAllocator]] = [(0, PoolAllocator(size))]  # (base, allocator)
+    def __init__(self, size: int, *, ceiling: int = 0, start: int = 0) -> None:
+        # (base, allocator); the first region's bytes before `start` are its owner's (headers)
+        self._regions: list[tuple[int, PoolAllocator]] = [(0, PoolAllocator(size, start=start))]
         self._last_used: dict[int, float] = {}  # base of a grown region -> when it last held something
         self._next_base = round_up(size, PAGE)
         self.ceiling = max(ceiling, round_up(size, PAGE))  # bytes in all regions at most
         self._lock = threading.Lock()
         self._grow_lock = threading.Lock()  # one growth at a time: concurrent puts must not each add one
 
-    def allocate(self, nbytes: int) -> int | None:
-        """Large frames start on a page boundary (see PoolAllocator.allocate)."""
+    def allocate(self, nbytes: int, *, header: int = 0) -> int | None:
+        """The offset of `header` bytes followed by an `nbytes` frame; large frames start on a page
+        boundary, the header just before it (see PoolAllocator.allocate)."""
         align = frame_alignment(nbytes)
         with self._lock:
             for base, allocator in self._regions:
-                offset = allocator.allocate(nbytes, align=align)
+                offset = allocator.allocate(header + nbytes, align=align, skew=header)
                 if offset is not None:
                     if base:
                         self._last_used[base] = time.monotonic()
                     return base + offset
             return None
 
-    def allocate_growing(self, nbytes: int, map_region: Callable[[int, int], bool]) -> int | None:
-        """`allocate`, growing the pool by a region for `nbytes` if none is free and the ceiling
+    def allocate_growing(
+        self, nbytes: int, map_region: Callable[[int, int], bool], *, header: int = 0
+    ) -> int | None:
+        """`allocate`, growing the pool by a region for the frame if none is free and the ceiling
         allows (`map_region(base, size)` maps its memory; False: it could not); None past it."""
-        offset = self.allocate(nbytes)
+        offset = self.allocate(nbytes, header=header)
         if offset is not None or not self.size:
             return offset
-        size = growth.grown_size(nbytes + PAGE)
         with self._grow_lock:
-            offset = self.allocate(nbytes)
-            if offset is not None or self.size + size > self.ceiling:
+            offset = self.allocate(nbytes, header=header)
+            room = self.ceiling - self.size
+            size = growth.grown_size(header + nbytes + frame_alignment(nbytes), room)
+            if offset is not None or size > room:
                 return offset
             base = self._next_base  # no other growth moves it meanwhile
             if not map_region(base, size):
@@ -63,7 +69,7 @@ class SlotPool:
                 self._next_base += round_up(size, PAGE)
                 self._regions.append((base, PoolAllocator(size)))
                 self._last_used[base] = time.monotonic()
-        return self.allocate(nbytes)
+        return self.allocate(nbytes, header=header)
 
     def _region_locked(self, offset: int) -> tuple[int, PoolAllocator]:
         for base, allocator in reversed(self._regions):
@@ -82,6 +88,14 @@ class SlotPool:
         with self._lock:
             base, allocator = self._region_locked(offset)
             return offset - base in allocator
+
+    def locate(self, offset: int) -> tuple[int, int, int]:
+        """`region_of(offset)` and the bytes from `offset` to the end of what was handed out there
+        (alignment slack included: a later frame that fits may reuse them), in one lock round trip."""
+        with self._lock:
+            base, allocator = self._region_locked(offset)
+            local = offset - base
+            return base, local, allocator.extent_end(local) - local
 
     def free(self, offset: int) -> None:
         with self._lock:

@@ -5,10 +5,8 @@ consumer to pull it on this plain TCP port with the session's proof (the wire: `
 
 A connection whose first PULL_BYTES are not a pull of an offered session with a valid proof (or that
 sends none within STRANGER_WAIT_S) is refused (counted, logged rate-limited) and closed with nothing
-written: a stranger learns nothing and makes nothing be written. Until it proves itself a connection
-costs no thread, and strangers are few, capped per address and dropped oldest first (`served.bulk_door`):
-a flood of them never takes a consumer's room. A pull is served once: replayed, it finds nothing. A
-transfer not pulled within PULL_WAIT_S is dropped (its payload freed, as an expired one).
+written; what such strangers may cost is `served.bulk_door`'s. A pull is served once: replayed, it
+finds nothing. A transfer not pulled within PULL_WAIT_S is dropped (its payload freed, as an expired one).
 
 Not ZeroMQ, on purpose: a plain stream costs this host about half the CPU of libzmq's per byte (no I/O
 thread between the Python thread and the kernel, the consumer reads straight into the payload's memory),

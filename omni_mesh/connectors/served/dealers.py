@@ -96,18 +96,14 @@ class LateReply(TimeoutError):
 
     def __init__(self, message: str, link: _Link) -> None:
         super().__init__(message)
-        self._link = link
-
-    @property
-    def link(self) -> _Link:
-        return self._link
+        self.link = link
 
     def arrived(self) -> bool:
         # The socket carried one request: any message is its answer.
-        return bool(self._link.sock.poll(0, zmq.POLLIN))
+        return bool(self.link.sock.poll(0, zmq.POLLIN))
 
     def close(self) -> None:
-        self._link.close()
+        self.link.close()
 
 
 class PeerLost(LateReply):

@@ -1,7 +1,7 @@
 """`EnginePullConnector`: the base of the transfer-engine connectors (Yuanrong TE, Mori).
 
-The producer lays the frame into its registered memory pool and returns metadata naming the slot and
-its ZeroMQ side channel. The consumer claims the payload over the side channel (so it cannot expire or
+The producer lays the frame into its registered memory pool and returns metadata naming its ZeroMQ
+side channel and the slot (endpoint, key, token, offset, size). The consumer claims the payload over the side channel (so it cannot expire or
 be cleaned up mid-read), pulls the bytes into its own registered pool with the engine, releases the
 payload (the producer frees the slot) and decodes. Subclasses supply the engine.
 

@@ -12,11 +12,9 @@ socket: the offer, a fresh session key that CURVE carries secretly, seals them t
 decodes views over what it received (no copy). Both ends import this module: the producer answers
 with a `Serving` (over its `HeldTable` and `ProducerPool`), the consumer reads answers with `read_reply`.
 
-The producer keeps a payload it served until the consumer confirms it arrived (DONE, queued as the
-get returns and sent off its path, several keys at once: `served.confirms`): an answer lost with a
-connection that broke on its way is served again when the consumer asks again on a new one. A consumer
-that never confirms (it died after its get) leaves the payload to its request's clean-up (an abort), or
-to `ttl_s`; a retry of its work on another replica finds it.
+The producer keeps a payload it served until the consumer confirms it arrived (DONE, sent off the
+get's path: `served.confirms`, which says why); one never confirmed (its consumer died after its get)
+goes with its request's clean-up or after `ttl_s`, and a retry of the work on another replica finds it.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ ONE_OFF = 1 << 31  # the index's segment number of a one-off segment: ONE_OFF | 
 
 
 def segment_number(segment: Segment) -> int:
-    return segment.number if segment.allocator is not None else ONE_OFF | segment.number
+    return segment.number if segment.base is not None else ONE_OFF | segment.number
 
 
 def segment_suffix(number: int) -> str:

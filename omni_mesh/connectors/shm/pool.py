@@ -1,12 +1,11 @@
-"""A SharedMemoryConnector producer's pool: its segments, the slots in them, growth and idle release.
+"""A SharedMemoryConnector producer's pool: its segments and the slots in them.
 
-The first segment (small: _growth.FIRST_PART, or `memory_pool_size` if less, plus the key index and the
-tiny-payload cells that live at its start) is created on the first put. A payload that fits no free
-space, once released slots are reclaimed, adds a segment sized for it (`_p<n>`, rounded up to
-_growth.GROW_STEP, pre-faulted), kept for the next payloads, up to `max_pool_size` in all; a grown segment that held nothing for
-`pool_idle_release_s` is unlinked (checked at allocations and at `health()`). Only past the ceiling
-does a payload take a one-off segment (`_x<n>`, counted as a fallback), unlinked once it is freed.
-So the steady state creates no segment and takes no page fault at any size below the ceiling.
+Where a slot goes, growth and idle release are the one `pools.slots.SlotPool`'s, sized as
+`pools.growth` says; each of its regions is a segment here: the first (created on the first put,
+with the key index and the tiny-payload cells at its start), those grown (`_p<n>`, pre-faulted, kept
+for the next payloads, unlinked once idle `pool_idle_release_s`). Only past the ceiling does a payload
+take a one-off segment (`_x<n>`, counted as a fallback), unlinked once it is freed. So the steady
+state creates no segment and takes no page fault at any size below the ceiling.
 
 One lock (`lock`) guards the segments and the slot table; the connector holds it for its key index
 and cells too. Slots being written are listed in `writing`: cleanup leaves them alone, close waits.
@@ -19,14 +18,14 @@ import errno
 import itertools
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 from omni_mesh.connectors.counters import Counters
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorError, ConnectorFull
 from omni_mesh.connectors.pools import growth as _growth
-from omni_mesh.connectors.pools.allocator import PAGE, PoolAllocator, frame_alignment, round_up
+from omni_mesh.connectors.pools.allocator import PAGE, frame_alignment, round_up
+from omni_mesh.connectors.pools.slots import SlotPool
 from omni_mesh.connectors.shm.segments import (
     ProcessIdentity,
     create_unique_segment,
@@ -77,7 +76,8 @@ class ShmPool:
         self.lock = threading.Lock()
         self._idle = threading.Condition(self.lock)
         self.ceiling = _growth.ceiling(cfg.memory_pool_size, cfg.max_pool_size, shm_capacity())
-        self.segments: list[Segment] = []  # the first, then those the pool grew by
+        self.segments: dict[int, Segment] = {}  # by base in `_places`: the first (0), those grown
+        self._places: SlotPool | None = None  # created with the first segment
         self.slots: dict[tuple[str, int], Slot] = {}
         self.own: dict[str, Segment] = {}  # every segment this process made, one-offs included
         self.writing: set[Slot] = set()
@@ -88,26 +88,28 @@ class ShmPool:
 
     @property
     def first(self) -> Segment | None:
-        return self.segments[0] if self.segments else None
+        return self.segments.get(0)
 
     def first_locked(self) -> Segment:
         """The first segment, created (pre-faulted) on first use."""
         if not self.segments:
             size = round_up(self._start + max(_growth.first_part(self.cfg.memory_pool_size, self.ceiling), SLOT_HEADER))
             name, mm = self._create(self._first_name, size, self.cfg.prefault, f"a {size}-byte pool")
-            segment = self._add_locked(name, mm, PoolAllocator(size, start=self._start), 0)
+            self._places = SlotPool(size, ceiling=self.ceiling, start=self._start)
+            segment = self._add_locked(Segment(name, mm, 0))
             self._on_first(segment)
         return self.segments[0]
 
     def usage_locked(self) -> tuple[int, int, int, int, bool]:
         """For health(): pool bytes (less the header, key index and cells), bytes in use, segments,
         payloads live in slots, and whether use is near the ceiling (over 90%)."""
-        reserved = self.first.allocator.start if self.first is not None else 0
+        reserved = self._start if self.first is not None else 0
         size = self.pool_bytes - reserved
         # Released slots wait for the next put to reclaim them: they hold no payload any more.
         live = sum(1 for slot in self.slots.values() if slot.segment.mm[slot.offset] != RELEASED)
         near = bool(size) and self.in_use > 0.9 * max(size, self.ceiling - reserved)
         return size, self.in_use, len(self.segments), live, near
+
     def _first_name(self) -> str:
         """A name for the first segment; a name already taken (squatted) gets a fresh token, which
         the segments the pool grows by then share."""
@@ -118,28 +120,24 @@ class ShmPool:
     def _numbered(self, kind: str) -> Callable[[], str]:
         """Names for a grown (`_p`) or one-off (`_x`) segment: the first's name and a random number
         (the key index names a segment by that number; a sequence would be predictable)."""
-        first = self.segments[0].name
+        first = self.first.name
         return lambda: f"{first}_{kind}{new_number()}"
 
-    def _add_locked(self, name: str, mm: Any, allocator: PoolAllocator, number: int) -> Segment:
-        segment = Segment(name, mm, allocator, number)
-        self.segments.append(segment)
-        self.own[name] = segment
+    def _add_locked(self, segment: Segment) -> Segment:
+        self.segments[segment.base] = segment
+        self.own[segment.name] = segment
         return segment
 
-    def _grow_locked(self, need: int, align: int) -> Segment | None:
-        """A new pre-faulted segment with room for a slot of `need` bytes; None past the ceiling, or
-        when /dev/shm has no room for it (the one-off path then says so)."""
-        room = self.ceiling - self.pool_bytes
-        size = _growth.grown_size(need + align, room)
-        if size > room:
-            return None
+    def _grow_locked(self, base: int, size: int) -> bool:
+        """A new pre-faulted segment of `size` bytes at `base` (SlotPool.allocate_growing); False when
+        /dev/shm has no room for it (the one-off path then says so)."""
         try:
             name, mm = create_unique_segment(self._numbered("p"), size, populate=self.cfg.prefault)
         except (OSError, ConnectorFull):
-            return None
+            return False
         self._counters.add("pool_grown")
-        return self._add_locked(name, mm, PoolAllocator(size), int(name.rsplit("_p", 1)[1]))
+        self._add_locked(Segment(name, mm, base, int(name.rsplit("_p", 1)[1])))
+        return True
 
     def _create(self, names: Callable[[], str], size: int, populate: bool, what: str) -> tuple[str, Any]:
         """A new segment of `size` bytes under a fresh name from `names`; its failure counted and said
@@ -164,46 +162,41 @@ class ShmPool:
         self.own[name] = segment
         return segment
 
-    def _make_room_locked(self, need: int, align: int) -> tuple[Segment | None, int | None]:
+    def _make_room_locked(self, size: int) -> int | None:
         """Growth was refused (the ceiling, or a full /dev/shm): before a one-off, take back the room the
         pool holds for nothing. Slots a consumer released since the reclaim above, then grown segments
         that hold nothing but wait out their idle time (a pool that grew for 256 MiB payloads had no
         room for a 1 GiB one for 30 s, so whether a put fell back depended on timing)."""
         self.reclaim_locked(check_takers=True)
-        segment, offset = self._fit_locked(need, align)
+        offset = self._places.allocate(size, header=SLOT_HEADER)
         if offset is None and self.release_idle_locked(idle_s=0.0):
-            segment = self._grow_locked(need, align)
-            if segment is not None:
-                offset = segment.allocator.allocate(need, align=align, skew=SLOT_HEADER)
-        return segment, offset
+            offset = self._places.allocate_growing(size, self._grow_locked, header=SLOT_HEADER)
+        return offset
 
-    def release_idle_locked(self, keep: Segment | None = None, idle_s: float | None = None) -> int:
+    def release_idle_locked(self, idle_s: float | None = None) -> int:
         """Unlink grown segments that held nothing for `idle_s` (default pool_idle_release_s; never the
         first); returns how many."""
-        if len(self.segments) < 2:
+        if self._places is None:
             return 0
-        released = 0
-        cutoff = time.monotonic() - (self.cfg.pool_idle_release_s if idle_s is None else idle_s)
-        for segment in self.segments[1:]:
-            if segment is not keep and segment.allocator.in_use == 0 and segment.last_used <= cutoff:
-                self.segments.remove(segment)
-                del self.own[segment.name]
-                self._on_released(segment)  # index entries into it go first
-                unlink_segment(segment.name)
-                with contextlib.suppress(BufferError):  # views of this process keep it mapped until GC
-                    segment.mm.close()
-                self._counters.add("pool_released")
-                released += 1
-        return released
+        bases = self._places.release_idle(self.cfg.pool_idle_release_s if idle_s is None else idle_s)
+        for base in bases:
+            segment = self.segments.pop(base)
+            del self.own[segment.name]
+            self._on_released(segment)  # index entries into it go first
+            unlink_segment(segment.name)
+            with contextlib.suppress(BufferError):  # views of this process keep it mapped until GC
+                segment.mm.close()
+            self._counters.add("pool_released")
+        return len(bases)
 
     @property
     def pool_bytes(self) -> int:
         """Bytes in the pool's segments (one-offs not counted)."""
-        return sum(segment.allocator.size for segment in self.segments)
+        return self._places.size if self._places is not None else 0
 
     @property
     def in_use(self) -> int:
-        return sum(segment.allocator.in_use for segment in self.segments)
+        return self._places.in_use if self._places is not None else 0
 
     # ---- slots
 
@@ -213,37 +206,37 @@ class ShmPool:
         # Large frames start on a page boundary, the slot header just before it: the codec's placing
         # of large leaves at fast page offsets relies on it.
         need = SLOT_HEADER + size
-        align = frame_alignment(size)
         with self.lock:
             if self.closed:
                 raise ConnectorClosed(f"SharedMemoryConnector is closed ({where})")
             self.first_locked()
+            places = self._places
             # Always, not only when the pool is the target: released one-off segments are unlinked here.
             if self.slots:
-                reused = self.reclaim_locked(check_takers=False, reuse=(need, align))
+                reused = self.reclaim_locked(check_takers=False, reuse=(need, frame_alignment(size)))
                 if reused is not None:
                     return self._refill_locked(reused, put_key)
-            segment, offset = self._fit_locked(need, align)
-            if offset is None and self.slots:
+            at = places.allocate(size, header=SLOT_HEADER)
+            if at is None and self.slots:
                 self.reclaim_locked(check_takers=True)
-                segment, offset = self._fit_locked(need, align)
-            if offset is None and pool_only:
+                at = places.allocate(size, header=SLOT_HEADER)
+            if at is None and pool_only:
                 return None
-            if offset is None:
-                segment = self._grow_locked(need, align)
-                if segment is None:
-                    segment, offset = self._make_room_locked(need, align)
-                else:
-                    offset = segment.allocator.allocate(need, align=align, skew=SLOT_HEADER)
-            if offset is None:
+            if at is None:
+                at = places.allocate_growing(size, self._grow_locked, header=SLOT_HEADER)
+            if at is None:
+                at = self._make_room_locked(size)
+            if at is None:
                 # Past the ceiling: a one-off segment, the slot header just before its first page boundary.
-                skew = PAGE - SLOT_HEADER if align == PAGE else 0
-                segment, offset = self._oneoff_locked(need + skew), skew
-            self.release_idle_locked(keep=segment)
+                offset = PAGE - SLOT_HEADER if frame_alignment(size) == PAGE else 0
+                segment, capacity = self._oneoff_locked(need + offset), need
+            else:
+                base, offset, capacity = places.locate(at)
+                segment = self.segments[base]
+            self.release_idle_locked()
             # Reused pool space holds bytes of older frames: until this put writes its header, the
             # state byte must not read as RELEASED or TAKEN, or a reclaim would free the slot mid-write.
             segment.mm[offset] = FREE
-            capacity = segment.allocator.extent_end(offset) - offset if segment.allocator else need
             slot = Slot(segment, offset, next(self._generations), put_key, capacity)
             self.slots[(segment.name, offset)] = slot
             self.writing.add(slot)
@@ -251,17 +244,6 @@ class ShmPool:
 
     def next_generation(self) -> int:
         return next(self._generations)
-
-    def _fit_locked(self, need: int, align: int) -> tuple[Segment | None, int | None]:
-        """The first pool segment with room for the slot, and the slot's offset in it."""
-        for segment in self.segments:
-            allocator = segment.allocator
-            if need + align <= allocator.size - allocator.start:
-                offset = allocator.allocate(need, align=align, skew=SLOT_HEADER)
-                if offset is not None:
-                    segment.last_used = time.monotonic()
-                    return segment, offset
-        return None, None
 
     def _refill_locked(self, slot: Slot, put_key: str) -> Slot:
         """A released pool slot that fits the next put, handed to it as it stands.
@@ -276,7 +258,6 @@ class ShmPool:
         mm[offset] = FREE
         slot.generation = next(self._generations)
         slot.put_key = put_key
-        slot.segment.last_used = time.monotonic()
         self.writing.add(slot)
         return slot
 
@@ -308,7 +289,7 @@ class ShmPool:
                     and kept is None
                     and need <= slot.capacity <= need + REUSE_SLACK
                     and (slot.offset + SLOT_HEADER) % align == 0
-                    and slot.segment.allocator is not None
+                    and slot.segment.base is not None
                 ):
                     kept = slot
                 else:
@@ -320,7 +301,7 @@ class ShmPool:
         if slot.exports:
             self._drop_exports_locked(slot)
         del self.slots[(segment.name, slot.offset)]
-        if segment.allocator is None:
+        if segment.base is None:
             del self.own[segment.name]
             unlink_segment(segment.name)
             with contextlib.suppress(BufferError):  # views of this process keep it mapped until GC
@@ -329,8 +310,7 @@ class ShmPool:
         # Invalidate the generation first, so a racing consumer's release or take no longer matches.
         GENERATION.pack_into(segment.mm, slot.offset + 16, 0)
         segment.mm[slot.offset] = FREE
-        segment.allocator.free(slot.offset)
-        segment.last_used = time.monotonic()
+        self._places.free(segment.base + slot.offset)
 
     def withdraw_locked(self, slot: Slot) -> None:
         """No consumer may take the slot any more; its memory stays (a pinned slot: shm_outputs)."""
@@ -383,6 +363,7 @@ class ShmPool:
             self.own.clear()
             self.slots.clear()
             self.segments.clear()
+            self._places = None
             return True
 
 

@@ -1,11 +1,9 @@
 """SharedMemoryConnector's consumer side: a get maps the producer's segment once and decodes views.
 
-Tensors and arrays come back as views over the slot: no copy at all. When the last view is
-garbage-collected, the slot is marked RELEASED in its header (`shm.slots`) and the producer reuses it
-at its next put. The generation and the digest of `from->to/key` make stale or foreign metadata
-detectable: a get then answers None rather than another request's data. A get without metadata finds
-the payload by its key (`lookup`); tiny payloads come from their metadata (`shm.tiny`), payloads of
-`empty()` outputs from each of their slots (`shm.outputs`).
+Tensors and arrays come back as views over the slot: no copy at all; the slot's release, and why
+stale or foreign metadata answers None, are the slot protocol's (`shm.slots`). A get without metadata
+finds the payload by its key (`lookup`); tiny payloads come from their metadata (`shm.tiny`), payloads
+of `empty()` outputs from each of their slots (`shm.outputs`).
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ from omni_mesh import codec, cuda_ipc
 from omni_mesh.connectors.counters import Counters
 from omni_mesh.connectors.errors import ConnectorError
 from omni_mesh.connectors.keys import edge_key
+from omni_mesh.connectors.keys import payload_name as where
 from omni_mesh.connectors.shm import lookup
 from omni_mesh.connectors.shm import tiny as shm_tiny
 from omni_mesh.connectors.shm.maps import Mappings
@@ -32,10 +31,6 @@ from omni_mesh.connectors.shm.slots import (
 )
 
 Got = tuple[Any, int]
-
-
-def where(from_stage: str, to_stage: str, key: str) -> str:
-    return f"key {key!r} on edge {from_stage}->{to_stage}"
 
 
 class ShmReader:

@@ -18,7 +18,6 @@ import ctypes
 import hashlib
 import mmap
 import struct
-import time
 import weakref
 from dataclasses import dataclass
 
@@ -26,7 +25,6 @@ import numpy as np
 
 from omni_mesh import cuda_ipc
 from omni_mesh.connectors.keys import edge_key
-from omni_mesh.connectors.pools.allocator import PoolAllocator
 from omni_mesh.connectors.shm.segments import ProcessIdentity, process_gone
 
 SLOT = struct.Struct("<B3xII4xQ16sQ")  # generation at byte 16
@@ -40,18 +38,17 @@ LENGTH_AT = 40  # where the slot header keeps the frame length
 
 
 class Segment:
-    """One mapped segment of a producer: its pool's first (number 0), one the pool grew by (`_p<n>`,
-    number n) or a one-off (`_x<n>`, no allocator)."""
+    """One mapped segment of a producer: its pool's first (base 0, number 0), one the pool grew by
+    (`_p<n>`, number n) or a one-off (`_x<n>`, no base: outside the pool)."""
 
-    __slots__ = ("name", "mm", "allocator", "address", "number", "last_used")
+    __slots__ = ("name", "mm", "base", "address", "number")
 
-    def __init__(self, name: str, mm: mmap.mmap, allocator: PoolAllocator | None, number: int = 0) -> None:
+    def __init__(self, name: str, mm: mmap.mmap, base: int | None, number: int = 0) -> None:
         self.name = name
         self.mm = mm
-        self.allocator = allocator  # None for a one-off fallback segment
+        self.base = base  # where its bytes lie in the pool's offset space (pools.slots.SlotPool)
         self.address = address_of(mm)  # valid while mm is open; puts write through it
         self.number = number  # as the key index names it (shm_lookup.segment_number)
-        self.last_used = time.monotonic()  # a grown segment unused this long goes back
 
 
 def address_of(mm: mmap.mmap) -> int:

@@ -1,14 +1,13 @@
 """SharedMemoryConnector's tiny payloads (frames up to `inline_max_bytes`): in the metadata, and in the pool.
 
 A tiny payload travels in its metadata as its whole frame (`frame`). Once some process on the host
-has got a payload by key alone (shm_wanted), a copy goes into one of the first segment's cells
-(shm_cells) or, with every cell waiting, a pool slot, where a get by key finds it; the get with the
-metadata releases that copy. Before then no copy is made (it would cost a third of a tiny put + get),
-and the payloads put shortly before a get by key is first seen are copied in then (shm_recent). With
-the pool full a tiny payload travels in the metadata only, in the parts form (`inline`, `parts`). The
-metadata holds the whole payload, so a get with it always succeeds, as vllm-omni's inline payloads
-do: the coordinator retries a stage whose replica died after its get, with the same metadata, and the
-retry must find its input.
+has got a payload by key alone (shm_wanted, which says why not before), a copy goes into one of the
+first segment's cells (shm_cells) or, with every cell waiting, a pool slot, where a get by key finds
+it; the get with the metadata releases that copy. The payloads put shortly before are copied in then
+(shm_recent). With the pool full a tiny payload travels in the metadata only, in the parts form
+(`inline`, `parts`). The metadata holds the whole payload, so a get with it always succeeds, as
+vllm-omni's inline payloads do: the coordinator retries a stage whose replica died after its get,
+with the same metadata, and the retry must find its input.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from typing import Any
 from omni_mesh import codec
 from omni_mesh.connectors.counters import Counters
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorError
-from omni_mesh.connectors.keys import edge_key
+from omni_mesh.connectors.keys import edge_key, payload_name
 from omni_mesh.connectors.shm import cells as shm_cells
 from omni_mesh.connectors.shm import recent as shm_recent
 from omni_mesh.connectors.shm import wanted as shm_wanted
@@ -258,7 +257,7 @@ def get(
             size = len(inline) + sum(map(len, parts))
     except codec.FrameError as exc:
         counters.add("errors")
-        where = f"key {get_key!r} on edge {from_stage}->{to_stage}"
+        where = payload_name(from_stage, to_stage, get_key)
         raise ConnectorError(f"SharedMemoryConnector: bad inline payload for {where}: {exc}") from None
     counters.add_pair("gets", "bytes_got", size)
     return data, size
@@ -271,7 +270,7 @@ def _release_copy(metadata: dict, maps: Mappings, from_stage: str, to_stage: str
     if type(name) is not str or type(offset) is not int or type(generation) is not int:
         return False
     # The cached mapping first: the message naming the get is only built when one must be made.
-    mm = maps.get(name) or maps.map(name, f"key {get_key!r} on edge {from_stage}->{to_stage}")
+    mm = maps.get(name) or maps.map(name, payload_name(from_stage, to_stage, get_key))
     if mm is None:
         return True
     if not 0 <= offset <= len(mm) - SLOT_HEADER:
