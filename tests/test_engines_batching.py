@@ -5,6 +5,8 @@ tiny random Qwen2.5-Omni and Qwen3-Omni, one torch thread per stage):
   talker's forward passes (their counters say so) and each gets the text transformers' generate() gives
   it alone, and the audio it gets when sent alone (within 2 steps of 16-bit PCM for Qwen2.5-Omni, 1 for
   Qwen3-Omni: see PCM_STEPS);
+- streamed concurrently, each reply's text comes in chunks of `stream_interval` tokens (the first token
+  at once) and adds up to the same text;
 - 8 concurrent streamed requests: code2wav decodes their chunks together (its counters say so) and each
   hears the audio it hears streamed alone (Qwen3-Omni bit for bit, Qwen2.5-Omni within 2 PCM steps);
 - a client that leaves mid-reply frees its place: the others' replies are unchanged, the thinker shows
@@ -32,6 +34,7 @@ from support.replies import streamed_outputs, wav_samples  # noqa: E402
 from omni_mesh.engines.tiny import build_tiny  # noqa: E402
 
 AUDIO_CODES = 20
+STREAM_INTERVAL = 3  # the thinker's tokens per streamed text chunk (engine.stream_interval)
 #: how far batched audio may be from the audio sent alone, in 16-bit PCM steps: Qwen2.5's DiT's float
 #: noise; Qwen3's codes are the same, and its code2wav, decoding replies queued together in one call
 #: (right-padded), rounds a sample to the other side of a PCM step now and then (~2e-7 apart)
@@ -46,7 +49,7 @@ def topology() -> dict:
                 "engine": {"part": part, "model": "${OMNI_MESH_MODEL}", "threads": 1, **engine}}
 
     return {"name": "batching", "stages": [
-        stage(0, "thinker", max_batch=8),
+        stage(0, "thinker", max_batch=8, stream_interval=STREAM_INTERVAL),
         {**stage(1, "talker", max_batch=8), "engine_input_source": [0]},
         {**stage(2, "code2wav", num_steps=4, max_batch=8), "engine_input_source": [1], "final_output": True},
     ]}
@@ -118,6 +121,22 @@ def test_eight_concurrent_requests_share_the_thinker_and_get_their_replies_alone
     rows = talker["batch_rows_stepped_total"] - talker_before["batch_rows_stepped_total"]
     # the talker's requests arrive as the thinker ends them (3 to 30 tokens apart): they overlap less
     assert rows / steps > 1.2, f"the talker: {rows} rows in {steps} steps"
+
+
+def test_streamed_replies_come_in_chunks_of_the_stream_interval(mesh: Any, texts: list[str]) -> None:
+    def streamed(i: int) -> list[str]:
+        body = {"inputs": inputs(PROMPTS[i]), "params": {**params(REPLY_TOKENS[i]), "modalities": ["text"]},
+                "timeout_s": 60}
+        return [output["text"] for output in streamed_outputs(mesh.client, body) if output.get("text")]
+
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        chunks = list(pool.map(streamed, range(len(PROMPTS))))
+    assert ["".join(c) for c in chunks] == texts
+    for reply_tokens, text_chunks in zip(REPLY_TOKENS, chunks, strict=True):
+        # the first token alone, then every STREAM_INTERVAL tokens, then the rest with the end
+        assert len(text_chunks) <= 2 + (reply_tokens - 1) // STREAM_INTERVAL, (reply_tokens, text_chunks)
+    longest = chunks[REPLY_TOKENS.index(max(REPLY_TOKENS))]
+    assert len(longest) >= 3  # streamed, not all at the end
 
 
 def streamed_audio(mesh: Any, i: int) -> tuple[str, np.ndarray]:

@@ -132,9 +132,10 @@ def test_eight_requests_in_one_batch_get_the_replies_they_get_alone(parts: Any, 
     for reference, output in zip(references, outputs, strict=True):
         assert_same(model, reference, output)
     counters = batcher.counters()
-    # all 8 in one batch from the first step: one step per token after the first of the longest reply
-    assert counters["batch_steps_total"] == max(lengths) - 1
-    assert counters["batch_rows_stepped_total"] == sum(n - 1 for n in lengths)
+    # all 8 in one batch from the first step: one step per token of the longest reply (each prompt's last
+    # token is a row of the first step, which makes every first token)
+    assert counters["batch_steps_total"] == max(lengths)
+    assert counters["batch_rows_stepped_total"] == sum(lengths)
     assert batcher.tokens_total == sum(lengths)
     assert counters["batch_running"] == 0 and counters["batch_queued"] == 0
 
@@ -151,10 +152,10 @@ def test_a_cancelled_request_leaves_at_once_and_the_waiting_one_takes_its_place(
     assert len(model.reply_ids(outputs[1])) == 5 and seen[1] == model.reply_ids(references[1]).tolist()[:5]
     for i in (0, 2, 3, 4):
         assert_same(model, references[i], outputs[i])
-    # request 4 waited for a place (max_batch 4) and joined the step after the cancel, long before the
-    # others ended (their 40 tokens take 39 steps)
-    assert at["joined"] == [4]
-    assert batcher.counters()["batch_steps_total"] == 4 + 39
+    # request 4 waited for a place (max_batch 4) and got its first token in the step after the cancel (step
+    # 5 made request 1's 5th token), long before the others ended (their 40 tokens take 40 steps)
+    assert at == {"cancelled": [5], "joined": [6]}
+    assert batcher.counters()["batch_steps_total"] == 5 + 40
 
 
 def talker_payloads(model: Any, thinker: Any) -> list[dict]:

@@ -1,4 +1,4 @@
-"""`omni-mesh bench connector|pipeline|chaos|engines|autoscale`: the benchmarks, as a user runs them."""
+"""`omni-mesh bench connector|pipeline|chaos|engines|thinker|autoscale`: the benchmarks, as a user runs them."""
 
 from __future__ import annotations
 
@@ -88,6 +88,28 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     engines.add_argument("--max-batch", type=int, default=16, help="the thinker's engine.max_batch with --clients")
     engines.add_argument("--text-only", action="store_true", help="with --clients: modalities [text] (no talker work)")
     engines.add_argument("--json", action="store_true", help="print the results as JSON")
+    thinker = kinds.add_parser(
+        "thinker", help="the thinker stage alone vs `transformers serve --continuous-batching` on the same weights"
+    )
+    thinker.add_argument("--model", default=None, help="a Qwen2.5-Omni checkpoint directory (default: a tiny random one)")
+    thinker.add_argument("--prompt", default="Tell me about the weather today.")
+    thinker.add_argument("--max-tokens", type=int, default=32, help="reply tokens")
+    thinker.add_argument("--clients", default="16", help="comma-separated concurrent client counts (e.g. 1,16)")
+    thinker.add_argument("--rounds", type=int, default=3, help="alternating rounds per side and client count")
+    thinker.add_argument("--duration", type=float, default=10.0, help="seconds of load per round and side")
+    thinker.add_argument("--threads", type=int, default=1, help="torch threads per server")
+    thinker.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    thinker.add_argument("--max-batch", type=int, default=16, help="the thinker stage's engine.max_batch")
+    thinker.add_argument(
+        "--cb-num-blocks", type=int, default=64,
+        help="transformers serve's paged KV cache blocks; the mesh's kv_cache_tokens is blocks x block size",
+    )
+    thinker.add_argument("--cb-block-size", type=int, default=32, help="tokens per KV cache block")
+    thinker.add_argument(
+        "--stream-interval", type=int, default=1,
+        help="the thinker's engine.stream_interval: tokens per streamed chunk (transformers serve sends each token)",
+    )
+    thinker.add_argument("--json", action="store_true", help="print the results as JSON")
     chaos = kinds.add_parser(
         "chaos", help="soak: checked load while replicas are SIGKILLed; non-zero exit if an invariant breaks"
     )
@@ -151,6 +173,29 @@ def _engines_batching(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_thinker(args: argparse.Namespace) -> int:
+    """`bench thinker`: the thinker stage against transformers serve (omni_mesh.bench.thinker_serve)."""
+    from omni_mesh.bench import thinker_serve
+
+    clients = _counts(args.clients, "--clients", "clients like 1,16")
+    for flag in ("max_tokens", "rounds", "threads", "max_batch", "cb_num_blocks", "cb_block_size",
+                 "stream_interval"):
+        if getattr(args, flag) < 1:
+            raise CliError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.duration <= 0:
+        raise CliError(f"--duration must be > 0, got {args.duration}")
+    try:
+        result = thinker_serve.run(
+            model=args.model, prompt=args.prompt, max_tokens=args.max_tokens, clients=clients, rounds=args.rounds,
+            duration_s=args.duration, threads=args.threads, device=args.device, max_batch=args.max_batch,
+            cb_num_blocks=args.cb_num_blocks, cb_block_size=args.cb_block_size, stream_interval=args.stream_interval,
+        )
+    except (ValueError, RuntimeError) as exc:  # not an Omni checkpoint, ids differ, a server did not come up
+        raise CliError(str(exc)) from None
+    print(json.dumps(result, indent=2) if args.json else thinker_serve.report(result))
+    return EXIT_OK
+
+
 def _cmd_autoscale(args: argparse.Namespace) -> int:
     from omni_mesh.bench import autoscale
 
@@ -183,6 +228,8 @@ def _handoff(args: argparse.Namespace, config: dict, sizes: list[int]) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "autoscale":
         return _cmd_autoscale(args)
+    if args.bench == "thinker":
+        return _cmd_thinker(args)
     if args.bench == "connector":
         from omni_mesh.bench import connector, connector_report
 
@@ -257,7 +304,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise CliError("--security picks how the bench starts the mesh: it needs --topology, not --url")
     if args.rounds < 1:
         raise CliError(f"--rounds must be >= 1, got {args.rounds}")
-    counts = _counts(args.coordinators) if args.coordinators else None
+    counts = _counts(args.coordinators, "--coordinators", "counts of coordinators like 1,2") if args.coordinators else None
     if counts and args.url:
         raise CliError("--coordinators picks how the bench starts the mesh: it needs --topology, not --url")
     result = pipeline.run(
@@ -277,14 +324,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _counts(text: str) -> list[int]:
-    """--coordinators: comma-separated counts, each at least 1."""
+def _counts(text: str, flag: str, what: str) -> list[int]:
+    """`flag`'s comma-separated counts, each at least 1 (`what`: the form expected, for the error)."""
     try:
         counts = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         counts = []
     if not counts or min(counts) < 1:
-        raise CliError(f"--coordinators: expected counts of coordinators like 1,2, got {text!r}")
+        raise CliError(f"{flag}: expected {what}, got {text!r}")
     return counts
 
 

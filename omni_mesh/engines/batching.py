@@ -64,8 +64,9 @@ class Row:
 
 
 class Engine(Protocol):
-    def join(self, job: Job, state: Any) -> tuple[Row, int]:
-        """The request's first token, its prompt prefilled (`state`: what `job.begin()` returned)."""
+    def join(self, job: Job, state: Any) -> tuple[Row, int | None]:
+        """The request's row, its prompt prefilled (`state`: what `job.begin()` returned), and its first
+        token; None: the first token comes with the next step (the prompt's last token is one of its rows)."""
 
     def step(self, rows: list[Row]) -> list[int]:
         """One token for each row (its last token fed)."""
@@ -140,7 +141,7 @@ class Batcher:
     def _run(self) -> None:
         import torch
 
-        with torch.no_grad():  # per thread: the handler's no_grad does not reach this one
+        with torch.inference_mode():  # per thread (the handler's no_grad does not reach this one); no autograd bookkeeping per op
             while True:
                 with self.wake:
                     while not self.closed and not self.queue and not self.rows:
@@ -169,6 +170,9 @@ class Batcher:
                 row, token = self.engine.join(job, job.begin())
             except BaseException as exc:  # noqa: BLE001 - this request's failure (bad input, stopped prefill)
                 _fail(job, exc)
+                continue
+            if token is None:
+                self.rows.append(row)
                 continue
             self.tokens_total += 1
             if row.take(token):

@@ -149,18 +149,22 @@ class ModelParts(ABC):
         self, thinker: Any, ids: torch.Tensor, sampling: Sampling, should_stop: Any, media: dict | None = None,
     ) -> Any:
         """A request made ready for the thinker's running batch (omni_mesh.engines.thinker_batch, in the
-        model thread): its prompt prefilled, the settings think() would hand to generate()."""
+        model thread): its prompt checked (a text prompt within one prefill piece is left to the batch,
+        which prefills those that join together in one forward; any other prefilled here), the settings
+        think() would hand to generate()."""
         from omni_mesh.engines.generation import sampling_kwargs
         from omni_mesh.engines.thinker_batch import Begun
 
-        prepared, output = self._think_prepare(thinker, ids, sampling, should_stop, media)
+        chunk = None if media is None and 1 < int(ids.shape[-1]) <= self.spec.prefill_tokens else self.spec.prefill_tokens
+        prepared, output = self._think_prepare(thinker, ids, sampling, should_stop, media, chunk)
         generation = {**sampling_kwargs(sampling.temperature, sampling.top_p), **decoding_args(sampling, int(ids.shape[-1]))}
         return Begun(prepared, generation, sampling.seed, sampling.max_tokens, frozenset(self.eos_token_ids(thinker)),
                      output, saw=getattr(should_stop, "saw", None), lock=getattr(thinker, "lock", None))
 
     def _think_prepare(self, thinker: Any, ids: torch.Tensor, sampling: Sampling, should_stop: Any,
-                       media: dict | None) -> tuple[Any, Any]:
-        """(the thinker's Prepared, output(prepared, sequences, steps) -> the result as think() returns it)."""
+                       media: dict | None, chunk: int | None) -> tuple[Any, Any]:
+        """(the thinker's Prepared, output(prepared, sequences, steps) -> the result as think() returns it);
+        `chunk`: the prefill's piece (None: no prefill)."""
         raise NotImplementedError(f"{self.arch}: no batched thinker")
 
     def batch_engine(self, loaded: Any, part: str) -> Any:
@@ -246,11 +250,11 @@ class Qwen2_5Omni(ModelParts):
     thinker_step_layers = (0, -1)  # the talker reads every step's embeddings and last hidden states
 
     def _think_prepare(self, thinker: Any, ids: torch.Tensor, sampling: Sampling, should_stop: Any,
-                       media: dict | None) -> tuple[Any, Any]:
+                       media: dict | None, chunk: int | None) -> tuple[Any, Any]:
         from omni_mesh.engines.qwen2_5_omni import speaker_entry
 
         bos = speaker_entry(thinker.speakers, sampling.speaker)["bos_token"]
-        prepared = thinker.prepare(ids, should_stop=should_stop, prefill_chunk=self.spec.prefill_tokens, media=media)
+        prepared = thinker.prepare(ids, should_stop=should_stop, prefill_chunk=chunk, media=media)
         return prepared, lambda p, sequences, steps: thinker.output(p.input_ids, sequences, steps, p.hidden, bos)
 
     def batch_engine(self, loaded: Any, part: str) -> Any:
@@ -326,8 +330,8 @@ class Qwen3Omni(ModelParts):
         )
 
     def _think_prepare(self, thinker: Any, ids: torch.Tensor, sampling: Sampling, should_stop: Any,
-                       media: dict | None) -> tuple[Any, Any]:
-        prepared = thinker.prepare(ids, should_stop=should_stop, prefill_chunk=self.spec.prefill_tokens, media=media)
+                       media: dict | None, chunk: int | None) -> tuple[Any, Any]:
+        prepared = thinker.prepare(ids, should_stop=should_stop, prefill_chunk=chunk, media=media)
         return prepared, thinker.output
 
     def talk(self, talker: Any, payload: dict, sampling: Sampling, on_code: Any, should_stop: Any) -> Any:

@@ -55,6 +55,9 @@ class EngineSpec:
     max_prompt_tokens: int | None = None  # thinker: prompt tokens, talker: input rows; None: the model's context
     prefill_tokens: int = 512  # a prompt goes through in pieces this long: a cancel stops within one piece
     max_batch: int = 1  # requests decoded together in one forward per step (vLLM's max_num_seqs); 1: one at a time
+    # thinker, to a streaming client: tokens per streamed text chunk (vLLM's); the first token and the reply's
+    # end go at once. More than 1: fewer chunks through the stage and the coordinator per token.
+    stream_interval: int = 1
     # The KV cache a replica's requests may hold at once (omni_mesh.engines.kv_budget); None: no limit but
     # max_batch. A request reserves its prompt plus its max tokens; one that does not fit waits in the queue.
     kv_cache_tokens: int | None = None
@@ -91,7 +94,7 @@ def parse_engine(raw: Any, who: str) -> EngineSpec:
     _check(values, "dtype", lambda v: v in DTYPES, f"one of {', '.join(DTYPES)}", who)
     _check(values, "device", lambda v: isinstance(v, str) and bool(_DEVICE.match(v)), "cpu or cuda:N", who)
     for name in ("max_tokens", "max_audio_tokens", "chunk_codes", "first_chunk_codes", "num_steps", "prefill_tokens",
-                 "max_batch"):
+                 "max_batch", "stream_interval"):
         _check(values, name, _positive_int, "an integer >= 1", who)
     for name in ("max_model_len", "kv_cache_tokens", "kv_cache_memory_bytes"):
         _check(values, name, lambda v: v is None or _positive_int(v), "an integer >= 1", who)

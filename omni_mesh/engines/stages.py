@@ -32,7 +32,7 @@ import numpy as np
 
 from omni_mesh.audio import SAMPLE_RATE, pcm16_bytes, wav_base64
 from omni_mesh.engines.batching import Batcher, Rate
-from omni_mesh.engines.bridge import Generation
+from omni_mesh.engines.bridge import Generation, every, ignore
 from omni_mesh.engines.gather import Gather, counters_of
 from omni_mesh.engines.kv_budget import (
     KvBudget,
@@ -178,28 +178,37 @@ class ThinkerStage(EngineStage):
         eos = set(self.model.eos_token_ids(thinker))
         stops = StopWatch(self.model.tokenizer, sampling.stop, sampling.stop_token_ids)
 
+        # A client reading a stream gets the text token by token; for any other the text goes with the
+        # talker's inputs in one chunk (a chunk per token would cost every stage a hop per token), and no
+        # token is handed to this loop as it comes.
+        detok = Detokenizer(self.model.tokenizer) if _client_streams(ctx) else None
+        interval = self.spec.stream_interval
+
         def run(push: Any, should_stop: Any) -> Any:
             self.model.seed(sampling.seed)
-            return self.model.think(thinker, ids, sampling, push, stops.until(should_stop), media)
+            return self.model.think(thinker, ids, sampling, push if detok else None, stops.until(should_stop), media)
 
         def join(push: Any, should_stop: Any) -> Any:  # into the running batch: a Future of the output
             watch = stops.until(should_stop)
             begin = functools.partial(self.model.think_begin, thinker, ids, sampling, watch, media)
-            return self.batcher.submit(begin, push, watch, kv_tokens)
+            return self.batcher.submit(begin, every(push, interval) if detok else ignore, watch, kv_tokens)
 
         generation = Generation(None, join) if self.batcher is not None else Generation(self.executor, run)
-        # A client reading a stream gets the text token by token; for any other the text goes with the
-        # talker's inputs in one chunk (a chunk per token would cost every stage a hop per token).
-        detok = Detokenizer(self.model.tokenizer) if _client_streams(ctx) else None
         text = StopText(sampling.stop)  # the reply's text ends before a stop string
         try:
-            async for token in generation:
-                if detok is not None and (delta := text.add(detok.add(token))):
+            async for items in generation.batches():  # one chunk for the tokens that came since the last
+                if detok is None:
+                    continue
+                for item in items:  # a token (one request at a time), or a batch's list of them (bridge.every)
+                    detok.extend(item if isinstance(item, list) else [item])
+                if delta := text.add(detok.advance()):
                     yield {"text": delta}
             output = await generation.result()
         finally:
             await generation.settle()
         reply = [int(t) for t in self.model.reply_ids(output).tolist()]
+        if detok is not None:
+            detok.extend(reply[len(detok.ids):])  # what the last pushes held back (engine.stream_interval)
         if self.batcher is None:
             self.tokens_total += len(reply)
         stopped = stops.hit or (bool(reply) and reply[-1] in eos)

@@ -86,6 +86,16 @@ def prompt_ids(tokenizer: Any, inputs: Any) -> Any:
     return encoded["input_ids"]
 
 
+def _fast_decode(tokenizer: Any) -> Any:
+    """`ids -> text` as `tokenizer.decode(ids, skip_special_tokens=True)`: the Rust tokenizer's own decode
+    where the wrapper would add nothing (no clean-up of spaces), about 4x cheaper a call (every streamed
+    token decodes twice)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and hasattr(backend, "decode") and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class Detokenizer:
     """Reply ids -> text deltas whose concatenation is `decode(all ids, skip_special_tokens=True)` for
     any reply that is text (bytes that make no character, as a random model emits, may come out as
@@ -101,6 +111,7 @@ class Detokenizer:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self.decode = _fast_decode(tokenizer)
         self.ids: list[int] = []
         self.start = 0  # where the decoded window starts
         self.read = 0  # ids up to here are sent
@@ -110,13 +121,21 @@ class Detokenizer:
         self.ids.append(token)
         return self._advance(final=False)
 
+    def extend(self, tokens: list[int]) -> None:
+        """Ids whose text `advance()` (or `flush()`) gives later, all in one delta."""
+        self.ids.extend(tokens)
+
+    def advance(self) -> str:
+        """The text of the ids added since the last delta (what `add` returns, for several ids at once)."""
+        return self._advance(final=False)
+
     def flush(self) -> str:
         return self._advance(final=True)
 
     def _advance(self, *, final: bool) -> str:
-        decode = self.tokenizer.decode
-        sent = decode(self.ids[self.start : self.read], skip_special_tokens=True)
-        text = decode(self.ids[self.start :], skip_special_tokens=True)
+        decode = self.decode
+        sent = decode(self.ids[self.start : self.read])
+        text = decode(self.ids[self.start :])
         if not final and text.endswith("\ufffd") and self.held < self.MAX_HELD:  # a character split across tokens
             self.held += 1
             return ""

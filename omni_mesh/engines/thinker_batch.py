@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache, LogitsProcessorList
 
 from omni_mesh.engines.batching import Job, Row
-from omni_mesh.engines.prefill import Prepared, new_cache
+from omni_mesh.engines.prefill import PrefillStopped, Prepared, generation_positions, new_cache
 
 
 @dataclass
@@ -45,6 +45,9 @@ class Sequence:
     length: int  # tokens in its KV cache
     steps: list[Any] = field(default_factory=list)  # per step, the hidden states output() reads
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # its own cache until stacked into the batch
+    fed: int = -1  # the token the next step feeds: the sequence's last (kept as an int: no tensor read a step)
+    fresh: bool = False  # its prompt is still to be prefilled (ThinkerBatch._prefill, with the others joining)
+    waiting: bool = False  # its first token comes with the next step (its last prompt token is fed there)
 
 
 class ThinkerBatch:
@@ -57,55 +60,133 @@ class ThinkerBatch:
         self.members: list[Sequence] = []  # the rows stacked in `cache`, in order (held: an id could be reused)
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None  # [B, width]: 0 over each row's left padding
+        self.no_processors: set[tuple] = set()  # sampling settings that build no logits processor
 
-    def join(self, job: Job, begun: Begun) -> tuple[Row, int]:
+    def join(self, job: Job, begun: Begun) -> tuple[Row, int | None]:
         prepared = begun.prepared
-        lock = begun.lock or _NoLock()
-        with lock:
-            cache = prepared.kwargs.get("cache")
-            cache = new_cache(self.model) if cache is None else cache
-            result = self.model.generate(
-                input_ids=prepared.input_ids, max_new_tokens=1, do_sample=False, output_logits=True,
-                return_dict_in_generate=True, **{**prepared.kwargs, "cache": cache},
-            )
-            delta = self._rope_delta()
-        input_ids = prepared.input_ids
+        if self.direct_first_step and _plain_text(prepared) and self._deferrable(prepared) and "cache" not in prepared.kwargs:
+            # not prefilled (models.think_begin): the next step prefills it with the others that join
+            state = self._sequence(begun, None, None, None, waiting=True)
+            return Row(job, state, begun.max_tokens, begun.eos, saw=begun.saw), None
+        if self.direct_first_step and _prefilled_text(prepared):
+            if self._deferrable(prepared):  # its last prompt token goes with the next batched step
+                cache, positions = prepared.kwargs["cache"], prepared.kwargs["position_ids"]
+                state = self._sequence(begun, cache, positions[:, 0, -1:].clone(), None, waiting=True)
+                return Row(job, state, begun.max_tokens, begun.eos, saw=begun.saw), None
+            cache, hidden, logits, delta = self._first_step(prepared)
+        else:
+            lock = begun.lock or _NoLock()
+            with lock:
+                cache = prepared.kwargs.get("cache")
+                cache = new_cache(self.model) if cache is None else cache
+                result = self.model.generate(
+                    input_ids=prepared.input_ids, max_new_tokens=1, do_sample=False, output_logits=True,
+                    return_dict_in_generate=True, **{**prepared.kwargs, "cache": cache},
+                )
+                delta = self._rope_delta()
+            hidden, logits = result.hidden_states[0] if result.hidden_states else None, result.logits[0]
         length = int(cache.get_seq_length())
-        position = torch.full((self.position_rows, 1), length + delta, dtype=torch.long, device=input_ids.device)
+        position = torch.full((self.position_rows, 1), length + delta, dtype=torch.long,
+                              device=prepared.input_ids.device)
         if self.position_rows == 4:  # the text row (the mask's positions) has no rope delta
             position[0] = length
-        processors = self._processors(begun)
+        state = self._sequence(begun, cache, position, hidden)
+        token = self._pick(state, logits)
+        return Row(job, state, begun.max_tokens, begun.eos, saw=begun.saw), token
+
+    def _sequence(self, begun: Begun, cache: DynamicCache | None, position: torch.Tensor | None,
+                  hidden: Any, *, waiting: bool = False) -> Sequence:
+        """A row's state: its prompt prefilled into `cache` (None: not yet, `_prefill` does it), `position`
+        the next token's positions, `hidden` the first step's hidden states; `waiting`: the first step is yet
+        to come (a row of the next batched step)."""
+        input_ids = begun.prepared.input_ids
         greedy = not begun.generation.get("do_sample", False)
         generator = None
         if begun.seed is not None and not greedy:  # generate() draws from the global generator, seeded so
             generator = torch.Generator(device=input_ids.device).manual_seed(begun.seed)
-        state = Sequence(begun, processors, generator, greedy, input_ids, position, length,
-                         steps=[result.hidden_states[0]] if result.hidden_states else [],
-                         kv=[(layer.keys, layer.values) for layer in cache.layers])
-        token = self._pick(state, result.logits[0])
-        row = Row(job, state, begun.max_tokens, begun.eos, saw=begun.saw)
-        return row, token
+        return Sequence(begun, self._processors(begun), generator, greedy, input_ids,
+                        position if position is not None else torch.zeros(0), 0 if cache is None else int(cache.get_seq_length()),
+                        steps=[hidden] if hidden is not None else [],
+                        kv=None if cache is None else [(layer.keys, layer.values) for layer in cache.layers],
+                        fed=int(input_ids[0, -1]), fresh=cache is None, waiting=waiting)
+
+    def _deferrable(self, prepared: Prepared) -> bool:
+        """Whether a prefilled text prompt's first step may be a row of the next batched step: its cache is
+        not empty (a one-token prompt has nothing prefilled to stack), and the step keeps the hidden states
+        the output reads (those of `layers`; none asked for, none kept)."""
+        return prepared.input_ids.shape[1] > 1 and (bool(self.layers) or not prepared.kwargs.get("output_hidden_states"))
 
     def step(self, rows: list[Row]) -> list[int]:
         states: list[Sequence] = [row.state for row in rows]
+        if fresh := [s for s in states if s.fresh]:
+            self._prefill(fresh)
         self._restack(states)
         assert self.cache is not None and self.mask is not None
         device = self.mask.device
-        tokens = torch.tensor([[int(s.sequence[0, -1])] for s in states], device=device)
+        tokens = torch.tensor([[s.fed] for s in states], device=device)
         positions = torch.stack([s.position for s in states], dim=1)  # [rows, B, 1]
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(states), 1)], dim=1)
         out, logits = self._forward(states, tokens, positions)
+        # greedy rows without processors (generate()'s plain argmax): one argmax for all of them
+        plain = [i for i, state in enumerate(states) if state.greedy and not state.processors]
+        best = dict(zip(plain, logits[plain].argmax(dim=-1).tolist(), strict=True)) if plain else {}
         picked = []
         for i, state in enumerate(states):
             state.length += 1
+            state.waiting = False
             state.position = state.position + 1
             if self.layers:
                 state.steps.append(tuple(out.hidden_states[layer][i : i + 1] for layer in self.layers))
-            picked.append(self._pick(state, logits[i : i + 1]))
+            if i in best:
+                state.sequence = torch.cat([state.sequence, state.sequence.new_tensor([[best[i]]])], dim=1)
+                state.fed = best[i]
+                picked.append(best[i])
+            else:
+                picked.append(self._pick(state, logits[i : i + 1]))
         return picked
+
+    def _prefill(self, states: list[Sequence]) -> None:
+        """The prompts of rows that joined since the last step, but their last tokens (the step feeds those),
+        in one forward: left-padded to the longest, each with the positions generate() computes for it
+        alone (prefill.generation_positions) and the padding masked. Each row keeps its part of the cache
+        (stacked into the batch next) and, where its output reads them, the prompt's hidden states."""
+        lengths = [int(s.sequence.shape[1]) - 1 for s in states]
+        width = max(lengths)
+        device = states[0].sequence.device
+        whole = [generation_positions(self.model, s.sequence) for s in states]  # [4, 1, P] each
+        ids = torch.cat([_pad_ids(s.sequence[:, :-1], width) for s in states])
+        positions = torch.cat([_pad_ids(p[..., :-1].reshape(p.shape[0], -1), width)[:, None] for p in whole], dim=1)
+        mask = torch.stack([torch.cat([torch.zeros(width - n, dtype=torch.long, device=device),
+                                       torch.ones(n, dtype=torch.long, device=device)]) for n in lengths])
+        keep = [bool(s.begun.prepared.kwargs.get("output_hidden_states")) for s in states]
+        cache = new_cache(self.model)
+        out = self.model.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
+                               output_hidden_states=any(keep) and bool(self.layers))
+        for i, s in enumerate(states):
+            pad = width - lengths[i]
+            s.kv = [(layer.keys[i : i + 1, :, pad:], layer.values[i : i + 1, :, pad:]) for layer in cache.layers]
+            s.length, s.position, s.fresh = lengths[i], whole[i][:, 0, -1:].clone(), False
+            if keep[i]:  # as prefill.thinker_prefill keeps them: the prefilled tokens' rows of each layer
+                s.begun.prepared.hidden = [out.hidden_states[layer][i : i + 1, pad:] for layer in self.layers]
+
+    def _first_step(self, prepared: Prepared) -> tuple[DynamicCache, Any, torch.Tensor, int]:
+        """generate()'s first step of a prompt prefilled but its last token (prefill.thinker_prefill), as one
+        forward of the language model: (the cache, the step's hidden states of every layer when the
+        prepared kwargs ask for them, else None; the float32 logits [1, V]; the rope delta: the next position
+        less the cache length). generate() would cost a few ms of set-up a request for the same forward."""
+        kwargs = prepared.kwargs
+        cache, positions = kwargs["cache"], kwargs["position_ids"]
+        keep = bool(kwargs.get("output_hidden_states"))
+        out = self.model.model(input_ids=prepared.input_ids[:, -1:], position_ids=positions[..., -1:], cache=cache,
+                               use_cache=True, output_hidden_states=keep)
+        logits = self.model.lm_head(out.last_hidden_state[:, -1]).to(torch.float32)
+        delta = int(positions[1:].max()) + 1 - int(prepared.input_ids.shape[1])  # the 3-D rows' lead over the text row
+        return cache, out.hidden_states if keep else None, logits, delta
 
     #: Position id rows: the thinkers' text row and 3-D rope rows.
     position_rows = 4
+    #: A text prompt's first step as one forward of `model.model` and `lm_head` (_first_step).
+    direct_first_step = True
 
     def _rope_delta(self) -> int:
         """What generate() adds to the cache length for the next position (the prompt's rope delta, which
@@ -123,6 +204,8 @@ class ThinkerBatch:
 
     def finish(self, row: Row) -> Any:
         state: Sequence = row.state
+        if state.waiting:  # cancelled before its first step: nothing to build an output from
+            raise PrefillStopped("cancelled before its first token")
         if len(self.members) == 1 and self.members[0] is state:  # the last row leaves: its cache goes now
             self.members, self.cache, self.mask = [], None, None
         return state.begun.output(state.begun.prepared, state.sequence, state.steps)
@@ -149,10 +232,19 @@ class ThinkerBatch:
     def _pick(self, state: Sequence, logits: torch.Tensor) -> int:
         """The next token as generate() picks it (`draw`), appended to the row's sequence."""
         state.sequence = draw(state.processors, state.sequence, logits, state.greedy, state.generator)
-        return int(state.sequence[0, -1])
+        state.fed = int(state.sequence[0, -1])
+        return state.fed
 
     def _processors(self, begun: Begun) -> LogitsProcessorList:
-        return logits_processors(self.model, begun.generation, begun.prepared.input_ids)
+        """generate()'s processors for the request; settings known to build none (greedy, most often) are
+        remembered: building them costs about a millisecond a request (generate()'s config copies)."""
+        key = _settings_key(begun.generation)
+        if key is not None and key in self.no_processors:
+            return LogitsProcessorList()
+        processors = logits_processors(self.model, begun.generation, begun.prepared.input_ids)
+        if key is not None and not processors:
+            self.no_processors.add(key)
+        return processors
 
     def _restack(self, states: list[Sequence]) -> None:
         """The batch's cache stacked anew when its rows are not the ones stacked (a row joined or left)."""
@@ -188,6 +280,37 @@ class ThinkerBatch:
             s.kv = None
         self.cache = cache
         self.members = list(states)
+
+
+#: generate() arguments a prompt prefilled by prefill.thinker_prefill may carry that its first step's
+#: forward does not need (stops and flags generate() reads); any other (media) takes generate()'s path.
+_PLAIN_KWARGS = frozenset({"cache", "position_ids", "output_hidden_states", "eos_token_id", "use_audio_in_video"})
+
+
+def _plain_text(prepared: Prepared) -> bool:
+    """A text prompt: generate() would get no argument for media."""
+    kwargs = prepared.kwargs
+    return set(kwargs) <= _PLAIN_KWARGS and not kwargs.get("use_audio_in_video")
+
+
+def _prefilled_text(prepared: Prepared) -> bool:
+    """A text prompt prefilled but its last token, with 4 position rows (text, then 3-D rope)."""
+    kwargs = prepared.kwargs
+    return (_plain_text(prepared) and "cache" in kwargs and "position_ids" in kwargs
+            and kwargs["position_ids"].dim() == 3 and kwargs["position_ids"].shape[0] == 4)
+
+
+def _pad_ids(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[rows, n] -> [rows, width], ones before (ids or positions under the mask's padding: never read)."""
+    missing = width - x.shape[1]
+    return x if missing == 0 else torch.cat([x.new_ones(x.shape[0], missing), x], dim=1)
+
+
+def _settings_key(generation: dict[str, Any]) -> tuple | None:
+    """Sampling settings as a set member; None when a value is no plain one (a custom processor)."""
+    if not all(isinstance(value, (bool, int, float, str, type(None))) for value in generation.values()):
+        return None
+    return tuple(sorted(generation.items()))
 
 
 def _nbytes(x: torch.Tensor) -> int:
@@ -243,6 +366,7 @@ class TalkerBatch(ThinkerBatch):
     them (it gives the talker no attention mask)."""
 
     position_rows = 3
+    direct_first_step = False  # its inputs are the thinker's rows: generate() builds them
 
     def _rope_delta(self) -> int:
         delta = getattr(self.model, "rope_deltas", None)
