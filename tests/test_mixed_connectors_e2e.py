@@ -120,8 +120,15 @@ def expected(scale: float, tag: str) -> dict:
 
 
 def shm_entries() -> set[str]:
-    """What is in /dev/shm (the datasystem's own files too) and in our segment directory."""
-    return {name for where in {SHM, shm_dir()} if where.is_dir() for name in os.listdir(where)}
+    """What is in /dev/shm (the datasystem's own files too) and in our segment directory, but the
+    directories other pytest processes on the host make for their own segments (conftest.SEGMENT_DIR)."""
+    return {
+        name
+        for where in {SHM, shm_dir()}
+        if where.is_dir()
+        for name in os.listdir(where)
+        if not name.startswith("omni-mesh-tests-")
+    }
 
 
 @dataclass
