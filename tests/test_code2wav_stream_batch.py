@@ -151,12 +151,17 @@ def test_qwen2_5_dit_rows_of_different_lengths_need_the_padding_masked(qwen2_5: 
     assert float((unmasked - alone).abs().max()) > 1e-6
 
 
+def streams_of(model: Any, decoder: Any, sampling: Sampling) -> tuple[list[Any], list[Any]]:
+    """The codes of streams of LENGTHS, and a stream decoder for each."""
+    batch = [codes_for(model, decoder, n, i) for i, n in enumerate(LENGTHS)]
+    return batch, [model.stream_decoder(decoder, sampling) for _ in batch]
+
+
 def test_the_stream_gather_decodes_the_chunks_queued_in_one_call(qwen3: Any) -> None:
     model, decoder = qwen3
     sampling = Sampling.of(model.spec, {})
     gather, calls, release, executor = held_gather(model.decode_chunks, 8)
-    batch = [codes_for(model, decoder, n, i) for i, n in enumerate(LENGTHS)]
-    streams = [model.stream_decoder(decoder, sampling) for _ in batch]
+    batch, streams = streams_of(model, decoder, sampling)
     futures = [gather.submit((stream, codes)) for stream, codes in zip(streams, batch, strict=True)]
     release.set()
     wavs = [f.result(60) for f in futures]
@@ -177,8 +182,7 @@ def test_first_chunks_go_before_the_chunks_queued_ahead_of_them_in_a_call_of_the
     model, decoder = qwen3
     sampling = Sampling.of(model.spec, {})
     gather, calls, release, executor = held_gather(model.decode_chunks, 8)
-    batch = [codes_for(model, decoder, n, i) for i, n in enumerate(LENGTHS)]
-    streams = [model.stream_decoder(decoder, sampling) for _ in batch]
+    batch, streams = streams_of(model, decoder, sampling)
     for stream, codes in zip(streams[:3], batch, strict=False):  # three streams under way
         stream.feed(codes[:FIRST])
     order: list[str] = []
