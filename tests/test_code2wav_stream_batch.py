@@ -7,7 +7,8 @@ checkpoints, in one process:
   streamed alone (Qwen3: bit for bit; Qwen2.5: within 2 steps of 16-bit PCM), and one call decodes them;
 - Qwen2.5's DiT over rows of different lengths, right-padded: with the padding masked each row equals
   its own decode; without the mask the shorter rows would not (the check can tell);
-- through the Gather: the chunks queued while the model thread is busy go in one call.
+- through the Gather: the chunks queued while the model thread is busy go in one call; a new stream's
+  first chunk goes before the chunks queued ahead of it, in a call of its own.
 """
 
 from __future__ import annotations
@@ -150,12 +151,17 @@ def test_qwen2_5_dit_rows_of_different_lengths_need_the_padding_masked(qwen2_5: 
     assert float((unmasked - alone).abs().max()) > 1e-6
 
 
+def streams_of(model: Any, decoder: Any, sampling: Sampling) -> tuple[list[Any], list[Any]]:
+    """The codes of streams of LENGTHS, and a stream decoder for each."""
+    batch = [codes_for(model, decoder, n, i) for i, n in enumerate(LENGTHS)]
+    return batch, [model.stream_decoder(decoder, sampling) for _ in batch]
+
+
 def test_the_stream_gather_decodes_the_chunks_queued_in_one_call(qwen3: Any) -> None:
     model, decoder = qwen3
     sampling = Sampling.of(model.spec, {})
     gather, calls, release, executor = held_gather(model.decode_chunks, 8)
-    batch = [codes_for(model, decoder, n, i) for i, n in enumerate(LENGTHS)]
-    streams = [model.stream_decoder(decoder, sampling) for _ in batch]
+    batch, streams = streams_of(model, decoder, sampling)
     futures = [gather.submit((stream, codes)) for stream, codes in zip(streams, batch, strict=True)]
     release.set()
     wavs = [f.result(60) for f in futures]
@@ -170,3 +176,28 @@ def streamed_alone_whole(model: Any, decoder: Any, codes: Any, sampling: Samplin
     """A stream fed all its codes at once, then finished, alone."""
     stream = model.stream_decoder(decoder, sampling)
     return torch.cat([stream.feed(codes), stream.finish()])
+
+
+def test_first_chunks_go_before_the_chunks_queued_ahead_of_them_in_a_call_of_their_own(qwen3: Any) -> None:
+    model, decoder = qwen3
+    sampling = Sampling.of(model.spec, {})
+    gather, calls, release, executor = held_gather(model.decode_chunks, 8)
+    batch, streams = streams_of(model, decoder, sampling)
+    for stream, codes in zip(streams[:3], batch, strict=False):  # three streams under way
+        stream.feed(codes[:FIRST])
+    order: list[str] = []
+    going = [gather.submit((stream, codes[FIRST:])) for stream, codes in zip(streams[:3], batch, strict=False)]
+    new = [gather.submit((stream, codes[:FIRST]), first=True) for stream, codes in zip(streams[3:], batch[3:], strict=True)]
+    for name, futures in (("going", going), ("new", new)):
+        for future in futures:
+            future.add_done_callback(lambda _, name=name: order.append(name))
+    release.set()
+    wavs = [f.result(60) for f in going + new]
+    executor.shutdown()
+    assert calls == [2, 3] and order == ["new"] * 2 + ["going"] * 3  # submitted last, served first
+    for i, wav in enumerate(wavs[3:], start=3):
+        assert torch.equal(wav, model.stream_decoder(decoder, sampling).feed(batch[i][:FIRST]))
+    for i, wav in enumerate(wavs[:3]):  # each stream's second chunk, as it gets it alone
+        alone = model.stream_decoder(decoder, sampling)
+        alone.feed(batch[i][:FIRST])
+        assert torch.equal(wav, alone.feed(batch[i][FIRST:]))

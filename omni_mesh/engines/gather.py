@@ -4,6 +4,11 @@ is busy waits, and the next turn of the thread takes up to `max_batch` of it in 
 No window to wait for company: a lone request goes at once, and under load the queue that forms
 while one call runs is the next batch (the thinkers' continuous batching has steps to join between;
 a whole decode has none). A request cancelled while it waits never runs.
+
+Items submitted `first` (a stream's first chunk: what a new request's first audio waits for) go before
+the others: a turn that finds any takes only those, in a call of their own (short, and not padded to the
+others' longer windows), so a new request waits for at most the call that is running, not behind a
+queue of the other streams' chunks.
 """
 
 from __future__ import annotations
@@ -26,15 +31,16 @@ class Gather:
         self.executor = executor
         self.many = many
         self.max_batch = max_batch
-        self.pending: list[tuple[Any, Future]] = []
+        self.pending: list[tuple[Any, Future, bool]] = []  # (item, its future, submitted first)
         self.lock = threading.Lock()
         self.calls_total = 0
         self.items_total = 0
 
-    def submit(self, item: Any) -> Future:
+    def submit(self, item: Any, *, first: bool = False) -> Future:
+        """`first`: served before the items that are not, in a call of their own (module docstring)."""
         future: Future = Future()
         with self.lock:
-            self.pending.append((item, future))
+            self.pending.append((item, future, first))
         self.executor.submit(self._drain)  # one turn per item: a turn that finds the queue empty returns
         return future
 
@@ -48,10 +54,15 @@ class Gather:
     def _drain(self) -> None:
         taken: list[tuple[Any, Future]] = []
         with self.lock:
-            while self.pending and len(taken) < self.max_batch:
-                item, future = self.pending.pop(0)
-                if future.set_running_or_notify_cancel():  # False: cancelled while it waited
+            firsts = any(first for *_, first in self.pending)
+            left: list[tuple[Any, Future, bool]] = []
+            for entry in self.pending:
+                item, future, first = entry
+                if len(taken) == self.max_batch or (firsts and not first):
+                    left.append(entry)
+                elif future.set_running_or_notify_cancel():  # False: cancelled while it waited
                     taken.append((item, future))
+            self.pending = left
         if not taken:
             return
         try:

@@ -40,6 +40,7 @@ from omni_mesh.engines.prefill import (
     thinker_prefill,
     whole_prompt,
 )
+from omni_mesh.engines.speaker_once import speaker_once
 
 if TYPE_CHECKING:
     from omni_mesh.engines.token2wav_stream import ChunkedDecode
@@ -335,7 +336,8 @@ class Token2Wav:
             return torch.zeros(0)
         entry = speaker_entry(self.speakers, speaker)
         device = self.model.device
-        with self.lock, compact_mask(self.model.code2wav_dit_model):
+        dit = self.model.code2wav_dit_model
+        with self.lock, compact_mask(dit), speaker_once(dit):
             if seed is not None:
                 torch.manual_seed(seed)
             wav = self.model(

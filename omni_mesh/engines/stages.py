@@ -327,8 +327,8 @@ class Code2WavStage(EngineStage):
             if chunk.get("text"):
                 yield {"text": chunk["text"], "audio_pcm16": b"", "sample_rate": SAMPLE_RATE}
             if chunk.get("codes") is not None:
+                wav = await self._decoded(streaming, chunk["codes"], first=not fed)
                 fed = True
-                wav = await self._decoded(streaming, chunk["codes"])
                 if len(wav):
                     yield {"text": "", "audio_pcm16": pcm16_bytes(wav.numpy()), "sample_rate": SAMPLE_RATE}
             tail.update({key: chunk[key] for key in ("usage", "finish_reason") if key in chunk})
@@ -342,11 +342,12 @@ class Code2WavStage(EngineStage):
         }
 
 
-    async def _decoded(self, streaming: Any, codes: Any) -> Any:
+    async def _decoded(self, streaming: Any, codes: Any, *, first: bool = False) -> Any:
         """A streamed chunk's new samples (codes None: the rest, at the end), decoded with the chunks of the
-        other requests queued beside it (max_batch > 1: one call), else alone."""
+        other requests queued beside it (max_batch > 1: one call; a stream's `first` chunk before the
+        others' chunks, engines.gather), else alone."""
         if self.stream_gather is not None:
-            return await asyncio.wrap_future(self.stream_gather.submit((streaming, codes)))
+            return await asyncio.wrap_future(self.stream_gather.submit((streaming, codes), first=first))
         call = streaming.finish if codes is None else functools.partial(streaming.feed, codes)
         return await asyncio.get_running_loop().run_in_executor(self.executor, call)
 

@@ -23,6 +23,7 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4OD
 
 from omni_mesh.engines.dit_mask import compact_mask
 from omni_mesh.engines.qwen2_5_omni import Token2Wav, speaker_entry
+from omni_mesh.engines.speaker_once import speaker_once
 
 #: `Qwen2_5OmniToken2WavModel.forward`'s defaults, which `Token2Wav.decode` leaves as they are.
 GUIDANCE_SCALE = 0.5
@@ -80,7 +81,7 @@ def _decode_rows(token2wav: Token2Wav, codes: list[torch.Tensor], speaker: str |
 
     times = torch.linspace(0, 1, token2wav.num_steps, device=device, dtype=torch.float32)
     times += SWAY_COEFFICIENT * (torch.cos(torch.pi / 2 * times) - 1 + times)
-    with compact_mask(dit, durations):
+    with compact_mask(dit, durations), speaker_once(dit):
         mel = RungeKutta4ODESolver(function=velocity, initial_value=noise).integrate(times)[-1].permute(0, 2, 1)
     return _vocode(model, mel, durations)
 
