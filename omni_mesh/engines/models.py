@@ -284,7 +284,9 @@ class Qwen2_5Omni(ModelParts):
         return decode_many(decoder, [(codes, sampling.speaker, sampling.seed) for codes, sampling in requests])
 
     def stream_decoder(self, decoder: Any, sampling: Sampling) -> Any:
-        return decoder.stream(speaker=sampling.speaker, seed=sampling.seed, context=self.spec.context_codes)
+        from omni_mesh.engines.token2wav_stream import ChunkedDecode
+
+        return ChunkedDecode(decoder, sampling.speaker, sampling.seed, self.spec.context_codes)
 
     def reply_ids(self, output: Any) -> torch.Tensor:
         return output.reply_ids

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers import (
@@ -41,9 +41,6 @@ from omni_mesh.engines.prefill import (
     whole_prompt,
 )
 from omni_mesh.engines.speaker_once import speaker_once
-
-if TYPE_CHECKING:
-    from omni_mesh.engines.token2wav_stream import ChunkedDecode
 
 SAMPLE_RATE = 24_000
 #: generate()'s talker defaults (its signature): sampling and the repetition penalty it applies even greedy.
@@ -347,11 +344,6 @@ class Token2Wav:
                 num_steps=self.num_steps,
             )
         return wav.reshape(-1).float().cpu()
-
-    def stream(self, *, speaker: str | None = None, seed: int | None = None, context: int = 25) -> ChunkedDecode:
-        from omni_mesh.engines.token2wav_stream import ChunkedDecode
-
-        return ChunkedDecode(self, speaker, seed, context)
 
 
 def _hop_length(bigvgan_config: Any) -> int:

@@ -196,13 +196,15 @@ class ThinkerStage(EngineStage):
         generation = Generation(None, join) if self.batcher is not None else Generation(self.executor, run)
         text = StopText(sampling.stop)  # the reply's text ends before a stop string
         try:
-            async for items in generation.batches():  # one chunk for the tokens that came since the last
+            async for items in generation.batches():  # what came since this loop last woke up
                 if detok is None:
                     continue
-                for item in items:  # a token (one request at a time), or a batch's list of them (bridge.every)
+                # A chunk per item, as stream_interval promises even when several wait: a token (one
+                # request at a time), or a batch's list of `interval` of them (bridge.every).
+                for item in items:
                     detok.extend(item if isinstance(item, list) else [item])
-                if delta := text.add(detok.advance()):
-                    yield {"text": delta}
+                    if delta := text.add(detok.advance()):
+                        yield {"text": delta}
             output = await generation.result()
         finally:
             await generation.settle()
