@@ -116,7 +116,13 @@ def test_eight_concurrent_requests_share_the_thinker_and_get_their_replies_alone
     steps = after["batch_steps_total"] - before["batch_steps_total"]
     rows = after["batch_rows_stepped_total"] - before["batch_rows_stepped_total"]
     assert rows / steps >= 2.0, f"{rows} rows in {steps} steps: the requests hardly shared a forward"
-    talker = thinker_counters(mesh, "talker")
+    # The talker's counters come with its own next heartbeat (the thinker's arriving says nothing of it).
+    wait_for(
+        lambda: thinker_counters(mesh, "talker")["batch_steps_total"] > talker_before["batch_steps_total"],
+        15,
+        "the talker's counters to arrive",
+    )
+    talker = settled(lambda: thinker_counters(mesh, "talker"), 20, "the talker's counters")
     steps = talker["batch_steps_total"] - talker_before["batch_steps_total"]
     rows = talker["batch_rows_stepped_total"] - talker_before["batch_rows_stepped_total"]
     # the talker's requests arrive as the thinker ends them (3 to 30 tokens apart): they overlap less
