@@ -41,7 +41,7 @@ def sweep_orphans() -> None:
     """Remove the coordinators' directories of launchers that are gone (SIGKILLed: nothing removed them)."""
     for directory in Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}*"):
         pid = directory.name[len(DIR_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        if pid.isdigit() and stat_fields(int(pid)) is None:
             shutil.rmtree(directory, ignore_errors=True)
 
 
