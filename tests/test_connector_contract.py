@@ -124,6 +124,7 @@ def test_get_returns_none_once_consumed(pair) -> None:
 
 def test_get_returns_none_after_cleanup_and_cleanup_frees_only_that_request(pair, backend: Backend) -> None:
     producer, consumer = pair
+    backend.settle(consumer)  # the module's earlier gets no longer held
     before = backend.held(producer)
     # 20 KB: over SharedMemoryConnector's inline limit (an inline payload rides whole in its metadata,
     # which a get with that metadata always reads, as vllm-omni's does).

@@ -208,7 +208,7 @@ class ZmqConnector(ServedConnector):
 
     def health(self) -> dict:
         report = super().health()
-        report.update(self._pool.health(), in_flight=self._serving.in_flight)
+        report.update(self._pool.health(), in_flight=self._serving.in_flight, confirms_pending=self._confirms.pending)
         report.update(encryption=self._algorithm if self._keys is not None else "curve-off")
         report["bulk_transfers"] = self._bulk.pulled if self._bulk is not None else 0
         if self._bulk is not None:

@@ -50,6 +50,7 @@ class _Work:
     ctx: StageContext
     task: asyncio.Task | None = None
     stream: ChunkStream | None = None
+    finished: bool = False  # its outputs all went out (not failed, not cancelled)
     transfer_s: float = 0.0
     edges: dict[str, dict[str, float]] = field(default_factory=dict)  # dst -> {bytes, put_s} put so far
     started: float = field(default_factory=time.perf_counter)
@@ -127,6 +128,9 @@ class Runner:
             work.stream = ChunkStream(lambda item: self._fetch(work, message.stream_from, item))
         self.work[rid] = work
         work.task = loop.create_task(self._run(work, message))
+        # Not a `finally` in _run: a task cancelled before its first step (an Abort read in the same
+        # batch as its Work, as after a reconnect) never runs its body, and its slot would stay taken.
+        work.task.add_done_callback(lambda _task, work=work: self._ended(work))
 
     def feed(self, message: Chunk) -> None:
         work = self.work.get(message.rid)
@@ -191,7 +195,6 @@ class Runner:
     async def _run(self, work: _Work, message: Work) -> None:
         logs.request_id.set(work.rid)  # this task's own context: every line logged for it names the request
         deadline = asyncio.timeout_at(work.ctx.deadline)
-        finished = False
         try:
             async with deadline:
                 inputs = await self._inputs(work, message)
@@ -210,7 +213,7 @@ class Runner:
                         result = await result
                     await self._emit(work, result, 0, streaming=False)
             self.processed += 1
-            finished = True
+            work.finished = True
             log.debug(
                 "stage %s finished request %s in %.1f ms",
                 self.stage,
@@ -232,12 +235,15 @@ class Runner:
             else:
                 log.exception("stage %s failed request %s", self.stage, work.rid)
                 await self._fail(work, f"{type(exc).__name__}: {exc}", FailureKind.HANDLER_FAILED)
-        finally:
-            self.work.pop(work.rid, None)
-            if not finished:  # it ended unfinished: the coordinator may count it busy here
-                self._let_go()
-            if self._freed is not None:
-                self._freed()
+
+    def _ended(self, work: _Work) -> None:
+        """A request's task is done, however it ended: its slot is free."""
+        if self.work.get(work.rid) is work:  # not a later run of the same request, sent again
+            del self.work[work.rid]
+        if not work.finished:  # it ended unfinished: the coordinator may count it busy here
+            self._let_go()
+        if self._freed is not None:
+            self._freed()
 
     def _let_go(self) -> None:
         """The coordinator counts an aborted request busy here until a heartbeat no longer names it."""

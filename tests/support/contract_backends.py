@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from omni_mesh.connectors import OmniConnectorBase, create_connector
+from support.meshkit import wait_for
 from support.shared_worker import SharedWorker
 
 BACKENDS = [
@@ -69,6 +70,11 @@ class Backend:
 
     def held(self, connector: OmniConnectorBase) -> int:
         return connector.health()[HELD[self.name]]
+
+    def settle(self, consumer: OmniConnectorBase) -> None:
+        """Wait until `consumer` has told its producers of every payload it got (ZmqConnector confirms
+        off the get's path), so that a producer's `held` counts no payload already consumed."""
+        wait_for(lambda: consumer.health().get("confirms_pending", 0) == 0, 10, f"{self.name}'s confirmations to leave")
 
     def close(self) -> None:
         for connector in self.made:

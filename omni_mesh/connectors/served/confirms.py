@@ -58,6 +58,12 @@ class Confirms:
         with self._lock:
             return (endpoint, key.encode()) in self._taken
 
+    @property
+    def pending(self) -> int:
+        """Keys whose confirmation has not left yet (their producers still hold them)."""
+        with self._lock:
+            return len(self._taken)
+
     def _run(self) -> None:
         while not self._stopped:
             self._wake.wait()
