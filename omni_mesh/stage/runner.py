@@ -240,15 +240,10 @@ class Runner:
         """A request's task is done, however it ended: its slot is free."""
         if self.work.get(work.rid) is work:  # not a later run of the same request, sent again
             del self.work[work.rid]
-        if not work.finished:  # it ended unfinished: the coordinator may count it busy here
-            self._let_go()
+        if not work.finished and self._released is not None:  # the coordinator may count it busy here
+            asyncio.ensure_future(self._released())  # until a heartbeat no longer names it
         if self._freed is not None:
             self._freed()
-
-    def _let_go(self) -> None:
-        """The coordinator counts an aborted request busy here until a heartbeat no longer names it."""
-        if self._released is not None:
-            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._released()))
 
     async def _fail(self, work: _Work, error: str, kind: FailureKind) -> None:
         self.errors += 1
