@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from omni_mesh.codec import FramePlan, decode
 from omni_mesh.connectors.config import MoriConfig
 from omni_mesh.connectors.errors import ConnectorError, ConnectorUnavailable
 from omni_mesh.connectors.served.engine_pull import EnginePullConnector
@@ -91,18 +90,11 @@ class MoriTransferEngineConnector(EnginePullConnector):
                 f"{self._name}: cannot start the {where}: {type(exc).__name__}: {exc}"
             ) from exc
         self._engine, self._pool, self._memory = engine, pool, memory
-        self._host_pool = pool.numpy() if pool.device.type == "cpu" else None
         self._remotes: dict[str, Any] = {}  # engine key -> EngineDesc registered with our engine
         self._remotes_lock = threading.Lock()
 
-    def _write_frame(self, frame: FramePlan, offset: int) -> None:
-        if self._host_pool is not None:
-            frame.write_into(self._host_pool, offset)
-            return
-        staging = torch.empty(frame.nbytes, dtype=torch.uint8)
-        frame.write_into(staging.numpy())
-        self._pool[offset : offset + frame.nbytes].copy_(staging)
-        torch.cuda.synchronize(self._pool.device)  # on the GPU before a consumer can read it
+    def _synchronize(self) -> None:
+        torch.cuda.synchronize(self._pool.device)
 
     def _engine_metadata(self) -> dict[str, Any]:
         return {"engine": self._engine_desc, "mem": self._mem_desc}
@@ -146,13 +138,6 @@ class MoriTransferEngineConnector(EnginePullConnector):
     def _transfer_done(self, handle: Any) -> bool:
         return not handle.InProgress()
 
-    def _decode_slot(self, offset: int, size: int) -> Any:
-        if self._host_pool is not None:
-            host = self._host_pool[offset : offset + size].copy()
-        else:
-            host = self._pool[offset : offset + size].cpu().numpy()
-        return decode(host)  # views over our own copy
-
     def _close_backend(self) -> None:
         engine, self._engine = self._engine, None
         if engine is None:
@@ -162,4 +147,4 @@ class MoriTransferEngineConnector(EnginePullConnector):
         for desc in remotes:
             engine.deregister_remote_engine(desc)
         engine.deregister_memory(self._memory)
-        self._pool = self._host_pool = self._memory = None
+        self._pool = self._memory = None

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from omni_mesh.codec import FramePlan, decode
 from omni_mesh.connectors import backends
 from omni_mesh.connectors.config import YuanrongTransferEngineConfig
 from omni_mesh.connectors.datasystem import errors
@@ -88,11 +87,8 @@ class YuanrongTransferEngineConnector(EnginePullConnector):
             raise
         self._engine = engine
 
-    def _write_frame(self, frame: FramePlan, offset: int) -> None:
-        staging = torch.empty(frame.nbytes, dtype=torch.uint8)
-        frame.write_into(staging.numpy())
-        self._pool[offset : offset + frame.nbytes].copy_(staging)
-        torch.npu.synchronize()  # the bytes must be on the device before a consumer can pull them
+    def _synchronize(self) -> None:
+        torch.npu.synchronize()
 
     def _engine_metadata(self) -> dict[str, Any]:
         return {"target": f"{self.host}:{self._rpc_port}", "base": self._base}
@@ -103,10 +99,6 @@ class YuanrongTransferEngineConnector(EnginePullConnector):
         result = self._engine.transfer_sync_read(target, self._base + local_offset, remote, size)
         _check(result, f"transfer_sync_read of {size} bytes from {target}")
         return None  # synchronous: done
-
-    def _decode_slot(self, offset: int, size: int) -> Any:
-        host = self._pool[offset : offset + size].cpu()  # our own host copy: views over it are safe
-        return decode(host.numpy())
 
     def _close_backend(self) -> None:
         engine, self._engine = self._engine, None

@@ -16,7 +16,9 @@ import time
 from abc import abstractmethod
 from typing import Any
 
-from omni_mesh.codec import FrameError, FramePlan, plan
+import torch
+
+from omni_mesh.codec import FrameError, FramePlan, decode, plan
 from omni_mesh.connectors.errors import ConnectorError, retold
 from omni_mesh.connectors.keys import edge_key
 from omni_mesh.connectors.pools.held import Gone, PendingReleases
@@ -31,6 +33,8 @@ class EnginePullConnector(ServedConnector):
     metadata_fields = ("endpoint", "token", "offset", "size")
     by_key = False  # a pull needs the slot's offset and size: only put()'s metadata has them
 
+    _pool: torch.Tensor  # the registered pool (uint8, host or device memory): `_open_backend` makes it
+
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         super().__init__(config)
         self._orphans = PendingReleases()  # local slots of transfers unfinished at their deadline
@@ -39,11 +43,21 @@ class EnginePullConnector(ServedConnector):
 
     @abstractmethod
     def _open_backend(self) -> None:
-        """Import the backend, start the engine, allocate and register a memory_pool_size pool."""
+        """Import the backend, start the engine, allocate and register a memory_pool_size pool (`_pool`)."""
 
-    @abstractmethod
     def _write_frame(self, frame: FramePlan, offset: int) -> None:
         """Lay `frame` into the pool at `offset` (through a host staging buffer for device pools)."""
+        pool = self._pool
+        if pool.device.type == "cpu":
+            frame.write_into(pool.numpy(), offset)
+            return
+        staging = torch.empty(frame.nbytes, dtype=torch.uint8)
+        frame.write_into(staging.numpy())
+        pool[offset : offset + frame.nbytes].copy_(staging)
+        self._synchronize()  # the bytes must be on the device before a consumer can pull them
+
+    def _synchronize(self) -> None:  # noqa: B027 - a device pool's subclass waits for its copies
+        """Wait until the copies into a device pool are done."""
 
     @abstractmethod
     def _engine_metadata(self) -> dict[str, Any]:
@@ -61,9 +75,11 @@ class EnginePullConnector(ServedConnector):
     def _transfer_done(self, handle: Any) -> bool:
         return True
 
-    @abstractmethod
     def _decode_slot(self, offset: int, size: int) -> Any:
-        """Decode the frame at `offset` of our pool into objects that do not reference the pool."""
+        """Decode the frame at `offset` of our pool into objects that do not reference the pool (views
+        over our own host copy)."""
+        region = self._pool[offset : offset + size]
+        return decode(region.numpy().copy() if region.device.type == "cpu" else region.cpu().numpy())
 
     @abstractmethod
     def _close_backend(self) -> None: ...
