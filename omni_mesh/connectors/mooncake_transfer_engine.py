@@ -6,7 +6,7 @@ with its engine and owns a small ZeroMQ side channel bound to `host`.
     put   plan the frame with the codec and lay it straight into a pool region (no staging copy);
           the metadata names where it lives: engine segment, side-channel endpoint, handle, length.
     get   reserve a region of the same length in the consumer's own pool and ask the producer, over
-          the side channel, to WRITE the frame there (`te_pull`: one `transfer_sync_write`, the
+          the side channel, to WRITE the frame there (`te_pull`: one engine write (`te_write`), the
           engine's well-trodden direction on every transport). The producer frees its region once the
           write has landed; the consumer decodes views over its region (`te_receive`).
 

@@ -22,7 +22,7 @@ import torch
 from omni_mesh import codec
 from omni_mesh.connectors.errors import ConnectorError
 from omni_mesh.connectors.mooncake import device_transfer as _device_transfer
-from omni_mesh.connectors.mooncake import frame_pieces
+from omni_mesh.connectors.mooncake import frame_pieces, te_write
 from omni_mesh.connectors.mooncake.registrations import Registrations
 from omni_mesh.connectors.pools.held import Gone, Held, HeldTable
 from omni_mesh.connectors.pools.registered import RegisteredPool
@@ -171,7 +171,6 @@ class Payloads:
         deadline = time.monotonic() + request["timeout_ms"] / 1000
         payload = self.claim(request["key"], request["handle"], request["length"])
         targets = request.get("device_addrs", [])
-        single = payload.pieces is None and not payload.device  # the whole frame from one region
         rc = -1
         try:
             if not _device_transfer.addresses_match(targets, payload.device):
@@ -181,15 +180,11 @@ class Payloads:
             if time.monotonic() < deadline:  # the consumer has not given up on it yet
                 pieces = payload.pieces or [(payload.address, 0, payload.size)]
                 sources, dests, sizes = frame_pieces.moves(pieces, request["addr"], payload.device, targets)
-                if single:
-                    rc = self._engine.transfer_sync_write(request["segment"], sources[0], dests[0], sizes[0])
-                else:
-                    rc = self._engine.batch_transfer_sync_write(request["segment"], sources, dests, sizes)
+                rc = te_write.write(self._engine, request["segment"], sources, dests, sizes)
         finally:
             self.finish(payload, consumed=rc == 0 or closing())
         if rc != 0:
-            call = "transfer_sync_write" if single else "batch_transfer_sync_write"
-            raise ConnectorError(f"{call} to segment {request['segment']} failed (rc={rc})")
+            raise ConnectorError(f"the engine's write to segment {request['segment']} failed (rc={rc})")
 
     def release(self, payload: Payload) -> None:
         """Give a payload's region, registrations and leaf references back."""
