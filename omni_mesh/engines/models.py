@@ -155,7 +155,8 @@ class ModelParts(ABC):
         from omni_mesh.engines.generation import sampling_kwargs
         from omni_mesh.engines.thinker_batch import Begun
 
-        chunk = None if media is None and 1 < int(ids.shape[-1]) <= self.spec.prefill_tokens else self.spec.prefill_tokens
+        # `not media`: a text prompt's media is {} (ModelParts.prompt), never None
+        chunk = None if not media and 1 < int(ids.shape[-1]) <= self.spec.prefill_tokens else self.spec.prefill_tokens
         prepared, output = self._think_prepare(thinker, ids, sampling, should_stop, media, chunk)
         generation = {**sampling_kwargs(sampling.temperature, sampling.top_p), **decoding_args(sampling, int(ids.shape[-1]))}
         return Begun(prepared, generation, sampling.seed, sampling.max_tokens, frozenset(self.eos_token_ids(thinker)),
