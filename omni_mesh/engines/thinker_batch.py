@@ -40,7 +40,7 @@ class Sequence:
     processors: LogitsProcessorList
     generator: torch.Generator | None
     greedy: bool
-    sequence: torch.Tensor  # [1, P + n]: the prompt and the reply so far (the processors read it)
+    prefix: torch.Tensor  # [1, P + n]: the prompt and the reply, but the tokens `appended` since (`sequence`)
     position: torch.Tensor  # [rows, 1]: the position ids of the next token fed (text row, then 3-D rope rows)
     length: int  # tokens in its KV cache
     steps: list[Any] = field(default_factory=list)  # per step, the hidden states output() reads
@@ -48,6 +48,19 @@ class Sequence:
     fed: int = -1  # the token the next step feeds: the sequence's last (kept as an int: no tensor read a step)
     fresh: bool = False  # its prompt is still to be prefilled (ThinkerBatch._prefill, with the others joining)
     waiting: bool = False  # its first token comes with the next step (its last prompt token is fed there)
+    appended: list[int] = field(default_factory=list)  # a plain greedy row's tokens not yet in `prefix`
+
+    @property
+    def sequence(self) -> torch.Tensor:
+        """[1, P + n]: the prompt and the reply so far (a tensor made per row per step cost more)."""
+        if self.appended:
+            self.prefix = torch.cat([self.prefix, self.prefix.new_tensor([self.appended])], dim=1)
+            self.appended = []
+        return self.prefix
+
+    @sequence.setter
+    def sequence(self, value: torch.Tensor) -> None:
+        self.prefix, self.appended = value, []
 
 
 class ThinkerBatch:
@@ -138,7 +151,7 @@ class ThinkerBatch:
             if self.layers:
                 state.steps.append(tuple(out.hidden_states[layer][i : i + 1] for layer in self.layers))
             if i in best:
-                state.sequence = torch.cat([state.sequence, state.sequence.new_tensor([[best[i]]])], dim=1)
+                state.appended.append(best[i])
                 state.fed = best[i]
                 picked.append(best[i])
             else:
