@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, LogitsProcessorList
 
+from omni_mesh.engines import kv_stack
 from omni_mesh.engines.batching import Job, Row
 from omni_mesh.engines.prefill import PrefillStopped, Prepared, generation_positions, new_cache
 
@@ -169,12 +170,11 @@ class ThinkerBatch:
         whole = [generation_positions(self.model, s.sequence) for s in states]  # [4, 1, P] each
         ids = torch.cat([_pad_ids(s.sequence[:, :-1], width) for s in states])
         positions = torch.cat([_pad_ids(p[..., :-1].reshape(p.shape[0], -1), width)[:, None] for p in whole], dim=1)
-        mask = torch.stack([torch.cat([torch.zeros(width - n, dtype=torch.long, device=device),
-                                       torch.ones(n, dtype=torch.long, device=device)]) for n in lengths])
+        mask = kv_stack.padding_mask(lengths, width, device)
         keep = [bool(s.begun.prepared.kwargs.get("output_hidden_states")) for s in states]
         cache = new_cache(self.model)
-        out = self.model.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
-                               output_hidden_states=any(keep) and bool(self.layers))
+        out = self.model.model(input_ids=ids, position_ids=positions, attention_mask=kv_stack.prefill_mask(mask, self.model.config),
+                               cache=cache, use_cache=True, output_hidden_states=any(keep) and bool(self.layers))
         for i, s in enumerate(states):
             pad = width - lengths[i]
             s.kv = [(layer.keys[i : i + 1, :, pad:], layer.values[i : i + 1, :, pad:]) for layer in cache.layers]
@@ -210,8 +210,8 @@ class ThinkerBatch:
     def _forward(self, states: list[Sequence], tokens: torch.Tensor, positions: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """One step of the batch: the model's output and the float32 logits [B, V]."""
         out = self.model.model(
-            input_ids=tokens, position_ids=positions, attention_mask=self.mask, cache=self.cache,
-            use_cache=True, output_hidden_states=bool(self.layers),
+            input_ids=tokens, position_ids=positions, attention_mask=kv_stack.step_mask(self.mask, self.model.config),
+            cache=self.cache, use_cache=True, output_hidden_states=bool(self.layers),
         )
         return out, self.model.lm_head(out.last_hidden_state[:, -1]).to(torch.float32)
 
@@ -260,38 +260,23 @@ class ThinkerBatch:
         return processors
 
     def _restack(self, states: list[Sequence]) -> None:
-        """The batch's cache stacked anew when its rows are not the ones stacked (a row joined or left)."""
-        if len(states) != len(self.members) or any(a is not b for a, b in zip(states, self.members, strict=True)):
-            self._stack(states)
-
-    def _stack(self, states: list[Sequence]) -> None:
-        """The rows' caches as one batch, each left-padded to the longest: made when a row joins or leaves
-        (the padding of rows that left goes with them)."""
-        width = max(s.length for s in states)
-        old_width = 0 if self.mask is None else self.mask.shape[1]
+        """The batch's cache stacked anew when its rows are not the ones stacked (a row joined or left):
+        changed in place where the rows that stay lead in their order (omni_mesh.engines.kv_stack)."""
+        if len(states) == len(self.members) and all(a is b for a, b in zip(states, self.members, strict=True)):
+            return
         index = {id(member): i for i, member in enumerate(self.members)}
-        layers = len(states[0].kv) if states[0].kv is not None else len(self.cache.layers)  # type: ignore[union-attr]
-        cache = DynamicCache(config=self.model.config.get_text_config())
-        for layer in range(layers):
-            keys, values = [], []
-            for s in states:
-                if s.kv is not None:
-                    k, v = s.kv[layer]
-                else:  # its rows of the batch so far, without their padding
-                    i = index[id(s)]
-                    k = self.cache.layers[layer].keys[i : i + 1, :, old_width - s.length :]  # type: ignore[union-attr]
-                    v = self.cache.layers[layer].values[i : i + 1, :, old_width - s.length :]  # type: ignore[union-attr]
-                keys.append(_pad_left(k, width))
-                values.append(_pad_left(v, width))
-            cache.update(torch.cat(keys), torch.cat(values), layer)
-        device = cache.layers[0].keys.device
-        self.mask = torch.stack([
-            torch.cat([torch.zeros(width - s.length, dtype=torch.long, device=device),
-                       torch.ones(s.length, dtype=torch.long, device=device)]) for s in states
-        ])
+        keep = [index[id(s)] for s in states if s.kv is None and id(s) in index]
+        kept, joining = states[: len(keep)], states[len(keep) :]
+        config = self.model.config.get_text_config()
+        if (self.cache is None or self.mask is None or not keep or keep != sorted(keep)
+                or any(index.get(id(s)) != i for s, i in zip(kept, keep, strict=True)) or any(s.kv is None for s in joining)):
+            rows = [(s.kv, index.get(id(s), -1), s.length) for s in states]
+            self.cache, self.mask = kv_stack.stack(rows, self.cache, config)
+        else:
+            self.cache, self.mask = kv_stack.restack(self.cache, self.mask, keep, [s.length for s in kept],
+                                                     [(s.kv, -1, s.length) for s in joining], config)
         for s in states:
             s.kv = None
-        self.cache = cache
         self.members = list(states)
 
 
@@ -354,14 +339,6 @@ def logits_processors(model: Any, generation: dict[str, Any], input_ids: torch.T
         generation_config=config, input_ids_seq_length=int(input_ids.shape[1]), encoder_input_ids=input_ids,
         logits_processor=custom, device=input_ids.device, model_kwargs={},
     )
-
-
-def _pad_left(x: torch.Tensor, width: int) -> torch.Tensor:
-    """[1, heads, n, d] -> [1, heads, width, d], zeros before."""
-    missing = width - x.shape[2]
-    if missing == 0:
-        return x
-    return torch.cat([x.new_zeros(x.shape[0], x.shape[1], missing, x.shape[3]), x], dim=2)
 
 
 class _NoLock:
