@@ -74,6 +74,7 @@ class ThinkerBatch:
         self.members: list[Sequence] = []  # the rows stacked in `cache`, in order (held: an id could be reused)
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None  # [B, width]: 0 over each row's left padding
+        self.positions: torch.Tensor | None = None  # [rows, B, 1]: the members' next positions (theirs go stale)
         self.no_processors: set[tuple] = set()  # sampling settings that build no logits processor
 
     def join(self, job: Job, begun: Begun) -> tuple[Row, int | None]:
@@ -134,13 +135,21 @@ class ThinkerBatch:
         states: list[Sequence] = [row.state for row in rows]
         if fresh := [s for s in states if s.fresh]:
             self._prefill(fresh)
+        changed = len(states) != len(self.members) or any(a is not b for a, b in zip(states, self.members, strict=True))
+        if changed and self.positions is not None:  # the rows that stay take their positions from the batch's
+            for i, member in enumerate(self.members):
+                member.position = self.positions[:, i]
         self._restack(states)
         assert self.cache is not None and self.mask is not None
         device = self.mask.device
         tokens = torch.tensor([[s.fed] for s in states], device=device)
-        positions = torch.stack([s.position for s in states], dim=1)  # [rows, B, 1]
+        if changed or self.positions is None:  # [rows, B, 1]; else last step's, one on
+            self.positions = torch.stack([s.position for s in states], dim=1)
+        positions = self.positions
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(states), 1)], dim=1)
         out, logits = self._forward(states, tokens, positions)
+        self.positions = positions + 1
+        hidden = [out.hidden_states[layer].split(1) for layer in self.layers]  # per layer, each row's view
         # greedy rows without processors (generate()'s plain argmax): one argmax for all of them
         plain = [i for i, state in enumerate(states) if state.greedy and not state.processors]
         best = dict(zip(plain, logits[plain].argmax(dim=-1).tolist(), strict=True)) if plain else {}
@@ -148,9 +157,8 @@ class ThinkerBatch:
         for i, state in enumerate(states):
             state.length += 1
             state.waiting = False
-            state.position = state.position + 1
-            if self.layers:
-                state.steps.append(tuple(out.hidden_states[layer][i : i + 1] for layer in self.layers))
+            if hidden:
+                state.steps.append(tuple(rows[i] for rows in hidden))
             if i in best:
                 state.appended.append(best[i])
                 state.fed = best[i]
