@@ -25,13 +25,16 @@ def same(a: tuple, b: tuple) -> None:
         assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
 
 
-@pytest.mark.parametrize(("keep", "joining"), [
-    ([0, 1, 2, 3], [3]),  # one joins, shorter than the batch
-    ([0, 1, 2, 3], [9, 2]),  # a longer one joins: every row gets wider
-    ([1, 3], []),  # the longest left: the padding only it needed goes
-    ([0, 2], [1]),  # rows leave and one joins
-    ([3], [7, 7, 1]),
-])
+@pytest.mark.parametrize(
+    ("keep", "joining"),
+    [
+        ([0, 1, 2, 3], [3]),  # one joins, shorter than the batch
+        ([0, 1, 2, 3], [9, 2]),  # a longer one joins: every row gets wider
+        ([1, 3], []),  # the longest left: the padding only it needed goes
+        ([0, 2], [1]),  # rows leave and one joins
+        ([3], [7, 7, 1]),
+    ],
+)
 def test_restack_is_a_whole_stack(keep: list[int], joining: list[int]) -> None:
     torch.manual_seed(0)
     config = None

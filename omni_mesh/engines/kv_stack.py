@@ -58,8 +58,14 @@ def stack(rows: list[Row], cache: DynamicCache | None, config: Any) -> tuple[Dyn
     return out, padding_mask([length for *_, length in rows], width, out.layers[0].keys.device)
 
 
-def restack(cache: DynamicCache, mask: torch.Tensor, keep: list[int], kept_lengths: list[int],
-            joining: list[Row], config: Any) -> tuple[DynamicCache, torch.Tensor]:
+def restack(
+    cache: DynamicCache,
+    mask: torch.Tensor,
+    keep: list[int],
+    kept_lengths: list[int],
+    joining: list[Row],
+    config: Any,
+) -> tuple[DynamicCache, torch.Tensor]:
     """The batch so far (`cache`, `mask`) with only its rows `keep` (in that order: increasing), then the
     `joining` rows (their own caches) after them: what `stack` would make of the same rows."""
     old_rows, old_width = mask.shape
@@ -77,12 +83,15 @@ def restack(cache: DynamicCache, mask: torch.Tensor, keep: list[int], kept_lengt
     for layer, old in enumerate(cache.layers):
         keys = [fit(old.keys, 2)] + [pad_left(kv[layer][0], width) for kv, _, _ in joining]  # type: ignore[index]
         values = [fit(old.values, 2)] + [pad_left(kv[layer][1], width) for kv, _, _ in joining]  # type: ignore[index]
-        out.update(torch.cat(keys) if len(keys) > 1 else keys[0], torch.cat(values) if len(values) > 1 else values[0], layer)
+        out.update(
+            torch.cat(keys) if len(keys) > 1 else keys[0],
+            torch.cat(values) if len(values) > 1 else values[0],
+            layer,
+        )
     masks = [fit(mask, 1)]
     if joining:
         masks.append(padding_mask([length for *_, length in joining], width, mask.device))
     return out, torch.cat(masks) if len(masks) > 1 else masks[0]
-
 
 
 def step_mask(mask: torch.Tensor, config: Any) -> torch.Tensor:
