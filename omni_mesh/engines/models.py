@@ -149,13 +149,13 @@ class ModelParts(ABC):
         self, thinker: Any, ids: torch.Tensor, sampling: Sampling, should_stop: Any, media: dict | None = None,
     ) -> Any:
         """A request made ready for the thinker's running batch (omni_mesh.engines.thinker_batch, in the
-        model thread): its prompt checked (a text prompt within one prefill piece is left to the batch,
-        which prefills those that join together in one forward; any other prefilled here), the settings
-        think() would hand to generate()."""
+        model thread): its prompt checked (a text prompt, media None or {}, within one prefill piece is left
+        to the batch, which prefills those that join together in one forward; any other prefilled here), the
+        settings think() would hand to generate()."""
         from omni_mesh.engines.generation import sampling_kwargs
         from omni_mesh.engines.thinker_batch import Begun
 
-        chunk = None if media is None and 1 < int(ids.shape[-1]) <= self.spec.prefill_tokens else self.spec.prefill_tokens
+        chunk = None if not media and 1 < int(ids.shape[-1]) <= self.spec.prefill_tokens else self.spec.prefill_tokens
         prepared, output = self._think_prepare(thinker, ids, sampling, should_stop, media, chunk)
         generation = {**sampling_kwargs(sampling.temperature, sampling.top_p), **decoding_args(sampling, int(ids.shape[-1]))}
         return Begun(prepared, generation, sampling.seed, sampling.max_tokens, frozenset(self.eos_token_ids(thinker)),

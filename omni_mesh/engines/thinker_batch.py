@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, LogitsProcessorList
 
+from omni_mesh.engines import kv_stack
 from omni_mesh.engines.batching import Job, Row
 from omni_mesh.engines.prefill import PrefillStopped, Prepared, generation_positions, new_cache
 
@@ -40,7 +41,7 @@ class Sequence:
     processors: LogitsProcessorList
     generator: torch.Generator | None
     greedy: bool
-    sequence: torch.Tensor  # [1, P + n]: the prompt and the reply so far (the processors read it)
+    prefix: torch.Tensor  # [1, P + n]: the prompt and the reply, but the tokens `appended` since (`sequence`)
     position: torch.Tensor  # [rows, 1]: the position ids of the next token fed (text row, then 3-D rope rows)
     length: int  # tokens in its KV cache
     steps: list[Any] = field(default_factory=list)  # per step, the hidden states output() reads
@@ -48,6 +49,19 @@ class Sequence:
     fed: int = -1  # the token the next step feeds: the sequence's last (kept as an int: no tensor read a step)
     fresh: bool = False  # its prompt is still to be prefilled (ThinkerBatch._prefill, with the others joining)
     waiting: bool = False  # its first token comes with the next step (its last prompt token is fed there)
+    appended: list[int] = field(default_factory=list)  # a plain greedy row's tokens not yet in `prefix`
+
+    @property
+    def sequence(self) -> torch.Tensor:
+        """[1, P + n]: the prompt and the reply so far (a tensor made per row per step cost more)."""
+        if self.appended:
+            self.prefix = torch.cat([self.prefix, self.prefix.new_tensor([self.appended])], dim=1)
+            self.appended = []
+        return self.prefix
+
+    @sequence.setter
+    def sequence(self, value: torch.Tensor) -> None:
+        self.prefix, self.appended = value, []
 
 
 class ThinkerBatch:
@@ -60,6 +74,7 @@ class ThinkerBatch:
         self.members: list[Sequence] = []  # the rows stacked in `cache`, in order (held: an id could be reused)
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None  # [B, width]: 0 over each row's left padding
+        self.positions: torch.Tensor | None = None  # [rows, B, 1]: the members' next positions (theirs go stale)
         self.no_processors: set[tuple] = set()  # sampling settings that build no logits processor
 
     def join(self, job: Job, begun: Begun) -> tuple[Row, int | None]:
@@ -120,13 +135,21 @@ class ThinkerBatch:
         states: list[Sequence] = [row.state for row in rows]
         if fresh := [s for s in states if s.fresh]:
             self._prefill(fresh)
+        changed = len(states) != len(self.members) or any(a is not b for a, b in zip(states, self.members, strict=True))
+        if changed and self.positions is not None:  # the rows that stay take their positions from the batch's
+            for i, member in enumerate(self.members):
+                member.position = self.positions[:, i]
         self._restack(states)
         assert self.cache is not None and self.mask is not None
         device = self.mask.device
         tokens = torch.tensor([[s.fed] for s in states], device=device)
-        positions = torch.stack([s.position for s in states], dim=1)  # [rows, B, 1]
+        if changed or self.positions is None:  # [rows, B, 1]; else last step's, one on
+            self.positions = torch.stack([s.position for s in states], dim=1)
+        positions = self.positions
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(states), 1)], dim=1)
         out, logits = self._forward(states, tokens, positions)
+        self.positions = positions + 1
+        hidden = [out.hidden_states[layer].split(1) for layer in self.layers]  # per layer, each row's view
         # greedy rows without processors (generate()'s plain argmax): one argmax for all of them
         plain = [i for i, state in enumerate(states) if state.greedy and not state.processors]
         best = dict(zip(plain, logits[plain].argmax(dim=-1).tolist(), strict=True)) if plain else {}
@@ -134,11 +157,10 @@ class ThinkerBatch:
         for i, state in enumerate(states):
             state.length += 1
             state.waiting = False
-            state.position = state.position + 1
-            if self.layers:
-                state.steps.append(tuple(out.hidden_states[layer][i : i + 1] for layer in self.layers))
+            if hidden:
+                state.steps.append(tuple(rows[i] for rows in hidden))
             if i in best:
-                state.sequence = torch.cat([state.sequence, state.sequence.new_tensor([[best[i]]])], dim=1)
+                state.appended.append(best[i])
                 state.fed = best[i]
                 picked.append(best[i])
             else:
@@ -156,12 +178,11 @@ class ThinkerBatch:
         whole = [generation_positions(self.model, s.sequence) for s in states]  # [4, 1, P] each
         ids = torch.cat([_pad_ids(s.sequence[:, :-1], width) for s in states])
         positions = torch.cat([_pad_ids(p[..., :-1].reshape(p.shape[0], -1), width)[:, None] for p in whole], dim=1)
-        mask = torch.stack([torch.cat([torch.zeros(width - n, dtype=torch.long, device=device),
-                                       torch.ones(n, dtype=torch.long, device=device)]) for n in lengths])
+        mask = kv_stack.padding_mask(lengths, width, device)
         keep = [bool(s.begun.prepared.kwargs.get("output_hidden_states")) for s in states]
         cache = new_cache(self.model)
-        out = self.model.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
-                               output_hidden_states=any(keep) and bool(self.layers))
+        out = self.model.model(input_ids=ids, position_ids=positions, attention_mask=kv_stack.prefill_mask(mask, self.model.config),
+                               cache=cache, use_cache=True, output_hidden_states=any(keep) and bool(self.layers))
         for i, s in enumerate(states):
             pad = width - lengths[i]
             s.kv = [(layer.keys[i : i + 1, :, pad:], layer.values[i : i + 1, :, pad:]) for layer in cache.layers]
@@ -197,8 +218,8 @@ class ThinkerBatch:
     def _forward(self, states: list[Sequence], tokens: torch.Tensor, positions: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """One step of the batch: the model's output and the float32 logits [B, V]."""
         out = self.model.model(
-            input_ids=tokens, position_ids=positions, attention_mask=self.mask, cache=self.cache,
-            use_cache=True, output_hidden_states=bool(self.layers),
+            input_ids=tokens, position_ids=positions, attention_mask=kv_stack.step_mask(self.mask, self.model.config),
+            cache=self.cache, use_cache=True, output_hidden_states=bool(self.layers),
         )
         return out, self.model.lm_head(out.last_hidden_state[:, -1]).to(torch.float32)
 
@@ -247,38 +268,23 @@ class ThinkerBatch:
         return processors
 
     def _restack(self, states: list[Sequence]) -> None:
-        """The batch's cache stacked anew when its rows are not the ones stacked (a row joined or left)."""
-        if len(states) != len(self.members) or any(a is not b for a, b in zip(states, self.members, strict=True)):
-            self._stack(states)
-
-    def _stack(self, states: list[Sequence]) -> None:
-        """The rows' caches as one batch, each left-padded to the longest: made when a row joins or leaves
-        (the padding of rows that left goes with them)."""
-        width = max(s.length for s in states)
-        old_width = 0 if self.mask is None else self.mask.shape[1]
+        """The batch's cache stacked anew when its rows are not the ones stacked (a row joined or left):
+        changed in place where the rows that stay lead in their order (omni_mesh.engines.kv_stack)."""
+        if len(states) == len(self.members) and all(a is b for a, b in zip(states, self.members, strict=True)):
+            return
         index = {id(member): i for i, member in enumerate(self.members)}
-        layers = len(states[0].kv) if states[0].kv is not None else len(self.cache.layers)  # type: ignore[union-attr]
-        cache = DynamicCache(config=self.model.config.get_text_config())
-        for layer in range(layers):
-            keys, values = [], []
-            for s in states:
-                if s.kv is not None:
-                    k, v = s.kv[layer]
-                else:  # its rows of the batch so far, without their padding
-                    i = index[id(s)]
-                    k = self.cache.layers[layer].keys[i : i + 1, :, old_width - s.length :]  # type: ignore[union-attr]
-                    v = self.cache.layers[layer].values[i : i + 1, :, old_width - s.length :]  # type: ignore[union-attr]
-                keys.append(_pad_left(k, width))
-                values.append(_pad_left(v, width))
-            cache.update(torch.cat(keys), torch.cat(values), layer)
-        device = cache.layers[0].keys.device
-        self.mask = torch.stack([
-            torch.cat([torch.zeros(width - s.length, dtype=torch.long, device=device),
-                       torch.ones(s.length, dtype=torch.long, device=device)]) for s in states
-        ])
+        keep = [index[id(s)] for s in states if s.kv is None and id(s) in index]
+        kept, joining = states[: len(keep)], states[len(keep) :]
+        config = self.model.config.get_text_config()
+        if (self.cache is None or self.mask is None or not keep or keep != sorted(keep)
+                or any(index.get(id(s)) != i for s, i in zip(kept, keep, strict=True)) or any(s.kv is None for s in joining)):
+            rows = [(s.kv, index.get(id(s), -1), s.length) for s in states]
+            self.cache, self.mask = kv_stack.stack(rows, self.cache, config)
+        else:
+            self.cache, self.mask = kv_stack.restack(self.cache, self.mask, keep, [s.length for s in kept],
+                                                     [(s.kv, -1, s.length) for s in joining], config)
         for s in states:
             s.kv = None
-        self.cache = cache
         self.members = list(states)
 
 
@@ -341,14 +347,6 @@ def logits_processors(model: Any, generation: dict[str, Any], input_ids: torch.T
         generation_config=config, input_ids_seq_length=int(input_ids.shape[1]), encoder_input_ids=input_ids,
         logits_processor=custom, device=input_ids.device, model_kwargs={},
     )
-
-
-def _pad_left(x: torch.Tensor, width: int) -> torch.Tensor:
-    """[1, heads, n, d] -> [1, heads, width, d], zeros before."""
-    missing = width - x.shape[2]
-    if missing == 0:
-        return x
-    return torch.cat([x.new_zeros(x.shape[0], x.shape[1], missing, x.shape[3]), x], dim=2)
 
 
 class _NoLock:

@@ -26,6 +26,7 @@ from omni_mesh.connectors import OmniConnectorBase
 from omni_mesh.control import Message, Register, Registered
 from omni_mesh.defaults import HEARTBEAT_S as HEARTBEAT_S
 from omni_mesh.security import mesh_keys, secure_client
+from omni_mesh.stage.outgoing import Outgoing
 
 log = logging.getLogger("omni_mesh.stage")
 
@@ -63,9 +64,13 @@ class CoordinatorLink:
         self._socket.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
         secure_client(self._socket, mesh_keys())
         self._socket.connect(coordinator)
+        self._outgoing = Outgoing(self._socket, f"replica {replica_id}")
 
     async def send(self, message: Message, *extra: Any) -> None:
-        await self._socket.send_multipart([control.pack(message), *extra], copy=False)
+        """`message` (and a final output's frame), sent with the others of this turn of the loop."""
+        if len(extra) > 1:
+            raise ValueError(f"a control message carries one frame at most, not {len(extra)}")
+        await self._outgoing.send(control.pack(message), extra[0] if extra else None)
 
     async def receive(self) -> list[Any]:
         return await self._socket.recv_multipart()
@@ -115,6 +120,7 @@ class CoordinatorLink:
                 await beat()
 
     def close(self) -> None:
+        self._outgoing.close()
         if self._monitor is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._socket.disable_monitor()

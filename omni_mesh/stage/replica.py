@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -117,6 +118,11 @@ class StageReplica:
             # A model loads before the replica says it is ready, never in a request.
             log.debug("replica %s of stage %s warming its handler", self.replica_id, self.stage.name)
             await self.hooks.warm()
+            # What warm() loaded (a model: transformers' modules, its parameters) lives as long as the
+            # replica: frozen out of the cyclic collector as aio.run froze the imports, or each full
+            # collection walks all of it, a stall of 100+ ms in every request under way (issue 40's p99).
+            gc.collect()
+            gc.freeze()
             if await self._register():  # False: told to stop before the coordinator answered
                 self.ready = True
                 log.info("replica %s of stage %s ready", self.replica_id, self.stage.name)

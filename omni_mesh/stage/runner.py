@@ -22,12 +22,13 @@ from typing import Any
 
 import msgpack
 
-from omni_mesh import codec, control, ingress, logs
+from omni_mesh import control, ingress, logs
 from omni_mesh.connectors import ConnectorError, OmniConnectorBase
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorFull, ConnectorUnavailable, PayloadMissing
 from omni_mesh.control import Chunk, Error, FailureKind, Output, Work
 from omni_mesh.errors import InvalidInput
 from omni_mesh.handlers import Handler, HandlerHooks
+from omni_mesh.stage.client_frame import client_frame
 from omni_mesh.stage.context import ChunkStream, StageContext, StageInputError
 from omni_mesh.stage.overdue import cancel_overdue
 from omni_mesh.stage.sent import SentLog
@@ -321,7 +322,6 @@ class Runner:
 
     async def _emit(self, work: _Work, data: Any, seq: int, *, streaming: bool, end: bool = False) -> None:
         """Send one output (or, streaming, one chunk or the end marker) down every outbound edge."""
-        loop = asyncio.get_running_loop()
         edges: dict[str, dict] = {}
         started = time.perf_counter()
         key = f"{work.rid}/{seq}"
@@ -337,14 +337,7 @@ class Runner:
         if self.is_final and not end:
             # A handler may keep what only its downstream stages need out of the client's answer
             # (an engine's hidden states): its `client_output` hook.
-            frame = await loop.run_in_executor(self.executor, codec.encode, self.hooks.client_output(data))
-            if len(frame) > control.MAX_FRAME_BYTES:  # the coordinator would drop our connection for it
-                raise RuntimeError(
-                    f"final output of {len(frame)} bytes exceeds the control plane's limit of "
-                    f"{control.MAX_FRAME_BYTES} bytes: return a smaller result (or a reference to where "
-                    "the data is stored)"
-                )
-            extra.append(frame)
+            extra.append(await client_frame(self.stage, self.hooks.client_output(data), self.executor))
         work.transfer_s += time.perf_counter() - started
         last = end or not streaming
         message = Output(

@@ -18,7 +18,7 @@ import uuid
 import zmq
 import zmq.asyncio
 
-from omni_mesh import control
+from omni_mesh import control, control_parts
 from omni_mesh.control import (
     Abort,
     Deregister,
@@ -195,20 +195,34 @@ class Coordinator:
             # Not copied into bytes: a final output's frame (up to MAX_FRAME_BYTES) is decoded
             # straight from libzmq's buffer, which goes when the frames do (before the next wait).
             frames = await self._socket.recv_multipart(copy=False)
-            identity, output = frames[0].bytes, None
+            identity = frames[0].bytes
             try:
                 if len(frames) < 2:
                     raise control.MalformedMessage("control message without a body")
-                output = frames[2].buffer if len(frames) > 2 else None
-                self._handle(identity, control.unpack(frames[1].bytes), output)
+                try:  # one message, or several sent together (omni_mesh.control_parts)
+                    messages = control_parts.split(frames[1:])
+                except ValueError as exc:
+                    raise control.MalformedMessage(f"control messages: {exc}") from None
             except control.MalformedMessage as exc:
-                self.malformed += 1
-                self._garbage.refuse(f"a control message: {exc}")
-                self._fail_unreadable(identity, exc)
-            except Exception:
-                self._handling_errors.exception("error handling a control message")
-            finally:
-                del frames, output
+                self._unreadable(identity, exc)
+                messages = []
+            for raw, frame in messages:
+                output = None
+                try:
+                    output = frame.buffer if frame is not None else None
+                    self._handle(identity, control.unpack(raw.bytes), output)
+                except control.MalformedMessage as exc:
+                    self._unreadable(identity, exc)
+                except Exception:
+                    self._handling_errors.exception("error handling a control message")
+                finally:
+                    del raw, frame, output
+            del frames, messages
+
+    def _unreadable(self, identity: bytes, exc: control.MalformedMessage) -> None:
+        self.malformed += 1
+        self._garbage.refuse(f"a control message: {exc}")
+        self._fail_unreadable(identity, exc)
 
     def _fail_unreadable(self, identity: bytes, exc: control.MalformedMessage) -> None:
         """A replica's message about a request we cannot read: fail that request now, not at its deadline."""
