@@ -72,6 +72,10 @@ class CoordinatorLink:
             raise ValueError(f"a control message carries one frame at most, not {len(extra)}")
         await self._outgoing.send(control.pack(message), extra[0] if extra else None)
 
+    async def flushed(self, timeout_s: float = 1.0) -> None:
+        """What was sent has left for the socket (a last message before close)."""
+        await self._outgoing.flushed(timeout_s)
+
     async def receive(self) -> list[Any]:
         return await self._socket.recv_multipart()
 

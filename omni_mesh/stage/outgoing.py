@@ -10,6 +10,7 @@ the flush; the ones after it join it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -54,6 +55,12 @@ class Outgoing:
                 return
             self.sends += 1
             self.messages += len(batch)
+
+    async def flushed(self, timeout_s: float) -> None:
+        """Wait (up to `timeout_s`) until what is queued has gone to the socket: before it closes."""
+        if self.flushing is not None and not self.flushing.done():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self.flushing), timeout_s)
 
     def close(self) -> None:
         if self.flushing is not None:

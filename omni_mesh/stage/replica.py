@@ -133,6 +133,7 @@ class StageReplica:
             for link in self.links.all:
                 with contextlib.suppress(Exception):
                     await link.send(Deregister(self.replica_id))
+                    await link.flushed()  # sends are queued (stage.outgoing): it leaves before the socket closes
             self.close()
             # A later signal has nothing left to drain; and the loop (uvloop's outlives its close) must not
             # keep this replica and its handler alive: the handler's idle threads end once it is collected.
