@@ -24,7 +24,9 @@ VOCAB = 40
 
 def talker_like(penalty: float, suppressed: list[int]) -> tuple[LogitsProcessorList, dict]:
     settings = {"repetition_penalty": penalty, "suppress_tokens": suppressed, "do_sample": False}
-    return LogitsProcessorList([RepetitionPenaltyLogitsProcessor(penalty), SuppressTokensLogitsProcessor(suppressed)]), settings
+    return LogitsProcessorList(
+        [RepetitionPenaltyLogitsProcessor(penalty), SuppressTokensLogitsProcessor(suppressed)]
+    ), settings
 
 
 def test_shared_draws_equal_each_rows_own() -> None:
@@ -36,14 +38,24 @@ def test_shared_draws_equal_each_rows_own() -> None:
     rows = []
     for length, (processors, settings, greedy) in zip(
         [5, 1, 9, 3, 0, 4, 0, 6, 2],
-        [(a, settings_a, True), (a, settings_a, True), (a, settings_a, True), (b, settings_b, True),
-         (none, plain, True), (none, plain, True), (a, settings_a, True), (sampled, {"do_sample": True}, False),
-         (b, settings_b, True)],
+        [
+            (a, settings_a, True),
+            (a, settings_a, True),
+            (a, settings_a, True),
+            (b, settings_b, True),
+            (none, plain, True),
+            (none, plain, True),
+            (a, settings_a, True),
+            (sampled, {"do_sample": True}, False),
+            (b, settings_b, True),
+        ],
         strict=True,
     ):
         sequence = torch.randint(0, 8, (1, length), generator=generator)  # few ids: repeats in every row
         key = shared_key(processors, settings, greedy)
-        rows.append((processors, sequence, greedy, torch.Generator().manual_seed(length) if not greedy else None, key))
+        rows.append(
+            (processors, sequence, greedy, torch.Generator().manual_seed(length) if not greedy else None, key)
+        )
     logits = torch.randn(len(rows), VOCAB, generator=generator)
     # the penalised ids must decide: raise them so the penalty changes which id wins
     logits[:, :8] += 2.0

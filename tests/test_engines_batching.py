@@ -168,7 +168,8 @@ def test_eight_concurrent_streams_share_code2wav_calls_and_hear_their_audio_alon
     after = settled(lambda: totals(mesh, "code2wav"), 20, "code2wav's counters")
     calls = after["batch_steps_total"] - before["batch_steps_total"]
     rows = after["batch_rows_stepped_total"] - before["batch_rows_stepped_total"]
-    if arch == "qwen3_omni":  # on a CPU a batch saves it nothing: one chunk a call (Qwen3OmniCode2Wav.call_batch)
+    # Qwen3's code2wav on a CPU: one chunk a call (Qwen3OmniCode2Wav.call_batch: a batch saves it nothing)
+    if arch == "qwen3_omni":
         assert calls and rows == calls, f"code2wav: {rows} chunks in {calls} calls ({before} -> {after})"
     else:
         assert calls and rows / calls > 1.2, f"code2wav: {rows} chunks in {calls} calls ({before} -> {after})"

@@ -25,19 +25,35 @@ def _one_thread(one_torch_thread: None) -> None:
 
 @pytest.mark.parametrize("prompt", ["hello there, tell me about it", "a"])
 def test_the_direct_first_step_is_generates(tmp_path: Any, prompt: str) -> None:
-    model = open_model(parse_engine({"part": "thinker", "model": str(build_tiny("qwen3_omni", tmp_path))}, "test"))
+    model = open_model(
+        parse_engine({"part": "thinker", "model": str(build_tiny("qwen3_omni", tmp_path))}, "test")
+    )
     thinker, talker = model.load("thinker"), model.load("talker")
     ids = prompt_ids(model.tokenizer, {"messages": [{"role": "user", "content": prompt}]})
     with torch.no_grad():
-        payload = model.talker_payload(model.think(thinker, ids, Sampling.of(model.spec, {"max_tokens": 12}), None, None))
+        payload = model.talker_payload(
+            model.think(thinker, ids, Sampling.of(model.spec, {"max_tokens": 12}), None, None)
+        )
     sampling = Sampling.of(model.spec, {"temperature": 0, "max_audio_tokens": 5})
     batch = Qwen3TalkerBatch(talker.model, talker.codec_eos)
     with torch.inference_mode():
         kwargs = dict(model.talk_begin(talker, payload, sampling, None).prepared.kwargs)
         cache = kwargs.pop("cache")
-        result = talker.model.generate(**kwargs, cache=cache, max_new_tokens=1, do_sample=False, output_logits=True,
-                                       output_hidden_states=True, return_dict_in_generate=True)
-        expected = (result.hidden_states[0][0][-1][:, -1:], result.logits[0], cache.get_seq_length(), batch._rope_delta())
+        result = talker.model.generate(
+            **kwargs,
+            cache=cache,
+            max_new_tokens=1,
+            do_sample=False,
+            output_logits=True,
+            output_hidden_states=True,
+            return_dict_in_generate=True,
+        )
+        expected = (
+            result.hidden_states[0][0][-1][:, -1:],
+            result.logits[0],
+            cache.get_seq_length(),
+            batch._rope_delta(),
+        )
         kwargs = dict(model.talk_begin(talker, payload, sampling, None).prepared.kwargs)
         cache = kwargs.pop("cache")
         hidden, logits = batch._first_step(kwargs, cache)

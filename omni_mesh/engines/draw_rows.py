@@ -28,7 +28,8 @@ from omni_mesh.engines.thinker_batch import draw
 
 def shared_key(processors: LogitsProcessorList, generation: dict[str, Any], greedy: bool) -> str | None:
     """What a greedy row's processors do, as a key rows may share a draw by (computed once, when the row
-    joins); None: the row draws alone (sampling, or a processor whose effect depends on the sequence's length)."""
+    joins); None: the row draws alone (sampling, or a processor whose effect depends on the sequence's
+    length)."""
     if not greedy:
         return None
     for processor in processors:
@@ -37,7 +38,8 @@ def shared_key(processors: LogitsProcessorList, generation: dict[str, Any], gree
                 return None
         elif not isinstance(processor, SuppressTokensLogitsProcessor):
             return None
-    # the generate() settings the processors were built from (suppressed ids, penalty): equal settings, equal processors
+    # the generate() settings the processors were built from (suppressed ids, penalty): equal settings,
+    # equal processors
     return repr(sorted((name, repr(value)) for name, value in generation.items()))
 
 
@@ -64,7 +66,9 @@ def draw_rows(
         scores = logits[members]
         if processors:  # (none: generate()'s plain argmax, whatever the sequences)
             width = max(int(s.shape[1]) for s in sequences)
-            padded = torch.cat([torch.cat([s[:, :1].expand(1, width - s.shape[1]), s], dim=1) for s in sequences])
+            padded = torch.cat(
+                [torch.cat([s[:, :1].expand(1, width - s.shape[1]), s], dim=1) for s in sequences]
+            )
             scores = processors(padded, scores)
         tokens = torch.argmax(scores, dim=-1)
         for j, i in enumerate(members):

@@ -77,7 +77,7 @@ class Qwen3TalkerBatch(ThinkerBatch):
                 hidden, logits = self._first_step(kwargs, cache)
             else:
                 cache = DynamicCache(config=self.model.config.get_text_config()) if cache is None else cache
-                # generate()'s first step (the last input rows, as the one-request path runs them): its raw logits
+                # generate()'s first step (the last input rows, as the one-request path runs them): raw logits
                 result = self.model.generate(
                     **kwargs, cache=cache, max_new_tokens=1, do_sample=False, output_logits=True,
                     output_hidden_states=True, return_dict_in_generate=True,
@@ -105,17 +105,18 @@ class Qwen3TalkerBatch(ThinkerBatch):
         return Row(quiet, state, begun.max_tokens, begun.eos), self._pick(state, logits)
 
     def _first_step(self, kwargs: dict[str, Any], cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """generate()'s first step of a text prompt's input prefilled but its last rows (Qwen3OmniTalker.prepare)
-        as one forward of the talker's decoder and codec head, with the arguments generate() gives it: (the
+        """generate()'s first step of a text prompt's input prefilled but its last rows
+        (Qwen3OmniTalker.prepare) as one forward of the talker's decoder and codec head, with the arguments generate() gives it: (the
         last row's last-layer hidden state [1, 1, H], the float32 logits [1, V]), bit for bit generate()'s
         (measured), without its ~2 ms of set-up a request: a wave of requests joins one after another."""
         embeds, positions = kwargs["inputs_embeds"], kwargs["position_ids"]
         rest = int(embeds.shape[1]) - int(cache.get_seq_length())
         out = self.model.model(
-            inputs_embeds=embeds[:, -rest:], position_ids=positions[..., -rest:], attention_mask=kwargs["attention_mask"],
-            cache=cache, use_cache=True, output_hidden_states=True,
+            inputs_embeds=embeds[:, -rest:], position_ids=positions[..., -rest:],
+            attention_mask=kwargs["attention_mask"], cache=cache, use_cache=True, output_hidden_states=True,
         )
-        return out.hidden_states[-1][:, -1:], self.model.codec_head(out.last_hidden_state)[:, -1].to(torch.float32)
+        logits = self.model.codec_head(out.last_hidden_state)[:, -1].to(torch.float32)
+        return out.hidden_states[-1][:, -1:], logits
 
     def step(self, rows: list[Row]) -> list[int]:
         states: list[Voice] = [row.state for row in rows]
