@@ -7,8 +7,9 @@ tiny random Qwen2.5-Omni and Qwen3-Omni, one torch thread per stage):
   Qwen3-Omni: see PCM_STEPS);
 - streamed concurrently, each reply's text comes in chunks of `stream_interval` tokens (the first token
   at once) and adds up to the same text;
-- 8 concurrent streamed requests: code2wav decodes their chunks together (its counters say so) and each
-  hears the audio it hears streamed alone (Qwen3-Omni bit for bit, Qwen2.5-Omni within 2 PCM steps);
+- 8 concurrent streamed requests: code2wav decodes their chunks together (its counters say so; Qwen3-Omni's
+  on a CPU one a call, as its `call_batch` says) and each hears the audio it hears streamed alone (Qwen3-Omni
+  bit for bit, Qwen2.5-Omni within 2 PCM steps);
 - a client that leaves mid-reply frees its place: the others' replies are unchanged, the thinker shows
   nothing running or queued afterwards, and `/metrics` carries the batch's gauges and counters.
 """
@@ -167,7 +168,11 @@ def test_eight_concurrent_streams_share_code2wav_calls_and_hear_their_audio_alon
     after = settled(lambda: totals(mesh, "code2wav"), 20, "code2wav's counters")
     calls = after["batch_steps_total"] - before["batch_steps_total"]
     rows = after["batch_rows_stepped_total"] - before["batch_rows_stepped_total"]
-    assert calls and rows / calls > 1.2, f"code2wav: {rows} chunks in {calls} calls ({before} -> {after})"
+    # Qwen3's code2wav on a CPU: one chunk a call (Qwen3OmniCode2Wav.call_batch: a batch saves it nothing)
+    if arch == "qwen3_omni":
+        assert calls and rows == calls, f"code2wav: {rows} chunks in {calls} calls ({before} -> {after})"
+    else:
+        assert calls and rows / calls > 1.2, f"code2wav: {rows} chunks in {calls} calls ({before} -> {after})"
 
 
 def test_a_client_leaving_mid_batch_frees_its_place_and_leaves_the_others_alone(mesh: Any, texts: list[str]) -> None:

@@ -24,6 +24,12 @@ class Qwen3OmniCode2Wav:
         self.num_quantizers = int(model.config.num_quantizers)
         self.samples_per_frame = int(model.total_upsample)
         self.conv = _ConvGeometry(model)
+        # requests decoded in one call at most (code2wav's Gather): on a CPU a batch saves nothing (its
+        # convolutions already run over thousands of samples a frame) and costs more than the same decodes one
+        # by one once its activations leave the caches (tiny model, 25-frame chunks: 8 streams 148 ms either
+        # way, 16 streams 780 ms against 320 ms; whole 200-frame decodes, 4: 480 ms against 350 ms); one a
+        # call also lets a stream's first chunk (served first) wait for one short decode, not a batch of them
+        self.call_batch = 1 if model.device.type == "cpu" else None
 
     @classmethod
     def load(cls, model_dir: Path, dtype: torch.dtype, device: str) -> Qwen3OmniCode2Wav:

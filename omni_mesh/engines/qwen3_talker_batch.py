@@ -21,12 +21,13 @@ import torch
 from transformers import DynamicCache, LogitsProcessorList
 
 from omni_mesh.engines.batching import Job, Row
+from omni_mesh.engines.draw_rows import draw_rows, shared_key
+from omni_mesh.engines.qwen3_omni import TALKER_GRID_KEYS
 from omni_mesh.engines.thinker_batch import (
     Begun,
     Sequence,
     TalkerBatch,
     ThinkerBatch,
-    draw,
     logits_processors,
 )
 
@@ -47,6 +48,8 @@ class Voice(Sequence):
     hidden: torch.Tensor | None = None  # [1, 1, H] the talker's last hidden state (last layer, last row)
     predictor: LogitsProcessorList = field(default_factory=LogitsProcessorList)
     step: int = 0  # generate()'s generation_step: which trailing text row the next input adds
+    key: str | None = None  # draw_rows.shared_key of its talker processors: rows drawn in one call
+    predictor_key: str | None = None  # and of its code predictor's
 
 
 class Qwen3TalkerBatch(ThinkerBatch):
@@ -70,12 +73,16 @@ class Qwen3TalkerBatch(ThinkerBatch):
         with begun.lock or contextlib.nullcontext():
             kwargs = dict(prepared.kwargs)
             cache = kwargs.pop("cache", None)
-            cache = DynamicCache(config=self.model.config.get_text_config()) if cache is None else cache
-            # generate()'s first step (the last input rows, as the one-request path runs them): its raw logits
-            result = self.model.generate(
-                **kwargs, cache=cache, max_new_tokens=1, do_sample=False, output_logits=True,
-                output_hidden_states=True, return_dict_in_generate=True,
-            )
+            if cache is not None and not any(key in kwargs for key in TALKER_GRID_KEYS):
+                hidden, logits = self._first_step(kwargs, cache)
+            else:
+                cache = DynamicCache(config=self.model.config.get_text_config()) if cache is None else cache
+                # generate()'s first step (the last input rows, as the one-request path runs them): raw logits
+                result = self.model.generate(
+                    **kwargs, cache=cache, max_new_tokens=1, do_sample=False, output_logits=True,
+                    output_hidden_states=True, return_dict_in_generate=True,
+                )
+                hidden, logits = result.hidden_states[0][0][-1][:, -1:], result.logits[0]
             delta = self._rope_delta()
         length = int(cache.get_seq_length())
         position = torch.full((4, 1), length + delta, dtype=torch.long, device=cache.layers[0].keys.device)
@@ -86,13 +93,30 @@ class Qwen3TalkerBatch(ThinkerBatch):
             generator = torch.Generator(device=position.device).manual_seed(begun.seed)
         sequence = prepared.input_ids  # [1, 0]: generate() of embeddings penalises only the codes it draws
         predictor = {"do_sample": not greedy, **({} if greedy else PREDICTOR_SAMPLING)}
+        processors = self._processors(begun)
+        predictor_processors = logits_processors(self.model.code_predictor, predictor, sequence)
         state = Voice(
-            begun, self._processors(begun), generator, greedy, sequence, position, length,
+            begun, processors, generator, greedy, sequence, position, length,
             kv=[(layer.keys, layer.values) for layer in cache.layers], push=job.push,
-            hidden=result.hidden_states[0][0][-1][:, -1:],
-            predictor=logits_processors(self.model.code_predictor, predictor, sequence),
+            hidden=hidden, predictor=predictor_processors,
+            key=shared_key(processors, begun.generation, greedy),
+            predictor_key=shared_key(predictor_processors, predictor, greedy),
         )
-        return Row(quiet, state, begun.max_tokens, begun.eos), self._pick(state, result.logits[0])
+        return Row(quiet, state, begun.max_tokens, begun.eos), self._pick(state, logits)
+
+    def _first_step(self, kwargs: dict[str, Any], cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """generate()'s first step of a text prompt's input prefilled but its last rows
+        (Qwen3OmniTalker.prepare) as one forward of the talker's decoder and codec head, with the arguments generate() gives it: (the
+        last row's last-layer hidden state [1, 1, H], the float32 logits [1, V]), bit for bit generate()'s
+        (measured), without its ~2 ms of set-up a request: a wave of requests joins one after another."""
+        embeds, positions = kwargs["inputs_embeds"], kwargs["position_ids"]
+        rest = int(embeds.shape[1]) - int(cache.get_seq_length())
+        out = self.model.model(
+            inputs_embeds=embeds[:, -rest:], position_ids=positions[..., -rest:],
+            attention_mask=kwargs["attention_mask"], cache=cache, use_cache=True, output_hidden_states=True,
+        )
+        logits = self.model.codec_head(out.last_hidden_state)[:, -1].to(torch.float32)
+        return out.hidden_states[-1][:, -1:], logits
 
     def step(self, rows: list[Row]) -> list[int]:
         states: list[Voice] = [row.state for row in rows]
@@ -109,14 +133,15 @@ class Qwen3TalkerBatch(ThinkerBatch):
             attention_mask=self.mask, cache=self.cache, use_cache=True, output_hidden_states=True,
         )
         logits = self.model.codec_head(out.last_hidden_state)[:, -1].to(torch.float32)
-        picked = []
+        drawn = draw_rows([(s.processors, s.sequence, s.greedy, s.generator, s.key) for s in states], logits)
         for i, state in enumerate(states):
             state.length += 1
             state.position = state.position + 1
             state.step += 1
             state.hidden = out.hidden_states[-1][i : i + 1, -1:]
-            picked.append(self._pick(state, logits[i : i + 1]))
-        return picked
+            state.sequence = drawn[i]
+            state.fed = int(drawn[i][0, -1])
+        return [state.fed for state in states]
 
     def _frames(self, states: list[Voice]) -> list[torch.Tensor]:
         """Each row's frame [1, G] of its last code: the code predictor draws the residual codes of every
@@ -135,8 +160,8 @@ class Qwen3TalkerBatch(ThinkerBatch):
             start += embeds.shape[1]
             out = predictor.model(inputs_embeds=embeds, position_ids=positions, cache=cache, use_cache=True)
             logits = predictor.lm_head[group](out.last_hidden_state)[:, -1].to(torch.float32)
-            drawn = [draw(s.predictor, d, logits[i : i + 1], s.greedy, s.generator)
-                     for i, (s, d) in enumerate(zip(states, drawn, strict=True))]
+            drawn = draw_rows([(s.predictor, d, s.greedy, s.generator, s.predictor_key)
+                               for s, d in zip(states, drawn, strict=True)], logits)
         return [torch.cat([last[i : i + 1], d], dim=1).to("cpu", torch.long) for i, d in enumerate(drawn)]
 
     def _next_inputs(self, states: list[Voice], frames: list[torch.Tensor]) -> torch.Tensor:

@@ -84,8 +84,9 @@ class EngineStage(HandlerHooks):
         self.part = await loop.run_in_executor(self.executor, load)
         self.kv_budget = self._kv_budget()
         if self.spec.max_batch > 1 and self.spec.part == "code2wav":  # whole decodes gathered (Code2WavStage)
-            self.gather = Gather(self.executor, functools.partial(self.model.decode_many, self.part), self.spec.max_batch)
-            self.stream_gather = Gather(self.executor, self.model.decode_chunks, self.spec.max_batch)
+            per_call = min(self.spec.max_batch, getattr(self.part, "call_batch", None) or self.spec.max_batch)
+            self.gather = Gather(self.executor, functools.partial(self.model.decode_many, self.part), per_call)
+            self.stream_gather = Gather(self.executor, self.model.decode_chunks, per_call)
         elif self.spec.max_batch > 1:
             self.batcher = self._batcher()
         log.info(
@@ -342,7 +343,6 @@ class Code2WavStage(EngineStage):
             "usage": tail.get("usage"),
             "finish_reason": tail.get("finish_reason", "stop"),
         }
-
 
     async def _decoded(self, streaming: Any, codes: Any, *, first: bool = False) -> Any:
         """A streamed chunk's new samples (codes None: the rest, at the end), decoded with the chunks of the
