@@ -4,7 +4,8 @@ checkpoints, in one process:
 
 - 5 concurrent streams of different lengths, their chunks arriving round by round as a talker sends them
   (a short first chunk, then 25 codes), each round in one call: each stream's audio equals what it gets
-  streamed alone (Qwen3: bit for bit; Qwen2.5: within 2 steps of 16-bit PCM), and one call decodes them;
+  streamed alone (Qwen3: bit for bit, or within float32 rounding where the CPU's GEMM blocks by the batch:
+  `same_audio`; Qwen2.5: within 2 steps of 16-bit PCM), and one call decodes them;
 - Qwen2.5's DiT over rows of different lengths, right-padded: with the padding masked each row equals
   its own decode; without the mask the shorter rows would not (the check can tell);
 - through the Gather: the chunks queued while the model thread is busy go in one call; a new stream's
@@ -35,6 +36,18 @@ FIRST, CHUNK = 10, 25  # the talker's first chunk and the others (settings: firs
 @pytest.fixture(autouse=True)
 def _one_thread(one_torch_thread: None) -> None:
     """One torch thread, as the stages run (tests/conftest.py)."""
+
+
+def same_audio(one: Any, other: Any, what: Any) -> None:
+    """Bit for bit where torch's CPU convolution sums a row alone as it sums it among others (the hosts
+    CI ran on). On AVX-512 hosts its GEMM blocks by the batch and rows land up to ~1e-8 apart: float32
+    rounding, three orders below a 16-bit PCM step. A stage on a CPU decodes one request a call
+    (Qwen3OmniCode2Wav.call_batch), so through a mesh the audio is the stream's own bit for bit anyway."""
+    if one.shape != other.shape or not one.numel():
+        assert torch.equal(one, other), (what, one.shape, other.shape)
+        return
+    diff = float((one - other).abs().max())
+    assert torch.equal(one, other) or diff < 1e-6, (what, diff)
 
 
 def load(arch: str, directory: Any, **engine: Any) -> tuple[Any, Any]:
@@ -88,7 +101,7 @@ def streamed_together(model: Any, decoder: Any, batch: list[Any], samplings: lis
     return [torch.cat(p) for p in pieces], calls[:-1]
 
 
-def test_qwen3_streams_decoded_together_equal_each_streamed_alone_bit_for_bit(qwen3: Any) -> None:
+def test_qwen3_streams_decoded_together_equal_each_streamed_alone(qwen3: Any) -> None:
     model, decoder = qwen3
     sampling = Sampling.of(model.spec, {})
     batch = [codes_for(model, decoder, n, i) for i, n in enumerate(LENGTHS)]
@@ -97,7 +110,7 @@ def test_qwen3_streams_decoded_together_equal_each_streamed_alone_bit_for_bit(qw
     assert calls[0] == len(LENGTHS) and max(calls) == len(LENGTHS)
     for n, one, other, codes in zip(LENGTHS, alone, together, batch, strict=True):
         assert len(one) == decoder.conv.output_length(n), n
-        assert torch.equal(one, other), (n, float((one - other).abs().max()))
+        same_audio(one, other, n)
         assert float((one - model.decode(decoder, codes, sampling)).abs().max()) < 1e-5, n  # the one-shot decode
 
 
@@ -169,7 +182,7 @@ def test_the_stream_gather_decodes_the_chunks_queued_in_one_call(qwen3: Any) -> 
     executor.shutdown()
     assert calls[0] == len(LENGTHS)
     for codes, wav, rest in zip(batch, wavs, rests, strict=True):
-        assert torch.equal(torch.cat([wav, rest]), streamed_alone_whole(model, decoder, codes, sampling))
+        same_audio(torch.cat([wav, rest]), streamed_alone_whole(model, decoder, codes, sampling), len(codes))
 
 
 def streamed_alone_whole(model: Any, decoder: Any, codes: Any, sampling: Sampling) -> Any:
@@ -196,8 +209,8 @@ def test_first_chunks_go_before_the_chunks_queued_ahead_of_them_in_a_call_of_the
     executor.shutdown()
     assert calls == [2, 3] and order == ["new"] * 2 + ["going"] * 3  # submitted last, served first
     for i, wav in enumerate(wavs[3:], start=3):
-        assert torch.equal(wav, model.stream_decoder(decoder, sampling).feed(batch[i][:FIRST]))
+        same_audio(wav, model.stream_decoder(decoder, sampling).feed(batch[i][:FIRST]), i)
     for i, wav in enumerate(wavs[:3]):  # each stream's second chunk, as it gets it alone
         alone = model.stream_decoder(decoder, sampling)
         alone.feed(batch[i][:FIRST])
-        assert torch.equal(wav, alone.feed(batch[i][FIRST:]))
+        same_audio(wav, alone.feed(batch[i][FIRST:]), i)
