@@ -69,7 +69,9 @@ def exit_past_stuck_threads() -> None:
     """Exit now if a thread is still stuck after the replica closed (a transfer blocked in a native
     call): Python would wait for it at exit, and a drained replica must go. Their stacks are logged.
     An idle pool thread is not stuck: a handler's own executor (an engine's model thread) is never shut
-    down, but the replica is gone by now, and collecting it wakes the executor's idle thread to end."""
+    down, but the replica is gone by now, and collecting it wakes the executor's idle thread to end
+    (unfrozen first: the replica froze what its warm() loaded out of the collector's reach)."""
+    gc.unfreeze()
     gc.collect()
     deadline = time.monotonic() + EXIT_GRACE_S
     for thread in threading.enumerate():
