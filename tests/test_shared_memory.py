@@ -26,6 +26,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
+from support.meshkit import wait_until
 from support.shm_kit import ShmPeer as Peer
 from support.shm_kit import connector, our_segments
 
@@ -48,6 +49,7 @@ from omni_mesh.connectors.shm.segments import (
     segment_name,
     shm_dir,
 )
+from omni_mesh.hostinfo import process_gone
 
 KiB, MiB = 1024, 1024 * 1024
 PATHS = {
@@ -877,8 +879,12 @@ def test_a_payload_with_cuda_tensors_gives_their_references_back_unless_a_consum
         assert peer.get("dead", meta, hold="x") is not None
         peer.proc.kill()
         peer.proc.wait()
+        # The reclaim acts on positive evidence only (/proc has no entry for the taker): wait for it,
+        # as a sandboxed /proc may show a reaped process a moment longer.
+        assert wait_until(lambda: process_gone(peer.pid), 10), f"/proc still lists the killed consumer {peer.pid}"
+        states = [slot.segment.mm[slot.offset] for slot in conn._pool.slots.values()]
         conn.put("a", "b", "fill", torch.zeros((4 * MiB - 16 * KiB) // 4))  # the pool runs short: dead takers go
-        assert [e.released for e in taken_by_the_dead] == [1, 1]
+        assert [e.released for e in taken_by_the_dead] == [1, 1], f"slot states before the fill: {states}"
         conn.cleanup("fill")
 
 
