@@ -203,14 +203,14 @@ class TransferEngineNode:
         try:
             if request["session"] != self._session:
                 raise ConnectorError(f"the producer at {self.endpoint} restarted since the put; the payload is gone")
-            self._payloads.write(request, closing=lambda: self._closed)
+            inline = self._payloads.write(request, closing=lambda: self._closed)
         except Gone as exc:  # a payload not (or no more) there: the consumer's get() answers None
             answer([GONE, key, str(exc).encode()])
         except Exception as exc:  # the answer must always go back, whatever failed
             said = str(exc) if isinstance(exc, ConnectorError) else f"{type(exc).__name__}: {exc}"
             answer([ERR, key, said.encode()])
         else:
-            answer([OK, key])
+            answer([OK, key] if inline is None else [OK, key, inline])
 
     def _on_lookup(self, args: list[bytes]) -> Reply:
         """LOOKUP key (server thread): what a consumer holding only the key needs to pull it."""

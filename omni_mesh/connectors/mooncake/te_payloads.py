@@ -164,27 +164,29 @@ class Payloads:
             payload.offset = None
         self.release(payload)
 
-    def write(self, request: dict, closing: Callable[[], bool]) -> None:
+    def write(self, request: dict, closing: Callable[[], bool]) -> bytes | None:
         """Write the payload a consumer's PULL names (`mooncake.te_pull.parse_request`) into its segment with
-        one engine call; Gone or a ConnectorError saying why not. A payload whose write failed waits
-        again, unless `closing()`."""
+        one engine call; the small pieces that ride the answer instead (`frame_pieces.split_inline`).
+        Gone or a ConnectorError saying why not. A payload whose write failed waits again, unless
+        `closing()`."""
         deadline = time.monotonic() + request["timeout_ms"] / 1000
         payload = self.claim(request["key"], request["handle"], request["length"])
         targets = request.get("device_addrs", [])
-        rc = -1
+        rc, inline = -1, None
         try:
             if not _device_transfer.addresses_match(targets, payload.device):
                 raise ConnectorError(
                     f"the consumer's device buffers do not match the {len(payload.device)} device tensors"
                 )
             if time.monotonic() < deadline:  # the consumer has not given up on it yet
-                pieces = payload.pieces or [(payload.address, 0, payload.size)]
+                pieces, inline = frame_pieces.split_inline(payload.pieces or [(payload.address, 0, payload.size)])
                 sources, dests, sizes = frame_pieces.moves(pieces, request["addr"], payload.device, targets)
-                rc = te_write.write(self._engine, request["segment"], sources, dests, sizes)
+                rc = te_write.write(self._engine, request["segment"], sources, dests, sizes) if sources else 0
         finally:
             self.finish(payload, consumed=rc == 0 or closing())
         if rc != 0:
             raise ConnectorError(f"the engine's write to segment {request['segment']} failed (rc={rc})")
+        return inline
 
     def release(self, payload: Payload) -> None:
         """Give a payload's region, registrations and leaf references back."""

@@ -2,7 +2,8 @@
 
     consumer  [PULL, key, msgpack {session, handle, length, segment, addr, timeout_ms[, device_addrs]}]
     producer  checks the request, writes the payload into the consumer's segment at `addr` with its
-              engine (on a transfer thread), then answers [OK, key] or [ERR, key, reason]
+              engine (on a transfer thread), then answers [OK, key[, small pieces]] or [ERR, key, reason]
+              (the small pieces: `frame_pieces.split_inline`, copied into the region by the consumer)
 
 The consumer first waits up to connect_timeout_s for the producer's side channel to accept its
 connection (nothing is sent before, so nothing can be written late), then up to transfer_timeout_s
@@ -96,10 +97,10 @@ def pull(
     where: str,
     release: Callable[[], None],
     deadline: float | None = None,
-) -> None:
+) -> bytes | None:
     """Send one PULL (`request`: segment, addr and device_addrs of our side) to the producer `meta`
-    names and wait for its answer, never past `deadline` (the request's, time.monotonic()).
-    ConnectorError on any failure; PullTimedOut when the producer may still write, after handing
+    names and wait for its answer, never past `deadline` (the request's, time.monotonic()): the small
+    pieces it carried, if any. ConnectorError on any failure; PullTimedOut when the producer may still write, after handing
     `release` (what frees the region) to `quarantine`."""
     endpoint = meta["endpoint"]
     # A request past its deadline has been answered already: a thread (and a region of the pool)
@@ -132,3 +133,4 @@ def pull(
     if reply[0].bytes != OK:
         reason = frame_text(reply[2]) if len(reply) > 2 else "refused"
         raise ConnectorError(f"{owner}: get of {where} failed at the producer {endpoint}: {reason}")
+    return reply[2].bytes if len(reply) > 2 else None

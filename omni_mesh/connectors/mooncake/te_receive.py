@@ -134,9 +134,11 @@ class Receiver:
             request = {"segment": self._segment, "addr": pool.address_of(offset)}
             if device:
                 request["device_addrs"] = [buffer.data_ptr() for buffer in device]
-            te_pull.pull(
+            inline = te_pull.pull(
                 self._owner, self._cfg, self._dealers, self._quarantine, meta, request, where, release, deadline
             )
+            if inline is not None:
+                self._place_inline(inline, pool.address_of(offset), meta, where)
         except te_pull.PullTimedOut:
             self._counters.add("errors")
             raise  # `release` runs at the late answer or ttl_s
@@ -151,6 +153,14 @@ class Receiver:
         data = pool.decode(offset, length, where, copy=self._cfg.copy_on_get, device=device)
         self._counters.add_many(gets=1, bytes_got=length, device_tensors=len(device))
         return data, length
+
+    def _place_inline(self, inline: bytes, address: int, meta: dict, where: str) -> None:
+        try:
+            frame_pieces.place_inline(inline, address, meta["length"])
+        except ValueError as exc:
+            raise ConnectorError(
+                f"{self._owner}: get of {where}: the producer {meta['endpoint']} answered with {exc}"
+            ) from None
 
     def _receive_buffers(self, meta: dict, where: str, registered: list[int]) -> list[torch.Tensor]:
         """Buffers for the payload's device tensors, if it has any, registered into `registered`."""
