@@ -80,8 +80,10 @@ def _failing_get(consumer, key: str, metadata: dict) -> tuple[float, str]:
 
 def test_get_fails_fast_when_the_producer_is_killed_mid_wait(producer, consumer) -> None:
     proc, metadata = producer
-    obj, _ = _get(consumer, "r/0", metadata[0])  # the consumer's socket is connected and idle now
+    obj, _ = _get(consumer, "r/0", metadata[0])
     assert torch.equal(obj["x"], torch.zeros(1 << 18))
+    # r/0's confirmation (DONE) goes off the get's path: answered before the producer stops.
+    assert wait_until(lambda: consumer.health()["confirms_pending"] == 0, timeout_s=10), "r/0 never confirmed"
     os.kill(proc.pid, signal.SIGSTOP)  # it can no longer answer: the next get waits on a live connection
     _wait_stopped(proc.pid)  # the signal takes effect asynchronously: a loaded VM may let it answer first
     outcome: dict = {}
@@ -200,8 +202,13 @@ def _get_across_a_cut(producer, consumer, *, replies: bool) -> dict:
     """Get payload r/1 while packets to the producer (`replies`: from it) are dropped, then reset the
     connection (`ss -K`) and let the network back, as a flaky network does: {"x": tensor} or {"error"}."""
     proc, metadata = producer
-    obj, _ = _get(consumer, "r/0", metadata[0])  # the consumer's socket is connected and idle now
+    obj, _ = _get(consumer, "r/0", metadata[0])
     assert torch.equal(obj["x"], torch.zeros(1 << 18))
+    # r/0's confirmation (DONE) goes off the get's path: once answered, the consumer's socket is
+    # connected and idle. A confirmation still in flight when the packets stop would time out and
+    # take the connection down with it, and the get of r/1 would wait for a new one (seen under load:
+    # "no answer queued", or no answer within the deadline).
+    assert wait_until(lambda: consumer.health()["confirms_pending"] == 0, timeout_s=10), "r/0 never confirmed"
     port = int(metadata[1]["endpoint"].rsplit(":", 1)[1])
     outcome: dict = {}
 
