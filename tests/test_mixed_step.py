@@ -1,0 +1,209 @@
+"""A batched step that prefills the prompts joining the batch and decodes the running rows in one forward
+(omni_mesh.engines.mixed_step, thinker_batch) on tiny random checkpoints of both thinkers:
+
+- requests that join a running batch mid-way get the replies they get alone, as do the rows already
+  running, with their prompts prefilled in the decode step's forward (no forward of their own), greedy
+  and sampled with a seed and penalties; and the same where the step is too large to mix (the prompts
+  prefilled in a forward of their own first);
+- the layout: where each new token goes, what it attends to, and the cache a decode step continues from.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from support.batch_requests import PROMPTS, REPLY_TOKENS  # noqa: E402
+
+from omni_mesh.engines import mixed_step  # noqa: E402
+from omni_mesh.engines.batching import Batcher  # noqa: E402
+from omni_mesh.engines.models import open_model  # noqa: E402
+from omni_mesh.engines.settings import Sampling, parse_engine  # noqa: E402
+from omni_mesh.engines.text import prompt_ids  # noqa: E402
+from omni_mesh.engines.thinker_batch import ThinkerBatch  # noqa: E402
+from omni_mesh.engines.tiny import build_tiny  # noqa: E402
+
+ROWS_ATOL = 1e-5  # the talker's input rows: batched float arithmetic
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_torch_thread: None) -> None:
+    """One torch thread, as the stages run (tests/conftest.py)."""
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_omni", "qwen3_omni"])
+def parts(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    directory = build_tiny(request.param, tmp_path_factory.mktemp(request.param))
+    model = open_model(parse_engine({"part": "thinker", "model": str(directory)}, "test"))
+    return model, model.load("thinker")
+
+
+def ids_of(model: Any, prompt: str) -> Any:
+    return prompt_ids(model.tokenizer, {"messages": [{"role": "user", "content": prompt}]})
+
+
+def alone(model: Any, thinker: Any, prompt: str, sampling: Sampling) -> Any:
+    model.seed(sampling.seed)
+    with torch.no_grad():
+        return model.think(thinker, ids_of(model, prompt), sampling, None, None)
+
+
+class Counted(ThinkerBatch):
+    """A ThinkerBatch that counts its mixed steps and its prefill forwards."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.mixed_steps = 0
+        self.prefills = 0
+
+    def _mixed(self, *args: Any) -> Any:
+        self.mixed_steps += 1
+        return super()._mixed(*args)
+
+    def _prefill(self, *args: Any) -> Any:
+        self.prefills += 1
+        return super()._prefill(*args)
+
+
+def joining_late(
+    model: Any, thinker: Any, requests: list[tuple[str, Sampling]], engine: ThinkerBatch
+) -> list[Any]:
+    """The first half of `requests` submitted together; the second half submitted from the batch thread
+    when the first request gets its 3rd token, so they join a running batch at its 4th step."""
+    half = len(requests) // 2
+    batcher = Batcher("thinker", engine, len(requests))
+    futures: list[Any] = []
+    queued = threading.Event()
+
+    def submit(prompt: str, sampling: Sampling, push: Any = None) -> None:
+        ids = ids_of(model, prompt)
+
+        def begin() -> Any:
+            queued.wait(30)
+            return model.think_begin(thinker, ids, sampling, None)
+
+        futures.append(batcher.submit(begin, push or (lambda token: None), lambda: False))
+
+    seen: list[int] = []
+
+    def first_push(token: int) -> None:
+        seen.append(token)
+        if len(seen) == 3:
+            for prompt, sampling in requests[half:]:
+                submit(prompt, sampling)
+
+    for i, (prompt, sampling) in enumerate(requests[:half]):
+        submit(prompt, sampling, first_push if i == 0 else None)
+    queued.set()
+    try:
+        for _ in range(600):  # the late ones are submitted from the batch thread
+            if len(futures) == len(requests):
+                break
+            threading.Event().wait(0.05)
+        return [future.result(120) for future in list(futures)]
+    finally:
+        batcher.close()
+
+
+def assert_same(model: Any, one: Any, other: Any) -> None:
+    assert model.reply_ids(one).tolist() == model.reply_ids(other).tolist()
+    a, b = model.talker_payload(one), model.talker_payload(other)
+    assert a.keys() == b.keys()
+    for key, value in a.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            assert value.shape == b[key].shape, key
+            assert float((value - b[key]).abs().max()) < ROWS_ATOL, key
+        else:
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(b[key])), key
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0},
+        {"temperature": 0.9, "seed": 7, "top_k": 20, "presence_penalty": 0.5, "repetition_penalty": 1.2},
+    ],
+    ids=["greedy", "seeded"],
+)
+@pytest.mark.parametrize("mix", [True, False], ids=["mixed", "prefilled apart"])
+def test_requests_joining_a_running_batch_get_the_replies_they_get_alone(
+    parts: Any, params: dict, mix: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, thinker = parts
+    if not mix:
+        monkeypatch.setattr(mixed_step, "fits", lambda layout, config: False)
+    samplings = [Sampling.of(model.spec, {**params, "max_tokens": max(n, 6)}) for n in REPLY_TOKENS]
+    requests = list(zip(PROMPTS, samplings, strict=True))
+    references = [alone(model, thinker, p, s) for p, s in requests]
+    engine = Counted(thinker.model, model.thinker_step_layers)
+    outputs = joining_late(model, thinker, requests, engine)
+    for reference, output in zip(references, outputs, strict=True):
+        assert_same(model, reference, output)
+    if mix:  # the first step (4 prompts) and the 4th (4 prompts beside 4 running rows): no prefill forward
+        assert engine.mixed_steps == 2 and engine.prefills == 0
+    else:
+        assert engine.mixed_steps == 0 and engine.prefills == 2
+
+
+def test_the_flat_layout_puts_each_row_after_its_cache_and_attends_row_by_row() -> None:
+    # rows: a running one (3 cached, 1 new), a joining prompt of 4, a running one (1 cached), a prompt of 2
+    layout = mixed_step.Layout(cached=[3, 0, 1, 0], new=[1, 4, 1, 2])
+    assert layout.lengths == [4, 4, 2, 2] and layout.width == 4 and layout.last == [0, 4, 5, 7]
+    config = SimpleNamespace(_attn_implementation="sdpa", layer_types=["full_attention"])
+    config.get_text_config = lambda: config
+    assert mixed_step.fits(layout, config)
+    assert not mixed_step.fits(
+        mixed_step.Layout(cached=[3, 2], new=[1, 2]), config
+    )  # a cached row gets one token
+    cache = mixed_step.DynamicCache()
+    old = torch.arange(4 * 3, dtype=torch.float32).reshape(4, 1, 3, 1) + 100  # width 3 before
+    cache.update(old, -old, 0)
+    flat = mixed_step.FlatCache(cache, layout, "cpu")
+    new = torch.arange(8, dtype=torch.float32).reshape(1, 1, 8, 1)
+    k, v = flat.update(new, -new, 0)
+    assert torch.equal(v, -k)
+    assert k[:, 0, :, 0].tolist() == [
+        [100, 101, 102, 0],  # its 3 cached, then its new token
+        [1, 2, 3, 4],  # the prompt's 4 tokens
+        [106, 107, 108, 5],  # its cached one, then its new token (before them: padding)
+        [109, 110, 6, 7],  # the prompt's 2 tokens (before them: padding)
+    ]
+    # the attention, row by row, against each token's own softmax over the keys it may see
+    generator = torch.Generator().manual_seed(0)
+    heads, d = 2, 8
+    cache = mixed_step.DynamicCache()
+    cache.update(
+        torch.randn(4, 1, 3, d, generator=generator), torch.randn(4, 1, 3, d, generator=generator), 0
+    )
+    flat = mixed_step.FlatCache(cache, layout, "cpu")
+    keys, values = flat.update(
+        torch.randn(1, 1, 8, d, generator=generator), torch.randn(1, 1, 8, d, generator=generator), 0
+    )
+    query = torch.randn(1, heads, 8, d, generator=generator)
+    module = SimpleNamespace(num_key_value_groups=heads, is_causal=True)
+    out = flat.attend(module, query, keys, values, scaling=d**-0.5)
+    assert out.shape == (1, 8, heads, d)
+    seen = {
+        0: (0, range(0, 4)),
+        1: (1, range(0, 1)),
+        2: (1, range(0, 2)),
+        3: (1, range(0, 3)),
+        4: (1, range(0, 4)),
+        5: (2, range(2, 4)),
+        6: (3, range(2, 3)),
+        7: (3, range(2, 4)),
+    }
+    for token, (row, columns) in seen.items():
+        k, v = keys[row, 0, list(columns)], values[row, 0, list(columns)]
+        for head in range(heads):
+            weights = torch.softmax(k @ query[0, head, token] * d**-0.5, dim=0)
+            assert torch.allclose(out[0, token, head], weights @ v, atol=1e-6), (token, head)
+    stacked, padding = flat.stacked()
+    assert stacked is cache and torch.equal(stacked.layers[0].keys, keys)
+    assert padding.tolist() == [[1, 1, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 1, 1]]
