@@ -184,18 +184,28 @@ class FlatCache:
 
 
 @contextlib.contextmanager
-def mixed(model: Any, flat: FlatCache) -> Iterator[None]:
-    """`model` (a language model: its config is its layers') attends through `flat` while in the block,
-    in this thread."""
-    config = model.config
+def mixed(config: Any, flat: FlatCache) -> Iterator[None]:
+    """The language model of `config` (its text config: its attention layers') attends through `flat`
+    while in the block, in this thread. The batch thread is the only one running the language model (a
+    forward of another thread meanwhile would take plain SDPA without its mask); the towers' configs are
+    not touched."""
     before = config._attn_implementation
     _current.flat = flat
-    config._attn_implementation = ATTENTION
+    _name_attention(config, ATTENTION)
     try:
         yield
     finally:
-        config._attn_implementation = before
+        _name_attention(config, before)
         _current.flat = None
+
+
+def _name_attention(config: Any, name: str) -> None:
+    """`config._attn_implementation = name`, as its setter does for a config without sub-configs (a
+    language model's), without the strict dataclass checks of every attribute set (~0.1 ms a step)."""
+    if config.sub_configs or "_attn_implementation_internal" not in vars(config):
+        config._attn_implementation = name
+    else:
+        vars(config)["_attn_implementation_internal"] = name
 
 
 def _attention(

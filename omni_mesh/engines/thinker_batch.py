@@ -196,18 +196,19 @@ class ThinkerBatch:
         layout, whole = mixed
         joining = iter(whole)
         device = self.mask.device if self.mask is not None else states[0].sequence.device
-        ids, places, starts = [], [], []
+        ids: list[int] = []
+        places, starts = [], []
         for i, s in enumerate(states):
-            starts.append(sum(len(x) for x in ids))
+            starts.append(len(ids))
             if s.fresh:
-                ids.append(s.sequence[0])
+                ids.extend(s.sequence[0].tolist())
                 places.append(next(joining)[:, 0])
             else:
-                ids.append(s.sequence.new_tensor([s.fed]))
+                ids.append(s.fed)
                 places.append(positions[:, i])
         flat = mixed_step.FlatCache(self.cache, layout, device)  # type: ignore[arg-type]
-        with mixed_step.mixed(self.model.model, flat):
-            out = self.model.model(input_ids=torch.cat(ids)[None], position_ids=torch.cat(places, dim=1)[:, None],
+        with mixed_step.mixed(self.model.config.get_text_config(), flat):
+            out = self.model.model(input_ids=torch.tensor([ids], device=device), position_ids=torch.cat(places, dim=1)[:, None],
                                    cache=flat, use_cache=True, output_hidden_states=bool(self.layers))
         self.cache, self.mask = flat.stacked()
         last = torch.tensor(layout.last, device=device)
