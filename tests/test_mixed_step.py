@@ -151,7 +151,7 @@ def test_requests_joining_a_running_batch_get_the_replies_they_get_alone(
         assert engine.mixed_steps == 0 and engine.prefills == 2
 
 
-def test_the_flat_layout_puts_each_row_after_its_cache_and_attends_row_by_row() -> None:
+def test_the_layout_puts_each_row_after_its_cache() -> None:
     # rows: a running one (3 cached, 1 new), a joining prompt of 4, a running one (1 cached), a prompt of 2
     layout = mixed_step.Layout(cached=[3, 0, 1, 0], new=[1, 4, 1, 2])
     assert layout.lengths == [4, 4, 2, 2] and layout.width == 4 and layout.last == [0, 4, 5, 7]
@@ -174,36 +174,53 @@ def test_the_flat_layout_puts_each_row_after_its_cache_and_attends_row_by_row() 
         [106, 107, 108, 5],  # its cached one, then its new token (before them: padding)
         [109, 110, 6, 7],  # the prompt's 2 tokens (before them: padding)
     ]
-    # the attention, row by row, against each token's own softmax over the keys it may see
+    stacked, padding = flat.stacked()
+    assert stacked is cache and torch.equal(stacked.layers[0].keys, k)
+    assert padding.tolist() == [[1, 1, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 1, 1]]
+
+
+@pytest.mark.parametrize(
+    "cached,new",
+    [
+        ([3, 0, 1, 0], [1, 4, 1, 2]),  # rows in any order
+        ([3, 1, 0, 0], [1, 1, 4, 2]),  # the running rows first (views, not copies), prompts of two lengths
+        ([2, 1, 0, 0], [1, 1, 3, 3]),  # ... prompts of one length (none padded)
+        ([0, 0], [3, 1]),  # prompts only (a batch's first step)
+        ([2, 4], [1, 1]),  # running rows only
+    ],
+)
+def test_a_mixed_step_attends_each_token_to_its_own_row_up_to_itself(
+    cached: list[int], new: list[int]
+) -> None:
+    layout = mixed_step.Layout(cached=cached, new=new)
     generator = torch.Generator().manual_seed(0)
-    heads, d = 2, 8
+    heads, d, rows, tokens, before = 2, 8, len(cached), sum(new), max(cached)
     cache = mixed_step.DynamicCache()
     cache.update(
-        torch.randn(4, 1, 3, d, generator=generator), torch.randn(4, 1, 3, d, generator=generator), 0
+        torch.randn(rows, 1, before, d, generator=generator),
+        torch.randn(rows, 1, before, d, generator=generator),
+        0,
     )
     flat = mixed_step.FlatCache(cache, layout, "cpu")
     keys, values = flat.update(
-        torch.randn(1, 1, 8, d, generator=generator), torch.randn(1, 1, 8, d, generator=generator), 0
+        torch.randn(1, 1, tokens, d, generator=generator),
+        torch.randn(1, 1, tokens, d, generator=generator),
+        0,
     )
-    query = torch.randn(1, heads, 8, d, generator=generator)
-    module = SimpleNamespace(num_key_value_groups=heads, is_causal=True)
-    out = flat.attend(module, query, keys, values, scaling=d**-0.5)
-    assert out.shape == (1, 8, heads, d)
-    seen = {
-        0: (0, range(0, 4)),
-        1: (1, range(0, 1)),
-        2: (1, range(0, 2)),
-        3: (1, range(0, 3)),
-        4: (1, range(0, 4)),
-        5: (2, range(2, 4)),
-        6: (3, range(2, 3)),
-        7: (3, range(2, 4)),
-    }
-    for token, (row, columns) in seen.items():
-        k, v = keys[row, 0, list(columns)], values[row, 0, list(columns)]
-        for head in range(heads):
-            weights = torch.softmax(k @ query[0, head, token] * d**-0.5, dim=0)
-            assert torch.allclose(out[0, token, head], weights @ v, atol=1e-6), (token, head)
-    stacked, padding = flat.stacked()
-    assert stacked is cache and torch.equal(stacked.layers[0].keys, keys)
-    assert padding.tolist() == [[1, 1, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 1, 1]]
+    query = torch.randn(1, heads, tokens, d, generator=generator)
+    out = flat.attend(
+        SimpleNamespace(num_key_value_groups=heads, is_causal=True), query, keys, values, scaling=d**-0.5
+    )
+    assert out.shape == (1, tokens, heads, d)
+    token = 0
+    for row, (c, n) in enumerate(zip(cached, new, strict=True)):
+        start = layout.width - c - n  # the row's first column after the step
+        for i in range(n):
+            seen = list(
+                range(start, layout.width - n + i + 1)
+            )  # its cached tokens, its new ones up to this one
+            k, v = keys[row, 0, seen], values[row, 0, seen]
+            for head in range(heads):
+                weights = torch.softmax(k @ query[0, head, token] * d**-0.5, dim=0)
+                assert torch.allclose(out[0, token, head], weights @ v, atol=1e-6), (token, head)
+            token += 1

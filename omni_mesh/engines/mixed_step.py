@@ -126,6 +126,10 @@ class FlatCache:
         # causal within each prompt, its padding hidden; a padding place sees what is before it (no empty row)
         query, key, start = at[None, :, None], at[None, None, :], padded[:, None, None]
         self.joining_mask = ((key <= query) & ((key >= start) | (query < start)))[:, None]
+        # the usual order (the batch's rows run first, the prompts that join come after them): the
+        # attention takes its rows and tokens as views, not copies
+        self.ordered = running == list(range(len(running)))
+        self.uniform = all(layout.new[b] == longest for b in joining)  # no prompt padded
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def update(
@@ -155,6 +159,30 @@ class FlatCache:
     ) -> torch.Tensor:
         """The attention of the step's tokens (`query` [1, heads, T, d]; `keys`, `values` from `update`),
         row by row: [1, T, heads, d], as transformers' SDPA attention returns it."""
+        if not self.ordered:
+            return self._attend_any(module, query, keys, values, **kwargs)
+        running, heads = len(self.running), query.shape[1]
+        parts = []
+        if running:  # the first tokens of the step, one a row
+            q = query[0, :, :running].transpose(0, 1)[:, :, None]  # [R, heads, 1, d]
+            done, _ = sdpa_attention_forward(
+                module, q, keys[:running], values[:running], self.running_mask, **kwargs
+            )
+            parts.append(done[:, 0])
+        if len(self.joining):
+            q = query[0, :, running:] if self.uniform else query[0][:, self.joining_places]
+            q = q.reshape(heads, len(self.joining), self.longest, -1).transpose(0, 1)
+            k, v = keys[running:, :, -self.longest :], values[running:, :, -self.longest :]
+            done, _ = sdpa_attention_forward(
+                module, q, k, v, self.joining_mask, **kwargs
+            )  # [J, longest, heads, d]
+            parts.append(done.flatten(0, 1) if self.uniform else done.flatten(0, 1)[self.joining_held])
+        return (torch.cat(parts) if len(parts) > 1 else parts[0])[None]
+
+    def _attend_any(
+        self, module: Any, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, **kwargs: Any
+    ) -> torch.Tensor:
+        """`attend` for rows in any order (a prefilled prompt's row after one that joins unprefilled)."""
         out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, d]
         if len(self.running):
             q = query[0][:, self.running_tokens].transpose(0, 1)[:, :, None]  # [R, heads, 1, d]
@@ -162,16 +190,10 @@ class FlatCache:
             done, _ = sdpa_attention_forward(module, q, k, v, self.running_mask, **kwargs)
             out[self.running_tokens] = done[:, 0]
         if len(self.joining):
-            q = (
-                query[0][:, self.joining_places]
-                .reshape(query.shape[1], len(self.joining), self.longest, -1)
-                .transpose(0, 1)
-            )
+            q = query[0][:, self.joining_places].reshape(query.shape[1], len(self.joining), self.longest, -1)
             k = keys.index_select(0, self.joining)[:, :, -self.longest :]
             v = values.index_select(0, self.joining)[:, :, -self.longest :]
-            done, _ = sdpa_attention_forward(
-                module, q, k, v, self.joining_mask, **kwargs
-            )  # [J, longest, heads, d]
+            done, _ = sdpa_attention_forward(module, q.transpose(0, 1), k, v, self.joining_mask, **kwargs)
             out[self.joining_tokens] = done.flatten(0, 1)[self.joining_held]
         return out[None]
 

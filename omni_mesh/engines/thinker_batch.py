@@ -77,6 +77,7 @@ class ThinkerBatch:
         self.mask: torch.Tensor | None = None  # [B, width]: 0 over each row's left padding
         self.positions: torch.Tensor | None = None  # [rows, B, 1]: the members' next positions (theirs go stale)
         self.no_processors: set[tuple] = set()  # sampling settings that build no logits processor
+        self.empty: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # _empty's
 
     def join(self, job: Job, begun: Begun) -> tuple[Row, int | None]:
         prepared = begun.prepared
@@ -222,11 +223,13 @@ class ThinkerBatch:
         return out, self.model.lm_head(out.last_hidden_state[0, last]).to(torch.float32), last
 
     def _empty(self, device: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A cache of no tokens, per layer (a joining row's before a mixed step)."""
-        text = self.model.config.get_text_config()
-        size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        empty = torch.zeros(1, text.num_key_value_heads, 0, size, dtype=self.model.dtype, device=device)
-        return [(empty, empty)] * text.num_hidden_layers
+        """A cache of no tokens, per layer (a joining row's before a mixed step; made once: never written)."""
+        if self.empty is None or self.empty[0][0].device != torch.device(device):
+            text = self.model.config.get_text_config()
+            size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+            empty = torch.zeros(1, text.num_key_value_heads, 0, size, dtype=self.model.dtype, device=device)
+            self.empty = [(empty, empty)] * text.num_hidden_layers
+        return self.empty
 
     def _prefill(self, states: list[Sequence]) -> None:
         """The prompts of rows that joined since the last step, but their last tokens (the step feeds those),
