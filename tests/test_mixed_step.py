@@ -202,11 +202,15 @@ def test_a_mixed_step_attends_each_token_to_its_own_row_up_to_itself(
         0,
     )
     flat = mixed_step.FlatCache(cache, layout, "cpu")
-    keys, values = flat.update(
-        torch.randn(1, 1, tokens, d, generator=generator),
-        torch.randn(1, 1, tokens, d, generator=generator),
-        0,
-    )
+    flat_keys = torch.randn(1, 1, tokens, d, generator=generator)
+    old_keys = cache.layers[0].keys
+    keys, values = flat.update(flat_keys, torch.randn(1, 1, tokens, d, generator=generator), 0)
+    for row, (c, n) in enumerate(
+        zip(cached, new, strict=True)
+    ):  # each row: its cached tokens, then its new ones
+        first, width = sum(new[:row]), layout.width
+        assert torch.equal(keys[row, 0, width - n :], flat_keys[0, 0, first : first + n])
+        assert torch.equal(keys[row, 0, width - n - c : width - n], old_keys[row, 0, before - c :])
     query = torch.randn(1, heads, tokens, d, generator=generator)
     out = flat.attend(
         SimpleNamespace(num_key_value_groups=heads, is_causal=True), query, keys, values, scaling=d**-0.5

@@ -147,6 +147,21 @@ class FlatCache:
         """[rows, heads, width, d]: the rows' cached tokens (right-aligned, each to end one before the last
         column: a row with a cache gets one new token), then the new tokens in their columns."""
         width = self.width
+        if self.ordered and old is not None:  # the running rows' block, then the prompts' block
+            running, parts = len(self.running), []
+            if running:
+                cached = old[:running]
+                cached = (
+                    cached[:, :, self.before - (width - 1) :]
+                    if self.before >= width - 1
+                    else kv_stack.pad_left(cached, width - 1)
+                )
+                parts.append(torch.cat([cached, new[0, :, :running].transpose(0, 1)[:, :, None]], dim=2))
+            if len(self.joining):
+                prompts = new[0, :, running:] if self.uniform else new[0].index_select(1, self.joining_places)
+                prompts = prompts.reshape(new.shape[1], len(self.joining), self.longest, -1).transpose(0, 1)
+                parts.append(kv_stack.pad_left(prompts, width))  # a padded prompt's padding: copies, masked
+            return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
         out = new.new_zeros(self.rows, new.shape[1], width, new.shape[3])
         keep = min(self.before, width - 1)
         if old is not None and keep > 0:
