@@ -21,10 +21,22 @@ def test_one_message_keeps_the_form_it_always_had() -> None:
     assert control_parts.split([b"m", b"frame"]) == [(b"m", b"frame")]
 
 
-def test_several_messages_pair_with_their_frames() -> None:
-    messages = [(b"a", None), (b"b", b"frame b"), (b"c", None)]
+def test_several_small_messages_go_in_one_part() -> None:
+    messages = [(b"\x81a", None), (b"\x81b", b"frame b"), (b"\x81c", None)]
     parts = control_parts.join(messages)
-    assert parts == [b"a", b"", b"b", b"frame b", b"c", b""]
+    assert len(parts) == 1 and parts[0][:1] == control_parts.BUNDLE  # one send: one hand-over of the GIL
+    pairs = control_parts.split(parts)
+    assert [(bytes(m), None if f is None else bytes(f)) for m, f in pairs] == messages
+    assert control_parts.split([b"\x81a"]) == [(b"\x81a", None)]  # a lone message (a map) is no bundle
+    with pytest.raises(ValueError, match="cut short"):  # a bundle cut short is refused
+        control_parts.split([parts[0][:-3]])
+
+
+def test_several_messages_with_a_large_frame_pair_with_their_frames() -> None:
+    large = b"x" * (control_parts.BUNDLE_BYTES + 1)  # not copied into a bundle
+    messages = [(b"a", None), (b"b", large), (b"c", None)]
+    parts = control_parts.join(messages)
+    assert parts == [b"a", b"", b"b", large, b"c", b""]
     assert control_parts.split(parts) == messages
     with pytest.raises(ValueError, match="3 parts"):
         control_parts.split([b"a", b"", b"b"])
@@ -50,7 +62,11 @@ def test_messages_of_one_loop_turn_go_together_in_order() -> None:
         return socket.sent
 
     sent = asyncio.run(main())
-    assert sent == [[b"m0", b"", b"m1", b"f", b"m2", b""], [b"later"]]
+    assert [[bytes(m) for m, _ in control_parts.split(parts)] for parts in sent] == [
+        [b"m0", b"m1", b"m2"],
+        [b"later"],
+    ]
+    assert bytes(control_parts.split(sent[0])[1][1]) == b"f" and sent[1] == [b"later"]
 
 
 def test_small_plain_outputs_are_framed_on_the_loop_alike() -> None:

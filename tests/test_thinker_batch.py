@@ -20,15 +20,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from support.batch_requests import PROMPTS, REPLY_TOKENS  # noqa: E402
+from support.thinker_parts import ARCHS, alone, assert_same, ids_of, load  # noqa: E402
 
 from omni_mesh.engines.batching import Batcher  # noqa: E402
-from omni_mesh.engines.models import open_model  # noqa: E402
-from omni_mesh.engines.settings import Sampling, parse_engine  # noqa: E402
-from omni_mesh.engines.text import prompt_ids  # noqa: E402
+from omni_mesh.engines.settings import Sampling  # noqa: E402
 from omni_mesh.engines.thinker_batch import ThinkerBatch  # noqa: E402
-from omni_mesh.engines.tiny import build_tiny  # noqa: E402
-
-ROWS_ATOL = 1e-5  # the talker's input rows: batched float arithmetic (measured ~7e-7)
 
 
 @pytest.fixture(autouse=True)
@@ -36,22 +32,9 @@ def _one_thread(one_torch_thread: None) -> None:
     """One torch thread, as the stages run (tests/conftest.py)."""
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_omni", "qwen3_omni"])
+@pytest.fixture(scope="module", params=ARCHS)
 def parts(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    directory = build_tiny(request.param, tmp_path_factory.mktemp(request.param))
-    model = open_model(parse_engine({"part": "thinker", "model": str(directory)}, "test"))
-    return model, model.load("thinker")
-
-
-def ids_of(model: Any, prompt: str) -> Any:
-    return prompt_ids(model.tokenizer, {"messages": [{"role": "user", "content": prompt}]})
-
-
-def alone(model: Any, thinker: Any, prompt: str, sampling: Sampling) -> Any:
-    """The one-request path of the thinker stage (max_batch 1): seeded, then generate()."""
-    model.seed(sampling.seed)
-    with torch.no_grad():
-        return model.think(thinker, ids_of(model, prompt), sampling, None, None)
+    return load(request.param, tmp_path_factory)
 
 
 def batcher_of(model: Any, thinker: Any, max_batch: int) -> Batcher:
@@ -78,18 +61,6 @@ def batched(model: Any, thinker: Any, requests: list[tuple[str, Sampling]], batc
         return [future.result(120) for future in futures]
     finally:
         batcher.close()
-
-
-def assert_same(model: Any, one: Any, other: Any) -> None:
-    assert model.reply_ids(one).tolist() == model.reply_ids(other).tolist()
-    a, b = model.talker_payload(one), model.talker_payload(other)
-    assert a.keys() == b.keys()
-    for key, value in a.items():
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            assert value.shape == b[key].shape, key
-            assert float((value - b[key]).abs().max()) < ROWS_ATOL, key
-        else:
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(b[key])), key
 
 
 def leaving_client(

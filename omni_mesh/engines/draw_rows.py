@@ -1,4 +1,4 @@
-"""The next token of many rows of a running batch at once, each as `thinker_batch.draw` picks it alone.
+"""The next token of many rows of a running batch at once, each as `next_token.draw` picks it alone.
 
 A row's draw runs its logits processors over its own sequence, then an argmax (greedy) or a draw from its
 own generator. Called row by row, that is a few small tensor ops a row and step: at 16 rows of Qwen3's
@@ -23,7 +23,7 @@ from transformers.generation.logits_process import (
     SuppressTokensLogitsProcessor,
 )
 
-from omni_mesh.engines.thinker_batch import draw
+from omni_mesh.engines.next_token import draw
 
 
 def shared_key(processors: LogitsProcessorList, generation: dict[str, Any], greedy: bool) -> str | None:

@@ -101,7 +101,7 @@ def step_mask(mask: torch.Tensor, config: Any) -> torch.Tensor:
     the model attends through SDPA over full attention only, this is the 4-D boolean mask that comes to
     (each cached token is before the new one: only the padding is hidden), made at once. Else `mask`
     (no padding: transformers gives SDPA no mask at all)."""
-    if not _plain_sdpa(config) or bool(mask[:, 0].all()):
+    if not plain_sdpa(config) or bool(mask[:, 0].all()):
         return mask
     return mask[:, None, None, :].bool()
 
@@ -109,14 +109,14 @@ def step_mask(mask: torch.Tensor, config: Any) -> torch.Tensor:
 def prefill_mask(mask: torch.Tensor, config: Any) -> torch.Tensor:
     """As `step_mask`, for prompts left-padded into one forward over an empty cache (`mask` [rows, width]):
     causal, and the padding hidden. The tokens of a row's prompt see the same keys either way."""
-    if not _plain_sdpa(config) or bool(mask[:, 0].all()):
+    if not plain_sdpa(config) or bool(mask[:, 0].all()):
         return mask
     width = mask.shape[1]
     causal = torch.ones(width, width, dtype=torch.bool, device=mask.device).tril()
     return causal[None, None] & mask.bool()[:, None, None, :]
 
 
-def _plain_sdpa(config: Any) -> bool:
+def plain_sdpa(config: Any) -> bool:
     """Whether the model attends through SDPA, every layer over the whole context (no sliding window)."""
     text = config.get_text_config()
     if text._attn_implementation != "sdpa" or getattr(text, "use_sliding_window", False):

@@ -258,7 +258,7 @@ class Qwen2_5Omni(ModelParts):
         return prepared, lambda p, sequences, steps: thinker.output(p.input_ids, sequences, steps, p.hidden, bos)
 
     def batch_engine(self, loaded: Any, part: str) -> Any:
-        from omni_mesh.engines.thinker_batch import TalkerBatch
+        from omni_mesh.engines.talker_batch import TalkerBatch
 
         return TalkerBatch(loaded.model) if part == "talker" else super().batch_engine(loaded, part)
 

@@ -22,14 +22,10 @@ from transformers import DynamicCache, LogitsProcessorList
 
 from omni_mesh.engines.batching import Job, Row
 from omni_mesh.engines.draw_rows import draw_rows, shared_key
+from omni_mesh.engines.next_token import logits_processors
 from omni_mesh.engines.qwen3_omni import TALKER_GRID_KEYS
-from omni_mesh.engines.thinker_batch import (
-    Begun,
-    Sequence,
-    TalkerBatch,
-    ThinkerBatch,
-    logits_processors,
-)
+from omni_mesh.engines.talker_batch import TalkerBatch
+from omni_mesh.engines.thinker_batch import Begun, Sequence, ThinkerBatch
 
 
 def _ignore(item: Any) -> None:

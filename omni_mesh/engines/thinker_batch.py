@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from transformers import DynamicCache, LogitsProcessorList
 
-from omni_mesh.engines import kv_stack
+from omni_mesh.engines import kv_stack, mixed_step
 from omni_mesh.engines.batching import Job, Row
+from omni_mesh.engines.next_token import draw, logits_processors
 from omni_mesh.engines.prefill import PrefillStopped, Prepared, generation_positions, new_cache
 
 
@@ -76,6 +77,7 @@ class ThinkerBatch:
         self.mask: torch.Tensor | None = None  # [B, width]: 0 over each row's left padding
         self.positions: torch.Tensor | None = None  # [rows, B, 1]: the members' next positions (theirs go stale)
         self.no_processors: set[tuple] = set()  # sampling settings that build no logits processor
+        self.empty: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # _empty's
 
     def join(self, job: Job, begun: Begun) -> tuple[Row, int | None]:
         prepared = begun.prepared
@@ -133,8 +135,9 @@ class ThinkerBatch:
 
     def step(self, rows: list[Row]) -> list[int]:
         states: list[Sequence] = [row.state for row in rows]
+        mixed = None
         if fresh := [s for s in states if s.fresh]:
-            self._prefill(fresh)
+            mixed = self._enter(states, fresh)  # the prompts go with this step's forward, or in one of their own
         changed = len(states) != len(self.members) or any(a is not b for a, b in zip(states, self.members, strict=True))
         if changed and self.positions is not None:  # the rows that stay take their positions from the batch's
             for i, member in enumerate(self.members):
@@ -142,14 +145,18 @@ class ThinkerBatch:
         self._restack(states)
         assert self.cache is not None and self.mask is not None
         device = self.mask.device
-        tokens = torch.tensor([[s.fed] for s in states], device=device)
         if changed or self.positions is None:  # [rows, B, 1]; else last step's, one on
             self.positions = torch.stack([s.position for s in states], dim=1)
         positions = self.positions
-        self.mask = torch.cat([self.mask, self.mask.new_ones(len(states), 1)], dim=1)
-        out, logits = self._forward(states, tokens, positions)
+        if mixed is not None:
+            out, logits, last = self._mixed(states, mixed, positions)
+            hidden = [out.hidden_states[layer][0, last].unsqueeze(1).split(1) for layer in self.layers]
+        else:
+            tokens = torch.tensor([[s.fed] for s in states], device=device)
+            self.mask = torch.cat([self.mask, self.mask.new_ones(len(states), 1)], dim=1)
+            out, logits = self._forward(states, tokens, positions)
+            hidden = [out.hidden_states[layer].split(1) for layer in self.layers]  # per layer, each row's view
         self.positions = positions + 1
-        hidden = [out.hidden_states[layer].split(1) for layer in self.layers]  # per layer, each row's view
         # greedy rows without processors (generate()'s plain argmax): one argmax for all of them
         plain = [i for i, state in enumerate(states) if state.greedy and not state.processors]
         best = dict(zip(plain, logits[plain].argmax(dim=-1).tolist(), strict=True)) if plain else {}
@@ -166,6 +173,63 @@ class ThinkerBatch:
             else:
                 picked.append(self._pick(state, logits[i : i + 1]))
         return picked
+
+    def _enter(self, states: list[Sequence], fresh: list[Sequence]) -> tuple[mixed_step.Layout, list[torch.Tensor]] | None:
+        """The rows that joined since the last step with their prompts yet to prefill: with this step's
+        forward where it may take them (mixed_step: each enters the batch with an empty cache), then the
+        step's layout and each one's whole prompt positions [4, 1, P]; else prefilled now (None)."""
+        layout = mixed_step.Layout([0 if s.fresh else s.length for s in states],
+                                   [int(s.sequence.shape[1]) if s.fresh else 1 for s in states])
+        if not mixed_step.fits(layout, self.model.config):
+            self._prefill(fresh)
+            return None
+        whole = [generation_positions(self.model, s.sequence) for s in fresh]
+        for s, positions in zip(fresh, whole, strict=True):
+            s.kv, s.length, s.position = self._empty(s.sequence.device), 0, positions[:, 0, -1:].clone()
+        return layout, whole
+
+    def _mixed(self, states: list[Sequence], mixed: tuple[mixed_step.Layout, list[torch.Tensor]],
+               positions: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """One forward for the joining prompts whole and the other rows' fed tokens (mixed_step): the model's
+        output, the float32 logits [B, V], each row's last token's index in the step's sequence. A joining
+        row keeps its cache in the batch's and, where its output reads them, the prompt's hidden states but
+        the last token's (as `_prefill`)."""
+        layout, whole = mixed
+        joining = iter(whole)
+        device = self.mask.device if self.mask is not None else states[0].sequence.device
+        ids: list[int] = []
+        places, starts = [], []
+        for i, s in enumerate(states):
+            starts.append(len(ids))
+            if s.fresh:
+                ids.extend(s.sequence[0].tolist())
+                places.append(next(joining)[:, 0])
+            else:
+                ids.append(s.fed)
+                places.append(positions[:, i])
+        flat = mixed_step.FlatCache(self.cache, layout, device)  # type: ignore[arg-type]
+        with mixed_step.mixed(self.model.config.get_text_config(), flat):
+            out = self.model.model(input_ids=torch.tensor([ids], device=device), position_ids=torch.cat(places, dim=1)[:, None],
+                                   cache=flat, use_cache=True, output_hidden_states=bool(self.layers))
+        self.cache, self.mask = flat.stacked()
+        last = torch.tensor(layout.last, device=device)
+        for s, start in zip(states, starts, strict=True):
+            if not s.fresh:
+                continue
+            size = int(s.sequence.shape[1])
+            s.length, s.fresh = size - 1, False
+            if s.begun.prepared.kwargs.get("output_hidden_states"):
+                s.begun.prepared.hidden = [out.hidden_states[layer][:, start : start + size - 1] for layer in self.layers]
+        return out, self.model.lm_head(out.last_hidden_state[0, last]).to(torch.float32), last
+
+    def _empty(self, device: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A cache of no tokens, per layer (a joining row's before a mixed step; made once: never written)."""
+        if self.empty is None or self.empty[0][0].device != torch.device(device):
+            text = self.model.config.get_text_config()
+            size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+            empty = torch.zeros(1, text.num_key_value_heads, 0, size, dtype=self.model.dtype, device=device)
+            self.empty = [(empty, empty)] * text.num_hidden_layers
+        return self.empty
 
     def _prefill(self, states: list[Sequence]) -> None:
         """The prompts of rows that joined since the last step, but their last tokens (the step feeds those),
@@ -323,63 +387,9 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
-def draw(processors: LogitsProcessorList, sequence: torch.Tensor, logits: torch.Tensor, greedy: bool,
-         generator: torch.Generator | None) -> torch.Tensor:
-    """`sequence` [1, n] with the next token as generate() picks it: its processors over the sequence so
-    far, then argmax or a draw (from the request's own generator when it is seeded)."""
-    scores = processors(sequence, logits)
-    if greedy:
-        token = torch.argmax(scores, dim=-1)
-    else:
-        probs = torch.nn.functional.softmax(scores, dim=-1)
-        token = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
-    return torch.cat([sequence, token[:, None].to(sequence.dtype)], dim=-1)
-
-
-def logits_processors(model: Any, generation: dict[str, Any], input_ids: torch.Tensor) -> LogitsProcessorList:
-    """The logits processors generate() builds for one request (the model's generation_config, the
-    request's sampling `generation`; generate()'s private helpers, so the two paths cannot drift apart)."""
-    kwargs = dict(generation)
-    custom = kwargs.pop("logits_processor", None)
-    config, _ = model._prepare_generation_config(None, **kwargs)
-    model._prepare_special_tokens(config, True, device=input_ids.device, batch_size=1)
-    return model._get_logits_processor(
-        generation_config=config, input_ids_seq_length=int(input_ids.shape[1]), encoder_input_ids=input_ids,
-        logits_processor=custom, device=input_ids.device, model_kwargs={},
-    )
-
-
 class _NoLock:
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, *exc: Any) -> None:
         return None
-
-
-class TalkerBatch(ThinkerBatch):
-    """`batching.Engine` over Qwen2.5-Omni's talker: each step feeds a row its last code's embedding plus
-    its next thinker reply row (`prepared.extra["reply_part"]`, the last one repeated once they run out),
-    as the talker's forward does for one request; positions from the cache length, as generate() leaves
-    them (it gives the talker no attention mask)."""
-
-    position_rows = 3
-    direct_first_step = False  # its inputs are the thinker's rows: generate() builds them
-
-    def _rope_delta(self) -> int:
-        delta = getattr(self.model, "rope_deltas", None)
-        return 0 if delta is None else int(delta.reshape(-1)[0])
-
-    def _forward(self, states: list[Sequence], tokens: torch.Tensor, positions: torch.Tensor) -> tuple[Any, torch.Tensor]:
-        model = self.model
-        rows = []
-        for s in states:
-            part = s.begun.prepared.extra["reply_part"]
-            fed = int(s.sequence.shape[1] - s.begun.prepared.input_ids.shape[1]) - 1  # decode steps before this one
-            rows.append(part[:, min(fed, part.shape[1] - 1)])
-        embeds = model.get_input_embeddings()(tokens) + torch.stack(rows)
-        out = model.model(
-            inputs_embeds=model.thinker_to_talker_proj(embeds), position_ids=positions, attention_mask=self.mask,
-            cache=self.cache, use_cache=True,
-        )
-        return out, model.codec_head(out.last_hidden_state[:, -1]).to(torch.float32)

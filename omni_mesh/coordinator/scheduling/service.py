@@ -209,8 +209,9 @@ class Coordinator:
             for raw, frame in messages:
                 output = None
                 try:
-                    output = frame.buffer if frame is not None else None
-                    self._handle(identity, control.unpack(raw.bytes), output)
+                    # zmq Frames, or views into a bundle of several (control_parts)
+                    output = frame.buffer if isinstance(frame, zmq.Frame) else frame
+                    self._handle(identity, control.unpack(raw.bytes if isinstance(raw, zmq.Frame) else raw), output)
                 except control.MalformedMessage as exc:
                     self._unreadable(identity, exc)
                 except Exception:
