@@ -85,10 +85,9 @@ class FlatCache:
         running = [b for b, c in enumerate(layout.cached) if c > 0]
         joining = [b for b, c in enumerate(layout.cached) if c == 0]
         self.longest = longest = max((layout.new[b] for b in joining), default=0)
-        places, held = (
-            [],
-            [],
-        )  # the joining prompts left-padded to the longest: the step's token at each place
+        # the joining prompts left-padded to the longest: the step's token at each place, and those held
+        places: list[int] = []
+        held: list[int] = []
         for b in joining:
             first, size = last[b] - layout.new[b] + 1, layout.new[b]
             places.extend([first] * (longest - size) + list(range(first, first + size)))

@@ -138,7 +138,7 @@ class ThinkerBatch:
         mixed = None
         if fresh := [s for s in states if s.fresh]:
             mixed = self._enter(states, fresh)  # the prompts go with this step's forward, or in one of their own
-        changed = len(states) != len(self.members) or any(a is not b for a, b in zip(states, self.members, strict=True))
+        changed = self._rows_changed(states)
         if changed and self.positions is not None:  # the rows that stay take their positions from the batch's
             for i, member in enumerate(self.members):
                 member.position = self.positions[:, i]
@@ -331,10 +331,14 @@ class ThinkerBatch:
             self.no_processors.add(key)
         return processors
 
+    def _rows_changed(self, states: list[Sequence]) -> bool:
+        """Whether `states` are not the rows stacked in the batch, in their order (one joined or left)."""
+        return len(states) != len(self.members) or any(a is not b for a, b in zip(states, self.members, strict=True))
+
     def _restack(self, states: list[Sequence]) -> None:
         """The batch's cache stacked anew when its rows are not the ones stacked (a row joined or left):
         changed in place where the rows that stay lead in their order (omni_mesh.engines.kv_stack)."""
-        if len(states) == len(self.members) and all(a is b for a, b in zip(states, self.members, strict=True)):
+        if not self._rows_changed(states):
             return
         index = {id(member): i for i, member in enumerate(self.members)}
         keep = [index[id(s)] for s in states if s.kv is None and id(s) in index]
