@@ -7,6 +7,7 @@ PayloadTooLarge, a pool with no room in time ConnectorFull. A failed put still a
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,8 @@ from omni_mesh.connectors import (
     PayloadTooLarge,
     create_connector,
 )
+from omni_mesh.connectors.mooncake import errors
+from omni_mesh.connectors.mooncake.probes import MasterWatch
 from omni_mesh.local_services.mooncake_master import MooncakeMaster
 from omni_mesh.ports import free_port
 
@@ -60,14 +63,31 @@ def test_a_master_that_went_away_is_connector_unavailable_for_put_and_get(master
     try:
         _, _, metadata = connector.put("a", "b", "held/0", torch.ones(1024))
         master.stop()
-        started = time.monotonic()
         with pytest.raises(ConnectorUnavailable, match=r"'after/0'.*RPC_FAIL|RPC_FAIL.*'after/0'"):
-            connector.put_or_raise("a", "b", "after/0", torch.ones(1024))
-        with pytest.raises(ConnectorUnavailable, match=r"'held/0' on edge a->b.*RPC_FAIL"):
-            connector.get("a", "b", "held/0", None)  # the size is asked of the master first
-        assert time.monotonic() - started < 5  # the client does not retry for long
+            connector.put_or_raise("a", "b", "after/0", torch.ones(1024))  # the client's own retries: 0-4.5 s
+        started = time.monotonic()
+        for _ in range(3):  # each would spend about 4.4 s in the client's retries; a refused knock is quick
+            with pytest.raises(ConnectorUnavailable, match=r"'held/0' on edge a->b.*cannot reach.*RPC_FAIL"):
+                connector.get("a", "b", "held/0", None)
+        assert time.monotonic() - started < 2
     finally:
         connector.close()  # 10-20 s: the client tries to unmount its segment from the gone master
+
+
+def test_the_master_watch_knocks_only_after_a_failure_and_lets_calls_through_once_the_port_answers() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    watch = MasterWatch(address, STORE, timeout_s=0.5)
+    watch.check("get of key 'k/0' on edge a->b")  # no failure seen: no knock
+    watch.failed(errors.OBJECT_NOT_FOUND, errors.MASTER_UNREACHABLE)  # not the master's absence
+    listener.close()
+    watch.check("get of key 'k/0' on edge a->b")
+    watch.failed(errors.RPC_FAIL, errors.MASTER_UNREACHABLE)
+    with pytest.raises(ConnectorUnavailable, match=rf"'k/0' on edge a->b.*{address}.*RPC_FAIL"):
+        watch.check("get of key 'k/0' on edge a->b")
+    with socket.create_server(("127.0.0.1", int(address.rsplit(":", 1)[1]))):  # the master is back
+        watch.check("get of key 'k/0' on edge a->b")
+    watch.check("get of key 'k/0' on edge a->b")  # cleared: no knock on the closed port
 
 
 def test_a_store_put_past_localbuf_is_payload_too_large(master) -> None:

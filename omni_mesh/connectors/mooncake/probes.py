@@ -4,6 +4,7 @@ the backend would retry for minutes."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 import urllib.parse
 
@@ -37,3 +38,33 @@ def probe_metadata_server(metadata_server: str, timeout_s: float, owner: str) ->
         "metadata server",
         f"start it or fix metadata_server ({metadata_server!r}), or use P2PHANDSHAKE",
     )
+
+
+class MasterWatch:
+    """Once the master has failed to answer (RPC_FAIL, RPC_TIMEOUT), each later call first knocks on its
+    port: the store client spends about 4.4 s in its own retries on every call to a gone master, and a
+    refused connect takes microseconds. The first knock that is answered lets calls through again."""
+
+    def __init__(self, address: str, owner: str, timeout_s: float) -> None:
+        self.address, self._owner, self._timeout_s = address, owner, timeout_s
+        self._lock = threading.Lock()
+        self._failed_at: float | None = None
+
+    def failed(self, rc: int, unreachable: tuple[int, ...]) -> None:
+        if rc in unreachable:
+            with self._lock:
+                self._failed_at = time.monotonic()
+
+    def check(self, what: str) -> None:
+        """Raise ConnectorUnavailable naming `what` while the failed master's port stays closed."""
+        failed_at = self._failed_at
+        if failed_at is None:
+            return
+        try:
+            probe_tcp(self.address, self._timeout_s, self._owner, "Mooncake master", "is it running?")
+        except ConnectorUnavailable as exc:
+            ago = time.monotonic() - failed_at
+            raise ConnectorUnavailable(f"{what}: {exc} (RPC_FAIL {ago:.1f}s ago)") from None
+        with self._lock:
+            if self._failed_at == failed_at:
+                self._failed_at = None

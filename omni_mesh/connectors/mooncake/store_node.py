@@ -27,7 +27,7 @@ from omni_mesh.connectors.counters import Counters
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorError, ConnectorUnavailable
 from omni_mesh.connectors.mooncake import errors
 from omni_mesh.connectors.mooncake.loading import import_mooncake
-from omni_mesh.connectors.mooncake.probes import probe_metadata_server, probe_tcp
+from omni_mesh.connectors.mooncake.probes import MasterWatch, probe_metadata_server, probe_tcp
 from omni_mesh.connectors.pools.registered import PoolErrors, RegisteredPool, pool_status
 
 OWNER = "MooncakeStoreConnector"
@@ -57,6 +57,7 @@ class StoreNode:
             "start `mooncake_master` there or fix `master` in the connector's extra",
         )
         probe_metadata_server(cfg.metadata_server, cfg.master_connect_timeout_s, OWNER)
+        self._master = MasterWatch(cfg.master, OWNER, min(0.5, cfg.master_connect_timeout_s))
         self._lock = threading.Lock()
         self._closed = False
         self._stop = threading.Event()
@@ -113,7 +114,7 @@ class StoreNode:
         finally:
             pool.free(offset)
         if rc != 0:
-            raise errors.store_error(rc, f"put of {where} ({size} bytes)")
+            raise self._store_error(rc, f"put of {where} ({size} bytes)")
         with self._lock:
             self._owned[key] = _Owned(put_key, time.monotonic() + self.cfg.ttl_s)
         self.counters.add_many(puts=1, bytes_put=size)
@@ -161,7 +162,7 @@ class StoreNode:
                     raise ConnectorError(
                         f"{OWNER}: get of {where} read {got} of {length} bytes (store key {key!r})"
                     )
-                raise errors.store_error(got, f"{OWNER}: get of {where} (store key {key!r})")
+                raise self._store_error(got, f"{OWNER}: get of {where} (store key {key!r})")
             if asked:  # removed between the size and the read: consumed by another getter
                 return None
             length, asked = self._size_of(store, key, where), True
@@ -174,7 +175,7 @@ class StoreNode:
             return size
         if size not in (0, errors.OBJECT_NOT_FOUND):
             self.counters.add("errors")
-            raise errors.store_error(size, f"{OWNER}: get of {where}: the size of store key {key!r}")
+            raise self._store_error(size, f"{OWNER}: get of {where}: the size of store key {key!r}")
         return None
 
     # ------------------------------------------------------------------ reclaim and lifecycle
@@ -220,7 +221,12 @@ class StoreNode:
         store, pool = self._store, self._pool
         if self._closed or store is None or pool is None:
             raise ConnectorClosed(f"{OWNER} is closed ({what})")
+        self._master.check(f"{OWNER}: {what}")
         return store, pool
+
+    def _store_error(self, rc: int, what: str) -> ConnectorError:
+        self._master.failed(rc, errors.MASTER_UNREACHABLE)
+        return errors.store_error(rc, what)
 
     def health(self) -> dict:
         counters = self.counters.snapshot()
