@@ -23,12 +23,6 @@ log = logging.getLogger("omni_mesh.stage")
 
 #: How long a replica that has drained and closed waits for its threads before it exits anyway.
 EXIT_GRACE_S = 3.0
-#: The interpreter's switch interval in a replica's process (CPython's default: 5 ms). The event loop
-#: and the handler's model threads (a running batch, a generate()) hand the GIL back and forth for every
-#: step and token; a thread that wants it waits until the holder's Python has run this long, so at 5 ms
-#: a step's tokens waited on the model's layers, and the next step on the loop's sends. The figures:
-#: docs/benchmarks.md (`bench thinker`).
-SWITCH_INTERVAL_S = 0.0002
 
 
 class StartFailed(Exception):
@@ -59,7 +53,6 @@ def main_stage(topology: Topology, stage_name: str, coordinator: str, **options:
         level=logging.INFO, format=f"%(asctime)s {stage_name} %(levelname)s %(message)s", stream=sys.stderr
     )
     raise_nofile_limit()
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         aio.run(serve_stage(topology, stage_name, coordinator, **options))
     except StartFailed as exc:
