@@ -79,15 +79,18 @@ def test_the_master_watch_knocks_only_after_a_failure_and_lets_calls_through_onc
     address = f"127.0.0.1:{listener.getsockname()[1]}"
     watch = MasterWatch(address, STORE, timeout_s=0.5)
     watch.check("get of key 'k/0' on edge a->b")  # no failure seen: no knock
-    watch.failed(errors.OBJECT_NOT_FOUND, errors.MASTER_UNREACHABLE)  # not the master's absence
+    watch.failed(errors.OBJECT_NOT_FOUND)  # not the master's absence
     listener.close()
     watch.check("get of key 'k/0' on edge a->b")
-    watch.failed(errors.RPC_FAIL, errors.MASTER_UNREACHABLE)
+    watch.failed(errors.RPC_FAIL)
     with pytest.raises(ConnectorUnavailable, match=rf"'k/0' on edge a->b.*{address}.*RPC_FAIL"):
         watch.check("get of key 'k/0' on edge a->b")
     with socket.create_server(("127.0.0.1", int(address.rsplit(":", 1)[1]))):  # the master is back
         watch.check("get of key 'k/0' on edge a->b")
     watch.check("get of key 'k/0' on edge a->b")  # cleared: no knock on the closed port
+    watch.failed(errors.RPC_TIMEOUT)
+    with pytest.raises(ConnectorUnavailable, match=r"'k/0' on edge a->b.*RPC_TIMEOUT"):
+        watch.check("get of key 'k/0' on edge a->b")
 
 
 def test_a_store_put_past_localbuf_is_payload_too_large(master) -> None:

@@ -25,7 +25,8 @@ TRANSFER_FAIL = -800
 RPC_FAIL = -900  # the master cannot be reached
 RPC_TIMEOUT = -901
 TENANT_QUOTA_EXCEEDED = -1700
-MASTER_UNREACHABLE = (RPC_FAIL, RPC_TIMEOUT)
+#: The codes that say the master did not answer (mooncake.probes.MasterWatch), by name.
+MASTER_UNREACHABLE = {RPC_FAIL: "RPC_FAIL", RPC_TIMEOUT: "RPC_TIMEOUT"}
 
 # code -> (kind, name, what to do). Any other code is a plain ConnectorError.
 _STORE: dict[int, tuple[type[ConnectorError], str, str]] = {

@@ -10,6 +10,7 @@ import urllib.parse
 
 from omni_mesh.connectors.config.checks import split_address
 from omni_mesh.connectors.errors import ConnectorUnavailable
+from omni_mesh.connectors.mooncake.errors import MASTER_UNREACHABLE
 
 
 def probe_tcp(address: str, timeout_s: float, owner: str, what: str, fix: str) -> None:
@@ -48,23 +49,25 @@ class MasterWatch:
     def __init__(self, address: str, owner: str, timeout_s: float) -> None:
         self.address, self._owner, self._timeout_s = address, owner, timeout_s
         self._lock = threading.Lock()
-        self._failed_at: float | None = None
+        self._failed: tuple[float, str] | None = None  # when the master last failed to answer, and how
 
-    def failed(self, rc: int, unreachable: tuple[int, ...]) -> None:
-        if rc in unreachable:
+    def failed(self, rc: int) -> None:
+        """A call answered `rc`: the knocks start when it says the master did not answer."""
+        if rc in MASTER_UNREACHABLE:
             with self._lock:
-                self._failed_at = time.monotonic()
+                self._failed = (time.monotonic(), MASTER_UNREACHABLE[rc])
 
     def check(self, what: str) -> None:
         """Raise ConnectorUnavailable naming `what` while the failed master's port stays closed."""
-        failed_at = self._failed_at
-        if failed_at is None:
+        failed = self._failed
+        if failed is None:
             return
         try:
             probe_tcp(self.address, self._timeout_s, self._owner, "Mooncake master", "is it running?")
         except ConnectorUnavailable as exc:
-            ago = time.monotonic() - failed_at
-            raise ConnectorUnavailable(f"{what}: {exc} (RPC_FAIL {ago:.1f}s ago)") from None
+            raise ConnectorUnavailable(
+                f"{what}: {exc} ({failed[1]} {time.monotonic() - failed[0]:.1f}s ago)"
+            ) from None
         with self._lock:
-            if self._failed_at == failed_at:
-                self._failed_at = None
+            if self._failed is failed:  # no newer failure came meanwhile
+                self._failed = None

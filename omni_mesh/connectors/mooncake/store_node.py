@@ -225,7 +225,7 @@ class StoreNode:
         return store, pool
 
     def _store_error(self, rc: int, what: str) -> ConnectorError:
-        self._master.failed(rc, errors.MASTER_UNREACHABLE)
+        self._master.failed(rc)
         return errors.store_error(rc, what)
 
     def health(self) -> dict:
