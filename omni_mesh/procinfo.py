@@ -4,9 +4,18 @@ tests. Linux only, as the rest of the mesh."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
-from omni_mesh.children import die_with_parent as die_with_parent  # the one prctl, re-exported
+
+def dying_with_this_thread(argv: list[str]) -> list[str]:
+    """`argv` run under util-linux's `setpriv --pdeathsig`: it gets SIGTERM when the thread that
+    starts it goes. For programs that are not ours (dockerd, `ip netns exec`); ours take
+    `children.PARENT_PID_ENV`. Not a `preexec_fn`: Python in a forked child can hang (children.py)."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        raise RuntimeError("setpriv is missing: it comes with util-linux (`apt-get install -y util-linux`)")
+    return [setpriv, "--pdeathsig", "TERM", "--", *argv]
 
 
 def stat_fields(pid: int) -> list[str] | None:

@@ -12,7 +12,6 @@ which host runs which stage.
 from __future__ import annotations
 
 import base64
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -345,7 +344,7 @@ def test_k8s_export_with_keys_writes_a_file_only_its_owner_reads(tmp_path: Path,
 def test_keys_generate_writes_the_secret_key_0600_whatever_the_umask(tmp_path: Path) -> None:
     result = subprocess.run(
         [str(OMNI_MESH), "keys", "generate", str(tmp_path / "keys")],
-        capture_output=True, text=True, timeout=60, preexec_fn=lambda: os.umask(0),
+        capture_output=True, text=True, timeout=60, umask=0,
     )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "keys" / "mesh.key_secret").stat().st_mode & 0o777 == 0o600

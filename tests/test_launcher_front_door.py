@@ -14,9 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.meshkit import OMNI_MESH, Mesh, running_mesh, up_command, write_topology
+from support.meshkit import OMNI_MESH, Mesh, running_mesh, start_mesh, up_command, wait_for, write_topology
 
 from omni_mesh import __version__
+from omni_mesh.children import EXIT_ORPHANED, PARENT_PID_ENV
 from omni_mesh.connectors.shm.segments import owner_of
 from omni_mesh.launcher import Launcher
 from omni_mesh.ports import free_port
@@ -116,6 +117,60 @@ def test_a_crash_looping_replica_is_given_up_on_with_a_clear_message(tmp_path: P
         launcher.coordinator.process.wait()
     assert crasher.given_up and crasher.restarts == 2
     assert any("giving up on a-0" in r.message and "exited with status 3" in r.message for r in caplog.records)
+
+
+def test_a_launcher_killed_outright_takes_its_children_with_it(tmp_path: Path) -> None:
+    """SIGKILL gives `up` no chance to stop anything: its coordinator and replicas go by their
+    parent-death signal, and as they stop on SIGTERM they remove their segments."""
+    mesh = start_mesh(tmp_path, {**TOPOLOGY, "stages": [{**TOPOLOGY["stages"][0], "replicas": 2}]})
+    try:
+        assert mesh.client.post("/v1/requests", json={"inputs": {"n": 1 << 16}}).status_code == 200
+        mesh.remember_tree()
+        assert len(mesh.alive()) >= 4  # the launcher, the coordinator, two replicas
+        mesh.process.kill()
+        mesh.process.wait(10)
+        wait_for(lambda: not mesh.alive(), 15.0, "the mesh's processes to exit after their launcher's SIGKILL")
+        assert mesh.our_segments() == []
+    finally:
+        mesh.kill()
+
+
+_FORK_HOOK_THAT_HANGS = """
+import os, sys, threading, time
+from omni_mesh.children import Child
+
+held, hold = threading.Event(), threading.Lock()
+os.register_at_fork(after_in_child=hold.acquire)  # as a library's hook that wants its lock back
+
+
+def keep_it() -> None:
+    with hold:
+        held.set()
+        time.sleep(120)
+
+
+threading.Thread(target=keep_it, daemon=True).start()
+held.wait()
+child = Child("c", [sys.executable, "-c", "pass"])
+child.start()
+print(child.process.wait(timeout=30))
+"""
+
+
+def test_a_child_starts_while_another_thread_holds_a_lock_a_fork_hook_wants() -> None:
+    """No Python runs in a child before exec: a library's fork hook (huggingface_hub's, filelock's)
+    that waits for a lock some other thread held at the fork cannot hang the launcher's restarts.
+    (With a `preexec_fn` it did: a restart in CI waited 300 s on a child that never reached exec.)"""
+    result = subprocess.run([sys.executable, "-c", _FORK_HOOK_THAT_HANGS], capture_output=True, text=True, timeout=20)
+    assert result.returncode == 0 and result.stdout.strip() == "0", result.stderr
+
+
+def test_a_child_whose_launcher_went_before_it_asked_to_die_with_it_exits() -> None:
+    """The window between exec and the child's own prctl: a launcher gone by then is noticed."""
+    not_its_parent = {**os.environ, PARENT_PID_ENV: "1"}
+    result = subprocess.run([sys.executable, "-m", "omni_mesh", "--version"], env=not_its_parent,
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == EXIT_ORPHANED and "the launcher (pid 1) is gone" in result.stderr, result
 
 
 def test_a_crash_looping_coordinator_stops_the_launcher(tmp_path: Path) -> None:

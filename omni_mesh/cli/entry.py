@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from omni_mesh.children import adopt_parent_death_signal
 from omni_mesh.cli import bench, export, keys, models, schema, serve, services, status, validate
 from omni_mesh.cli.common import EXIT_OK, EXIT_USAGE, CliError, Command, Declare, HelpWithDefaults
 from omni_mesh.defaults import COORDINATOR_ID_ENV
@@ -74,6 +75,7 @@ def _service_name(args: argparse.Namespace) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    adopt_parent_death_signal()  # first: a launcher killed outright must not leave this process behind
     parser = _build_parser()
     args = parser.parse_args(argv)
     if args.command is None:  # bare `omni-mesh`: show what there is to run

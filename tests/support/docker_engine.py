@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from omni_mesh.procinfo import die_with_parent
+from omni_mesh.procinfo import dying_with_this_thread
 from support.meshkit import wait_for
 
 CACHE = Path(os.environ.get("OMNI_MESH_TEST_CACHE", "/var/cache/omni-mesh-test"))
@@ -161,19 +161,18 @@ def _start_dockerd(log_dir: Path) -> Engine:
     log_dir.mkdir(parents=True, exist_ok=True)
     with open(log_dir / "dockerd.log", "ab") as log:
         process = subprocess.Popen(
-            [
+            dying_with_this_thread([  # the engine goes when this test process does
                 dockerd,
                 *DOCKERD_FLAGS,
                 f"--data-root={data_root}",
                 f"--exec-root={exec_root}",
                 f"--pidfile={exec_root}/docker.pid",
                 f"--host={host}",
-            ],
+            ]),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=die_with_parent,  # the engine goes when this test process does
         )
     (CACHE / "dockerd.pid").write_text(f"{process.pid}\n")
     engine = Engine(host, process)

@@ -27,7 +27,7 @@ import yaml
 
 from omni_mesh.connectors.shm.segments import ENV_DIR, PREFIX, owner_of, process_start_time, shm_dir
 from omni_mesh.ports import free_port, taken_since
-from omni_mesh.procinfo import descendants, die_with_parent
+from omni_mesh.procinfo import descendants, dying_with_this_thread
 
 HANDLERS = Path(__file__).with_name("mesh_handlers.py")
 OMNI_MESH = Path(sys.executable).with_name("omni-mesh")  # the console script next to this venv's python
@@ -310,13 +310,12 @@ def start_command(
         port = free_port()
         with log.open("wb") as out:
             process = subprocess.Popen(
-                command(port),
+                dying_with_this_thread(command(port)),
                 env={**os.environ, **env} if env else None,
                 cwd=directory,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                preexec_fn=die_with_parent,
             )
         mesh = Mesh(process, f"{scheme}://127.0.0.1:{port}", topology, log, headers=headers, verify=verify,
                     given_shm_dir=(env or {}).get("OMNI_MESH_SHM_DIR"))

@@ -41,7 +41,7 @@ from omni_mesh.connectors.shm.segments import (
     reap_orphaned_segments,
     shm_dir,
 )
-from omni_mesh.procinfo import descendants, die_with_parent
+from omni_mesh.procinfo import descendants, dying_with_this_thread
 from omni_mesh.security import ENV_KEYS_DIR, MeshKeys
 from support.meshkit import wait_for
 
@@ -126,14 +126,13 @@ class Services:
         environment = {**os.environ, "PYTHONUNBUFFERED": "1", **keys, **(env or {})}
         with log_path.open("ab") as log:
             process = subprocess.Popen(
-                [*wrap, *argv],
+                dying_with_this_thread([*wrap, *argv]),
                 cwd=cwd or self.directory,
                 env=environment,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # signals reach it only from us
-                preexec_fn=die_with_parent,
             )
         service = Service(name, process, log_path, process_start_time(process.pid), forks)
         self.services.append(service)
