@@ -111,6 +111,50 @@ def test_eight_requests_in_one_batch_get_the_replies_they_get_alone(parts: Any, 
     assert counters["batch_running"] == 0 and counters["batch_queued"] == 0
 
 
+def test_a_thinker_that_feeds_no_stage_keeps_no_hidden_states_and_replies_the_same(parts: Any) -> None:
+    """A text-only mesh (the thinker its last stage): no step's hidden states kept, no talker's inputs
+    built, and the same reply ids, one request at a time and batched."""
+    model, thinker = parts
+    samplings = [Sampling.of(model.spec, {"temperature": 0, "max_tokens": n}) for n in REPLY_TOKENS]
+    references = [alone(model, thinker, p, s) for p, s in zip(PROMPTS, samplings, strict=True)]
+    engine = model.batch_engine(thinker, "thinker", for_talker=False)
+    assert engine.layers == ()
+    stepped: list[bool] = []
+    forward = thinker.model.model.forward
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        stepped.append(bool(kwargs.get("output_hidden_states")))
+        return forward(*args, **kwargs)
+
+    thinker.model.model.forward = watched
+    try:
+        queued = threading.Event()
+        batcher = Batcher("thinker", engine, 8)
+
+        def begin(prompt: str, sampling: Sampling) -> Any:
+            queued.wait(30)
+            return model.think_begin(thinker, ids_of(model, prompt), sampling, None, for_talker=False)
+
+        futures = [batcher.submit(lambda p=p, s=s: begin(p, s), lambda token: None, lambda: False)
+                   for p, s in zip(PROMPTS, samplings, strict=True)]
+        queued.set()
+        try:
+            outputs = [future.result(120) for future in futures]
+        finally:
+            batcher.close()
+        model.seed(None)
+        with torch.no_grad():
+            one = [model.think(thinker, ids_of(model, p), s, None, None, for_talker=False)
+                   for p, s in zip(PROMPTS, samplings, strict=True)]
+    finally:
+        del thinker.model.model.forward  # the class's method again
+    assert stepped and not any(stepped)  # no forward of the batch asked for hidden states
+    for reference, output, alone_output in zip(references, outputs, one, strict=True):
+        assert model.reply_ids(output).tolist() == model.reply_ids(reference).tolist()
+        assert model.reply_ids(alone_output).tolist() == model.reply_ids(reference).tolist()
+        assert not hasattr(output, "prompt_rows") and (not isinstance(output, dict) or set(output) == {"reply_ids"})
+
+
 def test_a_cancelled_request_leaves_at_once_and_the_waiting_one_takes_its_place(parts: Any) -> None:
     model, thinker = parts
     long = Sampling.of(model.spec, {"temperature": 0, "max_tokens": 40})

@@ -111,9 +111,11 @@ class ModelParts(ABC):
     @abstractmethod
     def think(
         self, thinker: Any, ids: torch.Tensor, sampling: Sampling, on_token: Any, should_stop: Any, media: dict | None = None,
+        for_talker: bool = True,
     ) -> Any:
         """The thinker's reply; `should_stop` may be a StopWatch (generation.StopWhen shows it each token);
-        `media`: the prompt's encoded media (generate() arguments)."""
+        `media`: the prompt's encoded media (generate() arguments); `for_talker=False`: no stage reads the
+        talker's inputs, so no hidden states are kept (the reply's ids alone)."""
 
     @abstractmethod
     def talk(self, talker: Any, payload: dict, sampling: Sampling, on_code: Any, should_stop: Any) -> Any:
@@ -147,6 +149,7 @@ class ModelParts(ABC):
 
     def think_begin(
         self, thinker: Any, ids: torch.Tensor, sampling: Sampling, should_stop: Any, media: dict | None = None,
+        for_talker: bool = True,
     ) -> Any:
         """A request made ready for the thinker's running batch (omni_mesh.engines.thinker_batch, in the
         model thread): its prompt checked (a text prompt, media None or {}, within one prefill piece is left
@@ -156,22 +159,24 @@ class ModelParts(ABC):
         from omni_mesh.engines.thinker_batch import Begun
 
         chunk = None if not media and 1 < int(ids.shape[-1]) <= self.spec.prefill_tokens else self.spec.prefill_tokens
-        prepared, output = self._think_prepare(thinker, ids, sampling, should_stop, media, chunk)
+        prepared, output = self._think_prepare(thinker, ids, sampling, should_stop, media, chunk, for_talker)
         generation = {**sampling_kwargs(sampling.temperature, sampling.top_p), **decoding_args(sampling, int(ids.shape[-1]))}
         return Begun(prepared, generation, sampling.seed, sampling.max_tokens, frozenset(self.eos_token_ids(thinker)),
                      output, saw=getattr(should_stop, "saw", None), lock=getattr(thinker, "lock", None))
 
     def _think_prepare(self, thinker: Any, ids: torch.Tensor, sampling: Sampling, should_stop: Any,
-                       media: dict | None, chunk: int | None) -> tuple[Any, Any]:
+                       media: dict | None, chunk: int | None, for_talker: bool) -> tuple[Any, Any]:
         """(the thinker's Prepared, output(prepared, sequences, steps) -> the result as think() returns it);
         `chunk`: the prefill's piece (None: no prefill)."""
         raise NotImplementedError(f"{self.arch}: no batched thinker")
 
-    def batch_engine(self, loaded: Any, part: str) -> Any:
-        """The `batching.Engine` of a part that batches its requests (its model loaded), else None."""
+    def batch_engine(self, loaded: Any, part: str, *, for_talker: bool = True) -> Any:
+        """The `batching.Engine` of a part that batches its requests (its model loaded), else None; a
+        thinker not `for_talker` keeps no step's hidden states."""
         from omni_mesh.engines.thinker_batch import ThinkerBatch
 
-        return ThinkerBatch(loaded.model, self.thinker_step_layers) if part == "thinker" else None
+        layers = self.thinker_step_layers if for_talker else ()
+        return ThinkerBatch(loaded.model, layers) if part == "thinker" else None
 
     def talk_begin(self, talker: Any, payload: dict, sampling: Sampling, should_stop: Any) -> Any:
         """A request made ready for the talker's running batch (as think_begin for the thinker)."""
@@ -240,27 +245,31 @@ class Qwen2_5Omni(ModelParts):
 
     def think(
         self, thinker: Any, ids: torch.Tensor, sampling: Sampling, on_token: Any, should_stop: Any, media: dict | None = None,
+        for_talker: bool = True,
     ) -> Any:
         return thinker.generate(
             ids, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             speaker=sampling.speaker, on_token=on_token, should_stop=should_stop, media=media,
             prefill_chunk=self.spec.prefill_tokens, options=decoding_args(sampling, int(ids.shape[-1])),
+            for_talker=for_talker,
         )
 
     thinker_step_layers = (0, -1)  # the talker reads every step's embeddings and last hidden states
 
     def _think_prepare(self, thinker: Any, ids: torch.Tensor, sampling: Sampling, should_stop: Any,
-                       media: dict | None, chunk: int | None) -> tuple[Any, Any]:
+                       media: dict | None, chunk: int | None, for_talker: bool) -> tuple[Any, Any]:
         from omni_mesh.engines.qwen2_5_omni import speaker_entry
 
         bos = speaker_entry(thinker.speakers, sampling.speaker)["bos_token"]
-        prepared = thinker.prepare(ids, should_stop=should_stop, prefill_chunk=chunk, media=media)
+        prepared = thinker.prepare(ids, should_stop=should_stop, prefill_chunk=chunk, media=media, for_talker=for_talker)
+        if not for_talker:
+            return prepared, lambda p, sequences, steps: thinker.text_reply(p.input_ids, sequences)
         return prepared, lambda p, sequences, steps: thinker.output(p.input_ids, sequences, steps, p.hidden, bos)
 
-    def batch_engine(self, loaded: Any, part: str) -> Any:
+    def batch_engine(self, loaded: Any, part: str, *, for_talker: bool = True) -> Any:
         from omni_mesh.engines.talker_batch import TalkerBatch
 
-        return TalkerBatch(loaded.model) if part == "talker" else super().batch_engine(loaded, part)
+        return TalkerBatch(loaded.model) if part == "talker" else super().batch_engine(loaded, part, for_talker=for_talker)
 
     def talk_begin(self, talker: Any, payload: dict, sampling: Sampling, should_stop: Any) -> Any:
         from omni_mesh.engines.thinker_batch import Begun
@@ -324,16 +333,17 @@ class Qwen3Omni(ModelParts):
 
     def think(
         self, thinker: Any, ids: torch.Tensor, sampling: Sampling, on_token: Any, should_stop: Any, media: dict | None = None,
+        for_talker: bool = True,
     ) -> Any:
         return thinker.generate(
             ids, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-            on_token=on_token, should_stop=should_stop, media=media,
+            on_token=on_token, should_stop=should_stop, media=media, for_talker=for_talker,
             prefill_chunk=self.spec.prefill_tokens, options=decoding_args(sampling, int(ids.shape[-1])),
         )
 
     def _think_prepare(self, thinker: Any, ids: torch.Tensor, sampling: Sampling, should_stop: Any,
-                       media: dict | None, chunk: int | None) -> tuple[Any, Any]:
-        prepared = thinker.prepare(ids, should_stop=should_stop, prefill_chunk=chunk, media=media)
+                       media: dict | None, chunk: int | None, for_talker: bool) -> tuple[Any, Any]:
+        prepared = thinker.prepare(ids, should_stop=should_stop, prefill_chunk=chunk, media=media, for_talker=for_talker)
         return prepared, thinker.output
 
     def talk(self, talker: Any, payload: dict, sampling: Sampling, on_code: Any, should_stop: Any) -> Any:
@@ -342,10 +352,12 @@ class Qwen3Omni(ModelParts):
             speaker=sampling.speaker, on_codes=on_code, should_stop=should_stop, **self._prefill_args(),
         )
 
-    def batch_engine(self, loaded: Any, part: str) -> Any:
+    def batch_engine(self, loaded: Any, part: str, *, for_talker: bool = True) -> Any:
         from omni_mesh.engines.qwen3_talker_batch import Qwen3TalkerBatch
 
-        return Qwen3TalkerBatch(loaded.model, loaded.codec_eos) if part == "talker" else super().batch_engine(loaded, part)
+        if part == "talker":
+            return Qwen3TalkerBatch(loaded.model, loaded.codec_eos)
+        return super().batch_engine(loaded, part, for_talker=for_talker)
 
     def talk_begin(self, talker: Any, payload: dict, sampling: Sampling, should_stop: Any) -> Any:
         import functools

@@ -93,6 +93,13 @@ class ThinkerOutput:
             raise ValueError(f"talker input lacks {exc.args[0]!r}: is the upstream stage a Qwen2.5-Omni thinker?") from None
 
 
+@dataclass
+class TextReply:
+    """A thinker's reply when no stage reads the talker's inputs (a text-only mesh): its ids alone."""
+
+    reply_ids: torch.Tensor  # int64 [R]
+
+
 class Thinker:
     """The thinker alone: prompt ids in, reply ids streamed out, plus what the talker needs."""
 
@@ -131,12 +138,15 @@ class Thinker:
         prefill_chunk: int | None = DEFAULT_CHUNK,
         options: dict[str, Any] | None = None,
         media: dict[str, Any] | None = None,
-    ) -> ThinkerOutput:
+        for_talker: bool = True,
+    ) -> ThinkerOutput | TextReply:
         """The reply; `prefill_chunk` tokens of the prompt at a time, the stop flag checked between
         (None: the prompt in one call, as generate() alone does it). `media`: generate() arguments for the
-        prompt's encoded media (`media_inputs.thinker_kwargs`): such a prompt goes in one call."""
+        prompt's encoded media (`media_inputs.thinker_kwargs`): such a prompt goes in one call.
+        `for_talker=False`: the reply's ids alone (no hidden states kept)."""
         bos_token = speaker_entry(self.speakers, speaker)["bos_token"]
-        prepared = self.prepare(prompt_ids, should_stop=should_stop, prefill_chunk=prefill_chunk, media=media)
+        prepared = self.prepare(prompt_ids, should_stop=should_stop, prefill_chunk=prefill_chunk, media=media,
+                                for_talker=for_talker)
         result = self.model.generate(
             input_ids=prepared.input_ids,
             max_new_tokens=max_tokens,
@@ -146,14 +156,16 @@ class Thinker:
             **sampling_kwargs(temperature, top_p),
             **(options or {}),  # generation.decoding_args: top_k, penalties, ...
         )
+        if not for_talker:
+            return self.text_reply(prepared.input_ids, result.sequences)
         return self.output(prepared.input_ids, result.sequences, result.hidden_states, prepared.hidden, bos_token)
 
     def prepare(
         self, prompt_ids: torch.Tensor, *, should_stop: Callable[[], bool] | None, prefill_chunk: int | None,
-        media: dict[str, Any] | None,
+        media: dict[str, Any] | None, for_talker: bool = True,
     ) -> Prepared:
         """The prompt checked and (text only) prefilled in pieces but its last token; generate()'s arguments
-        for the rest (hidden states kept: the talker reads layer 0 and the last of every step)."""
+        for the rest (hidden states kept `for_talker`: it reads layer 0 and the last of every step)."""
         input_ids = prompt_ids.reshape(1, -1).to(self.model.device)
         check_prompt(input_ids.shape[1], context=self.context, limit=None, who="Qwen2.5-Omni thinker")
         if media:  # chunked prefill does not take encoder outputs (yet): the prompt in one call
@@ -162,9 +174,13 @@ class Thinker:
         hidden: list[torch.Tensor] = []  # the prefilled tokens' embeddings and last hidden states
         if prefill_chunk is not None:
             prefilled, hidden = thinker_prefill(
-                self.model, input_ids, chunk=prefill_chunk, should_stop=should_stop, layers=(0, -1)
+                self.model, input_ids, chunk=prefill_chunk, should_stop=should_stop, layers=(0, -1) if for_talker else ()
             )
-        return Prepared(input_ids, {"output_hidden_states": True, **prefilled, **(media or {})}, hidden)
+        return Prepared(input_ids, {"output_hidden_states": for_talker, **prefilled, **(media or {})}, hidden)
+
+    @staticmethod
+    def text_reply(input_ids: torch.Tensor, sequences: torch.Tensor) -> TextReply:
+        return TextReply(reply_ids=sequences[0, input_ids.shape[1]:].cpu())
 
     def output(
         self, input_ids: torch.Tensor, sequences: torch.Tensor, steps: Any, hidden: list[torch.Tensor], bos_token: int,

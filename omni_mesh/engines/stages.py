@@ -55,10 +55,13 @@ log = logging.getLogger("omni_mesh.engines")
 class EngineStage(HandlerHooks):
     """What the stages share: settings, the model thread, loading in warm(), the encoder cache's counters()."""
 
-    def __init__(self, spec: EngineSpec, stage: str = "", *, fed_by_encoder: bool = False) -> None:
+    def __init__(self, spec: EngineSpec, stage: str = "", *, fed_by_encoder: bool = False, feeds_stages: bool = True) -> None:
         self.spec = spec
         self.stage = stage or spec.part
         self.fed_by_encoder = fed_by_encoder  # a thinker whose media an encoder stage encodes: no towers
+        # Another stage reads this one's output; a thinker with none (a text-only mesh) keeps no hidden
+        # states for a talker and sends none of its inputs: the client reads the text alone.
+        self.feeds_stages = feeds_stages
         self.model: ModelParts | None = None
         self.part: Any = None
         # One model thread: requests take turns on the model (a CPU stage has no spare cores for more;
@@ -97,7 +100,7 @@ class EngineStage(HandlerHooks):
     def _batcher(self) -> Batcher | None:
         """The running batch of a part that batches (thinkers, talkers); None for the others, with a warning."""
         assert self.model is not None
-        engine = self.model.batch_engine(self._loaded(), self.spec.part)
+        engine = self.model.batch_engine(self._loaded(), self.spec.part, for_talker=self.feeds_stages)
         if engine is None:
             log.warning("stage %s: engine.max_batch %d has no effect on a %s %s yet: its requests take turns",
                         self.stage, self.spec.max_batch, self.model.arch, self.spec.part)
@@ -160,7 +163,7 @@ class EncoderStage(EngineStage):
 
 
 class ThinkerStage(EngineStage):
-    """Prompt -> reply text, streamed token by token, and the talker's inputs at the end."""
+    """Prompt -> reply text, streamed token by token, and the talker's inputs at the end (where a stage reads them)."""
 
     async def __call__(self, inputs: Any, ctx: HandlerContext) -> AsyncIterator[dict]:
         thinker = self._loaded()
@@ -187,11 +190,13 @@ class ThinkerStage(EngineStage):
 
         def run(push: Any, should_stop: Any) -> Any:
             self.model.seed(sampling.seed)
-            return self.model.think(thinker, ids, sampling, push if detok else None, stops.until(should_stop), media)
+            return self.model.think(thinker, ids, sampling, push if detok else None, stops.until(should_stop), media,
+                                    for_talker=self.feeds_stages)
 
         def join(push: Any, should_stop: Any) -> Any:  # into the running batch: a Future of the output
             watch = stops.until(should_stop)
-            begin = functools.partial(self.model.think_begin, thinker, ids, sampling, watch, media)
+            begin = functools.partial(self.model.think_begin, thinker, ids, sampling, watch, media,
+                                      for_talker=self.feeds_stages)
             return self.batcher.submit(begin, every(push, interval) if detok else ignore, watch, kv_tokens)
 
         generation = Generation(None, join) if self.batcher is not None else Generation(self.executor, run)
@@ -215,14 +220,14 @@ class ThinkerStage(EngineStage):
         if self.batcher is None:
             self.tokens_total += len(reply)
         stopped = stops.hit or (bool(reply) and reply[-1] in eos)
-        yield {
+        last = {
             "text": text.add(detok.flush()) + text.flush()
             if detok
             else text.whole(self.model.tokenizer.decode(reply, skip_special_tokens=True)),
-            "talker": self.model.talker_payload(output),
             "usage": {"prompt_tokens": int(ids.shape[-1]), "completion_tokens": len(reply)},
             "finish_reason": "stop" if stopped or len(reply) < sampling.max_tokens else "length",
         }
+        yield {**last, "talker": self.model.talker_payload(output)} if self.feeds_stages else last
 
     def client_output(self, output: Any) -> Any:
         """What a client reads of the thinker when it is a final stage too: not the talker's inputs."""
@@ -393,8 +398,8 @@ STAGES: dict[str, type[EngineStage]] = {
 }
 
 
-def engine_handler(options: dict, stage: str = "", *, fed_by_encoder: bool = False) -> EngineStage:
+def engine_handler(options: dict, stage: str = "", *, fed_by_encoder: bool = False, feeds_stages: bool = True) -> EngineStage:
     """The handler of a stage with `engine:` settings (loaded by its warm()); a thinker `fed_by_encoder`
-    loads no towers."""
+    loads no towers, one that `feeds_stages` not keeps nothing for a talker."""
     spec = parse_engine(options, f"stage {stage!r}")
-    return STAGES[spec.part](spec, stage, fed_by_encoder=fed_by_encoder)
+    return STAGES[spec.part](spec, stage, fed_by_encoder=fed_by_encoder, feeds_stages=feeds_stages)

@@ -103,7 +103,8 @@ def load_handler(topology: Topology, stage: StageSpec) -> Handler:
         from omni_mesh.engines.stages import engine_handler  # torch and transformers: stage processes only
 
         upstream = [topology.stage(edge.src).engine or {} for edge in topology.inputs_of(stage.stage_id)]
-        return engine_handler(stage.engine, stage.name, fed_by_encoder=any(e.get("part") == "encoder" for e in upstream))
+        return engine_handler(stage.engine, stage.name, fed_by_encoder=any(e.get("part") == "encoder" for e in upstream),
+                              feeds_stages=bool(topology.outputs_of(stage.stage_id)))
     handler = import_handler(topology, stage)
     if isinstance(handler, type) and isinstance(handler, BuiltFromStage):  # the class has from_stage
         handler = handler.from_stage(stage.options)
