@@ -178,19 +178,21 @@ def test_strangers_are_capped_per_address_and_in_all_oldest_first(
         producer.close()
 
 
+@pytest.mark.parametrize("slow", [1, bulk_client.STALE_ATTEMPTS - 1])
 def test_a_consumer_whose_fresh_connection_is_closed_unanswered_pulls_again_on_another(
-    keys: MeshKeys, monkeypatch: pytest.MonkeyPatch
+    keys: MeshKeys, monkeypatch: pytest.MonkeyPatch, slow: int
 ) -> None:
-    """The door closes a stranger that is slow to pull (here: the consumer's first connection, its
-    pull held back past STRANGER_WAIT_S). Nothing was served, so the consumer pulls once more on a
-    fresh connection and gets the payload (it used to fail: only kept connections were retried)."""
+    """The door closes a stranger that is slow to pull (here: the consumer's first `slow` connections,
+    each pull held back past STRANGER_WAIT_S, as a busy host's scheduler may hold it while a flood
+    pushes it out). Nothing was served, so the consumer pulls again on a fresh connection and gets the
+    payload (a full suite's load once closed two in a row, when only one retry was made)."""
     monkeypatch.setattr(bulk_server, "STRANGER_WAIT_S", 0.1)
     real_send_pull = bulk_client.BulkLinks.send_pull
     sent: list[socket.socket] = []
 
     def slow_first(self: bulk_client.BulkLinks, sock: socket.socket, pull: bytes) -> None:
         sent.append(sock)
-        if len(sent) == 1:
+        if len(sent) <= slow:
             wait_for(lambda: _closed([sock]) == [True], 5, "the door to close the slow stranger")
         real_send_pull(self, sock, pull)
 
@@ -201,8 +203,8 @@ def test_a_consumer_whose_fresh_connection_is_closed_unanswered_pulls_again_on_a
         _, _, meta = producer.put("a", "d", "r/0", torch.arange(1 << 18, dtype=torch.int32))
         got, _ = consumer.get_with_deadline("a", "d", "r/0", meta, deadline=time.monotonic() + 10)
         assert torch.equal(got, torch.arange(1 << 18, dtype=torch.int32))
-        assert len(sent) == 2 and sent[0] is not sent[1], sent
-        assert producer.health()["refused_peers"] == 1  # the first connection, closed as a stranger
+        assert len(sent) == slow + 1 and len(set(map(id, sent))) == slow + 1, sent
+        assert producer.health()["refused_peers"] == slow  # the slow connections, closed as strangers
     finally:
         consumer.close()
         producer.close()

@@ -38,6 +38,9 @@ from omni_mesh.connectors.served.seal import (
 
 _ALIGN = 64  # each part starts 64-byte aligned, as the codec expects of large leaves
 _IDLE_PER_PRODUCER = 4  # connections kept open to one producer between transfers
+#: Connections one pull may take when each is closed unanswered (module docstring of served.bulk_door:
+#: a flood of strangers from the consumer's own address pushes out the oldest unproven ones).
+STALE_ATTEMPTS = 5
 
 
 class BulkError(Exception):
@@ -98,10 +101,11 @@ class BulkLinks:
     ) -> None:
         """Send `pull` to the producer at host:port and let `read` take the whole answer from the
         socket, by `deadline` (monotonic). A connection the producer closed before answering at all
-        (a kept one it dropped meanwhile, or a fresh one its door closed in a flood of strangers) is
-        replaced by a fresh one, once (the pull was not served: it still finds its transfer); any other
-        failure propagates."""
-        for attempt in (0, 1):
+        (a kept one it dropped meanwhile, or a fresh one its door closed in a flood of strangers: on a
+        busy host the consumer's thread may not send its pull before the door's next turns push it out)
+        is replaced by a fresh one, up to STALE_ATTEMPTS connections in all (the pull was not served: it
+        still finds its transfer); any other failure propagates."""
+        for attempt in range(STALE_ATTEMPTS):
             sock = self._checkout((host, port), deadline)
             try:
                 try:
@@ -111,7 +115,7 @@ class BulkLinks:
                 read(sock)
             except _Stale:
                 self._discard(sock)
-                if attempt == 0 and time.monotonic() < deadline:
+                if attempt + 1 < STALE_ATTEMPTS and time.monotonic() < deadline:
                     continue
                 raise StreamCut("the producer closed the connection before answering") from None
             except BaseException:
