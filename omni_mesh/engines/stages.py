@@ -24,7 +24,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -45,6 +45,7 @@ from omni_mesh.engines.media_inputs import ENCODED_KEY
 from omni_mesh.engines.media_parts import audio_in_video
 from omni_mesh.engines.models import ModelParts, open_model
 from omni_mesh.engines.settings import EngineSpec, Sampling, parse_engine, within_model_len
+from omni_mesh.engines.stage_inputs import chunks, client_streams, wants_audio
 from omni_mesh.engines.stops import StopText, StopWatch
 from omni_mesh.engines.text import Detokenizer
 from omni_mesh.handlers import HandlerContext, HandlerHooks
@@ -185,7 +186,7 @@ class ThinkerStage(EngineStage):
         # A client reading a stream gets the text token by token; for any other the text goes with the
         # talker's inputs in one chunk (a chunk per token would cost every stage a hop per token), and no
         # token is handed to this loop as it comes.
-        detok = Detokenizer(self.model.tokenizer) if _client_streams(ctx) else None
+        detok = Detokenizer(self.model.tokenizer) if client_streams(ctx) else None
         interval = self.spec.stream_interval
 
         def run(push: Any, should_stop: Any) -> Any:
@@ -242,7 +243,7 @@ class TalkerStage(EngineStage):
         assert self.model is not None
         sampling = Sampling.of(self.spec, ctx.params)
         thinker_output, tail = None, {}
-        async for chunk in _chunks(inputs, "talker"):
+        async for chunk in chunks(inputs, "talker"):
             if chunk.get("text"):
                 yield {"text": chunk["text"]}
             if "talker" in chunk:
@@ -250,7 +251,7 @@ class TalkerStage(EngineStage):
                 tail = {key: chunk[key] for key in ("usage", "finish_reason") if key in chunk}
         if thinker_output is None:
             raise ValueError(f"stage {self.stage!r}: the thinker's stream ended without the talker's inputs")
-        if not _wants_audio(ctx):  # modalities ["text"]: no codes, code2wav passes the text on
+        if not wants_audio(ctx):  # modalities ["text"]: no codes, code2wav passes the text on
             yield tail
             return
         kv_tokens = talker_kv_tokens(thinker_output, sampling.max_audio_tokens)
@@ -269,7 +270,7 @@ class TalkerStage(EngineStage):
         stops = set(self.model.code_stop_ids(talker))
         pending: list[Any] = []
         # Chunks only help a client that hears the audio as it is made; any other gets the codes at once.
-        size = self.spec.first_chunk_codes if _client_streams(ctx) else None
+        size = self.spec.first_chunk_codes if client_streams(ctx) else None
         try:
             async for code in generation:
                 if isinstance(code, int) and code in stops:
@@ -293,14 +294,14 @@ class Code2WavStage(EngineStage):
     (the one-shot decode the reference makes, seeded as it is)."""
 
     def __call__(self, inputs: Any, ctx: HandlerContext) -> Any:
-        return self._stream(inputs, ctx) if _client_streams(ctx) else self._whole(inputs, ctx)
+        return self._stream(inputs, ctx) if client_streams(ctx) else self._whole(inputs, ctx)
 
     async def _whole(self, inputs: Any, ctx: HandlerContext) -> dict:
         decoder = self._loaded()
         assert self.model is not None
         sampling = Sampling.of(self.spec, ctx.params)
         text, codes, tail = [], [], {}
-        async for chunk in _chunks(inputs, "code2wav"):
+        async for chunk in chunks(inputs, "code2wav"):
             text.append(chunk.get("text") or "")
             if chunk.get("codes") is not None:
                 codes.append(chunk["codes"])
@@ -331,7 +332,7 @@ class Code2WavStage(EngineStage):
         streaming = self.model.stream_decoder(decoder, sampling)
         tail: dict = {}
         fed = False
-        async for chunk in _chunks(inputs, "code2wav"):
+        async for chunk in chunks(inputs, "code2wav"):
             if chunk.get("text"):
                 yield {"text": chunk["text"], "audio_pcm16": b"", "sample_rate": SAMPLE_RATE}
             if chunk.get("codes") is not None:
@@ -357,39 +358,6 @@ class Code2WavStage(EngineStage):
             return await asyncio.wrap_future(self.stream_gather.submit((streaming, codes), first=first))
         call = streaming.finish if codes is None else functools.partial(streaming.feed, codes)
         return await asyncio.get_running_loop().run_in_executor(self.executor, call)
-
-
-def _wants_audio(ctx: HandlerContext) -> bool:
-    """False when the request's params.modalities (OpenAI's) leave audio out."""
-    modalities = ctx.params.get("modalities")
-    return not isinstance(modalities, list) or "audio" in modalities
-
-
-def _client_streams(ctx: HandlerContext) -> bool:
-    """Whether the client reads the reply as a stream (the runtime says: `ctx.stream`)."""
-    return bool(ctx.stream)
-
-
-async def _chunks(inputs: Any, stage: str) -> AsyncIterator[dict]:
-    """An upstream stage's chunks whichever way they come: a stream, a list, or one dict."""
-    if isinstance(inputs, dict):
-        items: Any = [inputs]
-    else:
-        items = inputs
-    if isinstance(items, AsyncIterable):
-        async for chunk in items:
-            yield _checked(chunk, stage)
-    elif isinstance(items, Iterable):
-        for chunk in items:
-            yield _checked(chunk, stage)
-    else:
-        raise ValueError(f"stage {stage!r}: inputs must be the upstream stage's chunks, got {type(inputs).__name__}")
-
-
-def _checked(chunk: Any, stage: str) -> dict:
-    if not isinstance(chunk, dict):
-        raise ValueError(f"stage {stage!r}: an upstream chunk is a {type(chunk).__name__}, not a mapping")
-    return chunk
 
 
 #: The handler class of each part.
