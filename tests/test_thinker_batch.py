@@ -42,7 +42,7 @@ def batcher_of(model: Any, thinker: Any, max_batch: int) -> Batcher:
 
 
 def batched(model: Any, thinker: Any, requests: list[tuple[str, Sampling]], batcher: Batcher,
-            pushes: list[Any] | None = None, stops: list[Any] | None = None) -> list[Any]:
+            pushes: list[Any] | None = None, stops: list[Any] | None = None, for_talker: bool = True) -> list[Any]:
     """`requests` submitted together (none starts before the last is queued); their outputs."""
     queued = threading.Event()
     futures = []
@@ -51,7 +51,7 @@ def batched(model: Any, thinker: Any, requests: list[tuple[str, Sampling]], batc
 
         def begin(ids: Any = ids, sampling: Sampling = sampling) -> Any:
             queued.wait(30)
-            return model.think_begin(thinker, ids, sampling, None)
+            return model.think_begin(thinker, ids, sampling, None, for_talker=for_talker)
 
         push = pushes[i] if pushes else (lambda token: None)
         stop = stops[i] if stops else (lambda: False)
@@ -128,27 +128,12 @@ def test_a_thinker_that_feeds_no_stage_keeps_no_hidden_states_and_replies_the_sa
 
     thinker.model.model.forward = watched
     try:
-        queued = threading.Event()
-        batcher = Batcher("thinker", engine, 8)
-
-        def begin(prompt: str, sampling: Sampling) -> Any:
-            queued.wait(30)
-            return model.think_begin(thinker, ids_of(model, prompt), sampling, None, for_talker=False)
-
-        futures = [batcher.submit(lambda p=p, s=s: begin(p, s), lambda token: None, lambda: False)
-                   for p, s in zip(PROMPTS, samplings, strict=True)]
-        queued.set()
-        try:
-            outputs = [future.result(120) for future in futures]
-        finally:
-            batcher.close()
-        model.seed(None)
-        with torch.no_grad():
-            one = [model.think(thinker, ids_of(model, p), s, None, None, for_talker=False)
-                   for p, s in zip(PROMPTS, samplings, strict=True)]
+        outputs = batched(model, thinker, list(zip(PROMPTS, samplings, strict=True)), Batcher("thinker", engine, 8),
+                          for_talker=False)
+        one = [alone(model, thinker, p, s, for_talker=False) for p, s in zip(PROMPTS, samplings, strict=True)]
     finally:
         del thinker.model.model.forward  # the class's method again
-    assert stepped and not any(stepped)  # no forward of the batch asked for hidden states
+    assert stepped and not any(stepped)  # no forward, batched or alone, asked for hidden states
     for reference, output, alone_output in zip(references, outputs, one, strict=True):
         assert model.reply_ids(output).tolist() == model.reply_ids(reference).tolist()
         assert model.reply_ids(alone_output).tolist() == model.reply_ids(reference).tolist()

@@ -32,13 +32,13 @@ def ids_of(model: Any, prompt: str) -> Any:
     return prompt_ids(model.tokenizer, {"messages": [{"role": "user", "content": prompt}]})
 
 
-def alone(model: Any, thinker: Any, prompt: str, sampling: Any) -> Any:
+def alone(model: Any, thinker: Any, prompt: str, sampling: Any, for_talker: bool = True) -> Any:
     """The one-request path of the thinker stage (max_batch 1): seeded, then generate()."""
     import torch
 
     model.seed(sampling.seed)
     with torch.no_grad():
-        return model.think(thinker, ids_of(model, prompt), sampling, None, None)
+        return model.think(thinker, ids_of(model, prompt), sampling, None, None, for_talker=for_talker)
 
 
 def assert_same(model: Any, one: Any, other: Any) -> None:
