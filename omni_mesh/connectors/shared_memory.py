@@ -48,7 +48,6 @@ class SharedMemoryConnector(OmniConnectorBase):
         identity = ProcessIdentity.current()
         self._producer = ShmProducer(self.config, identity, self._counters)
         self._pool = self._producer.pool
-        self._outputs = self._producer.outputs
         self._reader = ShmReader(
             self.config,
             identity,

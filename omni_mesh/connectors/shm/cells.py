@@ -78,9 +78,6 @@ class Cells:
         self._keys[index] = None
         self.mm[offset] = free
 
-    def owns(self, offset: int) -> bool:
-        return self.size > 0 and self.start <= offset < self.start + len(self._keys) * self.size
-
     def clean(self, key: str, *, waiting: int, free: int) -> None:
         """Free the cells of `key` (or `key/...`) that still wait for their consumer."""
         prefix = key + "/"

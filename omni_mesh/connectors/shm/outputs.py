@@ -119,14 +119,11 @@ class PoolOutputs:
         self, from_stage: str, to_stage: str, put_key: str, data: Any, frame: codec.FramePlan | None
     ) -> tuple | None:
         """The put of a payload holding empty() tensors, in the parts form; None when it holds none.
-        A dict of them alone needs no frame (`frame` None: a cached header); otherwise `frame` is its plan."""
+        `frame` None: `data` is a dict, put so where its values are all empty() tensors (a cached header,
+        no frame); otherwise `frame` is its plan."""
         with self._pool.lock:
             if frame is None:
-                taken = (
-                    _pool_outputs.take_outputs(data, self.unsent, max_header=PARTS_METADATA_MAX)
-                    if type(data) is dict
-                    else None
-                )
+                taken = _pool_outputs.take_outputs(data, self.unsent, max_header=PARTS_METADATA_MAX)
                 if taken is None:
                     return None
                 header, layout, slots, _ = taken

@@ -83,11 +83,6 @@ class TinyPayloads:
         self._copied: list[tuple[Slot | None, int, int]] = []  # (slot, or None: a cell; offset; generation)
         self._copied_until = 0.0
 
-    @property
-    def reserved(self) -> int:
-        """Bytes the cells take in the first segment."""
-        return shm_cells.COUNT * self.cell_size
-
     def lay_out_locked(self, segment: Segment, start: int) -> None:
         """The cells at `start` of the first segment, described in its header for consumers."""
         self.cells = shm_cells.Cells(segment.mm, start, self.cell_size, reusable=(RELEASED,), writing=FREE)
