@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from omni_mesh import codec, cuda_ipc
 from omni_mesh.connectors.base import OmniConnectorBase
 from omni_mesh.connectors.config import SharedMemoryConfig
 from omni_mesh.connectors.counters import Counters
@@ -48,6 +47,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         identity = ProcessIdentity.current()
         self._producer = ShmProducer(self.config, identity, self._counters)
         self._pool = self._producer.pool
+        self._put_with_exports = self._producer.put_with_exports  # a put of exported CUDA tensors
         self._reader = ShmReader(
             self.config,
             identity,
@@ -65,17 +65,7 @@ class SharedMemoryConnector(OmniConnectorBase):
     def empty(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized tensor in a pool slot of its own: returned in a put's payload, it is sent
         where it lies (shm_outputs). Do not write into it after the put."""
-        return self._producer.empty(tuple(int(n) for n in shape), dtype)
-
-    def _put_with_exports(
-        self,
-        from_stage: str,
-        to_stage: str,
-        put_key: str,
-        frame: codec.FramePlan,
-        exports: list[cuda_ipc.Exported],
-    ) -> tuple[int, dict]:
-        return self._producer.put_with_exports(from_stage, to_stage, put_key, frame, exports)
+        return self._producer.outputs.empty(tuple(int(n) for n in shape), dtype)
 
     def warm_up(self) -> None:
         with self._pool.lock:

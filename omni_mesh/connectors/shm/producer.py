@@ -10,7 +10,8 @@ its own segments are never mapped twice.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import functools
+from typing import Any
 
 from omni_mesh import codec, cuda_ipc
 from omni_mesh.connectors.counters import Counters
@@ -34,9 +35,6 @@ from omni_mesh.connectors.shm.slots import (
 )
 from omni_mesh.connectors.shm.tiny import FrameBytes, TinyPayloads
 
-if TYPE_CHECKING:
-    import torch
-
 POOL_RESERVED = shm_index.INDEX_BYTES  # the first segment: header, key index, tiny-payload cells, slots
 
 # What a put answers: (bytes, metadata).
@@ -58,12 +56,14 @@ class ShmProducer:
             reserved=POOL_RESERVED + shm_cells.COUNT * shm_cells.cell_size(SLOT_HEADER, cfg.inline_max_bytes),
             on_first=self._lay_out_first,
             on_released=self._forget_segment,
-            before_reclaim=self._drain_outputs,
+            before_reclaim=lambda: self.outputs.drain_locked(),
         )
         self.lock = self.pool.lock
         self.index = lookup.KeyIndex(counters, self.pool.slots)
         self.outputs = PoolOutputs(self.pool, counters)
-        self.tiny = TinyPayloads(self.pool, counters, cfg.inline_max_bytes, self._copy_to_slot)
+        # A tiny payload put before gets by key were wanted goes into a slot if no cell is free (shm_tiny).
+        copy_to_slot = functools.partial(self.write_frame, pool_only=True)
+        self.tiny = TinyPayloads(self.pool, counters, cfg.inline_max_bytes, copy_to_slot)
         self.maps = Mappings(self.pool.own, self.lock)
 
     def _lay_out_first(self, segment: Segment) -> None:
@@ -75,9 +75,6 @@ class ShmProducer:
         """A grown segment goes back (lock held): no index entry may point into it any more."""
         self.index.forget_locked(self.pool.first, segment)
         self.maps.drop_locked(segment.name)
-
-    def _drain_outputs(self) -> None:
-        self.outputs.drain_locked()
 
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> Put:
         outputs = self.outputs
@@ -98,9 +95,6 @@ class ShmProducer:
         if frame.payload_bytes <= self.cfg.inline_max_bytes:
             return self._put_inline(from_stage, to_stage, put_key, frame)
         return self._put_frame(from_stage, to_stage, put_key, frame)
-
-    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return self.outputs.empty(shape, dtype)
 
     def _put_inline(self, from_stage: str, to_stage: str, put_key: str, frame: codec.FramePlan) -> Put:
         """A tiny payload: in the metadata, with a copy in the pool for gets by key (shm_tiny)."""
@@ -143,12 +137,6 @@ class ShmProducer:
         _, metadata = self.write_frame(from_stage, to_stage, put_key, frame, exports)
         self._counters.add_pair("puts", "bytes_put", frame.nbytes)
         return frame.nbytes, metadata
-
-    def _copy_to_slot(
-        self, from_stage: str, to_stage: str, put_key: str, frame: FrameBytes
-    ) -> tuple[Slot, dict] | None:
-        """A tiny payload put before gets by key were wanted, copied into a slot (shm_tiny)."""
-        return self.write_frame(from_stage, to_stage, put_key, frame, pool_only=True)
 
     def write_frame(
         self,
