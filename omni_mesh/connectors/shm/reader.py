@@ -54,14 +54,13 @@ class ShmReader:
         self._own_first = own_first
 
     def get(self, from_stage: str, to_stage: str, get_key: str, metadata: dict | None) -> Got | None:
-        if type(metadata) is dict and metadata.get("frame") is not None:  # a tiny payload: the usual get
+        if type(metadata) is dict and (  # a tiny payload, in its metadata (`frame`: the usual get)
+            metadata.get("frame") is not None or metadata.get("inline") is not None
+        ):
             got = shm_tiny.get(from_stage, to_stage, get_key, metadata, self._maps, self._counters)
             return got if got is not None else self._stale()
         if not names_a_payload(metadata):
             return self._get_by_key(from_stage, to_stage, get_key)  # no (or partial) metadata: the key alone
-        if metadata.get("inline") is not None:
-            got = shm_tiny.get(from_stage, to_stage, get_key, metadata, self._maps, self._counters)
-            return got if got is not None else self._stale()
         if "refs" in metadata:
             return self._get_parts(from_stage, to_stage, get_key, metadata)
         name, offset = metadata.get("segment"), metadata.get("offset")
@@ -84,15 +83,11 @@ class ShmReader:
         base = take(mm, offset, length, self._identity)
         try:
             data = codec.decode(base, copy=self._copy, cuda_local=self._own_exports(name, offset))
-        except codec.FrameError as exc:
+        except (codec.FrameError, cuda_ipc.CudaIpcUnavailable) as exc:
             self._counters.add("errors")
+            what = "bad frame for" if isinstance(exc, codec.FrameError) else "cannot map the CUDA tensors of"
             raise ConnectorError(
-                f"SharedMemoryConnector: bad frame for {where(from_stage, to_stage, get_key)}: {exc}"
-            ) from None
-        except cuda_ipc.CudaIpcUnavailable as exc:
-            self._counters.add("errors")
-            raise ConnectorError(
-                f"SharedMemoryConnector: cannot map the CUDA tensors of {where(from_stage, to_stage, get_key)}: {exc}"
+                f"SharedMemoryConnector: {what} {where(from_stage, to_stage, get_key)}: {exc}"
             ) from None
         finally:
             # With views alive, the slot goes back when they die; otherwise right now.
