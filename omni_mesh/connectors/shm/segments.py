@@ -46,7 +46,6 @@ def shm_dir() -> Path:
     return Path(os.environ.get(ENV_DIR) or DEFAULT_DIR)
 
 
-
 def check_dir(directory: Path) -> None:
     """ConnectorError unless segments may be made in `directory`: it exists, and, unless it is the
     system's /dev/shm (nobody else can make that; Kubernetes mounts it 0777), it is private to this
@@ -102,22 +101,14 @@ def segment_name(identity: ProcessIdentity, token: str, suffix: str = "") -> str
     return f"{PREFIX}{identity.pidns}_{identity.pid}_{identity.start}_{token}{suffix}"
 
 
-def shm_capacity() -> int:
-    """Size of the shared-memory filesystem in bytes (0 when it cannot be read)."""
+def shm_capacity(*, free: bool = False) -> int:
+    """Size of the shared-memory filesystem in bytes, or with `free` the bytes free on it (0 when it
+    cannot be read)."""
     try:
         stats = os.statvfs(shm_dir())
     except OSError:
         return 0
-    return stats.f_blocks * stats.f_frsize
-
-
-def shm_free() -> int:
-    """Bytes free on the shared-memory filesystem (0 when it cannot be read)."""
-    try:
-        stats = os.statvfs(shm_dir())
-    except OSError:
-        return 0
-    return stats.f_bavail * stats.f_frsize
+    return (stats.f_bavail if free else stats.f_blocks) * stats.f_frsize
 
 
 def new_token() -> str:
@@ -154,7 +145,7 @@ def create_segment(name: str, size: int, *, populate: bool) -> mmap.mmap:
         with contextlib.suppress(OSError):
             os.unlink(path)
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.ENOMEM):
-            raise SharedMemoryFull(str(directory), size, shm_free()) from exc
+            raise SharedMemoryFull(str(directory), size, shm_capacity(free=True)) from exc
         raise
     finally:
         os.close(fd)
