@@ -103,12 +103,14 @@ class ShmPool:
     def usage_locked(self) -> tuple[int, int, int, int, bool]:
         """For health(): pool bytes (less the header, key index and cells), bytes in use, segments,
         payloads live in slots, and whether use is near the ceiling (over 90%)."""
-        reserved = self._start if self.first is not None else 0
-        size = self.pool_bytes - reserved
+        places = self._places  # created with the first segment, dropped at close with every slot
+        if places is None:
+            return 0, 0, 0, 0, False
+        size = places.size - self._start
         # Released slots wait for the next put to reclaim them: they hold no payload any more.
         live = sum(1 for slot in self.slots.values() if slot.segment.mm[slot.offset] != RELEASED)
-        near = bool(size) and self.in_use > 0.9 * max(size, self.ceiling - reserved)
-        return size, self.in_use, len(self.segments), live, near
+        near = bool(size) and places.in_use > 0.9 * max(size, self.ceiling - self._start)
+        return size, places.in_use, len(self.segments), live, near
 
     def _first_name(self) -> str:
         """A name for the first segment; a name already taken (squatted) gets a fresh token, which
@@ -188,15 +190,6 @@ class ShmPool:
                 segment.mm.close()
             self._counters.add("pool_released")
         return len(bases)
-
-    @property
-    def pool_bytes(self) -> int:
-        """Bytes in the pool's segments (one-offs not counted)."""
-        return self._places.size if self._places is not None else 0
-
-    @property
-    def in_use(self) -> int:
-        return self._places.in_use if self._places is not None else 0
 
     # ---- slots
 
@@ -312,11 +305,6 @@ class ShmPool:
         segment.mm[slot.offset] = FREE
         self._places.free(segment.base + slot.offset)
 
-    def withdraw_locked(self, slot: Slot) -> None:
-        """No consumer may take the slot any more; its memory stays (a pinned slot: shm_outputs)."""
-        GENERATION.pack_into(slot.segment.mm, slot.offset + 16, 0)
-        slot.segment.mm[slot.offset] = FREE
-
     @staticmethod
     def _drop_exports_locked(slot: Slot) -> None:
         """Let go of a slot's exported CUDA tensors. A consumer that released the slot mapped them and
@@ -333,8 +321,9 @@ class ShmPool:
         for slot in list(self.slots.values()):
             owned = slot.put_key == key or slot.put_key.startswith(prefix)
             if owned and slot not in self.writing and slot.segment.mm[slot.offset] != TAKEN:
-                if slot.pinned:
-                    self.withdraw_locked(slot)  # freed when its empty() tensor dies
+                if slot.pinned:  # no consumer may take it any more; freed when its empty() tensor dies
+                    GENERATION.pack_into(slot.segment.mm, slot.offset + 16, 0)
+                    slot.segment.mm[slot.offset] = FREE
                 else:
                     self.free_locked(slot)
 
