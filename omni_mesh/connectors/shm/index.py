@@ -37,23 +37,20 @@ def place(
 ) -> int | None:
     """Write the entry for one payload; its position, or None when every probe holds a live payload.
     `live(position)` says whether the entry there still names a payload that can be taken."""
-    first = int.from_bytes(digest[:4], "little") % ENTRIES
-    at = start + first * ENTRY.size
-    if mm[at : at + 16] == digest or not live(first):  # the usual case: one look
-        ENTRY.pack_into(mm, at, _EMPTY, generation, offset, segment)
-        mm[at : at + 16] = digest
-        return first
-    chosen = None
-    for position in _positions(digest):
-        at = start + position * ENTRY.size
-        if mm[at : at + 16] == digest:
-            chosen = position  # a payload of the same edge and key: the newest put wins
-            break
-        if chosen is None and not live(position):
-            chosen = position
-    if chosen is None:
-        return None
+    chosen = int.from_bytes(digest[:4], "little") % ENTRIES
     at = start + chosen * ENTRY.size
+    if mm[at : at + 16] != digest and live(chosen):  # taken: probe on (usually one look does)
+        chosen = None
+        for position in _positions(digest):
+            at = start + position * ENTRY.size
+            if mm[at : at + 16] == digest:
+                chosen = position  # a payload of the same edge and key: the newest put wins
+                break
+            if chosen is None and not live(position):
+                chosen = position
+        if chosen is None:
+            return None
+        at = start + chosen * ENTRY.size
     ENTRY.pack_into(mm, at, _EMPTY, generation, offset, segment)
     mm[at : at + 16] = digest  # the digest last: a reader never matches a half-written entry
     return chosen
