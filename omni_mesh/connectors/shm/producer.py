@@ -94,7 +94,9 @@ class ShmProducer:
                 return sent
         if frame.payload_bytes <= self.cfg.inline_max_bytes:
             return self._put_inline(from_stage, to_stage, put_key, frame)
-        return self._put_frame(from_stage, to_stage, put_key, frame)
+        _, metadata = self.write_frame(from_stage, to_stage, put_key, frame)
+        self._counters.add_pair("puts", "bytes_put", frame.nbytes)
+        return frame.nbytes, metadata
 
     def _put_inline(self, from_stage: str, to_stage: str, put_key: str, frame: codec.FramePlan) -> Put:
         """A tiny payload: in the metadata, with a copy in the pool for gets by key (shm_tiny)."""
@@ -118,24 +120,13 @@ class ShmProducer:
         """A payload with CUDA tensors always takes a slot: the slot holds the exported tensors until the
         consumer has mapped them (or the payload is freed unconsumed, which gives their references back)."""
         try:
-            result = self._put_frame(from_stage, to_stage, put_key, frame, exports)
+            _, metadata = self.write_frame(from_stage, to_stage, put_key, frame, exports)
         except BaseException:
             for exported in exports:
                 exported.release_unmapped()
             raise
-        self._counters.add("cuda_ipc_tensors", len(exports))
-        return result
-
-    def _put_frame(
-        self,
-        from_stage: str,
-        to_stage: str,
-        put_key: str,
-        frame: codec.FramePlan,
-        exports: list[cuda_ipc.Exported] | None = None,
-    ) -> Put:
-        _, metadata = self.write_frame(from_stage, to_stage, put_key, frame, exports)
         self._counters.add_pair("puts", "bytes_put", frame.nbytes)
+        self._counters.add("cuda_ipc_tensors", len(exports))
         return frame.nbytes, metadata
 
     def write_frame(
