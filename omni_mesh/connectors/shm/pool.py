@@ -151,7 +151,9 @@ class ShmPool:
             raise
         except OSError as exc:
             self._counters.add("errors")
-            raise _no_room(exc)(
+            # ConnectorFull when /dev/shm (or memory) is full: the same put may work once room is made.
+            full = exc.errno in (errno.ENOSPC, errno.ENOMEM)
+            raise (ConnectorFull if full else ConnectorError)(
                 f"SharedMemoryConnector: no shared memory for {what}: {exc}; free /dev/shm, raise the "
                 "container's shm_size or lower memory_pool_size"
             ) from exc
@@ -354,8 +356,3 @@ class ShmPool:
             self.segments.clear()
             self._places = None
             return True
-
-
-def _no_room(exc: OSError) -> type[ConnectorError]:
-    """ConnectorFull when /dev/shm (or memory) is full: the same put may work once room is made."""
-    return ConnectorFull if exc.errno in (errno.ENOSPC, errno.ENOMEM) else ConnectorError
