@@ -59,8 +59,14 @@ class ShmReader:
         ):
             got = shm_tiny.get(from_stage, to_stage, get_key, metadata, self._maps, self._counters)
             return got if got is not None else self._stale()
-        if not names_a_payload(metadata):
-            return self._get_by_key(from_stage, to_stage, get_key)  # no (or partial) metadata: the key alone
+        if not names_a_payload(metadata):  # no (or partial) metadata: the key alone, in every pool (lookup)
+            return lookup.find_by_key(
+                self._own_first(),
+                self._maps,
+                where(from_stage, to_stage, get_key),
+                digest(from_stage, to_stage, get_key),
+                lambda found: self.get(from_stage, to_stage, get_key, found),
+            )
         if "refs" in metadata:
             return self._get_parts(from_stage, to_stage, get_key, metadata)
         name, offset = metadata.get("segment"), metadata.get("offset")
@@ -117,17 +123,6 @@ class ShmReader:
             return self._stale()
         self._counters.add_pair("gets", "bytes_got", got[1])
         return got
-
-    def _get_by_key(self, from_stage: str, to_stage: str, get_key: str) -> Got | None:
-        """Find the payload in the cells and the key index of every pool in the directory (lookup);
-        None if none has it."""
-        return lookup.find_by_key(
-            self._own_first(),
-            self._maps,
-            where(from_stage, to_stage, get_key),
-            digest(from_stage, to_stage, get_key),
-            lambda metadata: self.get(from_stage, to_stage, get_key, metadata),
-        )
 
     def _stale(self) -> None:
         self._counters.add("stale_gets")

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omni_mesh.connectors.errors import ConnectorError, SharedMemoryFull
-from omni_mesh.hostinfo import ProcessUnknown as ProcessUnknown  # re-exported: process liveness is hostinfo's
 from omni_mesh.hostinfo import own_start_time, process_gone
 from omni_mesh.hostinfo import process_start_time as process_start_time
 
