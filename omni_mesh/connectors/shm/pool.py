@@ -61,7 +61,6 @@ class ShmPool:
         self,
         cfg: Any,
         identity: ProcessIdentity,
-        token: str,
         counters: Counters,
         *,
         reserved: int,
@@ -70,7 +69,7 @@ class ShmPool:
         before_reclaim: Callable[[], None],
     ) -> None:
         self.cfg = cfg
-        self._identity, self._token, self._counters = identity, token, counters
+        self._identity, self._token, self._counters = identity, new_token(), counters
         self._start = POOL_HEADER + reserved
         self._on_first, self._on_released, self._before_reclaim = on_first, on_released, before_reclaim
         self.lock = threading.Lock()

@@ -22,7 +22,7 @@ from omni_mesh.connectors.shm import lookup
 from omni_mesh.connectors.shm.maps import Mappings
 from omni_mesh.connectors.shm.outputs import PoolOutputs
 from omni_mesh.connectors.shm.pool import ShmPool
-from omni_mesh.connectors.shm.segments import ProcessIdentity, new_token
+from omni_mesh.connectors.shm.segments import ProcessIdentity
 from omni_mesh.connectors.shm.slots import (
     FREE,
     POOL_HEADER,
@@ -51,7 +51,6 @@ class ShmProducer:
         self.pool = ShmPool(
             cfg,
             identity,
-            new_token(),
             counters,
             reserved=POOL_RESERVED + shm_cells.COUNT * shm_cells.cell_size(SLOT_HEADER, cfg.inline_max_bytes),
             on_first=self._lay_out_first,
