@@ -149,32 +149,29 @@ class TinyPayloads:
         BACKFILL_S later free the copies nobody took. True once there is nothing more to do. One caller
         at a time: a get by key in this process that calls it while the watcher copies waits for it."""
         with self._noticing:
-            return self._notice_wanted()
-
-    def _notice_wanted(self) -> bool:
-        pool = self._pool
-        with pool.lock:
-            first = pool.first
-            if pool.closed or first is None:
-                return True
-            if self.wanted:
-                if self._copied and time.monotonic() >= self._copied_until:
-                    self._free_copies_locked()
+            pool = self._pool
+            with pool.lock:
+                first = pool.first
+                if pool.closed or first is None:
+                    return True
+                if self.wanted:
+                    if self._copied and time.monotonic() >= self._copied_until:
+                        self._free_copies_locked()
+                    return not self._copied
+                if not shm_wanted.marked(first.mm):
+                    return False
+                self.wanted = True
+                recent = self._recent.take()
+                self._copied_until = time.monotonic() + shm_recent.BACKFILL_S
+            for from_stage, to_stage, put_key, framed, _ in recent:
+                try:
+                    self._copy_in(from_stage, to_stage, put_key, framed)
+                except ConnectorError:
+                    if pool.closed:
+                        return True  # closed meanwhile: nothing left to copy into
+                    raise
+            with pool.lock:
                 return not self._copied
-            if not shm_wanted.marked(first.mm):
-                return False
-            self.wanted = True
-            recent = self._recent.take()
-            self._copied_until = time.monotonic() + shm_recent.BACKFILL_S
-        for from_stage, to_stage, put_key, framed, _ in recent:
-            try:
-                self._copy_in(from_stage, to_stage, put_key, framed)
-            except ConnectorError:
-                if pool.closed:
-                    return True  # closed meanwhile: nothing left to copy into
-                raise
-        with pool.lock:
-            return not self._copied
 
     def _copy_in(self, from_stage: str, to_stage: str, put_key: str, framed: bytes) -> None:
         """A copy of a payload put before the pool was flagged, for a get by key: a put as any tiny
