@@ -44,13 +44,12 @@ def _uncounted() -> None:
 class _Mapping:
     """One anonymous mapping of a pool (at a base of its SlotPool's offset space)."""
 
-    __slots__ = ("mm", "array", "address", "size")
+    __slots__ = ("mm", "array", "address")
 
     def __init__(self, size: int, prefault: bool) -> None:
         self.mm: mmap.mmap | None = anonymous_map(size, populate=prefault, huge_pages=False)
         self.array = np.frombuffer(self.mm, dtype=np.uint8)
         self.address = self.array.ctypes.data
-        self.size = size
 
     def drop(self) -> None:
         self.array, self.mm = np.empty(0, dtype=np.uint8), None  # views still alive keep it mapped
@@ -64,7 +63,7 @@ class RegisteredPool:
     pre-faulted mapping sized for it (rounded up to growth.GROW_STEP), registered through `register(address,
     size) -> bool`, instead of waiting; mappings added that way that held nothing for `idle_s` are
     unregistered and dropped. Offsets are one space across mappings: `address_of(offset)` is where the
-    bytes lie, `buffer(offset, n)` a writable array over them.
+    bytes lie.
 
     `view(offset, length)` hands a region out as a numpy array whose garbage collection gives the
     region back, so tensors decoded as views over it keep it reserved exactly as long as they live.
@@ -153,20 +152,6 @@ class RegisteredPool:
         with self._cond:
             mapping, local = self._locate_locked(offset)
             return mapping.address + local
-
-    def buffer(self, offset: int, length: int) -> np.ndarray:
-        """A writable array over [offset, offset + length) (to lay a frame into)."""
-        with self._cond:
-            mapping, local = self._locate_locked(offset)
-            return mapping.array[local : local + length]
-
-    def contains(self, address: int, length: int) -> bool:
-        """Whether [address, address + length) lies in one mapping of the pool (registered already)."""
-        with self._cond:
-            return any(
-                m.address <= address and address + length <= m.address + m.size
-                for m in self._mappings.values()
-            )
 
     def check_fits(self, nbytes: int, what: str) -> None:
         """A frame larger than the pool can ever be is never received (consumers size their pool alike)."""
