@@ -272,6 +272,7 @@ class ServedConnector(OmniConnectorBase):
         *,
         late_key: str | None = None,
         keep_late: bool = False,
+        late_session: Any = None,
         again_if_broken: bool = False,
     ) -> list[zmq.Frame]:
         """One side-channel request `[op, key, *args]`; the reply frames if the producer answered OK.
@@ -279,9 +280,9 @@ class ServedConnector(OmniConnectorBase):
         Anything else is a ConnectorError starting with `where`; `late` says what no answer means.
         With `late_key` (a request whose answer carries the payload), a late request of that key
         kept earlier is waited on instead of a new one, and with `keep_late` one that is late now is
-        kept (_late_gets). `again_if_broken` (a request the producer answers at most once, and
-        GONE after): a request whose connection broke is sent once more on a new one, within
-        `timeout_s`. A dropped connection loses only requests that had not reached the producer yet;
+        kept (`_late`, with `late_session`). `again_if_broken` (a request the producer answers at
+        most once, and GONE after): a request whose connection broke is sent once more on a new one,
+        within `timeout_s`. A dropped connection loses only requests that had not reached the producer yet;
         one whose answer was under way is lost with it, and the second answer (GONE) says so.
         """
         deadline = time.monotonic() + timeout_s
@@ -303,7 +304,7 @@ class ServedConnector(OmniConnectorBase):
                     reply = self._dealers.request(endpoint, parts, left, keep_late=keep_late)
         except LateReply as exc:  # the answer may still come: the next get of the key waits for it
             if keep_late and late_key is not None and not isinstance(exc, PeerLost):
-                self._late.keep(late_key, endpoint, exc)
+                self._late.keep(late_key, endpoint, exc, late_session)
                 raise NoAnswer(f"{where}: {late}") from None
             exc.close()
             raise self._dealer_failure(exc, where, late) from None
