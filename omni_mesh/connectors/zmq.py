@@ -51,7 +51,6 @@ class ZmqConnector(ServedConnector):
 
     config_class = ZmqConfig
     scope = "network"
-    port_field = "port"
     counter_names = (*ServedConnector.counter_names, "oneoff", "pool_grown", "pool_released")
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
@@ -78,12 +77,6 @@ class ZmqConnector(ServedConnector):
             self._bulk = self._serving.bulk = BulkServer(self._bind_host, self._name, self.config.bulk_port)
             self._bulk.start()
         return {b"GET": self._serving.serve, b"DONE": self._serving.confirmed}
-
-    def _reap_sent(self) -> None:
-        """Slots whose frames went out since the last poll: reused while still warm."""
-        server = self._server
-        if server is not None:
-            server.reap()
 
     # ---- producer side
 

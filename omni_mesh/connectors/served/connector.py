@@ -162,19 +162,20 @@ class ServedConnector(OmniConnectorBase):
     def _count_put(self, held: Held) -> None:
         self._counters.add_pair("puts", "bytes_put", held.size)
 
-    def _count_put_error(self) -> None:
-        self._error()
-
     @abstractmethod
     def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[int, dict | None]:
         """Store the payload; raise on failure (put() turns it into (False, 0, None) and a log line)."""
 
     def reap_consumed(self) -> None:
         """Free the slots of payloads whose consumers took them (their frames have left), and expire."""
+        self._reap_sent()
+        self._expire()
+
+    def _reap_sent(self) -> None:
+        """Slots whose frames went out since the last poll: reused while still warm."""
         server = self._server
         if server is not None:
             server.reap()
-        self._expire()
 
     def _release(self, held: Held) -> None:
         if held.offset is not None:
@@ -349,6 +350,8 @@ class ServedConnector(OmniConnectorBase):
     def _error(self) -> None:
         self._counters.add("errors")
         self._last_error = time.monotonic()
+
+    _count_put_error = _error
 
     # ---- lifecycle
 

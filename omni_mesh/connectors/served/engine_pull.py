@@ -81,9 +81,6 @@ class EnginePullConnector(ServedConnector):
         region = self._pool[offset : offset + size]
         return decode(region.numpy().copy() if region.device.type == "cpu" else region.cpu().numpy())
 
-    @abstractmethod
-    def _close_backend(self) -> None: ...
-
     # ---- producer side
 
     def _serving_handlers(self) -> dict[bytes, Handler]:
