@@ -66,9 +66,6 @@ class LateGets:
             self._waiting.clear()
         _close(dropped)
 
-    def __len__(self) -> int:
-        return len(self._waiting)
-
 
 def _close(lates: list[LateReply | None]) -> None:
     for late in lates:
