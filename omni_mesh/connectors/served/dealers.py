@@ -194,13 +194,8 @@ class DealerPool:
         try:
             self._wait_reply(link, timeout_s)
             reply = link.sock.recv_multipart(copy=False)
-        except LateReply:
-            raise
         except BaseException as exc:
-            link.close()
-            if isinstance(exc, zmq.ZMQError) and exc.errno in (errno.ENOTSOCK, zmq.ETERM):
-                raise ChannelClosed() from None
-            raise
+            raise _failed(link, exc, keep_late=True) from None
         self._checkin(endpoint, link)
         return reply
 
@@ -292,9 +287,9 @@ class DealerPool:
 
 
 def _failed(link: _Link, exc: BaseException, keep_late: bool) -> BaseException:
-    """What a failed request raises: its socket closed (a late answer must never be taken for
-    the next one's) unless a late reply is kept; a late reply as TimeoutError unless kept (PeerLost
-    stays itself); a closed context as ChannelClosed; a full send queue as TimeoutError."""
+    """What a failed request (or resumed wait) raises: its socket closed (a late answer must never be
+    taken for the next one's) unless a late reply is kept; a late reply as TimeoutError unless kept
+    (PeerLost stays itself); a closed context as ChannelClosed; a full send queue as TimeoutError."""
     if isinstance(exc, LateReply) and keep_late:
         return exc
     link.close()
