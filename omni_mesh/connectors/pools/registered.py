@@ -44,12 +44,13 @@ def _uncounted() -> None:
 class _Mapping:
     """One anonymous mapping of a pool (at a base of its SlotPool's offset space)."""
 
-    __slots__ = ("mm", "array", "address")
+    __slots__ = ("mm", "array", "address", "size")
 
     def __init__(self, size: int, prefault: bool) -> None:
         self.mm: mmap.mmap | None = anonymous_map(size, populate=prefault, huge_pages=False)
         self.array = np.frombuffer(self.mm, dtype=np.uint8)
         self.address = self.array.ctypes.data
+        self.size = size
 
     def drop(self) -> None:
         self.array, self.mm = np.empty(0, dtype=np.uint8), None  # views still alive keep it mapped
@@ -152,6 +153,14 @@ class RegisteredPool:
         with self._cond:
             mapping, local = self._locate_locked(offset)
             return mapping.address + local
+
+    def contains(self, address: int, length: int) -> bool:
+        """Whether [address, address + length) lies in one mapping of the pool (registered already)."""
+        with self._cond:
+            return any(
+                m.address <= address and address + length <= m.address + m.size
+                for m in self._mappings.values()
+            )
 
     def check_fits(self, nbytes: int, what: str) -> None:
         """A frame larger than the pool can ever be is never received (consumers size their pool alike)."""
