@@ -6,9 +6,7 @@ import threading
 
 
 class Counters:
-    """Counters for `health()`, exact under concurrency and lock-free on the hot path.
-
-    Each thread adds into its own shard (a plain dict only it writes); `snapshot` sums the shards.
+    """Each thread adds into its own shard (a plain dict only it writes); `snapshot` sums the shards.
     """
 
     def __init__(self, *names: str) -> None:

@@ -36,8 +36,7 @@ from omni_mesh.connectors.served.bulk_client import BulkError, BulkLinks, pull
 from omni_mesh.connectors.served.bulk_server import BulkServer
 from omni_mesh.connectors.served.channel import Handler
 from omni_mesh.connectors.served.confirms import Confirms
-from omni_mesh.connectors.served.connector import NoAnswer, ServedConnector
-from omni_mesh.connectors.served.late_gets import LateGets
+from omni_mesh.connectors.served.connector import ServedConnector
 from omni_mesh.connectors.served.producer_pool import ProducerPool
 from omni_mesh.lazy_torch import import_torch
 
@@ -52,7 +51,6 @@ class ZmqConnector(ServedConnector):
 
     config_class = ZmqConfig
     scope = "network"
-    port_field = "port"
     counter_names = (*ServedConnector.counter_names, "oneoff", "pool_grown", "pool_released")
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
@@ -65,7 +63,6 @@ class ZmqConnector(ServedConnector):
         self._serving = zmq_wire.Serving(self._held, self._pool, self._algorithm)
         self._bulk: BulkServer | None = None
         self._bulk_links = BulkLinks() if self._keys is not None else None
-        self._late_sessions: dict[str, seal.Session] = {}  # of polls left waiting (_get_payload)
         self._confirms = Confirms(self._dealers, self._name)  # payloads that arrived, told their producers
 
     def _new_slots(self, cfg: Any) -> SlotPool:
@@ -80,12 +77,6 @@ class ZmqConnector(ServedConnector):
             self._bulk = self._serving.bulk = BulkServer(self._bind_host, self._name, self.config.bulk_port)
             self._bulk.start()
         return {b"GET": self._serving.serve, b"DONE": self._serving.confirmed}
-
-    def _reap_sent(self) -> None:
-        """Slots whose frames went out since the last poll: reused while still warm."""
-        server = self._server
-        if server is not None:
-            server.reap()
 
     # ---- producer side
 
@@ -147,22 +138,17 @@ class ZmqConnector(ServedConnector):
         if self._bulk_links is not None:  # a large payload may come sealed on the bulk socket
             # A poll's request still waiting for its answer is resumed, not sent again: its session
             # is the one its answer was sealed for. Every new request offers a fresh one.
-            resumed = self._late.has(key, endpoint)
-            session = (self._late_sessions.pop(key, None) if resumed else None) or seal.Session.fresh()
+            session = self._late.session(key, endpoint) or seal.Session.fresh()
         late = (
             f"no answer within {timeout_s:.3g}s; the producing process is gone, its host is unreachable, "
             "or the payload is still in transit (raise get_timeout_s)"
         )
         # The answer carries the payload: a poll that gives up keeps waiting for it in the background.
         parts = zmq_wire.request(key, token, session)
-        try:
-            reply = self._ask(
-                endpoint, parts, timeout_s, where, late, late_key=key, keep_late=poll, again_if_broken=True
-            )
-        except NoAnswer:
-            if poll and session is not None:
-                self._keep_session(key, session)
-            raise
+        reply = self._ask(
+            endpoint, parts, timeout_s, where, late, late_key=key, keep_late=poll, late_session=session,
+            again_if_broken=True,
+        )
         sealed = zmq_wire.sealed(reply)
         try:
             if sealed is None:
@@ -177,13 +163,6 @@ class ZmqConnector(ServedConnector):
             raise ConnectorError(f"{where}: corrupt frame: {exc}") from None
         self._confirms.add(endpoint, key, token)
         return got
-
-    def _keep_session(self, key: str, session: seal.Session) -> None:
-        """The session of a poll left waiting (LateGets), for the get that resumes it."""
-        with self._lock:
-            self._late_sessions[key] = session
-            while len(self._late_sessions) > 2 * LateGets.MAX:  # those of requests LateGets dropped since
-                del self._late_sessions[next(iter(self._late_sessions))]
 
     def _pull(
         self, endpoint: str, key: str, session: seal.Session | None, desc: bytes, timeout_s: float, where: str

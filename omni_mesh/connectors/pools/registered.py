@@ -64,7 +64,7 @@ class RegisteredPool:
     pre-faulted mapping sized for it (rounded up to growth.GROW_STEP), registered through `register(address,
     size) -> bool`, instead of waiting; mappings added that way that held nothing for `idle_s` are
     unregistered and dropped. Offsets are one space across mappings: `address_of(offset)` is where the
-    bytes lie, `buffer(offset, n)` a writable array over them.
+    bytes lie.
 
     `view(offset, length)` hands a region out as a numpy array whose garbage collection gives the
     region back, so tensors decoded as views over it keep it reserved exactly as long as they live.
@@ -153,12 +153,6 @@ class RegisteredPool:
         with self._cond:
             mapping, local = self._locate_locked(offset)
             return mapping.address + local
-
-    def buffer(self, offset: int, length: int) -> np.ndarray:
-        """A writable array over [offset, offset + length) (to lay a frame into)."""
-        with self._cond:
-            mapping, local = self._locate_locked(offset)
-            return mapping.array[local : local + length]
 
     def contains(self, address: int, length: int) -> bool:
         """Whether [address, address + length) lies in one mapping of the pool (registered already)."""

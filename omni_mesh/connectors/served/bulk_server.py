@@ -58,11 +58,9 @@ LISTEN_BACKLOG = 1024  # connections the kernel completes before the door accept
 class _Transfer:
     __slots__ = ("session", "sealer", "parts", "chunks", "on_done", "expires")
 
-    def __init__(
-        self, session: Session, sealer: Sealer | None, parts: list, chunk: int, on_done: Callable[[], None]
-    ):
+    def __init__(self, session: Session, parts: list, chunk: int, on_done: Callable[[], None]):
         self.session = session
-        self.sealer = sealer  # None: `none`, the parts are sent as they are
+        self.sealer: Sealer | None = None  # None: `none`, the parts are sent as they are (see offer)
         self.parts = parts
         self.chunks = plan([len(p) for p in parts], chunk)
         self.on_done: Callable[[], None] | None = on_done
@@ -145,7 +143,7 @@ class BulkServer:
         """Hold `parts` (the payload's bytes, in order) for the consumer of `session`; the description
         the side channel answers with. `on_done` runs once the parts are no longer read."""
         chunk = chunk_size(sum(len(p) for p in parts))
-        transfer = _Transfer(session, None, parts, chunk, on_done)
+        transfer = _Transfer(session, parts, chunk, on_done)
         if algorithm != NONE:
             transfer.sealer = Sealer(algorithm, session, key, len(transfer.chunks))
         with self._lock:  # a session offered twice (a consumer reusing its offer) keeps the last

@@ -38,16 +38,15 @@ def wait_limit(sock: socket.socket, option: int, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
 
 
-def recv_exactly(sock: socket.socket, view: memoryview, deadline: float | None = None) -> int:
+def recv_exactly(sock: socket.socket, view: memoryview, deadline: float) -> int:
     """Fill `view` from `sock` (MSG_WAITALL: one wake-up when it is all there); the bytes received
-    before the peer closed or the wait limit (or `deadline`, monotonic: for all of it) passed, if fewer."""
+    before the peer closed or `deadline` (monotonic: for all of it) passed, if fewer."""
     got, size = 0, len(view)
     while got < size:
-        if deadline is not None:  # a peer sending a byte now and then must not restart the wait
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return got
-            wait_limit(sock, socket.SO_RCVTIMEO, max(0.001, left))  # 0 would mean: wait forever
+        left = deadline - time.monotonic()  # a peer sending a byte now and then must not restart the wait
+        if left <= 0:
+            return got
+        wait_limit(sock, socket.SO_RCVTIMEO, max(0.001, left))  # 0 would mean: wait forever
         try:
             n = sock.recv_into(view[got:], size - got, socket.MSG_WAITALL)
         except (BlockingIOError, InterruptedError):  # SO_RCVTIMEO passed

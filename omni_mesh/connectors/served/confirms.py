@@ -36,8 +36,6 @@ class Confirms:
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self.sent = 0  # keys confirmed
-        self.failed = 0  # keys whose confirmation did not reach the producer
 
     def add(self, endpoint: str, key: str, token: str) -> None:
         """Confirm, soon, that the payload `key` (put `token`) from `endpoint` arrived."""
@@ -80,11 +78,9 @@ class Confirms:
                 batch = pairs[start : start + 2 * MAX_BATCH]
                 try:
                     self._dealers.request(endpoint, [DONE, *batch], CONFIRM_S)
-                    self.sent += len(batch) // 2
                 except ChannelClosed:
                     return  # the connector is closing: its producers clean up or expire the rest
                 except Exception as exc:  # the producer is gone or unreachable: it never frees them early
-                    self.failed += len(batch) // 2
                     log.warning(
                         "%s: %d payload(s) from %s arrived, but the producer did not hear so (%s); it "
                         "keeps them until their clean-up or ttl_s",

@@ -162,19 +162,20 @@ class ServedConnector(OmniConnectorBase):
     def _count_put(self, held: Held) -> None:
         self._counters.add_pair("puts", "bytes_put", held.size)
 
-    def _count_put_error(self) -> None:
-        self._error()
-
     @abstractmethod
     def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[int, dict | None]:
         """Store the payload; raise on failure (put() turns it into (False, 0, None) and a log line)."""
 
     def reap_consumed(self) -> None:
         """Free the slots of payloads whose consumers took them (their frames have left), and expire."""
+        self._reap_sent()
+        self._expire()
+
+    def _reap_sent(self) -> None:
+        """Slots whose frames went out since the last poll: reused while still warm."""
         server = self._server
         if server is not None:
             server.reap()
-        self._expire()
 
     def _release(self, held: Held) -> None:
         if held.offset is not None:
@@ -272,6 +273,7 @@ class ServedConnector(OmniConnectorBase):
         *,
         late_key: str | None = None,
         keep_late: bool = False,
+        late_session: Any = None,
         again_if_broken: bool = False,
     ) -> list[zmq.Frame]:
         """One side-channel request `[op, key, *args]`; the reply frames if the producer answered OK.
@@ -279,9 +281,9 @@ class ServedConnector(OmniConnectorBase):
         Anything else is a ConnectorError starting with `where`; `late` says what no answer means.
         With `late_key` (a request whose answer carries the payload), a late request of that key
         kept earlier is waited on instead of a new one, and with `keep_late` one that is late now is
-        kept (_late_gets). `again_if_broken` (a request the producer answers at most once, and
-        GONE after): a request whose connection broke is sent once more on a new one, within
-        `timeout_s`. A dropped connection loses only requests that had not reached the producer yet;
+        kept (`_late`, with `late_session`). `again_if_broken` (a request the producer answers at
+        most once, and GONE after): a request whose connection broke is sent once more on a new one,
+        within `timeout_s`. A dropped connection loses only requests that had not reached the producer yet;
         one whose answer was under way is lost with it, and the second answer (GONE) says so.
         """
         deadline = time.monotonic() + timeout_s
@@ -303,7 +305,7 @@ class ServedConnector(OmniConnectorBase):
                     reply = self._dealers.request(endpoint, parts, left, keep_late=keep_late)
         except LateReply as exc:  # the answer may still come: the next get of the key waits for it
             if keep_late and late_key is not None and not isinstance(exc, PeerLost):
-                self._late.keep(late_key, endpoint, exc)
+                self._late.keep(late_key, endpoint, exc, late_session)
                 raise NoAnswer(f"{where}: {late}") from None
             exc.close()
             raise self._dealer_failure(exc, where, late) from None
@@ -348,6 +350,8 @@ class ServedConnector(OmniConnectorBase):
     def _error(self) -> None:
         self._counters.add("errors")
         self._last_error = time.monotonic()
+
+    _count_put_error = _error
 
     # ---- lifecycle
 

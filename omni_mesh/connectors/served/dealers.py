@@ -22,7 +22,6 @@ import errno
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -181,55 +180,31 @@ class DealerPool:
                 raise NotConnected(f"no connection within {connect_timeout_s:g}s")
             link.arm()
             sock.send_multipart(parts, zmq.NOBLOCK)
-            self._wait_reply(link, time.monotonic() + timeout_s, timeout_s, keep_late)
+            self._wait_reply(link, timeout_s)
             reply = sock.recv_multipart(copy=False)
         except BaseException as exc:
             raise _failed(link, exc, keep_late) from None
         self._checkin(endpoint, link)
         return reply
 
-    def stream(
-        self, endpoint: str, parts: list[bytes], timeout_s: float, take: Callable[[list[zmq.Frame]], bool]
-    ) -> None:
-        """Send `parts`, then hand each reply message to `take` until it returns True (the stream is
-        complete), all within `timeout_s`. Errors as in `request` (never LateReply: a late stream is a
-        TimeoutError); an exception from `take` closes the socket and propagates."""
-        link = self._checkout(endpoint)
-        sock = link.sock
-        deadline = time.monotonic() + timeout_s
-        try:
-            link.arm()
-            sock.send_multipart(parts, zmq.NOBLOCK)
-            done = False
-            while not done:
-                self._wait_reply(link, deadline, timeout_s, False)
-                done = take(sock.recv_multipart(copy=False))
-        except BaseException as exc:
-            raise _failed(link, exc, keep_late=False) from None
-        self._checkin(endpoint, link)
-
     def resume(self, endpoint: str, late: LateReply, timeout_s: float) -> list[zmq.Frame]:
         """Wait again, up to `timeout_s`, for the answer to a request that was late (`keep_late`):
         its reply frames; LateReply or PeerLost (the caller still owns the socket) as in `request`."""
         link = late.link
         try:
-            self._wait_reply(link, time.monotonic() + timeout_s, timeout_s, True)
+            self._wait_reply(link, timeout_s)
             reply = link.sock.recv_multipart(copy=False)
-        except LateReply:
-            raise
         except BaseException as exc:
-            link.close()
-            if isinstance(exc, zmq.ZMQError) and exc.errno in (errno.ENOTSOCK, zmq.ETERM):
-                raise ChannelClosed() from None
-            raise
+            raise _failed(link, exc, keep_late=True) from None
         self._checkin(endpoint, link)
         return reply
 
     @staticmethod
-    def _wait_reply(link: _Link, deadline: float, timeout_s: float, keep_late: bool) -> None:
-        """Return once the reply is there; LateReply at the deadline, PeerLost when it cannot come."""
+    def _wait_reply(link: _Link, timeout_s: float) -> None:
+        """Return once the reply is there; LateReply past `timeout_s`, PeerLost when it cannot come."""
         poller = link.poller
         started = time.monotonic()
+        deadline = started + timeout_s
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -312,9 +287,9 @@ class DealerPool:
 
 
 def _failed(link: _Link, exc: BaseException, keep_late: bool) -> BaseException:
-    """What a failed request or stream raises: its socket closed (a late answer must never be taken for
-    the next one's) unless a late reply is kept; a late reply as TimeoutError unless kept (PeerLost
-    stays itself); a closed context as ChannelClosed; a full send queue as TimeoutError."""
+    """What a failed request (or resumed wait) raises: its socket closed (a late answer must never be
+    taken for the next one's) unless a late reply is kept; a late reply as TimeoutError unless kept
+    (PeerLost stays itself); a closed context as ChannelClosed; a full send queue as TimeoutError."""
     if isinstance(exc, LateReply) and keep_late:
         return exc
     link.close()

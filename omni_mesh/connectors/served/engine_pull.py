@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from omni_mesh.codec import FrameError, FramePlan, decode, plan
+from omni_mesh.codec import FrameError, decode, plan
 from omni_mesh.connectors.errors import ConnectorError, retold
 from omni_mesh.connectors.keys import edge_key
 from omni_mesh.connectors.pools.held import Gone, PendingReleases
@@ -45,17 +45,6 @@ class EnginePullConnector(ServedConnector):
     def _open_backend(self) -> None:
         """Import the backend, start the engine, allocate and register a memory_pool_size pool (`_pool`)."""
 
-    def _write_frame(self, frame: FramePlan, offset: int) -> None:
-        """Lay `frame` into the pool at `offset` (through a host staging buffer for device pools)."""
-        pool = self._pool
-        if pool.device.type == "cpu":
-            frame.write_into(pool.numpy(), offset)
-            return
-        staging = torch.empty(frame.nbytes, dtype=torch.uint8)
-        frame.write_into(staging.numpy())
-        pool[offset : offset + frame.nbytes].copy_(staging)
-        self._synchronize()  # the bytes must be on the device before a consumer can pull them
-
     def _synchronize(self) -> None:  # noqa: B027 - a device pool's subclass waits for its copies
         """Wait until the copies into a device pool are done."""
 
@@ -75,15 +64,6 @@ class EnginePullConnector(ServedConnector):
     def _transfer_done(self, handle: Any) -> bool:
         return True
 
-    def _decode_slot(self, offset: int, size: int) -> Any:
-        """Decode the frame at `offset` of our pool into objects that do not reference the pool (views
-        over our own host copy)."""
-        region = self._pool[offset : offset + size]
-        return decode(region.numpy().copy() if region.device.type == "cpu" else region.cpu().numpy())
-
-    @abstractmethod
-    def _close_backend(self) -> None: ...
-
     # ---- producer side
 
     def _serving_handlers(self) -> dict[bytes, Handler]:
@@ -101,8 +81,15 @@ class EnginePullConnector(ServedConnector):
                 f"({frame.nbytes} bytes needed, {self._slots.size - self._slots.in_use} of {self._slots.size} "
                 f"free, {len(self._held)} payloads waiting); raise memory_pool_size or consume faster"
             )
+        pool = self._pool
         try:
-            self._write_frame(frame, offset)
+            if pool.device.type == "cpu":
+                frame.write_into(pool.numpy(), offset)
+            else:  # through a host staging buffer
+                staging = torch.empty(frame.nbytes, dtype=torch.uint8)
+                frame.write_into(staging.numpy())
+                pool[offset : offset + frame.nbytes].copy_(staging)
+                self._synchronize()  # the bytes must be on the device before a consumer can pull them
         except BaseException:
             self._slots.free(offset)
             raise
@@ -154,7 +141,9 @@ class EnginePullConnector(ServedConnector):
             if unfinished is not None:
                 self._error()
                 raise ConnectorError(f"{where}: the transfer did not finish by the deadline")
-            obj = self._decode_slot(offset, size)
+            # Objects that do not reference the pool: views over our own host copy.
+            region = self._pool[offset : offset + size]
+            obj = decode(region.numpy().copy() if region.device.type == "cpu" else region.cpu().numpy())
         except FrameError as exc:
             self._error()
             raise ConnectorError(f"{where}: corrupt frame: {exc}") from None

@@ -65,18 +65,17 @@ def side_channel_keys(owner: str) -> MeshKeys | None:
 class ChannelGuard:
     """The security of one side-channel server socket, and its counts of what it refused."""
 
-    def __init__(self, owner: str, keys: MeshKeys | None, max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
+    def __init__(self, owner: str, keys: MeshKeys | None) -> None:
         self.keys = keys
         self.refused = Refusals(f"{owner} side channel")
         self.malformed = Refusals(f"{owner} side channel")
-        self._max_request_bytes = max_request_bytes
         self._zap: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
 
     def arm(self, ctx: zmq.Context, sock: zmq.Socket) -> list[zmq.Socket]:
         """Before `sock` binds: its size limit, CURVE and its context's ZAP handler (with keys; one
         per context), a monitor of failed handshakes. Returns the sockets to poll beside it."""
-        sock.setsockopt(zmq.MAXMSGSIZE, self._max_request_bytes)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         secure_server(sock, self.keys)
         self._zap = bind_zap(ctx, self.keys)  # before the bind: without a handler libzmq admits anyone
         self._monitor = sock.get_monitor_socket(_FAILED_HANDSHAKES)

@@ -4,31 +4,33 @@ vllm-omni's `get` is a poll that gives up within about a second. A ZeroMQ GET ca
 its answer, and the producer hands the payload over as it answers: a poll that stopped waiting and
 closed its socket would lose a payload still in transit (a large one, a slow link). So a poll that
 times out leaves its request's socket here, under the payload's edge key, and the next get of that
-key waits on it instead of asking again. `abandon_get` and `close` drop them (the payload goes with
-its socket); at most MAX are kept, the oldest dropped first.
+key waits on it instead of asking again, with the session its answer was sealed for (ZmqConnector).
+`abandon_get` and `close` drop them (the payload goes with its socket); at most MAX are kept, the
+oldest dropped first.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import Any
 
 from omni_mesh.connectors.served.dealers import LateReply
 
 
 class LateGets:
-    """Late requests by edge key, each with the endpoint it was sent to."""
+    """Late requests by edge key, each with the endpoint it was sent to and the session it offered."""
 
     MAX = 64
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiting: OrderedDict[str, tuple[str, LateReply]] = OrderedDict()
+        self._waiting: OrderedDict[str, tuple[str, LateReply, Any]] = OrderedDict()
 
-    def keep(self, key: str, endpoint: str, late: LateReply) -> None:
+    def keep(self, key: str, endpoint: str, late: LateReply, session: Any = None) -> None:
         with self._lock:
-            dropped = [self._waiting.pop(key, (endpoint, None))[1]]
-            self._waiting[key] = (endpoint, late)
+            dropped = [self._waiting.pop(key, (endpoint, None, None))[1]]
+            self._waiting[key] = (endpoint, late, session)
             while len(self._waiting) > self.MAX:
                 dropped.append(self._waiting.popitem(last=False)[1][1])
         _close(dropped)
@@ -44,11 +46,11 @@ class LateGets:
             return None
         return entry[1]
 
-    def has(self, key: str, endpoint: str) -> bool:
-        """Whether a late request for `key` to `endpoint` waits here (the next get resumes it)."""
+    def session(self, key: str, endpoint: str) -> Any:
+        """The session kept with a late request for `key` to `endpoint` (the next get resumes it), or None."""
         with self._lock:
             entry = self._waiting.get(key)
-        return entry is not None and entry[0] == endpoint
+        return entry[2] if entry is not None and entry[0] == endpoint else None
 
     def drop(self, get_key: str) -> None:
         """Drop the late requests of `get_key` on any edge (abandon_get names the key alone)."""
@@ -60,12 +62,9 @@ class LateGets:
 
     def drop_all(self) -> None:
         with self._lock:
-            dropped = [late for _, late in self._waiting.values()]
+            dropped = [entry[1] for entry in self._waiting.values()]
             self._waiting.clear()
         _close(dropped)
-
-    def __len__(self) -> int:
-        return len(self._waiting)
 
 
 def _close(lates: list[LateReply | None]) -> None:
