@@ -64,11 +64,10 @@ def worker_error(failure: WorkerError, what: str) -> ConnectorError:
     return _KINDS.get(failure.code, ConnectorError)(f"{what}: {failure}")
 
 
-def status_error(status: Any, what: str) -> ConnectorError | None:
-    """None if a returned Status is OK, else the family's kind for it (engine calls return, not raise)."""
-    if status.is_ok():
-        return None
-    return worker_error(WorkerError(first_line(RuntimeError(status.to_string()))), what)
+def check_status(status: Any, what: str) -> None:
+    """Raise a returned Status (engine calls return, not raise) as the family's kind for it unless OK."""
+    if not status.is_ok():
+        raise worker_error(WorkerError(first_line(RuntimeError(status.to_string()))), what)
 
 
 def too_large(what: str, nbytes: int) -> PayloadTooLarge:
