@@ -111,16 +111,13 @@ class TransferEngineNode:
                 OWNER, self._engine, self._pool, self._registrations, self._session, cfg, self._count_put
             )
             self._receiver = Receiver(
-                OWNER,
-                cfg,
-                pool=self._pool,
-                payloads=self._payloads,
-                registrations=self._registrations,
+                self._payloads,
                 device_leaves=self._device_leaves,
                 dealers=self._dealers,
                 quarantine=self._quarantine,
                 counters=self._counters,
-                **self._put_fields,
+                segment=self.segment,
+                endpoint=self.endpoint,
             )
         except BaseException:
             self._teardown()

@@ -20,14 +20,11 @@ import msgpack
 import torch
 import zmq
 
-from omni_mesh.connectors.config import MooncakeTransferEngineConfig
 from omni_mesh.connectors.counters import Counters
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorError
 from omni_mesh.connectors.mooncake import device_transfer, frame_pieces, te_pull
-from omni_mesh.connectors.mooncake.registrations import Registrations
 from omni_mesh.connectors.mooncake.te_payloads import Payloads
 from omni_mesh.connectors.pools.held import Gone, PendingReleases
-from omni_mesh.connectors.pools.registered import RegisteredPool
 from omni_mesh.connectors.served.channel import OK
 from omni_mesh.connectors.served.connector import GONE, POLL_S, producer_endpoint
 from omni_mesh.connectors.served.dealers import ChannelClosed, DealerPool, NotConnected
@@ -38,31 +35,26 @@ class Receiver:
 
     def __init__(
         self,
-        owner: str,
-        cfg: MooncakeTransferEngineConfig,
-        *,
-        pool: RegisteredPool,
         payloads: Payloads,
-        registrations: Registrations,
+        *,
         device_leaves: device_transfer.DeviceLeavesPolicy,
         dealers: DealerPool,
         quarantine: PendingReleases,
         counters: Counters,
         segment: str,
         endpoint: str,
-        session: str,
     ) -> None:
-        self._owner = owner
-        self._cfg = cfg
-        self._pool = pool
         self._payloads = payloads  # this instance's own puts: a get of one is handed over locally
-        self._registrations = registrations
+        self._owner = payloads.owner
+        self._cfg = payloads.cfg
+        self._pool = payloads.pool
+        self._registrations = payloads.registrations
         self._device_leaves = device_leaves
         self._dealers = dealers
         self._quarantine = quarantine
         self._counters = counters
         # This instance as its peers know it: where producers write, and whose puts are its own.
-        self._segment, self._endpoint, self._session = segment, endpoint, session
+        self._segment, self._endpoint, self._session = segment, endpoint, payloads.session
 
     def get(
         self, key: str, where: str, metadata: Any, *, poll: bool, deadline: float | None = None
