@@ -136,7 +136,12 @@ class Receiver:
                 request["device_addrs"] = [buffer.data_ptr() for buffer in device]
             inline = self._pull(meta, request, where, release, deadline)
             if inline is not None:
-                self._place_inline(inline, pool.address_of(offset), meta, where)
+                try:
+                    frame_pieces.place_inline(inline, pool.address_of(offset), length)
+                except ValueError as exc:
+                    raise ConnectorError(
+                        f"{self._owner}: get of {where}: the producer {meta['endpoint']} answered with {exc}"
+                    ) from None
         except PullTimedOut:
             self._counters.add("errors")
             raise  # `release` runs at the late answer or ttl_s
@@ -199,14 +204,6 @@ class Receiver:
             reason = frame_text(reply[2]) if len(reply) > 2 else "refused"
             raise ConnectorError(f"{owner}: get of {where} failed at the producer {endpoint}: {reason}")
         return reply[2].bytes if len(reply) > 2 else None
-
-    def _place_inline(self, inline: bytes, address: int, meta: dict, where: str) -> None:
-        try:
-            frame_pieces.place_inline(inline, address, meta["length"])
-        except ValueError as exc:
-            raise ConnectorError(
-                f"{self._owner}: get of {where}: the producer {meta['endpoint']} answered with {exc}"
-            ) from None
 
     def _receive_buffers(self, meta: dict, where: str, registered: list[int]) -> list[torch.Tensor]:
         """Buffers for the payload's device tensors, if it has any, registered into `registered`."""
