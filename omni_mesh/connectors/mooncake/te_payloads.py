@@ -203,20 +203,18 @@ class Payloads:
         payload.device.clear()
 
     def expire(self) -> int:
-        expired = self._held.pop_expired(time.monotonic())
-        for payload in expired:
-            self.release(payload)
-        return len(expired)
+        return self._release_all(self._held.pop_expired(time.monotonic()))
 
     def clean(self, key: str) -> int:
-        freed = self._held.pop_matching(key)
-        for payload in freed:
-            self.release(payload)
-        return len(freed)
+        return self._release_all(self._held.pop_matching(key))
 
     def close(self) -> None:
-        for payload in self._held.pop_all():
+        self._release_all(self._held.pop_all())
+
+    def _release_all(self, payloads: list) -> int:
+        for payload in payloads:
             self.release(payload)
+        return len(payloads)
 
     def __len__(self) -> int:
         return len(self._held)
