@@ -35,15 +35,6 @@ from omni_mesh.connectors.errors import ConnectorError, ConnectorUnavailable
 from omni_mesh.connectors.served.engine_pull import EnginePullConnector
 
 
-def install_hint() -> str:
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    return (
-        "install it with `pip install amd-mori` (wheels exist for CPython 3.10 and 3.12 on x86_64 Linux "
-        f"only; this is CPython {version}) on a host with the ROCm 7 runtime (libamdhip64.so.7, "
-        "libhsa-runtime64.so.1) and RDMA NICs or XGMI-linked AMD GPUs; elsewhere use ZmqConnector"
-    )
-
-
 class MoriTransferEngineConnector(EnginePullConnector):
     """Pull-based RDMA/XGMI transfers with MORI's IOEngine (module docstring)."""
 
@@ -55,8 +46,12 @@ class MoriTransferEngineConnector(EnginePullConnector):
         try:
             io = importlib.import_module("mori.io")
         except (ImportError, OSError) as exc:  # OSError: the ROCm shared libraries are missing
+            version = f"{sys.version_info.major}.{sys.version_info.minor}"
             raise ConnectorUnavailable(
-                f"{self._name}: AMD's MORI (mori.io) cannot be imported ({type(exc).__name__}: {exc}); {install_hint()}"
+                f"{self._name}: AMD's MORI (mori.io) cannot be imported ({type(exc).__name__}: {exc}); "
+                "install it with `pip install amd-mori` (wheels exist for CPython 3.10 and 3.12 on x86_64 "
+                f"Linux only; this is CPython {version}) on a host with the ROCm 7 runtime (libamdhip64.so.7,"
+                " libhsa-runtime64.so.1) and RDMA NICs or XGMI-linked AMD GPUs; elsewhere use ZmqConnector"
             ) from exc
         self._io = io
         if cfg.device_name:

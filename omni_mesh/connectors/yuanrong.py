@@ -38,6 +38,7 @@ class YuanrongConnector(NodeAdapter):
         super().__init__(config)  # validates before the worker is contacted
         self._node = KVNode(self.config)
         self.worker = self._node.worker
+        self._where_from = f" on datasystem worker {self.worker}"  # for the deadline's error
 
     def _put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[int, dict | None]:
         where = f"YuanrongConnector: put {from_stage}->{to_stage} key {put_key!r}"
@@ -61,10 +62,6 @@ class YuanrongConnector(NodeAdapter):
     ) -> tuple[Any, int] | None:
         where = f"YuanrongConnector: get {from_stage}->{to_stage} key {get_key!r}"
         return self._node.get(edge_key(from_stage, to_stage, get_key), metadata, deadline, where)
-
-    @property
-    def _where_from(self) -> str:  # type: ignore[override]  # the base's is a plain class attribute
-        return f" on datasystem worker {self.worker}"
 
     def flush(self) -> None:
         """Delete every consumed key now (close does this too)."""

@@ -72,7 +72,7 @@ class YuanrongTransferEngineConnector(EnginePullConnector):
         rpc_port = cfg.rpc_port or free_port(self.host)
         address = f"{self.host}:{rpc_port}"
         engine = TransferEngine()
-        _check(
+        errors.check_status(
             engine.initialize(address, cfg.protocol, device),
             f"{self._name}: initialize the engine on {address}",
         )
@@ -81,7 +81,7 @@ class YuanrongTransferEngineConnector(EnginePullConnector):
             self._pool = torch.empty(cfg.memory_pool_size, dtype=torch.uint8, device=pool_device)
             self._base = int(self._pool.data_ptr())
             what = f"{self._name}: register the {cfg.memory_pool_size}-byte pool on {pool_device}"
-            _check(engine.register_memory(self._base, cfg.memory_pool_size), what)
+            errors.check_status(engine.register_memory(self._base, cfg.memory_pool_size), what)
         except BaseException:
             engine.finalize()
             raise
@@ -97,7 +97,7 @@ class YuanrongTransferEngineConnector(EnginePullConnector):
         target = str(metadata["target"])
         remote = int(metadata["base"]) + int(metadata["offset"])
         result = self._engine.transfer_sync_read(target, self._base + local_offset, remote, size)
-        _check(result, f"transfer_sync_read of {size} bytes from {target}")
+        errors.check_status(result, f"transfer_sync_read of {size} bytes from {target}")
         return None  # synchronous: done
 
     def _close_backend(self) -> None:
@@ -106,10 +106,3 @@ class YuanrongTransferEngineConnector(EnginePullConnector):
             engine.unregister_memory(self._base)
             engine.finalize()
         self._pool = None
-
-
-def _check(status: Any, what: str) -> None:
-    """An engine call's Status, raised as the family's kind for it unless OK (`datasystem.errors`)."""
-    failure = errors.status_error(status, what)
-    if failure is not None:
-        raise failure

@@ -8,11 +8,14 @@ from omni_mesh.connectors.config.parse import ConnectorConfigError
 PROTOCOLS = ("tcp", "rdma")  # Mooncake's transports
 
 
-def check_protocol(owner: str, protocol: str) -> None:
+def check_mooncake(owner: str, protocol: str, host: str) -> None:
+    """What both Mooncake configs check: the transport, and an address (or "auto") to advertise."""
     if protocol not in PROTOCOLS:
         raise ConnectorConfigError(
             f"{owner}: protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}"
         )
+    if not host.strip():
+        raise ConnectorConfigError(f"{owner}: host must be an address or 'auto'")
 
 
 def split_address(address: str, owner: str, what: str) -> tuple[str, int]:

@@ -1,7 +1,6 @@
-"""The `extra:` keys of every built-in connector: their config dataclasses, defaults and checks
-(`parse_config` runs `check`). Light on purpose, with no backend library and no torch: checking a
-topology (`omni-mesh validate`, `up`, `export`) reads these without importing a connector. Each
-connector module re-exports its own (`from omni_mesh.connectors.zmq import ZmqConfig`)."""
+"""The `extra:` keys of every built-in connector (light on purpose: the package docstring says why):
+their config dataclasses, defaults and checks (`parse_config` runs `check`). Each connector module
+re-exports its own (`from omni_mesh.connectors.zmq import ZmqConfig`)."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from pydantic import AfterValidator
 from pydantic.dataclasses import dataclass
 from pydantic_core import PydanticCustomError
 
-from omni_mesh.connectors.config.checks import check_protocol, split_address
+from omni_mesh.connectors.config.checks import check_mooncake, split_address
 from omni_mesh.connectors.config.fields import STRICT as _STRICT
 from omni_mesh.connectors.config.fields import (
     AtLeastOne,
@@ -28,17 +27,6 @@ from omni_mesh.connectors.config.fields import (
 )
 from omni_mesh.connectors.errors import ConnectorConfigError
 from omni_mesh.control import MAX_MESSAGE_BYTES
-
-__all__ = [
-    "InProcessConfig",
-    "MooncakeStoreConfig",
-    "MooncakeTransferEngineConfig",
-    "MoriConfig",
-    "SharedMemoryConfig",
-    "YuanrongConfig",
-    "YuanrongTransferEngineConfig",
-    "ZmqConfig",
-]
 
 # Typed models (pydantic dataclasses: still dataclasses, so `dataclasses.fields` reads them). Int, Float
 # and Size read what vllm-omni's files write ("50051", "256MiB") where parse_config reads a user's
@@ -155,29 +143,23 @@ class MooncakeTransferEngineConfig:
     device_transfer: bool = True
 
     def check(self, owner: str) -> None:
-        check_protocol(owner, self.protocol)
-        if not self.host.strip():
-            raise ConnectorConfigError(f"{owner}: host must be an address or 'auto'")
+        check_mooncake(owner, self.protocol, self.host)
 
 
 # ---------------------------------------------------------------------- MooncakeStoreConnector
-
-_DEFAULT_SEGMENT = 512 * 1024 * 1024
-_DEFAULT_LOCALBUF = 256 * 1024 * 1024
-
 
 @dataclass(frozen=True, config=_STRICT)
 class MooncakeStoreConfig:
     #: Address this client advertises; "auto" picks the interface that routes outside (see _addresses).
     host: str = "auto"
     #: "P2PHANDSHAKE" (nothing to deploy) or an "http://host:port/metadata" / etcd metadata server.
-    metadata_server: str = "P2PHANDSHAKE"
+    metadata_server: str = P2P
     #: HOST:PORT of the mooncake_master RPC service.
     master: str = "127.0.0.1:50051"
     #: Bytes this process contributes to the store ("512MiB"); 0 makes it a pure client.
-    segment: Size = _DEFAULT_SEGMENT
+    segment: Size = 512 * 1024 * 1024
     #: Registered local buffer puts are staged in and gets land in ("256MiB"); the largest frame must fit.
-    localbuf: PositiveSize = _DEFAULT_LOCALBUF
+    localbuf: PositiveSize = 256 * 1024 * 1024
     #: "tcp" or "rdma".
     protocol: Annotated[str, vllm_omni("proto")] = "tcp"
     #: RDMA device(s), e.g. "mlx5_0"; "" lets the store choose.
@@ -200,10 +182,8 @@ class MooncakeStoreConfig:
     prefault: bool = True
 
     def check(self, owner: str) -> None:
-        check_protocol(owner, self.protocol)
+        check_mooncake(owner, self.protocol, self.host)
         split_address(self.master, owner, "master")
-        if not self.host.strip():
-            raise ConnectorConfigError(f"{owner}: host must be an address or 'auto'")
 
 
 # ---------------------------------------------------------------------- YuanrongConnector

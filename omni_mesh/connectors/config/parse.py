@@ -42,7 +42,7 @@ def _ours(owner: str, raw: dict[str, Any], cls: Any, warn: bool) -> dict[str, An
             continue
         entry = vllm_omni_keys.lookup(owner, key)
         if entry is None:
-            hint = vllm_omni_keys.did_you_mean(key, [*fields, *renamed, *vllm_omni_keys.known_keys(owner)])
+            hint = vllm_omni_keys.did_you_mean(key, [*fields, *renamed, *vllm_omni_keys.table_rows(owner)])
             theirs = ", ".join([*sorted(renamed), vllm_omni_keys.summary(owner)])
             raise ConnectorConfigError(
                 f"{owner}: unknown config key {key!r} in extra; {hint}(allowed: {', '.join(sorted(fields))}; "

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
 from typing import Any
 
 from omni_mesh.connectors.config.fields import fields_of, number
@@ -35,23 +34,22 @@ def read_extra(extra: dict[str, Any], config_class: Any = None) -> dict[str, Any
     }
 
 
-def expand_env(value: Any, environ: Mapping[str, str] | None = None) -> Any:
+def expand_env(value: Any) -> Any:
     """`value` with variables expanded in every string, also inside nested mappings and lists."""
-    env = os.environ if environ is None else environ
     if isinstance(value, str):
-        return _VARIABLE.sub(lambda match: _replacement(match, env), value)
+        return _VARIABLE.sub(_replacement, value)
     if isinstance(value, dict):
-        return {key: expand_env(item, env) for key, item in value.items()}
+        return {key: expand_env(item) for key, item in value.items()}
     if isinstance(value, list):
-        return [expand_env(item, env) for item in value]
+        return [expand_env(item) for item in value]
     return value
 
 
-def _replacement(match: re.Match[str], env: Mapping[str, str]) -> str:
+def _replacement(match: re.Match[str]) -> str:
     braced, default, bare = match.groups()
     name = braced or bare
-    if name in env:
-        return env[name]
+    if name in os.environ:
+        return os.environ[name]
     return default if default is not None else match.group(0)
 
 

@@ -17,12 +17,15 @@ stage-config and deploy YAMLs. docs/connectors.md shows these tables to users.
 from __future__ import annotations
 
 import difflib
+import functools
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["KEYS", "VLLM_OMNI_ONLY", "VllmKey", "did_you_mean", "known_keys", "lookup", "no_effect_messages", "warn_no_effect"]
+__all__ = [
+    "KEYS", "VLLM_OMNI_ONLY", "VllmKey", "did_you_mean", "lookup", "no_effect_messages", "warn_no_effect"
+]
 
 log = logging.getLogger("omni_mesh.connectors")
 
@@ -38,12 +41,8 @@ class VllmKey:
     same_as_ours: tuple[Any, ...] = ()
 
 
-def _honoured(note: str, same_as_ours: tuple[Any, ...] = ()) -> VllmKey:
-    return VllmKey("honoured", note, same_as_ours)
-
-
-def _no_effect(note: str, same_as_ours: tuple[Any, ...] = ()) -> VllmKey:
-    return VllmKey("no effect", note, same_as_ours)
+_honoured = functools.partial(VllmKey, "honoured")  # (note, same_as_ours=())
+_no_effect = functools.partial(VllmKey, "no effect")
 
 
 # Keys vllm-omni's orchestrator and chunk adapter put into every connector's extra.
@@ -161,11 +160,6 @@ def lookup(owner: str, key: str) -> VllmKey | None:
     return None
 
 
-def known_keys(owner: str) -> list[str]:
-    """vllm-omni's keys `owner` accepts (prefix patterns end in "*")."""
-    return sorted(_table(owner))
-
-
 def summary(owner: str) -> str:
     """vllm-omni's keys for an error message: the named ones, and the prefixes for the rest."""
     table = _table(owner)
@@ -215,5 +209,6 @@ def did_you_mean(key: str, candidates: Iterable[str]) -> str:
 
 
 def table_rows(owner: str) -> Mapping[str, VllmKey]:
-    """The rows docs/connectors.md shows for `owner`."""
+    """vllm-omni's keys `owner` accepts (prefix patterns end in "*"), sorted: the rows docs/connectors.md
+    shows."""
     return dict(sorted(_table(owner).items()))

@@ -44,31 +44,22 @@ _KINDS: dict[str, type[ConnectorError]] = {
 }
 
 
-class WorkerError(RuntimeError):
-    """A datasystem client call failed; the message is the client's (its first line)."""
-
-    @property
-    def code(self) -> str:
-        """The status name the client put first (`Out of memory`), or "" if it gave none."""
-        found = _CODE.match(str(self))
-        return found.group(1) if found else ""
-
-
 def first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
-def worker_error(failure: WorkerError, what: str) -> ConnectorError:
-    """`failure` as the family's kind for its status, its message prefixed by `what` (which names the
+def worker_error(failure: str, what: str) -> ConnectorError:
+    """A failed client call's message (its first line) as the family's kind for the status name it
+    starts with (`Out of memory`; none: a plain ConnectorError), prefixed by `what` (which names the
     connector, edge, key and worker)."""
-    return _KINDS.get(failure.code, ConnectorError)(f"{what}: {failure}")
+    found = _CODE.match(failure)
+    return _KINDS.get(found.group(1) if found else "", ConnectorError)(f"{what}: {failure}")
 
 
-def status_error(status: Any, what: str) -> ConnectorError | None:
-    """None if a returned Status is OK, else the family's kind for it (engine calls return, not raise)."""
-    if status.is_ok():
-        return None
-    return worker_error(WorkerError(first_line(RuntimeError(status.to_string()))), what)
+def check_status(status: Any, what: str) -> None:
+    """Raise a returned Status (engine calls return, not raise) as the family's kind for it unless OK."""
+    if not status.is_ok():
+        raise worker_error(first_line(RuntimeError(status.to_string())), what)
 
 
 def too_large(what: str, nbytes: int) -> PayloadTooLarge:

@@ -23,7 +23,7 @@ from omni_mesh.connectors import backends
 from omni_mesh.connectors.config import YuanrongConfig
 from omni_mesh.connectors.counters import Counters
 from omni_mesh.connectors.datasystem import errors
-from omni_mesh.connectors.datasystem.errors import WorkerError, first_line
+from omni_mesh.connectors.datasystem.errors import first_line
 from omni_mesh.connectors.datasystem.keys import client_log_dir, datasystem_key
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorError, PayloadMissing
 
@@ -94,7 +94,7 @@ class KVNode:
         try:
             return getattr(client, method)(*args)
         except RuntimeError as exc:
-            failure = WorkerError(first_line(exc))
+            failure = first_line(exc)
         del client
         raise errors.worker_error(failure, f"{where} on worker {self.worker}")
 
@@ -207,11 +207,10 @@ class KVNode:
             with self._consumed_ready:
                 while not self._consumed and self._client is not None:
                     self._consumed_ready.wait()
-                keys, self._consumed = self._consumed, []
-            if not keys:
-                return  # closed, nothing left
+                if not self._consumed:
+                    return  # closed, nothing left
             with contextlib.suppress(ConnectorError):  # counted as an error by delete
-                self.delete(keys, f"{OWNER}: delete {len(keys)} consumed key(s)")
+                self.flush()
 
     def flush(self) -> None:
         """Delete every consumed key now."""

@@ -20,7 +20,6 @@ NO_AVAILABLE_HANDLE = -200  # no segment has room for the object
 INVALID_PARAMS = -600  # get_into: the buffer is smaller than the object
 REPLICA_IS_NOT_READY = -703  # put but not yet complete
 OBJECT_NOT_FOUND = -704
-OBJECT_HAS_LEASE = -706
 TRANSFER_FAIL = -800
 RPC_FAIL = -900  # the master cannot be reached
 RPC_TIMEOUT = -901

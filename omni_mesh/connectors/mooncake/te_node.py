@@ -84,7 +84,7 @@ class TransferEngineNode:
                 self.host,
                 cfg.zmq_port,
                 {te_pull.PULL: self._on_pull, te_pull.LOOKUP: self._on_lookup},
-                self._tick,
+                self.reap_consumed,
                 OWNER,
                 keys=self._keys,
                 port_name="zmq_port",
@@ -94,7 +94,14 @@ class TransferEngineNode:
             self._engine, self.segment = te_engine.start_engine(
                 engine_module, OWNER, self.host, self._zmq_port, cfg
             )
-            self._pool = te_engine.registered_pool(lambda: self._engine, OWNER, cfg, self._pool_errors())
+            pool_errors = PoolErrors(
+                OWNER,
+                "max_pool_size",  # the ceiling the pool grows to
+                "unconsumed payloads or live views",
+                "raise max_pool_size, consume payloads sooner, or drop tensors returned by get()",
+                self.error,
+            )
+            self._pool = te_engine.registered_pool(lambda: self._engine, OWNER, cfg, pool_errors)
             self._registrations = Registrations(self._engine, self._pool.contains)
             self._outputs = te_outputs.Outputs(self._pool)
             self._put_fields = {"segment": self.segment, "endpoint": self.endpoint, "session": self._session}
@@ -104,29 +111,17 @@ class TransferEngineNode:
                 OWNER, self._engine, self._pool, self._registrations, self._session, cfg, self._count_put
             )
             self._receiver = Receiver(
-                OWNER,
-                cfg,
-                pool=self._pool,
-                payloads=self._payloads,
-                registrations=self._registrations,
+                self._payloads,
                 device_leaves=self._device_leaves,
                 dealers=self._dealers,
                 quarantine=self._quarantine,
                 counters=self._counters,
-                **self._put_fields,
+                segment=self.segment,
+                endpoint=self.endpoint,
             )
         except BaseException:
             self._teardown()
             raise
-
-    def _pool_errors(self) -> PoolErrors:
-        return PoolErrors(
-            OWNER,
-            "max_pool_size",  # the ceiling the pool grows to
-            "unconsumed payloads or live views",
-            "raise max_pool_size, consume payloads sooner, or drop tensors returned by get()",
-            self.error,
-        )
 
     def error(self) -> None:
         self._counters.add("errors")
@@ -237,8 +232,9 @@ class TransferEngineNode:
 
     # ------------------------------------------------------------------ housekeeping and lifecycle
 
-    def _tick(self) -> None:
-        """On the server thread: expire payloads, end quarantines, close long-idle sockets."""
+    def reap_consumed(self) -> None:
+        """Expire payloads past ttl_s, end quarantines whose late answer came, close long-idle sockets
+        (the server thread does this every tick; a caller may do it now)."""
         expired = self._payloads.expire() if self._payloads is not None else 0
         if expired:
             self._counters.add("expired", expired)
@@ -250,11 +246,6 @@ class TransferEngineNode:
         if self._closed or pool is None:
             raise ConnectorClosed(f"{OWNER} is closed ({what})")
         return pool
-
-    def reap_consumed(self) -> None:
-        """Expire payloads past ttl_s and end quarantines whose late answer came (the server thread
-        does this every tick; a caller may do it now)."""
-        self._tick()
 
     def cleanup(self, key: str) -> None:
         """Free the payloads put under `key` or `key/...` that nobody consumed (one being written

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from omni_mesh import codec
+from omni_mesh.connectors.config import MooncakeTransferEngineConfig
 from omni_mesh.connectors.errors import ConnectorError
 from omni_mesh.connectors.mooncake import device_transfer as _device_transfer
 from omni_mesh.connectors.mooncake import frame_pieces, te_write
@@ -42,7 +43,8 @@ class Payload(Held):
 
 
 class Payloads:
-    """The producer's payloads in `pool` (module docstring); thread-safe."""
+    """The producer's payloads in `pool` (module docstring); thread-safe. Its owner, pool,
+    registrations, session and config are the connector's, read by its `te_receive.Receiver` too."""
 
     def __init__(
         self,
@@ -51,15 +53,15 @@ class Payloads:
         pool: RegisteredPool,
         registrations: Registrations,
         session: str,
-        cfg: Any,
+        cfg: MooncakeTransferEngineConfig,
         on_deferred: Callable[[Payload], None] | None = None,
     ) -> None:
-        self._owner = owner
+        self.owner = owner
         self._engine = engine
-        self._pool = pool
-        self._registrations = registrations
-        self._session = session  # every payload's token: metadata from another instance never matches
-        self._cfg = cfg  # ttl_s, pool_wait_s, protocol, zero_copy_min_bytes
+        self.pool = pool
+        self.registrations = registrations
+        self.session = session  # every payload's token: metadata from another instance never matches
+        self.cfg = cfg  # ttl_s, pool_wait_s, protocol, zero_copy_min_bytes
         # on_deferred: a payload of put_planned is stored (and counted there) by the table's next reader
         self._held = HeldTable(cfg.ttl_s, expire_claimed=False, on_replaced=self.release, on_deferred=on_deferred)
 
@@ -69,19 +71,19 @@ class Payloads:
         """Lay the frame into the pool, register what is sent from elsewhere and hold the payload;
         `ref` is (edge key, put_key, handle)."""
         key, put_key, handle = ref
-        payload = Payload(f"{key}#{handle}", put_key, self._session, frame.nbytes, None, device=device)
+        payload = Payload(f"{key}#{handle}", put_key, self.session, frame.nbytes, None, device=device)
         try:
             if device:
                 self._register_device(payload, what)
             scattered = None
-            min_bytes = self._cfg.zero_copy_min_bytes
+            min_bytes = self.cfg.zero_copy_min_bytes
             if min_bytes and frame.nbytes >= min_bytes:
                 # Leaves in the pool (connector.empty() outputs) are registered already; with RDMA
                 # only those are sent from where they lie (registering other memory per put costs).
                 share = (
-                    functools.partial(self._registrations.share, registered=payload.registered)
-                    if self._cfg.protocol == "tcp"
-                    else self._pool.contains
+                    functools.partial(self.registrations.share, registered=payload.registered)
+                    if self.cfg.protocol == "tcp"
+                    else self.pool.contains
                 )
                 reserve = functools.partial(self._reserve, payload, what=what)
                 scattered = frame_pieces.scatter(frame, min_bytes, share, reserve)
@@ -106,24 +108,24 @@ class Payloads:
         nbytes, pieces, sources, headroom = planned
         address = pieces[0][0]  # the head, in an output's headroom
         return Payload(
-            f"{key}#{handle}", put_key, self._session, nbytes, None,
+            f"{key}#{handle}", put_key, self.session, nbytes, None,
             pieces=pieces, sources=list(sources), address=address, headroom=headroom,
         )  # its own list of sources: release() empties it, and a laid-out put reuses the one given
 
     def _reserve(self, payload: Payload, nbytes: int, what: str) -> tuple[int, int]:
-        payload.offset, payload.address = self._pool.reserve_placed(nbytes, self._cfg.pool_wait_s, what)
+        payload.offset, payload.address = self.pool.reserve_placed(nbytes, self.cfg.pool_wait_s, what)
         return payload.offset, payload.address
 
     def _register_device(self, payload: Payload, what: str) -> None:
         """Register the memory of the tensors sent device to device (after their kernels are done)."""
         _device_transfer.settle(payload.device)
         for tensor in payload.device:
-            if tensor.nbytes and not self._registrations.share(
+            if tensor.nbytes and not self.registrations.share(
                 tensor.data_ptr(), tensor.nbytes, payload.registered
             ):
-                self._pool.errors.count()
+                self.pool.errors.count()
                 raise ConnectorError(
-                    f"{self._owner}: {what}: the engine refused to register {tensor.nbytes} bytes of "
+                    f"{self.owner}: {what}: the engine refused to register {tensor.nbytes} bytes of "
                     f"{tensor.device} memory; set device_transfer: false to send CUDA tensors through host "
                     "memory"
                 )
@@ -132,9 +134,9 @@ class Payloads:
         """The payload, reserved for one reader (a write to a consumer, or a local get); Gone when it
         is not there, ConnectorError when another reader has it or the metadata does not match."""
         ref = f"{key}#{handle}"
-        payload = self._held.claim(ref, self._session, exclusive=True)
+        payload = self._held.claim(ref, self.session, exclusive=True)
         if payload.size != length:
-            self._held.unclaim(ref, self._session)
+            self._held.unclaim(ref, self.session)
             raise ConnectorError(f"metadata does not match the payload put under handle {handle}")
         return payload
 
@@ -146,9 +148,9 @@ class Payloads:
         """A reader is done: free the payload if it was consumed (or dropped meanwhile), else keep it."""
         try:
             done = (
-                self._held.take(payload.key, self._session)
+                self._held.take(payload.key, self.session)
                 if consumed
-                else self._held.unclaim(payload.key, self._session)
+                else self._held.unclaim(payload.key, self.session)
             )
         except Gone:  # dropped meanwhile: whoever dropped it freed it
             return
@@ -159,7 +161,7 @@ class Payloads:
         """A local get took the payload: it leaves the table, and a whole frame's region goes with it
         (freed when the getter's views die)."""
         with contextlib.suppress(Gone):  # dropped meanwhile: it is ours to release all the same
-            self._held.take(payload.key, self._session)
+            self._held.take(payload.key, self.session)
         if payload.pieces is None:
             payload.offset = None
         self.release(payload)
@@ -191,9 +193,9 @@ class Payloads:
     def release(self, payload: Payload) -> None:
         """Give a payload's region, registrations and leaf references back."""
         if payload.offset is not None:
-            self._pool.free(payload.offset)
+            self.pool.free(payload.offset)
             payload.offset = None
-        self._registrations.drop(payload.registered)
+        self.registrations.drop(payload.registered)
         if payload.headroom is not None:  # its head is no longer sent: the headroom may take another
             payload.headroom.give_back()
             payload.headroom = None
@@ -201,20 +203,18 @@ class Payloads:
         payload.device.clear()
 
     def expire(self) -> int:
-        expired = self._held.pop_expired(time.monotonic())
-        for payload in expired:
-            self.release(payload)
-        return len(expired)
+        return self._release_all(self._held.pop_expired(time.monotonic()))
 
     def clean(self, key: str) -> int:
-        freed = self._held.pop_matching(key)
-        for payload in freed:
-            self.release(payload)
-        return len(freed)
+        return self._release_all(self._held.pop_matching(key))
 
     def close(self) -> None:
-        for payload in self._held.pop_all():
+        self._release_all(self._held.pop_all())
+
+    def _release_all(self, payloads: list) -> int:
+        for payload in payloads:
             self.release(payload)
+        return len(payloads)
 
     def __len__(self) -> int:
         return len(self._held)

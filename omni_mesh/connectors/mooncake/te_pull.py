@@ -13,19 +13,12 @@ stay quarantined until the late answer arrives or ttl_s passes.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any
 
 import msgpack
-import zmq
 
-from omni_mesh.connectors.errors import ConnectorClosed, ConnectorError
+from omni_mesh.connectors.errors import ConnectorError
 from omni_mesh.connectors.mooncake import device_transfer
-from omni_mesh.connectors.pools.held import Gone, PendingReleases
-from omni_mesh.connectors.served.channel import OK, frame_text
-from omni_mesh.connectors.served.connector import GONE
-from omni_mesh.connectors.served.dealers import ChannelClosed, DealerPool, LateReply, NotConnected, PeerLost
 
 PULL = b"PULL"
 LOOKUP = b"LOOKUP"  # [LOOKUP, key] -> [OK, key, msgpack {session, handle, length, device}] or [GONE, key, why]
@@ -39,12 +32,6 @@ METADATA_KINDS = {
     "key": str,
 }
 REQUEST_KINDS = {"session": str, "handle": int, "length": int, "segment": str, "addr": int, "timeout_ms": int}
-
-
-MIN_WAIT_S = 0.05  # a pull asked for at its deadline still gets this long: the producer may be quick
-
-class PullTimedOut(ConnectorError):
-    """A pull timed out: its region stays reserved until the late answer or ttl_s."""
 
 
 def untyped(fields: dict, kinds: dict[str, type]) -> str | None:
@@ -85,52 +72,3 @@ def parse_request(args: list[bytes]) -> dict:
     except ValueError:  # msgpack's errors and UnicodeDecodeError are ValueErrors too
         raise ValueError("malformed pull request") from None
     return request
-
-
-def pull(
-    owner: str,
-    cfg: Any,
-    dealers: DealerPool,
-    quarantine: PendingReleases,
-    meta: dict,
-    request: dict,
-    where: str,
-    release: Callable[[], None],
-    deadline: float | None = None,
-) -> bytes | None:
-    """Send one PULL (`request`: segment, addr and device_addrs of our side) to the producer `meta`
-    names and wait for its answer, never past `deadline` (the request's, time.monotonic()): the small
-    pieces it carried, if any. ConnectorError on any failure; PullTimedOut when the producer may still write, after handing
-    `release` (what frees the region) to `quarantine`."""
-    endpoint = meta["endpoint"]
-    # A request past its deadline has been answered already: a thread (and a region of the pool)
-    # waiting on for transfer_timeout_s would serve nobody.
-    left = cfg.transfer_timeout_s if deadline is None else max(MIN_WAIT_S, deadline - time.monotonic())
-    transfer_s, connect_s = min(cfg.transfer_timeout_s, left), min(cfg.connect_timeout_s, left)
-    request = {**request, "session": meta["session"], "handle": meta["handle"], "length": meta["length"]}
-    request["timeout_ms"] = int(transfer_s * 1000)
-    parts = [PULL, meta["key"].encode(), msgpack.packb(request)]
-    try:
-        reply = dealers.request(endpoint, parts, transfer_s, connect_timeout_s=connect_s, keep_late=True)
-    except NotConnected:
-        raise ConnectorError(
-            f"{owner}: get of {where}: the producer's side channel {endpoint} did not accept a "
-            f"connection within {round(connect_s, 3)}s; is the producer process alive and reachable?"
-        ) from None
-    except LateReply as exc:
-        late, until = exc, time.monotonic() + cfg.ttl_s  # `exc` is unbound when the block ends
-        quarantine.add(lambda: late.arrived() or time.monotonic() >= until, lambda: (late.close(), release()))
-        why = str(exc) if isinstance(exc, PeerLost) else f"within {round(transfer_s, 3)}s (transfer_timeout_s or the deadline)"
-        raise PullTimedOut(
-            f"{owner}: get of {where}: the producer at {endpoint} did not deliver {meta['length']} bytes: {why}"
-        ) from None
-    except ChannelClosed:
-        raise ConnectorClosed(f"{owner} is closed (get of {where})") from None
-    except (TimeoutError, zmq.ZMQError) as exc:
-        raise ConnectorError(f"{owner}: get of {where} from {endpoint}: {exc}") from None
-    if reply[0].bytes == GONE:
-        raise Gone(f"{owner}: get of {where}: not at the producer {endpoint} (consumed, cleaned up or expired)")
-    if reply[0].bytes != OK:
-        reason = frame_text(reply[2]) if len(reply) > 2 else "refused"
-        raise ConnectorError(f"{owner}: get of {where} failed at the producer {endpoint}: {reason}")
-    return reply[2].bytes if len(reply) > 2 else None

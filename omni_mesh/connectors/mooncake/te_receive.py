@@ -4,33 +4,38 @@
                    fields) is asked, over the side channel, for the rest (`te_pull.LOOKUP`)
     remote         a region of the payload's length is reserved in this process's pool, and receive
                    buffers registered for its device tensors; the producer is asked to write into
-                   them (`te_pull.pull`); the frame is decoded as views over the region
+                   them (`te_pull.PULL`); the frame is decoded as views over the region
     local          producer and consumer are the same instance: the producer's region is handed
                    over (or, for a frame in pieces, assembled into a fresh one), no transfer
 
-A pull that timed out leaves its region and buffers quarantined (`te_pull`); every other failure
-frees them at once.
+A pull that timed out leaves its region and buffers quarantined until the late answer or ttl_s
+(`te_pull`); every other failure frees them at once.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
 import torch
 import zmq
 
-from omni_mesh.connectors.config import MooncakeTransferEngineConfig
 from omni_mesh.connectors.counters import Counters
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorError
 from omni_mesh.connectors.mooncake import device_transfer, frame_pieces, te_pull
-from omni_mesh.connectors.mooncake.registrations import Registrations
 from omni_mesh.connectors.mooncake.te_payloads import Payloads
 from omni_mesh.connectors.pools.held import Gone, PendingReleases
-from omni_mesh.connectors.pools.registered import RegisteredPool
-from omni_mesh.connectors.served.channel import OK
+from omni_mesh.connectors.served.channel import OK, frame_text
 from omni_mesh.connectors.served.connector import GONE, POLL_S, producer_endpoint
-from omni_mesh.connectors.served.dealers import ChannelClosed, DealerPool, NotConnected
+from omni_mesh.connectors.served.dealers import ChannelClosed, DealerPool, LateReply, NotConnected, PeerLost
+
+MIN_WAIT_S = 0.05  # a pull asked for at its deadline still gets this long: the producer may be quick
+
+
+class PullTimedOut(ConnectorError):
+    """A pull timed out: its region stays reserved until the late answer or ttl_s."""
 
 
 class Receiver:
@@ -38,31 +43,26 @@ class Receiver:
 
     def __init__(
         self,
-        owner: str,
-        cfg: MooncakeTransferEngineConfig,
-        *,
-        pool: RegisteredPool,
         payloads: Payloads,
-        registrations: Registrations,
+        *,
         device_leaves: device_transfer.DeviceLeavesPolicy,
         dealers: DealerPool,
         quarantine: PendingReleases,
         counters: Counters,
         segment: str,
         endpoint: str,
-        session: str,
     ) -> None:
-        self._owner = owner
-        self._cfg = cfg
-        self._pool = pool
         self._payloads = payloads  # this instance's own puts: a get of one is handed over locally
-        self._registrations = registrations
+        self._owner = payloads.owner
+        self._cfg = payloads.cfg
+        self._pool = payloads.pool
+        self._registrations = payloads.registrations
         self._device_leaves = device_leaves
         self._dealers = dealers
         self._quarantine = quarantine
         self._counters = counters
         # This instance as its peers know it: where producers write, and whose puts are its own.
-        self._segment, self._endpoint, self._session = segment, endpoint, session
+        self._segment, self._endpoint, self._session = segment, endpoint, payloads.session
 
     def get(
         self, key: str, where: str, metadata: Any, *, poll: bool, deadline: float | None = None
@@ -134,12 +134,15 @@ class Receiver:
             request = {"segment": self._segment, "addr": pool.address_of(offset)}
             if device:
                 request["device_addrs"] = [buffer.data_ptr() for buffer in device]
-            inline = te_pull.pull(
-                self._owner, self._cfg, self._dealers, self._quarantine, meta, request, where, release, deadline
-            )
+            inline = self._pull(meta, request, where, release, deadline)
             if inline is not None:
-                self._place_inline(inline, pool.address_of(offset), meta, where)
-        except te_pull.PullTimedOut:
+                try:
+                    frame_pieces.place_inline(inline, pool.address_of(offset), length)
+                except ValueError as exc:
+                    raise ConnectorError(
+                        f"{self._owner}: get of {where}: the producer {meta['endpoint']} answered with {exc}"
+                    ) from None
+        except PullTimedOut:
             self._counters.add("errors")
             raise  # `release` runs at the late answer or ttl_s
         except Gone:
@@ -154,13 +157,53 @@ class Receiver:
         self._counters.add_many(gets=1, bytes_got=length, device_tensors=len(device))
         return data, length
 
-    def _place_inline(self, inline: bytes, address: int, meta: dict, where: str) -> None:
+    def _pull(
+        self, meta: dict, request: dict, where: str, release: Callable[[], None], deadline: float | None
+    ) -> bytes | None:
+        """Send one PULL (`request`: segment, addr and device_addrs of our side) to the producer `meta`
+        names and wait for its answer, never past `deadline` (the request's, time.monotonic()): the small
+        pieces it carried, if any. ConnectorError on any failure; PullTimedOut when the producer may still
+        write, after handing `release` (what frees the region) to the quarantine."""
+        owner, cfg, endpoint = self._owner, self._cfg, meta["endpoint"]
+        # A request past its deadline has been answered already: a thread (and a region of the pool)
+        # waiting on for transfer_timeout_s would serve nobody.
+        left = cfg.transfer_timeout_s if deadline is None else max(MIN_WAIT_S, deadline - time.monotonic())
+        transfer_s, connect_s = min(cfg.transfer_timeout_s, left), min(cfg.connect_timeout_s, left)
+        request = {**request, "session": meta["session"], "handle": meta["handle"], "length": meta["length"]}
+        request["timeout_ms"] = int(transfer_s * 1000)
+        parts = [te_pull.PULL, meta["key"].encode(), msgpack.packb(request)]
         try:
-            frame_pieces.place_inline(inline, address, meta["length"])
-        except ValueError as exc:
+            reply = self._dealers.request(
+                endpoint, parts, transfer_s, connect_timeout_s=connect_s, keep_late=True
+            )
+        except NotConnected:
             raise ConnectorError(
-                f"{self._owner}: get of {where}: the producer {meta['endpoint']} answered with {exc}"
+                f"{owner}: get of {where}: the producer's side channel {endpoint} did not accept a "
+                f"connection within {round(connect_s, 3)}s; is the producer process alive and reachable?"
             ) from None
+        except LateReply as exc:
+            late, until = exc, time.monotonic() + cfg.ttl_s  # `exc` is unbound when the block ends
+            self._quarantine.add(
+                lambda: late.arrived() or time.monotonic() >= until, lambda: (late.close(), release())
+            )
+            limit = f"within {round(transfer_s, 3)}s (transfer_timeout_s or the deadline)"
+            why = str(exc) if isinstance(exc, PeerLost) else limit
+            raise PullTimedOut(
+                f"{owner}: get of {where}: the producer at {endpoint} did not deliver {meta['length']} "
+                f"bytes: {why}"
+            ) from None
+        except ChannelClosed:
+            raise ConnectorClosed(f"{owner} is closed (get of {where})") from None
+        except (TimeoutError, zmq.ZMQError) as exc:
+            raise ConnectorError(f"{owner}: get of {where} from {endpoint}: {exc}") from None
+        if reply[0].bytes == GONE:
+            raise Gone(
+                f"{owner}: get of {where}: not at the producer {endpoint} (consumed, cleaned up or expired)"
+            )
+        if reply[0].bytes != OK:
+            reason = frame_text(reply[2]) if len(reply) > 2 else "refused"
+            raise ConnectorError(f"{owner}: get of {where} failed at the producer {endpoint}: {reason}")
+        return reply[2].bytes if len(reply) > 2 else None
 
     def _receive_buffers(self, meta: dict, where: str, registered: list[int]) -> list[torch.Tensor]:
         """Buffers for the payload's device tensors, if it has any, registered into `registered`."""
