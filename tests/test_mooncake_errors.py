@@ -135,3 +135,24 @@ def test_te_frames_past_the_pool_are_too_large_and_a_pool_with_no_room_in_time_i
 def test_te_without_a_reachable_metadata_server_is_connector_unavailable() -> None:
     with pytest.raises(ConnectorUnavailable, match="cannot reach the metadata server"):
         create_connector(TE, {**TE_CONFIG, "metadata_server": f"http://127.0.0.1:{free_port()}/metadata"})
+
+
+def test_an_engine_that_refuses_the_pool_is_a_connector_error_saying_what_to_change() -> None:
+    """A pool the engine will not register (the memory-lock limit under RDMA, say) is a ConnectorError
+    naming the connector, the pool's size and what to change, with the engine's return code."""
+    from omni_mesh.connectors import ConnectorError
+    from omni_mesh.connectors.config import MooncakeTransferEngineConfig
+    from omni_mesh.connectors.mooncake.te_engine import registered_pool
+    from omni_mesh.connectors.pools.registered import PoolErrors
+
+    class RefusingEngine:
+        def register_memory(self, address: int, size: int) -> int:
+            return -1
+
+    cfg = MooncakeTransferEngineConfig(memory_pool_size=MiB, prefault=False)
+    pool_errors = PoolErrors(TE, "max_pool_size", "payloads", "advice", lambda: None)
+    with pytest.raises(ConnectorError) as raised:
+        registered_pool(RefusingEngine, TE, cfg, pool_errors)
+    said = str(raised.value)
+    assert said.startswith(f"{TE}: registering the {MiB}-byte pool with the engine failed")
+    assert "memory_pool_size" in said and "(rc=-1)" in said

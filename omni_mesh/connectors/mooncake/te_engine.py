@@ -15,6 +15,7 @@ from typing import Any
 
 from omni_mesh.connectors.config import P2P, MooncakeTransferEngineConfig
 from omni_mesh.connectors.errors import ConnectorUnavailable
+from omni_mesh.connectors.mooncake.errors import engine_error
 from omni_mesh.connectors.pools import growth
 from omni_mesh.connectors.pools.registered import PoolErrors, RegisteredPool
 
@@ -42,14 +43,14 @@ def start_engine(
 
 
 def registered_pool(
-    engine_of: Callable[[], Any], owner: str, cfg: MooncakeTransferEngineConfig, errors: PoolErrors
+    engine_of: Callable[[], Any], owner: str, cfg: MooncakeTransferEngineConfig, pool_errors: PoolErrors
 ) -> RegisteredPool:
     """The pool, its first part registered with the engine; the regions it grows by register and
     unregister through `engine_of()` (the connector's engine, None once it is closing)."""
     pool = RegisteredPool(
         cfg.memory_pool_size,
         prefault=cfg.prefault,
-        errors=errors,
+        errors=pool_errors,
         ceiling=growth.ceiling(cfg.memory_pool_size, cfg.max_pool_size, growth.ram()),
         register=lambda address, size: engine_of().register_memory(address, size) == 0,
         unregister=lambda address: engine_of().unregister_memory(address),
@@ -58,7 +59,7 @@ def registered_pool(
     rc = engine_of().register_memory(pool.address, pool.size)
     if rc != 0:
         pool.close()
-        raise errors.engine_error(
+        raise engine_error(
             rc,
             f"{owner}: registering the {pool.size}-byte pool with the engine failed; lower memory_pool_size "
             "or check the RDMA device's memory-lock limit (ulimit -l)",
