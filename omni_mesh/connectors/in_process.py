@@ -22,7 +22,7 @@ from omni_mesh.connectors.base import OmniConnectorBase
 from omni_mesh.connectors.config import InProcessConfig
 from omni_mesh.connectors.counters import Counters
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorFull
-from omni_mesh.connectors.keys import edge_key, payload_name
+from omni_mesh.connectors.keys import cleaned_by, edge_key, payload_name
 
 __all__ = ["InProcessConfig", "InProcessConnector"]
 
@@ -117,7 +117,7 @@ class InProcessConnector(OmniConnectorBase):
             doomed = [
                 name
                 for name, (_, owner, put_key) in store.payloads.items()
-                if owner == self._id and (put_key == key or put_key.startswith(f"{key}/"))
+                if owner == self._id and cleaned_by(put_key, key)
             ]
             for name in doomed:
                 store.held_bytes -= len(store.payloads.pop(name)[0])

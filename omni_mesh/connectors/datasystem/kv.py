@@ -26,6 +26,7 @@ from omni_mesh.connectors.datasystem import errors
 from omni_mesh.connectors.datasystem.errors import first_line
 from omni_mesh.connectors.datasystem.keys import client_log_dir, datasystem_key
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorError, PayloadMissing
+from omni_mesh.connectors.keys import cleaned_by
 
 OWNER = "YuanrongConnector"
 _RECENT_ERROR_S = 60.0  # health() says "degraded" this long after an error
@@ -246,11 +247,8 @@ class KVNode:
                     del self._mine[edge]
 
     def cleanup(self, key: str) -> None:
-        prefix = key + "/"
         with self._lock:
-            edges = [
-                e for e, (_, put_key, _) in self._mine.items() if put_key == key or put_key.startswith(prefix)
-            ]
+            edges = [e for e, (_, put_key, _) in self._mine.items() if cleaned_by(put_key, key)]
             ds_keys = [self._mine.pop(e)[0] for e in edges]
         if ds_keys and self._client is not None:
             self.delete(ds_keys, f"{OWNER}: cleanup {key!r}")

@@ -25,6 +25,7 @@ from omni_mesh.connectors._addresses import resolve_host
 from omni_mesh.connectors.config import MooncakeStoreConfig
 from omni_mesh.connectors.counters import Counters
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorError, ConnectorUnavailable
+from omni_mesh.connectors.keys import cleaned_by
 from omni_mesh.connectors.mooncake import errors
 from omni_mesh.connectors.mooncake.loading import import_mooncake
 from omni_mesh.connectors.mooncake.probes import MasterWatch, probe_metadata_server, probe_tcp
@@ -210,9 +211,8 @@ class StoreNode:
                     self._owned.pop(key, None)
 
     def cleanup(self, key: str) -> None:
-        prefix = key + "/"
         with self._lock:
-            doomed = [k for k, o in self._owned.items() if o.put_key == key or o.put_key.startswith(prefix)]
+            doomed = [k for k, o in self._owned.items() if cleaned_by(o.put_key, key)]
         self._remove(doomed)
         if doomed:
             self.counters.add("cleaned", len(doomed))

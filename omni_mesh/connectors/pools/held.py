@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_mesh.connectors.errors import ConnectorError, PayloadMissing
+from omni_mesh.connectors.keys import cleaned_by
 
 
 @dataclass(eq=False)
@@ -179,9 +180,8 @@ class HeldTable:
         """Unclaimed payloads whose put_key is `key` or starts with `key/` (claimed ones are retired,
         unless not `retire_claimed`: their owner frees them itself once their readers are done)."""
         self._drain()
-        prefix = key + "/"
         with self._lock:
-            matching = [k for k, h in self._items.items() if h.put_key == key or h.put_key.startswith(prefix)]
+            matching = [k for k, h in self._items.items() if cleaned_by(h.put_key, key)]
             freed = []
             for k in matching:
                 held = self._items.pop(k)

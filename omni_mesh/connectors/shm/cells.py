@@ -17,6 +17,8 @@ from __future__ import annotations
 import struct
 from typing import Any
 
+from omni_mesh.connectors.keys import cleaned_by
+
 COUNT = 16  # few, so a steady stream cycles through pages already faulted in on both sides
 MAX_FRAME = 16 * 1024  # tiny payloads larger than this use the allocator
 _GENERATION = struct.Struct("<Q")
@@ -80,9 +82,8 @@ class Cells:
 
     def clean(self, key: str, *, waiting: int, free: int) -> None:
         """Free the cells of `key` (or `key/...`) that still wait for their consumer."""
-        prefix = key + "/"
         for index, owner in enumerate(self._keys):
-            if owner is not None and (owner == key or owner.startswith(prefix)):
+            if owner is not None and cleaned_by(owner, key):
                 offset = self.start + index * self.size
                 if self.mm[offset] == waiting:
                     self.free(offset, free)

@@ -23,6 +23,7 @@ from typing import Any
 
 from omni_mesh.connectors.counters import Counters
 from omni_mesh.connectors.errors import ConnectorClosed, ConnectorError, ConnectorFull
+from omni_mesh.connectors.keys import cleaned_by
 from omni_mesh.connectors.pools import growth as _growth
 from omni_mesh.connectors.pools.allocator import PAGE, frame_alignment, round_up
 from omni_mesh.connectors.pools.slots import SlotPool
@@ -318,9 +319,8 @@ class ShmPool:
 
     def clean_locked(self, key: str) -> None:
         """Free what was put under `key` (or `key/...`) that no consumer holds."""
-        prefix = key + "/"
         for slot in list(self.slots.values()):
-            owned = slot.put_key == key or slot.put_key.startswith(prefix)
+            owned = cleaned_by(slot.put_key, key)
             if owned and slot not in self.writing and slot.segment.mm[slot.offset] != TAKEN:
                 if slot.pinned:  # no consumer may take it any more; freed when its empty() tensor dies
                     GENERATION.pack_into(slot.segment.mm, slot.offset + 16, 0)
