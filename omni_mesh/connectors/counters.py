@@ -6,8 +6,8 @@ import threading
 
 
 class Counters:
-    """Each thread adds into its own shard (a plain dict only it writes); `snapshot` sums the shards.
-    """
+    """Exact under concurrency and lock-free on the hot path: each thread adds into its own shard (a
+    plain dict only it writes); `snapshot` sums the shards."""
 
     def __init__(self, *names: str) -> None:
         self._names = names
