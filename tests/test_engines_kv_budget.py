@@ -3,8 +3,9 @@
 
 64 clients at once, REST and OpenAI's route: the replies that succeed are the ones generate() gives
 each prompt alone; those beyond the stage's queue get 429 with Retry-After; the batch's KV cache never
-held more than the budget (its own high-water mark) and the replica's peak memory (VmHWM) stays within
-its memory before the flood plus RSS_OVERHEAD; the replica is the same process afterwards (nothing was
+held more than the budget (its own high-water mark) and the replica's peak memory (VmHWM of the replica
+and of its engine core, the process that holds the model and the KV cache) stays within its memory before
+the flood plus RSS_OVERHEAD; the replica and its core are the same processes afterwards (nothing was
 killed), and nothing runs, waits or holds KV cache once the flood is over. The dashboard (real headless
 Chromium) and `omni-mesh status` show the stage's running batch, its queue, its KV cache against the
 budget and tokens/s.
@@ -71,6 +72,13 @@ def memory_kib(pid: int) -> dict[str, int]:
     return {line.split(":")[0]: int(line.split()[1]) for line in lines if line.startswith(("VmRSS", "VmHWM"))}
 
 
+def with_core(pid: int) -> list[int]:
+    """The replica's pid and its children's: its engine core (omni_mesh.engines.core)."""
+    children = [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+                for child in (task / "children").read_text().split()]
+    return [pid, *children]
+
+
 def text_of(outputs: list[dict]) -> str:
     """The reply's text from a streaming final stage's chunks (a REST client that does not stream gets them all)."""
     return "".join(chunk.get("text") or "" for chunk in outputs)
@@ -99,8 +107,11 @@ def test_a_flood_of_64_clients_queues_within_the_kv_budget_then_gets_429(mesh: A
     assert replica["max_inflight"] == 2 * (KV_TOKENS // MAX_TOKENS)  # it follows from the budget
     for i in range(len(PROMPTS)):  # warm: torch's first passes allocate what every later one reuses
         assert text_of(mesh.ok(chat(PROMPTS[i]), params=params(i), timeout_s=60)["outputs"]) == texts[i]
-    Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM from now on: the flood's peak, not the load's
-    before = memory_kib(pid)
+    pids = with_core(pid)
+    assert len(pids) == 2, f"the replica {pid} has no engine core, or more than one: {pids}"
+    for each in pids:
+        Path(f"/proc/{each}/clear_refs").write_text("5")  # VmHWM from now on: the flood's peak, not the load's
+    before = sum(memory_kib(each)["VmRSS"] for each in pids) * 1024
 
     with concurrent.futures.ThreadPoolExecutor(CLIENTS) as pool:
         results = list(pool.map(lambda i: send(mesh, i), range(CLIENTS)))
@@ -119,15 +130,16 @@ def test_a_flood_of_64_clients_queues_within_the_kv_budget_then_gets_429(mesh: A
     assert 0 < counters["kv_cache_peak_used_tokens"] <= KV_TOKENS, counters
     assert (counters["batch_running"], counters["batch_queued"], counters["kv_cache_used_tokens"],
             counters["kv_cache_reserved_tokens"]) == (0, 0, 0, 0), counters
-    peak = memory_kib(pid)["VmHWM"] * 1024
-    bound = before["VmRSS"] * 1024 + 2 * counters["kv_cache_budget_bytes"] + RSS_OVERHEAD
-    assert peak <= bound, f"the replica's peak memory {peak / 2**20:.0f} MiB > {bound / 2**20:.0f} MiB"
+    peak = sum(memory_kib(each)["VmHWM"] for each in pids) * 1024
+    bound = before + 2 * counters["kv_cache_budget_bytes"] + RSS_OVERHEAD
+    assert peak <= bound, f"the replica's and its core's peak memory {peak / 2**20:.0f} MiB > {bound / 2**20:.0f} MiB"
     after = mesh.replica("thinker")
     assert (after["pid"], after["restarts"], after["inflight"]) == (pid, 0, 0), after
+    assert with_core(pid) == pids  # the same core: nothing was killed
     stats = mesh.client.get("/v1/stats", timeout=10).json()["stages"]["thinker"]
     assert (stats["inflight"], stats["queued"]) == (0, 0), stats
     print(f"served {len(served)}, refused {len(refused)}, peak KV {counters['kv_cache_peak_used_tokens']} tokens, "
-          f"RSS {before['VmRSS'] / 1024:.0f} MiB before, peak {peak / 2**20:.0f} MiB")
+          f"RSS {before / 2**20:.0f} MiB before, peak {peak / 2**20:.0f} MiB")
 
 
 def test_kv_gauges_in_metrics_and_a_request_larger_than_the_budget_is_a_4xx(mesh: Any) -> None:

@@ -898,6 +898,7 @@ def test_engine_settings_are_checked_where_the_stage_is() -> None:
         ({"part": "thinker", "model": "/m", "max_token": 3}, "did you mean 'max_tokens'"),
         ({"part": "thinker", "model": "/m", "device": "gpu"}, "engine.device must be cpu or cuda:N"),
         ({"part": "thinker", "model": "/m", "top_p": 0}, r"engine.top_p must be a number in \(0, 1\]"),
+        ({"part": "thinker", "model": "/m", "core_process": "yes"}, "engine.core_process must be true or false, got 'yes'"),
     ):
         with pytest.raises(TopologyError, match=message) as caught:
             parse_topology(stage(engine), source="t")

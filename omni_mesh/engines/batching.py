@@ -78,7 +78,8 @@ class Engine(Protocol):
 class Batcher:
     """One stage's running batch: `submit()` from any thread; a thread of its own steps the batch."""
 
-    def __init__(self, name: str, engine: Engine, max_batch: int, budget: KvBudget | None = None) -> None:
+    def __init__(self, name: str, engine: Engine, max_batch: int, budget: KvBudget | None = None,
+                 after_step: Callable[[], None] | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"stage {name!r}: max_batch must be >= 1, got {max_batch}")
         self.name = name
@@ -96,6 +97,8 @@ class Batcher:
         self.budget = budget  # None: rows join while there are fewer than max_batch
         self.kv_used = (0, 0)  # (tokens, bytes) the batch's KV cache holds, padding included: measured each step
         self.kv_peak = 0  # the most tokens it held since the replica started (sizing a budget: how close it came)
+        # called in the batch thread after each round (admit, step): an engine core sends a round's tokens at once
+        self.after_step = after_step
 
     def submit(
         self, begin: Callable[[], Any], push: Callable[[int], None], stopped: Callable[[], bool], kv_tokens: int = 0,
@@ -153,8 +156,12 @@ class Batcher:
                 if self.rows:
                     self._step()
                 self._measure()
+                if self.after_step is not None:
+                    self.after_step()
         for row in self.rows:
             _fail(row.job, RuntimeError(f"stage {self.name!r}: closed"))
+        if self.after_step is not None:
+            self.after_step()
 
     def _admit(self) -> None:
         """Queued requests into the batch while there is room: each prefilled alone, its first token made."""

@@ -61,10 +61,13 @@ class Generation:
 
     def __init__(
         self, executor: Executor | None, run: Callable[[Callable[[Any], None], Callable[[], bool]], Any],
+        on_stop: Callable[[], None] | None = None,
     ) -> None:
         """`executor` None: `run(push, should_stop)` only hands the work on (to a running batch:
-        omni_mesh.engines.batching) and returns the concurrent Future of its result."""
+        omni_mesh.engines.batching, or an engine core) and returns the Future of its result. `on_stop`:
+        called once, on the loop, when the generation is told to stop (an engine core polls no flag here)."""
         self.stop = threading.Event()
+        self.on_stop = on_stop
         loop = asyncio.get_running_loop()
         self.items: asyncio.Queue[Any] = asyncio.Queue()
         box, items = outbox(loop), self.items
@@ -97,7 +100,13 @@ class Generation:
     def _leave(self) -> None:
         """The iteration ended (or was left early): a generation still running is told to stop."""
         if not self.future.done():
+            self._stop()
+
+    def _stop(self) -> None:
+        if not self.stop.is_set():
             self.stop.set()
+            if self.on_stop is not None:
+                self.on_stop()
 
     async def _drain(self, *, whole: bool) -> AsyncIterator[list[Any]]:
         """The items as they come, one at a time or (`whole`) all there are; leaving early sets the stop flag."""
@@ -120,14 +129,14 @@ class Generation:
         return await self.future
 
     def cancel(self) -> None:
-        self.stop.set()
+        self._stop()
 
     async def settle(self) -> None:
         """Stop the generation and wait until the model thread has really let go of it (the prefill
         stops within a piece, a generate() step within a step), even when this task is cancelled
         meanwhile: until then the replica counts the request in flight, so no new work is promised the
         model while it still computes. Its outcome is not read (the request ended)."""
-        self.stop.set()
+        self._stop()
         cancelled = False
         while not self.future.done():
             try:

@@ -14,10 +14,13 @@ Torch-free: the topology reads `rows_within_budget` to derive max_inflight.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from omni_mesh.errors import InvalidInput
+
+log = logging.getLogger("omni_mesh.engines")
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,21 @@ def budget_of(spec: Any, bytes_per_token: int, who: str) -> KvBudget | None:
             )
         limits.append(tokens)
     return KvBudget(min(limits), bytes_per_token) if limits else None
+
+
+def stage_budget(spec: Any, loaded: Any, stage: str) -> KvBudget | None:
+    """A stage's budget once its part is loaded (`loaded`: the part, its `.model` the transformers one);
+    a part without a KV cache (an encoder, code2wav) gets a warning that the settings have no effect."""
+    if spec.kv_cache_tokens is None and spec.kv_cache_memory_bytes is None:
+        return None
+    model = getattr(loaded, "model", None)
+    if spec.part not in ("thinker", "talker") or not hasattr(model, "config"):
+        log.warning("stage %s: engine.kv_cache_tokens / kv_cache_memory_bytes have no effect on a %s", stage, spec.part)
+        return None
+    budget = budget_of(spec, kv_bytes_per_token(model), f"stage {stage!r}")
+    assert budget is not None
+    log.info("stage %s: KV cache budget %d tokens (%d bytes)", stage, budget.tokens, budget.bytes)
+    return budget
 
 
 def check_request(budget: KvBudget | None, tokens: int, what: str, limit: str) -> None:

@@ -62,6 +62,10 @@ class EngineSpec:
     # max_batch. A request reserves its prompt plus its max tokens; one that does not fit waits in the queue.
     kv_cache_tokens: int | None = None
     kv_cache_memory_bytes: int | None = None  # vLLM's name; turned into tokens from the model's shape
+    # A thinker with max_batch > 1 runs its model and running batch in a process of its own, its engine core
+    # (omni_mesh.engines.core, as vLLM's), so that the stage's per-token work and the forward passes do not
+    # take turns on one GIL; false: both in the replica's process.
+    core_process: bool = True
 
     def model_dir(self) -> Path:
         """The checkpoint directory: a directory, or a hub id resolved through huggingface_hub's cache
@@ -100,6 +104,7 @@ def parse_engine(raw: Any, who: str) -> EngineSpec:
         _check(values, name, lambda v: v is None or _positive_int(v), "an integer >= 1", who)
     for name in ("context_codes", "encoder_cache"):
         _check(values, name, lambda v: _int(v) and v >= 0, "an integer >= 0", who)
+    _check(values, "core_process", lambda v: isinstance(v, bool), "true or false", who)
     _check(values, "threads", lambda v: v is None or _positive_int(v), "an integer >= 1", who)
     _check(values, "max_prompt_tokens", lambda v: v is None or _positive_int(v), "an integer >= 1", who)
     _check(values, "speaker", lambda v: v is None or isinstance(v, str), "a speaker name", who)

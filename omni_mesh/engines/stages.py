@@ -18,134 +18,29 @@ The stream, stage to stage (one way, as every payload flows):
   `audio_wav_base64` (24 kHz mono 16-bit WAV), `sample_rate`, `duration_s`, `usage`, `finish_reason`.
 """
 
+
 from __future__ import annotations
 
 import asyncio
 import functools
 import logging
-import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from omni_mesh.audio import SAMPLE_RATE, pcm16_bytes, wav_base64
-from omni_mesh.engines.batching import Batcher, Rate
-from omni_mesh.engines.bridge import Generation, every, ignore
-from omni_mesh.engines.gather import Gather, counters_of
-from omni_mesh.engines.kv_budget import (
-    KvBudget,
-    budget_of,
-    check_request,
-    kv_bytes_per_token,
-    talker_kv_tokens,
-)
+from omni_mesh.engines.bridge import Generation
+from omni_mesh.engines.engine_stage import EngineStage
+from omni_mesh.engines.kv_budget import check_request, talker_kv_tokens
 from omni_mesh.engines.media_inputs import ENCODED_KEY
 from omni_mesh.engines.media_parts import audio_in_video
-from omni_mesh.engines.models import ModelParts, open_model
-from omni_mesh.engines.settings import EngineSpec, Sampling, parse_engine, within_model_len
+from omni_mesh.engines.settings import Sampling, parse_engine
 from omni_mesh.engines.stage_inputs import chunks, client_streams, wants_audio
-from omni_mesh.engines.stops import StopText, StopWatch
-from omni_mesh.engines.text import Detokenizer
-from omni_mesh.handlers import HandlerContext, HandlerHooks
+from omni_mesh.engines.thinker_stage import ThinkerStage
+from omni_mesh.handlers import HandlerContext
 
 log = logging.getLogger("omni_mesh.engines")
-
-
-class EngineStage(HandlerHooks):
-    """What the stages share: settings, the model thread, loading in warm(), the encoder cache's counters()."""
-
-    def __init__(self, spec: EngineSpec, stage: str = "", *, fed_by_encoder: bool = False, feeds_stages: bool = True) -> None:
-        self.spec = spec
-        self.stage = stage or spec.part
-        self.fed_by_encoder = fed_by_encoder  # a thinker whose media an encoder stage encodes: no towers
-        # Another stage reads this one's output; a thinker with none (a text-only mesh) keeps no hidden
-        # states for a talker and sends none of its inputs: the client reads the text alone.
-        self.feeds_stages = feeds_stages
-        self.model: ModelParts | None = None
-        self.part: Any = None
-        # One model thread: requests take turns on the model (a CPU stage has no spare cores for more;
-        # a GPU one would batch, which transformers' generate() does not do across requests).
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.stage}-model")
-        self.batcher: Batcher | None = None  # max_batch > 1: requests decode together (omni_mesh.engines.batching)
-        self.gather: Gather | None = None  # code2wav with max_batch > 1: whole decodes in one call (engines.gather)
-        self.stream_gather: Gather | None = None  # and streamed chunks of several requests in one call
-        self.tokens_total = 0  # tokens (codes) made one request at a time (a batch counts its own, step by step)
-        self.kv_budget: KvBudget | None = None  # engine.kv_cache_tokens / kv_cache_memory_bytes, once loaded
-        self.token_rate = Rate()
-
-    @classmethod
-    def from_stage(cls, options: dict, stage: str = "") -> EngineStage:
-        """Built from the stage's `engine:` mapping (nothing is loaded yet)."""
-        return cls(parse_engine(options, f"stage {stage!r}"), stage)
-
-    async def warm(self) -> None:
-        started = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        self.model = await loop.run_in_executor(self.executor, open_model, self.spec)
-        load = functools.partial(self.model.load, self.spec.part, towers=not self.fed_by_encoder)
-        self.part = await loop.run_in_executor(self.executor, load)
-        self.kv_budget = self._kv_budget()
-        if self.spec.max_batch > 1 and self.spec.part == "code2wav":  # whole decodes gathered (Code2WavStage)
-            per_call = min(self.spec.max_batch, getattr(self.part, "call_batch", None) or self.spec.max_batch)
-            self.gather = Gather(self.executor, functools.partial(self.model.decode_many, self.part), per_call)
-            self.stream_gather = Gather(self.executor, self.model.decode_chunks, per_call)
-        elif self.spec.max_batch > 1:
-            self.batcher = self._batcher()
-        log.info(
-            "stage %s loaded the %s of %s (%s) in %.1f s",
-            self.stage, self.spec.part, self.model.directory, self.model.arch, time.perf_counter() - started,
-        )
-
-    def _batcher(self) -> Batcher | None:
-        """The running batch of a part that batches (thinkers, talkers); None for the others, with a warning."""
-        assert self.model is not None
-        engine = self.model.batch_engine(self._loaded(), self.spec.part, for_talker=self.feeds_stages)
-        if engine is None:
-            log.warning("stage %s: engine.max_batch %d has no effect on a %s %s yet: its requests take turns",
-                        self.stage, self.spec.max_batch, self.model.arch, self.spec.part)
-            return None
-        return Batcher(self.stage, engine, self.spec.max_batch, self.kv_budget)
-
-    def _kv_budget(self) -> KvBudget | None:
-        """The stage's KV budget in tokens (omni_mesh.engines.kv_budget); a part without a KV cache (an
-        encoder, code2wav) says it has no effect."""
-        if self.spec.kv_cache_tokens is None and self.spec.kv_cache_memory_bytes is None:
-            return None
-        model = getattr(self.part, "model", None)
-        if self.spec.part not in ("thinker", "talker") or not hasattr(model, "config"):
-            log.warning("stage %s: engine.kv_cache_tokens / kv_cache_memory_bytes have no effect on a %s",
-                        self.stage, self.spec.part)
-            return None
-        budget = budget_of(self.spec, kv_bytes_per_token(model), f"stage {self.stage!r}")
-        assert budget is not None
-        log.info("stage %s: KV cache budget %d tokens (%d bytes)", self.stage, budget.tokens, budget.bytes)
-        return budget
-
-    def counters(self) -> dict[str, int | float]:
-        """A thinker's tokens (a talker's codes) made and per second, its running batch's size and queue
-        (max_batch > 1), and the encoder cache's hits, misses and items where this stage encodes media (an
-        encoder, or a thinker with its towers); sent with every heartbeat (omni_mesh.stage.counters)."""
-        out: dict[str, int | float] = self.batcher.counters() if self.batcher is not None else {}
-        if self.batcher is None and self.kv_budget is not None:
-            out.update({"kv_cache_budget_tokens": self.kv_budget.tokens, "kv_cache_budget_bytes": self.kv_budget.bytes})
-        out.update(counters_of([g for g in (self.gather, self.stream_gather) if g is not None]))
-        unit = {"thinker": "tokens", "talker": "codes"}.get(self.spec.part)
-        if unit is not None:
-            made = self.tokens_total + (self.batcher.tokens_total if self.batcher is not None else 0)
-            out.update({f"generated_{unit}_total": made, f"generated_{unit}_per_second": self.token_rate(made)})
-        cache = getattr(self.model, "towers_cache", None)
-        if cache is None or self.spec.part not in ("encoder", "thinker") or self.fed_by_encoder:
-            return out
-        stats = cache.stats()
-        return {**out, "encoder_cache_hits_total": stats["hits"], "encoder_cache_misses_total": stats["misses"],
-                "encoder_cache_items": stats["items"]}
-
-    def _loaded(self) -> Any:
-        if self.part is None:
-            raise RuntimeError(f"stage {self.stage!r}: its model is not loaded (warm() was not awaited)")
-        return self.part
 
 
 class EncoderStage(EngineStage):
@@ -161,78 +56,6 @@ class EncoderStage(EngineStage):
         encode = functools.partial(self.model.encode, towers, inputs, use_audio_in_video=in_video)
         encoded = await loop.run_in_executor(self.executor, encode)
         return {ENCODED_KEY: encoded}
-
-
-class ThinkerStage(EngineStage):
-    """Prompt -> reply text, streamed token by token, and the talker's inputs at the end (where a stage reads them)."""
-
-    async def __call__(self, inputs: Any, ctx: HandlerContext) -> AsyncIterator[dict]:
-        thinker = self._loaded()
-        assert self.model is not None
-        sampling = Sampling.of(self.spec, ctx.params)
-        loop = asyncio.get_running_loop()
-        # media: the processor and towers (no encoder stage), or the embeddings laid out: model-thread work
-        in_video = audio_in_video(inputs, ctx.params)
-        prompt = functools.partial(self.model.prompt, thinker, inputs, use_audio_in_video=in_video)
-        ids, media = await loop.run_in_executor(self.executor, prompt)
-        self.model.check_prompt(thinker, int(ids.shape[-1]))  # a 4xx before any generation
-        sampling = within_model_len(self.spec, sampling, int(ids.shape[-1]))
-        kv_tokens = int(ids.shape[-1]) + sampling.max_tokens
-        check_request(self.kv_budget, kv_tokens,
-                      f"a prompt of {int(ids.shape[-1])} tokens and max_tokens {sampling.max_tokens}", "max_tokens")
-        eos = set(self.model.eos_token_ids(thinker))
-        stops = StopWatch(self.model.tokenizer, sampling.stop, sampling.stop_token_ids)
-
-        # A client reading a stream gets the text token by token; for any other the text goes with the
-        # talker's inputs in one chunk (a chunk per token would cost every stage a hop per token), and no
-        # token is handed to this loop as it comes.
-        detok = Detokenizer(self.model.tokenizer) if client_streams(ctx) else None
-        interval = self.spec.stream_interval
-
-        def run(push: Any, should_stop: Any) -> Any:
-            self.model.seed(sampling.seed)
-            return self.model.think(thinker, ids, sampling, push if detok else None, stops.until(should_stop), media,
-                                    for_talker=self.feeds_stages)
-
-        def join(push: Any, should_stop: Any) -> Any:  # into the running batch: a Future of the output
-            watch = stops.until(should_stop)
-            begin = functools.partial(self.model.think_begin, thinker, ids, sampling, watch, media,
-                                      for_talker=self.feeds_stages)
-            return self.batcher.submit(begin, every(push, interval) if detok else ignore, watch, kv_tokens)
-
-        generation = Generation(None, join) if self.batcher is not None else Generation(self.executor, run)
-        text = StopText(sampling.stop)  # the reply's text ends before a stop string
-        try:
-            async for items in generation.batches():  # what came since this loop last woke up
-                if detok is None:
-                    continue
-                # A chunk per item, as stream_interval promises even when several wait: a token (one
-                # request at a time), or a batch's list of `interval` of them (bridge.every).
-                for item in items:
-                    detok.extend(item if isinstance(item, list) else [item])
-                    if delta := text.add(detok.advance()):
-                        yield {"text": delta}
-            output = await generation.result()
-        finally:
-            await generation.settle()
-        reply = [int(t) for t in self.model.reply_ids(output).tolist()]
-        if detok is not None:
-            detok.extend(reply[len(detok.ids):])  # what the last pushes held back (engine.stream_interval)
-        if self.batcher is None:
-            self.tokens_total += len(reply)
-        stopped = stops.hit or (bool(reply) and reply[-1] in eos)
-        last = {
-            "text": text.add(detok.flush()) + text.flush()
-            if detok
-            else text.whole(self.model.tokenizer.decode(reply, skip_special_tokens=True)),
-            "usage": {"prompt_tokens": int(ids.shape[-1]), "completion_tokens": len(reply)},
-            "finish_reason": "stop" if stopped or len(reply) < sampling.max_tokens else "length",
-        }
-        yield {**last, "talker": self.model.talker_payload(output)} if self.feeds_stages else last
-
-    def client_output(self, output: Any) -> Any:
-        """What a client reads of the thinker when it is a final stage too: not the talker's inputs."""
-        return {key: value for key, value in output.items() if key != "talker"}
 
 
 class TalkerStage(EngineStage):
