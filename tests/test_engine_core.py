@@ -7,6 +7,7 @@ replica of a tiny random Qwen2.5-Omni, text only, `max_batch: 4`, one torch thre
 - a request refused before it starts (its prompt too long) is a 4xx naming the limit, and the core keeps
   nothing of it; a client that leaves mid-reply frees its place in the core's batch;
 - `core_process: false` keeps the batch in the replica's process (no child), with the same replies;
+- a core that cannot load its model: `up` says why, the core's own error named, and starts nothing;
 - the core killed while requests wait on it: they fail at once with an error naming the stage and how the
   core died, the replica makes way for a new one (the launcher restarts it, with a new core) that serves
   again, and the old core's socket directory is gone.
@@ -16,8 +17,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import shutil
 import signal
 import stat
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +30,10 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from support.batch_requests import PROMPTS, REPLY_TOKENS, alone_texts, chat  # noqa: E402
-from support.meshkit import running_mesh, settled, wait_for  # noqa: E402
+from support.meshkit import running_mesh, settled, up_command, wait_for, write_topology  # noqa: E402
 
 from omni_mesh.engines.tiny import build_tiny  # noqa: E402
+from omni_mesh.ports import free_port  # noqa: E402
 
 MAX_PROMPT_TOKENS = 64
 
@@ -104,6 +108,19 @@ def test_core_process_false_keeps_the_batch_in_the_replica(checkpoint: Path, tmp
         assert [text_of(r["outputs"]) for r in replies] == texts
         counters = settled(lambda: mesh.replica("thinker")["counters"], 20, "the thinker's counters")
         assert counters["batch_steps_total"] < counters["batch_rows_stepped_total"], counters
+
+
+def test_a_core_that_cannot_load_its_model_stops_up_with_its_reason(checkpoint: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoint, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.write_bytes(weights.read_bytes()[:64])  # the header is there, the tensors are not
+    path = write_topology(tmp_path / "mesh", topology(), handlers=False)
+    result = subprocess.run(up_command(path, free_port()), capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            env={**os.environ, "OMNI_MESH_MODEL": str(broken)})
+    assert result.returncode != 0, result.stderr[-3000:]
+    assert "stage 'thinker': its engine core could not start" in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]  # one line says it
 
 
 def test_a_refused_prompt_is_a_4xx_and_a_client_that_leaves_frees_its_place(mesh: Any) -> None:

@@ -10,11 +10,11 @@ The stage (omni_mesh.engines.core_client) talks to it over two ZeroMQ ipc socket
 this user can open: requests in on one, events out on the other. Each message is msgpack (no pickle);
 a request's inputs and the talker's inputs go as omni-mesh frames (omni_mesh.codec) inside it.
 
-In:  ["prompt", rid, inputs frame, use_audio_in_video]  the prompt made ready here (media through the towers)
-     ["start", rid, sampling, stream, interval, kv_tokens]  into the running batch
-     ["cancel", rid]  ["forget", rid]  (a prompt that will not start)
-Out: a list of events per message, in order: ["ready", facts], ["prompted", rid, tokens],
-     ["tokens", rid, [ids]], ["done", rid, reply ids, stop hit, talker frame or None],
+In:  ["submit", rid, inputs frame, use_audio_in_video, sampling, stream, interval]: the prompt made ready
+     here (media through the towers), checked (a 4xx before any generation), into the running batch;
+     ["cancel", rid]. The core ends with its replica (its parent-death signal).
+Out: a list of events per message, in order: ["ready"], ["tokens", rid, [ids]] (a client that streams),
+     ["done", rid, reply ids, stopped, prompt tokens, max tokens, talker frame or None],
      ["failed", rid, kind, message], ["counters", {...}].
 """
 
@@ -24,10 +24,10 @@ import argparse
 import functools
 import json
 import logging
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -37,7 +37,7 @@ from omni_mesh.codec.decode import decode
 from omni_mesh.codec.encode import encode
 from omni_mesh.engines.batching import Batcher
 from omni_mesh.engines.bridge import every, ignore
-from omni_mesh.engines.kv_budget import stage_budget
+from omni_mesh.engines.kv_budget import checked_sampling, stage_budget
 from omni_mesh.engines.prefill import PrefillStopped
 from omni_mesh.engines.settings import Sampling, parse_engine
 from omni_mesh.engines.stops import StopWatch
@@ -87,96 +87,78 @@ class Events:
                 self.pending = []
 
 
-@dataclass
-class Prompted:
-    """A request's prompt, made ready, until it starts (or is forgotten)."""
-
-    ids: Any
-    media: dict
-    stop: threading.Event = field(default_factory=threading.Event)  # cancelled: the prefill and the batch stop
-
-
 class Core:
-    """The model, the running batch and the requests between `prompt` and their end."""
+    """The model, the running batch and the requests from their submit to their end."""
 
     def __init__(self, spec: Any, stage: str, *, fed_by_encoder: bool, feeds_stages: bool, events: Events) -> None:
         from omni_mesh.engines.models import open_model
 
         self.spec, self.stage, self.feeds_stages, self.events = spec, stage, feeds_stages, events
+        self.encodes = not fed_by_encoder  # its towers encode requests' media: their cache's counters
         self.model = open_model(spec)
         self.thinker = self.model.load("thinker", towers=not fed_by_encoder)
+        self.eos = frozenset(int(t) for t in self.model.eos_token_ids(self.thinker))
         self.budget = stage_budget(spec, self.thinker, stage)
         engine = self.model.batch_engine(self.thinker, "thinker", for_talker=feeds_stages)
         self.batcher = Batcher(stage, engine, spec.max_batch, self.budget, after_step=self._after_round)
         self.prompter = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage}-prompt")
-        self.requests: dict[int, Prompted] = {}
+        self.cancelled: dict[int, threading.Event] = {}  # rid -> its cancel flag, until it ends
         self.counted_at = 0.0
 
-    def facts(self) -> dict[str, Any]:
-        """What the stage checks a request against before it starts (a 4xx with no compute)."""
-        budget = self.budget
-        return {"context": self.thinker.context, "eos": [int(t) for t in self.model.eos_token_ids(self.thinker)],
-                "budget": None if budget is None else [budget.tokens, budget.bytes_per_token]}
-
-    def handle(self, message: list[Any]) -> bool:
-        """One message from the stage; False when it asks the core to close."""
+    def handle(self, message: list[Any]) -> None:
+        """One message from the stage."""
         kind, *rest = message
-        if kind == "prompt":
-            rid, frame, in_video = rest
-            self.prompter.submit(self._prompt, rid, frame, in_video)
-        elif kind == "start":
-            self._start(*rest)
+        if kind == "submit":
+            self.cancelled[rest[0]] = threading.Event()  # before its prompt is ready: a cancel may come first
+            self.prompter.submit(self._submit, *rest)
         elif kind == "cancel":
-            found = self.requests.get(rest[0])
+            found = self.cancelled.get(rest[0])
             if found is not None:
-                found.stop.set()
-        elif kind == "forget":
-            self.requests.pop(rest[0], None)
-        elif kind == "close":
-            return False
-        return True
+                found.set()
 
-    def _prompt(self, rid: int, frame: bytes, in_video: bool | None) -> None:
+    def _submit(self, rid: int, frame: bytes, in_video: bool | None, sampling_wire: dict, stream: bool,
+                interval: int) -> None:
+        """In the prompt thread: the request's prompt made ready and checked, then into the running batch."""
+        cancelled = self.cancelled[rid]
         try:
-            inputs = decode(frame, copy=True)
-            ids, media = self.model.prompt(self.thinker, inputs, use_audio_in_video=in_video)
-        except Exception as exc:  # noqa: BLE001 - this request's failure: its inputs, its media
+            if cancelled.is_set():
+                raise PrefillStopped("cancelled before its prompt was ready")
+            ids, media = self.model.prompt(self.thinker, decode(frame), use_audio_in_video=in_video)
+            tokens = int(ids.shape[-1])
+            self.model.check_prompt(self.thinker, tokens)
+            sampling = checked_sampling(self.spec, self.budget, sampling_of(sampling_wire), tokens)
+            stops = StopWatch(self.model.tokenizer, sampling.stop, sampling.stop_token_ids)
+            watch = stops.until(cancelled.is_set)
+            begin = functools.partial(self.model.think_begin, self.thinker, ids, sampling, watch, media,
+                                      for_talker=self.feeds_stages)
+            push = every(lambda made: self.events.put(["tokens", rid, made]), interval) if stream else ignore
+            future = self.batcher.submit(begin, push, watch, tokens + sampling.max_tokens)
+        except Exception as exc:  # noqa: BLE001 - this request's failure: its inputs, its media, its size
+            self.cancelled.pop(rid, None)
             self.events.flush(["failed", rid, failure_kind(exc), str(exc)])
             return
-        self.requests[rid] = Prompted(ids, media)
-        self.events.flush(["prompted", rid, int(ids.shape[-1])])
+        future.add_done_callback(functools.partial(self._ended, rid, stops, tokens, sampling.max_tokens))
 
-    def _start(self, rid: int, sampling_wire: dict, stream: bool, interval: int, kv_tokens: int) -> None:
-        prompted = self.requests.get(rid)
-        if prompted is None:
-            self.events.flush(["failed", rid, "RuntimeError", f"request {rid} has no prompt made ready"])
-            return
-        sampling = sampling_of(sampling_wire)
-        stops = StopWatch(self.model.tokenizer, sampling.stop, sampling.stop_token_ids)
-        watch = stops.until(prompted.stop.is_set)
-        begin = functools.partial(self.model.think_begin, self.thinker, prompted.ids, sampling, watch,
-                                  prompted.media, for_talker=self.feeds_stages)
-        push = every(lambda tokens: self.events.put(["tokens", rid, tokens]), interval) if stream else ignore
-        prompted.ids = prompted.media = None  # begin() holds them now; nothing here keeps them past the request
-        future = self.batcher.submit(begin, push, watch, kv_tokens)
-        future.add_done_callback(functools.partial(self._ended, rid, stops))
+    def _ended(self, rid: int, stops: StopWatch, tokens: int, max_tokens: int, future: Future) -> None:
+        """Its last event, after its tokens (in the batch thread, flushed with the round)."""
+        self.cancelled.pop(rid, None)
+        self.events.put(self._ending(rid, stops, tokens, max_tokens, future))
+        if threading.current_thread() is not self.batcher.thread:  # it ended before this callback was added
+            self.events.flush()
 
-    def _ended(self, rid: int, stops: StopWatch, future: Future) -> None:
-        """In the batch thread (a row's end, a failed prefill): its last event, after its tokens."""
-        self.requests.pop(rid, None)
+    def _ending(self, rid: int, stops: StopWatch, tokens: int, max_tokens: int, future: Future) -> list[Any]:
         exc = future.exception()
         if exc is not None:
-            self.events.put(["failed", rid, failure_kind(exc), str(exc)])
-            return
+            return ["failed", rid, failure_kind(exc), str(exc)]
         output = future.result()
         try:
             reply = [int(t) for t in self.model.reply_ids(output).tolist()]
             talker = bytes(encode(self.model.talker_payload(output))) if self.feeds_stages else None
         except Exception as exc:  # noqa: BLE001
             log.exception("stage %s: request %d's output could not be framed", self.stage, rid)
-            self.events.put(["failed", rid, failure_kind(exc), str(exc)])
-            return
-        self.events.put(["done", rid, reply, stops.hit, talker])
+            return ["failed", rid, failure_kind(exc), str(exc)]
+        stopped = stops.hit or (bool(reply) and reply[-1] in self.eos)
+        return ["done", rid, reply, stopped, tokens, max_tokens, talker]
 
     def _after_round(self) -> None:
         """The batch thread's round is over: its events go out in one message, with the counters now and then."""
@@ -189,7 +171,7 @@ class Core:
     def counters(self) -> dict[str, Any]:
         out: dict[str, Any] = {**self.batcher.counters(), "tokens_total": self.batcher.tokens_total}
         cache = getattr(self.model, "towers_cache", None)
-        if cache is not None and getattr(self.thinker.model.model, "audio_tower", None) is not None:
+        if cache is not None and self.encodes:
             stats = cache.stats()
             out.update({"encoder_cache_hits_total": stats["hits"], "encoder_cache_misses_total": stats["misses"],
                         "encoder_cache_items": stats["items"]})
@@ -207,14 +189,12 @@ def serve(args: argparse.Namespace) -> None:
     try:
         spec = parse_engine(json.loads(args.spec), f"stage {args.stage!r}")
         core = Core(spec, args.stage, fed_by_encoder=args.fed_by_encoder, feeds_stages=args.feeds_stages, events=events)
-    except Exception as exc:  # noqa: BLE001 - the stage says why its engine did not start
+    except Exception as exc:  # noqa: BLE001 - the stage says why its engine did not start (and exits)
         events.flush(["failed", -1, type(exc).__name__, str(exc)])
-        raise
-    events.flush(["ready", core.facts()], ["counters", core.counters()])
-    while core.handle(msgpack.unpackb(inbox.recv(), raw=False, use_list=True, strict_map_key=True)):
-        pass
-    core.batcher.close()
-    core.prompter.shutdown(wait=False, cancel_futures=True)
+        sys.exit(1)
+    events.flush(["ready"], ["counters", core.counters()])
+    while True:
+        core.handle(msgpack.unpackb(inbox.recv(), raw=False, use_list=True, strict_map_key=True))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,6 @@
 """The stage's side of its engine core (omni_mesh.engines.core): it starts the core process, hands it
-requests and routes what comes back (a prompt's length, a round's tokens, the end) to each request's
-handler on the event loop.
+requests and routes what comes back (a round's tokens, a request's end) to each request's handler on
+the event loop.
 
 The sockets are ZeroMQ ipc endpoints in a fresh directory of mode 0700: no other user can reach them.
 If the core process dies, every request waiting on it fails with what happened, and the replica drains
@@ -39,12 +39,14 @@ log = logging.getLogger("omni_mesh.engines")
 
 
 @dataclass
-class CoreOutput:
-    """A request's end, as the core sends it: the reply's ids, whether a stop ended it, the talker's inputs."""
+class ThinkerEnd:
+    """A thinker request's end, wherever it ran (the core sends it; the in-process paths build it)."""
 
     reply: list[int]
-    stop_hit: bool
-    talker: dict | None
+    stopped: bool  # a stop string, a stop token or the model's eos ended it
+    prompt_tokens: int
+    max_tokens: int  # as engine.max_model_len left it
+    talker: dict | None  # the talker's inputs, where a stage reads them
 
 
 def rebuilt(stage: str, kind: str, message: str) -> BaseException:
@@ -58,32 +60,31 @@ def rebuilt(stage: str, kind: str, message: str) -> BaseException:
 
 
 class EngineCore:
-    """One stage replica's engine core: start() it, then prompt(), join() and cancel() requests."""
+    """One stage replica's engine core: start() it, then submit() and cancel() requests."""
 
     def __init__(self, stage: str) -> None:
         self.stage = stage
         self.rids = itertools.count()
-        self.prompts: dict[int, asyncio.Future] = {}  # rid -> its prompt's length, until it comes
-        self.running: dict[int, asyncio.Future] = {}  # rid -> its CoreOutput, until it comes
+        self.running: dict[int, asyncio.Future] = {}  # rid -> its ThinkerEnd, until it comes
         self.pushes: dict[int, Callable[[list[int]], None]] = {}  # rid -> where its streamed tokens go
         self.latest: dict[str, Any] = {}  # the core's last counters
-        self.facts: dict[str, Any] = {}
         self.gone: str | None = None  # why the core is no more
         self.process: asyncio.subprocess.Process | None = None
         self.tasks: list[asyncio.Task] = []
 
-    async def start(self, spec: EngineSpec, *, fed_by_encoder: bool, feeds_stages: bool) -> dict[str, Any]:
-        """Start the core and wait until its model is loaded; its facts (context, eos ids, KV budget).
-        RuntimeError with the core's own reason when it cannot start."""
+    async def start(self, spec: EngineSpec, *, fed_by_encoder: bool, feeds_stages: bool) -> None:
+        """Start the core and wait until its model is loaded; RuntimeError with the core's own reason when
+        it cannot start."""
         self.directory = tempfile.mkdtemp(prefix="omni-mesh-core-")  # mode 0700: this user's alone
         atexit.register(shutil.rmtree, self.directory, True)  # the replica's exit leaves no sockets behind
-        self.context = zmq.asyncio.Context()
-        # Nothing to wait for at exit (the core dies with the replica): no linger, or collecting the
-        # context at the replica's exit would block on its sockets.
-        self.context.setsockopt(zmq.LINGER, 0)
-        self.events = self.context.socket(zmq.PULL)
+        # The process's context, which lives until exit: a context of our own, collected at the replica's
+        # exit in one cycle with its sockets, could be finalized first and wait forever for them to close.
+        context = zmq.asyncio.Context.instance()
+        self.events = context.socket(zmq.PULL)
+        self.requests = context.socket(zmq.PUSH)
+        for socket in (self.events, self.requests):
+            socket.setsockopt(zmq.LINGER, 0)  # nothing to deliver once the replica goes: the core goes with it
         self.events.bind(f"ipc://{self.directory}/events")
-        self.requests = self.context.socket(zmq.PUSH)
         self.requests.bind(f"ipc://{self.directory}/requests")
         argv = ["--stage", self.stage, "--spec", json.dumps(dataclasses.asdict(spec)),
                 "--inbox", f"ipc://{self.directory}/requests", "--outbox", f"ipc://{self.directory}/events"]
@@ -105,49 +106,31 @@ class EngineCore:
         kind, *rest = events[0]
         if kind != "ready":
             raise RuntimeError(f"stage {self.stage!r}: its engine core could not start: {rest[1]}: {rest[2]}")
-        self.facts = rest[0]
         self._dispatch(events[1:])
         self.tasks = [asyncio.ensure_future(self._receive()), asyncio.ensure_future(self._watch())]
         log.info("stage %s: engine core pid %d ready", self.stage, self.process.pid)
-        return self.facts
 
-    async def prompt(self, inputs: Any, use_audio_in_video: bool | None) -> tuple[int, int]:
-        """(rid, the prompt's tokens): the core made the request's prompt ready (media encoded there) and
-        keeps it for join(); a request that then does not start must be forget()-ten."""
-        if self.gone is not None:
-            raise RuntimeError(self.gone)
+    def submit(self, inputs: Any, use_audio_in_video: bool | None, sampling: Sampling, *,
+               push: Callable[[list[int]], None] | None, interval: int) -> tuple[int, asyncio.Future]:
+        """(rid, the Future of its ThinkerEnd): the core makes the request's prompt ready, checks it (an
+        InvalidInput through the Future, before any generation) and runs it in its batch. `push` gets its
+        tokens as they are made (`interval` at a time); None: the client reads no stream."""
         rid = next(self.rids)
-        future = asyncio.get_running_loop().create_future()
-        self.prompts[rid] = future
-        self._send(["prompt", rid, bytes(encode(inputs)), use_audio_in_video])
-        try:
-            return rid, await future
-        finally:
-            if self.prompts.pop(rid, None) is not None and not future.done():
-                future.cancel()  # cancelled while the core prepared it: its answer is forgotten (_receive)
-
-    def join(self, rid: int, sampling: Sampling, *, kv_tokens: int, push: Callable[[list[int]], None] | None,
-             interval: int) -> asyncio.Future:
-        """The prompted request into the running batch; the Future of its CoreOutput. `push`: gets its tokens
-        as they are made (`interval` at a time), None: the client reads no stream."""
         future = asyncio.get_running_loop().create_future()
         if self.gone is not None:
             future.set_exception(RuntimeError(self.gone))
-            return future
+            return rid, future
         self.running[rid] = future
         if push is not None:
             self.pushes[rid] = push
-        self._send(["start", rid, dataclasses.asdict(sampling), push is not None, interval, kv_tokens])
-        return future
+        self._send(["submit", rid, bytes(encode(inputs)), use_audio_in_video, dataclasses.asdict(sampling),
+                    push is not None, interval])
+        return rid, future
 
     def cancel(self, rid: int) -> None:
         """Stop the request (its prefill within a piece, its row before the next step); its Future still ends."""
         if rid in self.running:
             self._send(["cancel", rid])
-
-    def forget(self, rid: int) -> None:
-        """A prompted request that will not start (refused before it did): the core lets its prompt go."""
-        self._send(["forget", rid])
 
     def counters(self) -> dict[str, Any]:
         return dict(self.latest)
@@ -176,33 +159,16 @@ class EngineCore:
                     push(rest[1])
             elif kind == "counters":
                 self.latest = rest[0]
-            elif kind == "prompted":
-                self._settle_prompt(rest[0], rest[1], None)
             elif kind == "done":
-                rid, reply, stop_hit, talker = rest
+                rid, reply, stopped, prompt_tokens, max_tokens, talker = rest
                 try:
-                    inputs = None if talker is None else decode(talker, copy=True)
+                    inputs = None if talker is None else decode(talker)
                 except Exception as exc:  # noqa: BLE001 - this request's output, framed wrong
                     self._settle(rid, RuntimeError(f"stage {self.stage!r}: the talker's inputs from its engine core: {exc}"))
                     continue
-                self._settle(rid, CoreOutput(reply, stop_hit, inputs))
+                self._settle(rid, ThinkerEnd(reply, stopped, prompt_tokens, max_tokens, inputs))
             elif kind == "failed":
-                rid, error = rest[0], rebuilt(self.stage, rest[1], rest[2])
-                if rid in self.prompts:
-                    self._settle_prompt(rid, None, error)
-                else:
-                    self._settle(rid, error)
-
-    def _settle_prompt(self, rid: int, tokens: int | None, error: BaseException | None) -> None:
-        future = self.prompts.get(rid)
-        if future is None or future.done():  # its request was cancelled meanwhile
-            if error is None:
-                self.forget(rid)
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(tokens)
+                self._settle(rest[0], rebuilt(self.stage, rest[1], rest[2]))
 
     def _settle(self, rid: int, outcome: Any) -> None:
         self.pushes.pop(rid, None)
@@ -220,12 +186,12 @@ class EngineCore:
         code = await self.process.wait()
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
         self.gone = f"stage {self.stage!r}: its engine core (pid {self.process.pid}) {how}"
-        log.error("%s: failing %d request(s) and stopping the replica", self.gone, len(self.prompts) + len(self.running))
-        for future in [*self.prompts.values(), *self.running.values()]:
+        log.error("%s: failing %d request(s) and stopping the replica", self.gone, len(self.running))
+        for future in self.running.values():
             if not future.done():
                 future.set_exception(RuntimeError(self.gone))
-        self.prompts.clear()
         self.running.clear()
+        self.pushes.clear()
         self._let_go()
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -234,5 +200,6 @@ class EngineCore:
         for task in self.tasks:
             if task is not asyncio.current_task():
                 task.cancel()
-        self.context.destroy(linger=0)
+        self.events.close(linger=0)
+        self.requests.close(linger=0)
         shutil.rmtree(self.directory, ignore_errors=True)

@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from omni_mesh.engines.settings import within_model_len
 from omni_mesh.errors import InvalidInput
 
 log = logging.getLogger("omni_mesh.engines")
@@ -73,6 +74,15 @@ def stage_budget(spec: Any, loaded: Any, stage: str) -> KvBudget | None:
     assert budget is not None
     log.info("stage %s: KV cache budget %d tokens (%d bytes)", stage, budget.tokens, budget.bytes)
     return budget
+
+
+def checked_sampling(spec: Any, budget: KvBudget | None, sampling: Any, prompt_tokens: int) -> Any:
+    """A thinker request's `sampling` within engine.max_model_len; InvalidInput (a 4xx, before any
+    generation) when the request could never fit the KV budget."""
+    sampling = within_model_len(spec, sampling, prompt_tokens)
+    check_request(budget, prompt_tokens + sampling.max_tokens,
+                  f"a prompt of {prompt_tokens} tokens and max_tokens {sampling.max_tokens}", "max_tokens")
+    return sampling
 
 
 def check_request(budget: KvBudget | None, tokens: int, what: str, limit: str) -> None:

@@ -3,9 +3,9 @@ a stage reads them).
 
 Where the model runs: one request at a time in the replica's model thread (`max_batch: 1`); with
 `max_batch` > 1 in a running batch, by default in the stage's engine core, a process of its own
-(omni_mesh.engines.core), else (`core_process: false`) in a thread of the replica. The stage's own work is
-the same either way: the prompt checked before any generation (a 4xx), the reply detokenized and streamed,
-its end told.
+(omni_mesh.engines.core), else (`core_process: false`) in a thread of the replica. Wherever the prompt is
+made ready it is checked there before any generation (a 4xx); the stage detokenizes and streams the reply
+and tells its end either way.
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_mesh.engines.bridge import Generation, every, ignore
-from omni_mesh.engines.core_client import EngineCore
+from omni_mesh.engines.core_client import EngineCore, ThinkerEnd
 from omni_mesh.engines.engine_stage import EngineStage
-from omni_mesh.engines.kv_budget import KvBudget, check_request
+from omni_mesh.engines.kv_budget import checked_sampling
 from omni_mesh.engines.media_parts import audio_in_video
 from omni_mesh.engines.models import open_model
-from omni_mesh.engines.prefill import check_prompt
-from omni_mesh.engines.settings import Sampling, within_model_len
+from omni_mesh.engines.settings import Sampling
 from omni_mesh.engines.stage_inputs import client_streams
 from omni_mesh.engines.stops import StopText, StopWatch
 from omni_mesh.engines.text import Detokenizer
@@ -39,10 +38,7 @@ class Started:
     """A request whose generation has begun, wherever it runs."""
 
     generation: Generation
-    prompt_tokens: int
-    max_tokens: int  # after engine.max_model_len cut it
-    eos: frozenset[int]
-    digest: Callable[[Any], tuple[list[int], bool, dict | None]]  # output -> (reply ids, a stop ended it, talker inputs)
+    end: Callable[[Any], ThinkerEnd]  # the generation's output -> how the request ended
 
 
 class ThinkerStage(EngineStage):
@@ -60,8 +56,7 @@ class ThinkerStage(EngineStage):
         loop = asyncio.get_running_loop()
         self.model = await loop.run_in_executor(self.executor, open_model, self.spec)  # configs and tokenizer: no weights
         self.core = EngineCore(self.stage)
-        facts = await self.core.start(self.spec, fed_by_encoder=self.fed_by_encoder, feeds_stages=self.feeds_stages)
-        self.kv_budget = None if facts["budget"] is None else KvBudget(*facts["budget"])
+        await self.core.start(self.spec, fed_by_encoder=self.fed_by_encoder, feeds_stages=self.feeds_stages)
         log.info("stage %s loaded the thinker of %s (%s) in its engine core in %.1f s",
                  self.stage, self.model.directory, self.model.arch, time.perf_counter() - started)
 
@@ -98,49 +93,36 @@ class ThinkerStage(EngineStage):
             output = await generation.result()
         finally:
             await generation.settle()
-        reply, stop_hit, talker = started.digest(output)
+        end = started.end(output)
+        reply = end.reply
         if detok is not None:
             detok.extend(reply[len(detok.ids):])  # what the last pushes held back (engine.stream_interval)
         if self.batcher is None and self.core is None:
             self.tokens_total += len(reply)
-        stopped = stop_hit or (bool(reply) and reply[-1] in started.eos)
         last = {
             "text": text.add(detok.flush()) + text.flush()
             if detok
             else text.whole(self.model.tokenizer.decode(reply, skip_special_tokens=True)),
-            "usage": {"prompt_tokens": started.prompt_tokens, "completion_tokens": len(reply)},
-            "finish_reason": "stop" if stopped or len(reply) < started.max_tokens else "length",
+            "usage": {"prompt_tokens": end.prompt_tokens, "completion_tokens": len(reply)},
+            "finish_reason": "stop" if end.stopped or len(reply) < end.max_tokens else "length",
         }
-        yield {**last, "talker": talker} if self.feeds_stages else last
-
-    def _checked(self, sampling: Sampling, prompt_tokens: int) -> Sampling:
-        """`sampling` within engine.max_model_len; InvalidInput (a 4xx, before any generation) when the
-        request could never fit the KV budget."""
-        sampling = within_model_len(self.spec, sampling, prompt_tokens)
-        check_request(self.kv_budget, prompt_tokens + sampling.max_tokens,
-                      f"a prompt of {prompt_tokens} tokens and max_tokens {sampling.max_tokens}", "max_tokens")
-        return sampling
+        yield {**last, "talker": end.talker} if self.feeds_stages else last
 
     async def _in_core(self, inputs: Any, sampling: Sampling, in_video: bool | None, streams: bool) -> Started:
-        """The prompt made ready in the engine core (media through its towers there), checked here, then
-        into the core's running batch; a cancel reaches the core (Generation's on_stop)."""
+        """The request handed to the engine core whole: its prompt made ready there (media through its
+        towers), checked there (a 4xx before any generation), run in its batch; a cancel follows it there."""
         core = self.core
         assert core is not None
-        rid, tokens = await core.prompt(inputs, in_video)
-        try:
-            check_prompt(tokens, context=core.facts["context"], limit=self.spec.max_prompt_tokens, who="prompt too long")
-            sampling = self._checked(sampling, tokens)
-        except BaseException:
-            core.forget(rid)
-            raise
+        rids: list[int] = []
 
-        def join(push: Any, should_stop: Any) -> Any:
-            return core.join(rid, sampling, kv_tokens=tokens + sampling.max_tokens, push=push if streams else None,
-                             interval=self.spec.stream_interval)
+        def submit(push: Any, should_stop: Any) -> Any:
+            rid, future = core.submit(inputs, in_video, sampling, push=push if streams else None,
+                                      interval=self.spec.stream_interval)
+            rids.append(rid)
+            return future
 
-        generation = Generation(None, join, on_stop=functools.partial(core.cancel, rid))
-        return Started(generation, tokens, sampling.max_tokens, frozenset(core.facts["eos"]),
-                       lambda output: (output.reply, output.stop_hit, output.talker))
+        generation = Generation(None, submit, on_stop=lambda: core.cancel(rids[0]))
+        return Started(generation, lambda end: end)
 
     async def _in_process(self, inputs: Any, sampling: Sampling, in_video: bool | None, streams: bool) -> Started:
         """The prompt made ready in the model thread (media: the processor and towers, or an encoder stage's
@@ -152,7 +134,7 @@ class ThinkerStage(EngineStage):
         ids, media = await asyncio.get_running_loop().run_in_executor(self.executor, prompt)
         tokens = int(ids.shape[-1])
         model.check_prompt(thinker, tokens)  # a 4xx before any generation
-        sampling = self._checked(sampling, tokens)
+        sampling = checked_sampling(self.spec, self.kv_budget, sampling, tokens)
         stops = StopWatch(model.tokenizer, sampling.stop, sampling.stop_token_ids)
         interval = self.spec.stream_interval
 
@@ -167,9 +149,13 @@ class ThinkerStage(EngineStage):
             assert self.batcher is not None
             return self.batcher.submit(begin, every(push, interval) if streams else ignore, watch, tokens + sampling.max_tokens)
 
-        def digest(output: Any) -> tuple[list[int], bool, dict | None]:
+        eos = frozenset(model.eos_token_ids(thinker))
+
+        def end(output: Any) -> ThinkerEnd:
             reply = [int(t) for t in model.reply_ids(output).tolist()]
-            return reply, stops.hit, model.talker_payload(output) if self.feeds_stages else None
+            stopped = stops.hit or (bool(reply) and reply[-1] in eos)
+            return ThinkerEnd(reply, stopped, tokens, sampling.max_tokens,
+                              model.talker_payload(output) if self.feeds_stages else None)
 
         generation = Generation(None, join) if self.batcher is not None else Generation(self.executor, run)
-        return Started(generation, tokens, sampling.max_tokens, frozenset(model.eos_token_ids(thinker)), digest)
+        return Started(generation, end)
