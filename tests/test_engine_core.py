@@ -34,6 +34,7 @@ from support.meshkit import running_mesh, settled, up_command, wait_for, write_t
 
 from omni_mesh.engines.tiny import build_tiny  # noqa: E402
 from omni_mesh.ports import free_port  # noqa: E402
+from omni_mesh.procinfo import descendants  # noqa: E402
 
 MAX_PROMPT_TOKENS = 64
 
@@ -54,13 +55,9 @@ def text_of(outputs: list[dict]) -> str:
     return "".join(chunk.get("text") or "" for chunk in outputs)
 
 
-def children_of(pid: int) -> list[int]:
-    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir() for child in (task / "children").read_text().split()]
-
-
 def core_of(replica_pid: int) -> tuple[int, Path]:
     """The replica's engine core: its pid and its socket directory (from its command line)."""
-    children = children_of(replica_pid)
+    children = sorted(descendants(replica_pid))
     assert len(children) == 1, f"replica {replica_pid}: one engine core expected, found children {children}"
     argv = Path(f"/proc/{children[0]}/cmdline").read_bytes().split(b"\0")
     assert b"omni_mesh.engines.core" in argv, argv
@@ -101,7 +98,7 @@ def test_core_process_false_keeps_the_batch_in_the_replica(checkpoint: Path, tmp
     texts = alone_texts(checkpoint, [params(i) for i in range(len(PROMPTS))])
     with running_mesh(tmp_path, topology(core_process=False), env={"OMNI_MESH_MODEL": str(checkpoint)}) as mesh:
         replica = mesh.replica("thinker")
-        assert replica is not None and children_of(replica["pid"]) == []
+        assert replica is not None and not descendants(replica["pid"])
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
             replies = list(pool.map(lambda i: mesh.ok(chat(PROMPTS[i]), params=params(i), timeout_s=60),
                                     range(len(PROMPTS))))

@@ -30,6 +30,7 @@ from support.browser import rendered  # noqa: E402
 from support.meshkit import OMNI_MESH, running_mesh, settled, wait_for  # noqa: E402
 
 from omni_mesh.engines.tiny import build_tiny  # noqa: E402
+from omni_mesh.procinfo import descendants  # noqa: E402
 
 CLIENTS = 64
 KV_TOKENS = 160  # the prompts here take 20-35 tokens and their replies 3-30: a few rows fit at once
@@ -73,10 +74,8 @@ def memory_kib(pid: int) -> dict[str, int]:
 
 
 def with_core(pid: int) -> list[int]:
-    """The replica's pid and its children's: its engine core (omni_mesh.engines.core)."""
-    children = [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
-                for child in (task / "children").read_text().split()]
-    return [pid, *children]
+    """The replica's pid and its engine core's (omni_mesh.engines.core), its one child."""
+    return [pid, *sorted(descendants(pid))]
 
 
 def text_of(outputs: list[dict]) -> str:

@@ -108,6 +108,10 @@ class ThinkerStage(EngineStage):
         }
         yield {**last, "talker": end.talker} if self.feeds_stages else last
 
+    def client_output(self, output: Any) -> Any:
+        """What a client reads of the thinker when it is a final stage too: not the talker's inputs."""
+        return {key: value for key, value in output.items() if key != "talker"}
+
     async def _in_core(self, inputs: Any, sampling: Sampling, in_video: bool | None, streams: bool) -> Started:
         """The request handed to the engine core whole: its prompt made ready there (media through its
         towers), checked there (a 4xx before any generation), run in its batch; a cancel follows it there."""
