@@ -160,8 +160,6 @@ class Batcher:
                     self.after_step()
         for row in self.rows:
             _fail(row.job, RuntimeError(f"stage {self.name!r}: closed"))
-        if self.after_step is not None:
-            self.after_step()
 
     def _admit(self) -> None:
         """Queued requests into the batch while there is room: each prefilled alone, its first token made."""
